@@ -1,0 +1,271 @@
+//! The step loop on its own thread, and the handle the services talk to.
+//!
+//! The loop blocks on its command channel while idle; while requests are
+//! active it drains pending commands without blocking and runs one
+//! [`Scheduler::step`] per iteration. The family is built on the engine
+//! thread itself (device state never crosses threads) and reports readiness
+//! through a handshake, so a model that fails to load fails start-up.
+
+use crate::family::{Event, Family, Prepared};
+use crate::ids::RequestId;
+use crate::scheduler::{Scheduler, Waiting};
+use crate::EngineError;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Why a sink did not take an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkError {
+    /// The receiver is alive but its bounded buffer is full: try again later.
+    Full,
+    /// The receiver is gone: the request is cancelled.
+    Closed,
+}
+
+/// The per-request response channel, implemented by the transport (a bounded
+/// tokio channel in the worker). It must never block.
+pub trait EventSink: Send {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)>;
+    fn is_closed(&self) -> bool;
+}
+
+/// Sizes of the engine, validated by the binary at start-up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Slots in the pool (from the worker's memory budget).
+    pub total_slots: usize,
+    /// Requests allowed to wait for admission.
+    pub queue_capacity: usize,
+    /// Requests ticked together at most.
+    pub max_active: usize,
+}
+
+/// A request handed to the engine.
+pub struct Submission<P> {
+    pub prepared: Prepared<P>,
+    pub sink: Box<dyn EventSink>,
+    pub deadline: Option<Instant>,
+    /// The request's span; each tick span links to it with `follows_from`.
+    pub span: tracing::Span,
+}
+
+/// A snapshot of the engine's load, for load reports and health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineLoad {
+    pub total_slots: usize,
+    pub free_slots: usize,
+    pub queued: usize,
+    pub active: usize,
+    pub queue_capacity: usize,
+    pub ticks: u64,
+}
+
+#[derive(Default)]
+struct LoadCounters {
+    free_slots: AtomicUsize,
+    queued: AtomicUsize,
+    active: AtomicUsize,
+    ticks: AtomicU64,
+    /// Submissions sent but not yet seen by the engine thread.
+    in_flight: AtomicUsize,
+    stopped: AtomicBool,
+}
+
+enum Command<P> {
+    Submit(RequestId, Submission<P>, Instant),
+    Shutdown,
+}
+
+/// Cheap, cloneable access to a running engine.
+pub struct EngineHandle<P> {
+    tx: SyncSender<Command<P>>,
+    load: Arc<LoadCounters>,
+    next_id: Arc<AtomicU64>,
+    config: EngineConfig,
+    thread: Option<Arc<JoinHandle<()>>>,
+}
+
+impl<P> Clone for EngineHandle<P> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            load: self.load.clone(),
+            next_id: self.next_id.clone(),
+            config: self.config.clone(),
+            thread: self.thread.clone(),
+        }
+    }
+}
+
+impl<P: Send + 'static> EngineHandle<P> {
+    /// Submits a prepared request. Fails at once when the request can never
+    /// fit or when the admission queue is full.
+    pub fn submit(&self, sub: Submission<P>) -> Result<RequestId, EngineError> {
+        if self.load.stopped.load(Ordering::Acquire) {
+            return Err(EngineError::ShutDown);
+        }
+        let needed = sub.prepared.slots;
+        if needed > self.config.total_slots {
+            return Err(EngineError::TooLarge { needed, total: self.config.total_slots });
+        }
+        // Reserve a queue place up front so a burst cannot overrun the bound.
+        let capacity = self.config.queue_capacity;
+        let waiting = self.load.queued.load(Ordering::Acquire) + self.load.in_flight.fetch_add(1, Ordering::AcqRel);
+        if waiting >= capacity {
+            self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::QueueFull { capacity });
+        }
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        match self.tx.try_send(Command::Submit(id, sub, Instant::now())) {
+            Ok(()) => Ok(id),
+            Err(TrySendError::Full(_)) => {
+                self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+                Err(EngineError::QueueFull { capacity })
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+                Err(EngineError::ShutDown)
+            }
+        }
+    }
+
+    pub fn load(&self) -> EngineLoad {
+        EngineLoad {
+            total_slots: self.config.total_slots,
+            free_slots: self.load.free_slots.load(Ordering::Acquire),
+            queued: self.load.queued.load(Ordering::Acquire) + self.load.in_flight.load(Ordering::Acquire),
+            active: self.load.active.load(Ordering::Acquire),
+            queue_capacity: self.config.queue_capacity,
+            ticks: self.load.ticks.load(Ordering::Acquire),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Whether the engine thread is still running.
+    pub fn is_running(&self) -> bool {
+        !self.load.stopped.load(Ordering::Acquire)
+    }
+
+    /// Asks the engine to fail everything and stop; returns at once.
+    pub fn shutdown(&self) {
+        let _ = self.tx.try_send(Command::Shutdown);
+    }
+}
+
+/// Entry point: spawns the engine thread.
+pub struct Engine;
+
+impl Engine {
+    /// Starts the step loop. `make_family` runs on the engine thread; its
+    /// error (a model that fails to load) is returned here.
+    pub fn start<F, M>(config: EngineConfig, make_family: M) -> Result<EngineHandle<F::Program>, String>
+    where
+        F: Family,
+        M: FnOnce() -> Result<F, String> + Send + 'static,
+    {
+        let channel_bound = config.queue_capacity.max(1) + 1;
+        let (tx, rx) = mpsc::sync_channel::<Command<F::Program>>(channel_bound);
+        let load = Arc::new(LoadCounters::default());
+        load.free_slots.store(config.total_slots, Ordering::Release);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
+        let cfg = config.clone();
+        let thread_load = load.clone();
+        let thread = std::thread::Builder::new()
+            .name("wavefront-engine".into())
+            .spawn(move || {
+                let family = match make_family() {
+                    Ok(f) => {
+                        let _ = ready_tx.send(Ok(()));
+                        f
+                    }
+                    Err(e) => {
+                        thread_load.stopped.store(true, Ordering::Release);
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                run_loop(family, cfg, rx, &thread_load);
+                thread_load.stopped.store(true, Ordering::Release);
+            })
+            .map_err(|e| format!("cannot spawn engine thread: {e}"))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err("engine thread died during start-up".into()),
+        }
+        Ok(EngineHandle { tx, load, next_id: Arc::new(AtomicU64::new(1)), config, thread: Some(Arc::new(thread)) })
+    }
+}
+
+fn run_loop<F: Family>(mut family: F, cfg: EngineConfig, rx: Receiver<Command<F::Program>>, load: &LoadCounters) {
+    let mut sched = Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active);
+    // While nothing can run (clients not reading, queue head not fitting),
+    // wait this long for a command instead of spinning.
+    const IDLE_POLL: Duration = Duration::from_millis(2);
+    let mut wait: Option<Duration> = None;
+    loop {
+        // Block only when there is nothing to do; otherwise drain what is pending.
+        let first = if sched.is_idle() {
+            rx.recv().map_err(|_| ())
+        } else if let Some(timeout) = wait {
+            match rx.recv_timeout(timeout) {
+                Ok(c) => Ok(c),
+                Err(RecvTimeoutError::Timeout) => Err(()),
+                Err(RecvTimeoutError::Disconnected) => Err(()),
+            }
+        } else {
+            rx.try_recv().map_err(|_| ())
+        };
+        let mut next = first.ok();
+        if next.is_none() && sched.is_idle() {
+            break; // every handle is gone
+        }
+        while let Some(cmd) = next.take() {
+            if !accept(&mut sched, &mut family, load, cmd) {
+                publish(&sched, load);
+                return;
+            }
+            next = rx.try_recv().ok();
+        }
+        let before = sched.ticks();
+        let report = sched.step(&mut family, Instant::now());
+        publish(&sched, load);
+        if report.cancelled + report.expired + report.failed > 0 {
+            tracing::debug!(?report, "requests left the engine");
+        }
+        wait = (sched.ticks() == before && !sched.is_idle()).then_some(IDLE_POLL);
+    }
+    sched.abort_all(&mut family);
+    publish(&sched, load);
+}
+
+/// Applies one command; `false` means stop the loop.
+fn accept<F: Family>(sched: &mut Scheduler<F::Program>, family: &mut F, load: &LoadCounters, cmd: Command<F::Program>) -> bool {
+    match cmd {
+        Command::Submit(id, sub, submitted_at) => {
+            load.in_flight.fetch_sub(1, Ordering::AcqRel);
+            let w = Waiting { id, prepared: sub.prepared, sink: sub.sink, deadline: sub.deadline, submitted_at, span: sub.span };
+            if let Err((mut w, err)) = sched.enqueue(w) {
+                let _ = w.sink.try_send(Event::Failed(err));
+            }
+            true
+        }
+        Command::Shutdown => {
+            sched.abort_all(family);
+            false
+        }
+    }
+}
+
+fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
+    load.free_slots.store(sched.pool().free(), Ordering::Release);
+    load.queued.store(sched.queued(), Ordering::Release);
+    load.active.store(sched.running(), Ordering::Release);
+    load.ticks.store(sched.ticks(), Ordering::Release);
+}

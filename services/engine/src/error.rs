@@ -1,0 +1,27 @@
+//! Errors of the engine core.
+
+use crate::family::RequestError;
+
+/// Everything the engine can answer instead of a result. Transports map each
+/// variant to their own status codes (the worker maps them to gRPC codes).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// The admission queue is at capacity; the client should retry later.
+    #[error("admission queue is full ({capacity} requests waiting); retry later or add workers")]
+    QueueFull { capacity: usize },
+    /// The request can never fit in this worker's slot pool.
+    #[error("request needs {needed} slots but this worker has {total} in total")]
+    TooLarge { needed: usize, total: usize },
+    /// The request was rejected by its family before admission.
+    #[error(transparent)]
+    Invalid(#[from] RequestError),
+    /// The request's deadline passed before it finished.
+    #[error("deadline exceeded after {generated} generated tokens")]
+    DeadlineExceeded { generated: usize },
+    /// The family failed while computing a tick this request took part in.
+    #[error("model step failed: {0}")]
+    StepFailed(String),
+    /// The engine thread is gone (shutting down or crashed).
+    #[error("engine is shut down")]
+    ShutDown,
+}

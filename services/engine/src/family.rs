@@ -1,0 +1,134 @@
+//! The contract between the engine and a model family.
+//!
+//! A *program* is one request's decoding state machine (static
+//! autoregression, a diffusion-forcing wavefront, a masked-diffusion canvas,
+//! a slot planner, a segment schedule). A *family* owns the model and packs
+//! the work of all active programs into batched forwards, once per tick.
+//!
+//! Programs are built outside the engine thread (validation answers the
+//! caller synchronously) and handed in through a [`crate::Submission`]; the
+//! engine admits them when their slots fit and calls [`Family::tick`] with
+//! every active program until each one finishes through its [`Outbox`].
+
+use crate::ids::{RequestId, SlotId};
+use crate::stats::Stats;
+use crate::EngineError;
+use std::time::Instant;
+
+/// A request rejected before admission, with a message saying what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// A parameter is out of range or inconsistent with another one.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The request needs more than this model or worker can ever give.
+    #[error("too large: {0}")]
+    TooLarge(String),
+}
+
+/// Why a request finished normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_new_tokens` reached.
+    Length,
+    /// A stop token (or the model's end-of-sequence token) was produced.
+    StopToken,
+    /// A stop string appeared in the text (decided by the transport layer).
+    StopString,
+    /// The model's context limit was reached.
+    ContextLimit,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::StopToken => "stop_token",
+            FinishReason::StopString => "stop_string",
+            FinishReason::ContextLimit => "context_limit",
+        }
+    }
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Newly final tokens, in position order.
+    Tokens(Vec<u32>),
+    /// The request finished; its slots are back in the pool.
+    Finished { reason: FinishReason, stats: Stats },
+    /// The request failed; its slots are back in the pool.
+    Failed(EngineError),
+}
+
+/// Where a program puts what it produced during a tick.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    pub(crate) events: Vec<Event>,
+    pub(crate) done: bool,
+}
+
+impl Outbox {
+    /// Streams newly final tokens.
+    pub fn tokens(&mut self, ids: Vec<u32>) {
+        if !ids.is_empty() && !self.done {
+            self.events.push(Event::Tokens(ids));
+        }
+    }
+
+    /// Ends the request normally. The engine fills in the timing fields.
+    pub fn finish(&mut self, reason: FinishReason, stats: Stats) {
+        if !self.done {
+            self.events.push(Event::Finished { reason, stats });
+            self.done = true;
+        }
+    }
+
+    /// Ends the request with an error that concerns only this request.
+    pub fn fail(&mut self, message: impl Into<String>) {
+        if !self.done {
+            self.events.push(Event::Failed(EngineError::StepFailed(message.into())));
+            self.done = true;
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+}
+
+/// A program built and validated outside the engine, waiting for admission.
+#[derive(Debug)]
+pub struct Prepared<P> {
+    pub program: P,
+    /// Slots reserved at admission and held until the request ends.
+    pub slots: usize,
+    pub prompt_tokens: usize,
+}
+
+/// An admitted program with the slots it holds.
+#[derive(Debug)]
+pub struct Active<P> {
+    pub id: RequestId,
+    pub program: P,
+    pub slots: Vec<SlotId>,
+    pub outbox: Outbox,
+    pub admitted_at: Instant,
+    pub ticks: u64,
+}
+
+/// A model family: owns the weights and the per-slot device state, and
+/// advances every active program by one unit of work per call.
+pub trait Family: Send + 'static {
+    type Program: Send + 'static;
+
+    /// Runs one tick over `batch`: each program says which rows it needs, the
+    /// family packs them into batched forwards, and each program commits its
+    /// results through its [`Outbox`]. An `Err` fails every program of the
+    /// batch; a program-specific problem goes to that program's outbox.
+    fn tick(&mut self, batch: &mut [&mut Active<Self::Program>]) -> Result<(), String>;
+
+    /// Called once when a program leaves (finished, failed, cancelled,
+    /// expired) so the family can drop any device state it keyed by slot.
+    fn release(&mut self, _program: &mut Active<Self::Program>) {}
+}

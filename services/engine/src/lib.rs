@@ -1,0 +1,37 @@
+//! # wavefront-engine: the engine core
+//!
+//! Every decoding scheme served here is a loop of "compute some rows, look at
+//! the results, decide". This crate runs one such loop for all requests on a
+//! device, independent of which model family fills in the rows:
+//!
+//! 1. **Admission** ([`queue`]): a request enters a bounded FIFO; a full queue
+//!    is an error value ([`EngineError::QueueFull`]), never unbounded growth.
+//! 2. **Slots** ([`slots`]): each request reserves the fungible slots its
+//!    family asks for (latent states, token slots, cells). Any free slot serves
+//!    any request; the pool size comes from a memory budget.
+//! 3. **Ticks** ([`engine`]): a dedicated thread, fed by a bounded channel,
+//!    hands all active programs to the family's [`Family::tick`], which packs
+//!    their rows into batched forwards and commits the results.
+//! 4. **Events**: programs emit tokens and a final result through an
+//!    [`EventSink`]; a sink whose receiver is gone cancels its request, and its
+//!    slots return to the pool before the next tick runs.
+//!
+//! The crate knows no gRPC, no async runtime and no tensors: families plug in
+//! through the [`Family`] trait, and transports plug in through [`EventSink`].
+
+pub mod engine;
+pub mod error;
+pub mod family;
+pub mod ids;
+pub mod queue;
+pub mod scheduler;
+pub mod slots;
+pub mod stats;
+
+pub use engine::{Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, SinkError, Submission};
+pub use error::EngineError;
+pub use family::{Active, Event, Family, FinishReason, Outbox, Prepared, RequestError};
+pub use ids::{RequestId, SlotId};
+pub use queue::AdmissionQueue;
+pub use slots::SlotPool;
+pub use stats::Stats;

@@ -1,0 +1,106 @@
+//! The bounded admission queue.
+//!
+//! Requests wait here, in arrival order, until the slot pool can hold them.
+//! The queue never grows past its capacity: a push onto a full queue hands
+//! the item back so the caller can answer "resource exhausted" at once.
+//! Admission is strictly FIFO (no overtaking): a large request at the head is
+//! not starved by a stream of small ones behind it.
+
+use std::collections::VecDeque;
+
+#[derive(Debug)]
+pub struct AdmissionQueue<T> {
+    items: VecDeque<T>,
+    capacity: usize,
+}
+
+impl<T> AdmissionQueue<T> {
+    pub fn new(capacity: usize) -> Self {
+        Self { items: VecDeque::with_capacity(capacity.min(1024)), capacity }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Appends `item`, or returns it when the queue is full.
+    pub fn push(&mut self, item: T) -> Result<(), T> {
+        if self.items.len() >= self.capacity {
+            return Err(item);
+        }
+        self.items.push_back(item);
+        Ok(())
+    }
+
+    /// Pops the head if `fits` accepts it.
+    pub fn pop_if(&mut self, fits: impl FnOnce(&T) -> bool) -> Option<T> {
+        if self.items.front().is_some_and(fits) {
+            self.items.pop_front()
+        } else {
+            None
+        }
+    }
+
+    /// Removes every item matching `pred` (cancelled or expired while waiting).
+    pub fn drain_where(&mut self, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
+        let mut removed = Vec::new();
+        let mut kept = VecDeque::with_capacity(self.items.len());
+        for it in self.items.drain(..) {
+            if pred(&it) {
+                removed.push(it);
+            } else {
+                kept.push_back(it);
+            }
+        }
+        self.items = kept;
+        removed
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.items.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_queue_hands_the_item_back() {
+        let mut q = AdmissionQueue::new(2);
+        assert!(q.push(1).is_ok());
+        assert!(q.push(2).is_ok());
+        assert_eq!(q.push(3), Err(3));
+        assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn admission_is_fifo_without_overtaking() {
+        let mut q = AdmissionQueue::new(4);
+        for x in [10, 1, 1] {
+            q.push(x).unwrap();
+        }
+        // The head (10) does not fit: nothing behind it is admitted either.
+        assert_eq!(q.pop_if(|&x| x <= 5), None);
+        assert_eq!(q.pop_if(|&x| x <= 10), Some(10));
+        assert_eq!(q.pop_if(|&x| x <= 5), Some(1));
+    }
+
+    #[test]
+    fn drain_where_keeps_order_of_the_rest() {
+        let mut q = AdmissionQueue::new(8);
+        for x in 0..6 {
+            q.push(x).unwrap();
+        }
+        assert_eq!(q.drain_where(|x| x % 2 == 0), vec![0, 2, 4]);
+        assert_eq!(q.iter().copied().collect::<Vec<_>>(), vec![1, 3, 5]);
+    }
+}

@@ -1,0 +1,280 @@
+//! The scheduler: the engine's state as a plain struct, driven one tick at a
+//! time, so its invariants are tested directly (no thread, no model).
+//!
+//! One invariant drives it: every slot is held by at most one running
+//! request, and a request that leaves for any reason (finished, failed,
+//! cancelled by its client, expired) gives all its slots back in the same
+//! [`Scheduler::step`] that notices it. Admission is FIFO from a bounded queue
+//! and happens only when the head's whole slot reservation fits.
+
+use crate::engine::{EventSink, SinkError};
+use crate::family::{Active, Event, Family, Outbox, Prepared};
+use crate::ids::RequestId;
+use crate::queue::AdmissionQueue;
+use crate::slots::SlotPool;
+use crate::EngineError;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// A request waiting for admission.
+pub struct Waiting<P> {
+    pub id: RequestId,
+    pub prepared: Prepared<P>,
+    pub sink: Box<dyn EventSink>,
+    pub deadline: Option<Instant>,
+    pub submitted_at: Instant,
+    pub span: tracing::Span,
+}
+
+struct Running<P> {
+    active: Active<P>,
+    sink: Box<dyn EventSink>,
+    deadline: Option<Instant>,
+    queue_time: Duration,
+    prompt_tokens: u32,
+    generated: usize,
+    /// Events the sink had no room for; the program pauses until they drain.
+    backlog: VecDeque<Event>,
+    /// Set once the program ended: `Some(true)` finished, `Some(false)` failed.
+    outcome: Option<bool>,
+    span: tracing::Span,
+}
+
+/// Counts of what one [`Scheduler::step`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StepReport {
+    pub admitted: usize,
+    pub ticked: usize,
+    pub finished: usize,
+    pub cancelled: usize,
+    pub expired: usize,
+    pub failed: usize,
+}
+
+pub struct Scheduler<P> {
+    queue: AdmissionQueue<Waiting<P>>,
+    pool: SlotPool,
+    running: Vec<Running<P>>,
+    max_active: usize,
+    ticks: u64,
+}
+
+impl<P: Send + 'static> Scheduler<P> {
+    pub fn new(total_slots: usize, queue_capacity: usize, max_active: usize) -> Self {
+        Self {
+            queue: AdmissionQueue::new(queue_capacity),
+            pool: SlotPool::new(total_slots),
+            running: Vec::new(),
+            max_active: max_active.max(1),
+            ticks: 0,
+        }
+    }
+
+    pub fn pool(&self) -> &SlotPool {
+        &self.pool
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.running.is_empty()
+    }
+
+    pub fn ticks(&self) -> u64 {
+        self.ticks
+    }
+
+    /// Queues a request; a full queue hands it back with the error to send.
+    pub fn enqueue(&mut self, w: Waiting<P>) -> Result<(), (Waiting<P>, EngineError)> {
+        if w.prepared.slots > self.pool.total() {
+            let err = EngineError::TooLarge { needed: w.prepared.slots, total: self.pool.total() };
+            return Err((w, err));
+        }
+        let capacity = self.queue.capacity();
+        self.queue.push(w).map_err(|w| (w, EngineError::QueueFull { capacity }))
+    }
+
+    /// One engine iteration: reap, admit, tick, deliver.
+    pub fn step<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant) -> StepReport {
+        let mut report = StepReport::default();
+        self.reap(family, now, &mut report);
+        self.admit(now, &mut report);
+        self.tick(family, &mut report);
+        self.deliver(family, &mut report);
+        report
+    }
+
+    fn reap<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant, report: &mut StepReport) {
+        // Waiting requests whose client left or whose deadline passed.
+        let gone = self.queue.drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now));
+        for mut w in gone {
+            if w.sink.is_closed() {
+                report.cancelled += 1;
+            } else {
+                report.expired += 1;
+                let _ = w.sink.try_send(Event::Failed(EngineError::DeadlineExceeded { generated: 0 }));
+            }
+        }
+        // Running requests: cancelled or expired ones leave now.
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            let closed = r.sink.is_closed();
+            let expired = r.deadline.is_some_and(|d| d <= now);
+            if closed || expired {
+                let mut r = self.running.swap_remove(i);
+                if closed {
+                    report.cancelled += 1;
+                    tracing::debug!(parent: &r.span, request = %r.active.id, "client went away; freeing slots");
+                } else {
+                    report.expired += 1;
+                    r.backlog.clear();
+                    let _ = r.sink.try_send(Event::Failed(EngineError::DeadlineExceeded { generated: r.generated }));
+                }
+                self.retire(family, r);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn admit(&mut self, now: Instant, report: &mut StepReport) {
+        while self.running.len() < self.max_active {
+            let free = self.pool.free();
+            let Some(w) = self.queue.pop_if(|w| w.prepared.slots <= free) else { break };
+            let slots = self.pool.alloc(w.prepared.slots).expect("checked free slots above");
+            let queue_time = now.saturating_duration_since(w.submitted_at);
+            tracing::debug!(parent: &w.span, request = %w.id, slots = slots.len(), ?queue_time, "admitted");
+            self.running.push(Running {
+                active: Active {
+                    id: w.id,
+                    program: w.prepared.program,
+                    slots,
+                    outbox: Outbox::default(),
+                    admitted_at: now,
+                    ticks: 0,
+                },
+                sink: w.sink,
+                deadline: w.deadline,
+                queue_time,
+                prompt_tokens: u32::try_from(w.prepared.prompt_tokens).unwrap_or(u32::MAX),
+                generated: 0,
+                backlog: VecDeque::new(),
+                outcome: None,
+                span: w.span,
+            });
+            report.admitted += 1;
+        }
+    }
+
+    fn tick<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+        let ready: Vec<usize> =
+            (0..self.running.len()).filter(|&i| self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done).collect();
+        if ready.is_empty() {
+            return;
+        }
+        self.ticks += 1;
+        let step = tracing::debug_span!("step", tick = self.ticks, requests = ready.len());
+        for &i in &ready {
+            step.follows_from(self.running[i].span.id());
+        }
+        let _enter = step.enter();
+        let mut batch: Vec<&mut Active<P>> = Vec::with_capacity(ready.len());
+        // Collect disjoint &mut borrows of the ready entries.
+        let mut rest: &mut [Running<P>] = &mut self.running;
+        let mut base = 0;
+        for &i in &ready {
+            let (_, tail) = rest.split_at_mut(i - base);
+            let (head, tail) = tail.split_at_mut(1);
+            head[0].active.ticks += 1;
+            batch.push(&mut head[0].active);
+            rest = tail;
+            base = i + 1;
+        }
+        report.ticked = batch.len();
+        if let Err(msg) = family.tick(&mut batch) {
+            tracing::warn!(error = %msg, requests = batch.len(), "tick failed; failing its requests");
+            for a in batch {
+                a.outbox.fail(msg.clone());
+            }
+        }
+    }
+
+    fn deliver<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            for ev in r.active.outbox.events.drain(..) {
+                let ev = match ev {
+                    Event::Tokens(ids) => {
+                        r.generated += ids.len();
+                        Event::Tokens(ids)
+                    }
+                    Event::Finished { reason, mut stats } => {
+                        stats.queue_time = r.queue_time;
+                        stats.compute_time = now.saturating_duration_since(r.active.admitted_at);
+                        stats.ticks = r.active.ticks;
+                        stats.prompt_tokens = r.prompt_tokens;
+                        stats.generated_tokens = u32::try_from(r.generated).unwrap_or(u32::MAX);
+                        r.outcome = Some(true);
+                        Event::Finished { reason, stats }
+                    }
+                    Event::Failed(e) => {
+                        r.outcome = Some(false);
+                        Event::Failed(e)
+                    }
+                };
+                r.backlog.push_back(ev);
+            }
+            let mut closed = false;
+            while let Some(ev) = r.backlog.pop_front() {
+                match r.sink.try_send(ev) {
+                    Ok(()) => {}
+                    Err((SinkError::Full, ev)) => {
+                        r.backlog.push_front(ev);
+                        break;
+                    }
+                    Err((SinkError::Closed, _)) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            }
+            let done = r.active.outbox.done && r.backlog.is_empty();
+            if closed || done {
+                let r = self.running.swap_remove(i);
+                match (closed, r.outcome) {
+                    (true, _) => report.cancelled += 1,
+                    (false, Some(true)) => report.finished += 1,
+                    (false, _) => report.failed += 1,
+                }
+                self.retire(family, r);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn retire<F: Family<Program = P>>(&mut self, family: &mut F, mut r: Running<P>) {
+        family.release(&mut r.active);
+        self.pool.release(std::mem::take(&mut r.active.slots));
+    }
+
+    /// Fails everything (engine shutting down).
+    pub fn abort_all<F: Family<Program = P>>(&mut self, family: &mut F) {
+        for mut w in self.queue.drain_where(|_| true) {
+            let _ = w.sink.try_send(Event::Failed(EngineError::ShutDown));
+        }
+        while let Some(mut r) = self.running.pop() {
+            let _ = r.sink.try_send(Event::Failed(EngineError::ShutDown));
+            self.retire(family, r);
+        }
+    }
+}

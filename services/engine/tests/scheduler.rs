@@ -1,0 +1,294 @@
+//! Behaviour of the scheduler and the engine thread with a fake family:
+//! slot accounting under finishes, failures, cancellations and deadlines.
+
+use proptest::prelude::*;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use wavefront_engine::scheduler::{Scheduler, Waiting};
+use wavefront_engine::{
+    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FinishReason, Prepared, RequestId, SinkError,
+    Stats, Submission,
+};
+
+/// Emits one token per tick until `len` tokens, or fails at tick `fail_at`.
+struct Countdown {
+    len: usize,
+    emitted: usize,
+    fail_at: Option<usize>,
+}
+
+#[derive(Default)]
+struct FakeFamily {
+    /// Every slot seen in one tick, to check no two programs share one.
+    max_batch: usize,
+    fail_whole_tick_at: Option<u64>,
+    ticks: u64,
+}
+
+impl Family for FakeFamily {
+    type Program = Countdown;
+    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), String> {
+        self.ticks += 1;
+        self.max_batch = self.max_batch.max(batch.len());
+        let mut seen = HashSet::new();
+        for a in batch.iter() {
+            for s in &a.slots {
+                assert!(seen.insert(*s), "slot {s} shared by two programs in one tick");
+            }
+        }
+        if self.fail_whole_tick_at == Some(self.ticks) {
+            return Err("injected device failure".into());
+        }
+        for a in batch.iter_mut() {
+            let p = &mut a.program;
+            if p.fail_at == Some(p.emitted) {
+                a.outbox.fail("injected program failure");
+                continue;
+            }
+            a.outbox.tokens(vec![p.emitted as u32]);
+            p.emitted += 1;
+            if p.emitted >= p.len {
+                a.outbox.finish(FinishReason::Length, Stats::default());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sink backed by a std channel; `closed` simulates the client leaving.
+struct TestSink {
+    tx: mpsc::SyncSender<Event>,
+    closed: Arc<AtomicBool>,
+}
+
+impl EventSink for TestSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err((SinkError::Closed, event));
+        }
+        self.tx.try_send(event).map_err(|e| match e {
+            mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
+            mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+fn sink(bound: usize) -> (Box<dyn EventSink>, mpsc::Receiver<Event>, Arc<AtomicBool>) {
+    let (tx, rx) = mpsc::sync_channel(bound);
+    let closed = Arc::new(AtomicBool::new(false));
+    (Box::new(TestSink { tx, closed: closed.clone() }), rx, closed)
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    slots: usize,
+    len: usize,
+    fail_at: Option<usize>,
+    cancel_at_tick: Option<u64>,
+    deadline_ticks: Option<u32>,
+    arrive_at: u64,
+}
+
+fn req() -> impl Strategy<Value = Req> {
+    (
+        1usize..6,
+        1usize..8,
+        prop::option::weighted(0.2, 0usize..8),
+        prop::option::weighted(0.2, 0u64..10),
+        prop::option::weighted(0.1, 0u32..6),
+        0u64..12,
+    )
+        .prop_map(|(slots, len, fail_at, cancel_at_tick, deadline_ticks, arrive_at)| Req {
+            slots,
+            len,
+            fail_at,
+            cancel_at_tick,
+            deadline_ticks,
+            arrive_at,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// However requests end, every slot comes back and no slot is shared.
+    #[test]
+    fn all_slots_return_whatever_happens(
+        total in 1usize..16,
+        qcap in 1usize..8,
+        reqs in proptest::collection::vec(req(), 0..24),
+        whole_fail in prop::option::weighted(0.2, 1u64..10),
+    ) {
+        let mut sched = Scheduler::<Countdown>::new(total, qcap, 8);
+        let mut fam = FakeFamily { fail_whole_tick_at: whole_fail, ..Default::default() };
+        let t0 = Instant::now();
+        let mut handles = Vec::new();
+        let mut tick = 0u64;
+        let mut rejected = 0usize;
+        while tick < 200 {
+            let now = t0 + Duration::from_millis(tick * 10);
+            for (i, r) in reqs.iter().enumerate() {
+                if r.arrive_at == tick {
+                    let (s, rx, closed) = sink(64);
+                    let w = Waiting {
+                        id: RequestId(i as u64),
+                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, prompt_tokens: 1 },
+                        sink: s,
+                        deadline: r.deadline_ticks.map(|d| now + Duration::from_millis(u64::from(d) * 10)),
+                        submitted_at: now,
+                        span: tracing::Span::none(),
+                    };
+                    match sched.enqueue(w) {
+                        Ok(()) => handles.push((r.clone(), rx, closed)),
+                        Err((_, e)) => { rejected += 1; let ok = matches!(e, EngineError::QueueFull { .. } | EngineError::TooLarge { .. }); prop_assert!(ok, "unexpected {:?}", e); }
+                    }
+                }
+            }
+            for (r, _, closed) in &handles {
+                if r.cancel_at_tick == Some(tick) { closed.store(true, Ordering::Release); }
+            }
+            sched.step(&mut fam, now);
+            prop_assert!(sched.pool().used() <= total);
+            tick += 1;
+            if tick > 12 && sched.is_idle() { break; }
+        }
+        prop_assert!(sched.is_idle(), "requests still running after 200 ticks");
+        prop_assert_eq!(sched.pool().free(), total);
+        // Every request that was not cancelled got exactly one final event.
+        for (r, rx, closed) in handles {
+            let events: Vec<Event> = rx.try_iter().collect();
+            let finals = events.iter().filter(|e| matches!(e, Event::Finished { .. } | Event::Failed(_))).count();
+            if !closed.load(Ordering::Acquire) {
+                prop_assert_eq!(finals, 1, "request {:?} got {} final events: {:?}", r, finals, events);
+            } else {
+                prop_assert!(finals <= 1);
+            }
+        }
+        let _ = rejected;
+    }
+}
+
+#[test]
+fn a_full_queue_is_an_error_not_growth() {
+    let mut sched = Scheduler::<Countdown>::new(1, 1, 1);
+    let mk = |i| {
+        let (s, _rx, _c) = sink(4);
+        Waiting {
+            id: RequestId(i),
+            prepared: Prepared { program: Countdown { len: 1, emitted: 0, fail_at: None }, slots: 1, prompt_tokens: 1 },
+            sink: s,
+            deadline: None,
+            submitted_at: Instant::now(),
+            span: tracing::Span::none(),
+        }
+    };
+    assert!(sched.enqueue(mk(1)).is_ok());
+    let err = sched.enqueue(mk(2)).err().map(|(_, e)| e);
+    assert_eq!(err, Some(EngineError::QueueFull { capacity: 1 }));
+}
+
+#[test]
+fn a_slow_reader_pauses_only_itself() {
+    let mut sched = Scheduler::<Countdown>::new(4, 4, 4);
+    let mut fam = FakeFamily::default();
+    let (slow, slow_rx, _c1) = sink(1);
+    let (fast, fast_rx, _c2) = sink(64);
+    for (i, s) in [(1, slow), (2, fast)] {
+        let w = Waiting {
+            id: RequestId(i),
+            prepared: Prepared { program: Countdown { len: 5, emitted: 0, fail_at: None }, slots: 1, prompt_tokens: 1 },
+            sink: s,
+            deadline: None,
+            submitted_at: Instant::now(),
+            span: tracing::Span::none(),
+        };
+        assert!(sched.enqueue(w).is_ok());
+    }
+    for _ in 0..8 {
+        sched.step(&mut fam, Instant::now());
+    }
+    // The fast request finished; the slow one is paused with one event buffered.
+    let fast_events: Vec<_> = fast_rx.try_iter().collect();
+    assert!(matches!(fast_events.last(), Some(Event::Finished { .. })));
+    assert_eq!(sched.running(), 1);
+    // Reading everything lets it run to completion.
+    let mut slow_events = Vec::new();
+    for _ in 0..20 {
+        slow_events.extend(slow_rx.try_iter());
+        sched.step(&mut fam, Instant::now());
+    }
+    slow_events.extend(slow_rx.try_iter());
+    let tokens: Vec<u32> = slow_events.iter().filter_map(|e| if let Event::Tokens(t) = e { Some(t[0]) } else { None }).collect();
+    assert_eq!(tokens, vec![0, 1, 2, 3, 4]);
+    assert_eq!(sched.pool().free(), 4);
+}
+
+#[test]
+fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
+    let cfg = EngineConfig { total_slots: 8, queue_capacity: 4, max_active: 8 };
+    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    let (s, rx, _closed) = sink(64);
+    let prepared = Prepared { program: Countdown { len: 3, emitted: 0, fail_at: None }, slots: 2, prompt_tokens: 1 };
+    handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap();
+    let mut toks = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
+            Event::Tokens(t) => toks.extend(t),
+            Event::Finished { reason, stats } => {
+                assert_eq!(reason, FinishReason::Length);
+                assert_eq!(stats.generated_tokens, 3);
+                break;
+            }
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(toks, vec![0, 1, 2]);
+
+    // A long request whose client goes away: its slots come back.
+    let (s, rx, closed) = sink(1);
+    let prepared = Prepared { program: Countdown { len: usize::MAX, emitted: 0, fail_at: None }, slots: 5, prompt_tokens: 1 };
+    handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap();
+    let _ = rx.recv_timeout(Duration::from_secs(10)).expect("first token");
+    closed.store(true, Ordering::Release);
+    drop(rx);
+    let t = Instant::now();
+    while handle.load().free_slots != 8 {
+        assert!(t.elapsed() < Duration::from_secs(10), "slots not freed: {:?}", handle.load());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Too large for the pool: refused at once.
+    let (s, _rx, _c) = sink(1);
+    let prepared = Prepared { program: Countdown { len: 1, emitted: 0, fail_at: None }, slots: 9, prompt_tokens: 1 };
+    let err = handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap_err();
+    assert_eq!(err, EngineError::TooLarge { needed: 9, total: 8 });
+    handle.shutdown();
+}
+
+#[test]
+fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
+    let cfg = EngineConfig { total_slots: 4, queue_capacity: 4, max_active: 4 };
+    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    let (s, rx, _closed) = sink(1_000_000);
+    let prepared = Prepared { program: Countdown { len: usize::MAX, emitted: 0, fail_at: None }, slots: 3, prompt_tokens: 1 };
+    let deadline = Some(Instant::now() + Duration::from_millis(50));
+    handle.submit(Submission { prepared, sink: s, deadline, span: tracing::Span::none() }).unwrap();
+    let failed = loop {
+        match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
+            Event::Failed(e) => break e,
+            Event::Tokens(_) => {}
+            Event::Finished { .. } => panic!("cannot finish"),
+        }
+    };
+    assert!(matches!(failed, EngineError::DeadlineExceeded { generated } if generated > 0));
+    let t = Instant::now();
+    while handle.load().free_slots != 4 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
