@@ -6,7 +6,10 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
-    let protos = [root.join("wavefront/v1/generate.proto"), root.join("wavefront/worker/v1/worker.proto")];
+    let protos = [
+        root.join("wavefront/v1/generate.proto"),
+        root.join("wavefront/worker/v1/worker.proto"),
+    ];
     for p in &protos {
         println!("cargo:rerun-if-changed={}", p.display());
     }

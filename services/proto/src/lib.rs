@@ -16,3 +16,54 @@ pub mod worker {
 
 /// Encoded `FileDescriptorSet` of every proto file, for tonic-reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("wavefront_descriptor");
+
+/// The standard `grpc-timeout` header (deadline propagation).
+pub mod timeout {
+    use std::time::{Duration, Instant};
+
+    /// Parses the wire format: up to 8 digits and a unit (H M S m u n).
+    pub fn parse(s: &str) -> Option<Duration> {
+        if s.len() < 2 || s.len() > 9 {
+            return None;
+        }
+        let (digits, unit) = s.split_at(s.len() - 1);
+        let n: u64 = digits.parse().ok()?;
+        Some(match unit {
+            "H" => Duration::from_secs(n * 3600),
+            "M" => Duration::from_secs(n * 60),
+            "S" => Duration::from_secs(n),
+            "m" => Duration::from_millis(n),
+            "u" => Duration::from_micros(n),
+            "n" => Duration::from_nanos(n),
+            _ => return None,
+        })
+    }
+
+    /// The caller's deadline, if it sent one; an error message for a malformed header.
+    pub fn deadline(md: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, String> {
+        let Some(v) = md.get("grpc-timeout") else {
+            return Ok(None);
+        };
+        let s = v
+            .to_str()
+            .map_err(|_| "grpc-timeout header is not ASCII".to_owned())?;
+        parse(s)
+            .map(|d| Some(Instant::now() + d))
+            .ok_or_else(|| format!("grpc-timeout header {s:?} is malformed"))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn parses_the_wire_format() {
+            assert_eq!(parse("100m"), Some(Duration::from_millis(100)));
+            assert_eq!(parse("2S"), Some(Duration::from_secs(2)));
+            assert_eq!(parse("1H"), Some(Duration::from_secs(3600)));
+            assert_eq!(parse("5x"), None);
+            assert_eq!(parse("m"), None);
+            assert_eq!(parse("123456789m"), None);
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The subcommands.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tokio::net::TcpListener;
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_client::GenerationClient;
+use wavefront_router::{Discovery, DiscoveryConfig, RouterService};
+use wavefront_schemes::{ReplayDraws, ServedModel};
+use wavefront_worker::{WorkerConfig, WorkerService};
+
+use crate::args::{parse_listen, GenerationArgs, PromptArgs};
+use crate::json::response_json;
+use crate::model_opts::ModelArgs;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address the router listens on.
+    #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "0.0.0.0:50051")]
+    pub listen: String,
+    /// Worker targets, HOST:PORT, comma separated; a DNS name may resolve to many workers.
+    #[arg(
+        long,
+        env = "WAVEFRONT_WORKERS",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub workers: Vec<String>,
+    /// How often workers are re-resolved and polled for load, in ms.
+    #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
+    pub refresh_ms: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "0.0.0.0:50061")]
+    pub listen: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Seconds in-flight requests may run after SIGTERM.
+    #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Router or worker address.
+    #[arg(long, env = "WAVEFRONT_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    #[command(flatten)]
+    pub generation: GenerationArgs,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Deadline of the call in ms (sent as grpc-timeout).
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    #[command(flatten)]
+    pub generation: GenerationArgs,
+    /// Print one JSON object (token ids, text, finish reason, stats).
+    #[arg(long)]
+    pub json: bool,
+    /// Replay recorded initial-state draws from this safetensors file
+    /// instead of the seeded RNG (reproduces reference runs exactly).
+    #[arg(long)]
+    pub replay_draws: Option<PathBuf>,
+    /// Tensor in --replay-draws to use (default: the only `*init_draws` tensor).
+    #[arg(long)]
+    pub replay_tensor: Option<String>,
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("signal received");
+}
+
+fn load(model: &ModelArgs) -> Result<Arc<dyn ServedModel>> {
+    let (files, name) = model.files()?;
+    let opts = model.load_options(name)?;
+    Ok(wavefront_schemes::load_model(files, opts)?)
+}
+
+fn announce(role: &str, addr: SocketAddr) {
+    // Scripts and tests read this line: keep its shape.
+    println!("wavefront {role} listening on {addr}");
+    let _ = std::io::stdout().flush();
+}
+
+async fn bind(listen: &str) -> Result<TcpListener> {
+    let addr = parse_listen(listen)?;
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+pub async fn worker(a: WorkerArgs) -> Result<()> {
+    let listener = bind(&a.listen).await?;
+    let model = tokio::task::spawn_blocking({
+        let m = a.model.clone();
+        move || load(&m)
+    })
+    .await??;
+    let addr = listener.local_addr()?;
+    let service = WorkerService::new(vec![model], addr.to_string());
+    announce("worker", addr);
+    let cfg = WorkerConfig {
+        drain_timeout: Duration::from_secs(a.drain_timeout_s),
+    };
+    wavefront_worker::serve(service, listener, cfg, shutdown_signal()).await
+}
+
+pub async fn router(a: RouterArgs) -> Result<()> {
+    if a.refresh_ms == 0 {
+        bail!("--refresh-ms must be at least 1");
+    }
+    let listener = bind(&a.listen).await?;
+    let discovery = Discovery::default();
+    let cfg = DiscoveryConfig {
+        targets: a.workers.clone(),
+        refresh: Duration::from_millis(a.refresh_ms),
+        poll_timeout: Duration::from_millis(a.refresh_ms.clamp(200, 2000)),
+        forget_after: Duration::from_millis(a.refresh_ms * 10),
+    };
+    discovery.refresh(&cfg).await;
+    tokio::spawn(discovery.clone().run(cfg));
+    announce("router", listener.local_addr()?);
+    wavefront_router::serve(RouterService::new(discovery), listener, shutdown_signal()).await
+}
+
+pub async fn serve(a: ServeArgs) -> Result<()> {
+    let listener = bind(&a.listen).await?;
+    let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
+    let worker_addr = worker_listener.local_addr()?;
+    let model = tokio::task::spawn_blocking({
+        let m = a.model.clone();
+        move || load(&m)
+    })
+    .await??;
+    let name = model.info().name.clone();
+    let service = WorkerService::new(vec![model], worker_addr.to_string());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let worker_task = {
+        let mut rx = stop_rx.clone();
+        tokio::spawn(wavefront_worker::serve(
+            service,
+            worker_listener,
+            WorkerConfig::default(),
+            async move {
+                let _ = rx.changed().await;
+            },
+        ))
+    };
+    let discovery = Discovery::default();
+    let cfg = DiscoveryConfig {
+        targets: vec![worker_addr.to_string()],
+        refresh: Duration::from_millis(500),
+        poll_timeout: Duration::from_millis(1000),
+        forget_after: Duration::from_secs(10),
+    };
+    // Ready only once the router sees the worker.
+    for _ in 0..100 {
+        discovery.refresh(&cfg).await;
+        if discovery.snapshot().iter().any(|w| w.up) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::spawn(discovery.clone().run(cfg));
+    let addr = listener.local_addr()?;
+    tracing::info!(model = %name, %addr, %worker_addr, "serving");
+    announce("router", addr);
+    let mut rx = stop_rx;
+    let router = wavefront_router::serve(RouterService::new(discovery), listener, async move {
+        let _ = rx.changed().await;
+    });
+    let signal = async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    };
+    let (r, _) = tokio::join!(router, signal);
+    r?;
+    worker_task.await??;
+    Ok(())
+}
+
+pub async fn generate(a: GenerateArgs) -> Result<()> {
+    let body = a.generation.to_request(&a.prompt)?;
+    let mut client = GenerationClient::connect(a.addr.clone())
+        .await
+        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    let mut req = tonic::Request::new(body);
+    if let Some(ms) = a.timeout_ms {
+        req.set_timeout(Duration::from_millis(ms));
+    }
+    let mut stream = client
+        .generate_stream(req)
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    let mut out = std::io::stdout();
+    while let Some(msg) = stream.message().await.map_err(status_error)? {
+        match msg.event {
+            Some(pb::generate_stream_response::Event::Tokens(chunk)) => {
+                if !a.json {
+                    write!(out, "{}", chunk.text)?;
+                    out.flush()?;
+                }
+            }
+            Some(pb::generate_stream_response::Event::Done(done)) => {
+                if a.json {
+                    println!("{}", response_json(&done));
+                } else {
+                    writeln!(out)?;
+                }
+                return Ok(());
+            }
+            None => {}
+        }
+    }
+    bail!("the stream ended without a final message")
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+pub async fn run(a: RunArgs) -> Result<()> {
+    let model = tokio::task::spawn_blocking({
+        let m = a.model.clone();
+        move || load(&m)
+    })
+    .await??;
+    let body = a.generation.to_request(&a.prompt)?;
+    let mut spec =
+        wavefront_worker::convert::spec_from_proto(&body, model.as_ref()).map_err(status_error)?;
+    if let Some(path) = &a.replay_draws {
+        spec.replay_draws = Some(Arc::new(read_draws(path, a.replay_tensor.as_deref())?));
+    }
+    let json = a.json;
+    let stop_strings = body.stop_strings.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let mut out = std::io::stdout();
+        let res =
+            wavefront_worker::generate_blocking(model.as_ref(), spec, stop_strings, None, |d| {
+                if !json {
+                    let _ = write!(out, "{}", d.text);
+                    let _ = out.flush();
+                }
+            });
+        model.shutdown();
+        res
+    })
+    .await?
+    .map_err(|e| status_error(wavefront_worker::status::from_engine_error(&e)))?;
+    let resp = pb::GenerateResponse {
+        model: String::new(),
+        text: result.text,
+        token_ids: result.token_ids,
+        finish_reason: wavefront_worker::convert::finish_reason(result.finish_reason) as i32,
+        stats: Some(wavefront_worker::convert::stats(&result.stats, result.seed)),
+    };
+    if json {
+        println!("{}", response_json(&resp));
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+fn read_draws(path: &PathBuf, name: Option<&str>) -> Result<ReplayDraws> {
+    use wavefront_models::candle_core::{safetensors, DType, Device};
+    let tensors = safetensors::load(path, &Device::Cpu)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let key = match name {
+        Some(n) => n.to_owned(),
+        None => {
+            let mut keys: Vec<&String> = tensors
+                .keys()
+                .filter(|k| k.ends_with("init_draws"))
+                .collect();
+            keys.sort();
+            match keys.as_slice() {
+                [one] => (*one).clone(),
+                [] => bail!(
+                    "{} holds no `*init_draws` tensor; name one with --replay-tensor",
+                    path.display()
+                ),
+                many => bail!(
+                    "{} holds several draw tensors ({}); pick one with --replay-tensor",
+                    path.display(),
+                    many.iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
+        }
+    };
+    let t = tensors
+        .get(&key)
+        .with_context(|| format!("no tensor {key:?} in {}", path.display()))?;
+    let (rows, dim) = t
+        .dims2()
+        .with_context(|| format!("{key} must be [rows, dim]"))?;
+    let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    debug_assert_eq!(data.len(), rows * dim);
+    Ok(ReplayDraws { dim, data })
+}

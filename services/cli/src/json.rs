@@ -1,0 +1,48 @@
+//! The one JSON shape printed by `run --json` and `generate --json`:
+//! `{"token_ids": [...], "text": "...", "finish_reason": "...", "stats": {...}}`
+//! (generated ids only, not the prompt).
+
+use serde_json::{json, Map, Value};
+use wavefront_proto::v1 as pb;
+
+pub fn finish_reason_name(r: i32) -> &'static str {
+    match pb::FinishReason::try_from(r).unwrap_or(pb::FinishReason::Unspecified) {
+        pb::FinishReason::Length => "length",
+        pb::FinishReason::StopToken => "stop_token",
+        pb::FinishReason::StopString => "stop_string",
+        pb::FinishReason::ContextLimit => "context_limit",
+        pb::FinishReason::Unspecified => "unspecified",
+    }
+}
+
+pub fn response_json(r: &pb::GenerateResponse) -> Value {
+    let s = r.stats.clone().unwrap_or_default();
+    let counters: Map<String, Value> = s
+        .counters
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(v)))
+        .collect();
+    let series: Map<String, Value> = s
+        .series
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(v.values)))
+        .collect();
+    json!({
+        "token_ids": r.token_ids,
+        "text": r.text,
+        "finish_reason": finish_reason_name(r.finish_reason),
+        "stats": {
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "forward_passes": s.forward_passes,
+            "recurrence_steps": s.recurrence_steps,
+            "ticks": s.ticks,
+            "queue_time_ms": s.queue_time_ms,
+            "compute_time_ms": s.compute_time_ms,
+            "tokens_per_second": s.tokens_per_second,
+            "seed": s.seed,
+            "counters": counters,
+            "series": series,
+        },
+    })
+}

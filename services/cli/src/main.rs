@@ -1,0 +1,99 @@
+//! `wavefront`: serve, route, work, generate, run.
+//!
+//! `main` parses one typed config (flags with environment fallbacks),
+//! validates it, builds what the subcommand needs, and waits for a signal.
+//! Nothing below `main` reads the environment.
+
+mod args;
+mod commands;
+mod embedded;
+mod json;
+mod model_opts;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use wavefront_telemetry::{LogFormat, TelemetryConfig};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "wavefront",
+    version,
+    about = "Serving for language models that do not decode one token per forward pass"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, global = true, env = "RUST_LOG", default_value = "info")]
+    log_filter: String,
+    /// Log line format: text or json.
+    #[arg(
+        long,
+        global = true,
+        env = "WAVEFRONT_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
+    /// OTLP/gRPC endpoint for traces (e.g. http://localhost:4317); unset disables export.
+    #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Fraction of new traces sampled.
+    #[arg(
+        long,
+        global = true,
+        env = "WAVEFRONT_TRACE_SAMPLING_RATIO",
+        default_value_t = 1.0
+    )]
+    trace_sampling_ratio: f64,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Router and one worker on loopback in one process (default: the embedded model).
+    Serve(commands::ServeArgs),
+    /// The stateless router.
+    Router(commands::RouterArgs),
+    /// A worker serving one model.
+    Worker(commands::WorkerArgs),
+    /// Client: call a router or worker and print the result.
+    Generate(commands::GenerateArgs),
+    /// Offline: load a model and generate without any server; prints JSON with --json.
+    Run(commands::RunArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if !(0.0..=1.0).contains(&cli.trace_sampling_ratio) {
+        anyhow::bail!(
+            "--trace-sampling-ratio must be in [0, 1], got {}",
+            cli.trace_sampling_ratio
+        );
+    }
+    let service_name = match &cli.command {
+        Command::Serve(_) => "wavefront",
+        Command::Router(_) => "wavefront-router",
+        Command::Worker(_) => "wavefront-worker",
+        Command::Generate(_) => "wavefront-client",
+        Command::Run(_) => "wavefront-run",
+    };
+    let telemetry = TelemetryConfig {
+        service_name: service_name.into(),
+        log_filter: cli.log_filter.clone(),
+        log_format: cli.log_format,
+        otlp_endpoint: cli.otlp_endpoint.clone().filter(|s| !s.is_empty()),
+        sampling_ratio: cli.trace_sampling_ratio,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let _guard = wavefront_telemetry::init(&telemetry)?;
+        match cli.command {
+            Command::Serve(a) => commands::serve(a).await,
+            Command::Router(a) => commands::router(a).await,
+            Command::Worker(a) => commands::worker(a).await,
+            Command::Generate(a) => commands::generate(a).await,
+            Command::Run(a) => commands::run(a).await,
+        }
+    })
+}

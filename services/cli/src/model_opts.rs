@@ -1,0 +1,101 @@
+//! Flags that say how a worker (or `run`) loads and sizes its model.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use wavefront_models::candle_core::{DType, Device};
+use wavefront_models::ModelFiles;
+use wavefront_schemes::LoadOptions;
+
+use crate::embedded;
+
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Model directory in the Hugging Face layout (config.json, model.safetensors
+    /// or shards + index, tokenizer.json). Default: the embedded model.
+    #[arg(long, env = "WAVEFRONT_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Name the model is served under (default: the directory name).
+    #[arg(long, env = "WAVEFRONT_MODEL_NAME")]
+    pub served_name: Option<String>,
+    /// Device: cpu or cuda:N (cuda needs a build with the `cuda` feature).
+    #[arg(long, env = "WAVEFRONT_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Compute dtype: f32 or bf16 (default: f32 on cpu, bf16 on cuda).
+    #[arg(long, env = "WAVEFRONT_DTYPE")]
+    pub dtype: Option<String>,
+    /// Memory given to the slot pool (K/V cache and latent states), in MiB.
+    #[arg(long, env = "WAVEFRONT_MEMORY_BUDGET_MB", default_value_t = 256)]
+    pub memory_budget_mb: u64,
+    /// Requests allowed to wait for admission; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "WAVEFRONT_QUEUE_CAPACITY", default_value_t = 64)]
+    pub queue_capacity: usize,
+    /// Requests batched into one engine tick at most.
+    #[arg(long, env = "WAVEFRONT_MAX_ACTIVE", default_value_t = 32)]
+    pub max_active: usize,
+}
+
+impl ModelArgs {
+    pub fn files(&self) -> Result<(ModelFiles, String)> {
+        match &self.model {
+            None => Ok((
+                embedded::files(),
+                self.served_name
+                    .clone()
+                    .unwrap_or_else(|| embedded::NAME.into()),
+            )),
+            Some(dir) => {
+                let files = ModelFiles::from_dir(dir)
+                    .with_context(|| format!("cannot load model directory {}", dir.display()))?;
+                let name = self.served_name.clone().unwrap_or_else(|| {
+                    dir.canonicalize()
+                        .ok()
+                        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                        .unwrap_or_else(|| "model".into())
+                });
+                Ok((files, name))
+            }
+        }
+    }
+
+    pub fn load_options(&self, name: String) -> Result<LoadOptions> {
+        let device = parse_device(&self.device)?;
+        let dtype = match self.dtype.as_deref() {
+            None if device.is_cuda() => DType::BF16,
+            None | Some("f32") => DType::F32,
+            Some("bf16") => DType::BF16,
+            Some(other) => bail!("--dtype must be f32 or bf16, got {other:?}"),
+        };
+        if self.memory_budget_mb == 0 {
+            bail!("--memory-budget-mb must be at least 1");
+        }
+        if self.queue_capacity == 0 || self.max_active == 0 {
+            bail!("--queue-capacity and --max-active must be at least 1");
+        }
+        Ok(LoadOptions {
+            name,
+            device,
+            dtype,
+            memory_budget_bytes: self.memory_budget_mb << 20,
+            queue_capacity: self.queue_capacity,
+            max_active: self.max_active,
+            ..LoadOptions::default()
+        })
+    }
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    if s == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    if let Some(n) = s.strip_prefix("cuda:") {
+        let ordinal: usize = n
+            .parse()
+            .with_context(|| format!("--device cuda:N needs a number, got {s:?}"))?;
+        return Device::new_cuda(ordinal).with_context(|| {
+            format!("cannot open {s}: this build needs the `cuda` feature and a visible GPU")
+        });
+    }
+    bail!("--device must be cpu or cuda:N, got {s:?}")
+}

@@ -1,0 +1,171 @@
+//! Worker discovery and load polling.
+//!
+//! Every `refresh` the configured targets are resolved; each resulting
+//! address gets a lazily connected channel and is asked for its load report
+//! with a short timeout. A worker that fails to answer is marked down at
+//! once (no traffic) and forgotten after `forget_after` of silence; one that
+//! answers again is back on the next refresh.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use tonic::transport::{Channel, Endpoint};
+use wavefront_proto::worker::v1 as wpb;
+use wavefront_proto::worker::v1::worker_client::WorkerClient;
+
+#[derive(Debug, Clone)]
+pub struct DiscoveryConfig {
+    /// `host:port` targets; DNS names may resolve to many workers.
+    pub targets: Vec<String>,
+    pub refresh: Duration,
+    /// Timeout of one load poll.
+    pub poll_timeout: Duration,
+    /// A worker silent this long is dropped from the table.
+    pub forget_after: Duration,
+}
+
+/// One known worker.
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    pub addr: SocketAddr,
+    pub client: WorkerClient<Channel>,
+    /// Last report; `None` until the first successful poll.
+    pub report: Option<wpb::LoadReport>,
+    /// Answered the last poll.
+    pub up: bool,
+    pub last_seen: Option<Instant>,
+}
+
+/// The shared worker table (soft state, rebuilt from the workers themselves).
+#[derive(Clone, Default)]
+pub struct Discovery {
+    table: Arc<RwLock<HashMap<SocketAddr, WorkerEntry>>>,
+}
+
+impl Discovery {
+    pub fn snapshot(&self) -> Vec<WorkerEntry> {
+        let mut v: Vec<_> = self
+            .table
+            .read()
+            .expect("worker table lock")
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by_key(|w| w.addr);
+        v
+    }
+
+    /// Runs one discovery round: resolve, add, poll, drop.
+    pub async fn refresh(&self, cfg: &DiscoveryConfig) {
+        let mut resolved = Vec::new();
+        for t in &cfg.targets {
+            match tokio::net::lookup_host(t.as_str()).await {
+                Ok(addrs) => resolved.extend(addrs),
+                Err(e) => {
+                    tracing::debug!(target = %t, error = %e, "worker target does not resolve")
+                }
+            }
+        }
+        resolved.sort();
+        resolved.dedup();
+        {
+            let mut table = self.table.write().expect("worker table lock");
+            for addr in &resolved {
+                if !table.contains_key(addr) {
+                    let Ok(ep) = Endpoint::from_shared(format!("http://{addr}")) else {
+                        continue;
+                    };
+                    let channel = ep
+                        .connect_timeout(cfg.poll_timeout)
+                        .tcp_nodelay(true)
+                        .connect_lazy();
+                    table.insert(
+                        *addr,
+                        WorkerEntry {
+                            addr: *addr,
+                            client: WorkerClient::new(channel),
+                            report: None,
+                            up: false,
+                            last_seen: None,
+                        },
+                    );
+                    tracing::info!(worker = %addr, "worker discovered");
+                }
+            }
+        }
+        let entries = self.snapshot();
+        let polls = entries.into_iter().map(|w| {
+            let timeout = cfg.poll_timeout;
+            async move {
+                let mut client = w.client.clone();
+                let res = tokio::time::timeout(
+                    timeout,
+                    client.get_load(wpb::LoadRequest { interval_ms: 0 }),
+                )
+                .await;
+                (
+                    w.addr,
+                    res.ok().and_then(|r| r.ok()).map(|r| r.into_inner()),
+                )
+            }
+        });
+        let results = futures::future::join_all(polls).await;
+        let now = Instant::now();
+        let mut table = self.table.write().expect("worker table lock");
+        for (addr, report) in results {
+            let Some(w) = table.get_mut(&addr) else {
+                continue;
+            };
+            match report {
+                Some(r) => {
+                    if !w.up {
+                        tracing::info!(worker = %addr, "worker up");
+                    }
+                    w.up = true;
+                    w.last_seen = Some(now);
+                    w.report = Some(r);
+                }
+                None => {
+                    if w.up {
+                        tracing::warn!(worker = %addr, "worker stopped answering; routing around it");
+                    }
+                    w.up = false;
+                }
+            }
+        }
+        table.retain(|addr, w| {
+            let silent = w
+                .last_seen
+                .map_or(true, |t| now.duration_since(t) > cfg.forget_after);
+            let keep = resolved.contains(addr) || !silent;
+            if !keep {
+                tracing::info!(worker = %addr, "worker forgotten");
+            }
+            keep
+        });
+    }
+
+    /// Marks a worker down after a failed call (until its next good poll).
+    pub fn mark_down(&self, addr: SocketAddr) {
+        if let Some(w) = self
+            .table
+            .write()
+            .expect("worker table lock")
+            .get_mut(&addr)
+        {
+            w.up = false;
+        }
+    }
+
+    /// Refreshes forever, every `cfg.refresh`.
+    pub async fn run(self, cfg: DiscoveryConfig) {
+        let mut tick = tokio::time::interval(cfg.refresh);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.refresh(&cfg).await;
+        }
+    }
+}

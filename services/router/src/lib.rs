@@ -1,0 +1,17 @@
+//! # wavefront-router
+//!
+//! A stateless front door: it keeps no request state beyond the life of a
+//! call. Workers are learned from configuration (addresses or DNS names; a
+//! name that resolves to many addresses, as a Kubernetes headless service
+//! does, yields one worker per address) and re-resolved and polled for load
+//! every refresh interval ([`discovery`]). A request goes to the least-loaded
+//! ready worker serving its model ([`pick`]); the router forwards the call
+//! with the caller's deadline and trace context, and dropping the client's
+//! stream cancels the worker's call, which frees the request's slots.
+
+pub mod discovery;
+pub mod pick;
+pub mod service;
+
+pub use discovery::{Discovery, DiscoveryConfig, WorkerEntry};
+pub use service::{serve, RouterService};

@@ -1,0 +1,200 @@
+//! The router's public `Generation` service.
+//!
+//! Per call: rank the workers for the model, forward to the best one (the
+//! next one if it is unreachable before answering), and relay its stream.
+//! The caller's `grpc-timeout` is passed on as the remaining time, and the
+//! trace context of the router's span goes into the worker call's metadata.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::time::Instant;
+
+use futures::{Stream, StreamExt};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Code, Request, Response, Status};
+use tonic_health::ServingStatus;
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_server::GenerationServer;
+
+use crate::discovery::Discovery;
+use crate::pick::{rank, served_models, NoWorker};
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+
+/// Workers tried per call before giving up.
+const MAX_ATTEMPTS: usize = 3;
+
+#[derive(Clone)]
+pub struct RouterService {
+    discovery: Discovery,
+}
+
+impl RouterService {
+    pub fn new(discovery: Discovery) -> Self {
+        Self { discovery }
+    }
+
+    fn no_worker(e: NoWorker) -> Status {
+        match e {
+            NoWorker::UnknownModel { model, served } => {
+                Status::not_found(format!("model {model:?} is not served; served models: {}", served.join(", ")))
+            }
+            NoWorker::Unreachable { model, known } => Status::unavailable(format!(
+                "no worker serving model {model:?} is reachable ({known} workers known); check that workers are running and ready"
+            )),
+            NoWorker::Ambiguous { served } => {
+                Status::invalid_argument(format!("set `model`: several models are served: {}", served.join(", ")))
+            }
+        }
+    }
+
+    async fn forward(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        let deadline = wavefront_proto::timeout::deadline(request.metadata())
+            .map_err(Status::invalid_argument)?;
+        let span = tracing::info_span!(
+            "request",
+            otel.name = "router.generate",
+            model = tracing::field::Empty,
+            worker = tracing::field::Empty,
+        );
+        wavefront_telemetry::extract_parent(&span, request.metadata());
+        let body = request.into_inner();
+        span.record("model", body.model.as_str());
+        let mut tried: Vec<SocketAddr> = Vec::new();
+        let mut last_err = None;
+        for _ in 0..MAX_ATTEMPTS {
+            let workers = self.discovery.snapshot();
+            let candidates = match rank(&workers, &body.model, &tried) {
+                Ok(c) => c,
+                Err(e) if last_err.is_none() => return Err(Self::no_worker(e)),
+                Err(_) => break,
+            };
+            let w = candidates
+                .into_iter()
+                .next()
+                .expect("rank returns at least one candidate");
+            tried.push(w.addr);
+            let mut req = Request::new(body.clone());
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Status::deadline_exceeded(
+                        "deadline passed before a worker was called",
+                    ));
+                }
+                req.set_timeout(left);
+            }
+            span.record("worker", w.addr.to_string().as_str());
+            wavefront_telemetry::inject_current(&span, req.metadata_mut());
+            let mut client = w.client.clone();
+            match client.generate(req).await {
+                Ok(resp) => {
+                    tracing::debug!(parent: &span, worker = %w.addr, "forwarded");
+                    let stream = resp.into_inner();
+                    let span2 = span.clone();
+                    return Ok(Box::pin(stream.map(move |item| {
+                        if let Err(s) = &item {
+                            tracing::info!(parent: &span2, code = ?s.code(), "worker stream ended with error");
+                        }
+                        item
+                    })));
+                }
+                // Unreachable or draining (UNAVAILABLE) or full (RESOURCE_EXHAUSTED):
+                // nothing ran there yet, so another worker may take it.
+                Err(s) if matches!(s.code(), Code::Unavailable | Code::ResourceExhausted) => {
+                    tracing::warn!(parent: &span, worker = %w.addr, error = %s, "worker declined; trying another");
+                    if s.code() == Code::Unavailable {
+                        self.discovery.mark_down(w.addr);
+                    }
+                    last_err = Some(s);
+                }
+                Err(s) => return Err(s),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| Status::unavailable("no worker could take the request")))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for RouterService {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
+        let mut stream = self.forward(request).await?;
+        while let Some(item) = stream.next().await {
+            if let Some(pb::generate_stream_response::Event::Done(done)) = item?.event {
+                return Ok(Response::new(done));
+            }
+        }
+        Err(Status::unavailable(
+            "worker stream ended without a final message",
+        ))
+    }
+
+    type GenerateStreamStream = EventStream;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        self.forward(request).await.map(Response::new)
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let workers = self.discovery.snapshot();
+        let names = served_models(&workers);
+        let models = names
+            .iter()
+            .filter_map(|n| {
+                workers
+                    .iter()
+                    .filter(|w| w.up)
+                    .filter_map(|w| w.report.as_ref())
+                    .flat_map(|r| r.models.iter())
+                    .filter_map(|m| m.model.clone())
+                    .find(|i| &i.name == n)
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}
+
+/// Serves the router on `listener` until `shutdown` resolves.
+pub async fn serve(
+    service: RouterService,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", ServingStatus::Serving)
+        .await;
+    reporter
+        .set_serving::<GenerationServer<RouterService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let drain = async move {
+        shutdown.await;
+        reporter
+            .set_service_status("", ServingStatus::NotServing)
+            .await;
+        reporter
+            .set_not_serving::<GenerationServer<RouterService>>()
+            .await;
+    };
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(GenerationServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,27 @@
+//! # wavefront-schemes: decoding schemes and the families that pack them
+//!
+//! Each model family implements [`wavefront_engine::Family`]: it owns the
+//! model and, once per engine tick, packs the rows every active program
+//! needs into batched forwards and lets each program commit its results.
+//! A [`Planner`] validates a request and builds its program before it is
+//! queued, so bad input is answered synchronously.
+//!
+//! | family | module | schemes |
+//! |---|---|---|
+//! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
+//!
+//! Everything above this crate sees a model through [`ServedModel`]: submit a
+//! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
+
+pub mod error;
+pub mod recurrent_depth;
+pub mod request;
+pub mod sampling;
+pub mod served;
+
+pub use error::SchemeError;
+pub use request::{
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
+    SchemeParams,
+};
+pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -1,0 +1,248 @@
+//! # Recurrent depth (Huginn-0125)
+//!
+//! Geiping et al. 2025, "Scaling up Test-Time Compute with Latent Reasoning:
+//! A Recurrent Depth Approach": a prelude, a core block iterated `r` times
+//! with the prelude output injected at every step, and a coda. Decoding
+//! schemes served here:
+//! - `ar` static: a fixed number of recurrence steps per token ([`ar`]);
+//! - `ar` adaptive exit: iterate until the latent stops moving ([`ar`]);
+//!
+//! The planner validates a request and builds its program on the caller's
+//! thread; the family packs every active program's rows into one prelude,
+//! one core call per recurrence and one coda call per tick.
+//!
+//! Slots: a slot is one position's K/V in one cache layer (`2 · n_embd`
+//! values). A request reserves `positions × cache layers` slots, where the
+//! cache layers depend on its `cache_lookup_strategy` (all recurrences for
+//! `full`, `N` core slots for `compress-sN`), so the pool bounds K/V memory
+//! exactly.
+
+pub mod ar;
+pub mod draws;
+
+use std::sync::Arc;
+
+use wavefront_engine::{Active, Engine, EngineConfig, Family, Prepared, RequestError, Stats};
+use wavefront_models::{
+    CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
+};
+
+use crate::request::{ArParams, GenerateSpec, SchemeParams};
+use crate::sampling::TokenSampler;
+use crate::served::{LoadOptions, ModelInfo, Planner, Served, ServedModel};
+use crate::SchemeError;
+use ar::ArProgram;
+use draws::DrawSource;
+
+/// Upper bound on recurrence steps per token a request may ask for.
+pub const MAX_NUM_STEPS: usize = 1024;
+
+/// A recurrent-depth request's program.
+#[derive(Debug)]
+pub enum Program {
+    Ar(ArProgram),
+}
+
+/// Validates requests against a Huginn config and builds programs.
+pub struct HuginnPlanner {
+    cfg: HuginnConfig,
+    info: ModelInfo,
+    end_text_id: Option<u32>,
+}
+
+impl HuginnPlanner {
+    pub fn new(cfg: HuginnConfig, name: String, tokenizer: Option<&TextTokenizer>) -> Self {
+        let info = ModelInfo {
+            name,
+            family: "recurrent_depth",
+            schemes: vec!["ar"],
+            vocab_size: cfg.vocab_size,
+            max_context: cfg.block_size,
+        };
+        let end_text_id = tokenizer.and_then(|t| t.token_to_id("<|end_text|>"));
+        Self {
+            cfg,
+            info,
+            end_text_id,
+        }
+    }
+
+    /// Cache layers one position occupies under `strategy` with `steps` recurrences.
+    fn cache_layers(&self, strategy: CacheStrategy, steps: usize) -> usize {
+        let core = self.cfg.n_layers_in_recurrent_block * steps;
+        let core = match strategy {
+            CacheStrategy::Compress { stride, .. } => core.min(stride),
+            _ => core,
+        };
+        self.cfg.n_layers_in_prelude + self.cfg.n_layers_in_coda + core
+    }
+
+    fn prepare_ar(
+        &self,
+        spec: GenerateSpec,
+        a: &ArParams,
+    ) -> Result<Prepared<Program>, RequestError> {
+        let bad = |m: String| Err(RequestError::InvalidArgument(m));
+        let num_steps = a.num_steps.unwrap_or(self.cfg.mean_recurrence);
+        if num_steps == 0 || num_steps > MAX_NUM_STEPS {
+            return bad(format!(
+                "ar.num_steps must be in 1..={MAX_NUM_STEPS}, got {num_steps}"
+            ));
+        }
+        let strategy_name = a.cache_lookup_strategy.as_deref().unwrap_or("full");
+        let strategy: CacheStrategy = strategy_name
+            .parse()
+            .map_err(|e| RequestError::InvalidArgument(format!("ar.cache_lookup_strategy: {e}")))?;
+        let init_scale = a.init_scale.unwrap_or(1.0);
+        if !init_scale.is_finite() || !(0.0..=100.0).contains(&init_scale) {
+            return bad(format!(
+                "ar.init_scale must be in [0, 100], got {init_scale}"
+            ));
+        }
+        if let Some(eps) = a.exit_threshold {
+            if !eps.is_finite() || eps <= 0.0 || eps > 1.0 {
+                return bad(format!("ar.exit_threshold must be in (0, 1], got {eps}"));
+            }
+        }
+        let positions = spec.prompt_ids.len() + spec.max_new_tokens;
+        let draws = match (&spec.replay_draws, init_scale) {
+            (_, s) if s == 0.0 => DrawSource::Zeros,
+            (Some(r), _) => {
+                // Row p of an AR replay is position p's initial state.
+                let needed = positions - 1;
+                if r.rows() < needed {
+                    return bad(format!(
+                        "replayed draws hold {} rows; this request needs {needed}",
+                        r.rows()
+                    ));
+                }
+                DrawSource::replay(r.clone())
+            }
+            (None, s) => DrawSource::seeded(
+                spec.sampling.seed,
+                self.cfg.init_std(f64::from(s)),
+                self.cfg.embed_scale(),
+            ),
+        };
+        let slots = positions * self.cache_layers(strategy, num_steps);
+        let prompt_tokens = spec.prompt_ids.len();
+        let program = ArProgram {
+            cache: HuginnCache::with_capacity(strategy, positions),
+            pending: spec.prompt_ids,
+            num_steps,
+            exit_threshold: a.exit_threshold,
+            draws,
+            sampler: TokenSampler::new(spec.sampling),
+            max_new_tokens: spec.max_new_tokens,
+            stop_token_ids: spec.stop_token_ids,
+            generated: 0,
+            stats: Stats::default(),
+        };
+        Ok(Prepared {
+            program: Program::Ar(program),
+            slots,
+            prompt_tokens,
+        })
+    }
+}
+
+impl Planner for HuginnPlanner {
+    type Program = Program;
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<Program>, RequestError> {
+        spec.validate_common(self.cfg.vocab_size, self.cfg.block_size)?;
+        match spec.scheme.clone() {
+            SchemeParams::Ar(a) => self.prepare_ar(spec, &a),
+            other => Err(RequestError::InvalidArgument(format!(
+                "scheme `{}` is not served for recurrent-depth models yet; use `ar`",
+                other.name()
+            ))),
+        }
+    }
+
+    /// Huginn's recipe: encode with the template `<|begin_text|> $A
+    /// <|end_text|>` and drop the trailing `<|end_text|>`.
+    fn encode_prompt(&self, tokenizer: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
+        let mut ids = tokenizer.encode(text, true).map_err(|e| e.to_string())?;
+        if self.end_text_id.is_some() && ids.last().copied() == self.end_text_id {
+            ids.pop();
+        }
+        Ok(ids)
+    }
+}
+
+/// The family: owns the model on the engine thread.
+pub struct HuginnFamily {
+    model: Huginn,
+}
+
+impl HuginnFamily {
+    pub fn new(model: Huginn) -> Self {
+        Self { model }
+    }
+}
+
+impl Family for HuginnFamily {
+    type Program = Program;
+
+    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), String> {
+        // Group the batch by scheme; each group runs its packed calls.
+        let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
+        for a in batch.iter_mut() {
+            let Active {
+                program, outbox, ..
+            } = &mut **a;
+            match program {
+                Program::Ar(p) => ar_group.push(ar::Entry { program: p, outbox }),
+            }
+        }
+        ar::tick(&self.model, &mut ar_group).map_err(|e| e.to_string())
+    }
+}
+
+/// Loads a Huginn checkpoint and starts its engine.
+pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let cfg = HuginnConfig::from_json(files.config_json())?;
+    let tokenizer = match files.tokenizer() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
+            None
+        }
+    };
+    let planner = Arc::new(HuginnPlanner::new(
+        cfg.clone(),
+        opts.name.clone(),
+        tokenizer.as_ref(),
+    ));
+    let bytes_per_slot = 2 * cfg.n_embd * opts.dtype.size_in_bytes();
+    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
+        .unwrap_or(usize::MAX)
+        .min(u32::MAX as usize);
+    if total_slots == 0 {
+        return Err(SchemeError::InvalidOption(format!(
+            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
+            opts.memory_budget_bytes
+        )));
+    }
+    let engine_cfg = EngineConfig {
+        total_slots,
+        queue_capacity: opts.queue_capacity,
+        max_active: opts.max_active,
+    };
+    let (device, dtype) = (opts.device.clone(), opts.dtype);
+    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, ?dtype, "starting recurrent-depth engine");
+    let handle = Engine::start(engine_cfg, move || {
+        let vb = files
+            .var_builder(dtype, &device)
+            .map_err(|e| e.to_string())?;
+        let model = Huginn::load(vb, cfg).map_err(|e| e.to_string())?;
+        Ok(HuginnFamily::new(model))
+    })
+    .map_err(SchemeError::Engine)?;
+    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+}

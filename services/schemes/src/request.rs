@@ -1,0 +1,216 @@
+//! The request as the engine's families see it: token ids and typed scheme
+//! parameters, with protobuf and command-line types left at the edge.
+//!
+//! Parameter names follow the upstream research code (see each field).
+
+use std::sync::Arc;
+use wavefront_engine::RequestError;
+
+/// One generation request, validated field by field by [`GenerateSpec::validate_common`]
+/// and by the family's planner.
+#[derive(Debug, Clone)]
+pub struct GenerateSpec {
+    pub prompt_ids: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub scheme: SchemeParams,
+    /// Recorded random draws to replay instead of the seeded RNG (tests,
+    /// reproduction of reference runs).
+    pub replay_draws: Option<Arc<ReplayDraws>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 0 or 1 disables.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let bad = |m: String| Err(RequestError::InvalidArgument(m));
+        if !self.temperature.is_finite() || !(0.0..=100.0).contains(&self.temperature) {
+            return bad(format!(
+                "sampling.temperature must be in [0, 100] (0 is greedy), got {}",
+                self.temperature
+            ));
+        }
+        if !self.top_p.is_finite() || !(0.0..=1.0).contains(&self.top_p) {
+            return bad(format!(
+                "sampling.top_p must be in [0, 1] (0 or 1 disables it), got {}",
+                self.top_p
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The decoding scheme and its parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SchemeParams {
+    /// `ar`: one token per step.
+    Ar(ArParams),
+    /// `diffusion-forcing`: the recurrent-depth wavefront sampler.
+    DiffusionForcing(DiffusionForcingParams),
+}
+
+impl SchemeParams {
+    /// The scheme's command-line / API name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SchemeParams::Ar(_) => "ar",
+            SchemeParams::DiffusionForcing(_) => "diffusion-forcing",
+        }
+    }
+}
+
+/// Autoregressive decoding (upstream `generate_minimal` /
+/// `generate_with_adaptive_compute` for recurrent depth).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ArParams {
+    /// Recurrence steps per token (`num_steps`); `None`: the model's default.
+    pub num_steps: Option<usize>,
+    /// Upstream `cache_lookup_strategy`; `None`: "full".
+    pub cache_lookup_strategy: Option<String>,
+    /// Upstream `init_scale`; `None`: 1.0.
+    pub init_scale: Option<f32>,
+    /// Adaptive exit threshold on the latent's relative change (upstream
+    /// `exit_threshold` with the "latent-diff" criterion); `None`: static.
+    pub exit_threshold: Option<f32>,
+}
+
+/// Which freeze test the diffusion-forcing sampler applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FreezeTest {
+    /// Compare each position with its own previous state (the paper).
+    #[default]
+    Aligned,
+    /// Reproduce the reference code, which right after a freeze compares
+    /// positions with other positions' previous states.
+    Upstream,
+}
+
+/// Diffusion-forcing sampler parameters (upstream `generate_diffusion_style`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiffusionForcingParams {
+    pub num_steps: Option<usize>,
+    pub inner_recurrence: usize,
+    pub exit_t: f32,
+    pub ema_embeds: f32,
+    pub state_noise_mixing: f32,
+    pub headway: usize,
+    pub max_wavefront: usize,
+    pub init_scale: f32,
+    pub cache_lookup_strategy: String,
+    pub freeze_test: FreezeTest,
+}
+
+impl Default for DiffusionForcingParams {
+    /// The paper's conservative settings.
+    fn default() -> Self {
+        Self {
+            num_steps: None,
+            inner_recurrence: 4,
+            exit_t: 0.03,
+            ema_embeds: 0.1,
+            state_noise_mixing: 0.0,
+            headway: 1,
+            max_wavefront: 128,
+            init_scale: 1.0,
+            cache_lookup_strategy: "latest-m4-compress-s4".into(),
+            freeze_test: FreezeTest::Aligned,
+        }
+    }
+}
+
+/// Random draws recorded from a reference run, consumed in call order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayDraws {
+    /// Values per row.
+    pub dim: usize,
+    /// Row-major rows, `rows * dim` values.
+    pub data: Vec<f32>,
+}
+
+impl ReplayDraws {
+    pub fn rows(&self) -> usize {
+        if self.dim == 0 {
+            0
+        } else {
+            self.data.len() / self.dim
+        }
+    }
+}
+
+impl GenerateSpec {
+    /// Checks every family shares: prompt present, ids in the vocabulary,
+    /// lengths within the model's limits, sampling ranges.
+    pub fn validate_common(
+        &self,
+        vocab_size: usize,
+        max_context: usize,
+    ) -> Result<(), RequestError> {
+        let bad = |m: String| Err(RequestError::InvalidArgument(m));
+        if self.prompt_ids.is_empty() {
+            return bad("prompt is empty: give prompt text or at least one token id".into());
+        }
+        if let Some((i, id)) = self
+            .prompt_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab_size)
+        {
+            return bad(format!(
+                "prompt token id {id} at index {i} is outside the vocabulary (size {vocab_size})"
+            ));
+        }
+        if let Some(id) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab_size)
+        {
+            return bad(format!(
+                "stop token id {id} is outside the vocabulary (size {vocab_size})"
+            ));
+        }
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens must be at least 1".into());
+        }
+        if self.prompt_ids.len() >= max_context {
+            return Err(RequestError::TooLarge(format!(
+                "prompt has {} tokens but the model's context limit is {max_context}; shorten the prompt",
+                self.prompt_ids.len()
+            )));
+        }
+        if self.prompt_ids.len() + self.max_new_tokens > max_context {
+            return bad(format!(
+                "prompt ({} tokens) + max_new_tokens ({}) exceeds the model's context limit of {max_context}; \
+                 lower max_new_tokens to at most {}",
+                self.prompt_ids.len(),
+                self.max_new_tokens,
+                max_context - self.prompt_ids.len()
+            ));
+        }
+        self.sampling.validate()
+    }
+}

@@ -1,0 +1,177 @@
+//! A loaded model behind its engine: the one seam the services use.
+//!
+//! [`load_model`] reads a model directory (or the embedded default model),
+//! picks the family from its config, starts the engine thread (the weights
+//! load on that thread, with a ready handshake) and returns a
+//! [`ServedModel`]: validate-and-submit a [`GenerateSpec`], read the load.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use wavefront_engine::{
+    EngineError, EngineHandle, EngineLoad, EventSink, Prepared, RequestError, RequestId, Submission,
+};
+use wavefront_models::{ModelFamily, ModelFiles, TextTokenizer};
+
+use crate::request::GenerateSpec;
+use crate::SchemeError;
+
+/// What clients may know about a served model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    /// "recurrent_depth", "recurrent_memory", "masked_diffusion", "slot_diffusion".
+    pub family: &'static str,
+    pub schemes: Vec<&'static str>,
+    pub vocab_size: usize,
+    /// Longest prompt + max_new_tokens accepted.
+    pub max_context: usize,
+}
+
+/// Validates requests for one model and builds their programs; runs on the
+/// caller's thread so bad input is answered before anything is queued.
+pub trait Planner: Send + Sync + 'static {
+    type Program: Send + 'static;
+    fn info(&self) -> &ModelInfo;
+    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<Self::Program>, RequestError>;
+    /// Turns prompt text into ids the way the model's reference code does.
+    fn encode_prompt(&self, tokenizer: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
+        tokenizer.encode(text, true).map_err(|e| e.to_string())
+    }
+}
+
+/// A model being served, independent of its family.
+pub trait ServedModel: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+    fn tokenizer(&self) -> Option<&TextTokenizer>;
+    /// Prompt text to ids (the family's convention for special tokens).
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// Ids to text, special tokens kept (empty without a tokenizer).
+    fn decode(&self, ids: &[u32]) -> String;
+    /// Validates and queues a request; events arrive through `sink`.
+    fn submit(
+        &self,
+        spec: GenerateSpec,
+        sink: Box<dyn EventSink>,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Result<RequestId, EngineError>;
+    fn load(&self) -> EngineLoad;
+    /// Fails everything in flight and stops the engine thread.
+    fn shutdown(&self);
+}
+
+/// The generic [`ServedModel`]: a planner plus the engine running its family.
+pub struct Served<P: Planner> {
+    planner: Arc<P>,
+    handle: EngineHandle<P::Program>,
+    tokenizer: Option<TextTokenizer>,
+}
+
+impl<P: Planner> Served<P> {
+    pub fn new(
+        planner: Arc<P>,
+        handle: EngineHandle<P::Program>,
+        tokenizer: Option<TextTokenizer>,
+    ) -> Self {
+        Self {
+            planner,
+            handle,
+            tokenizer,
+        }
+    }
+}
+
+impl<P: Planner> ServedModel for Served<P> {
+    fn info(&self) -> &ModelInfo {
+        self.planner.info()
+    }
+
+    fn tokenizer(&self) -> Option<&TextTokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String> {
+        let tok = self
+            .tokenizer
+            .as_ref()
+            .ok_or("this model has no tokenizer; send token ids")?;
+        self.planner.encode_prompt(tok, text)
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids, false).ok())
+            .unwrap_or_default()
+    }
+
+    fn submit(
+        &self,
+        spec: GenerateSpec,
+        sink: Box<dyn EventSink>,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Result<RequestId, EngineError> {
+        let prepared = self.planner.prepare(spec)?;
+        self.handle.submit(Submission {
+            prepared,
+            sink,
+            deadline,
+            span,
+        })
+    }
+
+    fn load(&self) -> EngineLoad {
+        self.handle.load()
+    }
+
+    fn shutdown(&self) {
+        self.handle.shutdown();
+    }
+}
+
+/// How to load and size a served model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Served name; default: the directory's name (or "default" when embedded).
+    pub name: String,
+    pub device: Device,
+    pub dtype: DType,
+    /// Device memory given to the slot pool (K/V and latent states).
+    pub memory_budget_bytes: u64,
+    pub queue_capacity: usize,
+    /// Requests ticked together at most.
+    pub max_active: usize,
+    /// Diffusion-forcing: slots reserved per request are its maximum
+    /// wavefront times this multiplier.
+    pub occupancy_multiplier: f32,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            name: "default".into(),
+            device: Device::Cpu,
+            dtype: DType::F32,
+            memory_budget_bytes: 256 << 20,
+            queue_capacity: 64,
+            max_active: 32,
+            occupancy_multiplier: 1.0,
+        }
+    }
+}
+
+/// Loads `files` with the family its config names and starts its engine.
+pub fn load_model(
+    files: ModelFiles,
+    opts: LoadOptions,
+) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    match files.family()? {
+        ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
+        other => Err(SchemeError::Unsupported(format!(
+            "model family {other:?} is not served yet"
+        ))),
+    }
+}

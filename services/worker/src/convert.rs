@@ -1,0 +1,149 @@
+//! Protobuf <-> domain conversions (the only place both kinds of type meet).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::Status;
+use wavefront_engine::{FinishReason, Stats};
+use wavefront_proto::v1 as pb;
+use wavefront_schemes::{
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
+    SchemeParams, ServedModel,
+};
+
+/// Turns a public request into a spec for `model`: tokenizes text prompts
+/// and fills scheme defaults. Range checks happen in the family's planner.
+pub fn spec_from_proto(
+    req: &pb::GenerateRequest,
+    model: &dyn ServedModel,
+) -> Result<GenerateSpec, Status> {
+    let prompt_ids = match &req.prompt {
+        None => {
+            return Err(Status::invalid_argument(
+                "prompt is missing: set `text` or `token_ids`",
+            ))
+        }
+        Some(pb::generate_request::Prompt::Text(t)) => {
+            if t.is_empty() {
+                return Err(Status::invalid_argument("prompt text is empty"));
+            }
+            model
+                .encode_prompt(t)
+                .map_err(|e| Status::invalid_argument(format!("cannot tokenize prompt: {e}")))?
+        }
+        Some(pb::generate_request::Prompt::TokenIds(ids)) => ids.ids.clone(),
+    };
+    let sampling = req.sampling.clone().unwrap_or_default();
+    let seed = sampling.seed.unwrap_or_else(random_seed);
+    let sampling = SamplingParams {
+        temperature: sampling.temperature,
+        top_k: sampling.top_k as usize,
+        top_p: if sampling.top_p == 0.0 {
+            1.0
+        } else {
+            sampling.top_p
+        },
+        seed,
+    };
+    let scheme = match &req.scheme {
+        None => SchemeParams::Ar(ArParams::default()),
+        Some(pb::generate_request::Scheme::Ar(a)) => SchemeParams::Ar(ArParams {
+            num_steps: a.num_steps.map(|n| n as usize),
+            cache_lookup_strategy: non_empty(&a.cache_lookup_strategy),
+            init_scale: a.init_scale,
+            exit_threshold: a.exit_threshold,
+        }),
+        Some(pb::generate_request::Scheme::DiffusionForcing(d)) => {
+            let def = DiffusionForcingParams::default();
+            SchemeParams::DiffusionForcing(DiffusionForcingParams {
+                num_steps: d.num_steps.map(|n| n as usize),
+                inner_recurrence: d.inner_recurrence.map_or(def.inner_recurrence, |n| n as usize),
+                exit_t: d.exit_t.unwrap_or(def.exit_t),
+                ema_embeds: d.ema_embeds.unwrap_or(def.ema_embeds),
+                state_noise_mixing: d.state_noise_mixing.unwrap_or(def.state_noise_mixing),
+                headway: d.headway.map_or(def.headway, |n| n as usize),
+                max_wavefront: d.max_wavefront.map_or(def.max_wavefront, |n| n as usize),
+                init_scale: d.init_scale.unwrap_or(def.init_scale),
+                cache_lookup_strategy: non_empty(&d.cache_lookup_strategy).unwrap_or(def.cache_lookup_strategy),
+                freeze_test: match d.freeze_test.as_str() {
+                    "" | "aligned" => FreezeTest::Aligned,
+                    "upstream" => FreezeTest::Upstream,
+                    other => {
+                        return Err(Status::invalid_argument(format!(
+                            "diffusion_forcing.freeze_test must be `aligned` or `upstream`, got {other:?}"
+                        )))
+                    }
+                },
+            })
+        }
+    };
+    Ok(GenerateSpec {
+        prompt_ids,
+        max_new_tokens: req.max_new_tokens as usize,
+        stop_token_ids: req.stop_token_ids.clone(),
+        sampling,
+        scheme,
+        replay_draws: None::<Arc<ReplayDraws>>,
+    })
+}
+
+fn non_empty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+pub fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::StopToken => pb::FinishReason::StopToken,
+        FinishReason::StopString => pb::FinishReason::StopString,
+        FinishReason::ContextLimit => pb::FinishReason::ContextLimit,
+    }
+}
+
+pub fn stats(s: &Stats, seed: u64) -> pb::GenerationStats {
+    pb::GenerationStats {
+        prompt_tokens: s.prompt_tokens,
+        generated_tokens: s.generated_tokens,
+        forward_passes: s.forward_passes,
+        recurrence_steps: s.recurrence_steps,
+        ticks: s.ticks,
+        queue_time_ms: s.queue_time.as_secs_f64() * 1e3,
+        compute_time_ms: s.compute_time.as_secs_f64() * 1e3,
+        tokens_per_second: s.tokens_per_second(),
+        seed,
+        counters: s.counters.clone().into_iter().collect(),
+        series: s
+            .series
+            .iter()
+            .map(|(k, v)| (k.clone(), pb::UintList { values: v.clone() }))
+            .collect(),
+    }
+}
+
+pub fn model_info(i: &wavefront_schemes::ModelInfo) -> pb::ModelInfo {
+    pb::ModelInfo {
+        name: i.name.clone(),
+        family: i.family.to_owned(),
+        schemes: i.schemes.iter().map(|s| (*s).to_owned()).collect(),
+        vocab_size: i.vocab_size as u32,
+        max_context: i.max_context as u32,
+    }
+}
+
+/// The deadline the client set with the standard `grpc-timeout` header.
+pub fn deadline_from_metadata(
+    md: &tonic::metadata::MetadataMap,
+) -> Result<Option<Instant>, Status> {
+    wavefront_proto::timeout::deadline(md).map_err(Status::invalid_argument)
+}

@@ -1,0 +1,298 @@
+//! From engine events to what a client reads: text deltas and a final result.
+//!
+//! Text is decoded incrementally (a delta is emitted only once it no longer
+//! ends in an incomplete UTF-8 sequence) and checked against the request's
+//! stop strings. Text that could still turn into a stop string is held back,
+//! so a streamed client never sees text that the final result cuts.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use wavefront_engine::{EngineError, Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_schemes::{GenerateSpec, ServedModel};
+
+/// What one batch of tokens produced for the client.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Delta {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// A stop string matched: the request is over.
+    pub stopped: bool,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub stats: Stats,
+    pub seed: u64,
+}
+
+/// Accumulates tokens and text for one request.
+pub struct OutputAssembler {
+    stop_strings: Vec<String>,
+    ids: Vec<u32>,
+    /// Decoded text of `ids[..read]` that is final.
+    text: String,
+    /// Bytes of `text` already handed out.
+    emitted: usize,
+    /// Decoding window: ids from `prefix` on are re-decoded together.
+    prefix: usize,
+    read: usize,
+    stopped: bool,
+    hold_back: usize,
+}
+
+impl OutputAssembler {
+    pub fn new(stop_strings: Vec<String>) -> Self {
+        let hold_back = stop_strings
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(0)
+            .saturating_sub(1);
+        Self {
+            stop_strings,
+            ids: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            prefix: 0,
+            read: 0,
+            stopped: false,
+            hold_back,
+        }
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    pub fn token_ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Adds newly final tokens; `decode` turns ids into text.
+    pub fn push(&mut self, new: &[u32], decode: &dyn Fn(&[u32]) -> String) -> Delta {
+        if self.stopped {
+            return Delta {
+                stopped: true,
+                ..Delta::default()
+            };
+        }
+        self.ids.extend_from_slice(new);
+        // Decode the window; emit once it does not end mid-character.
+        let prev = decode(&self.ids[self.prefix..self.read]);
+        let full = decode(&self.ids[self.prefix..]);
+        if full.len() > prev.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prev) {
+            self.text.push_str(&full[prev.len()..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        let search_from = self.emitted.saturating_sub(self.hold_back);
+        let hit = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| {
+                self.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| i + search_from)
+            })
+            .min();
+        if let Some(cut) = hit {
+            self.text.truncate(cut);
+            self.stopped = true;
+            let text = self.text.get(self.emitted..).unwrap_or("").to_owned();
+            self.emitted = self.text.len();
+            return Delta {
+                token_ids: new.to_vec(),
+                text,
+                stopped: true,
+            };
+        }
+        let mut safe = self
+            .text
+            .len()
+            .saturating_sub(self.hold_back)
+            .max(self.emitted);
+        while !self.text.is_char_boundary(safe) {
+            safe -= 1;
+        }
+        let text = self.text[self.emitted..safe].to_owned();
+        self.emitted = safe;
+        Delta {
+            token_ids: new.to_vec(),
+            text,
+            stopped: false,
+        }
+    }
+
+    /// At the end: decode whatever is left (even an incomplete character) and
+    /// hand out the held-back text.
+    pub fn finish(&mut self, decode: &dyn Fn(&[u32]) -> String) -> String {
+        if !self.stopped && self.read < self.ids.len() {
+            let prev = decode(&self.ids[self.prefix..self.read]);
+            let full = decode(&self.ids[self.prefix..]);
+            self.text.push_str(full.get(prev.len()..).unwrap_or(&full));
+            self.read = self.ids.len();
+        }
+        let rest = self.text.get(self.emitted..).unwrap_or("").to_owned();
+        self.emitted = self.text.len();
+        rest
+    }
+
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+/// Decoder closure for a model (no tokenizer: empty text).
+pub fn decoder(model: &dyn ServedModel) -> impl Fn(&[u32]) -> String + '_ {
+    move |ids: &[u32]| model.decode(ids)
+}
+
+/// A sink over a bounded std channel, for callers without an async runtime.
+struct StdSink(
+    mpsc::SyncSender<Event>,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+);
+
+impl EventSink for StdSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.0.try_send(event).map_err(|e| match e {
+            mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
+            mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+    fn is_closed(&self) -> bool {
+        self.1.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// Runs one request to completion on `model` without any server (the
+/// offline `wavefront run` path); `on_delta` sees every streamed delta.
+pub fn generate_blocking(
+    model: &dyn ServedModel,
+    spec: GenerateSpec,
+    stop_strings: Vec<String>,
+    timeout: Option<Duration>,
+    mut on_delta: impl FnMut(&Delta),
+) -> Result<Finished, EngineError> {
+    let (tx, rx) = mpsc::sync_channel(256);
+    let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seed = spec.sampling.seed;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    model.submit(
+        spec,
+        Box::new(StdSink(tx, closed.clone())),
+        deadline,
+        tracing::Span::current(),
+    )?;
+    let decode = decoder(model);
+    let mut out = OutputAssembler::new(stop_strings);
+    loop {
+        let event = rx.recv().map_err(|_| EngineError::ShutDown)?;
+        match event {
+            Event::Tokens(ids) => {
+                let delta = out.push(&ids, &decode);
+                on_delta(&delta);
+                if delta.stopped {
+                    // Leaving frees the request's slots at the next tick.
+                    closed.store(true, std::sync::atomic::Ordering::Release);
+                    let mut stats = Stats {
+                        generated_tokens: out.token_ids().len() as u32,
+                        ..Stats::default()
+                    };
+                    stats.counters.insert("stopped_by_string".into(), 1);
+                    return Ok(Finished {
+                        token_ids: out.token_ids().to_vec(),
+                        text: out.text().to_owned(),
+                        finish_reason: FinishReason::StopString,
+                        stats,
+                        seed,
+                    });
+                }
+            }
+            Event::Finished { reason, stats } => {
+                let rest = out.finish(&decode);
+                if !rest.is_empty() {
+                    on_delta(&Delta {
+                        token_ids: Vec::new(),
+                        text: rest,
+                        stopped: false,
+                    });
+                }
+                return Ok(Finished {
+                    token_ids: out.token_ids().to_vec(),
+                    text: out.text().to_owned(),
+                    finish_reason: reason,
+                    stats,
+                    seed,
+                });
+            }
+            Event::Failed(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A toy "tokenizer": id n decodes to the n-th char of this table; ids
+    // 100/101 are the two halves of a multi-byte character.
+    fn decode(ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &i in ids {
+            match i {
+                100 => bytes.extend_from_slice(&[0xC3]),
+                101 => bytes.extend_from_slice(&[0xA9]),
+                n => bytes.push(b'a' + (n as u8 % 26)),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    #[test]
+    fn multibyte_characters_are_not_split() {
+        let mut a = OutputAssembler::new(vec![]);
+        let d1 = a.push(&[0], &decode);
+        let d2 = a.push(&[100], &decode);
+        let d3 = a.push(&[101], &decode);
+        assert_eq!(d1.text, "a");
+        assert_eq!(d2.text, "");
+        assert_eq!(d3.text, "é");
+        assert_eq!(a.finish(&decode), "");
+        assert_eq!(a.text(), "aé");
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_held_back_text_is_never_streamed_past_the_cut() {
+        let mut a = OutputAssembler::new(vec!["cd".into()]);
+        let mut streamed = String::new();
+        for id in [0u32, 1, 2, 3, 4] {
+            let d = a.push(&[id], &decode);
+            streamed.push_str(&d.text);
+            if d.stopped {
+                break;
+            }
+        }
+        assert!(a.is_stopped());
+        assert_eq!(a.text(), "ab");
+        assert_eq!(streamed, "ab");
+        assert_eq!(a.token_ids(), &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn streamed_deltas_concatenate_to_the_final_text() {
+        let mut a = OutputAssembler::new(vec!["zz".into()]);
+        let mut streamed = String::new();
+        for id in [0u32, 1, 100, 101, 2, 3] {
+            streamed.push_str(&a.push(&[id], &decode).text);
+        }
+        streamed.push_str(&a.finish(&decode));
+        assert_eq!(streamed, a.text());
+        assert_eq!(a.text(), "abécd");
+    }
+}

@@ -1,0 +1,86 @@
+//! Binding and running the worker's gRPC server.
+//!
+//! Health (`grpc.health.v1`) and reflection run beside the two APIs. On
+//! shutdown the worker drains: load reports and health say not serving, new
+//! requests get UNAVAILABLE, in-flight requests get up to `drain_timeout`
+//! to finish, then the server stops.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+use wavefront_proto::v1::generation_server::GenerationServer;
+use wavefront_proto::worker::v1::worker_server::WorkerServer;
+
+use crate::service::WorkerService;
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// How long in-flight requests may run after shutdown begins.
+    pub drain_timeout: Duration,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+const SERVICES: [&str; 3] = ["", "wavefront.v1.Generation", "wavefront.worker.v1.Worker"];
+
+/// Serves `service` on `listener` until `shutdown` resolves and draining ends.
+pub async fn serve(
+    service: WorkerService,
+    listener: TcpListener,
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    for name in SERVICES {
+        reporter
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let drain = {
+        let service = service.clone();
+        async move {
+            shutdown.await;
+            tracing::info!("shutdown requested: draining");
+            service.set_ready(false);
+            for name in SERVICES {
+                reporter
+                    .set_service_status(name, ServingStatus::NotServing)
+                    .await;
+            }
+            let start = Instant::now();
+            while service.in_flight() > 0 && start.elapsed() < config.drain_timeout {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if service.in_flight() > 0 {
+                tracing::warn!(
+                    in_flight = service.in_flight(),
+                    "drain timeout: stopping with requests in flight"
+                );
+            }
+            for m in service.models() {
+                m.shutdown();
+            }
+        }
+    };
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(GenerationServer::new(service.clone()))
+        .add_service(WorkerServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,378 @@
+//! The worker's gRPC services: public `Generation` and the router's `Worker`.
+//!
+//! A request's life: extract the caller's trace context, convert and
+//! validate (INVALID_ARGUMENT / NOT_FOUND at once), submit to the engine with
+//! a bounded per-request channel, and return a stream that reads engine
+//! events, assembles text and ends with a `done` message. Dropping the stream
+//! (client cancelled, deadline hit, stop string seen) drops the channel's
+//! receiver; the engine sees the closed sink and frees the request's slots
+//! at its next tick.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_proto::v1 as pb;
+use wavefront_proto::worker::v1 as wpb;
+use wavefront_schemes::ServedModel;
+
+use crate::convert;
+use crate::output::{decoder, OutputAssembler};
+use crate::status::from_engine_error;
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+
+/// Events buffered per request before the engine pauses it.
+const EVENT_BUFFER: usize = 64;
+
+struct TokioSink(mpsc::Sender<Event>);
+
+impl EventSink for TokioSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.0.try_send(event).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(ev) => (SinkError::Full, ev),
+            mpsc::error::TrySendError::Closed(ev) => (SinkError::Closed, ev),
+        })
+    }
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// Both gRPC services of a worker, over the models it serves.
+#[derive(Clone)]
+pub struct WorkerService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    models: Vec<Arc<dyn ServedModel>>,
+    worker_id: String,
+    ready: AtomicBool,
+}
+
+impl WorkerService {
+    pub fn new(models: Vec<Arc<dyn ServedModel>>, worker_id: String) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                models,
+                worker_id,
+                ready: AtomicBool::new(true),
+            }),
+        }
+    }
+
+    /// Marks the worker as draining: load reports say not ready and new
+    /// requests get UNAVAILABLE.
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.ready.store(ready, Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::Acquire)
+    }
+
+    pub fn models(&self) -> &[Arc<dyn ServedModel>] {
+        &self.inner.models
+    }
+
+    /// Requests in flight across all models (for draining).
+    pub fn in_flight(&self) -> usize {
+        self.inner
+            .models
+            .iter()
+            .map(|m| {
+                let l = m.load();
+                l.active + l.queued
+            })
+            .sum()
+    }
+
+    fn pick(&self, name: &str) -> Result<Arc<dyn ServedModel>, Status> {
+        let models = &self.inner.models;
+        if name.is_empty() {
+            return match models.as_slice() {
+                [only] => Ok(only.clone()),
+                _ => Err(Status::invalid_argument(format!(
+                    "this worker serves {} models; set `model` to one of: {}",
+                    models.len(),
+                    self.model_names()
+                ))),
+            };
+        }
+        models
+            .iter()
+            .find(|m| m.info().name == name)
+            .cloned()
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "model {name:?} is not served here; served: {}",
+                    self.model_names()
+                ))
+            })
+    }
+
+    fn model_names(&self) -> String {
+        self.inner
+            .models
+            .iter()
+            .map(|m| m.info().name.clone())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Validates and submits; returns the response stream.
+    fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        if !self.is_ready() {
+            return Err(Status::unavailable(
+                "worker is draining; retry on another worker",
+            ));
+        }
+        let deadline = convert::deadline_from_metadata(request.metadata())?;
+        let span = tracing::info_span!(
+            "request",
+            otel.name = "worker.generate",
+            model = tracing::field::Empty,
+            scheme = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            output_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+        );
+        wavefront_telemetry::extract_parent(&span, request.metadata());
+        let req = request.into_inner();
+        let model = self.pick(&req.model)?;
+        let spec = convert::spec_from_proto(&req, model.as_ref())?;
+        span.record("model", model.info().name.as_str());
+        span.record("scheme", spec.scheme.name());
+        span.record("prompt_tokens", spec.prompt_ids.len());
+        let seed = spec.sampling.seed;
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        model
+            .submit(spec, Box::new(TokioSink(tx)), deadline, span.clone())
+            .map_err(|e| from_engine_error(&e))?;
+        tracing::debug!(parent: &span, "submitted");
+        Ok(response_stream(model, rx, req.stop_strings, seed, span))
+    }
+}
+
+struct StreamState {
+    model: Arc<dyn ServedModel>,
+    rx: Option<mpsc::Receiver<Event>>,
+    out: OutputAssembler,
+    pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
+    seed: u64,
+    span: tracing::Span,
+}
+
+/// Reads engine events and yields protobuf stream messages; ends after `done`.
+fn response_stream(
+    model: Arc<dyn ServedModel>,
+    rx: mpsc::Receiver<Event>,
+    stop_strings: Vec<String>,
+    seed: u64,
+    span: tracing::Span,
+) -> EventStream {
+    let state = StreamState {
+        model,
+        rx: Some(rx),
+        out: OutputAssembler::new(stop_strings),
+        pending: VecDeque::new(),
+        seed,
+        span,
+    };
+    Box::pin(futures::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(item) = st.pending.pop_front() {
+                return Some((item, st));
+            }
+            let event = st.rx.as_mut()?.recv().await;
+            st.on_event(event);
+        }
+    }))
+}
+
+impl StreamState {
+    fn on_event(&mut self, event: Option<Event>) {
+        let model = self.model.clone();
+        let decode = decoder(model.as_ref());
+        match event {
+            Some(Event::Tokens(ids)) => {
+                let delta = self.out.push(&ids, &decode);
+                self.pending
+                    .push_back(Ok(chunk(delta.token_ids, delta.text)));
+                if delta.stopped {
+                    // Dropping the receiver frees the slots at the next tick.
+                    self.rx = None;
+                    let stats = Stats {
+                        generated_tokens: self.out.token_ids().len() as u32,
+                        ..Stats::default()
+                    };
+                    let msg = done(self, FinishReason::StopString, &stats);
+                    self.pending.push_back(Ok(msg));
+                }
+            }
+            Some(Event::Finished { reason, stats }) => {
+                self.rx = None;
+                let rest = self.out.finish(&decode);
+                if !rest.is_empty() {
+                    self.pending.push_back(Ok(chunk(Vec::new(), rest)));
+                }
+                let msg = done(self, reason, &stats);
+                self.pending.push_back(Ok(msg));
+            }
+            Some(Event::Failed(e)) => {
+                self.rx = None;
+                tracing::info!(parent: &self.span, error = %e, "request failed");
+                self.pending.push_back(Err(from_engine_error(&e)));
+            }
+            None => {
+                self.rx = None;
+                self.pending.push_back(Err(Status::unavailable(
+                    "engine stopped before the request finished",
+                )));
+            }
+        }
+    }
+}
+
+fn chunk(token_ids: Vec<u32>, text: String) -> pb::GenerateStreamResponse {
+    pb::GenerateStreamResponse {
+        event: Some(pb::generate_stream_response::Event::Tokens(
+            pb::TokenChunk { token_ids, text },
+        )),
+    }
+}
+
+fn done(st: &StreamState, reason: FinishReason, stats: &Stats) -> pb::GenerateStreamResponse {
+    st.span.record("output_tokens", st.out.token_ids().len());
+    st.span.record("finish_reason", reason.as_str());
+    tracing::info!(parent: &st.span, tokens = st.out.token_ids().len(), finish_reason = reason.as_str(), "request finished");
+    pb::GenerateStreamResponse {
+        event: Some(pb::generate_stream_response::Event::Done(
+            pb::GenerateResponse {
+                model: st.model.info().name.clone(),
+                text: st.out.text().to_owned(),
+                token_ids: st.out.token_ids().to_vec(),
+                finish_reason: convert::finish_reason(reason) as i32,
+                stats: Some(convert::stats(stats, st.seed)),
+            },
+        )),
+    }
+}
+
+/// Collects a response stream into the unary response.
+async fn collect(mut stream: EventStream) -> Result<pb::GenerateResponse, Status> {
+    while let Some(item) = stream.next().await {
+        if let Some(pb::generate_stream_response::Event::Done(done)) = item?.event {
+            return Ok(done);
+        }
+    }
+    Err(Status::internal(
+        "response stream ended without a final message",
+    ))
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for WorkerService {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
+        let stream = self.start(request)?;
+        collect(stream).await.map(Response::new)
+    }
+
+    type GenerateStreamStream = EventStream;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        self.start(request).map(Response::new)
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let models = self
+            .inner
+            .models
+            .iter()
+            .map(|m| convert::model_info(m.info()))
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}
+
+impl WorkerService {
+    /// The current load report.
+    pub fn load_report(&self) -> wpb::LoadReport {
+        wpb::LoadReport {
+            worker_id: self.inner.worker_id.clone(),
+            ready: self.is_ready(),
+            models: self
+                .inner
+                .models
+                .iter()
+                .map(|m| {
+                    let l = m.load();
+                    wpb::ModelLoad {
+                        model: Some(convert::model_info(m.info())),
+                        total_slots: l.total_slots as u32,
+                        free_slots: l.free_slots as u32,
+                        queued_requests: l.queued as u32,
+                        active_requests: l.active as u32,
+                        queue_capacity: l.queue_capacity as u32,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+type LoadStream = Pin<Box<dyn Stream<Item = Result<wpb::LoadReport, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl wpb::worker_server::Worker for WorkerService {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        self.start(request).map(Response::new)
+    }
+
+    async fn get_load(
+        &self,
+        _request: Request<wpb::LoadRequest>,
+    ) -> Result<Response<wpb::LoadReport>, Status> {
+        Ok(Response::new(self.load_report()))
+    }
+
+    type WatchLoadStream = LoadStream;
+
+    async fn watch_load(
+        &self,
+        request: Request<wpb::LoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let ms = match request.into_inner().interval_ms {
+            0 => 500,
+            n => n.clamp(10, 60_000),
+        };
+        let this = self.clone();
+        let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
+            Duration::from_millis(u64::from(ms)),
+        ));
+        Ok(Response::new(Box::pin(
+            ticks.map(move |_| Ok(this.load_report())),
+        )))
+    }
+}

@@ -1,0 +1,27 @@
+//! The one mapping from domain errors to gRPC status codes.
+
+use tonic::{Code, Status};
+use wavefront_engine::{EngineError, RequestError};
+
+pub fn from_request_error(e: &RequestError) -> Status {
+    match e {
+        RequestError::InvalidArgument(m) => Status::invalid_argument(m.clone()),
+        RequestError::TooLarge(m) => Status::invalid_argument(m.clone()),
+    }
+}
+
+pub fn from_engine_error(e: &EngineError) -> Status {
+    match e {
+        EngineError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::TooLarge { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::Invalid(r) => from_request_error(r),
+        EngineError::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
+        EngineError::StepFailed(_) => Status::internal(e.to_string()),
+        EngineError::ShutDown => Status::unavailable(format!("{e}; retry on another worker")),
+    }
+}
+
+/// Whether a status from a worker means "try another worker".
+pub fn is_retryable(code: Code) -> bool {
+    matches!(code, Code::Unavailable | Code::ResourceExhausted)
+}
