@@ -109,11 +109,15 @@ impl<P: Send + 'static> EngineHandle<P> {
         }
         let needed = sub.prepared.slots;
         if needed > self.config.total_slots {
-            return Err(EngineError::TooLarge { needed, total: self.config.total_slots });
+            return Err(EngineError::TooLarge {
+                needed,
+                total: self.config.total_slots,
+            });
         }
         // Reserve a queue place up front so a burst cannot overrun the bound.
         let capacity = self.config.queue_capacity;
-        let waiting = self.load.queued.load(Ordering::Acquire) + self.load.in_flight.fetch_add(1, Ordering::AcqRel);
+        let waiting = self.load.queued.load(Ordering::Acquire)
+            + self.load.in_flight.fetch_add(1, Ordering::AcqRel);
         if waiting >= capacity {
             self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(EngineError::QueueFull { capacity });
@@ -136,7 +140,8 @@ impl<P: Send + 'static> EngineHandle<P> {
         EngineLoad {
             total_slots: self.config.total_slots,
             free_slots: self.load.free_slots.load(Ordering::Acquire),
-            queued: self.load.queued.load(Ordering::Acquire) + self.load.in_flight.load(Ordering::Acquire),
+            queued: self.load.queued.load(Ordering::Acquire)
+                + self.load.in_flight.load(Ordering::Acquire),
             active: self.load.active.load(Ordering::Acquire),
             queue_capacity: self.config.queue_capacity,
             ticks: self.load.ticks.load(Ordering::Acquire),
@@ -164,7 +169,10 @@ pub struct Engine;
 impl Engine {
     /// Starts the step loop. `make_family` runs on the engine thread; its
     /// error (a model that fails to load) is returned here.
-    pub fn start<F, M>(config: EngineConfig, make_family: M) -> Result<EngineHandle<F::Program>, String>
+    pub fn start<F, M>(
+        config: EngineConfig,
+        make_family: M,
+    ) -> Result<EngineHandle<F::Program>, String>
     where
         F: Family,
         M: FnOnce() -> Result<F, String> + Send + 'static,
@@ -199,12 +207,24 @@ impl Engine {
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err("engine thread died during start-up".into()),
         }
-        Ok(EngineHandle { tx, load, next_id: Arc::new(AtomicU64::new(1)), config, thread: Some(Arc::new(thread)) })
+        Ok(EngineHandle {
+            tx,
+            load,
+            next_id: Arc::new(AtomicU64::new(1)),
+            config,
+            thread: Some(Arc::new(thread)),
+        })
     }
 }
 
-fn run_loop<F: Family>(mut family: F, cfg: EngineConfig, rx: Receiver<Command<F::Program>>, load: &LoadCounters) {
-    let mut sched = Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active);
+fn run_loop<F: Family>(
+    mut family: F,
+    cfg: EngineConfig,
+    rx: Receiver<Command<F::Program>>,
+    load: &LoadCounters,
+) {
+    let mut sched =
+        Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active);
     // While nothing can run (clients not reading, queue head not fitting),
     // wait this long for a command instead of spinning.
     const IDLE_POLL: Duration = Duration::from_millis(2);
@@ -246,11 +266,23 @@ fn run_loop<F: Family>(mut family: F, cfg: EngineConfig, rx: Receiver<Command<F:
 }
 
 /// Applies one command; `false` means stop the loop.
-fn accept<F: Family>(sched: &mut Scheduler<F::Program>, family: &mut F, load: &LoadCounters, cmd: Command<F::Program>) -> bool {
+fn accept<F: Family>(
+    sched: &mut Scheduler<F::Program>,
+    family: &mut F,
+    load: &LoadCounters,
+    cmd: Command<F::Program>,
+) -> bool {
     match cmd {
         Command::Submit(id, sub, submitted_at) => {
             load.in_flight.fetch_sub(1, Ordering::AcqRel);
-            let w = Waiting { id, prepared: sub.prepared, sink: sub.sink, deadline: sub.deadline, submitted_at, span: sub.span };
+            let w = Waiting {
+                id,
+                prepared: sub.prepared,
+                sink: sub.sink,
+                deadline: sub.deadline,
+                submitted_at,
+                span: sub.span,
+            };
             if let Err((mut w, err)) = sched.enqueue(w) {
                 let _ = w.sink.try_send(Event::Failed(err));
             }
@@ -264,7 +296,8 @@ fn accept<F: Family>(sched: &mut Scheduler<F::Program>, family: &mut F, load: &L
 }
 
 fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
-    load.free_slots.store(sched.pool().free(), Ordering::Release);
+    load.free_slots
+        .store(sched.pool().free(), Ordering::Release);
     load.queued.store(sched.queued(), Ordering::Release);
     load.active.store(sched.running(), Ordering::Release);
     load.ticks.store(sched.ticks(), Ordering::Release);

@@ -87,7 +87,8 @@ impl Outbox {
     /// Ends the request with an error that concerns only this request.
     pub fn fail(&mut self, message: impl Into<String>) {
         if !self.done {
-            self.events.push(Event::Failed(EngineError::StepFailed(message.into())));
+            self.events
+                .push(Event::Failed(EngineError::StepFailed(message.into())));
             self.done = true;
         }
     }

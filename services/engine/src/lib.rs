@@ -28,7 +28,9 @@ pub mod scheduler;
 pub mod slots;
 pub mod stats;
 
-pub use engine::{Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, SinkError, Submission};
+pub use engine::{
+    Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, SinkError, Submission,
+};
 pub use error::EngineError;
 pub use family::{Active, Event, Family, FinishReason, Outbox, Prepared, RequestError};
 pub use ids::{RequestId, SlotId};

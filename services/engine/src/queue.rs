@@ -16,7 +16,10 @@ pub struct AdmissionQueue<T> {
 
 impl<T> AdmissionQueue<T> {
     pub fn new(capacity: usize) -> Self {
-        Self { items: VecDeque::with_capacity(capacity.min(1024)), capacity }
+        Self {
+            items: VecDeque::with_capacity(capacity.min(1024)),
+            capacity,
+        }
     }
 
     pub fn capacity(&self) -> usize {

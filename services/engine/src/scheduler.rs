@@ -93,11 +93,16 @@ impl<P: Send + 'static> Scheduler<P> {
     /// Queues a request; a full queue hands it back with the error to send.
     pub fn enqueue(&mut self, w: Waiting<P>) -> Result<(), (Waiting<P>, EngineError)> {
         if w.prepared.slots > self.pool.total() {
-            let err = EngineError::TooLarge { needed: w.prepared.slots, total: self.pool.total() };
+            let err = EngineError::TooLarge {
+                needed: w.prepared.slots,
+                total: self.pool.total(),
+            };
             return Err((w, err));
         }
         let capacity = self.queue.capacity();
-        self.queue.push(w).map_err(|w| (w, EngineError::QueueFull { capacity }))
+        self.queue
+            .push(w)
+            .map_err(|w| (w, EngineError::QueueFull { capacity }))
     }
 
     /// One engine iteration: reap, admit, tick, deliver.
@@ -110,15 +115,26 @@ impl<P: Send + 'static> Scheduler<P> {
         report
     }
 
-    fn reap<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant, report: &mut StepReport) {
+    fn reap<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        now: Instant,
+        report: &mut StepReport,
+    ) {
         // Waiting requests whose client left or whose deadline passed.
-        let gone = self.queue.drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now));
+        let gone = self
+            .queue
+            .drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now));
         for mut w in gone {
             if w.sink.is_closed() {
                 report.cancelled += 1;
             } else {
                 report.expired += 1;
-                let _ = w.sink.try_send(Event::Failed(EngineError::DeadlineExceeded { generated: 0 }));
+                let _ = w
+                    .sink
+                    .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                        generated: 0,
+                    }));
             }
         }
         // Running requests: cancelled or expired ones leave now.
@@ -135,7 +151,11 @@ impl<P: Send + 'static> Scheduler<P> {
                 } else {
                     report.expired += 1;
                     r.backlog.clear();
-                    let _ = r.sink.try_send(Event::Failed(EngineError::DeadlineExceeded { generated: r.generated }));
+                    let _ = r
+                        .sink
+                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                            generated: r.generated,
+                        }));
                 }
                 self.retire(family, r);
             } else {
@@ -147,8 +167,13 @@ impl<P: Send + 'static> Scheduler<P> {
     fn admit(&mut self, now: Instant, report: &mut StepReport) {
         while self.running.len() < self.max_active {
             let free = self.pool.free();
-            let Some(w) = self.queue.pop_if(|w| w.prepared.slots <= free) else { break };
-            let slots = self.pool.alloc(w.prepared.slots).expect("checked free slots above");
+            let Some(w) = self.queue.pop_if(|w| w.prepared.slots <= free) else {
+                break;
+            };
+            let slots = self
+                .pool
+                .alloc(w.prepared.slots)
+                .expect("checked free slots above");
             let queue_time = now.saturating_duration_since(w.submitted_at);
             tracing::debug!(parent: &w.span, request = %w.id, slots = slots.len(), ?queue_time, "admitted");
             self.running.push(Running {
@@ -174,8 +199,9 @@ impl<P: Send + 'static> Scheduler<P> {
     }
 
     fn tick<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
-        let ready: Vec<usize> =
-            (0..self.running.len()).filter(|&i| self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done).collect();
+        let ready: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done)
+            .collect();
         if ready.is_empty() {
             return;
         }

@@ -25,7 +25,11 @@ impl SlotPool {
         let total_u32 = u32::try_from(total).expect("slot pool larger than u32::MAX");
         // Pop from the end: lowest ids are handed out first.
         let free = (0..total_u32).rev().map(SlotId).collect();
-        Self { total, free, held: vec![false; total] }
+        Self {
+            total,
+            free,
+            held: vec![false; total],
+        }
     }
 
     pub fn total(&self) -> usize {
@@ -61,7 +65,10 @@ impl SlotPool {
     pub fn release(&mut self, slots: impl IntoIterator<Item = SlotId>) {
         for s in slots {
             let idx = s.0 as usize;
-            assert!(idx < self.total && self.held[idx], "release of {s} which is not held");
+            assert!(
+                idx < self.total && self.held[idx],
+                "release of {s} which is not held"
+            );
             self.held[idx] = false;
             self.free.push(s);
         }
@@ -86,7 +93,10 @@ mod tests {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![(0usize..12).prop_map(Op::Alloc), (0usize..8).prop_map(Op::Release)]
+        prop_oneof![
+            (0usize..12).prop_map(Op::Alloc),
+            (0usize..8).prop_map(Op::Release)
+        ]
     }
 
     proptest! {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FinishReason, Prepared, RequestId, SinkError,
-    Stats, Submission,
+    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FinishReason, Prepared,
+    RequestId, SinkError, Stats, Submission,
 };
 
 /// Emits one token per tick until `len` tokens, or fails at tick `fail_at`.
@@ -36,7 +36,10 @@ impl Family for FakeFamily {
         let mut seen = HashSet::new();
         for a in batch.iter() {
             for s in &a.slots {
-                assert!(seen.insert(*s), "slot {s} shared by two programs in one tick");
+                assert!(
+                    seen.insert(*s),
+                    "slot {s} shared by two programs in one tick"
+                );
             }
         }
         if self.fail_whole_tick_at == Some(self.ticks) {
@@ -82,7 +85,14 @@ impl EventSink for TestSink {
 fn sink(bound: usize) -> (Box<dyn EventSink>, mpsc::Receiver<Event>, Arc<AtomicBool>) {
     let (tx, rx) = mpsc::sync_channel(bound);
     let closed = Arc::new(AtomicBool::new(false));
-    (Box::new(TestSink { tx, closed: closed.clone() }), rx, closed)
+    (
+        Box::new(TestSink {
+            tx,
+            closed: closed.clone(),
+        }),
+        rx,
+        closed,
+    )
 }
 
 #[derive(Debug, Clone)]
@@ -104,14 +114,16 @@ fn req() -> impl Strategy<Value = Req> {
         prop::option::weighted(0.1, 0u32..6),
         0u64..12,
     )
-        .prop_map(|(slots, len, fail_at, cancel_at_tick, deadline_ticks, arrive_at)| Req {
-            slots,
-            len,
-            fail_at,
-            cancel_at_tick,
-            deadline_ticks,
-            arrive_at,
-        })
+        .prop_map(
+            |(slots, len, fail_at, cancel_at_tick, deadline_ticks, arrive_at)| Req {
+                slots,
+                len,
+                fail_at,
+                cancel_at_tick,
+                deadline_ticks,
+                arrive_at,
+            },
+        )
 }
 
 proptest! {
@@ -181,7 +193,15 @@ fn a_full_queue_is_an_error_not_growth() {
         let (s, _rx, _c) = sink(4);
         Waiting {
             id: RequestId(i),
-            prepared: Prepared { program: Countdown { len: 1, emitted: 0, fail_at: None }, slots: 1, prompt_tokens: 1 },
+            prepared: Prepared {
+                program: Countdown {
+                    len: 1,
+                    emitted: 0,
+                    fail_at: None,
+                },
+                slots: 1,
+                prompt_tokens: 1,
+            },
             sink: s,
             deadline: None,
             submitted_at: Instant::now(),
@@ -202,7 +222,15 @@ fn a_slow_reader_pauses_only_itself() {
     for (i, s) in [(1, slow), (2, fast)] {
         let w = Waiting {
             id: RequestId(i),
-            prepared: Prepared { program: Countdown { len: 5, emitted: 0, fail_at: None }, slots: 1, prompt_tokens: 1 },
+            prepared: Prepared {
+                program: Countdown {
+                    len: 5,
+                    emitted: 0,
+                    fail_at: None,
+                },
+                slots: 1,
+                prompt_tokens: 1,
+            },
             sink: s,
             deadline: None,
             submitted_at: Instant::now(),
@@ -224,18 +252,46 @@ fn a_slow_reader_pauses_only_itself() {
         sched.step(&mut fam, Instant::now());
     }
     slow_events.extend(slow_rx.try_iter());
-    let tokens: Vec<u32> = slow_events.iter().filter_map(|e| if let Event::Tokens(t) = e { Some(t[0]) } else { None }).collect();
+    let tokens: Vec<u32> = slow_events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Tokens(t) = e {
+                Some(t[0])
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(tokens, vec![0, 1, 2, 3, 4]);
     assert_eq!(sched.pool().free(), 4);
 }
 
 #[test]
 fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
-    let cfg = EngineConfig { total_slots: 8, queue_capacity: 4, max_active: 8 };
+    let cfg = EngineConfig {
+        total_slots: 8,
+        queue_capacity: 4,
+        max_active: 8,
+    };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(64);
-    let prepared = Prepared { program: Countdown { len: 3, emitted: 0, fail_at: None }, slots: 2, prompt_tokens: 1 };
-    handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap();
+    let prepared = Prepared {
+        program: Countdown {
+            len: 3,
+            emitted: 0,
+            fail_at: None,
+        },
+        slots: 2,
+        prompt_tokens: 1,
+    };
+    handle
+        .submit(Submission {
+            prepared,
+            sink: s,
+            deadline: None,
+            span: tracing::Span::none(),
+        })
+        .unwrap();
     let mut toks = Vec::new();
     loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
@@ -252,32 +308,93 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
 
     // A long request whose client goes away: its slots come back.
     let (s, rx, closed) = sink(1);
-    let prepared = Prepared { program: Countdown { len: usize::MAX, emitted: 0, fail_at: None }, slots: 5, prompt_tokens: 1 };
-    handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap();
-    let _ = rx.recv_timeout(Duration::from_secs(10)).expect("first token");
+    let prepared = Prepared {
+        program: Countdown {
+            len: usize::MAX,
+            emitted: 0,
+            fail_at: None,
+        },
+        slots: 5,
+        prompt_tokens: 1,
+    };
+    handle
+        .submit(Submission {
+            prepared,
+            sink: s,
+            deadline: None,
+            span: tracing::Span::none(),
+        })
+        .unwrap();
+    let _ = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("first token");
     closed.store(true, Ordering::Release);
     drop(rx);
     let t = Instant::now();
     while handle.load().free_slots != 8 {
-        assert!(t.elapsed() < Duration::from_secs(10), "slots not freed: {:?}", handle.load());
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "slots not freed: {:?}",
+            handle.load()
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     // Too large for the pool: refused at once.
     let (s, _rx, _c) = sink(1);
-    let prepared = Prepared { program: Countdown { len: 1, emitted: 0, fail_at: None }, slots: 9, prompt_tokens: 1 };
-    let err = handle.submit(Submission { prepared, sink: s, deadline: None, span: tracing::Span::none() }).unwrap_err();
-    assert_eq!(err, EngineError::TooLarge { needed: 9, total: 8 });
+    let prepared = Prepared {
+        program: Countdown {
+            len: 1,
+            emitted: 0,
+            fail_at: None,
+        },
+        slots: 9,
+        prompt_tokens: 1,
+    };
+    let err = handle
+        .submit(Submission {
+            prepared,
+            sink: s,
+            deadline: None,
+            span: tracing::Span::none(),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        EngineError::TooLarge {
+            needed: 9,
+            total: 8
+        }
+    );
     handle.shutdown();
 }
 
 #[test]
 fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
-    let cfg = EngineConfig { total_slots: 4, queue_capacity: 4, max_active: 4 };
+    let cfg = EngineConfig {
+        total_slots: 4,
+        queue_capacity: 4,
+        max_active: 4,
+    };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(1_000_000);
-    let prepared = Prepared { program: Countdown { len: usize::MAX, emitted: 0, fail_at: None }, slots: 3, prompt_tokens: 1 };
+    let prepared = Prepared {
+        program: Countdown {
+            len: usize::MAX,
+            emitted: 0,
+            fail_at: None,
+        },
+        slots: 3,
+        prompt_tokens: 1,
+    };
     let deadline = Some(Instant::now() + Duration::from_millis(50));
-    handle.submit(Submission { prepared, sink: s, deadline, span: tracing::Span::none() }).unwrap();
+    handle
+        .submit(Submission {
+            prepared,
+            sink: s,
+            deadline,
+            span: tracing::Span::none(),
+        })
+        .unwrap();
     let failed = loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Failed(e) => break e,

@@ -47,7 +47,9 @@ impl std::str::FromStr for LogFormat {
         match s {
             "text" => Ok(Self::Text),
             "json" => Ok(Self::Json),
-            other => Err(format!("log format must be `text` or `json`, got {other:?}")),
+            other => Err(format!(
+                "log format must be `text` or `json`, got {other:?}"
+            )),
         }
     }
 }
@@ -92,11 +94,15 @@ impl Drop for TelemetryGuard {
 /// Installs the global subscriber and propagator. Must run inside a tokio
 /// runtime when an OTLP endpoint is set (the exporter's channel needs one).
 pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
-    let filter = EnvFilter::try_new(&cfg.log_filter).map_err(|e| TelemetryError::Filter(cfg.log_filter.clone(), e.to_string()))?;
+    let filter = EnvFilter::try_new(&cfg.log_filter)
+        .map_err(|e| TelemetryError::Filter(cfg.log_filter.clone(), e.to_string()))?;
     // Logs go to stderr: stdout is reserved for machine-readable output
     // (`wavefront run --json`, the address line of `serve`).
     let fmt_layer = match cfg.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(true).boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_target(true)
+            .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
             .with_current_span(true)
@@ -112,7 +118,9 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
                 .with_endpoint(endpoint.clone())
                 .build()
                 .map_err(|e| TelemetryError::Exporter(endpoint.clone(), e.to_string()))?;
-            let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sampling_ratio.clamp(0.0, 1.0))));
+            let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                cfg.sampling_ratio.clamp(0.0, 1.0),
+            )));
             let provider = SdkTracerProvider::builder()
                 .with_batch_exporter(exporter)
                 .with_sampler(sampler)
@@ -124,7 +132,10 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
                 )
                 .build();
             let tracer = provider.tracer(cfg.service_name.clone());
-            (Some(tracing_opentelemetry::layer().with_tracer(tracer)), Some(provider))
+            (
+                Some(tracing_opentelemetry::layer().with_tracer(tracer)),
+                Some(provider),
+            )
         }
         None => (None, None),
     };

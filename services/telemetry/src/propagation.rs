@@ -32,7 +32,10 @@ pub struct MetadataInjector<'a>(pub &'a mut MetadataMap);
 
 impl Injector for MetadataInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(k), Ok(v)) = (MetadataKey::from_bytes(key.as_bytes()), MetadataValue::try_from(value.as_str())) {
+        if let (Ok(k), Ok(v)) = (
+            MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value.as_str()),
+        ) {
             self.0.insert(k, v);
         }
     }
@@ -40,12 +43,15 @@ impl Injector for MetadataInjector<'_> {
 
 /// Makes `span` a child of the trace context found in `metadata`, if any.
 pub fn extract_parent(span: &tracing::Span, metadata: &MetadataMap) {
-    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&MetadataExtractor(metadata)));
+    let cx =
+        opentelemetry::global::get_text_map_propagator(|p| p.extract(&MetadataExtractor(metadata)));
     let _ = span.set_parent(cx);
 }
 
 /// Writes `span`'s trace context into `metadata` for the next hop.
 pub fn inject_current(span: &tracing::Span, metadata: &mut MetadataMap) {
     let cx = span.context();
-    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MetadataInjector(metadata)));
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut MetadataInjector(metadata))
+    });
 }
