@@ -19,6 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        .codec_path("crate::codec::StrictCodec")
         .file_descriptor_set_path(out.join("wavefront_descriptor.bin"))
         .compile_protos(&protos, &[root])?;
     Ok(())

@@ -4,6 +4,8 @@
 
 #![allow(clippy::all, clippy::pedantic)]
 
+pub mod codec;
+
 pub mod v1 {
     tonic::include_proto!("wavefront.v1");
 }
@@ -39,7 +41,15 @@ pub mod timeout {
         })
     }
 
-    /// The caller's deadline, if it sent one; an error message for a malformed header.
+    /// Headroom kept before the caller's deadline: tonic's server enforces
+    /// `grpc-timeout` itself and answers CANCELLED, so wavefront answers
+    /// DEADLINE_EXCEEDED (and frees the request's slots) this much earlier.
+    pub fn margin(timeout: Duration) -> Duration {
+        (timeout / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
+    }
+
+    /// The deadline to enforce for a call whose caller sent `grpc-timeout`
+    /// (already shortened by [`margin`]); an error message for a malformed header.
     pub fn deadline(md: &tonic::metadata::MetadataMap) -> Result<Option<Instant>, String> {
         let Some(v) = md.get("grpc-timeout") else {
             return Ok(None);
@@ -47,9 +57,38 @@ pub mod timeout {
         let s = v
             .to_str()
             .map_err(|_| "grpc-timeout header is not ASCII".to_owned())?;
-        parse(s)
-            .map(|d| Some(Instant::now() + d))
-            .ok_or_else(|| format!("grpc-timeout header {s:?} is malformed"))
+        let d = parse(s).ok_or_else(|| format!("grpc-timeout header {s:?} is malformed"))?;
+        Ok(Some(Instant::now() + d - margin(d)))
+    }
+
+    /// Formats a timeout for the header (milliseconds, at least 1).
+    pub fn format(d: Duration) -> String {
+        let ms = d.as_millis().clamp(1, 99_999_999);
+        format!("{ms}m")
+    }
+
+    type Boxed<T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T, tonic::Status>> + Send>>;
+
+    /// Ends `stream` with DEADLINE_EXCEEDED if it is still running at `deadline`
+    /// (dropping it, which cancels the work behind it).
+    pub fn with_deadline<T: Send + 'static>(
+        stream: Boxed<T>,
+        deadline: Option<Instant>,
+    ) -> Boxed<T> {
+        let Some(deadline) = deadline else {
+            return stream;
+        };
+        let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
+        Box::pin(futures::stream::unfold(
+            Some((stream, sleep)),
+            |state| async move {
+                let (mut stream, mut sleep) = state?;
+                tokio::select! {
+                    item = futures::StreamExt::next(&mut stream) => item.map(|i| (i, Some((stream, sleep)))),
+                    _ = &mut sleep => Some((Err(tonic::Status::deadline_exceeded("deadline exceeded while generating; partial output discarded")), None)),
+                }
+            },
+        ))
     }
 
     #[cfg(test)]

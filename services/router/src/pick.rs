@@ -120,6 +120,7 @@ mod tests {
                     queued_requests: queued,
                     active_requests: 0,
                     queue_capacity: 10,
+                    ticks: 0,
                 }],
             }),
         }

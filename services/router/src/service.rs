@@ -83,7 +83,12 @@ impl RouterService {
                         "deadline passed before a worker was called",
                     ));
                 }
-                req.set_timeout(left);
+                // The header alone: the worker enforces it (a client-side
+                // timer would answer CANCELLED instead of DEADLINE_EXCEEDED).
+                let value = wavefront_proto::timeout::format(left)
+                    .parse()
+                    .expect("ascii timeout");
+                req.metadata_mut().insert("grpc-timeout", value);
             }
             span.record("worker", w.addr.to_string().as_str());
             wavefront_telemetry::inject_current(&span, req.metadata_mut());
@@ -93,12 +98,13 @@ impl RouterService {
                     tracing::debug!(parent: &span, worker = %w.addr, "forwarded");
                     let stream = resp.into_inner();
                     let span2 = span.clone();
-                    return Ok(Box::pin(stream.map(move |item| {
+                    let relayed: EventStream = Box::pin(stream.map(move |item| {
                         if let Err(s) = &item {
                             tracing::info!(parent: &span2, code = ?s.code(), "worker stream ended with error");
                         }
                         item
-                    })));
+                    }));
+                    return Ok(wavefront_proto::timeout::with_deadline(relayed, deadline));
                 }
                 // Unreachable or draining (UNAVAILABLE) or full (RESOURCE_EXHAUSTED):
                 // nothing ran there yet, so another worker may take it.

@@ -157,7 +157,10 @@ impl WorkerService {
             .submit(spec, Box::new(TokioSink(tx)), deadline, span.clone())
             .map_err(|e| from_engine_error(&e))?;
         tracing::debug!(parent: &span, "submitted");
-        Ok(response_stream(model, rx, req.stop_strings, seed, span))
+        Ok(wavefront_proto::timeout::with_deadline(
+            response_stream(model, rx, req.stop_strings, seed, span),
+            deadline,
+        ))
     }
 }
 
@@ -330,6 +333,7 @@ impl WorkerService {
                         queued_requests: l.queued as u32,
                         active_requests: l.active as u32,
                         queue_capacity: l.queue_capacity as u32,
+                        ticks: l.ticks,
                     }
                 })
                 .collect(),

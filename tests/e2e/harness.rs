@@ -1,0 +1,155 @@
+//! Starting real `wavefront` processes on 127.0.0.1 port 0 and waiting for
+//! them on gRPC health (never on sleeps).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_wavefront")
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// A child process killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Proc {
+    /// Sends SIGTERM (graceful shutdown) and waits for the exit status.
+    #[allow(dead_code)]
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let status = self.child.wait().expect("wait");
+        std::mem::forget(self);
+        status
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `wavefront ARGS` and waits for its "listening on ADDR" line.
+pub fn spawn(args: &[&str]) -> Proc {
+    let mut child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn wavefront");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(addr) = line.split("listening on ").nth(1) {
+                let _ = tx.send(addr.trim().to_owned());
+            }
+        }
+    });
+    let addr = match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(a) => a.parse().expect("address line"),
+        Err(_) => {
+            let _ = child.kill();
+            panic!("wavefront {args:?} did not report its address");
+        }
+    };
+    Proc { child, addr }
+}
+
+pub async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect")
+}
+
+/// Waits until `service` reports SERVING on the standard health API.
+pub async fn wait_serving(addr: SocketAddr, service: &str) {
+    let start = Instant::now();
+    loop {
+        if let Ok(ch) = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+        {
+            let mut h = HealthClient::new(ch);
+            // `watch` streams status changes: no polling interval needed.
+            if let Ok(resp) = h
+                .watch(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+            {
+                let mut stream = resp.into_inner();
+                while let Ok(Some(msg)) = stream.message().await {
+                    if msg.status == ServingStatus::Serving as i32 {
+                        return;
+                    }
+                }
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{addr} never became healthy"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A worker on the fixture model and a router in front of it.
+pub struct Stack {
+    pub worker: Proc,
+    pub router: Proc,
+}
+
+pub async fn stack(worker_args: &[&str]) -> Stack {
+    let model = fixture("huginn");
+    let mut args = vec![
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+        "--served-name",
+        "huginn-tiny",
+    ];
+    args.extend_from_slice(worker_args);
+    let worker = spawn(&args);
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let workers = worker.addr.to_string();
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &workers,
+        "--refresh-ms",
+        "200",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    Stack { worker, router }
+}
