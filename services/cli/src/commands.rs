@@ -237,11 +237,9 @@ pub async fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = std::io::stdout();
     while let Some(msg) = stream.message().await.map_err(status_error)? {
         match msg.event {
-            Some(pb::generate_stream_response::Event::Tokens(chunk)) => {
-                if !a.json {
-                    write!(out, "{}", chunk.text)?;
-                    out.flush()?;
-                }
+            Some(pb::generate_stream_response::Event::Tokens(chunk)) if !a.json => {
+                write!(out, "{}", chunk.text)?;
+                out.flush()?;
             }
             Some(pb::generate_stream_response::Event::Done(done)) => {
                 if a.json {
@@ -251,7 +249,7 @@ pub async fn generate(a: GenerateArgs) -> Result<()> {
                 }
                 return Ok(());
             }
-            None => {}
+            _ => {}
         }
     }
     bail!("the stream ended without a final message")

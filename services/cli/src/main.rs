@@ -61,8 +61,17 @@ enum Command {
     Run(commands::RunArgs),
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     if !(0.0..=1.0).contains(&cli.trace_sampling_ratio) {
         anyhow::bail!(
             "--trace-sampling-ratio must be in [0, 1], got {}",

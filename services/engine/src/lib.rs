@@ -19,6 +19,10 @@
 //! The crate knows no gRPC, no async runtime and no tensors: families plug in
 //! through the [`Family`] trait, and transports plug in through [`EventSink`].
 
+// Rejections hand the rejected item back by value (like `TrySendError`),
+// which makes some `Err` variants large on purpose.
+#![allow(clippy::result_large_err)]
+
 pub mod engine;
 pub mod error;
 pub mod family;

@@ -138,7 +138,7 @@ impl Discovery {
         table.retain(|addr, w| {
             let silent = w
                 .last_seen
-                .map_or(true, |t| now.duration_since(t) > cfg.forget_after);
+                .is_none_or(|t| now.duration_since(t) > cfg.forget_after);
             let keep = resolved.contains(addr) || !silent;
             if !keep {
                 tracing::info!(worker = %addr, "worker forgotten");

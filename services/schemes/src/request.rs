@@ -154,11 +154,7 @@ pub struct ReplayDraws {
 
 impl ReplayDraws {
     pub fn rows(&self) -> usize {
-        if self.dim == 0 {
-            0
-        } else {
-            self.data.len() / self.dim
-        }
+        self.data.len().checked_div(self.dim).unwrap_or(0)
     }
 }
 

@@ -33,7 +33,7 @@ pub fn spec_from_proto(
         }
         Some(pb::generate_request::Prompt::TokenIds(ids)) => ids.ids.clone(),
     };
-    let sampling = req.sampling.clone().unwrap_or_default();
+    let sampling = req.sampling.unwrap_or_default();
     let seed = sampling.seed.unwrap_or_else(random_seed);
     let sampling = SamplingParams {
         temperature: sampling.temperature,

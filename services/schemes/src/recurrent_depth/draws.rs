@@ -20,7 +20,11 @@ pub enum DrawSource {
     /// All-zero states (`init_scale = 0`).
     Zeros,
     /// Truncated normal with the given standard deviation, then scaled.
-    Seeded { rng: StdRng, std: f64, scale: f64 },
+    Seeded {
+        rng: Box<StdRng>,
+        std: f64,
+        scale: f64,
+    },
     /// Recorded rows, in call order.
     Replay {
         draws: Arc<ReplayDraws>,
@@ -34,7 +38,7 @@ impl DrawSource {
             return Self::Zeros;
         }
         Self::Seeded {
-            rng: StdRng::seed_from_u64(seed),
+            rng: Box::new(StdRng::seed_from_u64(seed)),
             std,
             scale,
         }

@@ -1,0 +1,228 @@
+//! Hugging Face model directories and embedded checkpoints.
+//!
+//! A model is the usual Hugging Face layout: `config.json`, weights in `model.safetensors` or
+//! sharded through `model.safetensors.index.json` (its `weight_map` names the shard of every
+//! tensor), `tokenizer.json` and optionally `tokenizer_config.json`. On disk the weights are
+//! memory-mapped; the CLI can also embed a small checkpoint in the binary and hand the bytes to
+//! [`ModelFiles::from_embedded`]. Either way [`ModelFiles::var_builder`] yields a candle
+//! `VarBuilder` whose paths are the checkpoint's tensor names, and [`detect_family`] reads
+//! `model_type` / `architectures` to pick the model family.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use serde::de::DeserializeOwned;
+
+use crate::error::{ModelError, Result};
+use crate::tokenizer::TextTokenizer;
+
+const CONFIG: &str = "config.json";
+const WEIGHTS: &str = "model.safetensors";
+const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
+const TOKENIZER: &str = "tokenizer.json";
+const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+
+/// Where the safetensors weights live.
+#[derive(Debug, Clone)]
+enum Weights {
+    /// One or more safetensors files, memory-mapped on demand.
+    Files(Vec<PathBuf>),
+    /// A safetensors image held in memory for the life of the program.
+    Embedded(&'static [u8]),
+}
+
+/// The files of one model: raw config and tokenizer documents plus a handle on the weights.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    config_json: String,
+    weights: Weights,
+    tokenizer_json: Vec<u8>,
+    tokenizer_config_json: Option<String>,
+}
+
+impl ModelFiles {
+    /// Reads a Hugging Face model directory. Weights are not read here, only located.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config_json = read_string(&dir.join(CONFIG))?;
+        let single = dir.join(WEIGHTS);
+        let index = dir.join(WEIGHTS_INDEX);
+        let weights = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            shard_paths(dir, &read_string(&index)?)?
+        } else {
+            return Err(ModelError::Io {
+                path: single,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("neither {WEIGHTS} nor {WEIGHTS_INDEX} exists"),
+                ),
+            });
+        };
+        let tokenizer_path = dir.join(TOKENIZER);
+        let tokenizer_json = std::fs::read(&tokenizer_path).map_err(|source| ModelError::Io {
+            path: tokenizer_path,
+            source,
+        })?;
+        let tokenizer_config_path = dir.join(TOKENIZER_CONFIG);
+        let tokenizer_config_json = if tokenizer_config_path.is_file() {
+            Some(read_string(&tokenizer_config_path)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            config_json,
+            weights: Weights::Files(weights),
+            tokenizer_json,
+            tokenizer_config_json,
+        })
+    }
+
+    /// A model compiled into the binary: `config.json` text, a `model.safetensors` image and
+    /// `tokenizer.json` bytes.
+    pub fn from_embedded(
+        config: &'static str,
+        weights: &'static [u8],
+        tokenizer: &'static [u8],
+    ) -> Self {
+        Self {
+            config_json: config.to_owned(),
+            weights: Weights::Embedded(weights),
+            tokenizer_json: tokenizer.to_vec(),
+            tokenizer_config_json: None,
+        }
+    }
+
+    /// The raw `config.json` text.
+    pub fn config_json(&self) -> &str {
+        &self.config_json
+    }
+
+    /// `config.json` as a JSON value.
+    pub fn config_value(&self) -> Result<serde_json::Value> {
+        self.parse_config()
+    }
+
+    /// `config.json` deserialized into a model's config type.
+    pub fn parse_config<T: DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_str(&self.config_json).map_err(|source| ModelError::Json {
+            what: CONFIG.to_owned(),
+            source,
+        })
+    }
+
+    /// The family named by `config.json`.
+    pub fn family(&self) -> Result<ModelFamily> {
+        detect_family(&self.config_value()?)
+    }
+
+    /// The raw `tokenizer_config.json` text, if the directory has one.
+    pub fn tokenizer_config_json(&self) -> Option<&str> {
+        self.tokenizer_config_json.as_deref()
+    }
+
+    /// Loads `tokenizer.json`.
+    pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        TextTokenizer::from_bytes(&self.tokenizer_json)
+    }
+
+    /// The safetensors files backing the weights (empty for an embedded model).
+    pub fn weight_files(&self) -> &[PathBuf] {
+        match &self.weights {
+            Weights::Files(files) => files,
+            Weights::Embedded(_) => &[],
+        }
+    }
+
+    /// A `VarBuilder` over the checkpoint that converts every tensor to `dtype` on `device`.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+        let vb = match &self.weights {
+            // SAFETY: the mapped files must not be modified while the model is alive; model
+            // directories are treated as read-only for the life of the process.
+            Weights::Files(files) => unsafe {
+                VarBuilder::from_mmaped_safetensors(files, dtype, device)?
+            },
+            Weights::Embedded(bytes) => VarBuilder::from_slice_safetensors(bytes, dtype, device)?,
+        };
+        Ok(vb)
+    }
+}
+
+fn read_string(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// The distinct shard files named by a `model.safetensors.index.json`, in name order.
+fn shard_paths(dir: &Path, index_json: &str) -> Result<Vec<PathBuf>> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::HashMap<String, String>,
+    }
+    let index: Index = serde_json::from_str(index_json).map_err(|source| ModelError::Json {
+        what: WEIGHTS_INDEX.to_owned(),
+        source,
+    })?;
+    let shards: BTreeSet<&String> = index.weight_map.values().collect();
+    if shards.is_empty() {
+        return Err(ModelError::Config {
+            key: format!("{WEIGHTS_INDEX}: weight_map"),
+            reason: "names no shard".to_owned(),
+        });
+    }
+    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+}
+
+/// Model families the serving system knows about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ModelFamily {
+    /// Recurrent-depth transformers (Huginn / raven): prelude, iterated core block, coda.
+    RecurrentDepth,
+}
+
+/// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
+///
+/// Families that are recognised but not implemented yet (LLaDA, ARMT, Qwen3 / ReFusion) are
+/// reported as [`ModelError::Unsupported`] naming the family.
+pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
+    let model_type = config
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let architectures: Vec<&str> = config
+        .get("architectures")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    let names = std::iter::once(model_type).chain(architectures.iter().copied());
+    for name in names {
+        let lower = name.to_ascii_lowercase();
+        if lower.is_empty() {
+            continue;
+        }
+        if lower.contains("huginn") || lower.contains("raven") {
+            return Ok(ModelFamily::RecurrentDepth);
+        }
+        for (needle, family) in [
+            ("llada", "LLaDA (masked diffusion)"),
+            ("armt", "ARMT (associative recurrent memory transformer)"),
+            ("refusion", "ReFusion"),
+            ("qwen3", "Qwen3"),
+        ] {
+            if lower.contains(needle) {
+                return Err(ModelError::Unsupported(format!(
+                    "model family {family} (`{name}`) is not implemented yet"
+                )));
+            }
+        }
+    }
+    Err(ModelError::Unsupported(format!(
+        "unknown model family (model_type `{model_type}`, architectures {architectures:?})"
+    )))
+}

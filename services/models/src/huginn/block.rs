@@ -1,0 +1,366 @@
+//! Layers of the Huginn sandwich block, run over packed rows of many sequences.
+//!
+//! `SandwichBlock` (Geiping et al., 2025, recurrent-depth architecture): `h = norm_2(x +
+//! attn(norm_1(x)))`, `out = norm_4(h + mlp(norm_3(h)))` with RMSNorm (computed in float32), a
+//! gated SiLU MLP, and causal self-attention with a learned q/k bias added before interleaved
+//! ("complex-multiplication") rotary embeddings (Su et al., 2021, RoFormer).
+//!
+//! Rows of all sequences in a call are concatenated along dim 0 (`[N, E]`): projections, norms
+//! and the MLP run once over all rows; attention is split per sequence and reads that
+//! sequence's own KV cache (see [`RowLayout`]).
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+
+use super::cache::CacheSlot;
+use super::config::HuginnConfig;
+use super::SeqRows;
+use crate::error::{ModelError, Result};
+
+/// Loads a tensor, reporting a missing one by its full checkpoint name.
+pub(crate) fn get(vb: &VarBuilder, shape: &[usize], name: &str) -> Result<Tensor> {
+    if !vb.contains_tensor(name) {
+        let prefix = vb.prefix();
+        let full = if prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        return Err(ModelError::MissingTensor { name: full });
+    }
+    Ok(vb.get(shape, name)?)
+}
+
+/// `nn.Linear` without bias, weight `[out, in]`.
+pub(crate) fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
+    let w = get(vb, &[out_dim, in_dim], "weight")?;
+    let b = if bias {
+        Some(get(vb, &[out_dim], "bias")?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
+/// RMSNorm `x * rsqrt(mean(x^2) + eps) * weight`, accumulated in float32.
+#[derive(Debug, Clone)]
+pub(crate) struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub(crate) fn load(vb: VarBuilder, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: get(&vb, &[dim], "weight")?,
+            eps: eps as f32,
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?)
+    }
+}
+
+/// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`.
+#[derive(Debug, Clone)]
+struct GatedMlp {
+    fc: Linear,
+    proj: Linear,
+    hidden: usize,
+}
+
+impl GatedMlp {
+    fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+        let (e, i) = (cfg.n_embd, cfg.intermediate_size);
+        Ok(Self {
+            fc: linear(&vb.pp("fc"), e, 2 * i, false)?,
+            proj: linear(&vb.pp("proj"), i, e, false)?,
+            hidden: i,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gu = self.fc.forward(x)?;
+        let g = gu.narrow(D::Minus1, 0, self.hidden)?;
+        let u = gu.narrow(D::Minus1, self.hidden, self.hidden)?;
+        let h = (g.silu()? * u)?;
+        Ok(self.proj.forward(&h)?)
+    }
+}
+
+/// Per-call bookkeeping of packed rows: each sequence's row range and RoPE angles per row.
+pub(crate) struct RowLayout {
+    /// First packed row of each sequence.
+    offsets: Vec<usize>,
+    /// `cos`, `sin` of every row's absolute position, `[N, head_dim / 2]`, float32.
+    cos: Tensor,
+    sin: Tensor,
+    /// Bottom-right causal mask per sequence for its full key range, `[len, start + len]`
+    /// (None for single-row blocks).
+    masks: Vec<Option<Tensor>>,
+}
+
+impl RowLayout {
+    pub(crate) fn new(rope: &RopeTable, rows: usize, seqs: &[SeqRows]) -> Result<Self> {
+        let total: usize = seqs.iter().map(|s| s.len).sum();
+        if total != rows {
+            return Err(ModelError::Shape(format!(
+                "sequences cover {total} rows but the packed input has {rows}"
+            )));
+        }
+        let mut offsets = Vec::with_capacity(seqs.len());
+        let mut positions = Vec::with_capacity(rows);
+        let mut masks = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for s in seqs {
+            if s.len == 0 {
+                return Err(ModelError::Shape("a sequence contributes no rows".into()));
+            }
+            if s.start + s.len > rope.max_positions {
+                return Err(ModelError::Shape(format!(
+                    "position {} beyond the RoPE table (block_size {})",
+                    s.start + s.len - 1,
+                    rope.max_positions
+                )));
+            }
+            offsets.push(offset);
+            offset += s.len;
+            positions.extend((s.start..s.start + s.len).map(|p| p as u32));
+            masks.push(causal_mask(s.len, s.start + s.len, rope.cos.device())?);
+        }
+        let idx = Tensor::from_vec(positions, rows, rope.cos.device())?;
+        Ok(Self {
+            offsets,
+            cos: rope.cos.index_select(&idx, 0)?,
+            sin: rope.sin.index_select(&idx, 0)?,
+            masks,
+        })
+    }
+}
+
+/// Additive mask `[q, t]`: query i (of a block ending at key t - 1) sees keys `0..=t - q + i`.
+fn causal_mask(q: usize, t: usize, device: &Device) -> Result<Option<Tensor>> {
+    if q <= 1 {
+        return Ok(None);
+    }
+    if q > t {
+        return Err(ModelError::Cache(format!(
+            "{q} queries attend to only {t} keys"
+        )));
+    }
+    let shift = t - q;
+    let data: Vec<f32> = (0..q)
+        .flat_map(|i| {
+            (0..t).map(move |j| {
+                if j <= shift + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Some(Tensor::from_vec(data, (q, t), device)?))
+}
+
+/// RoPE angles `pos * base^(-2i / head_dim)` for every position below `block_size`, float32.
+#[derive(Debug, Clone)]
+pub(crate) struct RopeTable {
+    cos: Tensor,
+    sin: Tensor,
+    max_positions: usize,
+}
+
+impl RopeTable {
+    pub(crate) fn new(cfg: &HuginnConfig, device: &Device) -> Result<Self> {
+        let d = cfg.head_dim();
+        let half = d / 2;
+        let n = cfg.block_size;
+        // Same float32 arithmetic as upstream `precompute_freqs_cis`.
+        let base = cfg.rope_base as f32;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+            max_positions: n,
+        })
+    }
+}
+
+/// Causal self-attention with q/k bias and interleaved RoPE.
+#[derive(Debug, Clone)]
+struct Attention {
+    wqkv: Linear,
+    proj: Linear,
+    /// `[H, 1, D]` biases of q and k.
+    qk_bias: Option<(Tensor, Tensor)>,
+    n_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+        let (e, h, d) = (cfg.n_embd, cfg.n_heads, cfg.head_dim());
+        let qk_bias = if cfg.qk_bias {
+            let b = get(&vb, &[2, 1, h, d], "qk_bias")?;
+            let q = b.i((0, 0))?.reshape((h, 1, d))?;
+            let k = b.i((1, 0))?.reshape((h, 1, d))?;
+            Some((q, k))
+        } else {
+            None
+        };
+        Ok(Self {
+            wqkv: linear(&vb.pp("Wqkv"), e, 3 * e, false)?,
+            proj: linear(&vb.pp("proj"), e, e, false)?,
+            qk_bias,
+            n_heads: h,
+            head_dim: d,
+        })
+    }
+
+    /// `x`: normed rows `[N, E]`. Returns `[N, E]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        layout: &RowLayout,
+        seqs: &mut [SeqRows],
+        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+    ) -> Result<Tensor> {
+        let (n, e) = x.dims2()?;
+        let (h, d) = (self.n_heads, self.head_dim);
+        let dtype = x.dtype();
+        let qkv = self.wqkv.forward(x)?.reshape((n, 3, h, d))?;
+        // [H, N, D] views, made contiguous by the bias add / RoPE.
+        let head_major = |i: usize| -> Result<Tensor> { Ok(qkv.i((.., i))?.transpose(0, 1)?) };
+        let (mut q, mut k) = (head_major(0)?, head_major(1)?);
+        if let Some((qb, kb)) = &self.qk_bias {
+            q = q.broadcast_add(qb)?;
+            k = k.broadcast_add(kb)?;
+        }
+        let q = self.rope(&q, layout, dtype)?;
+        let k = self.rope(&k, layout, dtype)?;
+        let v = head_major(2)?.contiguous()?;
+
+        let scale = 1.0 / (d as f64).sqrt();
+        let single = seqs.len() == 1;
+        let mut outs = Vec::with_capacity(seqs.len());
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let off = layout.offsets[i];
+            let (qs, ks, vs) = if single {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                (
+                    q.narrow(1, off, seq.len)?,
+                    k.narrow(1, off, seq.len)?.contiguous()?,
+                    v.narrow(1, off, seq.len)?.contiguous()?,
+                )
+            };
+            let slot = slot(seq);
+            let upto = seq.start + seq.len;
+            seq.cache.write(slot, seq.start, &ks, &vs)?;
+            let (kc, vc) = seq.cache.read(slot, upto)?;
+            outs.push(attend(
+                &qs,
+                &kc,
+                &vc,
+                scale,
+                layout.masks[i].as_ref(),
+                upto,
+            )?);
+        }
+        let y = if single {
+            outs.pop().expect("one sequence")
+        } else {
+            Tensor::cat(&outs, 1)?
+        };
+        let y = y.transpose(0, 1)?.contiguous()?.reshape((n, e))?;
+        Ok(self.proj.forward(&y)?)
+    }
+
+    /// Interleaved RoPE on `[H, N, D]`, computed in float32.
+    fn rope(&self, x: &Tensor, layout: &RowLayout, dtype: DType) -> Result<Tensor> {
+        let x = x.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+        let y = candle_nn::rotary_emb::rope_i(&x, &layout.cos, &layout.sin)?.squeeze(0)?;
+        Ok(y.to_dtype(dtype)?)
+    }
+}
+
+/// Softmax attention of `q` `[H, L, D]` over `k`, `v` `[H, T, D]`; softmax in float32.
+/// `mask` is the bottom-right causal mask for `T = full_t`; a shorter key range (positions
+/// skipped by the `full` strategy) gets its own mask.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    full_t: usize,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let (_, l, _) = q.dims3()?;
+    let t = k.dim(1)?;
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
+    let scores = match mask {
+        Some(m) if t == full_t => scores.broadcast_add(m)?,
+        Some(_) => match causal_mask(l, t, q.device())? {
+            Some(m) => scores.broadcast_add(&m)?,
+            None => scores,
+        },
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
+    Ok(probs.matmul(v)?)
+}
+
+/// One sandwich block.
+#[derive(Debug, Clone)]
+pub(crate) struct SandwichBlock {
+    norm_1: RmsNorm,
+    attn: Attention,
+    norm_2: RmsNorm,
+    mlp: GatedMlp,
+    norm_3: RmsNorm,
+    norm_4: RmsNorm,
+}
+
+impl SandwichBlock {
+    pub(crate) fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+        let (e, eps) = (cfg.n_embd, cfg.norm_eps);
+        Ok(Self {
+            norm_1: RmsNorm::load(vb.pp("norm_1"), e, eps)?,
+            attn: Attention::load(vb.pp("attn"), cfg)?,
+            norm_2: RmsNorm::load(vb.pp("norm_2"), e, eps)?,
+            mlp: GatedMlp::load(vb.pp("mlp"), cfg)?,
+            norm_3: RmsNorm::load(vb.pp("norm_3"), e, eps)?,
+            norm_4: RmsNorm::load(vb.pp("norm_4"), e, eps)?,
+        })
+    }
+
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        layout: &RowLayout,
+        seqs: &mut [SeqRows],
+        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+    ) -> Result<Tensor> {
+        let a = self
+            .attn
+            .forward(&self.norm_1.forward(x)?, layout, seqs, slot)?;
+        let h = self.norm_2.forward(&(a + x)?)?;
+        let m = self.mlp.forward(&self.norm_3.forward(&h)?)?;
+        self.norm_4.forward(&(m + h)?)
+    }
+}

@@ -1,0 +1,209 @@
+//! `config.json` of a Huginn (raven) recurrent-depth checkpoint.
+//!
+//! Deserialized straight from the Hugging Face config written by upstream `RavenConfig`
+//! (Geiping et al., 2025, "Scaling up Test-Time Compute with Latent Reasoning: A Recurrent Depth
+//! Approach"). Only the keys that matter at inference are read; the others (`*_class_name`,
+//! `injection_type`, `state_init`, init keys) are hardcoded by the minimal upstream model and
+//! ignored here. [`HuginnConfig::validate`] rejects values this implementation cannot honour.
+
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// Initial-value block of the config (`init_values`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct InitValues {
+    /// Standard deviation of the initial latent state before embedding scaling.
+    pub std: f64,
+    /// Embedding scale; upstream multiplies embeddings and initial states by it. Defaults to
+    /// `sqrt(n_embd)`, which is what upstream writes.
+    #[serde(default)]
+    pub embed_scale: Option<f64>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The inference-relevant keys of a huginn `config.json`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct HuginnConfig {
+    /// Always `huginn_raven` for this family.
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Model width E.
+    pub n_embd: usize,
+    /// Attention heads H.
+    pub n_heads: usize,
+    /// Key/value heads; must equal `n_heads` (no GQA in this family).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Head width; must equal `n_embd / n_heads` when present.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Hidden width of the gated MLP.
+    pub intermediate_size: usize,
+    /// Tokenizer vocabulary size.
+    pub vocab_size: usize,
+    /// Rows of the embedding / head matrix (`vocab_size` when absent).
+    #[serde(default)]
+    pub padded_vocab_size: Option<usize>,
+    /// Prelude depth P.
+    pub n_layers_in_prelude: usize,
+    /// Core (recurrent) block depth C.
+    pub n_layers_in_recurrent_block: usize,
+    /// Coda depth.
+    pub n_layers_in_coda: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// RoPE base.
+    pub rope_base: f64,
+    /// Length of the RoPE table, i.e. the largest supported sequence length.
+    pub block_size: usize,
+    /// Whether `lm_head` shares `transformer.wte.weight`.
+    #[serde(default = "default_true")]
+    pub tie_embeddings: bool,
+    /// Whether attention adds a learned bias to q and k before RoPE.
+    #[serde(default = "default_true")]
+    pub qk_bias: bool,
+    /// Whether the adapter has a bias.
+    #[serde(default)]
+    pub bias: bool,
+    /// Default number of recurrences.
+    pub mean_recurrence: usize,
+    /// Initial-state parameters.
+    pub init_values: InitValues,
+    /// Test-time noise injected before each core step; only 0 (off) is supported.
+    #[serde(default)]
+    pub test_time_noise: f64,
+}
+
+/// `x > 0` and not NaN.
+fn positive(x: f64) -> bool {
+    x > 0.0
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
+    ModelError::Config {
+        key: key.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+impl HuginnConfig {
+    /// Parses and validates a `config.json` document.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(json).map_err(|source| ModelError::Json {
+            what: "config.json".to_owned(),
+            source,
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that the config describes a model this implementation runs exactly.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(t) = &self.model_type {
+            if t != "huginn_raven" {
+                return Err(invalid(
+                    "model_type",
+                    format!("expected `huginn_raven`, got `{t}`"),
+                ));
+            }
+        }
+        if self.n_embd.checked_rem(self.n_heads) != Some(0) {
+            return Err(invalid(
+                "n_heads",
+                format!("must divide n_embd = {}", self.n_embd),
+            ));
+        }
+        let head_dim = self.n_embd / self.n_heads;
+        if head_dim & 1 == 1 {
+            return Err(invalid("n_heads", "head dimension must be even for RoPE"));
+        }
+        if let Some(d) = self.head_dim {
+            if d != head_dim {
+                return Err(invalid(
+                    "head_dim",
+                    format!("{d} differs from n_embd / n_heads = {head_dim}"),
+                ));
+            }
+        }
+        if let Some(kv) = self.num_key_value_heads {
+            if kv != self.n_heads {
+                return Err(invalid(
+                    "num_key_value_heads",
+                    format!(
+                        "grouped-query attention is not supported ({kv} != n_heads {})",
+                        self.n_heads
+                    ),
+                ));
+            }
+        }
+        if self.intermediate_size == 0 {
+            return Err(invalid("intermediate_size", "must be positive"));
+        }
+        if self.padded_vocab() < self.vocab_size || self.vocab_size == 0 {
+            return Err(invalid(
+                "padded_vocab_size",
+                "must be at least vocab_size > 0",
+            ));
+        }
+        if self.n_layers_in_prelude == 0 {
+            return Err(invalid(
+                "n_layers_in_prelude",
+                "must be positive (slot 0 advances the KV cache)",
+            ));
+        }
+        if self.n_layers_in_recurrent_block == 0 {
+            return Err(invalid("n_layers_in_recurrent_block", "must be positive"));
+        }
+        if !positive(self.norm_eps) {
+            return Err(invalid("norm_eps", "must be positive"));
+        }
+        if !positive(self.rope_base) {
+            return Err(invalid("rope_base", "must be positive"));
+        }
+        if self.block_size == 0 {
+            return Err(invalid("block_size", "must be positive"));
+        }
+        if self.init_values.std.is_nan() || self.init_values.std < 0.0 {
+            return Err(invalid("init_values.std", "must be non-negative"));
+        }
+        if let Some(s) = self.init_values.embed_scale {
+            if !positive(s) {
+                return Err(invalid("init_values.embed_scale", "must be positive"));
+            }
+        }
+        if self.test_time_noise != 0.0 {
+            return Err(invalid(
+                "test_time_noise",
+                "test-time noise injection is not supported",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_heads
+    }
+
+    /// Rows of the embedding matrix and width of the logits.
+    pub fn padded_vocab(&self) -> usize {
+        self.padded_vocab_size.unwrap_or(self.vocab_size)
+    }
+
+    /// Embedding scale (`init_values.embed_scale`, default `sqrt(n_embd)`).
+    pub fn embed_scale(&self) -> f64 {
+        self.init_values
+            .embed_scale
+            .unwrap_or_else(|| (self.n_embd as f64).sqrt())
+    }
+
+    /// Standard deviation of the initial latent state for `init_scale` (before the embedding
+    /// scale is applied): `init_values.std * init_scale`.
+    pub fn init_std(&self, init_scale: f64) -> f64 {
+        self.init_values.std * init_scale
+    }
+}

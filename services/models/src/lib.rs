@@ -1,0 +1,27 @@
+//! Model definitions on candle for the wavefront serving system.
+//!
+//! Each model family lives in its own module mirroring the upstream checkpoint's tensor names
+//! (loaded through `VarBuilder::pp`), with its config deserialized from `config.json` and its
+//! per-sequence state (KV caches) passed explicitly. Models expose *packed* entry points: rows of
+//! many requests are concatenated so one call serves a whole engine step.
+//!
+//! * [`files`]: Hugging Face model directories (single or sharded safetensors, tokenizer) and
+//!   embedded checkpoints; family detection.
+//! * [`tokenizer`]: tokenizer wrapper and streaming detokenizer.
+//! * [`huginn`]: Huginn-0125 recurrent-depth model (Geiping et al., 2025) and its KV cache.
+
+pub mod error;
+pub mod files;
+pub mod huginn;
+pub mod tokenizer;
+
+pub use error::ModelError;
+pub use files::{detect_family, ModelFamily, ModelFiles};
+pub use huginn::{
+    relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
+};
+pub use tokenizer::{IncrementalDecoder, TextTokenizer};
+
+/// Re-exported so downstream crates name the same candle types.
+pub use candle_core;
+pub use candle_nn;

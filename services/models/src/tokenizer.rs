@@ -1,0 +1,165 @@
+//! Text tokenization and streaming detokenization.
+//!
+//! [`TextTokenizer`] is a thin wrapper over a Hugging Face `tokenizers::Tokenizer` loaded from
+//! `tokenizer.json`. [`IncrementalDecoder`] turns a stream of token ids into text deltas with the
+//! usual prefix-window method: decode a short window of already-emitted ids and the window plus
+//! the new ids, and emit the difference only once the longer text does not end in U+FFFD (the
+//! replacement character a byte-level decoder produces for an incomplete UTF-8 sequence). A
+//! multi-byte character split over several byte-level tokens is therefore emitted whole, once
+//! its last byte arrives, and windowed decoding keeps whitespace handling identical to decoding
+//! the full sequence.
+
+use crate::error::{ModelError, Result};
+
+/// A loaded `tokenizer.json`.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+fn tok_err(e: tokenizers::Error) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl TextTokenizer {
+    /// Parses the bytes of a `tokenizer.json`.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        Ok(Self {
+            inner: tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?,
+        })
+    }
+
+    /// Reads a `tokenizer.json` file.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_bytes(&bytes)
+    }
+
+    /// Token ids of `text`; with `add_special_tokens` the post-processor template (e.g.
+    /// `<|begin_text|> $A <|end_text|>`) is applied.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(tok_err)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, optionally dropping special tokens.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
+    }
+
+    /// Number of ids, added (special) tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The token string of an id.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The underlying Hugging Face tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// A streaming decoder over this tokenizer.
+    pub fn incremental(&self, skip_special_tokens: bool) -> IncrementalDecoder<'_> {
+        IncrementalDecoder::new(self, skip_special_tokens)
+    }
+}
+
+/// Streams text deltas for a growing sequence of token ids.
+#[derive(Debug)]
+pub struct IncrementalDecoder<'t> {
+    tokenizer: &'t TextTokenizer,
+    skip_special_tokens: bool,
+    ids: Vec<u32>,
+    /// Start of the window decoded as context for the next delta.
+    prefix_offset: usize,
+    /// End of the ids whose text has been emitted.
+    read_offset: usize,
+}
+
+impl<'t> IncrementalDecoder<'t> {
+    /// A decoder with nothing emitted yet.
+    pub fn new(tokenizer: &'t TextTokenizer, skip_special_tokens: bool) -> Self {
+        Self {
+            tokenizer,
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
+    /// Adds one id; returns the newly completed text, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        self.step(false)
+    }
+
+    /// Adds several ids; returns the newly completed text, if any.
+    pub fn extend(&mut self, ids: &[u32]) -> Result<Option<String>> {
+        self.ids.extend_from_slice(ids);
+        self.step(false)
+    }
+
+    /// Emits whatever is still pending, even an incomplete character (as U+FFFD).
+    pub fn flush(&mut self) -> Result<Option<String>> {
+        self.step(true)
+    }
+
+    /// All ids pushed so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    fn step(&mut self, force: bool) -> Result<Option<String>> {
+        if self.read_offset == self.ids.len() {
+            return Ok(None);
+        }
+        let skip = self.skip_special_tokens;
+        let prefix = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], skip)?;
+        if !force && full.ends_with('\u{FFFD}') {
+            return Ok(None);
+        }
+        let delta = if full.len() >= prefix.len()
+            && full.is_char_boundary(prefix.len())
+            && full.starts_with(&prefix)
+        {
+            full[prefix.len()..].to_owned()
+        } else {
+            // The window's text changed retroactively (unusual decoders); emit the whole new
+            // window rather than lose text.
+            full
+        };
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok((!delta.is_empty()).then_some(delta))
+    }
+}

@@ -1,0 +1,72 @@
+//! Fixture loading shared by the golden tests (tests/fixtures/huginn, see its README).
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
+
+pub fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
+}
+
+pub fn load_model(files: &ModelFiles) -> Result<Huginn> {
+    let cfg = HuginnConfig::from_json(files.config_json())?;
+    let vb = files.var_builder(DType::F32, &Device::Cpu)?;
+    Ok(Huginn::load(vb, cfg)?)
+}
+
+pub fn fixture_model() -> Result<Huginn> {
+    load_model(&ModelFiles::from_dir(fixture_dir())?)
+}
+
+pub struct Golden {
+    pub tensors: HashMap<String, Tensor>,
+    pub json: serde_json::Value,
+}
+
+impl Golden {
+    pub fn load() -> Result<Self> {
+        let dir = fixture_dir();
+        let tensors = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?;
+        let json = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?;
+        Ok(Self { tensors, json })
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .with_context(|| format!("golden tensor {name}"))
+    }
+
+    pub fn case(&self, name: &str) -> &serde_json::Value {
+        &self.json["cases"][name]
+    }
+
+    pub fn prompt_ids(&self) -> Vec<u32> {
+        serde_json::from_value(self.json["prompt_ids"].clone()).expect("prompt_ids")
+    }
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    ensure!(
+        a.dims() == b.dims(),
+        "shapes {:?} vs {:?}",
+        a.dims(),
+        b.dims()
+    );
+    let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?;
+    Ok(d.to_scalar::<f32>()?)
+}
+
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f32) -> Result<()> {
+    let d = max_abs_diff(got, want)?;
+    ensure!(d <= atol, "{what}: max |diff| = {d:e} > {atol:e}");
+    Ok(())
+}
