@@ -52,10 +52,16 @@ impl Drop for Proc {
 
 /// Starts `wavefront ARGS` and waits for its "listening on ADDR" line.
 pub fn spawn(args: &[&str]) -> Proc {
+    spawn_with_env(args, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(bin())
         .args(args)
         .env("RUST_LOG", "warn")
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

@@ -2,6 +2,7 @@
 //! processes on loopback, called through generated gRPC clients.
 
 mod harness;
+mod tracing;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

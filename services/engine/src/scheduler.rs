@@ -206,7 +206,7 @@ impl<P: Send + 'static> Scheduler<P> {
             return;
         }
         self.ticks += 1;
-        let step = tracing::debug_span!("step", tick = self.ticks, requests = ready.len());
+        let step = tracing::info_span!("step", tick = self.ticks, requests = ready.len());
         for &i in &ready {
             step.follows_from(self.running[i].span.id());
         }

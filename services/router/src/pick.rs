@@ -140,13 +140,14 @@ mod tests {
             .iter()
             .map(|w| w.addr.port())
             .collect();
-        assert_eq!(ranked, vec![2, 5, 1]);
+        // A queue outweighs free slots: worker 5 (5 queued) ranks below 1.
+        assert_eq!(ranked, vec![2, 1, 5]);
         let ranked: Vec<u16> = rank(&ws, "", &[ws[1].addr])
             .unwrap()
             .iter()
             .map(|w| w.addr.port())
             .collect();
-        assert_eq!(ranked, vec![5, 1]);
+        assert_eq!(ranked, vec![1, 5]);
     }
 
     #[tokio::test]

@@ -139,10 +139,13 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
         }
         None => (None, None),
     };
+    // Logs and traces are filtered separately: a quiet log level must not
+    // switch off the request and tick spans that traces are made of.
+    let trace_filter =
+        tracing_subscriber::filter::Targets::new().with_default(tracing::Level::INFO);
     tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt_layer)
-        .with(otel_layer)
+        .with(fmt_layer.with_filter(filter))
+        .with(otel_layer.map(|l| l.with_filter(trace_filter)))
         .try_init()
         .map_err(|e| TelemetryError::AlreadyInstalled(e.to_string()))?;
     Ok(TelemetryGuard { provider })

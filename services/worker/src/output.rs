@@ -90,7 +90,10 @@ impl OutputAssembler {
             self.prefix = self.read;
             self.read = self.ids.len();
         }
-        let search_from = self.emitted.saturating_sub(self.hold_back);
+        let mut search_from = self.emitted.saturating_sub(self.hold_back);
+        while !self.text.is_char_boundary(search_from) {
+            search_from -= 1;
+        }
         let hit = self
             .stop_strings
             .iter()

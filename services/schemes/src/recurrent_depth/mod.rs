@@ -6,6 +6,8 @@
 //! schemes served here:
 //! - `ar` static: a fixed number of recurrence steps per token ([`ar`]);
 //! - `ar` adaptive exit: iterate until the latent stops moving ([`ar`]);
+//! - `diffusion-forcing`: a wavefront of positions iterated together, frozen
+//!   as their latents converge ([`diffusion`]).
 //!
 //! The planner validates a request and builds its program on the caller's
 //! thread; the family packs every active program's rows into one prelude,
@@ -18,7 +20,10 @@
 //! exactly.
 
 pub mod ar;
+pub mod diffusion;
 pub mod draws;
+#[cfg(test)]
+mod golden_tests;
 
 use std::sync::Arc;
 
@@ -41,6 +46,7 @@ pub const MAX_NUM_STEPS: usize = 1024;
 #[derive(Debug)]
 pub enum Program {
     Ar(ArProgram),
+    Diffusion(diffusion::DiffusionProgram),
 }
 
 /// Validates requests against a Huginn config and builds programs.
@@ -55,7 +61,7 @@ impl HuginnPlanner {
         let info = ModelInfo {
             name,
             family: "recurrent_depth",
-            schemes: vec!["ar"],
+            schemes: vec!["ar", "diffusion-forcing"],
             vocab_size: cfg.vocab_size,
             max_context: cfg.block_size,
         };
@@ -106,7 +112,7 @@ impl HuginnPlanner {
         }
         let positions = spec.prompt_ids.len() + spec.max_new_tokens;
         let draws = match (&spec.replay_draws, init_scale) {
-            (_, s) if s == 0.0 => DrawSource::Zeros,
+            (_, 0.0) => DrawSource::Zeros,
             (Some(r), _) => {
                 // Row p of an AR replay is position p's initial state.
                 let needed = positions - 1;
@@ -157,10 +163,7 @@ impl Planner for HuginnPlanner {
         spec.validate_common(self.cfg.vocab_size, self.cfg.block_size)?;
         match spec.scheme.clone() {
             SchemeParams::Ar(a) => self.prepare_ar(spec, &a),
-            other => Err(RequestError::InvalidArgument(format!(
-                "scheme `{}` is not served for recurrent-depth models yet; use `ar`",
-                other.name()
-            ))),
+            SchemeParams::DiffusionForcing(d) => self.prepare_diffusion(spec, &d),
         }
     }
 
@@ -192,15 +195,25 @@ impl Family for HuginnFamily {
     fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), String> {
         // Group the batch by scheme; each group runs its packed calls.
         let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
+        let mut diffusion_group: Vec<diffusion::Entry<'_>> = Vec::new();
         for a in batch.iter_mut() {
             let Active {
                 program, outbox, ..
             } = &mut **a;
             match program {
                 Program::Ar(p) => ar_group.push(ar::Entry { program: p, outbox }),
+                Program::Diffusion(p) => {
+                    diffusion_group.push(diffusion::Entry { program: p, outbox })
+                }
             }
         }
-        ar::tick(&self.model, &mut ar_group).map_err(|e| e.to_string())
+        if !ar_group.is_empty() {
+            ar::tick(&self.model, &mut ar_group).map_err(|e| e.to_string())?;
+        }
+        if !diffusion_group.is_empty() {
+            diffusion::tick(&self.model, &mut diffusion_group).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 }
 
