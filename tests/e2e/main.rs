@@ -2,6 +2,7 @@
 //! processes on loopback, called through generated gRPC clients.
 
 mod harness;
+mod metrics;
 mod tracing;
 
 use std::process::Command;

@@ -37,6 +37,9 @@ struct Cli {
     /// OTLP/gRPC endpoint for traces (e.g. http://localhost:4317); unset disables export.
     #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090); unset disables.
+    #[arg(long, global = true, env = "WAVEFRONT_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
     /// Fraction of new traces sampled.
     #[arg(
         long,
@@ -97,6 +100,11 @@ fn run(cli: Cli) -> Result<()> {
         .build()?;
     rt.block_on(async move {
         let _guard = wavefront_telemetry::init(&telemetry)?;
+        if let Some(addr) = cli.metrics_listen.as_deref().filter(|s| !s.is_empty()) {
+            let addr =
+                args::parse_listen(addr).map_err(|e| anyhow::anyhow!("--metrics-listen: {e}"))?;
+            wavefront_telemetry::metrics::install_prometheus(addr).map_err(anyhow::Error::msg)?;
+        }
         match cli.command {
             Command::Serve(a) => commands::serve(a).await,
             Command::Router(a) => commands::router(a).await,

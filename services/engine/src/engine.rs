@@ -177,6 +177,20 @@ impl Engine {
         F: Family,
         M: FnOnce() -> Result<F, String> + Send + 'static,
     {
+        Self::start_labeled("", config, make_family)
+    }
+
+    /// [`Engine::start`], with `label` as the `model` label of its metrics.
+    pub fn start_labeled<F, M>(
+        label: &str,
+        config: EngineConfig,
+        make_family: M,
+    ) -> Result<EngineHandle<F::Program>, String>
+    where
+        F: Family,
+        M: FnOnce() -> Result<F, String> + Send + 'static,
+    {
+        let label = label.to_owned();
         let channel_bound = config.queue_capacity.max(1) + 1;
         let (tx, rx) = mpsc::sync_channel::<Command<F::Program>>(channel_bound);
         let load = Arc::new(LoadCounters::default());
@@ -198,7 +212,7 @@ impl Engine {
                         return;
                     }
                 };
-                run_loop(family, cfg, rx, &thread_load);
+                run_loop(family, cfg, label, rx, &thread_load);
                 thread_load.stopped.store(true, Ordering::Release);
             })
             .map_err(|e| format!("cannot spawn engine thread: {e}"))?;
@@ -220,11 +234,13 @@ impl Engine {
 fn run_loop<F: Family>(
     mut family: F,
     cfg: EngineConfig,
+    label: String,
     rx: Receiver<Command<F::Program>>,
     load: &LoadCounters,
 ) {
     let mut sched =
-        Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active);
+        Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active)
+            .with_label(label);
     // While nothing can run (clients not reading, queue head not fitting),
     // wait this long for a command instead of spinning.
     const IDLE_POLL: Duration = Duration::from_millis(2);
@@ -301,4 +317,10 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
     load.queued.store(sched.queued(), Ordering::Release);
     load.active.store(sched.running(), Ordering::Release);
     load.ticks.store(sched.ticks(), Ordering::Release);
+    use crate::scheduler::wavefront_names as n;
+    let model = sched.label().to_owned();
+    metrics::gauge!(n::SLOTS_TOTAL, "model" => model.clone()).set(sched.pool().total() as f64);
+    metrics::gauge!(n::SLOTS_USED, "model" => model.clone()).set(sched.pool().used() as f64);
+    metrics::gauge!(n::QUEUE_DEPTH, "model" => model.clone()).set(sched.queued() as f64);
+    metrics::gauge!(n::ACTIVE_REQUESTS, "model" => model).set(sched.running() as f64);
 }

@@ -132,4 +132,9 @@ pub trait Family: Send + 'static {
     /// Called once when a program leaves (finished, failed, cancelled,
     /// expired) so the family can drop any device state it keyed by slot.
     fn release(&mut self, _program: &mut Active<Self::Program>) {}
+
+    /// Rows (positions, states, cells) the last tick computed, for metrics.
+    fn last_tick_rows(&self) -> Option<usize> {
+        None
+    }
 }

@@ -135,6 +135,11 @@ impl Discovery {
                 }
             }
         }
+        let up = table.values().filter(|w| w.up).count();
+        metrics::gauge!(wavefront_telemetry::metrics::ROUTER_WORKERS, "state" => "up")
+            .set(up as f64);
+        metrics::gauge!(wavefront_telemetry::metrics::ROUTER_WORKERS, "state" => "down")
+            .set((table.len() - up) as f64);
         table.retain(|addr, w| {
             let silent = w
                 .last_seen

@@ -17,6 +17,8 @@ use tonic_health::ServingStatus;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_server::GenerationServer;
 
+use wavefront_telemetry::metrics as m;
+
 use crate::discovery::Discovery;
 use crate::pick::{rank, served_models, NoWorker};
 
@@ -49,7 +51,35 @@ impl RouterService {
         }
     }
 
+    /// Forwards and counts the outcome (metrics) once the call ends.
     async fn forward(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        let mut outcome = Outcome {
+            model: request.get_ref().model.clone(),
+            started: Instant::now(),
+            done: false,
+        };
+        match self.forward_inner(request).await {
+            Err(s) => {
+                outcome.finish(s.code());
+                Err(s)
+            }
+            Ok(stream) => Ok(Box::pin(stream.map(move |item| {
+                match &item {
+                    Err(s) => outcome.finish(s.code()),
+                    Ok(pb::GenerateStreamResponse {
+                        event: Some(pb::generate_stream_response::Event::Done(_)),
+                    }) => outcome.finish(Code::Ok),
+                    Ok(_) => {}
+                }
+                item
+            }))),
+        }
+    }
+
+    async fn forward_inner(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<EventStream, Status> {
         let deadline = wavefront_proto::timeout::deadline(request.metadata())
             .map_err(Status::invalid_argument)?;
         let span = tracing::info_span!(
@@ -119,6 +149,32 @@ impl RouterService {
             }
         }
         Err(last_err.unwrap_or_else(|| Status::unavailable("no worker could take the request")))
+    }
+}
+
+/// One call's outcome at the router; a call dropped before it ended (the
+/// client went away) counts as CANCELLED.
+struct Outcome {
+    model: String,
+    started: Instant,
+    done: bool,
+}
+
+impl Outcome {
+    fn finish(&mut self, code: Code) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let status = m::code_name(code);
+        metrics::counter!(m::ROUTER_REQUESTS_TOTAL, "model" => self.model.clone(), "status" => status).increment(1);
+        metrics::histogram!(m::ROUTER_REQUEST_DURATION, "model" => self.model.clone(), "status" => status)
+            .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        self.finish(Code::Cancelled);
     }
 }
 

@@ -10,6 +10,7 @@
 //! Configuration arrives as a plain struct from `main`; nothing here reads
 //! the environment.
 
+pub mod metrics;
 pub mod propagation;
 
 use opentelemetry::trace::TracerProvider as _;

@@ -12,7 +12,9 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use wavefront_telemetry::metrics as m;
 
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
@@ -127,8 +129,21 @@ impl WorkerService {
             .join(", ")
     }
 
-    /// Validates and submits; returns the response stream.
+    /// Validates and submits; returns the response stream. Rejections are
+    /// counted in the request metrics here; outcomes of admitted requests
+    /// are counted when their stream ends.
     fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        let labels = (
+            request.get_ref().model.clone(),
+            scheme_label(request.get_ref()),
+        );
+        self.start_inner(request).inspect_err(|s| {
+            let (model, scheme) = labels;
+            record_outcome(&model, scheme, s.code(), None);
+        })
+    }
+
+    fn start_inner(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
         if !self.is_ready() {
             return Err(Status::unavailable(
                 "worker is draining; retry on another worker",
@@ -152,13 +167,16 @@ impl WorkerService {
         span.record("scheme", spec.scheme.name());
         span.record("prompt_tokens", spec.prompt_ids.len());
         let seed = spec.sampling.seed;
+        let scheme = spec.scheme.name();
+        metrics::counter!(m::PROMPT_TOKENS_TOTAL, "model" => model.info().name.clone(), "scheme" => scheme)
+            .increment(spec.prompt_ids.len() as u64);
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         model
             .submit(spec, Box::new(TokioSink(tx)), deadline, span.clone())
             .map_err(|e| from_engine_error(&e))?;
         tracing::debug!(parent: &span, "submitted");
         Ok(wavefront_proto::timeout::with_deadline(
-            response_stream(model, rx, req.stop_strings, seed, span),
+            response_stream(model, rx, req.stop_strings, seed, scheme, span),
             deadline,
         ))
     }
@@ -170,7 +188,55 @@ struct StreamState {
     out: OutputAssembler,
     pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
     seed: u64,
+    scheme: &'static str,
+    started: Instant,
+    first_token: bool,
+    /// The outcome was counted (a stream dropped before that was cancelled).
+    recorded: bool,
     span: tracing::Span,
+}
+
+impl StreamState {
+    fn record(&mut self, code: tonic::Code, stats: Option<&Stats>) {
+        if self.recorded {
+            return;
+        }
+        self.recorded = true;
+        let model = self.model.info().name.clone();
+        metrics::histogram!(m::REQUEST_DURATION, "model" => model.clone(), "scheme" => self.scheme, "status" => m::code_name(code))
+            .record(self.started.elapsed().as_secs_f64());
+        record_outcome(&model, self.scheme, code, stats);
+        metrics::counter!(m::GENERATED_TOKENS_TOTAL, "model" => model, "scheme" => self.scheme)
+            .increment(self.out.token_ids().len() as u64);
+    }
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        // Dropped before its outcome: the client went away.
+        self.record(tonic::Code::Cancelled, None);
+    }
+}
+
+/// Counts one request outcome (and its per-scheme work, when it ran).
+fn record_outcome(model: &str, scheme: &'static str, code: tonic::Code, stats: Option<&Stats>) {
+    let model = model.to_owned();
+    metrics::counter!(m::REQUESTS_TOTAL, "model" => model.clone(), "scheme" => scheme, "status" => m::code_name(code)).increment(1);
+    if let Some(stats) = stats {
+        metrics::counter!(m::FORWARD_PASSES_TOTAL, "model" => model.clone(), "scheme" => scheme)
+            .increment(stats.forward_passes);
+        for (event, n) in &stats.counters {
+            metrics::counter!(m::SCHEME_EVENTS_TOTAL, "model" => model.clone(), "scheme" => scheme, "event" => event.clone())
+                .increment(*n);
+        }
+    }
+}
+
+fn scheme_label(req: &pb::GenerateRequest) -> &'static str {
+    match &req.scheme {
+        None | Some(pb::generate_request::Scheme::Ar(_)) => "ar",
+        Some(pb::generate_request::Scheme::DiffusionForcing(_)) => "diffusion-forcing",
+    }
 }
 
 /// Reads engine events and yields protobuf stream messages; ends after `done`.
@@ -179,6 +245,7 @@ fn response_stream(
     rx: mpsc::Receiver<Event>,
     stop_strings: Vec<String>,
     seed: u64,
+    scheme: &'static str,
     span: tracing::Span,
 ) -> EventStream {
     let state = StreamState {
@@ -187,6 +254,10 @@ fn response_stream(
         out: OutputAssembler::new(stop_strings),
         pending: VecDeque::new(),
         seed,
+        scheme,
+        started: Instant::now(),
+        first_token: false,
+        recorded: false,
         span,
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
@@ -206,6 +277,11 @@ impl StreamState {
         let decode = decoder(model.as_ref());
         match event {
             Some(Event::Tokens(ids)) => {
+                if !self.first_token {
+                    self.first_token = true;
+                    metrics::histogram!(m::TIME_TO_FIRST_TOKEN, "model" => model.info().name.clone(), "scheme" => self.scheme)
+                        .record(self.started.elapsed().as_secs_f64());
+                }
                 let delta = self.out.push(&ids, &decode);
                 self.pending
                     .push_back(Ok(chunk(delta.token_ids, delta.text)));
@@ -217,6 +293,7 @@ impl StreamState {
                         ..Stats::default()
                     };
                     let msg = done(self, FinishReason::StopString, &stats);
+                    self.record(tonic::Code::Ok, Some(&stats));
                     self.pending.push_back(Ok(msg));
                 }
             }
@@ -227,15 +304,19 @@ impl StreamState {
                     self.pending.push_back(Ok(chunk(Vec::new(), rest)));
                 }
                 let msg = done(self, reason, &stats);
+                self.record(tonic::Code::Ok, Some(&stats));
                 self.pending.push_back(Ok(msg));
             }
             Some(Event::Failed(e)) => {
                 self.rx = None;
                 tracing::info!(parent: &self.span, error = %e, "request failed");
-                self.pending.push_back(Err(from_engine_error(&e)));
+                let status = from_engine_error(&e);
+                self.record(status.code(), None);
+                self.pending.push_back(Err(status));
             }
             None => {
                 self.rx = None;
+                self.record(tonic::Code::Unavailable, None);
                 self.pending.push_back(Err(Status::unavailable(
                     "engine stopped before the request finished",
                 )));

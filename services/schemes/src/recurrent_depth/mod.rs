@@ -249,7 +249,7 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);
     tracing::info!(model = %opts.name, total_slots, bytes_per_slot, ?dtype, "starting recurrent-depth engine");
-    let handle = Engine::start(engine_cfg, move || {
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || {
         let vb = files
             .var_builder(dtype, &device)
             .map_err(|e| e.to_string())?;

@@ -1,0 +1,136 @@
+//! Prometheus metrics: names, help texts and the exporter.
+//!
+//! Every series carries a fixed label set: `model` and `scheme` where they
+//! apply, `status` (a gRPC code name) on request outcomes, `event` on the
+//! per-scheme counters. Rates (tokens/s, requests/s) come from counters.
+
+use std::net::SocketAddr;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+pub const REQUESTS_TOTAL: &str = "wavefront_requests_total";
+pub const REQUEST_DURATION: &str = "wavefront_request_duration_seconds";
+pub const TIME_TO_FIRST_TOKEN: &str = "wavefront_time_to_first_token_seconds";
+pub const GENERATED_TOKENS_TOTAL: &str = "wavefront_generated_tokens_total";
+pub const PROMPT_TOKENS_TOTAL: &str = "wavefront_prompt_tokens_total";
+pub const FORWARD_PASSES_TOTAL: &str = "wavefront_forward_passes_total";
+pub const SCHEME_EVENTS_TOTAL: &str = "wavefront_scheme_events_total";
+pub const QUEUE_DEPTH: &str = "wavefront_queue_depth";
+pub const ACTIVE_REQUESTS: &str = "wavefront_active_requests";
+pub const SLOTS_TOTAL: &str = "wavefront_slots_total";
+pub const SLOTS_USED: &str = "wavefront_slots_used";
+pub const TICK_DURATION: &str = "wavefront_engine_tick_duration_seconds";
+pub const TICK_REQUESTS: &str = "wavefront_engine_tick_requests";
+pub const TICK_ROWS: &str = "wavefront_engine_tick_rows";
+pub const TICKS_TOTAL: &str = "wavefront_engine_ticks_total";
+pub const ROUTER_REQUESTS_TOTAL: &str = "wavefront_router_requests_total";
+pub const ROUTER_REQUEST_DURATION: &str = "wavefront_router_request_duration_seconds";
+pub const ROUTER_WORKERS: &str = "wavefront_router_workers";
+
+fn describe() {
+    describe_counter!(
+        REQUESTS_TOTAL,
+        "Requests finished by a worker, by model, scheme and gRPC status."
+    );
+    describe_histogram!(
+        REQUEST_DURATION,
+        Unit::Seconds,
+        "Request latency at the worker, arrival to last message."
+    );
+    describe_histogram!(
+        TIME_TO_FIRST_TOKEN,
+        Unit::Seconds,
+        "Arrival to the first streamed token."
+    );
+    describe_counter!(
+        GENERATED_TOKENS_TOTAL,
+        "Tokens generated (rate() gives tokens/s)."
+    );
+    describe_counter!(PROMPT_TOKENS_TOTAL, "Prompt tokens processed.");
+    describe_counter!(
+        FORWARD_PASSES_TOTAL,
+        "Model forward calls summed over finished requests."
+    );
+    describe_counter!(
+        SCHEME_EVENTS_TOTAL,
+        "Per-scheme work counters of finished requests (event: frozen positions, standing waves, locked rows, revocations, grouped steps, ...)."
+    );
+    describe_gauge!(QUEUE_DEPTH, "Requests waiting for admission.");
+    describe_gauge!(ACTIVE_REQUESTS, "Requests admitted and running.");
+    describe_gauge!(SLOTS_TOTAL, "Slots in the pool.");
+    describe_gauge!(SLOTS_USED, "Slots held by running requests.");
+    describe_histogram!(
+        TICK_DURATION,
+        Unit::Seconds,
+        "Duration of one engine tick (all packed forwards of the tick)."
+    );
+    describe_histogram!(TICK_REQUESTS, "Requests packed into one engine tick.");
+    describe_histogram!(
+        TICK_ROWS,
+        "Rows (positions, states, cells) computed in one engine tick."
+    );
+    describe_counter!(TICKS_TOTAL, "Engine ticks run.");
+    describe_counter!(
+        ROUTER_REQUESTS_TOTAL,
+        "Requests finished at the router, by model and gRPC status."
+    );
+    describe_histogram!(
+        ROUTER_REQUEST_DURATION,
+        Unit::Seconds,
+        "Request latency at the router."
+    );
+    describe_gauge!(
+        ROUTER_WORKERS,
+        "Workers known to the router, by state (up, down)."
+    );
+}
+
+/// Installs the global recorder and serves `/metrics` on `addr`. Must run
+/// inside a tokio runtime.
+pub fn install_prometheus(addr: SocketAddr) -> Result<(), String> {
+    let latency = [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    ];
+    let tick = [
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    ];
+    let counts = [
+        1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0,
+    ];
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_DURATION.into()), &tick))
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_REQUESTS.into()), &counts))
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_ROWS.into()), &counts))
+        .map_err(|e| e.to_string())?
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    describe();
+    Ok(())
+}
+
+/// The canonical gRPC name of a status code (the `status` label).
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}

@@ -1,0 +1,148 @@
+//! Prometheus exposition on router and worker, scraped over plain HTTP.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_client::GenerationClient;
+
+use crate::harness::{channel, fixture, spawn, wait_serving};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn scrape(port: u16) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    body
+}
+
+/// The value of the first sample whose line starts with `prefix`.
+fn sample(body: &str, prefix: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_and_worker_expose_request_engine_and_slot_metrics() {
+    let (wport, rport) = (free_port(), free_port());
+    let model = fixture("huginn");
+    let wm = format!("127.0.0.1:{wport}");
+    let worker = spawn(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+        "--served-name",
+        "tiny",
+        "--metrics-listen",
+        &wm,
+    ]);
+    wait_serving(worker.addr, "").await;
+    let target = worker.addr.to_string();
+    let rm = format!("127.0.0.1:{rport}");
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &target,
+        "--metrics-listen",
+        &rm,
+    ]);
+    wait_serving(router.addr, "").await;
+
+    let mut client = GenerationClient::new(channel(router.addr).await);
+    let req = pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+        max_new_tokens: 5,
+        ..Default::default()
+    };
+    client.generate(req.clone()).await.expect("generate");
+    let bad = pb::GenerateRequest {
+        max_new_tokens: 0,
+        ..req
+    };
+    assert!(client.generate(bad).await.is_err());
+
+    let start = Instant::now();
+    let body = loop {
+        let body = scrape(wport);
+        if body.contains("wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"OK\"}") {
+            break body;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        sample(
+            &body,
+            "wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"OK\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "wavefront_requests_total{model=\"\",scheme=\"ar\",status=\"INVALID_ARGUMENT\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "wavefront_generated_tokens_total{model=\"tiny\",scheme=\"ar\"}"
+        ),
+        Some(5.0)
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "wavefront_forward_passes_total{model=\"tiny\",scheme=\"ar\"}"
+        ),
+        Some(5.0)
+    );
+    for family in [
+        "wavefront_request_duration_seconds_bucket",
+        "wavefront_time_to_first_token_seconds_bucket",
+        "wavefront_engine_tick_duration_seconds_bucket{model=\"tiny\"",
+        "wavefront_engine_tick_requests_bucket{model=\"tiny\"",
+        "wavefront_slots_total{model=\"tiny\"}",
+        "wavefront_slots_used{model=\"tiny\"} 0",
+        "wavefront_queue_depth{model=\"tiny\"} 0",
+        "# HELP wavefront_requests_total",
+    ] {
+        assert!(body.contains(family), "missing {family}:\n{body}");
+    }
+    assert!(sample(&body, "wavefront_engine_ticks_total{model=\"tiny\"}").unwrap() >= 5.0);
+
+    let body = scrape(rport);
+    assert!(
+        body.contains("wavefront_router_requests_total{model=\"\",status=\"OK\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("wavefront_router_requests_total{model=\"\",status=\"INVALID_ARGUMENT\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("wavefront_router_workers{state=\"up\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("wavefront_router_request_duration_seconds_bucket"),
+        "{body}"
+    );
+}
