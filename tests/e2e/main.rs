@@ -3,6 +3,7 @@
 
 mod harness;
 mod metrics;
+mod operations;
 mod tracing;
 
 use std::process::Command;

@@ -243,11 +243,12 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
+    // Liveness is "" (SERVING while the process runs); readiness is the API
+    // service, NOT_SERVING once shutdown starts. tonic then stops accepting
+    // and lets in-flight calls finish.
     let drain = async move {
         shutdown.await;
-        reporter
-            .set_service_status("", ServingStatus::NotServing)
-            .await;
+        tracing::info!("shutdown requested: draining");
         reporter
             .set_not_serving::<GenerationServer<RouterService>>()
             .await;

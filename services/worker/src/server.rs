@@ -1,9 +1,12 @@
 //! Binding and running the worker's gRPC server.
 //!
-//! Health (`grpc.health.v1`) and reflection run beside the two APIs. On
-//! shutdown the worker drains: load reports and health say not serving, new
-//! requests get UNAVAILABLE, in-flight requests get up to `drain_timeout`
-//! to finish, then the server stops.
+//! Health (`grpc.health.v1`) and reflection run beside the two APIs.
+//! Liveness is the overall service `""`: SERVING for as long as the process
+//! runs. Readiness is `wavefront.v1.Generation` (and
+//! `wavefront.worker.v1.Worker`): NOT_SERVING while draining. On shutdown
+//! the worker drains: readiness and load reports say not ready, new requests
+//! get UNAVAILABLE, in-flight requests get up to `drain_timeout` to finish,
+//! then the server stops.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -30,7 +33,10 @@ impl Default for WorkerConfig {
     }
 }
 
-const SERVICES: [&str; 3] = ["", "wavefront.v1.Generation", "wavefront.worker.v1.Worker"];
+/// Liveness: the process answers.
+pub const LIVENESS: &str = "";
+/// Readiness: new requests are taken.
+pub const READINESS: [&str; 2] = ["wavefront.v1.Generation", "wavefront.worker.v1.Worker"];
 
 /// Serves `service` on `listener` until `shutdown` resolves and draining ends.
 pub async fn serve(
@@ -40,7 +46,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    for name in SERVICES {
+    reporter
+        .set_service_status(LIVENESS, ServingStatus::Serving)
+        .await;
+    for name in READINESS {
         reporter
             .set_service_status(name, ServingStatus::Serving)
             .await;
@@ -55,7 +64,7 @@ pub async fn serve(
             shutdown.await;
             tracing::info!("shutdown requested: draining");
             service.set_ready(false);
-            for name in SERVICES {
+            for name in READINESS {
                 reporter
                     .set_service_status(name, ServingStatus::NotServing)
                     .await;

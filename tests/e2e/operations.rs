@@ -1,0 +1,161 @@
+//! Operations with real processes: graceful drain on SIGTERM, and a worker
+//! that dies is routed around and re-added when it comes back.
+
+use std::time::{Duration, Instant};
+
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_client::GenerationClient;
+
+use crate::harness::{channel, fixture, spawn, wait_serving};
+
+fn long_request(max_new_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+        max_new_tokens,
+        scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+            num_steps: Some(32),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+async fn health(addr: std::net::SocketAddr, service: &str) -> i32 {
+    let mut h = HealthClient::new(channel(addr).await);
+    h.check(HealthCheckRequest {
+        service: service.into(),
+    })
+    .await
+    .map(|r| r.into_inner().status)
+    .unwrap_or(-1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
+    let model = fixture("huginn");
+    let worker = spawn(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+        "--drain-timeout-s",
+        "60",
+    ]);
+    wait_serving(worker.addr, "wavefront.v1.Generation").await;
+    let addr = worker.addr;
+    let mut client = GenerationClient::new(channel(addr).await);
+    let mut stream = client
+        .generate_stream(long_request(60))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().expect("first chunk");
+    let mut tokens = match first.event {
+        Some(pb::generate_stream_response::Event::Tokens(c)) => c.token_ids.len(),
+        other => panic!("{other:?}"),
+    };
+    let waiter = std::thread::spawn(move || worker.terminate());
+    // Readiness goes NOT_SERVING while liveness stays SERVING.
+    let start = Instant::now();
+    while health(addr, "wavefront.v1.Generation").await != ServingStatus::NotServing as i32 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "readiness never dropped"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        health(addr, "").await,
+        ServingStatus::Serving as i32,
+        "liveness stays up while draining"
+    );
+    // New work is refused with UNAVAILABLE.
+    let err = GenerationClient::new(channel(addr).await)
+        .generate(long_request(2))
+        .await
+        .expect_err("draining");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    // The in-flight request runs to completion.
+    let mut done = None;
+    while let Some(m) = stream.message().await.expect("stream survives the drain") {
+        match m.event {
+            Some(pb::generate_stream_response::Event::Tokens(c)) => tokens += c.token_ids.len(),
+            Some(pb::generate_stream_response::Event::Done(d)) => done = Some(d),
+            None => {}
+        }
+    }
+    let done = done.expect("final message");
+    assert_eq!(done.finish_reason, pb::FinishReason::Length as i32);
+    assert_eq!(tokens, 60);
+    let status = waiter.join().unwrap();
+    assert!(
+        status.success(),
+        "worker exits cleanly after draining: {status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_routed_around_and_readded_when_it_returns() {
+    let model = fixture("huginn");
+    let m = model.to_str().unwrap();
+    let a = spawn(&["worker", "--listen", "127.0.0.1:0", "--model", m]);
+    let b = spawn(&["worker", "--listen", "127.0.0.1:0", "--model", m]);
+    wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
+    wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
+    let (a_addr, b_addr) = (a.addr, b.addr);
+    let targets = format!("{a_addr},{b_addr}");
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &targets,
+        "--refresh-ms",
+        "200",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let mut client = GenerationClient::new(channel(router.addr).await);
+    client.generate(long_request(2)).await.expect("both up");
+
+    drop(a); // SIGKILL: no drain.
+             // Within a few seconds every request succeeds on the survivor.
+    let start = Instant::now();
+    let mut ok_in_a_row = 0;
+    while ok_in_a_row < 5 {
+        match client.generate(long_request(2)).await {
+            Ok(_) => ok_in_a_row += 1,
+            Err(e) => {
+                assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+                ok_in_a_row = 0;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "dead worker not dropped within 5s"
+        );
+    }
+
+    // Kill the survivor too and bring a worker back on the first address.
+    drop(b);
+    let back = spawn(&["worker", "--listen", &a_addr.to_string(), "--model", m]);
+    wait_serving(back.addr, "wavefront.worker.v1.Worker").await;
+    let start = Instant::now();
+    loop {
+        match client.generate(long_request(2)).await {
+            Ok(r) => {
+                assert_eq!(r.into_inner().token_ids.len(), 2);
+                break;
+            }
+            Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}"),
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "returning worker not re-added within 5s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
