@@ -174,3 +174,37 @@ impl Discovery {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A name is resolved to every address it has, as a Kubernetes headless
+    /// service yields one address per pod; each address is one worker.
+    #[tokio::test]
+    async fn a_name_resolving_to_many_addresses_yields_one_worker_per_address() {
+        let cfg = DiscoveryConfig {
+            targets: vec![
+                "localhost:1".into(),
+                "127.0.0.1:2".into(),
+                "127.0.0.1:2".into(),
+            ],
+            refresh: Duration::from_millis(100),
+            poll_timeout: Duration::from_millis(100),
+            forget_after: Duration::from_secs(1),
+        };
+        let d = Discovery::default();
+        d.refresh(&cfg).await;
+        let mut expected: Vec<SocketAddr> = tokio::net::lookup_host("localhost:1")
+            .await
+            .unwrap()
+            .collect();
+        expected.push("127.0.0.1:2".parse().unwrap());
+        expected.sort();
+        expected.dedup();
+        let got: Vec<SocketAddr> = d.snapshot().iter().map(|w| w.addr).collect();
+        assert_eq!(got, expected);
+        // Nothing listens there: known, but down (no traffic).
+        assert!(d.snapshot().iter().all(|w| !w.up));
+    }
+}
