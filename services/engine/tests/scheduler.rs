@@ -95,6 +95,42 @@ fn sink(bound: usize) -> (Box<dyn EventSink>, mpsc::Receiver<Event>, Arc<AtomicB
     )
 }
 
+fn countdown(len: usize, slots: usize) -> Prepared<Countdown> {
+    Prepared {
+        program: Countdown {
+            len,
+            emitted: 0,
+            fail_at: None,
+        },
+        slots,
+        prompt_tokens: 1,
+    }
+}
+
+fn waiting(id: u64, prepared: Prepared<Countdown>, sink: Box<dyn EventSink>) -> Waiting<Countdown> {
+    Waiting {
+        id: RequestId(id),
+        prepared,
+        sink,
+        deadline: None,
+        submitted_at: Instant::now(),
+        span: tracing::Span::none(),
+    }
+}
+
+fn submission(
+    prepared: Prepared<Countdown>,
+    sink: Box<dyn EventSink>,
+    deadline: Option<Instant>,
+) -> Submission<Countdown> {
+    Submission {
+        prepared,
+        sink,
+        deadline,
+        span: tracing::Span::none(),
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Req {
     slots: usize,
@@ -189,25 +225,7 @@ proptest! {
 #[test]
 fn a_full_queue_is_an_error_not_growth() {
     let mut sched = Scheduler::<Countdown>::new(1, 1, 1);
-    let mk = |i| {
-        let (s, _rx, _c) = sink(4);
-        Waiting {
-            id: RequestId(i),
-            prepared: Prepared {
-                program: Countdown {
-                    len: 1,
-                    emitted: 0,
-                    fail_at: None,
-                },
-                slots: 1,
-                prompt_tokens: 1,
-            },
-            sink: s,
-            deadline: None,
-            submitted_at: Instant::now(),
-            span: tracing::Span::none(),
-        }
-    };
+    let mk = |i| waiting(i, countdown(1, 1), sink(4).0);
     assert!(sched.enqueue(mk(1)).is_ok());
     let err = sched.enqueue(mk(2)).err().map(|(_, e)| e);
     assert_eq!(err, Some(EngineError::QueueFull { capacity: 1 }));
@@ -220,22 +238,7 @@ fn a_slow_reader_pauses_only_itself() {
     let (slow, slow_rx, _c1) = sink(1);
     let (fast, fast_rx, _c2) = sink(64);
     for (i, s) in [(1, slow), (2, fast)] {
-        let w = Waiting {
-            id: RequestId(i),
-            prepared: Prepared {
-                program: Countdown {
-                    len: 5,
-                    emitted: 0,
-                    fail_at: None,
-                },
-                slots: 1,
-                prompt_tokens: 1,
-            },
-            sink: s,
-            deadline: None,
-            submitted_at: Instant::now(),
-            span: tracing::Span::none(),
-        };
+        let w = waiting(i, countdown(5, 1), s);
         assert!(sched.enqueue(w).is_ok());
     }
     for _ in 0..8 {
@@ -275,23 +278,8 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
     };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(64);
-    let prepared = Prepared {
-        program: Countdown {
-            len: 3,
-            emitted: 0,
-            fail_at: None,
-        },
-        slots: 2,
-        prompt_tokens: 1,
-    };
-    handle
-        .submit(Submission {
-            prepared,
-            sink: s,
-            deadline: None,
-            span: tracing::Span::none(),
-        })
-        .unwrap();
+    let prepared = countdown(3, 2);
+    handle.submit(submission(prepared, s, None)).unwrap();
     let mut toks = Vec::new();
     loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
@@ -308,23 +296,8 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
 
     // A long request whose client goes away: its slots come back.
     let (s, rx, closed) = sink(1);
-    let prepared = Prepared {
-        program: Countdown {
-            len: usize::MAX,
-            emitted: 0,
-            fail_at: None,
-        },
-        slots: 5,
-        prompt_tokens: 1,
-    };
-    handle
-        .submit(Submission {
-            prepared,
-            sink: s,
-            deadline: None,
-            span: tracing::Span::none(),
-        })
-        .unwrap();
+    let prepared = countdown(usize::MAX, 5);
+    handle.submit(submission(prepared, s, None)).unwrap();
     let _ = rx
         .recv_timeout(Duration::from_secs(10))
         .expect("first token");
@@ -341,23 +314,8 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
     }
     // Too large for the pool: refused at once.
     let (s, _rx, _c) = sink(1);
-    let prepared = Prepared {
-        program: Countdown {
-            len: 1,
-            emitted: 0,
-            fail_at: None,
-        },
-        slots: 9,
-        prompt_tokens: 1,
-    };
-    let err = handle
-        .submit(Submission {
-            prepared,
-            sink: s,
-            deadline: None,
-            span: tracing::Span::none(),
-        })
-        .unwrap_err();
+    let prepared = countdown(1, 9);
+    let err = handle.submit(submission(prepared, s, None)).unwrap_err();
     assert_eq!(
         err,
         EngineError::TooLarge {
@@ -377,24 +335,9 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
     };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(1_000_000);
-    let prepared = Prepared {
-        program: Countdown {
-            len: usize::MAX,
-            emitted: 0,
-            fail_at: None,
-        },
-        slots: 3,
-        prompt_tokens: 1,
-    };
+    let prepared = countdown(usize::MAX, 3);
     let deadline = Some(Instant::now() + Duration::from_millis(50));
-    handle
-        .submit(Submission {
-            prepared,
-            sink: s,
-            deadline,
-            span: tracing::Span::none(),
-        })
-        .unwrap();
+    handle.submit(submission(prepared, s, deadline)).unwrap();
     let failed = loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Failed(e) => break e,
