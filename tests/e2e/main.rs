@@ -41,6 +41,7 @@ fn request(
             cache_lookup_strategy: String::new(),
             init_scale: None,
             exit_threshold: None,
+            ..Default::default()
         })),
     }
 }

@@ -14,6 +14,12 @@ pub enum SchemeName {
     Ar,
     /// Recurrent-depth diffusion-forcing wavefront sampler.
     DiffusionForcing,
+    /// Masked diffusion (LLaDA): low-confidence remasking sampler (`--block-length`,
+    /// `--steps`, `--remasking`, `--cfg-scale`, `--surelock-eps`).
+    LowConfidence,
+    /// Masked diffusion (LLaDA): WINO draft-and-verify sampler (`--block-length`,
+    /// `--threshold`, `--threshold-back`, `--surelock-eps`).
+    Wino,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -90,6 +96,36 @@ pub struct GenerationArgs {
     /// diffusion-forcing: `aligned` (paper) or `upstream` (reference code).
     #[arg(long)]
     pub freeze_test: Option<String>,
+    /// Upstream continuous_compute: start each new position from the latent state before it
+    /// instead of a fresh random draw (ar and diffusion-forcing).
+    #[arg(long)]
+    pub continuous_compute: bool,
+
+    // ---- low-confidence / wino (masked diffusion) ----
+    /// low-confidence, wino: block length; must divide --max-new-tokens (default: one block).
+    #[arg(long)]
+    pub block_length: Option<u32>,
+    /// low-confidence: sampling steps in all, split across blocks (default: --max-new-tokens).
+    #[arg(long)]
+    pub steps: Option<u32>,
+    /// low-confidence: `low_confidence` (default) or `random`.
+    #[arg(long)]
+    pub remasking: Option<String>,
+    /// low-confidence: classifier-free guidance scale (0 disables).
+    #[arg(long)]
+    pub cfg_scale: Option<f32>,
+    /// wino: draft threshold tau1 (default 0.6).
+    #[arg(long)]
+    pub threshold: Option<f32>,
+    /// wino: verification threshold tau2 (default 0.9).
+    #[arg(long)]
+    pub threshold_back: Option<f32>,
+    /// low-confidence, wino: SureLock's KL threshold; unset disables SureLock.
+    #[arg(long)]
+    pub surelock_eps: Option<f32>,
+    /// low-confidence, wino: SureLock's confidence-gate percentile m in (0, 100].
+    #[arg(long)]
+    pub surelock_percentile: Option<f32>,
 }
 
 impl GenerationArgs {
@@ -112,7 +148,65 @@ impl GenerationArgs {
             ("--max-wavefront", self.max_wavefront.is_some()),
             ("--freeze-test", self.freeze_test.is_some()),
         ];
+        let masked_diffusion = [
+            ("--block-length", self.block_length.is_some()),
+            ("--steps", self.steps.is_some()),
+            ("--remasking", self.remasking.is_some()),
+            ("--cfg-scale", self.cfg_scale.is_some()),
+            ("--threshold", self.threshold.is_some()),
+            ("--threshold-back", self.threshold_back.is_some()),
+            ("--surelock-eps", self.surelock_eps.is_some()),
+            ("--surelock-percentile", self.surelock_percentile.is_some()),
+        ];
+        let recurrent_depth = [
+            ("--num-steps", self.num_steps.is_some()),
+            (
+                "--cache-lookup-strategy",
+                self.cache_lookup_strategy.is_some(),
+            ),
+            ("--init-scale", self.init_scale.is_some()),
+            ("--exit-threshold", self.exit_threshold.is_some()),
+            ("--continuous-compute", self.continuous_compute),
+        ];
+        let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
+        match self.scheme {
+            SchemeName::Ar | SchemeName::DiffusionForcing => {
+                if let Some(flag) = set(&masked_diffusion) {
+                    bail!("{flag} belongs to --scheme low-confidence or wino");
+                }
+            }
+            SchemeName::LowConfidence | SchemeName::Wino => {
+                if let Some(flag) = set(&recurrent_depth).or(set(&df_only)) {
+                    bail!("{flag} belongs to the recurrent-depth schemes (ar, diffusion-forcing)");
+                }
+                let (name, wrong) = if self.scheme == SchemeName::Wino {
+                    ("wino", set(&masked_diffusion[1..4]))
+                } else {
+                    ("low-confidence", set(&masked_diffusion[4..6]))
+                };
+                if let Some(flag) = wrong {
+                    bail!("{flag} does not apply to --scheme {name}");
+                }
+            }
+        }
         let scheme = match self.scheme {
+            SchemeName::LowConfidence => {
+                pb::generate_request::Scheme::LowConfidence(pb::LowConfidenceScheme {
+                    block_length: self.block_length,
+                    steps: self.steps,
+                    remasking: self.remasking.clone().unwrap_or_default(),
+                    cfg_scale: self.cfg_scale.unwrap_or(0.0),
+                    surelock_eps: self.surelock_eps,
+                    surelock_percentile: self.surelock_percentile,
+                })
+            }
+            SchemeName::Wino => pb::generate_request::Scheme::Wino(pb::WinoScheme {
+                block_length: self.block_length,
+                threshold: self.threshold,
+                threshold_back: self.threshold_back,
+                surelock_eps: self.surelock_eps,
+                surelock_percentile: self.surelock_percentile,
+            }),
             SchemeName::Ar => {
                 if let Some((flag, _)) = df_only.iter().find(|(_, set)| *set) {
                     bail!("{flag} belongs to --scheme diffusion-forcing, not ar");
@@ -122,6 +216,7 @@ impl GenerationArgs {
                     cache_lookup_strategy: self.cache_lookup_strategy.clone().unwrap_or_default(),
                     init_scale: self.init_scale,
                     exit_threshold: self.exit_threshold,
+                    continuous_compute: self.continuous_compute,
                 })
             }
             SchemeName::DiffusionForcing => {
@@ -139,6 +234,7 @@ impl GenerationArgs {
                     init_scale: self.init_scale,
                     cache_lookup_strategy: self.cache_lookup_strategy.clone().unwrap_or_default(),
                     freeze_test: self.freeze_test.clone().unwrap_or_default(),
+                    continuous_compute: self.continuous_compute,
                 })
             }
         };
@@ -166,4 +262,100 @@ pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr> {
         .with_context(|| format!("--listen must be HOST:PORT (e.g. 127.0.0.1:50051), got {s:?}"))?
         .next()
         .with_context(|| format!("{s:?} resolves to no address"))
+}
+
+#[cfg(test)]
+mod masked_diffusion_flag_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        prompt: PromptArgs,
+        #[command(flatten)]
+        generation: GenerationArgs,
+    }
+
+    fn request(flags: &[&str]) -> Result<pb::GenerateRequest> {
+        let argv = ["wavefront", "--prompt-ids", "1,2", "--max-new-tokens", "16"];
+        let cli = Cli::try_parse_from(argv.iter().chain(flags))?;
+        cli.generation.to_request(&cli.prompt)
+    }
+
+    #[test]
+    fn masked_diffusion_flags_build_their_schemes() -> Result<()> {
+        let lc = request(&[
+            "--scheme",
+            "low-confidence",
+            "--block-length",
+            "8",
+            "--steps",
+            "16",
+            "--remasking",
+            "random",
+            "--cfg-scale",
+            "0.5",
+            "--surelock-eps",
+            "0.001",
+            "--surelock-percentile",
+            "20",
+        ])?;
+        assert_eq!(
+            lc.scheme,
+            Some(pb::generate_request::Scheme::LowConfidence(
+                pb::LowConfidenceScheme {
+                    block_length: Some(8),
+                    steps: Some(16),
+                    remasking: "random".into(),
+                    cfg_scale: 0.5,
+                    surelock_eps: Some(0.001),
+                    surelock_percentile: Some(20.0),
+                }
+            ))
+        );
+        let wino = request(&[
+            "--scheme",
+            "wino",
+            "--threshold",
+            "0.5",
+            "--threshold-back",
+            "0.95",
+            "--surelock-eps",
+            "0.01",
+        ])?;
+        assert_eq!(
+            wino.scheme,
+            Some(pb::generate_request::Scheme::Wino(pb::WinoScheme {
+                block_length: None,
+                threshold: Some(0.5),
+                threshold_back: Some(0.95),
+                surelock_eps: Some(0.01),
+                surelock_percentile: None,
+            }))
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn flags_of_other_schemes_are_refused() {
+        for (flags, want) in [
+            (&["--scheme", "wino", "--steps", "4"][..], "--steps"),
+            (
+                &["--scheme", "low-confidence", "--threshold", "0.5"][..],
+                "--threshold",
+            ),
+            (
+                &["--scheme", "low-confidence", "--num-steps", "4"][..],
+                "--num-steps",
+            ),
+            (
+                &["--scheme", "ar", "--surelock-eps", "0.1"][..],
+                "--surelock-eps",
+            ),
+        ] {
+            let err = request(flags).unwrap_err().to_string();
+            assert!(err.contains(want), "{flags:?}: {err}");
+        }
+    }
 }

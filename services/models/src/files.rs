@@ -184,11 +184,14 @@ fn shard_paths(dir: &Path, index_json: &str) -> Result<Vec<PathBuf>> {
 pub enum ModelFamily {
     /// Recurrent-depth transformers (Huginn / raven): prelude, iterated core block, coda.
     RecurrentDepth,
+    /// Masked-diffusion language models (LLaDA): a bidirectional transformer that predicts
+    /// masked positions.
+    MaskedDiffusion,
 }
 
 /// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
-/// Families that are recognised but not implemented yet (LLaDA, ARMT, Qwen3 / ReFusion) are
+/// Families that are recognised but not implemented yet (ARMT, Qwen3 / ReFusion) are
 /// reported as [`ModelError::Unsupported`] naming the family.
 pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     let model_type = config
@@ -209,8 +212,10 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         if lower.contains("huginn") || lower.contains("raven") {
             return Ok(ModelFamily::RecurrentDepth);
         }
+        if lower.contains("llada") {
+            return Ok(ModelFamily::MaskedDiffusion);
+        }
         for (needle, family) in [
-            ("llada", "LLaDA (masked diffusion)"),
             ("armt", "ARMT (associative recurrent memory transformer)"),
             ("refusion", "ReFusion"),
             ("qwen3", "Qwen3"),

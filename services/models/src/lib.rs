@@ -9,17 +9,23 @@
 //!   embedded checkpoints; family detection.
 //! * [`tokenizer`]: tokenizer wrapper and streaming detokenizer.
 //! * [`huginn`]: Huginn-0125 recurrent-depth model (Geiping et al., 2025) and its KV cache.
+//! * [`transformer`]: a pre-norm Llama-style block over packed rows with per-sequence keys and
+//!   mask rules, shared by the Llama-like families.
+//! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
 
 pub mod error;
 pub mod files;
 pub mod huginn;
+pub mod llada;
 pub mod tokenizer;
+pub mod transformer;
 
 pub use error::ModelError;
 pub use files::{detect_family, ModelFamily, ModelFiles};
 pub use huginn::{
     relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };
+pub use llada::{Llada, LladaConfig};
 pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 
 /// Re-exported so downstream crates name the same candle types.

@@ -9,11 +9,13 @@
 //! | family | module | schemes |
 //! |---|---|---|
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
+//! | masked diffusion (LLaDA) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock) |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
 
 pub mod error;
+pub mod masked_diffusion;
 pub mod recurrent_depth;
 pub mod request;
 pub mod sampling;
@@ -21,7 +23,7 @@ pub mod served;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
-    SchemeParams,
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
+    ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
 pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -72,6 +72,10 @@ pub enum SchemeParams {
     Ar(ArParams),
     /// `diffusion-forcing`: the recurrent-depth wavefront sampler.
     DiffusionForcing(DiffusionForcingParams),
+    /// `low-confidence`: LLaDA's masked-diffusion sampler (upstream `generate()`).
+    LowConfidence(LowConfidenceParams),
+    /// `wino`: WINO's draft-and-verify masked-diffusion sampler (upstream `decoding_wino()`).
+    Wino(WinoParams),
 }
 
 impl SchemeParams {
@@ -80,6 +84,68 @@ impl SchemeParams {
         match self {
             SchemeParams::Ar(_) => "ar",
             SchemeParams::DiffusionForcing(_) => "diffusion-forcing",
+            SchemeParams::LowConfidence(_) => "low-confidence",
+            SchemeParams::Wino(_) => "wino",
+        }
+    }
+}
+
+/// How the low-confidence sampler scores masked positions (upstream `remasking`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Remasking {
+    /// Commit the positions whose predicted token has the highest probability.
+    #[default]
+    LowConfidence,
+    /// Commit uniformly random positions.
+    Random,
+}
+
+/// SureLock (an option of both masked-diffusion schemes): lock a position once its posterior
+/// stops moving; a locked position keeps its token and cached K/V and is no longer computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SureLockParams {
+    /// Lock when `KL(p_t || p_(t-1)) <= surelock_eps` (0 locks nothing).
+    pub eps: f32,
+    /// Optional confidence gate `m`: lock only candidates whose uncertainty `1 - max p` is at
+    /// most the `m`-th percentile among the step's candidates (the paper uses 20).
+    pub percentile: Option<f32>,
+}
+
+/// LLaDA's low-confidence remasking sampler (upstream `generate()`); `gen_length` is the
+/// request's `max_new_tokens`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LowConfidenceParams {
+    /// Semi-autoregressive block length; must divide `gen_length`. `None`: `gen_length`.
+    pub block_length: Option<usize>,
+    /// Total sampling steps, split evenly across blocks. `None`: `gen_length`.
+    pub steps: Option<usize>,
+    pub remasking: Remasking,
+    /// Unsupervised classifier-free guidance scale; 0 disables.
+    pub cfg_scale: f32,
+    pub surelock: Option<SureLockParams>,
+}
+
+/// WINO's draft-and-verify sampler (upstream `decoding_wino()`); `gen_length` is the request's
+/// `max_new_tokens`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WinoParams {
+    /// Block length; must divide `gen_length`. `None`: `gen_length`.
+    pub block_length: Option<usize>,
+    /// Draft threshold tau1 (upstream `threshold`).
+    pub threshold: f32,
+    /// Verification threshold tau2 (upstream `threshold_back`).
+    pub threshold_back: f32,
+    pub surelock: Option<SureLockParams>,
+}
+
+impl Default for WinoParams {
+    /// The paper's thresholds (WINO's `LLaDA/configs/*.yaml`).
+    fn default() -> Self {
+        Self {
+            block_length: None,
+            threshold: 0.6,
+            threshold_back: 0.9,
+            surelock: None,
         }
     }
 }
@@ -97,6 +163,9 @@ pub struct ArParams {
     /// Adaptive exit threshold on the latent's relative change (upstream
     /// `exit_threshold` with the "latent-diff" criterion); `None`: static.
     pub exit_threshold: Option<f32>,
+    /// Upstream `continuous_compute`: every position after the prompt starts from the previous
+    /// position's final latent state instead of a fresh random draw.
+    pub continuous_compute: bool,
 }
 
 /// Which freeze test the diffusion-forcing sampler applies.
@@ -123,6 +192,9 @@ pub struct DiffusionForcingParams {
     pub init_scale: f32,
     pub cache_lookup_strategy: String,
     pub freeze_test: FreezeTest,
+    /// Upstream `continuous_compute`: new wavefront positions start from copies of the last
+    /// `headway` states of the wavefront instead of fresh random draws.
+    pub continuous_compute: bool,
 }
 
 impl Default for DiffusionForcingParams {
@@ -139,6 +211,7 @@ impl Default for DiffusionForcingParams {
             init_scale: 1.0,
             cache_lookup_strategy: "latest-m4-compress-s4".into(),
             freeze_test: FreezeTest::Aligned,
+            continuous_compute: false,
         }
     }
 }

@@ -170,6 +170,7 @@ pub fn load_model(
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
     match files.family()? {
         ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
+        ModelFamily::MaskedDiffusion => crate::masked_diffusion::serve(files, opts),
         other => Err(SchemeError::Unsupported(format!(
             "model family {other:?} is not served yet"
         ))),

@@ -7,8 +7,8 @@ use tonic::Status;
 use wavefront_engine::{FinishReason, Stats};
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
-    SchemeParams, ServedModel,
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
+    ReplayDraws, SamplingParams, SchemeParams, ServedModel, SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -46,12 +46,13 @@ pub fn spec_from_proto(
         seed,
     };
     let scheme = match &req.scheme {
-        None => SchemeParams::Ar(ArParams::default()),
+        None => default_scheme(model),
         Some(pb::generate_request::Scheme::Ar(a)) => SchemeParams::Ar(ArParams {
             num_steps: a.num_steps.map(|n| n as usize),
             cache_lookup_strategy: non_empty(&a.cache_lookup_strategy),
             init_scale: a.init_scale,
             exit_threshold: a.exit_threshold,
+            continuous_compute: a.continuous_compute,
         }),
         Some(pb::generate_request::Scheme::DiffusionForcing(d)) => {
             let def = DiffusionForcingParams::default();
@@ -74,6 +75,33 @@ pub fn spec_from_proto(
                         )))
                     }
                 },
+                continuous_compute: d.continuous_compute,
+            })
+        }
+        Some(pb::generate_request::Scheme::LowConfidence(l)) => {
+            SchemeParams::LowConfidence(LowConfidenceParams {
+                block_length: l.block_length.map(|n| n as usize),
+                steps: l.steps.map(|n| n as usize),
+                remasking: match l.remasking.as_str() {
+                    "" | "low_confidence" => Remasking::LowConfidence,
+                    "random" => Remasking::Random,
+                    other => {
+                        return Err(Status::invalid_argument(format!(
+                            "low_confidence.remasking must be `low_confidence` or `random`, got {other:?}"
+                        )))
+                    }
+                },
+                cfg_scale: l.cfg_scale,
+                surelock: surelock("low_confidence", l.surelock_eps, l.surelock_percentile)?,
+            })
+        }
+        Some(pb::generate_request::Scheme::Wino(w)) => {
+            let def = WinoParams::default();
+            SchemeParams::Wino(WinoParams {
+                block_length: w.block_length.map(|n| n as usize),
+                threshold: w.threshold.unwrap_or(def.threshold),
+                threshold_back: w.threshold_back.unwrap_or(def.threshold_back),
+                surelock: surelock("wino", w.surelock_eps, w.surelock_percentile)?,
             })
         }
     };
@@ -85,6 +113,32 @@ pub fn spec_from_proto(
         scheme,
         replay_draws: None::<Arc<ReplayDraws>>,
     })
+}
+
+/// The scheme of a request that names none: `ar` where the model serves it, otherwise the
+/// model's first scheme with its defaults.
+fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
+    let schemes = &model.info().schemes;
+    if !schemes.contains(&"ar") && schemes.first() == Some(&"low-confidence") {
+        SchemeParams::LowConfidence(LowConfidenceParams::default())
+    } else {
+        SchemeParams::Ar(ArParams::default())
+    }
+}
+
+/// SureLock's parameters; the gate needs `surelock_eps`.
+fn surelock(
+    scheme: &str,
+    eps: Option<f32>,
+    percentile: Option<f32>,
+) -> Result<Option<SureLockParams>, Status> {
+    match (eps, percentile) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err(Status::invalid_argument(format!(
+            "{scheme}.surelock_percentile needs {scheme}.surelock_eps (SureLock is off without it)"
+        ))),
+        (Some(eps), percentile) => Ok(Some(SureLockParams { eps, percentile })),
+    }
 }
 
 fn non_empty(s: &str) -> Option<String> {
@@ -146,4 +200,106 @@ pub fn deadline_from_metadata(
     md: &tonic::metadata::MetadataMap,
 ) -> Result<Option<Instant>, Status> {
     wavefront_proto::timeout::deadline(md).map_err(Status::invalid_argument)
+}
+
+#[cfg(test)]
+mod masked_diffusion_tests {
+    use super::*;
+    use std::path::PathBuf;
+    use wavefront_schemes::{load_model, LoadOptions};
+
+    fn llada() -> Arc<dyn ServedModel> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada");
+        let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
+        load_model(files, LoadOptions::default()).expect("loads")
+    }
+
+    fn request(scheme: Option<pb::generate_request::Scheme>) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
+                ids: vec![448, 47, 355],
+            })),
+            max_new_tokens: 16,
+            scheme,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn masked_diffusion_schemes_convert_with_upstream_names_and_defaults() {
+        let model = llada();
+        let lc = pb::LowConfidenceScheme {
+            block_length: Some(8),
+            steps: Some(16),
+            remasking: "random".into(),
+            cfg_scale: 0.5,
+            surelock_eps: Some(1e-3),
+            surelock_percentile: Some(20.0),
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::LowConfidence(lc))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::LowConfidence(LowConfidenceParams {
+                block_length: Some(8),
+                steps: Some(16),
+                remasking: Remasking::Random,
+                cfg_scale: 0.5,
+                surelock: Some(SureLockParams {
+                    eps: 1e-3,
+                    percentile: Some(20.0)
+                }),
+            })
+        );
+        let wino = pb::WinoScheme {
+            block_length: Some(8),
+            threshold: None,
+            threshold_back: Some(0.95),
+            ..Default::default()
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::Wino(wino))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::Wino(WinoParams {
+                block_length: Some(8),
+                threshold: 0.6,
+                threshold_back: 0.95,
+                surelock: None,
+            })
+        );
+        // No scheme: the masked-diffusion model's default sampler.
+        let spec = spec_from_proto(&request(None), model.as_ref()).expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::LowConfidence(LowConfidenceParams::default())
+        );
+        model.shutdown();
+    }
+
+    #[test]
+    fn bad_masked_diffusion_options_are_invalid_arguments() {
+        let model = llada();
+        let bad = [
+            pb::generate_request::Scheme::LowConfidence(pb::LowConfidenceScheme {
+                remasking: "lowest".into(),
+                ..Default::default()
+            }),
+            pb::generate_request::Scheme::Wino(pb::WinoScheme {
+                surelock_percentile: Some(20.0),
+                ..Default::default()
+            }),
+        ];
+        for scheme in bad {
+            let err = spec_from_proto(&request(Some(scheme)), model.as_ref()).unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        }
+        model.shutdown();
+    }
 }

@@ -236,6 +236,8 @@ fn scheme_label(req: &pb::GenerateRequest) -> &'static str {
     match &req.scheme {
         None | Some(pb::generate_request::Scheme::Ar(_)) => "ar",
         Some(pb::generate_request::Scheme::DiffusionForcing(_)) => "diffusion-forcing",
+        Some(pb::generate_request::Scheme::LowConfidence(_)) => "low-confidence",
+        Some(pb::generate_request::Scheme::Wino(_)) => "wino",
     }
 }
 

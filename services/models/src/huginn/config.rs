@@ -206,4 +206,40 @@ impl HuginnConfig {
     pub fn init_std(&self, init_scale: f64) -> f64 {
         self.init_values.std * init_scale
     }
+
+    /// Name and shape of every checkpoint tensor [`super::Huginn::load`] reads, in load order
+    /// (the `freqs_cis` buffer is recomputed and not listed; `lm_head.weight` only when the
+    /// embeddings are not tied). Used to build synthetic checkpoints of a given size.
+    pub fn checkpoint_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, h, d) = (self.n_embd, self.n_heads, self.head_dim());
+        let (v, i) = (self.padded_vocab(), self.intermediate_size);
+        let mut out = vec![("transformer.wte.weight".to_owned(), vec![v, e])];
+        if !self.tie_embeddings {
+            out.push(("lm_head.weight".to_owned(), vec![v, e]));
+        }
+        let blocks = |group: &str, n: usize, out: &mut Vec<(String, Vec<usize>)>| {
+            for b in 0..n {
+                let p = format!("transformer.{group}.{b}");
+                out.push((format!("{p}.attn.Wqkv.weight"), vec![3 * e, e]));
+                out.push((format!("{p}.attn.proj.weight"), vec![e, e]));
+                if self.qk_bias {
+                    out.push((format!("{p}.attn.qk_bias"), vec![2, 1, h, d]));
+                }
+                out.push((format!("{p}.mlp.fc.weight"), vec![2 * i, e]));
+                out.push((format!("{p}.mlp.proj.weight"), vec![e, i]));
+                for norm in 1..=4 {
+                    out.push((format!("{p}.norm_{norm}.weight"), vec![e]));
+                }
+            }
+        };
+        blocks("prelude", self.n_layers_in_prelude, &mut out);
+        blocks("core_block", self.n_layers_in_recurrent_block, &mut out);
+        blocks("coda", self.n_layers_in_coda, &mut out);
+        out.push(("transformer.adapter.weight".to_owned(), vec![e, 2 * e]));
+        if self.bias {
+            out.push(("transformer.adapter.bias".to_owned(), vec![e]));
+        }
+        out.push(("transformer.ln_f.weight".to_owned(), vec![e]));
+        out
+    }
 }

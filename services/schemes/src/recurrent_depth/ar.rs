@@ -11,6 +11,16 @@
 //!   (at most `num_steps`). A token writes core K/V only for the recurrences
 //!   it ran; later tokens read its deepest one (`latest-m4` lookup).
 //!
+//! **Continuous compute** (upstream `continuous_compute`, "warm-start state /
+//! continuous CoT"): the prompt's positions start from fresh draws as usual;
+//! every later position starts from the final raw state of the position
+//! before it (the state its token was decoded from: after `num_steps`
+//! iterations, or at the adaptive exit) instead of a fresh draw, so no draws
+//! are consumed after the prompt. This is upstream's intent; its two AR loops
+//! disagree on the state copied (`generate_with_adaptive_compute` copies the
+//! raw state as here, `generate_minimal` copies `latent_states`, i.e. the
+//! state after the final norm `ln_f`); no golden covers either.
+//!
 //! One tick advances every active request by one token. All requests' rows
 //! share each prelude, core and coda call; at core iteration `t` only the
 //! requests still iterating take part, so static requests with different
@@ -31,6 +41,10 @@ pub struct ArProgram {
     pub(crate) pending: Vec<u32>,
     pub(crate) num_steps: usize,
     pub(crate) exit_threshold: Option<f32>,
+    pub(crate) continuous_compute: bool,
+    /// Continuous compute: the last processed position's final state `[1, E]`, the initial
+    /// state of the next position.
+    pub(crate) warm_state: Option<Tensor>,
     pub(crate) draws: DrawSource,
     pub(crate) sampler: TokenSampler,
     pub(crate) max_new_tokens: usize,
@@ -69,19 +83,31 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
         model.prelude(&emb, &mut seqs).map_err(to_candle)?
     };
 
-    // Fresh initial states, each request from its own source.
+    // Initial states: fresh draws, each request from its own source (one host-to-device copy
+    // for all of them), or the warm state of a continuous-compute request.
     let mut init = Vec::with_capacity(ids.len() * dim);
+    let mut drawn_rows = 0;
     for (a, &n) in batch.iter_mut().zip(&lens) {
+        if a.program.warm_state.is_some() {
+            continue;
+        }
         let rows = a
             .program
             .draws
             .next(n, dim, false)
             .map_err(candle_core::Error::Msg)?;
         init.extend_from_slice(&rows);
+        drawn_rows += n;
     }
-    let state = Tensor::from_vec(init, (ids.len(), dim), &Device::Cpu)?
-        .to_device(&device)?
-        .to_dtype(dtype)?;
+    let drawn = if drawn_rows > 0 {
+        Some(
+            Tensor::from_vec(init, (drawn_rows, dim), &Device::Cpu)?
+                .to_device(&device)?
+                .to_dtype(dtype)?,
+        )
+    } else {
+        None
+    };
 
     // Core iterations: request i takes part while it is still iterating.
     let offsets: Vec<usize> = lens
@@ -92,11 +118,19 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
             Some(o)
         })
         .collect();
-    let mut states: Vec<Tensor> = offsets
-        .iter()
-        .zip(&lens)
-        .map(|(&o, &n)| state.narrow(0, o, n))
-        .collect::<candle_core::Result<_>>()?;
+    let mut drawn_offset = 0;
+    let mut states: Vec<Tensor> = Vec::with_capacity(batch.len());
+    for (a, &n) in batch.iter_mut().zip(&lens) {
+        match a.program.warm_state.take() {
+            Some(w) if n == 1 => states.push(w),
+            Some(_) => candle_core::bail!("a warm state seeds exactly one new position"),
+            None => {
+                let drawn = drawn.as_ref().expect("rows were drawn for this request");
+                states.push(drawn.narrow(0, drawn_offset, n)?);
+                drawn_offset += n;
+            }
+        }
+    }
     let injs: Vec<Tensor> = offsets
         .iter()
         .zip(&lens)
@@ -166,6 +200,13 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
                 iterating[i] = false;
             }
             row += n;
+        }
+    }
+
+    // Continuous compute: the next position starts where this request's last one ended.
+    for (a, (s, &n)) in batch.iter_mut().zip(states.iter().zip(&lens)) {
+        if a.program.continuous_compute {
+            a.program.warm_state = Some(s.narrow(0, n - 1, 1)?);
         }
     }
 

@@ -22,16 +22,41 @@
 //! freeze compares each position with the previous state of a position `c - c_old` further on;
 //! [`FreezeTest::Aligned`] compares each position with its own previous state.
 //!
+//! **Headway above 1**: the `headway - 1` positions beyond the last decoded guess have no token
+//! yet; upstream feeds uniformly random token ids there, here they come from a per-request RNG
+//! seeded with the request's seed (so they are reproducible and batch invariant).
+//!
+//! **Continuous compute** (upstream `continuous_compute`): the `headway` new positions start
+//! from copies of the last `headway` states of the wavefront (after this step's core
+//! iterations) instead of fresh draws, as upstream does; the position after the prompt still
+//! starts from a fresh draw. No golden covers it.
+//!
+//! A request stops after [`MAX_SAMPLER_STEPS`] outer steps (upstream `max_diffusion_steps`)
+//! with whatever froze so far (finish reason `length`), so a setting that never converges
+//! cannot hold its slots forever.
+//!
+//! Statistics: counters `sampler_steps` (outer steps after the prefill) and `standing_waves`
+//! (steps whose wavefront hit `max_wavefront`); series `wavefront_size` (positions iterated in
+//! each outer step), `recurrence_steps_per_token` (entry j: core iterations received by
+//! position `L + j - 1`, whose state decoded the j-th new token; entry 0 is the prefill's
+//! `num_steps`) and `recurrence_per_position` (upstream's per-position counter, prompt
+//! included); `forward_passes` counts the prefill and every outer step.
+//!
 //! One tick advances every active request by one outer step; all requests share each prelude,
 //! core and coda call (prefills and wavefronts of different sizes pack together).
 
 use candle_core::{DType, Device, Tensor, D};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
 use crate::request::FreezeTest;
 use crate::sampling::TokenSampler;
+
+/// Outer steps after which a request stops (upstream `max_diffusion_steps`).
+pub const MAX_SAMPLER_STEPS: u64 = 4096;
 
 /// Resolved sampler settings of one request.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +76,10 @@ pub struct DiffusionSettings {
     /// Largest wavefront.
     pub max_wavefront: usize,
     pub freeze_test: FreezeTest,
+    /// New positions start from the wavefront's last states instead of fresh draws.
+    pub continuous_compute: bool,
+    /// Token ids of placeholder guesses (headway above 1) are drawn below this.
+    pub vocab_size: usize,
 }
 
 /// The wavefront of a request past its prefill.
@@ -86,20 +115,27 @@ pub struct DiffusionProgram {
     /// Frozen tokens already streamed.
     pub(crate) emitted: usize,
     wave: Option<Wave>,
+    /// Placeholder tokens for positions past the last guess (headway above 1).
+    placeholders: Box<StdRng>,
+    sampler_steps: u64,
     pub(crate) stats: Stats,
 }
 
 impl DiffusionProgram {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         prompt_ids: Vec<u32>,
         cache: HuginnCache,
         settings: DiffusionSettings,
         draws: DrawSource,
         sampler: TokenSampler,
+        seed: u64,
         max_new_tokens: usize,
         stop_token_ids: Vec<u32>,
     ) -> Self {
         Self {
+            placeholders: Box::new(StdRng::seed_from_u64(seed ^ 0x4845_4144_5741_5901)),
+            sampler_steps: 0,
             cache,
             settings,
             draws,
@@ -112,6 +148,14 @@ impl DiffusionProgram {
             emitted: 0,
             wave: None,
             stats: Stats::default(),
+        }
+    }
+
+    /// Positions the next tick runs: the prompt (prefill), then the wavefront.
+    pub fn next_rows(&self) -> usize {
+        match &self.wave {
+            None => self.prompt_len,
+            Some(w) => w.z.dim(0).unwrap_or(0),
         }
     }
 
@@ -150,6 +194,13 @@ impl DiffusionProgram {
             stats
                 .series
                 .insert("recurrence_per_position".into(), w.counter[..n].to_vec());
+            // Token j (position L + j) was decoded from position L + j - 1.
+            let per_token = (0..self.emitted)
+                .map(|j| w.counter.get(self.prompt_len + j - 1).copied().unwrap_or(0))
+                .collect();
+            stats
+                .series
+                .insert("recurrence_steps_per_token".into(), per_token);
         }
         outbox.finish(reason, stats);
     }
@@ -413,10 +464,20 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
             continue;
         }
         let c = pl.start;
+        let headway = p.settings.headway;
         let guesses = &decoded[decoded_offs[i]..decoded_offs[i] + decoded_lens[i]];
         p.cur.truncate(p.frozen.len());
         p.cur.extend_from_slice(guesses);
-        let fresh = draw(p, p.settings.headway, dim, true, &device, dtype)?;
+        let vocab = p.settings.vocab_size as u32;
+        for _ in 1..headway {
+            let t = p.placeholders.random_range(0..vocab);
+            p.cur.push(t);
+        }
+        let fresh = if p.settings.continuous_compute && pl.len >= headway {
+            states[i].narrow(0, pl.len - headway, headway)?
+        } else {
+            draw(p, headway, dim, true, &device, dtype)?
+        };
         let w = p.wave.as_mut().expect("planned as a wavefront");
         add_recurrences(&mut w.counter, c, pl.len, pl.core_steps);
         let mut z = Tensor::cat(&[&states[i], &fresh], 0)?;
@@ -475,9 +536,13 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
         w.c_old = c;
         p.stats.forward_passes += 1;
         p.stats.recurrence_steps += plans[i].core_steps as u64;
-        p.stats.add_counter("diffusion_steps", 1);
+        p.stats.add_counter("sampler_steps", 1);
         p.stats.push_series("wavefront_size", plans[i].len as u32);
+        p.sampler_steps += 1;
         p.emit(e.outbox);
+        if p.sampler_steps >= MAX_SAMPLER_STEPS && !e.outbox.is_done() {
+            p.finish(e.outbox, FinishReason::Length);
+        }
     }
 
     // Commit prefills: first token, first wavefront state, cache-free prelude for momentum.
@@ -631,9 +696,12 @@ impl super::HuginnPlanner {
                 self.cfg.embed_scale(),
             ),
         };
-        // The wavefront may run up to `max_wavefront` positions past the frozen ones.
-        let positions = spec.prompt_ids.len() + spec.max_new_tokens + d.max_wavefront;
-        let slots = positions * self.cache_layers(strategy, num_steps);
+        // K/V slots: the wavefront may run up to `max_wavefront` positions past the frozen ones
+        // (never past the context). Latent slots: the wavefront's states (see the module doc).
+        let positions = (spec.prompt_ids.len() + spec.max_new_tokens + d.max_wavefront)
+            .min(self.cfg.block_size);
+        let slots =
+            positions * self.cache_layers(strategy, num_steps) + self.latent_slots(d.max_wavefront);
         let prompt_tokens = spec.prompt_ids.len();
         let settings = DiffusionSettings {
             num_steps,
@@ -644,13 +712,16 @@ impl super::HuginnPlanner {
             headway: d.headway,
             max_wavefront: d.max_wavefront,
             freeze_test: d.freeze_test,
+            continuous_compute: d.continuous_compute,
+            vocab_size: self.cfg.vocab_size,
         };
         let program = DiffusionProgram::new(
             spec.prompt_ids,
-            HuginnCache::with_capacity(strategy, positions.min(self.cfg.block_size)),
+            HuginnCache::with_capacity(strategy, positions),
             settings,
             draws,
             TokenSampler::new(spec.sampling),
+            spec.sampling.seed,
             spec.max_new_tokens,
             spec.stop_token_ids,
         );

@@ -129,6 +129,7 @@ impl Fixture {
             ),
             init_scale: Some(c["init_scale"].as_f64().unwrap_or(1.0) as f32),
             exit_threshold: adaptive.then(|| c["exit_threshold"].as_f64().unwrap_or(0.03) as f32),
+            continuous_compute: false,
         };
         let steps = if adaptive {
             Some(serde_json::from_value(c["steps_per_token"].clone())?)
@@ -170,6 +171,7 @@ impl Fixture {
                 .context("strategy")?
                 .to_owned(),
             freeze_test: FreezeTest::Upstream,
+            continuous_compute: false,
         };
         let trace = c["trace"]
             .as_array()
@@ -474,7 +476,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
         if !case.scores.is_null() {
             let count = |k: &str| stats.counters.get(k).copied().unwrap_or(0);
             ensure!(
-                count("diffusion_steps") == case.scores["diffusion_steps"].as_u64().unwrap_or(0),
+                count("sampler_steps") == case.scores["diffusion_steps"].as_u64().unwrap_or(0),
                 "{}: steps",
                 case.name
             );

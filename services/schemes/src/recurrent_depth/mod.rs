@@ -7,26 +7,61 @@
 //! - `ar` static: a fixed number of recurrence steps per token ([`ar`]);
 //! - `ar` adaptive exit: iterate until the latent stops moving ([`ar`]);
 //! - `diffusion-forcing`: a wavefront of positions iterated together, frozen
-//!   as their latents converge ([`diffusion`]).
+//!   as their latents converge ([`diffusion`]; Geiping et al. 2025, "Efficient
+//!   Parallel Samplers for Recurrent-Depth Models and Their Connection to
+//!   Diffusion Language Models").
+//!
+//! Both schemes take upstream's `continuous_compute`: a new position starts
+//! from the latent state of the position before it instead of a fresh random
+//! draw (see each module for the exact state copied).
 //!
 //! The planner validates a request and builds its program on the caller's
 //! thread; the family packs every active program's rows into one prelude,
 //! one core call per recurrence and one coda call per tick.
 //!
-//! Slots: a slot is one position's K/V in one cache layer (`2 · n_embd`
-//! values). A request reserves `positions × cache layers` slots, where the
-//! cache layers depend on its `cache_lookup_strategy` (all recurrences for
-//! `full`, `N` core slots for `compress-sN`), so the pool bounds K/V memory
-//! exactly.
+//! ## Slots
+//!
+//! The slot unit is `2 · n_embd` values of the model dtype; the pool holds
+//! `memory_budget_bytes / (2 · n_embd · dtype size)` of them. A slot holds
+//! either
+//! - one position's key and value in one cache layer (a *K/V slot*), or
+//! - one wavefront position's latent state together with its state after the
+//!   previous sampler step, which the freeze test compares it with (a *latent
+//!   slot*).
+//!
+//! Every request reserves `positions × cache layers` K/V slots. Cache layers
+//! are the prelude and coda layers plus the core layers its
+//! `cache_lookup_strategy` keeps (every recurrence for `full` and
+//! `latest-m4`, `N` for `compress-sN`); positions are prompt +
+//! `max_new_tokens` for `ar`, and prompt + `max_new_tokens` +
+//! `max_wavefront` (at most the context) for `diffusion-forcing`, whose
+//! wavefront runs ahead of the frozen tokens. A diffusion-forcing request also
+//! reserves `ceil(max_wavefront × occupancy_multiplier)` latent slots
+//! ([`LoadOptions::occupancy_multiplier`]). At 1.0 that is one slot for every
+//! position the wavefront may hold; 1.5 also counts the momentum embeddings
+//! kept when `ema_embeds > 0` (half a slot per position); below 1.0 the pool
+//! over-commits latent memory, betting that wavefronts seldom reach their cap.
+//! `ar` latent states live only within one tick and are not reserved.
+//!
+//! Slots are fungible: a request holds a count of slots, not an address range,
+//! so requests of both schemes and any size share one pool, and admission
+//! (FIFO, whole reservation or nothing) bounds the memory all of them can use.
 
 pub mod ar;
 pub mod diffusion;
 pub mod draws;
 #[cfg(test)]
 mod golden_tests;
+#[cfg(test)]
+mod scheme_tests;
+#[cfg(test)]
+mod serving_tests;
+#[cfg(test)]
+mod test_support;
 
 use std::sync::Arc;
 
+use candle_core::{DType, Device};
 use wavefront_engine::{Active, Engine, EngineConfig, Family, Prepared, RequestError, Stats};
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
@@ -54,6 +89,7 @@ pub struct HuginnPlanner {
     cfg: HuginnConfig,
     info: ModelInfo,
     end_text_id: Option<u32>,
+    occupancy_multiplier: f32,
 }
 
 impl HuginnPlanner {
@@ -70,7 +106,20 @@ impl HuginnPlanner {
             cfg,
             info,
             end_text_id,
+            occupancy_multiplier: 1.0,
         }
+    }
+
+    /// Latent slots reserved per wavefront position a diffusion-forcing request may hold
+    /// (see the module doc); must be finite and positive.
+    pub fn with_occupancy_multiplier(mut self, multiplier: f32) -> Self {
+        self.occupancy_multiplier = multiplier;
+        self
+    }
+
+    /// Latent slots a diffusion-forcing request with this wavefront cap reserves.
+    pub fn latent_slots(&self, max_wavefront: usize) -> usize {
+        (max_wavefront as f64 * f64::from(self.occupancy_multiplier)).ceil() as usize
     }
 
     /// Cache layers one position occupies under `strategy` with `steps` recurrences.
@@ -114,8 +163,13 @@ impl HuginnPlanner {
         let draws = match (&spec.replay_draws, init_scale) {
             (_, 0.0) => DrawSource::Zeros,
             (Some(r), _) => {
-                // Row p of an AR replay is position p's initial state.
-                let needed = positions - 1;
+                // Row p of an AR replay is position p's initial state; with continuous
+                // compute only the prompt's positions are drawn.
+                let needed = if a.continuous_compute {
+                    spec.prompt_ids.len()
+                } else {
+                    positions - 1
+                };
                 if r.rows() < needed {
                     return bad(format!(
                         "replayed draws hold {} rows; this request needs {needed}",
@@ -137,6 +191,8 @@ impl HuginnPlanner {
             pending: spec.prompt_ids,
             num_steps,
             exit_threshold: a.exit_threshold,
+            continuous_compute: a.continuous_compute,
+            warm_state: None,
             draws,
             sampler: TokenSampler::new(spec.sampling),
             max_new_tokens: spec.max_new_tokens,
@@ -164,6 +220,11 @@ impl Planner for HuginnPlanner {
         match spec.scheme.clone() {
             SchemeParams::Ar(a) => self.prepare_ar(spec, &a),
             SchemeParams::DiffusionForcing(d) => self.prepare_diffusion(spec, &d),
+            #[allow(unreachable_patterns)]
+            other => Err(RequestError::InvalidArgument(format!(
+                "scheme `{}` is not available for recurrent-depth models; use `ar` or `diffusion-forcing`",
+                other.name()
+            ))),
         }
     }
 
@@ -181,11 +242,16 @@ impl Planner for HuginnPlanner {
 /// The family: owns the model on the engine thread.
 pub struct HuginnFamily {
     model: Huginn,
+    /// Positions the last tick ran through the model (metrics).
+    last_rows: Option<usize>,
 }
 
 impl HuginnFamily {
     pub fn new(model: Huginn) -> Self {
-        Self { model }
+        Self {
+            model,
+            last_rows: None,
+        }
     }
 }
 
@@ -196,17 +262,23 @@ impl Family for HuginnFamily {
         // Group the batch by scheme; each group runs its packed calls.
         let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
         let mut diffusion_group: Vec<diffusion::Entry<'_>> = Vec::new();
+        let mut rows = 0;
         for a in batch.iter_mut() {
             let Active {
                 program, outbox, ..
             } = &mut **a;
             match program {
-                Program::Ar(p) => ar_group.push(ar::Entry { program: p, outbox }),
+                Program::Ar(p) => {
+                    rows += p.pending.len();
+                    ar_group.push(ar::Entry { program: p, outbox })
+                }
                 Program::Diffusion(p) => {
+                    rows += p.next_rows();
                     diffusion_group.push(diffusion::Entry { program: p, outbox })
                 }
             }
         }
+        self.last_rows = Some(rows);
         if !ar_group.is_empty() {
             ar::tick(&self.model, &mut ar_group).map_err(|e| e.to_string())?;
         }
@@ -214,6 +286,10 @@ impl Family for HuginnFamily {
             diffusion::tick(&self.model, &mut diffusion_group).map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.last_rows
     }
 }
 
@@ -227,11 +303,60 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
             None
         }
     };
-    let planner = Arc::new(HuginnPlanner::new(
-        cfg.clone(),
-        opts.name.clone(),
-        tokenizer.as_ref(),
-    ));
+    let model_cfg = cfg.clone();
+    serve_model(cfg, tokenizer, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        Huginn::load(vb, model_cfg).map_err(|e| e.to_string())
+    })
+}
+
+/// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
+/// synthetic weights for benchmarks); `cfg` must be the model's config.
+pub fn serve_model<L>(
+    cfg: HuginnConfig,
+    tokenizer: Option<TextTokenizer>,
+    opts: LoadOptions,
+    load: L,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
+{
+    let want = cfg.clone();
+    serve_family(cfg, tokenizer, opts, move |device, dtype| {
+        let model = load(device, dtype)?;
+        if model.config() != &want {
+            return Err(
+                "the loaded model's config differs from the one requests are planned with".into(),
+            );
+        }
+        Ok(HuginnFamily::new(model))
+    })
+}
+
+/// Sizes the slot pool from the memory budget and starts the engine with the family `make`
+/// builds on the engine thread.
+pub(crate) fn serve_family<F, M>(
+    cfg: HuginnConfig,
+    tokenizer: Option<TextTokenizer>,
+    opts: LoadOptions,
+    make: M,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    F: Family<Program = Program>,
+    M: FnOnce(&Device, DType) -> Result<F, String> + Send + 'static,
+{
+    let m = opts.occupancy_multiplier;
+    if !m.is_finite() || m <= 0.0 {
+        return Err(SchemeError::InvalidOption(format!(
+            "occupancy multiplier must be a positive number, got {m}"
+        )));
+    }
+    let planner = Arc::new(
+        HuginnPlanner::new(cfg.clone(), opts.name.clone(), tokenizer.as_ref())
+            .with_occupancy_multiplier(m),
+    );
     let bytes_per_slot = 2 * cfg.n_embd * opts.dtype.size_in_bytes();
     let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
         .unwrap_or(usize::MAX)
@@ -248,14 +373,8 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
         max_active: opts.max_active,
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);
-    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, ?dtype, "starting recurrent-depth engine");
-    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || {
-        let vb = files
-            .var_builder(dtype, &device)
-            .map_err(|e| e.to_string())?;
-        let model = Huginn::load(vb, cfg).map_err(|e| e.to_string())?;
-        Ok(HuginnFamily::new(model))
-    })
-    .map_err(SchemeError::Engine)?;
+    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, occupancy_multiplier = m, ?dtype, "starting recurrent-depth engine");
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
+        .map_err(SchemeError::Engine)?;
     Ok(Arc::new(Served::new(planner, handle, tokenizer)))
 }

@@ -1,0 +1,437 @@
+//! `bench-recurrent-depth`: decoding throughput of the recurrent-depth schemes on a synthetic
+//! Huginn-shaped model (random weights, see [`synthetic`]), served through the real engine.
+//!
+//! In one run, side by side:
+//! 1. batch 1: static AR (`num_steps` recurrences per token), adaptive AR (latent-difference
+//!    exit), and the diffusion-forcing sampler (Geiping et al. 2025, "Efficient Parallel
+//!    Samplers for Recurrent-Depth Models ...", paper defaults) with the aligned and the
+//!    upstream freeze test; tokens per second of one request alone;
+//! 2. continuous batching: N requests submitted together (the engine packs their rows into
+//!    shared forwards) against the same N requests served one after another, as aggregate
+//!    tokens per second, for each N in `--concurrency`; outputs are checked to be identical.
+//!
+//! Prints markdown tables on stdout and progress on stderr.
+
+mod synthetic;
+
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use wavefront_engine::{Event, EventSink, SinkError, Stats};
+use wavefront_models::candle_core::{DType, Device};
+use wavefront_schemes::recurrent_depth::serve_model;
+use wavefront_schemes::{
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LoadOptions, SamplingParams,
+    SchemeParams, ServedModel,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    about = "Throughput of static AR, adaptive AR and diffusion forcing on a synthetic Huginn"
+)]
+struct Args {
+    /// Model width.
+    #[arg(long, default_value_t = 1024)]
+    n_embd: usize,
+    #[arg(long, default_value_t = 16)]
+    n_heads: usize,
+    #[arg(long, default_value_t = 2816)]
+    intermediate_size: usize,
+    #[arg(long, default_value_t = 32768)]
+    vocab_size: usize,
+    #[arg(long, default_value_t = 2)]
+    prelude: usize,
+    #[arg(long, default_value_t = 4)]
+    core: usize,
+    #[arg(long, default_value_t = 2)]
+    coda: usize,
+    /// Prompt tokens per request (random ids).
+    #[arg(long, default_value_t = 8)]
+    prompt_len: usize,
+    /// New tokens per request at batch 1.
+    #[arg(long, default_value_t = 16)]
+    max_new_tokens: usize,
+    /// New tokens per request in the concurrency runs.
+    #[arg(long, default_value_t = 8)]
+    batched_max_new_tokens: usize,
+    /// Batch-1 runs per workload; the fastest is reported.
+    #[arg(long, default_value_t = 2)]
+    repeat: usize,
+    /// Recurrences per token (static AR), the maximum (adaptive AR) and of the prefill
+    /// (diffusion forcing).
+    #[arg(long, default_value_t = 32)]
+    num_steps: usize,
+    /// Adaptive AR exit threshold on the latent's relative change.
+    #[arg(long, default_value_t = 0.03)]
+    exit_threshold: f32,
+    /// Diffusion forcing: core iterations per sampler step (r').
+    #[arg(long, default_value_t = 4)]
+    inner_recurrence: usize,
+    /// Diffusion forcing: freeze threshold (eps).
+    #[arg(long, default_value_t = 0.03)]
+    exit_t: f32,
+    /// Diffusion forcing: embedding momentum (eta).
+    #[arg(long, default_value_t = 0.1)]
+    ema_embeds: f32,
+    /// Diffusion forcing: noise mixing (beta).
+    #[arg(long, default_value_t = 0.0)]
+    state_noise_mixing: f32,
+    /// Diffusion forcing: wavefront cap (W).
+    #[arg(long, default_value_t = 128)]
+    max_wavefront: usize,
+    /// Workloads measured at batch 1.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["ar-static", "ar-adaptive", "df-aligned", "df-upstream"])]
+    single: Vec<Workload>,
+    /// Workloads measured with concurrent requests.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["df-aligned", "ar-static"])]
+    batched: Vec<Workload>,
+    /// Numbers of concurrent requests.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16])]
+    concurrency: Vec<usize>,
+    /// Memory given to the slot pool (K/V and latent states).
+    #[arg(long, default_value_t = 2048)]
+    memory_budget_mb: u64,
+    /// Seed of the weights, prompts and initial states.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    ArStatic,
+    ArAdaptive,
+    DfAligned,
+    DfUpstream,
+}
+
+impl Workload {
+    fn label(self) -> &'static str {
+        match self {
+            Workload::ArStatic => "static AR",
+            Workload::ArAdaptive => "adaptive AR",
+            Workload::DfAligned => "diffusion forcing, aligned freeze test",
+            Workload::DfUpstream => "diffusion forcing, upstream freeze test",
+        }
+    }
+
+    fn settings(self, a: &Args) -> String {
+        match self {
+            Workload::ArStatic => format!("r={}, cache full", a.num_steps),
+            Workload::ArAdaptive => format!(
+                "exit < {}, max {} steps, cache latest-m4",
+                a.exit_threshold, a.num_steps
+            ),
+            Workload::DfAligned | Workload::DfUpstream => format!(
+                "r'={}, eps {}, eta {}, beta {}, W {}, prefill r={}",
+                a.inner_recurrence,
+                a.exit_t,
+                a.ema_embeds,
+                a.state_noise_mixing,
+                a.max_wavefront,
+                a.num_steps
+            ),
+        }
+    }
+
+    fn scheme(self, a: &Args) -> SchemeParams {
+        let ar = |exit_threshold, cache: &str| {
+            SchemeParams::Ar(ArParams {
+                num_steps: Some(a.num_steps),
+                cache_lookup_strategy: Some(cache.into()),
+                exit_threshold,
+                ..ArParams::default()
+            })
+        };
+        let df = |freeze_test| {
+            SchemeParams::DiffusionForcing(DiffusionForcingParams {
+                num_steps: Some(a.num_steps),
+                inner_recurrence: a.inner_recurrence,
+                exit_t: a.exit_t,
+                ema_embeds: a.ema_embeds,
+                state_noise_mixing: a.state_noise_mixing,
+                max_wavefront: a.max_wavefront,
+                freeze_test,
+                ..DiffusionForcingParams::default()
+            })
+        };
+        match self {
+            Workload::ArStatic => ar(None, "full"),
+            Workload::ArAdaptive => ar(Some(a.exit_threshold), "latest-m4"),
+            Workload::DfAligned => df(FreezeTest::Aligned),
+            Workload::DfUpstream => df(FreezeTest::Upstream),
+        }
+    }
+
+    /// Request `i` of this workload: its own random prompt and seed.
+    fn request(self, a: &Args, i: u64, max_new_tokens: usize) -> GenerateSpec {
+        let mut x = a
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(i * 1442695040888963407 + 1);
+        let prompt_ids = (0..a.prompt_len)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % a.vocab_size as u64) as u32
+            })
+            .collect();
+        GenerateSpec {
+            prompt_ids,
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+            sampling: SamplingParams {
+                seed: a.seed + i,
+                ..SamplingParams::default()
+            },
+            scheme: self.scheme(a),
+            replay_draws: None,
+        }
+    }
+}
+
+/// A bounded std channel as the request's event sink.
+struct Sink(SyncSender<Event>);
+
+impl EventSink for Sink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.0.try_send(event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// What one request produced.
+struct Outcome {
+    tokens: Vec<u32>,
+    stats: Stats,
+}
+
+impl Outcome {
+    fn mean_series(&self, name: &str) -> Option<f64> {
+        let s = self.stats.series.get(name)?;
+        (!s.is_empty()).then(|| s.iter().map(|&v| f64::from(v)).sum::<f64>() / s.len() as f64)
+    }
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (tx, rx) = mpsc::sync_channel(4096);
+    served.submit(spec, Box::new(Sink(tx)), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+fn wait(rx: &Receiver<Event>) -> Result<Outcome> {
+    let mut tokens = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(1800))
+            .context("engine stalled")?
+        {
+            Event::Tokens(t) => tokens.extend(t),
+            Event::Finished { stats, .. } => return Ok(Outcome { tokens, stats }),
+            Event::Failed(e) => bail!("request failed: {e}"),
+        }
+    }
+}
+
+/// Submits every request at once and waits for all of them.
+fn concurrent(
+    served: &dyn ServedModel,
+    specs: &[GenerateSpec],
+) -> Result<(Vec<Outcome>, Duration)> {
+    let start = Instant::now();
+    let rxs = specs
+        .iter()
+        .map(|s| submit(served, s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let outs = rxs.iter().map(wait).collect::<Result<Vec<_>>>()?;
+    Ok((outs, start.elapsed()))
+}
+
+/// Serves the requests one after another.
+fn sequential(
+    served: &dyn ServedModel,
+    specs: &[GenerateSpec],
+) -> Result<(Vec<Outcome>, Duration)> {
+    let start = Instant::now();
+    let outs = specs
+        .iter()
+        .map(|s| wait(&submit(served, s.clone())?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((outs, start.elapsed()))
+}
+
+fn tokens(outs: &[Outcome]) -> usize {
+    outs.iter().map(|o| o.tokens.len()).sum()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let total = Instant::now();
+    let shape = synthetic::Shape {
+        n_embd: args.n_embd,
+        n_heads: args.n_heads,
+        intermediate_size: args.intermediate_size,
+        vocab_size: args.vocab_size,
+        prelude: args.prelude,
+        core: args.core,
+        coda: args.coda,
+        mean_recurrence: args.num_steps,
+    };
+    let cfg = shape.config()?;
+    let opts = LoadOptions {
+        name: "synthetic-huginn".into(),
+        device: Device::Cpu,
+        dtype: DType::F32,
+        memory_budget_bytes: args.memory_budget_mb << 20,
+        max_active: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
+        queue_capacity: 64,
+        ..LoadOptions::default()
+    };
+    let (model_cfg, seed) = (cfg.clone(), args.seed);
+    eprintln!("building the synthetic model ({shape:?})");
+    let served = serve_model(cfg, None, opts, move |device, dtype| {
+        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| format!("{e:#}"))
+    })?;
+    eprintln!(
+        "model ready after {:.1}s; warming up",
+        total.elapsed().as_secs_f64()
+    );
+    sequential(
+        served.as_ref(),
+        &[Workload::ArStatic.request(&args, 999, 2)],
+    )?;
+
+    println!(
+        "Synthetic Huginn: n_embd {}, heads {}, prelude/core/coda {}/{}/{}, intermediate {}, vocab {}; \
+         f32 on CPU; prompts of {} random tokens, greedy; batch 1: {} new tokens, best of {} runs; \
+         concurrency: {} new tokens per request, one run.\n",
+        args.n_embd,
+        args.n_heads,
+        args.prelude,
+        args.core,
+        args.coda,
+        args.intermediate_size,
+        args.vocab_size,
+        args.prompt_len,
+        args.max_new_tokens,
+        args.repeat,
+        args.batched_max_new_tokens,
+    );
+
+    // 1. Batch 1.
+    println!("| workload (batch 1) | settings | new tokens | seconds | tokens/s | vs static AR | core calls | core iterations per token | core row-iterations | mean wavefront |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut static_rate = None;
+    for &w in &args.single {
+        eprintln!("batch 1: {}", w.label());
+        let spec = w.request(&args, 0, args.max_new_tokens);
+        let mut best: Option<(Outcome, Duration)> = None;
+        for _ in 0..args.repeat.max(1) {
+            let (mut outs, took) = sequential(served.as_ref(), std::slice::from_ref(&spec))?;
+            if best.as_ref().is_none_or(|(_, t)| took < *t) {
+                best = Some((outs.remove(0), took));
+            }
+        }
+        let (o, took) = best.expect("at least one run");
+        let o = &o;
+        let rate = o.tokens.len() as f64 / took.as_secs_f64();
+        if w == Workload::ArStatic {
+            static_rate = Some(rate);
+        }
+        let per_token = o
+            .mean_series("steps_per_token")
+            .or_else(|| o.mean_series("recurrence_steps_per_token"))
+            .unwrap_or(0.0);
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {:.1} | {} | {} |",
+            w.label(),
+            w.settings(&args),
+            o.tokens.len(),
+            took.as_secs_f64(),
+            rate,
+            static_rate.map_or("-".into(), |s| format!("{:.2}x", rate / s)),
+            o.stats.recurrence_steps,
+            per_token,
+            row_iterations(w, &args, o),
+            o.mean_series("wavefront_size")
+                .map_or("-".into(), |m| format!("{m:.1}")),
+        );
+    }
+
+    // 2. Continuous batching against one after another.
+    println!();
+    println!("| workload | concurrent requests | tokens | continuous batching: seconds | tokens/s | one after another: seconds | tokens/s | speed-up | same outputs |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    for &w in &args.batched {
+        for &n in &args.concurrency {
+            let specs: Vec<GenerateSpec> = (0..n as u64)
+                .map(|i| w.request(&args, 100 + i, args.batched_max_new_tokens))
+                .collect();
+            eprintln!("{}: {n} concurrent", w.label());
+            let (batched, t_batched) = concurrent(served.as_ref(), &specs)?;
+            eprintln!("{}: {n} one after another", w.label());
+            let (alone, t_alone) = sequential(served.as_ref(), &specs)?;
+            let same = batched
+                .iter()
+                .zip(&alone)
+                .all(|(a, b)| a.tokens == b.tokens);
+            let (nb, na) = (tokens(&batched), tokens(&alone));
+            let (rb, ra) = (
+                nb as f64 / t_batched.as_secs_f64(),
+                na as f64 / t_alone.as_secs_f64(),
+            );
+            println!(
+                "| {} | {n} | {nb} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x | {} |",
+                w.label(),
+                t_batched.as_secs_f64(),
+                rb,
+                t_alone.as_secs_f64(),
+                ra,
+                rb / ra,
+                if same { "yes" } else { "NO" },
+            );
+        }
+    }
+    eprintln!("total {:.1}s", total.elapsed().as_secs_f64());
+    served.shutdown();
+    Ok(())
+}
+
+/// Rows times core iterations: the arithmetic the core block did for one request.
+fn row_iterations(w: Workload, a: &Args, o: &Outcome) -> u64 {
+    let prompt = a.prompt_len as u64;
+    match w {
+        Workload::ArStatic | Workload::ArAdaptive => {
+            let steps = o
+                .stats
+                .series
+                .get("steps_per_token")
+                .cloned()
+                .unwrap_or_default();
+            // The first forward iterates the whole prompt, later ones a single position.
+            steps
+                .iter()
+                .enumerate()
+                .map(|(j, &s)| u64::from(s) * if j == 0 { prompt } else { 1 })
+                .sum()
+        }
+        Workload::DfAligned | Workload::DfUpstream => {
+            let sizes = o
+                .stats
+                .series
+                .get("wavefront_size")
+                .cloned()
+                .unwrap_or_default();
+            prompt * a.num_steps as u64
+                + sizes.iter().map(|&s| u64::from(s)).sum::<u64>() * a.inner_recurrence as u64
+        }
+    }
+}

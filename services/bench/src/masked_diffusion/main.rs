@@ -1,0 +1,300 @@
+//! `bench-masked-diffusion`: the masked-diffusion schemes on a synthetic LLaDA-shaped model
+//! (random weights, see [`synthetic`]), served through the real engine.
+//!
+//! For LLaDA's low-confidence sampler (Nie et al. 2025, one token per step), WINO (Hong et al.
+//! 2026, draft above `threshold`, revoke below `threshold_back`), and each with SureLock
+//! ("Stopping Computation for Converged Tokens in Masked Diffusion-LM Decoding": locked
+//! positions are no longer computed), at each concurrency in `--concurrency`: N requests are
+//! submitted together (the engine packs one step of each into every forward) and the table
+//! reports forward passes per request, wall time, latency per request, aggregate tokens per
+//! second, and SureLock's algorithmic FLOPs ratio measured from the rows actually computed.
+//!
+//! Prints a markdown table on stdout and progress on stderr.
+
+mod synthetic;
+
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use wavefront_engine::{Event, EventSink, SinkError, Stats};
+use wavefront_models::candle_core::{DType, Device};
+use wavefront_schemes::masked_diffusion::serve_model;
+use wavefront_schemes::{
+    GenerateSpec, LoadOptions, LowConfidenceParams, SamplingParams, SchemeParams, ServedModel,
+    SureLockParams, WinoParams,
+};
+
+#[derive(Debug, Parser)]
+#[command(about = "Low-confidence, WINO and SureLock on a synthetic LLaDA")]
+struct Args {
+    #[arg(long, default_value_t = 512)]
+    d_model: usize,
+    #[arg(long, default_value_t = 8)]
+    n_heads: usize,
+    #[arg(long, default_value_t = 8)]
+    n_layers: usize,
+    #[arg(long, default_value_t = 1536)]
+    mlp_hidden_size: usize,
+    #[arg(long, default_value_t = 32768)]
+    vocab_size: usize,
+    /// Scale of the q/k projections over the init (sharper attention).
+    #[arg(long, default_value_t = 3.0)]
+    qk_scale: f64,
+    /// Scale of the output head over the init (peaked posteriors).
+    #[arg(long, default_value_t = 24.0)]
+    head_scale: f64,
+    /// Prompt tokens per request (random ids).
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    /// gen_length (max_new_tokens).
+    #[arg(long, default_value_t = 256)]
+    gen_length: usize,
+    #[arg(long, default_value_t = 32)]
+    block_length: usize,
+    /// Low-confidence steps (default: gen_length, one token per step).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// WINO draft threshold (tau1).
+    #[arg(long, default_value_t = 0.6)]
+    threshold: f32,
+    /// WINO verification threshold (tau2).
+    #[arg(long, default_value_t = 0.9)]
+    threshold_back: f32,
+    /// SureLock KL threshold.
+    #[arg(long, default_value_t = 5e-3)]
+    surelock_eps: f32,
+    /// SureLock confidence-gate percentile (0: no gate).
+    #[arg(long, default_value_t = 20.0)]
+    surelock_percentile: f32,
+    /// Concurrent requests per run.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    concurrency: Vec<usize>,
+    /// `cpu` or `cuda:N` (needs a build with `--features wavefront-models/cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// `f32` or `bf16`.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Workload {
+    LowConfidence,
+    Wino,
+    LowConfidenceSureLock,
+    WinoSureLock,
+}
+
+impl Workload {
+    const ALL: [Workload; 4] = [
+        Workload::LowConfidence,
+        Workload::Wino,
+        Workload::LowConfidenceSureLock,
+        Workload::WinoSureLock,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Workload::LowConfidence => "low-confidence (baseline)",
+            Workload::Wino => "WINO",
+            Workload::LowConfidenceSureLock => "low-confidence + SureLock",
+            Workload::WinoSureLock => "WINO + SureLock",
+        }
+    }
+
+    fn scheme(self, a: &Args) -> SchemeParams {
+        let surelock = matches!(
+            self,
+            Workload::LowConfidenceSureLock | Workload::WinoSureLock
+        )
+        .then_some(SureLockParams {
+            eps: a.surelock_eps,
+            percentile: (a.surelock_percentile > 0.0).then_some(a.surelock_percentile),
+        });
+        match self {
+            Workload::LowConfidence | Workload::LowConfidenceSureLock => {
+                SchemeParams::LowConfidence(LowConfidenceParams {
+                    block_length: Some(a.block_length),
+                    steps: Some(a.steps.unwrap_or(a.gen_length)),
+                    surelock,
+                    ..LowConfidenceParams::default()
+                })
+            }
+            Workload::Wino | Workload::WinoSureLock => SchemeParams::Wino(WinoParams {
+                block_length: Some(a.block_length),
+                threshold: a.threshold,
+                threshold_back: a.threshold_back,
+                surelock,
+            }),
+        }
+    }
+
+    fn request(self, a: &Args, i: u64) -> GenerateSpec {
+        let mut rng = StdRng::seed_from_u64(a.seed ^ (i + 1).wrapping_mul(0x9e37_79b9));
+        // Ordinary ids: below the two special rows (eos, mask) at the end of the vocabulary.
+        let prompt_ids = (0..a.prompt_len)
+            .map(|_| rng.random_range(0..(a.vocab_size - 2) as u32))
+            .collect();
+        GenerateSpec {
+            prompt_ids,
+            max_new_tokens: a.gen_length,
+            stop_token_ids: Vec::new(),
+            sampling: SamplingParams {
+                seed: i,
+                ..SamplingParams::default()
+            },
+            scheme: self.scheme(a),
+            replay_draws: None,
+        }
+    }
+}
+
+struct Sink(SyncSender<Event>);
+
+impl EventSink for Sink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.0.try_send(event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+struct Outcome {
+    tokens: usize,
+    stats: Stats,
+    latency: Duration,
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (tx, rx) = mpsc::sync_channel(4096);
+    served.submit(spec, Box::new(Sink(tx)), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
+    let mut tokens = 0;
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(3600))
+            .context("engine stalled")?
+        {
+            Event::Tokens(t) => tokens += t.len(),
+            Event::Finished { stats, .. } => {
+                return Ok(Outcome {
+                    tokens,
+                    stats,
+                    latency: started.elapsed(),
+                })
+            }
+            Event::Failed(e) => bail!("request failed: {e}"),
+        }
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = values.collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        d => match d.strip_prefix("cuda:") {
+            Some(n) => Device::new_cuda(n.parse()?)?,
+            None => bail!("--device must be cpu or cuda:N"),
+        },
+    };
+    let dtype = match a.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        d => bail!("--dtype must be f32 or bf16, got {d}"),
+    };
+    let shape = synthetic::Shape {
+        d_model: a.d_model,
+        n_heads: a.n_heads,
+        n_layers: a.n_layers,
+        mlp_hidden_size: a.mlp_hidden_size,
+        vocab_size: a.vocab_size,
+        max_sequence_length: 4096,
+    };
+    let cfg = shape.config()?;
+    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    let opts = LoadOptions {
+        name: "synthetic-llada".into(),
+        device: device.clone(),
+        dtype,
+        memory_budget_bytes: 16 << 30,
+        queue_capacity: 64,
+        max_active: max_c,
+        occupancy_multiplier: 1.0,
+    };
+    let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);
+    let model_cfg = cfg.clone();
+    let served = serve_model(cfg, None, opts, move |device, dtype| {
+        synthetic::random_model(&model_cfg, seed, qk, head, device, dtype)
+            .map_err(|e| e.to_string())
+    })?;
+
+    // Warm up (kernels, allocator) with one short request.
+    let mut warm = Workload::Wino.request(&a, 999);
+    warm.max_new_tokens = a.block_length;
+    wait(&submit(served.as_ref(), warm)?, Instant::now())?;
+
+    println!("| scheme | concurrent requests | forward passes per request | wall s | latency per request s | tokens/s (all requests) | rows computed per request per step | SureLock FLOPs ratio |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for &c in &a.concurrency {
+        for w in Workload::ALL {
+            eprintln!("{} x{c}...", w.label());
+            let started = Instant::now();
+            let rxs = (0..c as u64)
+                .map(|i| submit(served.as_ref(), w.request(&a, i)))
+                .collect::<Result<Vec<_>>>()?;
+            let outs = rxs
+                .iter()
+                .map(|rx| wait(rx, started))
+                .collect::<Result<Vec<_>>>()?;
+            let wall = started.elapsed().as_secs_f64();
+            let tokens: usize = outs.iter().map(|o| o.tokens).sum();
+            let passes = mean(outs.iter().map(|o| o.stats.forward_passes as f64));
+            let latency = mean(outs.iter().map(|o| o.latency.as_secs_f64()));
+            let rows = mean(
+                outs.iter()
+                    .flat_map(|o| o.stats.series["active_rows"].iter().map(|&r| f64::from(r))),
+            );
+            let flops = outs
+                .iter()
+                .map(|o| {
+                    (
+                        o.stats.counters.get("algorithmic_flops").copied(),
+                        o.stats.counters.get("algorithmic_flops_dense").copied(),
+                    )
+                })
+                .try_fold((0u64, 0u64), |acc, f| match f {
+                    (Some(x), Some(y)) => Some((acc.0 + x, acc.1 + y)),
+                    _ => None,
+                });
+            let ratio = flops.map_or("-".to_owned(), |(x, y)| {
+                format!("{:.3}", x as f64 / y as f64)
+            });
+            println!(
+                "| {} | {c} | {passes:.1} | {wall:.2} | {latency:.2} | {:.1} | {rows:.1} | {ratio} |",
+                w.label(),
+                tokens as f64 / wall
+            );
+        }
+    }
+    served.shutdown();
+    Ok(())
+}

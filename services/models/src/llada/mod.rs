@@ -1,0 +1,146 @@
+//! LLaDA, a masked-diffusion language model, with a packed multi-sequence API.
+//!
+//! Nie et al., 2025, "Large Language Diffusion Models" (arXiv:2502.09992); checkpoint
+//! `GSAI-ML/LLaDA-8B-Instruct`, reference code its remote `modeling_llada.py` (`LLaDAModel`,
+//! `LLaDALlamaBlock`), whose parameter names are the checkpoint's tensor names
+//! (`model.transformer.{wte, blocks.N.*, ln_f, ff_out}`) and are mirrored by the `VarBuilder`
+//! paths here.
+//!
+//! The network is a Llama-like stack without a causal mask: `x = wte[ids]` (no scaling), then per
+//! block `x += attn_out(attn(rope(q), rope(k), v))` over RMS-normed rows with **bidirectional**
+//! attention, `x += ff_out(silu(ff_proj(h)) · up_proj(h))`, and finally
+//! `logits = ff_out(ln_f(x))`. The mask token is an ordinary embedding row; the decoding
+//! programs in `wavefront-schemes` decide what to unmask.
+//!
+//! Packed API ([`crate::transformer`]): rows of many sequences concatenated along dim 0, one
+//! [`SeqInput`] per sequence naming each row's buffer index and position id, its mask rule
+//! (bidirectional for plain LLaDA, the shadow-block rule for WINO) and whether its keys come
+//! from a [`crate::transformer::KvCache`] (SureLock's locked positions). Select the rows that need
+//! logits before [`Llada::logits`]: the head is as wide as the vocabulary.
+
+mod config;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+pub use self::config::LladaConfig;
+use crate::error::{ModelError, Result};
+use crate::transformer::{get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput};
+
+/// A loaded LLaDA model.
+#[derive(Debug, Clone)]
+pub struct Llada {
+    cfg: LladaConfig,
+    wte: Tensor,
+    blocks: Vec<Block>,
+    ln_f: RmsNorm,
+    head: Tensor,
+    head_bias: Option<Tensor>,
+    rope: RopeTable,
+}
+
+impl Llada {
+    /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.transformer.*`).
+    /// The `VarBuilder`'s dtype and device are the model's.
+    pub fn load(vb: VarBuilder, cfg: LladaConfig) -> Result<Self> {
+        cfg.validate()?;
+        let t = vb.pp("model").pp("transformer");
+        let (e, v) = (cfg.d_model, cfg.embedding_rows());
+        let wte = get(&t.pp("wte"), &[v, e], "weight")?;
+        let block_cfg = cfg.block_config();
+        let blocks = (0..cfg.n_layers)
+            .map(|i| Block::load(t.pp("blocks").pp(i), &block_cfg, &BlockNames::LLADA, i))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = RmsNorm::load(t.pp("ln_f"), e, cfg.rms_norm_eps)?;
+        let (head, head_bias) = if cfg.weight_tying {
+            (wte.clone(), None)
+        } else {
+            let bias = if cfg.include_bias {
+                Some(get(&t.pp("ff_out"), &[v], "bias")?)
+            } else {
+                None
+            };
+            (get(&t.pp("ff_out"), &[v, e], "weight")?, bias)
+        };
+        let rope = RopeTable::new(
+            cfg.head_dim(),
+            cfg.rope_theta,
+            cfg.max_sequence_length,
+            vb.device(),
+        )?;
+        Ok(Self {
+            cfg,
+            wte,
+            blocks,
+            ln_f,
+            head,
+            head_bias,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &LladaConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.wte.device()
+    }
+
+    /// Compute dtype of the weights (and of hidden rows and caches).
+    pub fn dtype(&self) -> DType {
+        self.wte.dtype()
+    }
+
+    /// Token embeddings `[N, E]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let rows = self.cfg.embedding_rows();
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
+            return Err(ModelError::Shape(format!(
+                "token id {bad} outside the embedding of {rows} rows"
+            )));
+        }
+        let idx = Tensor::new(ids, self.device())?;
+        Ok(self.wte.index_select(&idx, 0)?)
+    }
+
+    /// All blocks and `ln_f` over packed token rows: the hidden rows `[N, E]` fed to the head.
+    /// Buffer sequences' caches hold this call's keys afterwards.
+    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
+        let mut x = self.embed(ids)?;
+        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
+        for block in &self.blocks {
+            x = block.forward(&x, &layout, seqs)?;
+        }
+        crate::transformer::commit_buffers(seqs);
+        self.ln_f.forward(&x)
+    }
+
+    /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the
+    /// first, and `ln_f` of the last block's output (`n_layers + 1` tensors `[N, E]`).
+    pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
+        let mut x = self.embed(ids)?;
+        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
+        let mut states = Vec::with_capacity(self.blocks.len() + 1);
+        for block in &self.blocks {
+            states.push(x.clone());
+            x = block.forward(&x, &layout, seqs)?;
+        }
+        crate::transformer::commit_buffers(seqs);
+        states.push(self.ln_f.forward(&x)?);
+        Ok(states)
+    }
+
+    /// Logits `[N, V]` (float32) of hidden rows from [`Llada::forward`].
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let mut logits = hidden.matmul(&self.head.t()?)?;
+        if let Some(b) = &self.head_bias {
+            logits = logits.broadcast_add(b)?;
+        }
+        let logits = logits.to_dtype(DType::F32)?;
+        if self.cfg.scale_logits {
+            return Ok((logits * (1.0 / (self.cfg.d_model as f64).sqrt()))?);
+        }
+        Ok(logits)
+    }
+}

@@ -1,0 +1,465 @@
+//! Attention of the shared transformer over packed rows: per-sequence keys (the call's rows, or
+//! a whole buffer assembled from a [`KvCache`] and the call's rows), a [`MaskRule`] decided on
+//! buffer indices, grouped-query heads, softmax in float32.
+//!
+//! The mask rules cover the families built on this block: bidirectional (LLaDA, Nie et al.,
+//! 2025), causal in buffer order (Llama / ARMT; ReFusion's slots, whose position ids are not
+//! contiguous) and WINO's shadow block (Hong et al., "Wide-In, Narrow-Out: Revokable Decoding for
+//! Efficient and Effective DLLMs"): the main buffer never sees the shadow rows, and shadow row `j`
+//! sees everything but the current-block position it verifies.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+
+use super::layers::RopeTable;
+use crate::error::{ModelError, Result};
+
+/// Which keys a query row may attend to, decided on buffer indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskRule {
+    /// Every query sees every key (LLaDA).
+    Bidirectional,
+    /// A query sees the keys whose buffer index is not greater than its own.
+    Causal,
+    /// WINO: the buffer is `main_len` main positions followed by a shadow block whose row `j`
+    /// verifies main position `block_start + j`. Main rows see main keys only; shadow rows see
+    /// every key except main position `block_start + j`.
+    ShadowBlock { main_len: usize, block_start: usize },
+}
+
+impl MaskRule {
+    /// Whether the row at buffer index `query` may attend to the key at buffer index `key`.
+    pub fn allows(self, query: usize, key: usize) -> bool {
+        match self {
+            MaskRule::Bidirectional => true,
+            MaskRule::Causal => key <= query,
+            MaskRule::ShadowBlock {
+                main_len,
+                block_start,
+            } => match (query >= main_len, key >= main_len) {
+                (false, false) => true,
+                (false, true) => false,
+                (true, true) => true,
+                (true, false) => key != block_start + (query - main_len),
+            },
+        }
+    }
+}
+
+/// One sequence's per-layer keys and values `[n_kv_heads, len, head_dim]` (keys after RoPE) for
+/// buffer indices `0..len`. Every layer holds the same `len`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Buffer indices held (0 before the first call that writes it).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps buffer indices `0..len` only.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len >= self.len {
+            return Ok(());
+        }
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.narrow(1, 0, len)?;
+            *v = v.narrow(1, 0, len)?;
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Drops everything.
+    pub fn clear(&mut self) {
+        self.layers.clear();
+        self.len = 0;
+    }
+
+    fn layer(&self, layer: usize) -> Result<&(Tensor, Tensor)> {
+        self.layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ModelError::Cache(format!("layer {layer} holds no keys")))
+    }
+
+    fn set_layer(&mut self, layer: usize, k: Tensor, v: Tensor) {
+        if self.layers.len() <= layer {
+            self.layers.resize(layer + 1, None);
+        }
+        self.layers[layer] = Some((k, v));
+    }
+}
+
+/// The keys of one sequence in a packed call.
+#[derive(Debug)]
+pub enum Keys<'a> {
+    /// The call's own rows.
+    Rows,
+    /// Buffer indices `0..len`: a row of the call supplies its fresh K/V, every other index reads
+    /// `cache` (which must hold it). The assembled K/V replace the cache's, layer by layer, and
+    /// the cache then holds `len` indices.
+    Buffer { cache: &'a mut KvCache, len: usize },
+}
+
+/// The rows one sequence contributes to a packed call, contiguous in row order.
+#[derive(Debug)]
+pub struct SeqInput<'a> {
+    /// Buffer index of each row (distinct).
+    pub index: Vec<u32>,
+    /// RoPE position id of each row.
+    pub positions: Vec<u32>,
+    pub mask: MaskRule,
+    pub keys: Keys<'a>,
+}
+
+impl<'a> SeqInput<'a> {
+    /// Rows `0..n` of a buffer at positions `0..n`, bidirectional, attending to each other.
+    pub fn dense(n: usize) -> Self {
+        let index: Vec<u32> = (0..n as u32).collect();
+        Self {
+            positions: index.clone(),
+            index,
+            mask: MaskRule::Bidirectional,
+            keys: Keys::Rows,
+        }
+    }
+
+    pub fn with_mask(mut self, mask: MaskRule) -> Self {
+        self.mask = mask;
+        self
+    }
+
+    pub fn with_keys(mut self, keys: Keys<'a>) -> Self {
+        self.keys = keys;
+        self
+    }
+
+    /// Rows this sequence puts in the call.
+    pub fn rows(&self) -> usize {
+        self.index.len()
+    }
+}
+
+/// How one sequence's keys are assembled.
+#[derive(Debug)]
+enum KeySource {
+    Rows,
+    /// `index` picks each buffer key from `cache ++ rows` (`None`: the rows are exactly the
+    /// buffer, in order, and nothing is read from the cache).
+    Buffer {
+        index: Option<Tensor>,
+        cached: usize,
+    },
+}
+
+#[derive(Debug)]
+struct SeqLayout {
+    offset: usize,
+    len: usize,
+    keys: KeySource,
+    /// Additive mask `[rows, keys]` (float32), `None` when every key is visible.
+    mask: Option<Tensor>,
+}
+
+/// Per-call bookkeeping computed once and shared by every layer: row ranges, RoPE rows, key
+/// assembly and masks of each sequence.
+#[derive(Debug)]
+pub struct PackedLayout {
+    rows: usize,
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+    seqs: Vec<SeqLayout>,
+}
+
+impl PackedLayout {
+    pub fn new(rope: &RopeTable, rows: usize, seqs: &[SeqInput]) -> Result<Self> {
+        let total: usize = seqs.iter().map(SeqInput::rows).sum();
+        if total != rows {
+            return Err(ModelError::Shape(format!(
+                "sequences cover {total} rows but the packed input has {rows}"
+            )));
+        }
+        let device = rope.device().clone();
+        let mut positions = Vec::with_capacity(rows);
+        let mut layouts = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for s in seqs {
+            let n = s.rows();
+            if n == 0 {
+                return Err(ModelError::Shape("a sequence contributes no rows".into()));
+            }
+            if s.positions.len() != n {
+                return Err(ModelError::Shape(format!(
+                    "a sequence has {n} rows but {} position ids",
+                    s.positions.len()
+                )));
+            }
+            positions.extend_from_slice(&s.positions);
+            let (keys, key_index) = match &s.keys {
+                Keys::Rows => (KeySource::Rows, s.index.clone()),
+                Keys::Buffer { cache, len } => {
+                    let (src, keys) = buffer_keys(&s.index, cache.len(), *len, &device)?;
+                    (src, keys)
+                }
+            };
+            let mask = build_mask(s.mask, &s.index, &key_index, &device)?;
+            layouts.push(SeqLayout {
+                offset,
+                len: n,
+                keys,
+                mask,
+            });
+            offset += n;
+        }
+        let (cos, sin) = rope.rows(&positions)?;
+        Ok(Self {
+            rows,
+            cos,
+            sin,
+            seqs: layouts,
+        })
+    }
+
+    /// Rows of the call.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Key assembly for a buffer of `len` indices with `cached` of them in the cache: for each key,
+/// its index in `cache ++ rows`. Returns the source and the keys' buffer indices (`0..len`).
+fn buffer_keys(
+    index: &[u32],
+    cached: usize,
+    len: usize,
+    device: &candle_core::Device,
+) -> Result<(KeySource, Vec<u32>)> {
+    let mut row_of: HashMap<u32, usize> = HashMap::with_capacity(index.len());
+    for (r, &b) in index.iter().enumerate() {
+        if b as usize >= len {
+            return Err(ModelError::Shape(format!(
+                "row at buffer index {b} outside the buffer of {len}"
+            )));
+        }
+        if row_of.insert(b, r).is_some() {
+            return Err(ModelError::Shape(format!(
+                "buffer index {b} appears twice in one call"
+            )));
+        }
+    }
+    let keys: Vec<u32> = (0..len as u32).collect();
+    let in_order = cached == 0 && index.iter().copied().eq(0..len as u32);
+    if in_order {
+        return Ok((
+            KeySource::Buffer {
+                index: None,
+                cached,
+            },
+            keys,
+        ));
+    }
+    let mut gather = Vec::with_capacity(len);
+    for j in 0..len as u32 {
+        match row_of.get(&j) {
+            Some(&r) => gather.push((cached + r) as u32),
+            None if (j as usize) < cached => gather.push(j),
+            None => {
+                return Err(ModelError::Cache(format!(
+                    "buffer index {j} is neither cached ({cached} held) nor a row of the call"
+                )))
+            }
+        }
+    }
+    let index = Tensor::from_vec(gather, len, device)?;
+    Ok((
+        KeySource::Buffer {
+            index: Some(index),
+            cached,
+        },
+        keys,
+    ))
+}
+
+fn build_mask(
+    rule: MaskRule,
+    queries: &[u32],
+    keys: &[u32],
+    device: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    if rule == MaskRule::Bidirectional {
+        return Ok(None);
+    }
+    let mut all = true;
+    let data: Vec<f32> = queries
+        .iter()
+        .flat_map(|&q| {
+            keys.iter().map(move |&k| {
+                if rule.allows(q as usize, k as usize) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .inspect(|&v| all &= v == 0.0)
+        .collect();
+    if all {
+        return Ok(None);
+    }
+    Ok(Some(Tensor::from_vec(
+        data,
+        (queries.len(), keys.len()),
+        device,
+    )?))
+}
+
+/// Attention of every sequence over its own keys. `q` `[H, N, D]`, `k`/`v` `[H_kv, N, D]` (keys
+/// after RoPE); returns `[H, N, D]`. Writes the assembled keys of buffer sequences to their
+/// caches at `layer`.
+pub(crate) fn attend_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    layout: &PackedLayout,
+    seqs: &mut [SeqInput],
+    layer: usize,
+) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(2)? as f64).sqrt();
+    let single = seqs.len() == 1;
+    let mut outs = Vec::with_capacity(seqs.len());
+    for (s, seq) in layout.seqs.iter().zip(seqs.iter_mut()) {
+        let (qs, ks, vs) = if single {
+            (q.clone(), k.clone(), v.clone())
+        } else {
+            (
+                q.narrow(1, s.offset, s.len)?.contiguous()?,
+                k.narrow(1, s.offset, s.len)?.contiguous()?,
+                v.narrow(1, s.offset, s.len)?.contiguous()?,
+            )
+        };
+        let (ks, vs) = match (&s.keys, &mut seq.keys) {
+            (KeySource::Rows, _) => (ks, vs),
+            (KeySource::Buffer { index, cached }, Keys::Buffer { cache, .. }) => {
+                let (ka, va) = match index {
+                    None => (ks, vs),
+                    Some(idx) => {
+                        let (src_k, src_v) = if *cached == 0 {
+                            (ks, vs)
+                        } else {
+                            let (ck, cv) = cache.layer(layer)?;
+                            (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
+                        };
+                        (src_k.index_select(idx, 1)?, src_v.index_select(idx, 1)?)
+                    }
+                };
+                cache.set_layer(layer, ka.clone(), va.clone());
+                (ka, va)
+            }
+            (KeySource::Buffer { .. }, Keys::Rows) => {
+                return Err(ModelError::Shape(
+                    "the sequences changed between layout and call".into(),
+                ))
+            }
+        };
+        outs.push(sdpa(&qs, &ks, &vs, s.mask.as_ref(), scale)?);
+    }
+    if single {
+        Ok(outs.pop().expect("one sequence"))
+    } else {
+        Ok(Tensor::cat(&outs, 1)?)
+    }
+}
+
+/// Records the new buffer length of every buffer sequence after all layers ran.
+pub(crate) fn commit_buffers(seqs: &mut [SeqInput]) {
+    for s in seqs {
+        if let Keys::Buffer { cache, len } = &mut s.keys {
+            cache.len = *len;
+        }
+    }
+}
+
+/// `softmax(q kᵀ · scale + mask) v` with `q` `[H, L, D]` and `k`, `v` `[H_kv, T, D]`; scores and
+/// softmax in float32. Key/value heads are shared by `H / H_kv` consecutive query heads.
+fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let (h, _, d) = q.dims3()?;
+    let (hkv, t, _) = k.dims3()?;
+    let (k, v) = if h == hkv {
+        (k.clone(), v.clone())
+    } else {
+        let rep = h / hkv;
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.unsqueeze(1)?
+                .expand((hkv, rep, t, d))?
+                .contiguous()?
+                .reshape((h, t, d))?)
+        };
+        (expand(k)?, expand(v)?)
+    };
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
+    let scores = match mask {
+        Some(m) => scores.broadcast_add(m)?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
+    Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shadow_rule_hides_the_verified_position_and_the_shadow_from_main_rows() {
+        let rule = MaskRule::ShadowBlock {
+            main_len: 6,
+            block_start: 2,
+        };
+        // Main rows: all main keys, no shadow keys.
+        assert!(rule.allows(0, 5));
+        assert!(!rule.allows(3, 6));
+        // Shadow row 7 (j = 1) verifies main position 3.
+        assert!(!rule.allows(7, 3));
+        assert!(rule.allows(7, 2));
+        assert!(rule.allows(7, 4));
+        assert!(rule.allows(7, 6));
+        assert!(rule.allows(7, 7));
+    }
+
+    #[test]
+    fn buffer_keys_read_the_cache_where_no_row_is_given() -> Result<()> {
+        let (src, keys) = buffer_keys(&[4, 1], 4, 5, &candle_core::Device::Cpu)?;
+        assert_eq!(keys, vec![0, 1, 2, 3, 4]);
+        let KeySource::Buffer {
+            index: Some(idx),
+            cached,
+        } = src
+        else {
+            panic!("expected a gather");
+        };
+        assert_eq!(cached, 4);
+        // Keys 0, 2, 3 from the cache; 1 and 4 from rows 1 and 0 (after the 4 cached).
+        assert_eq!(idx.to_vec1::<u32>()?, vec![0, 5, 2, 3, 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_buffer_index_without_cache_or_row_is_an_error() {
+        let err = buffer_keys(&[0, 1], 1, 3, &candle_core::Device::Cpu);
+        assert!(matches!(err, Err(ModelError::Cache(_))));
+    }
+}

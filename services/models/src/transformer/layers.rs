@@ -1,0 +1,168 @@
+//! Building blocks of the shared transformer: checked tensor loading, RMSNorm, the gated SiLU MLP
+//! and a rotary-embedding table in the GPT-NeoX "half" layout (Su et al., 2021, RoFormer).
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+
+use crate::error::{ModelError, Result};
+
+/// Loads a tensor, reporting a missing one by its full checkpoint name.
+pub fn get(vb: &VarBuilder, shape: &[usize], name: &str) -> Result<Tensor> {
+    if !vb.contains_tensor(name) {
+        let prefix = vb.prefix();
+        let full = if prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        return Err(ModelError::MissingTensor { name: full });
+    }
+    Ok(vb.get(shape, name)?)
+}
+
+/// `nn.Linear` with weight `[out, in]` and an optional bias `[out]`.
+pub fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
+    let w = get(vb, &[out_dim, in_dim], "weight")?;
+    let b = if bias {
+        Some(get(vb, &[out_dim], "bias")?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
+/// RMSNorm over the last dim: `weight · cast(x · rsqrt(mean(x²) + eps))`, the statistic in float32
+/// and the weight applied after casting back (the LLaDA / Llama / Qwen3 reference order).
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Loads `weight` `[dim]` under `vb`.
+    pub fn load(vb: VarBuilder, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: get(&vb, &[dim], "weight")?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if x.dtype() == DType::F32 {
+            // Same arithmetic in one fused kernel.
+            return Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps as f32)?);
+        }
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?;
+        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = xf.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
+        Ok(normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?)
+    }
+}
+
+/// Gated SiLU MLP: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub(crate) struct GatedMlp {
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
+}
+
+impl GatedMlp {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate.forward(x)?.silu()?;
+        let u = self.up.forward(x)?;
+        Ok(self.down.forward(&(g * u)?)?)
+    }
+}
+
+/// `cos` and `sin` of `pos · inv_freq[i]` for every position below `max_positions`, float32,
+/// `[max_positions, head_dim / 2]`; rows are picked per packed row by its position id.
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    cos: Tensor,
+    sin: Tensor,
+    head_dim: usize,
+    max_positions: usize,
+}
+
+impl RopeTable {
+    /// The standard table: `inv_freq[i] = 1 / theta^(2i / head_dim)`, all in float32 as the
+    /// reference implementations compute it.
+    pub fn new(head_dim: usize, theta: f64, max_positions: usize, device: &Device) -> Result<Self> {
+        if !head_dim.is_multiple_of(2) {
+            return Err(ModelError::Config {
+                key: "head_dim".into(),
+                reason: format!("rotary embeddings need an even head dim, got {head_dim}"),
+            });
+        }
+        let theta = theta as f32;
+        let inv_freq: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        Self::from_inv_freq(&inv_freq, max_positions, device)
+    }
+
+    /// A table from explicit inverse frequencies (for scaled-RoPE variants).
+    pub fn from_inv_freq(inv_freq: &[f32], max_positions: usize, device: &Device) -> Result<Self> {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for &f in inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
+            head_dim: 2 * half,
+            max_positions,
+        })
+    }
+
+    /// Positions the table covers.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Device of the table.
+    pub fn device(&self) -> &Device {
+        self.cos.device()
+    }
+
+    /// Head width the table rotates.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// `(cos, sin)` rows `[positions.len(), head_dim / 2]` of the given position ids.
+    pub(crate) fn rows(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        if let Some(&p) = positions
+            .iter()
+            .find(|&&p| p as usize >= self.max_positions)
+        {
+            return Err(ModelError::Shape(format!(
+                "position id {p} beyond the RoPE table ({} positions)",
+                self.max_positions
+            )));
+        }
+        let idx = Tensor::new(positions, self.cos.device())?;
+        Ok((
+            self.cos.index_select(&idx, 0)?,
+            self.sin.index_select(&idx, 0)?,
+        ))
+    }
+}
+
+/// Half-layout RoPE on `[H, N, D]` with per-row `cos`/`sin` `[N, D/2]`, computed in float32.
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+    let y = candle_nn::rotary_emb::rope(&x, cos, sin)?.squeeze(0)?;
+    Ok(y.to_dtype(dtype)?)
+}

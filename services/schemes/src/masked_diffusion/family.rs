@@ -1,0 +1,163 @@
+//! The masked-diffusion family (LLaDA, Nie et al., 2025): every engine tick runs one step of
+//! every active program in a single packed forward.
+//!
+//! Each program contributes its rows (its canvas, WINO's shadow block, minus SureLock's locked
+//! positions; twice with classifier-free guidance), each with its own mask rule and keys, so
+//! attention never mixes requests. Then one head call computes the logits of every row any
+//! program reads, and each program commits its own slice. Requests in different blocks, with
+//! different canvases or schemes share the forward.
+
+use candle_core::Tensor;
+use wavefront_engine::{Active, Family, Outbox};
+use wavefront_models::transformer::{Keys, SeqInput};
+use wavefront_models::Llada;
+
+use super::program::{MdProgram, StepPlan};
+
+/// One active program as a tick sees it.
+pub struct Entry<'a> {
+    pub program: &'a mut MdProgram,
+    pub outbox: &'a mut Outbox,
+}
+
+/// Runs one step of every program in `batch` through `model` in one packed forward; returns the
+/// rows computed. A failure of the forward fails the tick; a program's own failure goes to its
+/// outbox.
+pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
+    if batch.is_empty() {
+        return Ok(0);
+    }
+    let plans: Vec<StepPlan> = batch.iter().map(|e| e.program.plan()).collect();
+    let mut ids = Vec::new();
+    for p in &plans {
+        ids.extend_from_slice(&p.ids);
+        if let Some(u) = &p.uncond_ids {
+            ids.extend_from_slice(u);
+        }
+    }
+    let hidden = {
+        let mut seqs = Vec::with_capacity(plans.len() * 2);
+        for (e, p) in batch.iter_mut().zip(&plans) {
+            let keys = match (p.buffer_len, e.program.surelock.as_mut()) {
+                (Some(len), Some(sl)) => Keys::Buffer {
+                    cache: &mut sl.cache,
+                    len,
+                },
+                _ => Keys::Rows,
+            };
+            seqs.push(SeqInput {
+                index: p.index.clone(),
+                positions: p.positions.clone(),
+                mask: p.mask,
+                keys,
+            });
+            if p.uncond_ids.is_some() {
+                seqs.push(SeqInput {
+                    index: p.index.clone(),
+                    positions: p.positions.clone(),
+                    mask: p.mask,
+                    keys: Keys::Rows,
+                });
+            }
+        }
+        model.forward(&ids, &mut seqs).map_err(to_candle)?
+    };
+
+    // One head call over every row any program reads.
+    let mut select = Vec::new();
+    let mut offset = 0;
+    for p in &plans {
+        let n = p.index.len();
+        select.extend(p.logit_rows.iter().map(|&r| (offset + r) as u32));
+        offset += n;
+        if p.uncond_ids.is_some() {
+            select.extend(p.logit_rows.iter().map(|&r| (offset + r) as u32));
+            offset += n;
+        }
+    }
+    let logits = if select.is_empty() {
+        None
+    } else {
+        let rows = hidden.index_select(&Tensor::new(select.as_slice(), hidden.device())?, 0)?;
+        Some(model.logits(&rows).map_err(to_candle)?)
+    };
+
+    let cfg = model.config();
+    let mut at = 0;
+    for (e, p) in batch.iter_mut().zip(&plans) {
+        let k = p.logit_rows.len();
+        let copies: u64 = if p.uncond_ids.is_some() { 2 } else { 1 };
+        let (rows, dense) = (p.index.len() as u64, p.dense_rows as u64);
+        e.program.account(
+            copies * cfg.algorithmic_flops(rows, dense),
+            copies * cfg.algorithmic_flops(dense, dense),
+        );
+        let mine = match &logits {
+            Some(l) if k > 0 => {
+                let cond = l.narrow(0, at, k)?;
+                at += k;
+                if p.uncond_ids.is_some() {
+                    let un = l.narrow(0, at, k)?;
+                    at += k;
+                    // Upstream: un_logits + (cfg_scale + 1) * (logits - un_logits).
+                    let scale = f64::from(e.program.cfg_scale) + 1.0;
+                    (&un + ((cond - &un)? * scale)?)?
+                } else {
+                    cond
+                }
+            }
+            _ => Tensor::zeros(
+                (0, cfg.embedding_rows()),
+                candle_core::DType::F32,
+                model.device(),
+            )?,
+        };
+        if let Err(err) = e.program.commit(p, &mine, e.outbox) {
+            e.outbox
+                .fail(format!("masked-diffusion step failed: {err}"));
+        }
+    }
+    Ok(ids.len())
+}
+
+fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The family: owns the model on the engine thread.
+pub struct MaskedDiffusionFamily {
+    model: Llada,
+    last_rows: Option<usize>,
+}
+
+impl MaskedDiffusionFamily {
+    pub fn new(model: Llada) -> Self {
+        Self {
+            model,
+            last_rows: None,
+        }
+    }
+}
+
+impl Family for MaskedDiffusionFamily {
+    type Program = MdProgram;
+
+    fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), String> {
+        let mut entries: Vec<Entry<'_>> = batch
+            .iter_mut()
+            .map(|a| {
+                let Active {
+                    program, outbox, ..
+                } = &mut **a;
+                Entry { program, outbox }
+            })
+            .collect();
+        let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        self.last_rows = Some(rows);
+        Ok(())
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.last_rows
+    }
+}

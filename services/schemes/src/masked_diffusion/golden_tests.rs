@@ -1,0 +1,320 @@
+//! Golden tests of the masked-diffusion programs against the upstream fixtures
+//! (tests/fixtures/llada, see its README): the four `generate()` runs (tokens, forward passes and
+//! the positions and tokens committed at every step), the `decoding_wino()` run (tokens, forward
+//! passes, per-step drafts, revocations and branches), each alone and all packed into the same
+//! ticks; and SureLock against the per-step trace of `generate.bl32.steps32` (lock decisions for
+//! several `eps` and gate percentiles, eps = 0 reproducing the plain runs).
+
+use std::collections::BTreeSet;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::DType;
+use serde_json::Value;
+
+use super::program::StepRecord;
+use super::surelock::percentile;
+use super::test_support::*;
+use super::MdProgram;
+use crate::request::{GenerateSpec, LowConfidenceParams, SchemeParams, WinoParams};
+
+fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).expect("token ids")
+}
+
+fn usizes(v: &Value) -> Vec<usize> {
+    serde_json::from_value(v.clone()).expect("positions")
+}
+
+fn generate_spec(
+    golden: &Golden,
+    run: &Value,
+    surelock: Option<crate::SureLockParams>,
+) -> GenerateSpec {
+    let bl = run["block_length"].as_u64().expect("block_length") as usize;
+    let steps = run["steps"].as_u64().expect("steps") as usize;
+    spec(
+        golden.prompt(),
+        run["gen_length"].as_u64().expect("gen_length") as usize,
+        0,
+        SchemeParams::LowConfidence(LowConfidenceParams {
+            surelock,
+            ..low_confidence(bl, steps)
+        }),
+    )
+}
+
+fn wino_spec(golden: &Golden, surelock: Option<crate::SureLockParams>) -> GenerateSpec {
+    let w = &golden.json["wino"];
+    spec(
+        ids(&w["prompt_ids"]),
+        w["gen_length"].as_u64().expect("gen_length") as usize,
+        0,
+        SchemeParams::Wino(WinoParams {
+            threshold: w["tau1"].as_f64().expect("tau1") as f32,
+            threshold_back: w["tau2"].as_f64().expect("tau2") as f32,
+            surelock,
+            ..wino(w["block_length"].as_u64().expect("block_length") as usize)
+        }),
+    )
+}
+
+/// (position, token) pairs of a step, sorted by position.
+fn pairs(positions: &[usize], tokens: &[u32]) -> Vec<(usize, u32)> {
+    let mut p: Vec<(usize, u32)> = positions
+        .iter()
+        .copied()
+        .zip(tokens.iter().copied())
+        .collect();
+    p.sort_unstable();
+    p
+}
+
+fn check_generate(run: &Value, program: &MdProgram) -> Result<()> {
+    let name = run["name"].as_str().unwrap_or("?");
+    ensure!(
+        program.tokens() == ids(&run["output_ids"]).as_slice(),
+        "{name}: tokens {:?}, upstream {:?}",
+        program.tokens(),
+        ids(&run["output_ids"])
+    );
+    let trace = run["trace"].as_array().context("trace")?;
+    let steps = program.steps();
+    ensure!(
+        steps.len() as u64 == run["n_forward_calls"].as_u64().context("n_forward_calls")?,
+        "{name}: {} steps",
+        steps.len()
+    );
+    for (t, (got, want)) in steps.iter().zip(trace).enumerate() {
+        let want = pairs(&usizes(&want["unmasked_positions"]), &ids(&want["tokens"]));
+        ensure!(
+            pairs(&got.committed, &got.tokens) == want,
+            "{name} step {t}: committed {:?}, upstream {want:?}",
+            pairs(&got.committed, &got.tokens)
+        );
+    }
+    Ok(())
+}
+
+fn check_wino(golden: &Golden, program: &MdProgram) -> Result<()> {
+    let w = &golden.json["wino"];
+    ensure!(
+        program.tokens() == ids(&w["output_ids"]).as_slice(),
+        "wino: tokens {:?}, upstream {:?}",
+        program.tokens(),
+        ids(&w["output_ids"])
+    );
+    let trace = w["trace"].as_array().context("trace")?;
+    let steps = program.steps();
+    ensure!(
+        steps.len() as u64 == w["steps"].as_u64().context("steps")?,
+        "wino: {} steps",
+        steps.len()
+    );
+    let (mut drafted_multi, mut revoked) = (0, 0);
+    for (t, (got, want)) in steps.iter().zip(trace).enumerate() {
+        let drafted = pairs(
+            &usizes(&want["drafted_positions"]),
+            &ids(&want["drafted_tokens"]),
+        );
+        ensure!(
+            pairs(&got.committed, &got.tokens) == drafted,
+            "wino step {t}: drafted {:?}, upstream {drafted:?}",
+            got.committed
+        );
+        let mut got_revoked = got.revoked.clone();
+        got_revoked.sort_unstable();
+        ensure!(
+            got_revoked == usizes(&want["revoked_positions"]),
+            "wino step {t}: revoked {got_revoked:?}"
+        );
+        ensure!(
+            got.branch == want["draft_branch"].as_str(),
+            "wino step {t}: branch {:?}",
+            got.branch
+        );
+        ensure!(
+            Some(got.remask_capped) == want["remask_capped"].as_bool(),
+            "wino step {t}: capped"
+        );
+        ensure!(got.max_accept as u64 == want["max_accept"].as_u64().context("max_accept")?);
+        ensure!(got.last_accept as u64 == want["last_accept"].as_u64().context("last_accept")?);
+        drafted_multi += usize::from(got.committed.len() > 1);
+        revoked += got.revoked.len();
+    }
+    ensure!(drafted_multi as u64 == w["n_parallel_steps"].as_u64().context("n_parallel_steps")?);
+    ensure!(revoked as u64 == w["n_revoked_total"].as_u64().context("n_revoked_total")?);
+    Ok(())
+}
+
+#[test]
+fn generate_runs_match_upstream_alone() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    for run in golden.json["generate_runs"].as_array().context("runs")? {
+        let mut programs = vec![program(&planner, generate_spec(&golden, run, None))?];
+        run_programs(&model, &mut programs)?;
+        check_generate(run, &programs[0])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn wino_matches_upstream_alone() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
+    run_programs(&model, &mut programs)?;
+    check_wino(&golden, &programs[0])
+}
+
+#[test]
+fn all_goldens_match_packed_into_the_same_ticks() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let runs = golden.json["generate_runs"].as_array().context("runs")?;
+    let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
+    for run in runs {
+        programs.push(program(&planner, generate_spec(&golden, run, None))?);
+    }
+    run_programs(&model, &mut programs)?;
+    check_wino(&golden, &programs[0])?;
+    for (run, p) in runs.iter().zip(&programs[1..]) {
+        check_generate(run, p)?;
+    }
+    Ok(())
+}
+
+fn run_programs(model: &wavefront_models::Llada, programs: &mut [MdProgram]) -> Result<()> {
+    run(model, programs)?;
+    Ok(())
+}
+
+#[test]
+fn surelock_eps_zero_reproduces_the_plain_runs() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let run = &golden.json["generate_runs"][2];
+    ensure!(run["name"] == "generate.bl32.steps32");
+    let mut programs = vec![
+        program(
+            &planner,
+            generate_spec(&golden, run, surelock(0.0, Some(20.0))),
+        )?,
+        program(&planner, wino_spec(&golden, surelock(0.0, None)))?,
+    ];
+    run_programs(&model, &mut programs)?;
+    check_generate(run, &programs[0])?;
+    check_wino(&golden, &programs[1])?;
+    ensure!(programs.iter().all(|p| p.locked().is_empty()));
+    Ok(())
+}
+
+/// Lock sets per step computed from the trace alone: candidates are unlocked positions that
+/// held a token in the step's input; lock when `KL <= eps` and, with the gate, the uncertainty
+/// is within the `m`-th percentile of the candidates'.
+fn trace_locks(golden: &Golden, eps: f64, m: Option<f64>) -> Result<Vec<BTreeSet<usize>>> {
+    let kl: Vec<Vec<f32>> = golden.rows("surelock.kl_prev", DType::F32)?;
+    let max_prob: Vec<Vec<f32>> = golden.rows("surelock.max_prob", DType::F32)?;
+    let is_mask: Vec<Vec<u8>> = golden.rows("surelock.is_mask", DType::U8)?;
+    let mut locked: BTreeSet<usize> = BTreeSet::new();
+    let mut out = vec![BTreeSet::new()];
+    for t in 1..is_mask.len() {
+        let cands: Vec<usize> = (0..is_mask[t].len())
+            .filter(|&i| !locked.contains(&i) && is_mask[t][i] == 0)
+            .collect();
+        let u = |i: usize| 1.0 - f64::from(max_prob[t][i]);
+        let gate = m
+            .filter(|_| !cands.is_empty())
+            .map(|m| percentile(&cands.iter().map(|&i| u(i)).collect::<Vec<_>>(), m));
+        let new: BTreeSet<usize> = cands
+            .into_iter()
+            .filter(|&i| f64::from(kl[t - 1][i]) <= eps && gate.is_none_or(|g| u(i) <= g))
+            .collect();
+        locked.extend(&new);
+        out.push(new);
+    }
+    Ok(out)
+}
+
+fn locks_of(steps: &[StepRecord]) -> Vec<BTreeSet<usize>> {
+    steps
+        .iter()
+        .map(|s| s.locked.iter().copied().collect())
+        .collect()
+}
+
+#[test]
+fn surelock_decisions_match_the_trace() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let run = &golden.json["generate_runs"][2];
+    let settings = [
+        (1e-6, None),
+        (1e-5, None),
+        (1e-4, Some(20.0)),
+        (1e-2, Some(50.0)),
+        (5e-2, None),
+    ];
+    // Observing only: every row is still computed, so the run is the traced one.
+    let mut programs = settings
+        .iter()
+        .map(|&(eps, m)| {
+            let mut p = program(
+                &planner,
+                generate_spec(&golden, run, surelock(eps as f32, m.map(|m: f64| m as f32))),
+            )?;
+            p.observe_locks_only();
+            Ok(p)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    run_programs(&model, &mut programs)?;
+    for ((eps, m), p) in settings.iter().zip(&programs) {
+        check_generate(run, p)?;
+        let want = trace_locks(
+            &golden,
+            f64::from(*eps as f32),
+            m.map(|m| f64::from(m as f32)),
+        )?;
+        let got = locks_of(p.steps());
+        ensure!(
+            got == want,
+            "eps {eps}, m {m:?}: locks {got:?}, trace {want:?}"
+        );
+        ensure!(
+            want.iter().any(|s| !s.is_empty()),
+            "eps {eps}: the trace locks nothing"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn surelock_skips_locked_rows_and_matches_the_trace_until_it_diverges() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let run = &golden.json["generate_runs"][2];
+    for (eps, m) in [(1e-5, None), (1e-2, Some(50.0))] {
+        let mut programs = vec![program(
+            &planner,
+            generate_spec(&golden, run, surelock(eps as f32, m)),
+        )?];
+        run_programs(&model, &mut programs)?;
+        let p = &programs[0];
+        let want = trace_locks(&golden, f64::from(eps as f32), m.map(f64::from))?;
+        let got = locks_of(p.steps());
+        // Identical up to and including the first step that locks (rows are skipped after it).
+        let first = want.iter().position(|s| !s.is_empty()).context("no lock")?;
+        ensure!(
+            got[..=first] == want[..=first],
+            "eps {eps}: {got:?} vs {want:?}"
+        );
+        // Every position was decoded and locked rows stopped costing FLOPs.
+        let canvas = p.tokens().len();
+        ensure!(p.tokens().iter().all(|&t| t != 460), "masks left");
+        let locked = p.locked();
+        ensure!(!locked.is_empty() && locked.len() < canvas);
+        let ratio = p.flops.0 as f64 / p.flops.1 as f64;
+        ensure!(ratio < 1.0 && ratio > 0.0, "flops ratio {ratio}");
+    }
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! LLaDA's low-confidence remasking sampler (Nie et al., 2025, "Large Language Diffusion
+//! Models", Sec. 2.4 and Algorithm 5; upstream `generate()` of ML-GSAI/LLaDA `generate.py`).
+//!
+//! The canvas is split into `gen_length / block_length` blocks decoded left to right; each
+//! block gets `steps / num_blocks` steps. At a block's start, its `n` masks are spread over
+//! the steps (`get_num_transfer_tokens`: `n / steps` each, the first `n % steps` steps one
+//! more). Every step is one forward of the whole canvas (bidirectional, later blocks still
+//! masked); for every masked position before the block's end, `x0` is the argmax (temperature
+//! 0) or a Gumbel-max draw, and its score is `softmax(logits)[x0]` (float32, as upstream since
+//! June 2025; `remasking = low_confidence`) or a uniform draw (`random`). The `k` best-scored
+//! positions take their `x0`, and a committed token is never changed again.
+//!
+//! Differences from upstream, none of which changes a greedy run's tokens:
+//! - a step whose schedule commits nothing is skipped (upstream still runs its forward), so
+//!   `forward_passes` can be lower than upstream's step count when `steps > gen_length`;
+//! - random draws (Gumbel noise, random scores) come from the request's own seeded generator,
+//!   not torch's, and a temperature draw samples `softmax(logits / temperature)` directly,
+//!   which is the distribution Gumbel-max samples;
+//! - a committed stop token cuts the canvas (see [`super::canvas`]);
+//! - the mask token is never predicted (see [`super::posterior`]).
+
+use candle_core::DType;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::canvas::Canvas;
+use super::posterior::decode_rows;
+use super::program::{StepInputs, StepRecord};
+use crate::request::Remasking;
+
+/// Tokens committed at each of a block's `steps` steps for `masked` masks (upstream
+/// `get_num_transfer_tokens`).
+pub(crate) fn transfer_schedule(masked: usize, steps: usize) -> Vec<usize> {
+    let (base, rem) = (masked / steps, masked % steps);
+    (0..steps).map(|i| base + usize::from(i < rem)).collect()
+}
+
+/// The `k` best-scored positions (ties: the lower position first), in score order.
+pub(crate) fn top_k(scored: &[(usize, f64)], k: usize) -> Vec<usize> {
+    let mut order: Vec<(usize, f64)> = scored.to_vec();
+    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    order.into_iter().take(k).map(|(p, _)| p).collect()
+}
+
+/// Per-request state of the low-confidence sampler.
+#[derive(Debug)]
+pub(crate) struct LowConfidence {
+    pub(crate) steps_per_block: usize,
+    pub(crate) remasking: Remasking,
+    /// Commits per step of the current block.
+    schedule: Vec<usize>,
+    /// Next step of the current block.
+    step: usize,
+}
+
+impl LowConfidence {
+    pub(crate) fn new(steps_per_block: usize, remasking: Remasking) -> Self {
+        Self {
+            steps_per_block,
+            remasking,
+            schedule: Vec::new(),
+            step: 0,
+        }
+    }
+
+    /// Plans a new block holding `masked` masks.
+    pub(crate) fn start_block(&mut self, masked: usize) {
+        self.schedule = transfer_schedule(masked, self.steps_per_block);
+        self.step = 0;
+    }
+
+    /// Skips steps that commit nothing; `None` once the block's steps are used up.
+    pub(crate) fn next_commit(&mut self) -> Option<usize> {
+        while self.step < self.schedule.len() && self.schedule[self.step] == 0 {
+            self.step += 1;
+        }
+        self.schedule.get(self.step).copied()
+    }
+
+    /// Marks the current step done.
+    pub(crate) fn step_done(&mut self) {
+        self.step += 1;
+    }
+}
+
+/// One step: score every candidate and commit the best `k` of the block's schedule.
+pub(crate) fn step(
+    lc: &mut LowConfidence,
+    canvas: &mut Canvas,
+    rng: &mut StdRng,
+    temperature: f32,
+    inputs: &StepInputs,
+) -> candle_core::Result<StepRecord> {
+    let k = lc.next_commit().unwrap_or(0);
+    let cands = inputs.candidates;
+    let rows = inputs.rows(cands.iter().copied());
+    let (x0, conf) = decode_rows(
+        inputs.logits,
+        &rows,
+        temperature,
+        rng,
+        DType::F32,
+        canvas.mask_id,
+    )?;
+    let scored: Vec<(usize, f64)> = match lc.remasking {
+        Remasking::LowConfidence => cands.iter().copied().zip(conf).collect(),
+        Remasking::Random => cands.iter().map(|&p| (p, rng.random::<f64>())).collect(),
+    };
+    let chosen = top_k(&scored, k);
+    let mut record = StepRecord::default();
+    for &p in &chosen {
+        let i = cands
+            .binary_search(&p)
+            .expect("chosen among the candidates");
+        canvas.tokens[p] = x0[i];
+        record.committed.push(p);
+        record.tokens.push(x0[i]);
+    }
+    lc.step_done();
+    Ok(record)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_spreads_the_remainder_over_the_first_steps() {
+        assert_eq!(transfer_schedule(8, 8), vec![1; 8]);
+        assert_eq!(transfer_schedule(8, 4), vec![2; 4]);
+        assert_eq!(transfer_schedule(10, 4), vec![3, 3, 2, 2]);
+        assert_eq!(transfer_schedule(3, 5), vec![1, 1, 1, 0, 0]);
+    }
+
+    #[test]
+    fn zero_steps_are_skipped_and_the_block_ends_after_its_steps() {
+        let mut s = LowConfidence::new(5, Remasking::LowConfidence);
+        s.start_block(2);
+        assert_eq!(s.next_commit(), Some(1));
+        s.step_done();
+        assert_eq!(s.next_commit(), Some(1));
+        s.step_done();
+        assert_eq!(s.next_commit(), None);
+    }
+
+    #[test]
+    fn top_k_breaks_ties_by_position() {
+        let scored = [(7, 0.5), (3, 0.9), (5, 0.5), (1, 0.1)];
+        assert_eq!(top_k(&scored, 3), vec![3, 5, 7]);
+        assert_eq!(top_k(&scored, 10).len(), 4);
+    }
+}

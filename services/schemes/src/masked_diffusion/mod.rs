@@ -1,0 +1,377 @@
+//! # Masked diffusion (LLaDA)
+//!
+//! Nie et al. 2025, "Large Language Diffusion Models": a bidirectional transformer predicts
+//! every masked position of a canvas at once; a sampler decides which predictions to commit.
+//! Schemes served here:
+//! - `low-confidence`: LLaDA's sampler (upstream `generate()`): semi-autoregressive blocks, a
+//!   fixed number of commits per step, the most confident (or random) masked positions first,
+//!   optional temperature and classifier-free guidance ([`low_confidence`]);
+//! - `wino`: Hong et al. 2026, "Wide-In, Narrow-Out: Revokable Decoding for Efficient and
+//!   Effective DLLMs" (upstream `decoding_wino()`): draft above `threshold`, verify decoded
+//!   tokens through a shadow block in the same forward, revoke below `threshold_back`
+//!   ([`wino`]).
+//!
+//! Both take **SureLock** ("Stopping Computation for Converged Tokens in Masked Diffusion-LM
+//! Decoding"): `surelock_eps` locks positions whose posterior stopped moving; a locked position
+//! keeps its token and cached K/V and its rows are no longer computed ([`surelock`]).
+//!
+//! The planner validates a request and builds its program on the caller's thread; the family
+//! packs one step of every active program into one forward per tick ([`family`]).
+//!
+//! ## Early stop
+//!
+//! Upstream decodes all `gen_length` positions and leaves it to the caller to cut the text at
+//! the end-of-sequence token. Here the model's `eos_token_id` (`<|endoftext|>`, which LLaDA
+//! pads its answers with) and the request's `stop_token_ids` end the response at the first one
+//! (included), and work after it is skipped:
+//! - `low-confidence` commits are final, so once a stop token is committed at position `p` the
+//!   canvas is cut after `p`: later positions are no longer computed nor attended to, and later
+//!   blocks are never decoded. The response is the committed prefix up to `p`. Masked positions
+//!   before `p` still being decoded then see a shorter canvas than upstream's (which keeps
+//!   predicting the positions after `p`), so their tokens may differ from upstream's; a request
+//!   without stop tokens, or whose stop token is committed after everything before it, matches
+//!   upstream exactly.
+//! - `wino` drafts can be revoked until their block is complete, so the stop applies at block
+//!   granularity: when a completed block holds a stop token the response ends there and later
+//!   blocks are not decoded (exact with respect to upstream's tokens up to the stop).
+//!
+//! Tokens stream as they become final: `low-confidence` streams the committed prefix after every
+//! step, `wino` a whole block once it has no mask left.
+//!
+//! ## Slots
+//!
+//! The slot unit is one buffer row's key and value in one layer:
+//! `2 · n_kv_heads · head_dim` values of the model dtype. A request's buffer has
+//! `prompt + gen_length` rows (plus `block_length` shadow rows for `wino`), twice with
+//! classifier-free guidance. Without SureLock a request reserves one slot per buffer row: its
+//! rows' K/V of the layer being computed, the working set of its step (nothing persists between
+//! steps but its tokens). With SureLock it reserves the per-layer K/V cache of the whole buffer
+//! (`rows · n_layers`) plus the previous step's float32 log-posteriors (`rows · ceil(4 ·
+//! vocab / slot bytes)`). Slots are fungible and admission is all-or-nothing (FIFO), as for the
+//! other families.
+
+pub mod family;
+pub mod program;
+
+mod canvas;
+mod low_confidence;
+mod posterior;
+mod surelock;
+mod wino;
+
+#[cfg(test)]
+mod golden_tests;
+#[cfg(test)]
+mod serving_tests;
+#[cfg(test)]
+mod test_support;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use wavefront_engine::{Engine, EngineConfig, Prepared, RequestError};
+use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
+
+use self::canvas::Canvas;
+pub use self::family::{tick, Entry, MaskedDiffusionFamily};
+use self::low_confidence::LowConfidence;
+use self::program::Decoder;
+pub use self::program::{MdProgram, StepRecord};
+use self::surelock::SureLock;
+use self::wino::Wino;
+use crate::request::{GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams};
+use crate::served::{LoadOptions, ModelInfo, Planner, Served, ServedModel};
+use crate::SchemeError;
+
+/// Validates requests against a LLaDA config and builds programs.
+pub struct LladaPlanner {
+    cfg: LladaConfig,
+    info: ModelInfo,
+    dtype_size: usize,
+}
+
+impl LladaPlanner {
+    /// A planner for `cfg` served under `name` with weights (and caches) in `dtype`.
+    pub fn new(cfg: LladaConfig, name: String, dtype: DType) -> Self {
+        let info = ModelInfo {
+            name,
+            family: "masked_diffusion",
+            schemes: vec!["low-confidence", "wino"],
+            vocab_size: cfg.vocab_size,
+            max_context: cfg.max_sequence_length,
+        };
+        Self {
+            cfg,
+            info,
+            dtype_size: dtype.size_in_bytes(),
+        }
+    }
+
+    /// Bytes of one slot: one buffer row's K and V in one layer.
+    pub fn slot_bytes(&self) -> usize {
+        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Slots a request with `rows` buffer rows (per copy) reserves (see the module doc).
+    pub fn slots(&self, rows: usize, copies: usize, surelock: bool) -> usize {
+        let mut slots = rows * copies;
+        if surelock {
+            let posterior = (4 * self.cfg.embedding_rows()).div_ceil(self.slot_bytes());
+            slots += rows * self.cfg.n_layers + rows * posterior;
+        }
+        slots
+    }
+
+    fn prepare_low_confidence(
+        &self,
+        spec: GenerateSpec,
+        p: &LowConfidenceParams,
+    ) -> Result<Prepared<MdProgram>, RequestError> {
+        let gen = spec.max_new_tokens;
+        let (block_length, blocks) = blocks("low_confidence", gen, p.block_length)?;
+        let steps = p.steps.unwrap_or(gen);
+        if steps == 0 {
+            return bad("low_confidence.steps must be at least 1".into());
+        }
+        if !steps.is_multiple_of(blocks) {
+            return bad(format!(
+                "low_confidence.steps ({steps}) must be divisible by the number of blocks \
+                 (max_new_tokens / block_length = {gen} / {block_length} = {blocks})"
+            ));
+        }
+        if !p.cfg_scale.is_finite() || p.cfg_scale < 0.0 {
+            return bad(format!(
+                "low_confidence.cfg_scale must be finite and >= 0 (0 disables guidance), got {}",
+                p.cfg_scale
+            ));
+        }
+        let surelock = surelock("low_confidence", p.surelock.as_ref())?;
+        if surelock.is_some() && p.cfg_scale > 0.0 {
+            return bad(
+                "low_confidence.surelock_eps cannot be combined with cfg_scale > 0 \
+                 (the unconditional copy has no locks)"
+                    .into(),
+            );
+        }
+        let decoder = Decoder::LowConfidence(LowConfidence::new(steps / blocks, p.remasking));
+        let copies = if p.cfg_scale > 0.0 { 2 } else { 1 };
+        self.build(
+            spec,
+            block_length,
+            decoder,
+            surelock,
+            p.cfg_scale,
+            0,
+            copies,
+        )
+    }
+
+    fn prepare_wino(
+        &self,
+        spec: GenerateSpec,
+        p: &WinoParams,
+    ) -> Result<Prepared<MdProgram>, RequestError> {
+        let (block_length, _) = blocks("wino", spec.max_new_tokens, p.block_length)?;
+        for (name, t) in [
+            ("threshold", p.threshold),
+            ("threshold_back", p.threshold_back),
+        ] {
+            if !t.is_finite() || t <= 0.0 || t > 1.0 {
+                return bad(format!("wino.{name} must be in (0, 1], got {t}"));
+            }
+        }
+        if p.threshold > p.threshold_back {
+            return bad(format!(
+                "wino.threshold ({}) must not exceed wino.threshold_back ({}): drafting (tau1) \
+                 is the wide gate and verification (tau2) the narrow one",
+                p.threshold, p.threshold_back
+            ));
+        }
+        let surelock = surelock("wino", p.surelock.as_ref())?;
+        let decoder = Decoder::Wino(Wino::new(decimal(p.threshold), decimal(p.threshold_back)));
+        self.build(spec, block_length, decoder, surelock, 0.0, block_length, 1)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        &self,
+        spec: GenerateSpec,
+        block_length: usize,
+        decoder: Decoder,
+        surelock: Option<SureLockParams>,
+        cfg_scale: f32,
+        shadow: usize,
+        copies: usize,
+    ) -> Result<Prepared<MdProgram>, RequestError> {
+        let prompt_tokens = spec.prompt_ids.len();
+        let mut stop = spec.stop_token_ids;
+        stop.extend(self.cfg.eos_token_id);
+        let canvas = Canvas::new(
+            &spec.prompt_ids,
+            spec.max_new_tokens,
+            block_length,
+            self.cfg.mask_token_id,
+            stop,
+        );
+        let rows = canvas.len() + shadow;
+        let slots = self.slots(rows, copies, surelock.is_some());
+        let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
+        let program = MdProgram::new(
+            canvas,
+            decoder,
+            surelock,
+            cfg_scale,
+            spec.sampling.temperature,
+            spec.sampling.seed,
+        );
+        Ok(Prepared {
+            program,
+            slots,
+            prompt_tokens,
+        })
+    }
+}
+
+fn bad<T>(message: String) -> Result<T, RequestError> {
+    Err(RequestError::InvalidArgument(message))
+}
+
+/// Block length (default: `gen_length`) and block count, checked.
+fn blocks(
+    scheme: &str,
+    gen: usize,
+    block_length: Option<usize>,
+) -> Result<(usize, usize), RequestError> {
+    let bl = block_length.unwrap_or(gen);
+    if bl == 0 {
+        return bad(format!("{scheme}.block_length must be at least 1"));
+    }
+    if !gen.is_multiple_of(bl) {
+        return bad(format!(
+            "{scheme}.block_length ({bl}) must divide gen_length = max_new_tokens ({gen})"
+        ));
+    }
+    Ok((bl, gen / bl))
+}
+
+fn surelock(
+    scheme: &str,
+    p: Option<&SureLockParams>,
+) -> Result<Option<SureLockParams>, RequestError> {
+    let Some(p) = p else {
+        return Ok(None);
+    };
+    if !p.eps.is_finite() || p.eps < 0.0 {
+        return bad(format!(
+            "{scheme}.surelock_eps must be finite and >= 0 (0 locks nothing), got {}",
+            p.eps
+        ));
+    }
+    if let Some(m) = p.percentile {
+        if !m.is_finite() || m <= 0.0 || m > 100.0 {
+            return bad(format!(
+                "{scheme}.surelock_percentile must be in (0, 100], got {m}"
+            ));
+        }
+    }
+    Ok(Some(*p))
+}
+
+/// The decimal an `f32` threshold was written as (`0.6f32` is `0.6`, not `0.6000000238`), so
+/// float64 comparisons match upstream's Python floats.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+impl Planner for LladaPlanner {
+    type Program = MdProgram;
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
+        spec.validate_common(self.cfg.vocab_size, self.cfg.max_sequence_length)?;
+        let s = &spec.sampling;
+        if s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
+            return bad(
+                "masked-diffusion samplers take sampling.temperature only; top_k and top_p \
+                 must be unset (upstream generate() and decoding_wino() have neither)"
+                    .into(),
+            );
+        }
+        match spec.scheme.clone() {
+            SchemeParams::LowConfidence(p) => self.prepare_low_confidence(spec, &p),
+            SchemeParams::Wino(p) => self.prepare_wino(spec, &p),
+            other => bad(format!(
+                "scheme `{}` is not served by masked-diffusion models; use `low-confidence` or `wino`",
+                other.name()
+            )),
+        }
+    }
+}
+
+/// Loads a LLaDA checkpoint and starts its engine.
+pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let cfg = LladaConfig::from_json(files.config_json())?;
+    let tokenizer = match files.tokenizer() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
+            None
+        }
+    };
+    let model_cfg = cfg.clone();
+    serve_model(cfg, tokenizer, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        Llada::load(vb, model_cfg).map_err(|e| e.to_string())
+    })
+}
+
+/// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
+/// synthetic weights for benchmarks); `cfg` must be the model's config.
+pub fn serve_model<L>(
+    cfg: LladaConfig,
+    tokenizer: Option<TextTokenizer>,
+    opts: LoadOptions,
+    load: L,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    L: FnOnce(&Device, DType) -> Result<Llada, String> + Send + 'static,
+{
+    let planner = Arc::new(LladaPlanner::new(
+        cfg.clone(),
+        opts.name.clone(),
+        opts.dtype,
+    ));
+    let bytes_per_slot = planner.slot_bytes();
+    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
+        .unwrap_or(usize::MAX)
+        .min(u32::MAX as usize);
+    if total_slots == 0 {
+        return Err(SchemeError::InvalidOption(format!(
+            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
+            opts.memory_budget_bytes
+        )));
+    }
+    let engine_cfg = EngineConfig {
+        total_slots,
+        queue_capacity: opts.queue_capacity,
+        max_active: opts.max_active,
+    };
+    let (device, dtype) = (opts.device.clone(), opts.dtype);
+    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, ?dtype, "starting masked-diffusion engine");
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || {
+        let model = load(&device, dtype)?;
+        if model.config() != &cfg {
+            return Err(
+                "the loaded model's config differs from the one requests are planned with".into(),
+            );
+        }
+        Ok(MaskedDiffusionFamily::new(model))
+    })
+    .map_err(SchemeError::Engine)?;
+    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+}

@@ -1,0 +1,394 @@
+//! One masked-diffusion request's program (LLaDA, Nie et al., 2025; WINO; SureLock): it plans
+//! the rows of its next step and commits that step's logits.
+//!
+//! A step is one forward of the request's buffer: the canvas (low-confidence) or the canvas
+//! followed by WINO's shadow block. Rows of locked positions (SureLock) are left out and their
+//! keys read from the request's cache. After the decoder commits, SureLock decides new locks,
+//! a committed stop token cuts the canvas (low-confidence), final tokens are streamed
+//! (low-confidence: the committed prefix, since commits are final; WINO: a block once it has no
+//! mask left, since drafts can be revoked until then) and the program moves to the next block or
+//! finishes.
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::Tensor;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_models::transformer::MaskRule;
+
+use super::canvas::Canvas;
+use super::low_confidence::{self, LowConfidence};
+use super::posterior::log_probs;
+use super::surelock::SureLock;
+use super::wino::{self, Wino};
+
+/// The sampler a program runs.
+#[derive(Debug)]
+pub(crate) enum Decoder {
+    LowConfidence(LowConfidence),
+    Wino(Wino),
+}
+
+/// What one step computes, as planned before the forward.
+#[derive(Debug)]
+pub(crate) struct StepPlan {
+    /// Token of each row.
+    pub(crate) ids: Vec<u32>,
+    /// Buffer index of each row.
+    pub(crate) index: Vec<u32>,
+    /// Position id of each row.
+    pub(crate) positions: Vec<u32>,
+    pub(crate) mask: MaskRule,
+    /// `Some(len)`: keys are the whole buffer, read through the SureLock cache.
+    pub(crate) buffer_len: Option<usize>,
+    /// Rows (indices into `index`) whose logits the step reads, in buffer order.
+    pub(crate) logit_rows: Vec<usize>,
+    /// Buffer index of each logit row.
+    pub(crate) logit_index: Vec<usize>,
+    /// Masked positions before the block's end at the step's input (the decoder's candidates).
+    pub(crate) candidates: Vec<usize>,
+    /// Tokens of the unconditional copy (classifier-free guidance), same rows.
+    pub(crate) uncond_ids: Option<Vec<u32>>,
+    /// Rows a step without SureLock computes (the whole buffer).
+    pub(crate) dense_rows: usize,
+}
+
+/// What one step decided; kept when recording is on (tests compare it with upstream traces).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepRecord {
+    /// Positions unmasked (low-confidence) or drafted (WINO), in decision order.
+    pub committed: Vec<usize>,
+    /// Their tokens.
+    pub tokens: Vec<u32>,
+    /// Positions revoked (WINO).
+    pub revoked: Vec<usize>,
+    /// Positions locked (SureLock).
+    pub locked: Vec<usize>,
+    /// WINO's draft rule: "threshold", "topk_max_accept" or "argmax_fallback".
+    pub branch: Option<&'static str>,
+    /// WINO: whether the revocation cap applied.
+    pub remask_capped: bool,
+    /// WINO: the step's draft cap and `last_accept`.
+    pub max_accept: usize,
+    pub last_accept: usize,
+}
+
+/// One request's decoding state.
+#[derive(Debug)]
+pub struct MdProgram {
+    pub(crate) canvas: Canvas,
+    pub(crate) decoder: Decoder,
+    pub(crate) surelock: Option<SureLock>,
+    pub(crate) cfg_scale: f32,
+    pub(crate) temperature: f32,
+    pub(crate) rng: StdRng,
+    pub(crate) stats: Stats,
+    /// Algorithmic FLOPs of the rows computed, and of the dense steps.
+    pub(crate) flops: (u64, u64),
+    pub(crate) record: Option<Vec<StepRecord>>,
+}
+
+impl MdProgram {
+    pub(crate) fn new(
+        canvas: Canvas,
+        decoder: Decoder,
+        surelock: Option<SureLock>,
+        cfg_scale: f32,
+        temperature: f32,
+        seed: u64,
+    ) -> Self {
+        let mut p = Self {
+            canvas,
+            decoder,
+            surelock,
+            cfg_scale,
+            temperature,
+            // A distinct stream from other schemes' draws of the same seed.
+            rng: StdRng::seed_from_u64(seed ^ 0x4d44_4946_4655_5345),
+            stats: Stats::default(),
+            flops: (0, 0),
+            record: None,
+        };
+        match &mut p.decoder {
+            Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
+            Decoder::Wino(w) => w.start_block(&p.canvas),
+        }
+        p
+    }
+
+    /// Keeps a [`StepRecord`] per step.
+    pub fn record_steps(&mut self) {
+        self.record = Some(Vec::new());
+    }
+
+    /// The recorded steps.
+    pub fn steps(&self) -> &[StepRecord] {
+        self.record.as_deref().unwrap_or(&[])
+    }
+
+    /// The canvas: prompt and generated tokens (mask ids where still masked).
+    pub fn tokens(&self) -> &[u32] {
+        &self.canvas.tokens
+    }
+
+    /// Positions locked so far (SureLock).
+    pub fn locked(&self) -> Vec<usize> {
+        self.surelock.as_ref().map_or_else(Vec::new, |s| {
+            (0..s.locked.len()).filter(|&i| s.locked[i]).collect()
+        })
+    }
+
+    /// Tests: decide locks without skipping rows, so the run equals one without SureLock.
+    #[cfg(test)]
+    pub(crate) fn observe_locks_only(&mut self) {
+        if let Some(s) = &mut self.surelock {
+            s.apply = false;
+        }
+    }
+
+    /// Rows and keys of the next step.
+    pub(crate) fn plan(&self) -> StepPlan {
+        let c = &self.canvas;
+        let l = c.len();
+        let start = c.block_start();
+        let (shadow, mask) = match &self.decoder {
+            Decoder::LowConfidence(_) => (0, MaskRule::Bidirectional),
+            Decoder::Wino(_) => (
+                c.block_length,
+                MaskRule::ShadowBlock {
+                    main_len: l,
+                    block_start: start,
+                },
+            ),
+        };
+        let buffer = l + shadow;
+        let locked = |i: usize| self.surelock.as_ref().is_some_and(|s| s.is_locked(i));
+        let mut row_of = vec![usize::MAX; buffer];
+        let (mut index, mut positions, mut ids) = (
+            Vec::with_capacity(buffer),
+            Vec::with_capacity(buffer),
+            Vec::with_capacity(buffer),
+        );
+        for (i, &token) in c.tokens.iter().enumerate() {
+            if self.surelock.as_ref().is_some_and(|s| s.skips(i)) {
+                continue;
+            }
+            row_of[i] = index.len();
+            index.push(i as u32);
+            positions.push(i as u32);
+            ids.push(token);
+        }
+        for j in 0..shadow {
+            row_of[l + j] = index.len();
+            index.push((l + j) as u32);
+            positions.push((start + j) as u32);
+            ids.push(c.mask_id);
+        }
+        let candidates = c.candidates();
+        let mut need = candidates.clone();
+        if let Decoder::Wino(w) = &self.decoder {
+            need.extend(
+                (0..w.decoded.len())
+                    .filter(|&j| w.decoded[j] && !locked(start + j))
+                    .map(|j| l + j),
+            );
+        }
+        if self.surelock.is_some() {
+            need.extend((0..l).filter(|&i| !c.is_mask(i) && !locked(i)));
+        }
+        need.sort_unstable();
+        need.dedup();
+        let logit_rows = need.iter().map(|&b| row_of[b]).collect();
+        let uncond_ids = (self.cfg_scale > 0.0).then(|| c.unconditional(&index));
+        StepPlan {
+            ids,
+            index,
+            positions,
+            mask,
+            buffer_len: self.surelock.as_ref().map(|_| buffer),
+            logit_rows,
+            logit_index: need,
+            candidates,
+            uncond_ids,
+            dense_rows: buffer,
+        }
+    }
+
+    /// Adds one step's algorithmic FLOPs (rows computed, dense rows).
+    pub(crate) fn account(&mut self, computed: u64, dense: u64) {
+        self.flops.0 += computed;
+        self.flops.1 += dense;
+    }
+
+    /// Commits a step: `logits` `[plan.logit_rows.len(), V]` (float32, guidance applied).
+    pub(crate) fn commit(
+        &mut self,
+        plan: &StepPlan,
+        logits: &Tensor,
+        outbox: &mut Outbox,
+    ) -> candle_core::Result<()> {
+        self.stats.forward_passes += 1;
+        let copies = if plan.uncond_ids.is_some() { 2 } else { 1 };
+        self.stats
+            .push_series("active_rows", (plan.index.len() * copies) as u32);
+        let row_of: HashMap<usize, usize> = plan
+            .logit_index
+            .iter()
+            .enumerate()
+            .map(|(r, &b)| (b, r))
+            .collect();
+        let inputs = StepInputs {
+            logits,
+            row_of: &row_of,
+            candidates: &plan.candidates,
+        };
+        let mut record = match &mut self.decoder {
+            Decoder::LowConfidence(lc) => {
+                let r = low_confidence::step(
+                    lc,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    self.temperature,
+                    &inputs,
+                )?;
+                self.stats
+                    .push_series("committed_per_step", r.committed.len() as u32);
+                r
+            }
+            Decoder::Wino(w) => {
+                let surelock = self.surelock.as_ref();
+                let locked = |i: usize| surelock.is_some_and(|s| s.is_locked(i));
+                let r = wino::step(
+                    w,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    self.temperature,
+                    &locked,
+                    &inputs,
+                )?;
+                self.stats
+                    .push_series("drafted_per_step", r.committed.len() as u32);
+                self.stats
+                    .push_series("revoked_per_step", r.revoked.len() as u32);
+                self.stats.add_counter("drafted", r.committed.len() as u64);
+                self.stats.add_counter("revoked", r.revoked.len() as u64);
+                r
+            }
+        };
+        if let Some(sl) = &mut self.surelock {
+            let l = self.canvas.len();
+            let main: Vec<usize> = (0..plan.logit_index.len())
+                .filter(|&r| plan.logit_index[r] < l)
+                .collect();
+            if !main.is_empty() {
+                let rows: Vec<u32> = main.iter().map(|&r| r as u32).collect();
+                let sub =
+                    logits.index_select(&Tensor::new(rows.as_slice(), logits.device())?, 0)?;
+                let lp = log_probs(&sub)?;
+                let positions: Vec<usize> = main.iter().map(|&r| plan.logit_index[r]).collect();
+                let was_mask: HashSet<usize> = plan.candidates.iter().copied().collect();
+                let eligible: Vec<usize> = positions
+                    .iter()
+                    .copied()
+                    .filter(|&p| {
+                        !sl.is_locked(p) && !self.canvas.is_mask(p) && !was_mask.contains(&p)
+                    })
+                    .collect();
+                record.locked = sl.observe(&lp, &positions, &eligible)?;
+            }
+            self.stats
+                .push_series("locked_per_step", record.locked.len() as u32);
+        }
+        if let Some(r) = &mut self.record {
+            r.push(record);
+        }
+        self.advance(outbox)
+    }
+
+    /// Cuts, streams, and moves to the next step, block or the end.
+    fn advance(&mut self, outbox: &mut Outbox) -> candle_core::Result<()> {
+        match &mut self.decoder {
+            Decoder::LowConfidence(lc) => {
+                if let Some(p) = self.canvas.first_stop() {
+                    if self.canvas.cut_after(p) {
+                        if let Some(sl) = &mut self.surelock {
+                            sl.truncate(p + 1)
+                                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                        }
+                    }
+                }
+                let (fresh, reason) = self.canvas.stream(self.canvas.committed_prefix_end());
+                outbox.tokens(fresh);
+                if let Some(reason) = reason {
+                    self.finish(reason, outbox);
+                    return Ok(());
+                }
+                loop {
+                    if !self.canvas.has_block() {
+                        let (fresh, reason) = self.canvas.stream(self.canvas.len());
+                        outbox.tokens(fresh);
+                        self.finish(reason.unwrap_or(FinishReason::Length), outbox);
+                        return Ok(());
+                    }
+                    if lc.next_commit().is_some() && !self.canvas.candidates().is_empty() {
+                        return Ok(());
+                    }
+                    self.canvas.block += 1;
+                    if self.canvas.has_block() {
+                        lc.start_block(self.canvas.masks_in_block());
+                    }
+                }
+            }
+            Decoder::Wino(w) => {
+                if !self.canvas.candidates().is_empty() {
+                    return Ok(());
+                }
+                let (fresh, reason) = self.canvas.stream(self.canvas.block_end());
+                outbox.tokens(fresh);
+                self.canvas.block += 1;
+                if let Some(reason) = reason {
+                    self.finish(reason, outbox);
+                } else if !self.canvas.has_block() {
+                    let (fresh, reason) = self.canvas.stream(self.canvas.len());
+                    outbox.tokens(fresh);
+                    self.finish(reason.unwrap_or(FinishReason::Length), outbox);
+                } else {
+                    w.start_block(&self.canvas);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
+        self.stats
+            .add_counter("blocks", self.canvas.completed_blocks() as u64);
+        if let Some(sl) = &self.surelock {
+            self.stats.add_counter("locked", sl.locked_count() as u64);
+            self.stats.add_counter("algorithmic_flops", self.flops.0);
+            self.stats
+                .add_counter("algorithmic_flops_dense", self.flops.1);
+            let ppm = (self.flops.0 as f64 / self.flops.1.max(1) as f64 * 1e6).round() as u64;
+            self.stats.add_counter("flops_ratio_ppm", ppm);
+        }
+        outbox.finish(reason, std::mem::take(&mut self.stats));
+    }
+}
+
+/// What a decoder's step reads.
+pub(crate) struct StepInputs<'a> {
+    /// Logits of the plan's logit rows.
+    pub(crate) logits: &'a Tensor,
+    /// Logit row of each buffer index.
+    pub(crate) row_of: &'a HashMap<usize, usize>,
+    /// Masked positions before the block's end at the step's input.
+    pub(crate) candidates: &'a [usize],
+}
+
+impl StepInputs<'_> {
+    /// Logit rows of buffer indices (each must have one).
+    pub(crate) fn rows(&self, buffer: impl Iterator<Item = usize>) -> Vec<u32> {
+        buffer.map(|b| self.row_of[&b] as u32).collect()
+    }
+}

@@ -1,0 +1,468 @@
+//! The masked-diffusion family behind the real engine thread: batch invariance across mixed
+//! schemes (low-confidence with every option, WINO, SureLock on both), prompt, generation and
+//! block lengths, with requests joining at different ticks; slot accounting; early stop; request
+//! validation; classifier-free guidance against a hand-computed first step.
+
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{Tensor, D};
+use wavefront_engine::{EngineError, Event, FinishReason, RequestError};
+use wavefront_models::transformer::SeqInput;
+
+use super::test_support::*;
+use crate::request::{
+    GenerateSpec, LowConfidenceParams, Remasking, SamplingParams, SchemeParams, WinoParams,
+};
+use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+
+fn lc(p: LowConfidenceParams) -> SchemeParams {
+    SchemeParams::LowConfidence(p)
+}
+
+fn wn(p: WinoParams) -> SchemeParams {
+    SchemeParams::Wino(p)
+}
+
+fn sampled(mut s: GenerateSpec, temperature: f32) -> GenerateSpec {
+    s.sampling.temperature = temperature;
+    s
+}
+
+/// Fourteen requests over both schemes and their options, with different prompt, generation
+/// and block lengths.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    vec![
+        spec(prompt(5, 0), 16, 1, lc(low_confidence(8, 16))),
+        spec(prompt(12, 1), 32, 2, lc(low_confidence(16, 16))),
+        spec(
+            prompt(3, 2),
+            8,
+            3,
+            lc(LowConfidenceParams {
+                remasking: Remasking::Random,
+                ..low_confidence(4, 8)
+            }),
+        ),
+        sampled(
+            spec(
+                prompt(6, 3),
+                12,
+                42,
+                lc(LowConfidenceParams {
+                    steps: Some(6),
+                    ..LowConfidenceParams::default()
+                }),
+            ),
+            0.8,
+        ),
+        spec(
+            prompt(4, 4),
+            8,
+            5,
+            lc(LowConfidenceParams {
+                cfg_scale: 1.5,
+                ..low_confidence(8, 8)
+            }),
+        ),
+        spec(
+            prompt(9, 5),
+            24,
+            6,
+            lc(LowConfidenceParams {
+                surelock: surelock(1e-2, Some(50.0)),
+                ..low_confidence(24, 24)
+            }),
+        ),
+        spec(
+            prompt(7, 6),
+            16,
+            7,
+            lc(LowConfidenceParams {
+                surelock: surelock(5e-2, None),
+                ..low_confidence(8, 16)
+            }),
+        ),
+        spec(prompt(7, 7), 16, 8, wn(wino(8))),
+        spec(
+            prompt(10, 8),
+            16,
+            9,
+            wn(WinoParams {
+                surelock: surelock(1e-2, None),
+                ..wino(16)
+            }),
+        ),
+        sampled(
+            spec(
+                prompt(2, 9),
+                12,
+                10,
+                wn(WinoParams {
+                    threshold: 0.5,
+                    ..wino(4)
+                }),
+            ),
+            0.7,
+        ),
+        {
+            let mut s = spec(prompt(8, 10), 24, 11, lc(low_confidence(8, 12)));
+            s.stop_token_ids = vec![183, 222];
+            s
+        },
+        {
+            let mut s = spec(prompt(6, 11), 16, 12, wn(wino(8)));
+            s.stop_token_ids = vec![183];
+            s
+        },
+        spec(prompt(11, 12), 20, 13, lc(low_confidence(5, 20))),
+        spec(
+            prompt(5, 13),
+            16,
+            14,
+            wn(WinoParams {
+                surelock: surelock(5e-2, Some(50.0)),
+                ..wino(8)
+            }),
+        ),
+    ]
+}
+
+fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
+    let opts = LoadOptions {
+        name: "llada-fixture".into(),
+        max_active,
+        ..LoadOptions::default()
+    };
+    Ok(load_model(fixture_files()?, opts)?)
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (sink, rx) = TestSink::new(1024);
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+#[test]
+fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = fixture_served(specs.len())?;
+    assert_eq!(served.info().family, "masked_diffusion");
+    assert_eq!(served.info().schemes, vec!["low-confidence", "wino"]);
+    let total = served.load().total_slots;
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    // Request i joins once request i - 1 has produced an event, so requests enter a batch that
+    // is already running, in other blocks and other schemes.
+    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
+    for s in &specs {
+        if let Some((rx, seen)) = receivers.last_mut() {
+            let ev = rx
+                .recv_timeout(Duration::from_secs(120))
+                .context("engine stalled")?;
+            seen.push(ev);
+        }
+        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
+    }
+    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
+        let got = collect(&rx, seen)?;
+        ensure!(
+            got.work() == want.work(),
+            "request {i} ({}): batched {:?}, alone {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    for (s, o) in specs.iter().zip(&alone) {
+        ensure!(!o.tokens.is_empty() && o.tokens.len() <= s.max_new_tokens);
+        ensure!(
+            o.tokens.iter().all(|&t| t != 460),
+            "a mask token was streamed"
+        );
+        // The fixture's eos (449) always stops; the request's stop ids too.
+        let stops = |t: &u32| *t == 449 || s.stop_token_ids.contains(t);
+        let first_stop = o.tokens.iter().position(stops);
+        ensure!(
+            first_stop.is_none_or(|k| k + 1 == o.tokens.len()),
+            "{:?}",
+            o.tokens
+        );
+        if first_stop.is_some() {
+            ensure!(o.reason == FinishReason::StopToken);
+        } else {
+            ensure!(o.tokens.len() == s.max_new_tokens && o.reason == FinishReason::Length);
+            let block = match &s.scheme {
+                SchemeParams::LowConfidence(p) => p.block_length,
+                SchemeParams::Wino(p) => p.block_length,
+                _ => None,
+            };
+            let blocks = s.max_new_tokens / block.unwrap_or(s.max_new_tokens);
+            ensure!(o.stats.counters["blocks"] == blocks as u64);
+        }
+    }
+    // SureLock computed fewer rows as it went and reports its FLOPs ratio.
+    for (s, o) in specs.iter().zip(&alone) {
+        let surelock = match &s.scheme {
+            SchemeParams::LowConfidence(p) => p.surelock.is_some(),
+            SchemeParams::Wino(p) => p.surelock.is_some(),
+            _ => false,
+        };
+        let rows = &o.stats.series["active_rows"];
+        ensure!(rows.len() as u64 == o.stats.forward_passes);
+        if surelock {
+            let ppm = o.stats.counters["flops_ratio_ppm"];
+            ensure!(ppm > 0 && ppm < 1_000_000, "ratio {ppm}");
+            ensure!(rows.last() < rows.first(), "{rows:?}");
+            ensure!(o.stats.counters["locked"] > 0);
+        }
+    }
+    // Every slot came back.
+    let start = Instant::now();
+    while served.load().free_slots != total {
+        ensure!(start.elapsed() < Duration::from_secs(10), "slots leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn a_stop_token_ends_the_response_early() -> Result<()> {
+    let served = fixture_served(4)?;
+    let golden = Golden::load()?;
+    // bl8/steps32 commits 183 at position 12 (generated index 4) at its second step.
+    let mut s = spec(golden.prompt(), 32, 0, lc(low_confidence(8, 32)));
+    s.stop_token_ids = vec![183];
+    let out = collect(&submit(served.as_ref(), s)?, Vec::new())?;
+    ensure!(out.reason == FinishReason::StopToken, "{out:?}");
+    ensure!(
+        out.tokens.last() == Some(&183) && out.tokens.len() <= 5,
+        "{:?}",
+        out.tokens
+    );
+    ensure!(out.stats.forward_passes < 8, "{}", out.stats.forward_passes);
+    // The canvas was cut after the stop token: the next step computed 13 rows, not 40.
+    ensure!(
+        out.stats.series["active_rows"][2] == 13,
+        "{:?}",
+        out.stats.series["active_rows"]
+    );
+
+    // WINO stops at block granularity: the first block (15 steps upstream) holds 183 at
+    // generated index 11, and the response is upstream's prefix up to it.
+    let w = &golden.json["wino"];
+    let upstream: Vec<u32> = serde_json::from_value(w["generated_ids"].clone())?;
+    let mut s = spec(golden.prompt(), 32, 0, wn(wino(16)));
+    s.stop_token_ids = vec![183];
+    let out = collect(&submit(served.as_ref(), s)?, Vec::new())?;
+    ensure!(out.reason == FinishReason::StopToken);
+    ensure!(out.tokens == upstream[..12], "{:?}", out.tokens);
+    ensure!(
+        out.stats.forward_passes == 15,
+        "{}",
+        out.stats.forward_passes
+    );
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
+    let (_, planner) = fixture()?;
+    let base = || spec(prompt(4, 0), 16, 0, lc(low_confidence(8, 16)));
+    let with = |scheme| GenerateSpec { scheme, ..base() };
+    let cases: Vec<(GenerateSpec, &str)> = vec![
+        (
+            with(lc(low_confidence(6, 12))),
+            "block_length (6) must divide gen_length",
+        ),
+        (
+            with(lc(low_confidence(0, 12))),
+            "block_length must be at least 1",
+        ),
+        (
+            with(lc(low_confidence(8, 15))),
+            "steps (15) must be divisible by the number of blocks",
+        ),
+        (with(lc(low_confidence(8, 0))), "steps must be at least 1"),
+        (
+            with(lc(LowConfidenceParams {
+                cfg_scale: -1.0,
+                ..low_confidence(8, 16)
+            })),
+            "cfg_scale must be finite and >= 0",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                cfg_scale: 1.0,
+                surelock: surelock(1e-3, None),
+                ..low_confidence(8, 16)
+            })),
+            "cannot be combined with cfg_scale",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                surelock: surelock(-1.0, None),
+                ..low_confidence(8, 16)
+            })),
+            "surelock_eps must be finite and >= 0",
+        ),
+        (
+            with(wn(WinoParams {
+                surelock: surelock(1e-3, Some(0.0)),
+                ..wino(8)
+            })),
+            "surelock_percentile must be in (0, 100]",
+        ),
+        (
+            with(wn(WinoParams {
+                threshold: 0.0,
+                ..wino(8)
+            })),
+            "wino.threshold must be in (0, 1]",
+        ),
+        (
+            with(wn(WinoParams {
+                threshold_back: 1.5,
+                ..wino(8)
+            })),
+            "wino.threshold_back must be in (0, 1]",
+        ),
+        (
+            with(wn(WinoParams {
+                threshold: 0.95,
+                threshold_back: 0.9,
+                ..wino(8)
+            })),
+            "must not exceed wino.threshold_back",
+        ),
+        (
+            with(wn(wino(5))),
+            "wino.block_length (5) must divide gen_length",
+        ),
+        (
+            with(SchemeParams::Ar(Default::default())),
+            "not served by masked-diffusion models",
+        ),
+        (
+            GenerateSpec {
+                sampling: SamplingParams {
+                    top_k: 5,
+                    ..SamplingParams::default()
+                },
+                ..base()
+            },
+            "top_k and top_p",
+        ),
+        (
+            spec(prompt(4, 0), 4093, 0, lc(LowConfidenceParams::default())),
+            "context limit",
+        ),
+    ];
+    for (s, want) in cases {
+        match planner.prepare(s) {
+            Err(RequestError::InvalidArgument(m)) => {
+                ensure!(m.contains(want), "{m:?} lacks {want:?}")
+            }
+            Err(e) => anyhow::bail!("{want}: unexpected {e:?}"),
+            Ok(_) => anyhow::bail!("{want}: accepted"),
+        }
+    }
+    // Defaults: block_length and steps default to gen_length.
+    ensure!(planner
+        .prepare(with(lc(LowConfidenceParams::default())))
+        .is_ok());
+    ensure!(planner.prepare(with(wn(WinoParams::default()))).is_ok());
+    // SureLock reserves its cache and posteriors; WINO its shadow rows.
+    let slots = |scheme| planner.prepare(with(scheme)).map(|p| p.slots);
+    let plain = slots(lc(low_confidence(8, 16)))?;
+    ensure!(plain == 20);
+    ensure!(slots(wn(wino(8)))? == 28);
+    let locked = slots(lc(LowConfidenceParams {
+        surelock: surelock(1e-3, None),
+        ..low_confidence(8, 16)
+    }))?;
+    ensure!(locked == 20 + 20 * 2 + 20 * 4, "{locked}");
+    // A request larger than the pool is refused at once.
+    let served = load_model(
+        fixture_files()?,
+        LoadOptions {
+            memory_budget_bytes: 512 * 10,
+            ..LoadOptions::default()
+        },
+    )?;
+    let (sink, _rx) = TestSink::new(4);
+    let err = served
+        .submit(base(), Box::new(sink), None, tracing::Span::none())
+        .unwrap_err();
+    ensure!(
+        matches!(
+            err,
+            EngineError::TooLarge {
+                needed: 20,
+                total: 10
+            }
+        ),
+        "{err:?}"
+    );
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn classifier_free_guidance_commits_what_the_guided_logits_say() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let golden = Golden::load()?;
+    let prompt_ids = golden.prompt();
+    let scale = 0.5f64;
+    let s = spec(
+        prompt_ids.clone(),
+        8,
+        0,
+        lc(LowConfidenceParams {
+            cfg_scale: scale as f32,
+            ..low_confidence(8, 8)
+        }),
+    );
+    let mut programs = vec![program(&planner, s)?];
+    run(&model, &mut programs)?;
+    // First step by hand: guided logits of the masked positions, best confidence first.
+    let p = prompt_ids.len();
+    let x: Vec<u32> = prompt_ids
+        .iter()
+        .copied()
+        .chain(std::iter::repeat_n(460, 8))
+        .collect();
+    let un: Vec<u32> = std::iter::repeat_n(460, p + 8).collect();
+    let logits = |ids: &[u32]| -> Result<Tensor> {
+        Ok(model.logits(&model.forward(ids, &mut [SeqInput::dense(ids.len())])?)?)
+    };
+    let (cond, uncond) = (logits(&x)?, logits(&un)?);
+    let guided = (&uncond + ((cond - &uncond)? * (scale + 1.0))?)?.narrow(0, p, 8)?;
+    let argmax: Vec<u32> = guided.argmax(D::Minus1)?.to_vec1()?;
+    let conf: Vec<f32> =
+        candle_core::Tensor::ones(8, candle_core::DType::F32, &candle_core::Device::Cpu)?
+            .div(
+                &(guided
+                    .broadcast_sub(&guided.max_keepdim(D::Minus1)?)?
+                    .exp()?
+                    .sum(D::Minus1)?),
+            )?
+            .to_vec1()?;
+    // The first maximum (no exact ties at this scale).
+    let best = (0..8)
+        .rev()
+        .max_by(|&a, &b| conf[a].total_cmp(&conf[b]))
+        .context("best")?;
+    let first = &programs[0].steps()[0];
+    ensure!(
+        first.committed == vec![p + best] && first.tokens == vec![argmax[best]],
+        "{first:?} vs {best} {argmax:?} {conf:?}"
+    );
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! SureLock, "Stopping Computation for Converged Tokens in Masked Diffusion-LM Decoding"
+//! (anonymous, under review; no public code: this follows the paper's Algorithm 1 and Sec. 2).
+//!
+//! After every step, a position is *locked* when its posterior has stopped moving:
+//! `D_t = KL(p_t || p_(t-1)) <= eps` on the raw softmax posteriors (before any temperature), and,
+//! with the optional confidence gate `m`, its uncertainty `u_t = 1 - max p_t` is at most the
+//! `m`-th percentile (linear interpolation) of `u_t` over the step's candidates. A locked
+//! position keeps its token; its rows are no longer computed (no query projection, no FFN, no
+//! logits), while its per-layer keys and values stay cached so every other position still
+//! attends to it ([`wavefront_models::transformer::Keys::Buffer`]). Locking is permanent
+//! (the paper's optional unlocking is not implemented).
+//!
+//! Candidates are the active positions that hold a token both in the step's input and after
+//! the step's commits. The paper's Algorithm 1 takes every position unmasked *after* the step,
+//! which would also lock a token committed in that very step, whose cached K/V were computed
+//! from the mask token: such a token would never be seen by the rest of the canvas. Here a
+//! committed token is first computed once as a token and can lock from the next step on. The
+//! first step has no `p_(t-1)` (`D = inf`), so nothing locks then. `surelock_eps = 0` locks
+//! nothing (a step that commits nothing leaves posteriors bit-identical, `D = 0`, and locking
+//! then would change later steps), so it reproduces the run without SureLock.
+//!
+//! Cost accounting (Sec. 2.4): per step, algorithmic FLOPs of the rows actually computed
+//! against those of the dense step over the whole buffer; see
+//! [`wavefront_models::LladaConfig::algorithmic_flops`].
+
+use std::collections::HashMap;
+
+use candle_core::{Tensor, D};
+use wavefront_models::transformer::KvCache;
+
+use crate::request::SureLockParams;
+
+/// The `m`-th percentile of `values` with linear interpolation between closest ranks (numpy's
+/// and `torch.quantile`'s default).
+pub(crate) fn percentile(values: &[f64], m: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = (m / 100.0).clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (rank - lo as f64)
+}
+
+/// One lock candidate of a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Candidate {
+    pub(crate) position: usize,
+    /// `KL(p_t || p_(t-1))`.
+    pub(crate) kl: f64,
+    /// `1 - max p_t`.
+    pub(crate) uncertainty: f64,
+}
+
+/// The candidates to lock: `kl <= eps` (with `eps > 0`) and, with the gate, uncertainty at most
+/// the `percentile`-th percentile over all candidates.
+pub(crate) fn decide(cands: &[Candidate], eps: f64, percentile_m: Option<f64>) -> Vec<usize> {
+    if eps <= 0.0 || cands.is_empty() {
+        return Vec::new();
+    }
+    let gate = percentile_m.map(|m| {
+        let u: Vec<f64> = cands.iter().map(|c| c.uncertainty).collect();
+        percentile(&u, m)
+    });
+    cands
+        .iter()
+        .filter(|c| c.kl <= eps && gate.is_none_or(|g| c.uncertainty <= g))
+        .map(|c| c.position)
+        .collect()
+}
+
+/// Log-posteriors of the previous step, by position.
+#[derive(Debug)]
+struct Previous {
+    log_probs: Tensor,
+    row_of: HashMap<usize, usize>,
+}
+
+/// Per-request SureLock state.
+#[derive(Debug)]
+pub(crate) struct SureLock {
+    pub(crate) eps: f64,
+    pub(crate) percentile: Option<f64>,
+    /// Locked canvas positions.
+    pub(crate) locked: Vec<bool>,
+    /// Per-layer K/V of the whole buffer; locked positions' entries are never rewritten.
+    pub(crate) cache: KvCache,
+    prev: Option<Previous>,
+    /// `false` (tests): decide and record locks but keep computing every row, so the run stays
+    /// identical to one without SureLock.
+    pub(crate) apply: bool,
+}
+
+impl SureLock {
+    pub(crate) fn new(params: &SureLockParams, canvas_len: usize) -> Self {
+        Self {
+            eps: f64::from(params.eps),
+            percentile: params.percentile.map(f64::from),
+            locked: vec![false; canvas_len],
+            cache: KvCache::new(),
+            prev: None,
+            apply: true,
+        }
+    }
+
+    pub(crate) fn is_locked(&self, i: usize) -> bool {
+        self.locked.get(i).copied().unwrap_or(false)
+    }
+
+    /// Whether position `i`'s row is left out of the forward.
+    pub(crate) fn skips(&self, i: usize) -> bool {
+        self.apply && self.is_locked(i)
+    }
+
+    pub(crate) fn locked_count(&self) -> usize {
+        self.locked.iter().filter(|&&l| l).count()
+    }
+
+    /// One step's lock decisions. `log_probs` `[R, V]` (float32) are this step's
+    /// log-posteriors of the canvas positions `positions` (one per row); `candidates` are the
+    /// positions allowed to lock. Returns the newly locked positions.
+    pub(crate) fn observe(
+        &mut self,
+        log_probs: &Tensor,
+        positions: &[usize],
+        candidates: &[usize],
+    ) -> candle_core::Result<Vec<usize>> {
+        let row_of: HashMap<usize, usize> =
+            positions.iter().enumerate().map(|(r, &p)| (p, r)).collect();
+        let mut pairs = Vec::new();
+        if let Some(prev) = &self.prev {
+            for &p in candidates {
+                if let (Some(&now), Some(&before)) = (row_of.get(&p), prev.row_of.get(&p)) {
+                    pairs.push((p, now as u32, before as u32));
+                }
+            }
+        }
+        let mut decided = Vec::new();
+        if let (Some(prev), false) = (&self.prev, pairs.is_empty()) {
+            let device = log_probs.device();
+            let now_idx: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+            let before_idx: Vec<u32> = pairs.iter().map(|p| p.2).collect();
+            let now = log_probs.index_select(&Tensor::new(now_idx.as_slice(), device)?, 0)?;
+            let before = prev
+                .log_probs
+                .index_select(&Tensor::new(before_idx.as_slice(), device)?, 0)?;
+            let kl: Vec<f32> = (now.exp()? * (&now - &before)?)?
+                .sum(D::Minus1)?
+                .to_vec1()?;
+            let max_p: Vec<f32> = now.max(D::Minus1)?.exp()?.to_vec1()?;
+            let cands: Vec<Candidate> = pairs
+                .iter()
+                .zip(kl.iter().zip(&max_p))
+                .map(|(&(position, _, _), (&kl, &mp))| Candidate {
+                    position,
+                    kl: f64::from(kl),
+                    uncertainty: 1.0 - f64::from(mp),
+                })
+                .collect();
+            decided = decide(&cands, self.eps, self.percentile);
+        }
+        for &p in &decided {
+            self.locked[p] = true;
+        }
+        self.prev = Some(Previous {
+            log_probs: log_probs.clone(),
+            row_of,
+        });
+        Ok(decided)
+    }
+
+    /// Keeps canvas positions `0..len` (the canvas was cut after a stop token).
+    pub(crate) fn truncate(&mut self, len: usize) -> wavefront_models::error::Result<()> {
+        self.locked.truncate(len);
+        self.cache.truncate(len)?;
+        if let Some(prev) = &mut self.prev {
+            prev.row_of.retain(|&p, _| p < len);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_interpolates_linearly() {
+        let v = [0.4, 0.1, 0.3, 0.2];
+        assert!((percentile(&v, 0.0) - 0.1).abs() < 1e-12);
+        assert!((percentile(&v, 100.0) - 0.4).abs() < 1e-12);
+        assert!((percentile(&v, 50.0) - 0.25).abs() < 1e-12);
+        assert!((percentile(&v, 20.0) - 0.16).abs() < 1e-12);
+    }
+
+    #[test]
+    fn locks_need_a_small_kl_and_pass_the_gate() {
+        let c = |position, kl, uncertainty| Candidate {
+            position,
+            kl,
+            uncertainty,
+        };
+        let cands = [
+            c(1, 1e-4, 0.01),
+            c(2, 1e-2, 0.01),
+            c(3, 1e-4, 0.5),
+            c(4, 2e-4, 0.02),
+        ];
+        assert_eq!(decide(&cands, 5e-4, None), vec![1, 3, 4]);
+        // The 50th percentile of uncertainties is 0.015: position 3 and 4 are too uncertain.
+        assert_eq!(decide(&cands, 5e-4, Some(50.0)), vec![1]);
+        assert!(decide(&cands, 0.0, None).is_empty());
+    }
+}

@@ -1,0 +1,213 @@
+//! Helpers shared by the masked-diffusion tests: the LLaDA fixture (tests/fixtures/llada), request
+//! builders, a direct tick loop and an event sink over a bounded std channel.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use wavefront_engine::{Event, EventSink, FinishReason, Outbox, SinkError, Stats};
+use wavefront_models::{Llada, LladaConfig, ModelFiles};
+
+use super::{tick, Entry, LladaPlanner, MdProgram};
+use crate::request::{
+    GenerateSpec, LowConfidenceParams, SamplingParams, SchemeParams, SureLockParams, WinoParams,
+};
+use crate::served::Planner;
+
+pub fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada")
+}
+
+pub fn fixture_files() -> Result<ModelFiles> {
+    Ok(ModelFiles::from_dir(fixture_dir())?)
+}
+
+pub fn fixture() -> Result<(Llada, LladaPlanner)> {
+    let files = fixture_files()?;
+    let cfg = LladaConfig::from_json(files.config_json())?;
+    let model = Llada::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    Ok((model, LladaPlanner::new(cfg, "fixture".into(), DType::F32)))
+}
+
+/// `golden.json` and `golden.safetensors`.
+pub struct Golden {
+    pub json: Value,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+impl Golden {
+    pub fn load() -> Result<Self> {
+        let dir = fixture_dir();
+        Ok(Self {
+            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
+            tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?,
+        })
+    }
+
+    pub fn prompt(&self) -> Vec<u32> {
+        serde_json::from_value(self.json["prompt_ids"].clone()).expect("prompt_ids")
+    }
+
+    /// A 2-D tensor as rows of `T`.
+    pub fn rows<T: candle_core::WithDType>(&self, name: &str, dtype: DType) -> Result<Vec<Vec<T>>> {
+        let t = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("tensor {name}"))?;
+        Ok(t.to_dtype(dtype)?.to_vec2()?)
+    }
+}
+
+/// The fixture's deterministic prompts: `len` ids below the BPE range (no special tokens).
+pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + salt * 101 + 11) % 448)
+        .collect()
+}
+
+pub fn spec(prompt_ids: Vec<u32>, gen: usize, seed: u64, scheme: SchemeParams) -> GenerateSpec {
+    GenerateSpec {
+        prompt_ids,
+        max_new_tokens: gen,
+        stop_token_ids: Vec::new(),
+        sampling: SamplingParams {
+            seed,
+            ..SamplingParams::default()
+        },
+        scheme,
+        replay_draws: None,
+    }
+}
+
+pub fn low_confidence(block_length: usize, steps: usize) -> LowConfidenceParams {
+    LowConfidenceParams {
+        block_length: Some(block_length),
+        steps: Some(steps),
+        ..LowConfidenceParams::default()
+    }
+}
+
+pub fn wino(block_length: usize) -> WinoParams {
+    WinoParams {
+        block_length: Some(block_length),
+        ..WinoParams::default()
+    }
+}
+
+pub fn surelock(eps: f32, percentile: Option<f32>) -> Option<SureLockParams> {
+    Some(SureLockParams { eps, percentile })
+}
+
+pub fn program(planner: &LladaPlanner, spec: GenerateSpec) -> Result<MdProgram> {
+    let mut p = planner.prepare(spec)?.program;
+    p.record_steps();
+    Ok(p)
+}
+
+/// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
+/// was part of.
+pub fn run(model: &Llada, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
+    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+    let mut ticks = vec![0; programs.len()];
+    for _ in 0..10_000 {
+        let mut batch: Vec<Entry<'_>> = programs
+            .iter_mut()
+            .zip(outboxes.iter_mut())
+            .zip(ticks.iter_mut())
+            .filter(|((_, o), _)| !o.is_done())
+            .map(|((program, outbox), t)| {
+                *t += 1;
+                Entry { program, outbox }
+            })
+            .collect();
+        if batch.is_empty() {
+            return Ok(ticks);
+        }
+        tick(model, &mut batch)?;
+    }
+    bail!("programs did not finish")
+}
+
+/// A sink over a bounded std channel.
+pub struct TestSink {
+    pub tx: SyncSender<Event>,
+}
+
+impl TestSink {
+    pub fn new(capacity: usize) -> (Self, Receiver<Event>) {
+        let (tx, rx) = mpsc::sync_channel(capacity);
+        (Self { tx }, rx)
+    }
+}
+
+impl EventSink for TestSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.tx.try_send(event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// What a finished request produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub reason: FinishReason,
+    pub stats: Stats,
+}
+
+/// Tokens, finish reason, forward passes, counters and series of a request.
+pub type Work = (
+    Vec<u32>,
+    FinishReason,
+    u64,
+    Vec<(String, u64)>,
+    Vec<(String, Vec<u32>)>,
+);
+
+impl Outcome {
+    /// The results that do not depend on timing or batching.
+    pub fn work(&self) -> Work {
+        (
+            self.tokens.clone(),
+            self.reason,
+            self.stats.forward_passes,
+            self.stats.counters.clone().into_iter().collect(),
+            self.stats.series.clone().into_iter().collect(),
+        )
+    }
+}
+
+/// Reads events until the request ends; `first` holds events already taken off the channel.
+pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
+    let mut tokens = Vec::new();
+    let mut pending = first.into_iter();
+    loop {
+        let ev = match pending.next() {
+            Some(ev) => ev,
+            None => rx
+                .recv_timeout(Duration::from_secs(120))
+                .context("engine stalled")?,
+        };
+        match ev {
+            Event::Tokens(t) => tokens.extend(t),
+            Event::Finished { reason, stats } => {
+                return Ok(Outcome {
+                    tokens,
+                    reason,
+                    stats,
+                })
+            }
+            Event::Failed(e) => bail!("request failed: {e}"),
+        }
+    }
+}

@@ -1,0 +1,513 @@
+//! The recurrent-depth family behind the real engine thread: batch invariance under continuous
+//! batching, slot accounting under random mixes and cancellations (proptest), and the latent
+//! slots of diffusion forcing with the occupancy multiplier.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use proptest::prelude::*;
+use wavefront_engine::{Active, EngineError, Event, Family, RequestId, SlotId};
+use wavefront_models::Huginn;
+
+use super::test_support::*;
+use super::{serve_family, HuginnFamily, Program};
+use crate::request::{
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
+};
+use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::SchemeError;
+
+/// Sixteen requests covering both schemes and their options, with different prompt lengths.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    use FreezeTest::{Aligned, Upstream};
+    let df = |w, f| SchemeParams::DiffusionForcing(diffusion(w, f));
+    let sampled = |mut s: GenerateSpec, temperature| {
+        s.sampling = SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p: 0.9,
+            seed: s.sampling.seed,
+        };
+        s
+    };
+    let mut specs = vec![
+        spec(prompt(5, 0), 12, 1, ar_static(4, "full")),
+        spec(prompt(12, 1), 10, 2, ar_static(8, "latest-m4-compress-s4")),
+        spec(prompt(3, 2), 12, 3, ar_static(6, "latest-m4-compress-s16")),
+        spec(prompt(9, 3), 10, 4, ar_adaptive(32, "latest-m4", 0.03)),
+        spec(
+            prompt(7, 4),
+            12,
+            5,
+            ar_adaptive(32, "latest-m4-compress-s4", 0.05),
+        ),
+        sampled(spec(prompt(6, 5), 12, 42, ar_static(4, "full")), 0.8),
+        spec(prompt(10, 6), 12, 7, df(8, Aligned)),
+        spec(prompt(6, 7), 12, 8, df(32, Upstream)),
+        spec(
+            prompt(4, 8),
+            10,
+            9,
+            SchemeParams::DiffusionForcing(DiffusionForcingParams {
+                ema_embeds: 0.0,
+                state_noise_mixing: 0.5,
+                ..diffusion(16, Aligned)
+            }),
+        ),
+        sampled(spec(prompt(8, 9), 10, 10, df(16, Aligned)), 0.7),
+    ];
+    let cc_ar = |steps, eps| {
+        SchemeParams::Ar(ArParams {
+            num_steps: Some(steps),
+            cache_lookup_strategy: Some("latest-m4".into()),
+            exit_threshold: eps,
+            continuous_compute: true,
+            ..ArParams::default()
+        })
+    };
+    specs.push(spec(prompt(8, 10), 12, 11, cc_ar(8, None)));
+    specs.push(spec(prompt(11, 11), 10, 12, cc_ar(32, Some(0.03))));
+    specs.push(spec(
+        prompt(5, 12),
+        12,
+        13,
+        SchemeParams::DiffusionForcing(DiffusionForcingParams {
+            continuous_compute: true,
+            ..diffusion(16, Aligned)
+        }),
+    ));
+    specs.push(spec(
+        prompt(7, 13),
+        12,
+        14,
+        SchemeParams::DiffusionForcing(DiffusionForcingParams {
+            headway: 2,
+            ..diffusion(16, Aligned)
+        }),
+    ));
+    specs.push(spec(
+        prompt(2, 14),
+        8,
+        15,
+        SchemeParams::Ar(ArParams {
+            num_steps: Some(2),
+            init_scale: Some(0.0),
+            ..ArParams::default()
+        }),
+    ));
+    specs.push(spec(
+        prompt(13, 15),
+        10,
+        16,
+        SchemeParams::DiffusionForcing(DiffusionForcingParams {
+            init_scale: 0.0,
+            ..diffusion(8, Upstream)
+        }),
+    ));
+    specs
+}
+
+fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        max_active,
+        ..LoadOptions::default()
+    };
+    Ok(load_model(fixture_files()?, opts)?)
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (sink, rx, _) = TestSink::new(1024);
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+#[test]
+fn requests_arriving_at_different_ticks_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    assert_eq!(specs.len(), 16);
+    let served = fixture_served(specs.len())?;
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    // Request i joins once request i - 1 has streamed a token, so every request is admitted
+    // into a batch that is already running, mid-prefill or mid-wavefront for the others.
+    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
+    for s in &specs {
+        if let Some((rx, seen)) = receivers.last_mut() {
+            loop {
+                let ev = rx
+                    .recv_timeout(Duration::from_secs(120))
+                    .context("engine stalled")?;
+                let first_tokens = matches!(ev, Event::Tokens(_));
+                let ended = matches!(ev, Event::Finished { .. } | Event::Failed(_));
+                seen.push(ev);
+                if first_tokens || ended {
+                    break;
+                }
+            }
+        }
+        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
+    }
+    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
+        let got = collect(&rx, seen)?;
+        ensure!(
+            got.work() == want.work(),
+            "request {i} ({}): batched {:?}, alone {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    // The mix really was mixed: every scheme variant produced tokens.
+    ensure!(alone.iter().all(|o| !o.tokens.is_empty()));
+    served.shutdown();
+    Ok(())
+}
+
+/// Which slots each live request holds, as the family sees them at every tick.
+#[derive(Default)]
+struct Ledger {
+    live: HashMap<RequestId, Vec<SlotId>>,
+    reserved: HashMap<RequestId, usize>,
+    released: HashSet<RequestId>,
+    violations: Vec<String>,
+}
+
+/// The Huginn family, auditing slot ownership before every tick and at every release.
+struct Audited {
+    inner: HuginnFamily,
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+impl Family for Audited {
+    type Program = Program;
+
+    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), String> {
+        {
+            let mut l = self.ledger.lock().expect("ledger");
+            for a in batch.iter() {
+                match l.live.get(&a.id) {
+                    Some(held) if *held != a.slots => {
+                        let msg = format!("{} changed its slots", a.id);
+                        l.violations.push(msg);
+                    }
+                    Some(_) => {}
+                    None => {
+                        let mine: HashSet<SlotId> = a.slots.iter().copied().collect();
+                        if mine.len() != a.slots.len() {
+                            let msg = format!("{} holds a slot twice", a.id);
+                            l.violations.push(msg);
+                        }
+                        let clash: Vec<String> = l
+                            .live
+                            .iter()
+                            .filter(|(_, s)| s.iter().any(|x| mine.contains(x)))
+                            .map(|(other, _)| format!("{} shares a slot with {other}", a.id))
+                            .collect();
+                        l.violations.extend(clash);
+                        l.live.insert(a.id, a.slots.clone());
+                        l.reserved.insert(a.id, a.slots.len());
+                    }
+                }
+            }
+        }
+        self.inner.tick(batch)
+    }
+
+    fn release(&mut self, a: &mut Active<Program>) {
+        let mut l = self.ledger.lock().expect("ledger");
+        l.live.remove(&a.id);
+        if !l.released.insert(a.id) {
+            let msg = format!("{} released twice", a.id);
+            l.violations.push(msg);
+        }
+        drop(l);
+        self.inner.release(a);
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.inner.last_tick_rows()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Cancel {
+    None,
+    /// Drop the receiver after this many events (the engine notices when a send fails).
+    DropReceiver(usize),
+    /// Mark the sink closed after this many events (the engine notices at its next reap).
+    CloseSink(usize),
+}
+
+fn random_scheme() -> impl Strategy<Value = SchemeParams> {
+    prop_oneof![
+        (1usize..6, prop::bool::ANY, prop::bool::ANY).prop_map(|(steps, share, cc)| {
+            SchemeParams::Ar(ArParams {
+                num_steps: Some(steps),
+                cache_lookup_strategy: Some(
+                    if share {
+                        "latest-m4-compress-s4"
+                    } else {
+                        "full"
+                    }
+                    .into(),
+                ),
+                continuous_compute: cc,
+                ..ArParams::default()
+            })
+        }),
+        (4usize..12).prop_map(|steps| ar_adaptive(steps, "latest-m4", 0.05)),
+        (2usize..10, 1usize..3, prop::bool::ANY, prop::bool::ANY).prop_map(
+            |(w, headway, upstream, cc)| {
+                let f = if upstream {
+                    FreezeTest::Upstream
+                } else {
+                    FreezeTest::Aligned
+                };
+                SchemeParams::DiffusionForcing(DiffusionForcingParams {
+                    num_steps: Some(4),
+                    headway: headway.min(w),
+                    continuous_compute: cc,
+                    ..diffusion(w, f)
+                })
+            }
+        ),
+    ]
+}
+
+fn random_request() -> impl Strategy<Value = (GenerateSpec, Cancel, usize)> {
+    let cancel = prop_oneof![
+        Just(Cancel::None),
+        (0usize..4).prop_map(Cancel::DropReceiver),
+        (0usize..4).prop_map(Cancel::CloseSink),
+    ];
+    (
+        1usize..10,
+        1usize..6,
+        any::<u64>(),
+        random_scheme(),
+        cancel,
+        1usize..4,
+    )
+        .prop_map(|(len, max_new, seed, scheme, cancel, capacity)| {
+            (
+                spec(prompt(len, seed as u32 % 97), max_new, seed, scheme),
+                cancel,
+                capacity,
+            )
+        })
+}
+
+struct Client {
+    rx: Option<Receiver<Event>>,
+    /// The receiver of a client that closed its sink, kept alive but no longer read.
+    parked: Option<Receiver<Event>>,
+    closed: Arc<AtomicBool>,
+    cancel: Cancel,
+    events: usize,
+    done: bool,
+}
+
+impl Client {
+    fn maybe_cancel(&mut self) {
+        match self.cancel {
+            Cancel::DropReceiver(n) if self.events >= n => {
+                self.rx = None;
+                self.done = true;
+            }
+            Cancel::CloseSink(n) if self.events >= n => {
+                self.closed.store(true, Ordering::Release);
+                self.parked = self.rx.take();
+                self.done = true;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Serves `requests` on a pool that holds `pool_requests` of the largest one, cancelling as
+/// told, then checks the ledger and that every slot came back.
+fn run_mix(
+    requests: Vec<(GenerateSpec, Cancel, usize)>,
+    pool_requests: usize,
+    max_active: usize,
+) -> Result<()> {
+    let files = fixture_files()?;
+    let cfg = fixture_config()?;
+    let planner = super::HuginnPlanner::new(cfg.clone(), "fixture".into(), None);
+    let largest = requests
+        .iter()
+        .map(|(s, _, _)| planner.prepare(s.clone()).map(|p| p.slots))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+    let bytes_per_slot = 2 * cfg.n_embd * 4;
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        memory_budget_bytes: (largest * pool_requests * bytes_per_slot) as u64,
+        max_active,
+        ..LoadOptions::default()
+    };
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let audit = ledger.clone();
+    let model_cfg = cfg.clone();
+    let served = serve_family(cfg, None, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        let model = Huginn::load(vb, model_cfg).map_err(|e| e.to_string())?;
+        Ok(Audited {
+            inner: HuginnFamily::new(model),
+            ledger: audit,
+        })
+    })?;
+    let total = served.load().total_slots;
+    ensure!(total == largest * pool_requests, "pool of {total} slots");
+
+    let mut expected: HashMap<RequestId, usize> = HashMap::new();
+    let mut clients = Vec::new();
+    for (spec, cancel, capacity) in requests {
+        let (sink, rx, closed) = TestSink::new(capacity);
+        let slots = planner.prepare(spec.clone())?.slots;
+        let id = served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+        expected.insert(id, slots);
+        let mut c = Client {
+            rx: Some(rx),
+            parked: None,
+            closed,
+            cancel,
+            events: 0,
+            done: false,
+        };
+        c.maybe_cancel();
+        clients.push(c);
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while clients.iter().any(|c| !c.done) {
+        ensure!(Instant::now() < deadline, "requests did not finish");
+        let mut progressed = false;
+        for c in clients.iter_mut().filter(|c| !c.done) {
+            let Some(rx) = &c.rx else { continue };
+            match rx.try_recv() {
+                Ok(ev) => {
+                    progressed = true;
+                    c.events += 1;
+                    match ev {
+                        Event::Tokens(_) => {}
+                        Event::Finished { .. } => c.done = true,
+                        Event::Failed(e) => bail!("request failed: {e}"),
+                    }
+                    if !c.done {
+                        c.maybe_cancel();
+                    }
+                }
+                Err(TryRecvError::Empty) => {}
+                Err(TryRecvError::Disconnected) => bail!("engine dropped a live request"),
+            }
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    // Cancelled requests leave at the engine's next look at them; then the pool is whole.
+    loop {
+        let load = served.load();
+        if load.active == 0 && load.queued == 0 && load.free_slots == load.total_slots {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "slots not returned: {load:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    served.shutdown();
+    let l = ledger.lock().expect("ledger");
+    ensure!(l.violations.is_empty(), "{:?}", l.violations);
+    ensure!(l.live.is_empty(), "never released: {:?}", l.live.keys());
+    for (id, n) in &l.reserved {
+        ensure!(
+            expected.get(id) == Some(n),
+            "{id} held {n} slots, reserved {:?}",
+            expected.get(id)
+        );
+        ensure!(l.released.contains(id), "{id} not released");
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    #[test]
+    fn no_slot_is_shared_and_every_slot_returns(
+        requests in proptest::collection::vec(random_request(), 1..8),
+        pool_requests in 1usize..3,
+        max_active in 1usize..5,
+    ) {
+        run_mix(requests, pool_requests, max_active)
+            .map_err(|e| TestCaseError::fail(format!("{e:#}")))?;
+    }
+}
+
+#[test]
+fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Result<()> {
+    let cfg = fixture_config()?;
+    let (prompt_len, max_new, w) = (6, 10, 12);
+    let df = spec(
+        prompt(prompt_len, 0),
+        max_new,
+        1,
+        SchemeParams::DiffusionForcing(diffusion(w, FreezeTest::Aligned)),
+    );
+    // compress-s4: prelude 2 + coda 2 + 4 shared core layers.
+    let kv = (prompt_len + max_new + w) * 8;
+    for (m, latent) in [(1.0f32, 12), (1.5, 18), (0.25, 3), (0.3, 4)] {
+        let planner =
+            super::HuginnPlanner::new(cfg.clone(), "f".into(), None).with_occupancy_multiplier(m);
+        let got = planner.prepare(df.clone())?.slots;
+        ensure!(
+            got == kv + latent,
+            "multiplier {m}: {got} slots, want {kv} + {latent}"
+        );
+        // AR requests hold no latent slots: full cache, 4 steps = 2 + 2 + 16 layers.
+        let ar = spec(prompt(prompt_len, 0), max_new, 1, ar_static(4, "full"));
+        ensure!(planner.prepare(ar)?.slots == (prompt_len + max_new) * 20);
+    }
+
+    // Served: the pool comes from the memory budget; a request fits exactly with multiplier 1
+    // and is refused at once when the multiplier makes it larger than the pool.
+    let budget_slots = kv + w;
+    let opts = |m: f32| LoadOptions {
+        name: "fixture".into(),
+        memory_budget_bytes: (budget_slots * 2 * cfg.n_embd * 4) as u64,
+        occupancy_multiplier: m,
+        ..LoadOptions::default()
+    };
+    let served = load_model(fixture_files()?, opts(1.0))?;
+    ensure!(served.load().total_slots == budget_slots);
+    let out = collect(&submit(served.as_ref(), df.clone())?, Vec::new())?;
+    ensure!(out.tokens.len() == max_new);
+    served.shutdown();
+    let served = load_model(fixture_files()?, opts(2.0))?;
+    let (sink, _rx, _) = TestSink::new(4);
+    match served.submit(df, Box::new(sink), None, tracing::Span::none()) {
+        Err(EngineError::TooLarge { needed, total }) => {
+            ensure!((needed, total) == (kv + 2 * w, budget_slots));
+        }
+        other => bail!("expected TooLarge, got {other:?}"),
+    }
+    served.shutdown();
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        match load_model(fixture_files()?, opts(bad)) {
+            Err(SchemeError::InvalidOption(_)) => {}
+            Err(e) => bail!("multiplier {bad}: {e}"),
+            Ok(_) => bail!("multiplier {bad} accepted"),
+        }
+    }
+    Ok(())
+}
