@@ -96,6 +96,28 @@ struct Args {
     /// Seed of the weights, prompts and initial states.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Device: cpu or cuda:N (cuda needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+fn device_and_dtype(args: &Args) -> Result<(Device, DType)> {
+    let device = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        d => match d.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) => Device::new_cuda(n)?,
+            None => anyhow::bail!("--device must be cpu or cuda:N, got {d:?}"),
+        },
+    };
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        d => anyhow::bail!("--dtype must be f32 or bf16, got {d:?}"),
+    };
+    Ok((device, dtype))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -286,10 +308,12 @@ fn main() -> Result<()> {
         mean_recurrence: args.num_steps,
     };
     let cfg = shape.config()?;
+    let (device, dtype) = device_and_dtype(&args)?;
+    eprintln!("device {device:?}, dtype {dtype:?}");
     let opts = LoadOptions {
         name: "synthetic-huginn".into(),
-        device: Device::Cpu,
-        dtype: DType::F32,
+        device,
+        dtype,
         memory_budget_bytes: args.memory_budget_mb << 20,
         max_active: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
         queue_capacity: 64,
@@ -311,7 +335,7 @@ fn main() -> Result<()> {
 
     println!(
         "Synthetic Huginn: n_embd {}, heads {}, prelude/core/coda {}/{}/{}, intermediate {}, vocab {}; \
-         f32 on CPU; prompts of {} random tokens, greedy; batch 1: {} new tokens, best of {} runs; \
+         {} on {}; prompts of {} random tokens, greedy; batch 1: {} new tokens, best of {} runs; \
          concurrency: {} new tokens per request, one run.\n",
         args.n_embd,
         args.n_heads,
@@ -320,6 +344,8 @@ fn main() -> Result<()> {
         args.coda,
         args.intermediate_size,
         args.vocab_size,
+        args.dtype,
+        args.device,
         args.prompt_len,
         args.max_new_tokens,
         args.repeat,
