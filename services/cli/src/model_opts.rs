@@ -34,6 +34,10 @@ pub struct ModelArgs {
     /// Requests batched into one engine tick at most.
     #[arg(long, env = "WAVEFRONT_MAX_ACTIVE", default_value_t = 32)]
     pub max_active: usize,
+    /// Diffusion forcing: latent-state slots reserved per request are its
+    /// max_wavefront times this.
+    #[arg(long, env = "WAVEFRONT_OCCUPANCY_MULTIPLIER", default_value_t = 1.0)]
+    pub occupancy_multiplier: f32,
 }
 
 impl ModelArgs {
@@ -73,6 +77,12 @@ impl ModelArgs {
         if self.queue_capacity == 0 || self.max_active == 0 {
             bail!("--queue-capacity and --max-active must be at least 1");
         }
+        if !self.occupancy_multiplier.is_finite() || self.occupancy_multiplier <= 0.0 {
+            bail!(
+                "--occupancy-multiplier must be a positive number, got {}",
+                self.occupancy_multiplier
+            );
+        }
         Ok(LoadOptions {
             name,
             device,
@@ -80,7 +90,7 @@ impl ModelArgs {
             memory_budget_bytes: self.memory_budget_mb << 20,
             queue_capacity: self.queue_capacity,
             max_active: self.max_active,
-            ..LoadOptions::default()
+            occupancy_multiplier: self.occupancy_multiplier,
         })
     }
 }
