@@ -107,7 +107,10 @@ struct Args {
 fn device_and_dtype(args: &Args) -> Result<(Device, DType)> {
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        d => match d.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+        d => match d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
             Some(n) => Device::new_cuda(n)?,
             None => anyhow::bail!("--device must be cpu or cuda:N, got {d:?}"),
         },

@@ -42,7 +42,9 @@ impl Shape {
             "bias_for_layer_norm": false,
             "d_model": self.d_model,
             "embedding_size": self.vocab_size,
-            "eos_token_id": self.vocab_size - 2,
+            // No end-of-sequence token: every request decodes all of gen_length, so schemes
+            // compare on equal work.
+            "eos_token_id": null,
             "include_bias": false,
             "include_qkv_bias": false,
             "input_emb_norm": false,
@@ -56,7 +58,7 @@ impl Shape {
             "n_heads": self.n_heads,
             "n_kv_heads": self.n_heads,
             "n_layers": self.n_layers,
-            "pad_token_id": self.vocab_size - 2,
+            "pad_token_id": null,
             "rms_norm_eps": 1e-5,
             "rope": true,
             "rope_full_precision": true,
