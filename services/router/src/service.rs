@@ -136,14 +136,32 @@ impl RouterService {
                     }));
                     return Ok(wavefront_proto::timeout::with_deadline(relayed, deadline));
                 }
-                // Unreachable or draining (UNAVAILABLE) or full (RESOURCE_EXHAUSTED):
-                // nothing ran there yet, so another worker may take it.
-                Err(s) if matches!(s.code(), Code::Unavailable | Code::ResourceExhausted) => {
-                    tracing::warn!(parent: &span, worker = %w.addr, error = %s, "worker declined; trying another");
-                    if s.code() == Code::Unavailable {
+                // Full (RESOURCE_EXHAUSTED), draining or unreachable (UNAVAILABLE), or
+                // a connection that broke before the worker answered (CANCELLED or
+                // UNKNOWN from the transport: the router sets no client-side timer and
+                // its caller is still here): nothing ran there, so another worker may
+                // take it.
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        Code::ResourceExhausted
+                            | Code::Unavailable
+                            | Code::Cancelled
+                            | Code::Unknown
+                    ) =>
+                {
+                    tracing::warn!(parent: &span, worker = %w.addr, error = %s, "worker declined or unreachable; trying another");
+                    if s.code() != Code::ResourceExhausted {
                         self.discovery.mark_down(w.addr);
                     }
-                    last_err = Some(s);
+                    last_err = Some(match s.code() {
+                        Code::Cancelled | Code::Unknown => Status::unavailable(format!(
+                            "connection to worker {} failed before it answered: {}",
+                            w.addr,
+                            s.message()
+                        )),
+                        _ => s,
+                    });
                 }
                 Err(s) => return Err(s),
             }
