@@ -159,6 +159,50 @@ async fn served_tokens_equal_offline_run_unary_and_streamed() {
     assert_eq!(models[0].name, "huginn-tiny");
     assert_eq!(models[0].family, "recurrent_depth");
     wait_pool_full(s.worker.addr).await;
+
+    // Server reflection (what grpcurl uses) on both processes.
+    assert!(reflected_services(s.router.addr)
+        .await
+        .contains(&"wavefront.v1.Generation".to_owned()));
+    let worker_services = reflected_services(s.worker.addr).await;
+    for svc in [
+        "wavefront.v1.Generation",
+        "wavefront.worker.v1.Worker",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            worker_services.contains(&svc.to_owned()),
+            "{svc} missing from {worker_services:?}"
+        );
+    }
+}
+
+async fn reflected_services(addr: std::net::SocketAddr) -> Vec<String> {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut client = ServerReflectionClient::new(channel(addr).await);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = client
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .unwrap()
+        .into_inner();
+    match stream
+        .message()
+        .await
+        .unwrap()
+        .and_then(|r| r.message_response)
+    {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            list.service.into_iter().map(|s| s.name).collect()
+        }
+        other => panic!("unexpected reflection answer {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::collections::HashMap;
+
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, load_model, Golden};
@@ -209,6 +211,54 @@ fn packing_is_batch_invariant() -> Result<()> {
         assert_close("decode b", &p2[1], &lb2[0], 1e-5)?;
         assert_eq!((pa.len(), pb.len()), (13, 8));
     }
+    Ok(())
+}
+
+/// A checkpoint sharded the Hugging Face way (`model.safetensors.index.json`
+/// naming the shard of every tensor) loads to the same model.
+#[test]
+fn sharded_checkpoint_loads() -> Result<()> {
+    let src = fixture_dir();
+    let dir = std::env::temp_dir().join(format!("wavefront-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.join(f))?;
+    }
+    let tensors = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let half = names.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in [&names[..half], &names[half..]].into_iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+        let subset: HashMap<String, Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), tensors[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&subset, dir.join(&file))?;
+        for n in part {
+            weight_map.insert((*n).clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())?;
+    let files = ModelFiles::from_dir(&dir)?;
+    assert_eq!(files.weight_files().len(), 2);
+    let golden = Golden::load()?;
+    let model = load_model(&files)?;
+    let ids = golden.prompt_ids();
+    let mut cache = HuginnCache::new(CacheStrategy::Full);
+    let e = model.prelude(
+        &model.embed(&ids)?,
+        &mut [SeqRows::new(&mut cache, 0, ids.len())],
+    )?;
+    assert_close(
+        "sharded prelude_out",
+        &e,
+        golden.tensor("forward.prelude_out")?,
+        1e-4,
+    )?;
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

@@ -189,6 +189,11 @@ impl DiffusionProgram {
 
     fn finish(&mut self, outbox: &mut Outbox, reason: FinishReason) {
         let mut stats = std::mem::take(&mut self.stats);
+        // Positions the sampler froze (upstream may freeze a few past max_new_tokens).
+        stats.add_counter(
+            "frozen_positions",
+            (self.frozen.len() - self.prompt_len) as u64,
+        );
         if let Some(w) = &self.wave {
             let n = self.frozen.len().min(w.counter.len());
             stats
