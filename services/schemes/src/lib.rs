@@ -20,6 +20,8 @@ pub mod recurrent_depth;
 pub mod request;
 pub mod sampling;
 pub mod served;
+#[cfg(test)]
+mod test_support;
 
 pub use error::SchemeError;
 pub use request::{

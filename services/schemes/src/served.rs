@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{
-    EngineError, EngineHandle, EngineLoad, EventSink, Prepared, RequestError, RequestId, Submission,
+    Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, Family, Prepared,
+    RequestError, RequestId, Submission,
 };
 use wavefront_models::{ModelFamily, ModelFiles, TextTokenizer};
 
@@ -175,4 +176,58 @@ pub fn load_model(
             "model family {other:?} is not served yet"
         ))),
     }
+}
+
+/// The tokenizer of `files`; without a usable one only token-id prompts work.
+pub(crate) fn optional_tokenizer(files: &ModelFiles) -> Option<TextTokenizer> {
+    match files.tokenizer() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
+            None
+        }
+    }
+}
+
+/// Sizes the slot pool from the memory budget (`bytes_per_slot` each) and
+/// starts the engine of `planner`'s model; the family is built by `make` on
+/// the engine thread.
+pub(crate) fn start_served<P, F, M>(
+    planner: Arc<P>,
+    tokenizer: Option<TextTokenizer>,
+    opts: &LoadOptions,
+    bytes_per_slot: usize,
+    make: M,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    P: Planner,
+    F: Family<Program = P::Program>,
+    M: FnOnce(&Device, DType) -> Result<F, String> + Send + 'static,
+{
+    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
+        .unwrap_or(usize::MAX)
+        .min(u32::MAX as usize);
+    if total_slots == 0 {
+        return Err(SchemeError::InvalidOption(format!(
+            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
+            opts.memory_budget_bytes
+        )));
+    }
+    let engine_cfg = EngineConfig {
+        total_slots,
+        queue_capacity: opts.queue_capacity,
+        max_active: opts.max_active,
+    };
+    let (device, dtype) = (opts.device.clone(), opts.dtype);
+    tracing::info!(
+        model = %opts.name,
+        family = planner.info().family,
+        total_slots,
+        bytes_per_slot,
+        ?dtype,
+        "starting engine"
+    );
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
+        .map_err(SchemeError::Engine)?;
+    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
 }

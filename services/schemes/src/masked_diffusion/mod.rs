@@ -69,7 +69,7 @@ mod test_support;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use wavefront_engine::{Engine, EngineConfig, Prepared, RequestError};
+use wavefront_engine::{Prepared, RequestError};
 use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
@@ -80,7 +80,9 @@ pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
 use crate::request::{GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams};
-use crate::served::{LoadOptions, ModelInfo, Planner, Served, ServedModel};
+use crate::served::{
+    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+};
 use crate::SchemeError;
 
 /// Validates requests against a LLaDA config and builds programs.
@@ -314,13 +316,7 @@ impl Planner for LladaPlanner {
 /// Loads a LLaDA checkpoint and starts its engine.
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = LladaConfig::from_json(files.config_json())?;
-    let tokenizer = match files.tokenizer() {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
-            None
-        }
-    };
+    let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
@@ -347,31 +343,20 @@ where
         opts.dtype,
     ));
     let bytes_per_slot = planner.slot_bytes();
-    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
-        .unwrap_or(usize::MAX)
-        .min(u32::MAX as usize);
-    if total_slots == 0 {
-        return Err(SchemeError::InvalidOption(format!(
-            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
-            opts.memory_budget_bytes
-        )));
-    }
-    let engine_cfg = EngineConfig {
-        total_slots,
-        queue_capacity: opts.queue_capacity,
-        max_active: opts.max_active,
-    };
-    let (device, dtype) = (opts.device.clone(), opts.dtype);
-    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, ?dtype, "starting masked-diffusion engine");
-    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || {
-        let model = load(&device, dtype)?;
-        if model.config() != &cfg {
-            return Err(
-                "the loaded model's config differs from the one requests are planned with".into(),
-            );
-        }
-        Ok(MaskedDiffusionFamily::new(model))
-    })
-    .map_err(SchemeError::Engine)?;
-    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+    start_served(
+        planner,
+        tokenizer,
+        &opts,
+        bytes_per_slot,
+        move |device, dtype| {
+            let model = load(device, dtype)?;
+            if model.config() != &cfg {
+                return Err(
+                    "the loaded model's config differs from the one requests are planned with"
+                        .into(),
+                );
+            }
+            Ok(MaskedDiffusionFamily::new(model))
+        },
+    )
 }

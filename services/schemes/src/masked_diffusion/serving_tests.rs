@@ -140,7 +140,7 @@ fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
 }
 
 fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (sink, rx) = TestSink::new(1024);
+    let (sink, rx, _) = TestSink::new(1024);
     served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
     Ok(rx)
 }
@@ -396,7 +396,7 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
             ..LoadOptions::default()
         },
     )?;
-    let (sink, _rx) = TestSink::new(4);
+    let (sink, _rx, _) = TestSink::new(4);
     let err = served
         .submit(base(), Box::new(sink), None, tracing::Span::none())
         .unwrap_err();

@@ -3,13 +3,11 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
-use wavefront_engine::{Event, EventSink, FinishReason, Outbox, SinkError, Stats};
+use wavefront_engine::Outbox;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
 use super::{tick, Entry, LladaPlanner, MdProgram};
@@ -132,82 +130,4 @@ pub fn run(model: &Llada, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
     bail!("programs did not finish")
 }
 
-/// A sink over a bounded std channel.
-pub struct TestSink {
-    pub tx: SyncSender<Event>,
-}
-
-impl TestSink {
-    pub fn new(capacity: usize) -> (Self, Receiver<Event>) {
-        let (tx, rx) = mpsc::sync_channel(capacity);
-        (Self { tx }, rx)
-    }
-}
-
-impl EventSink for TestSink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.tx.try_send(event).map_err(|e| match e {
-            TrySendError::Full(ev) => (SinkError::Full, ev),
-            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
-/// What a finished request produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    pub tokens: Vec<u32>,
-    pub reason: FinishReason,
-    pub stats: Stats,
-}
-
-/// Tokens, finish reason, forward passes, counters and series of a request.
-pub type Work = (
-    Vec<u32>,
-    FinishReason,
-    u64,
-    Vec<(String, u64)>,
-    Vec<(String, Vec<u32>)>,
-);
-
-impl Outcome {
-    /// The results that do not depend on timing or batching.
-    pub fn work(&self) -> Work {
-        (
-            self.tokens.clone(),
-            self.reason,
-            self.stats.forward_passes,
-            self.stats.counters.clone().into_iter().collect(),
-            self.stats.series.clone().into_iter().collect(),
-        )
-    }
-}
-
-/// Reads events until the request ends; `first` holds events already taken off the channel.
-pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
-    let mut tokens = Vec::new();
-    let mut pending = first.into_iter();
-    loop {
-        let ev = match pending.next() {
-            Some(ev) => ev,
-            None => rx
-                .recv_timeout(Duration::from_secs(120))
-                .context("engine stalled")?,
-        };
-        match ev {
-            Event::Tokens(t) => tokens.extend(t),
-            Event::Finished { reason, stats } => {
-                return Ok(Outcome {
-                    tokens,
-                    reason,
-                    stats,
-                })
-            }
-            Event::Failed(e) => bail!("request failed: {e}"),
-        }
-    }
-}
+pub use crate::test_support::{collect, TestSink};

@@ -62,14 +62,16 @@ mod test_support;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use wavefront_engine::{Active, Engine, EngineConfig, Family, Prepared, RequestError, Stats};
+use wavefront_engine::{Active, Family, Prepared, RequestError, Stats};
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
 
 use crate::request::{ArParams, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
-use crate::served::{LoadOptions, ModelInfo, Planner, Served, ServedModel};
+use crate::served::{
+    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+};
 use crate::SchemeError;
 use ar::ArProgram;
 use draws::DrawSource;
@@ -296,13 +298,7 @@ impl Family for HuginnFamily {
 /// Loads a Huginn checkpoint and starts its engine.
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = HuginnConfig::from_json(files.config_json())?;
-    let tokenizer = match files.tokenizer() {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
-            None
-        }
-    };
+    let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
@@ -358,23 +354,5 @@ where
             .with_occupancy_multiplier(m),
     );
     let bytes_per_slot = 2 * cfg.n_embd * opts.dtype.size_in_bytes();
-    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
-        .unwrap_or(usize::MAX)
-        .min(u32::MAX as usize);
-    if total_slots == 0 {
-        return Err(SchemeError::InvalidOption(format!(
-            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
-            opts.memory_budget_bytes
-        )));
-    }
-    let engine_cfg = EngineConfig {
-        total_slots,
-        queue_capacity: opts.queue_capacity,
-        max_active: opts.max_active,
-    };
-    let (device, dtype) = (opts.device.clone(), opts.dtype);
-    tracing::info!(model = %opts.name, total_slots, bytes_per_slot, occupancy_multiplier = m, ?dtype, "starting recurrent-depth engine");
-    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
-        .map_err(SchemeError::Engine)?;
-    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

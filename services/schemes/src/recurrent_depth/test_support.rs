@@ -1,15 +1,10 @@
-//! Helpers shared by the recurrent-depth tests: the fixture model, request builders and an
-//! event sink backed by a bounded std channel that can be closed from the test.
+//! Helpers of the recurrent-depth tests: the fixture model and request builders (the event
+//! sink and outcome collection are shared by every family).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
-use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use candle_core::{DType, Device};
-use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
 use super::HuginnPlanner;
@@ -89,83 +84,4 @@ pub fn diffusion(max_wavefront: usize, freeze_test: FreezeTest) -> DiffusionForc
     }
 }
 
-/// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
-/// dropping the receiver makes sends fail (the delivery path).
-pub struct TestSink {
-    pub tx: SyncSender<Event>,
-    pub closed: Arc<AtomicBool>,
-}
-
-impl TestSink {
-    pub fn new(capacity: usize) -> (Self, Receiver<Event>, Arc<AtomicBool>) {
-        let (tx, rx) = mpsc::sync_channel(capacity);
-        let closed = Arc::new(AtomicBool::new(false));
-        (
-            Self {
-                tx,
-                closed: closed.clone(),
-            },
-            rx,
-            closed,
-        )
-    }
-}
-
-impl EventSink for TestSink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.tx.try_send(event).map_err(|e| match e {
-            TrySendError::Full(ev) => (SinkError::Full, ev),
-            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-}
-
-/// What a finished request produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    pub tokens: Vec<u32>,
-    pub reason: FinishReason,
-    pub stats: Stats,
-}
-
-impl Outcome {
-    /// Tokens and the statistics that do not depend on timing.
-    pub fn work(&self) -> (Vec<u32>, Stats) {
-        let stats = Stats {
-            queue_time: Default::default(),
-            compute_time: Default::default(),
-            ticks: 0,
-            ..self.stats.clone()
-        };
-        (self.tokens.clone(), stats)
-    }
-}
-
-/// Reads events until the request ends; `first` holds events already taken off the channel.
-pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
-    let mut tokens = Vec::new();
-    let mut pending = first.into_iter();
-    loop {
-        let ev = match pending.next() {
-            Some(ev) => ev,
-            None => rx
-                .recv_timeout(Duration::from_secs(120))
-                .context("engine stalled")?,
-        };
-        match ev {
-            Event::Tokens(t) => tokens.extend(t),
-            Event::Finished { reason, stats } => {
-                return Ok(Outcome {
-                    tokens,
-                    reason,
-                    stats,
-                })
-            }
-            Event::Failed(e) => bail!("request failed: {e}"),
-        }
-    }
-}
+pub use crate::test_support::{collect, TestSink};

@@ -1,0 +1,92 @@
+//! Test helpers shared by every family: an event sink over a bounded std
+//! channel that the test can close, and collecting a request's events.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
+
+/// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
+/// dropping the receiver makes sends fail (the delivery path).
+pub struct TestSink {
+    pub tx: SyncSender<Event>,
+    pub closed: Arc<AtomicBool>,
+}
+
+impl TestSink {
+    pub fn new(capacity: usize) -> (Self, Receiver<Event>, Arc<AtomicBool>) {
+        let (tx, rx) = mpsc::sync_channel(capacity);
+        let closed = Arc::new(AtomicBool::new(false));
+        (
+            Self {
+                tx,
+                closed: closed.clone(),
+            },
+            rx,
+            closed,
+        )
+    }
+}
+
+impl EventSink for TestSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.tx.try_send(event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// What a finished request produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub reason: FinishReason,
+    pub stats: Stats,
+}
+
+impl Outcome {
+    /// Tokens, finish reason and every statistic that does not depend on
+    /// timing or on what else shared the batch.
+    pub fn work(&self) -> (Vec<u32>, FinishReason, Stats) {
+        let stats = Stats {
+            queue_time: Default::default(),
+            compute_time: Default::default(),
+            ticks: 0,
+            ..self.stats.clone()
+        };
+        (self.tokens.clone(), self.reason, stats)
+    }
+}
+
+/// Reads events until the request ends; `first` holds events already taken off the channel.
+pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
+    let mut tokens = Vec::new();
+    let mut pending = first.into_iter();
+    loop {
+        let ev = match pending.next() {
+            Some(ev) => ev,
+            None => rx
+                .recv_timeout(Duration::from_secs(120))
+                .context("engine stalled")?,
+        };
+        match ev {
+            Event::Tokens(t) => tokens.extend(t),
+            Event::Finished { reason, stats } => {
+                return Ok(Outcome {
+                    tokens,
+                    reason,
+                    stats,
+                })
+            }
+            Event::Failed(e) => bail!("request failed: {e}"),
+        }
+    }
+}
