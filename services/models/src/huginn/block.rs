@@ -16,52 +16,7 @@ use super::cache::CacheSlot;
 use super::config::HuginnConfig;
 use super::SeqRows;
 use crate::error::{ModelError, Result};
-
-/// Loads a tensor, reporting a missing one by its full checkpoint name.
-pub(crate) fn get(vb: &VarBuilder, shape: &[usize], name: &str) -> Result<Tensor> {
-    if !vb.contains_tensor(name) {
-        let prefix = vb.prefix();
-        let full = if prefix.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{prefix}.{name}")
-        };
-        return Err(ModelError::MissingTensor { name: full });
-    }
-    Ok(vb.get(shape, name)?)
-}
-
-/// `nn.Linear` without bias, weight `[out, in]`.
-pub(crate) fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
-    let w = get(vb, &[out_dim, in_dim], "weight")?;
-    let b = if bias {
-        Some(get(vb, &[out_dim], "bias")?)
-    } else {
-        None
-    };
-    Ok(Linear::new(w, b))
-}
-
-/// RMSNorm `x * rsqrt(mean(x^2) + eps) * weight`, accumulated in float32.
-#[derive(Debug, Clone)]
-pub(crate) struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
-}
-
-impl RmsNorm {
-    pub(crate) fn load(vb: VarBuilder, dim: usize, eps: f64) -> Result<Self> {
-        Ok(Self {
-            weight: get(&vb, &[dim], "weight")?,
-            eps: eps as f32,
-        })
-    }
-
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?)
-    }
-}
+pub(crate) use crate::transformer::{get, linear, RmsNorm};
 
 /// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`.
 #[derive(Debug, Clone)]
