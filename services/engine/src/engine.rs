@@ -240,7 +240,7 @@ fn run_loop<F: Family>(
 ) {
     let mut sched =
         Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active)
-            .with_label(label);
+            .with_label(&label);
     // While nothing can run (clients not reading, queue head not fitting),
     // wait this long for a command instead of spinning.
     const IDLE_POLL: Duration = Duration::from_millis(2);
@@ -317,10 +317,5 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
     load.queued.store(sched.queued(), Ordering::Release);
     load.active.store(sched.running(), Ordering::Release);
     load.ticks.store(sched.ticks(), Ordering::Release);
-    use crate::scheduler::wavefront_names as n;
-    let model = sched.label().to_owned();
-    metrics::gauge!(n::SLOTS_TOTAL, "model" => model.clone()).set(sched.pool().total() as f64);
-    metrics::gauge!(n::SLOTS_USED, "model" => model.clone()).set(sched.pool().used() as f64);
-    metrics::gauge!(n::QUEUE_DEPTH, "model" => model.clone()).set(sched.queued() as f64);
-    metrics::gauge!(n::ACTIVE_REQUESTS, "model" => model).set(sched.running() as f64);
+    sched.publish_gauges();
 }

@@ -27,6 +27,7 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod ids;
+pub mod metrics;
 pub mod queue;
 pub mod scheduler;
 pub mod slots;

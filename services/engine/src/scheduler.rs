@@ -10,24 +10,12 @@
 use crate::engine::{EventSink, SinkError};
 use crate::family::{Active, Event, Family, Outbox, Prepared};
 use crate::ids::RequestId;
+use crate::metrics::EngineMetrics;
 use crate::queue::AdmissionQueue;
 use crate::slots::SlotPool;
 use crate::EngineError;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
-
-/// Metric names (kept equal to `wavefront_telemetry::metrics`, which
-/// describes them; the engine depends only on the `metrics` facade).
-pub mod wavefront_names {
-    pub const TICK_DURATION: &str = "wavefront_engine_tick_duration_seconds";
-    pub const TICK_REQUESTS: &str = "wavefront_engine_tick_requests";
-    pub const TICK_ROWS: &str = "wavefront_engine_tick_rows";
-    pub const TICKS_TOTAL: &str = "wavefront_engine_ticks_total";
-    pub const QUEUE_DEPTH: &str = "wavefront_queue_depth";
-    pub const ACTIVE_REQUESTS: &str = "wavefront_active_requests";
-    pub const SLOTS_TOTAL: &str = "wavefront_slots_total";
-    pub const SLOTS_USED: &str = "wavefront_slots_used";
-}
 
 /// A request waiting for admission.
 pub struct Waiting<P> {
@@ -70,21 +58,10 @@ pub struct Scheduler<P> {
     running: Vec<Running<P>>,
     max_active: usize,
     ticks: u64,
-    /// `model` label of this engine's metrics.
-    label: String,
+    metrics: EngineMetrics,
 }
 
 impl<P: Send + 'static> Scheduler<P> {
-    /// Names the model in this scheduler's metrics.
-    pub fn with_label(mut self, label: impl Into<String>) -> Self {
-        self.label = label.into();
-        self
-    }
-
-    pub fn label(&self) -> &str {
-        &self.label
-    }
-
     pub fn new(total_slots: usize, queue_capacity: usize, max_active: usize) -> Self {
         Self {
             queue: AdmissionQueue::new(queue_capacity),
@@ -92,8 +69,22 @@ impl<P: Send + 'static> Scheduler<P> {
             running: Vec::new(),
             max_active: max_active.max(1),
             ticks: 0,
-            label: String::new(),
+            metrics: EngineMetrics::new(""),
         }
+    }
+
+    /// Names the model in this scheduler's metrics.
+    pub fn with_label(mut self, label: &str) -> Self {
+        self.metrics = EngineMetrics::new(label);
+        self
+    }
+
+    /// Sets the slot and queue gauges.
+    pub fn publish_gauges(&self) {
+        self.metrics.slots_total.set(self.pool.total() as f64);
+        self.metrics.slots_used.set(self.pool.used() as f64);
+        self.metrics.queue_depth.set(self.queue.len() as f64);
+        self.metrics.active.set(self.running.len() as f64);
     }
 
     pub fn pool(&self) -> &SlotPool {
@@ -252,14 +243,13 @@ impl<P: Send + 'static> Scheduler<P> {
         report.ticked = batch.len();
         let started = Instant::now();
         let result = family.tick(&mut batch);
-        let model = self.label.clone();
-        metrics::histogram!(wavefront_names::TICK_DURATION, "model" => model.clone())
+        self.metrics
+            .tick_duration
             .record(started.elapsed().as_secs_f64());
-        metrics::histogram!(wavefront_names::TICK_REQUESTS, "model" => model.clone())
-            .record(batch.len() as f64);
-        metrics::counter!(wavefront_names::TICKS_TOTAL, "model" => model.clone()).increment(1);
+        self.metrics.tick_requests.record(batch.len() as f64);
+        self.metrics.ticks.increment(1);
         if let Some(rows) = family.last_tick_rows() {
-            metrics::histogram!(wavefront_names::TICK_ROWS, "model" => model).record(rows as f64);
+            self.metrics.tick_rows.record(rows as f64);
         }
         if let Err(msg) = result {
             tracing::warn!(error = %msg, requests = batch.len(), "tick failed; failing its requests");

@@ -1,10 +1,16 @@
-//! Prometheus metrics: names, help texts and the exporter.
+//! Prometheus metrics: names, help texts and the exporter. The engine's own
+//! series are named in `wavefront_engine::metrics` and re-exported here.
 //!
 //! Every series carries a fixed label set: `model` and `scheme` where they
 //! apply, `status` (a gRPC code name) on request outcomes, `event` on the
 //! per-scheme counters. Rates (tokens/s, requests/s) come from counters.
 
 use std::net::SocketAddr;
+
+pub use wavefront_engine::metrics::{
+    ACTIVE_REQUESTS, QUEUE_DEPTH, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
+    TICK_REQUESTS, TICK_ROWS,
+};
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -16,14 +22,6 @@ pub const GENERATED_TOKENS_TOTAL: &str = "wavefront_generated_tokens_total";
 pub const PROMPT_TOKENS_TOTAL: &str = "wavefront_prompt_tokens_total";
 pub const FORWARD_PASSES_TOTAL: &str = "wavefront_forward_passes_total";
 pub const SCHEME_EVENTS_TOTAL: &str = "wavefront_scheme_events_total";
-pub const QUEUE_DEPTH: &str = "wavefront_queue_depth";
-pub const ACTIVE_REQUESTS: &str = "wavefront_active_requests";
-pub const SLOTS_TOTAL: &str = "wavefront_slots_total";
-pub const SLOTS_USED: &str = "wavefront_slots_used";
-pub const TICK_DURATION: &str = "wavefront_engine_tick_duration_seconds";
-pub const TICK_REQUESTS: &str = "wavefront_engine_tick_requests";
-pub const TICK_ROWS: &str = "wavefront_engine_tick_rows";
-pub const TICKS_TOTAL: &str = "wavefront_engine_ticks_total";
 pub const ROUTER_REQUESTS_TOTAL: &str = "wavefront_router_requests_total";
 pub const ROUTER_REQUEST_DURATION: &str = "wavefront_router_request_duration_seconds";
 pub const ROUTER_WORKERS: &str = "wavefront_router_workers";
