@@ -148,6 +148,17 @@ impl OutputAssembler {
     pub fn text(&self) -> &str {
         &self.text
     }
+
+    /// Stats of a request a stop string ended: the transport stopped it, so
+    /// the engine's own figures never arrive.
+    pub fn stop_string_stats(&self) -> Stats {
+        let mut stats = Stats {
+            generated_tokens: self.ids.len() as u32,
+            ..Stats::default()
+        };
+        stats.add_counter("stopped_by_string", 1);
+        stats
+    }
 }
 
 /// Decoder closure for a model (no tokenizer: empty text).
@@ -203,11 +214,7 @@ pub fn generate_blocking(
                 if delta.stopped {
                     // Leaving frees the request's slots at the next tick.
                     closed.store(true, std::sync::atomic::Ordering::Release);
-                    let mut stats = Stats {
-                        generated_tokens: out.token_ids().len() as u32,
-                        ..Stats::default()
-                    };
-                    stats.counters.insert("stopped_by_string".into(), 1);
+                    let stats = out.stop_string_stats();
                     return Ok(Finished {
                         token_ids: out.token_ids().to_vec(),
                         text: out.text().to_owned(),

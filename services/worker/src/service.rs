@@ -133,9 +133,14 @@ impl WorkerService {
     /// counted in the request metrics here; outcomes of admitted requests
     /// are counted when their stream ends.
     fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        // A request without a scheme runs the model's first one.
+        let default_scheme = self
+            .pick(&request.get_ref().model)
+            .ok()
+            .and_then(|m| m.info().schemes.first().copied());
         let labels = (
             request.get_ref().model.clone(),
-            scheme_label(request.get_ref()),
+            scheme_label(request.get_ref(), default_scheme),
         );
         self.start_inner(request).inspect_err(|s| {
             let (model, scheme) = labels;
@@ -232,9 +237,11 @@ fn record_outcome(model: &str, scheme: &'static str, code: tonic::Code, stats: O
     }
 }
 
-fn scheme_label(req: &pb::GenerateRequest) -> &'static str {
+/// The `scheme` label of a request (`default` when it names none).
+fn scheme_label(req: &pb::GenerateRequest, default: Option<&'static str>) -> &'static str {
     match &req.scheme {
-        None | Some(pb::generate_request::Scheme::Ar(_)) => "ar",
+        None => default.unwrap_or("unspecified"),
+        Some(pb::generate_request::Scheme::Ar(_)) => "ar",
         Some(pb::generate_request::Scheme::DiffusionForcing(_)) => "diffusion-forcing",
         Some(pb::generate_request::Scheme::LowConfidence(_)) => "low-confidence",
         Some(pb::generate_request::Scheme::Wino(_)) => "wino",
@@ -290,10 +297,7 @@ impl StreamState {
                 if delta.stopped {
                     // Dropping the receiver frees the slots at the next tick.
                     self.rx = None;
-                    let stats = Stats {
-                        generated_tokens: self.out.token_ids().len() as u32,
-                        ..Stats::default()
-                    };
+                    let stats = self.out.stop_string_stats();
                     let msg = done(self, FinishReason::StopString, &stats);
                     self.record(tonic::Code::Ok, Some(&stats));
                     self.pending.push_back(Ok(msg));
