@@ -14,12 +14,12 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use wavefront_engine::{Event, EventSink, SinkError, Stats};
+use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_schemes::recurrent_depth::serve_model;
 use wavefront_schemes::{
@@ -217,22 +217,6 @@ impl Workload {
     }
 }
 
-/// A bounded std channel as the request's event sink.
-struct Sink(SyncSender<Event>);
-
-impl EventSink for Sink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
-            TrySendError::Full(ev) => (SinkError::Full, ev),
-            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 /// What one request produced.
 struct Outcome {
     tokens: Vec<u32>,
@@ -248,7 +232,7 @@ impl Outcome {
 
 fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
     let (tx, rx) = mpsc::sync_channel(4096);
-    served.submit(spec, Box::new(Sink(tx)), None, tracing::Span::none())?;
+    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
     Ok(rx)
 }
 

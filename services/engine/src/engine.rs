@@ -32,6 +32,22 @@ pub trait EventSink: Send {
     fn is_closed(&self) -> bool;
 }
 
+/// A bounded std channel is a sink for callers without an async runtime
+/// (offline generation, benchmarks); it learns that its receiver is gone
+/// only when a send fails.
+impl EventSink for SyncSender<Event> {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        SyncSender::try_send(self, event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
 /// Sizes of the engine, validated by the binary at start-up.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {

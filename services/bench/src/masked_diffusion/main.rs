@@ -13,14 +13,14 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use wavefront_engine::{Event, EventSink, SinkError, Stats};
+use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_schemes::masked_diffusion::serve_model;
 use wavefront_schemes::{
@@ -155,21 +155,6 @@ impl Workload {
     }
 }
 
-struct Sink(SyncSender<Event>);
-
-impl EventSink for Sink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
-            TrySendError::Full(ev) => (SinkError::Full, ev),
-            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 struct Outcome {
     tokens: usize,
     stats: Stats,
@@ -178,7 +163,7 @@ struct Outcome {
 
 fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
     let (tx, rx) = mpsc::sync_channel(4096);
-    served.submit(spec, Box::new(Sink(tx)), None, tracing::Span::none())?;
+    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
     Ok(rx)
 }
 
