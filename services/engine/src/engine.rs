@@ -10,7 +10,7 @@ use crate::family::{Event, Family, Prepared};
 use crate::ids::RequestId;
 use crate::scheduler::{Scheduler, Waiting};
 use crate::EngineError;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -79,15 +79,33 @@ pub struct EngineLoad {
     pub ticks: u64,
 }
 
+/// The engine's load as handles see it. One mutex (held for a few stores,
+/// never across a wait) keeps it consistent: a request moving from "sent"
+/// to "queued" to "running" is visible at every instant, which separate
+/// atomics cannot promise to a reader.
+#[derive(Default)]
+struct LoadState {
+    free_slots: usize,
+    queued: usize,
+    active: usize,
+    ticks: u64,
+    /// Submissions sent but not yet seen by the engine thread.
+    in_flight: usize,
+}
+
 #[derive(Default)]
 struct LoadCounters {
-    free_slots: AtomicUsize,
-    queued: AtomicUsize,
-    active: AtomicUsize,
-    ticks: AtomicU64,
-    /// Submissions sent but not yet seen by the engine thread.
-    in_flight: AtomicUsize,
+    state: std::sync::Mutex<LoadState>,
     stopped: AtomicBool,
+}
+
+impl LoadCounters {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LoadState> {
+        // A panic while holding it cannot leave the plain counters torn.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 enum Command<P> {
@@ -132,35 +150,36 @@ impl<P: Send + 'static> EngineHandle<P> {
         }
         // Reserve a queue place up front so a burst cannot overrun the bound.
         let capacity = self.config.queue_capacity;
-        let waiting = self.load.queued.load(Ordering::Acquire)
-            + self.load.in_flight.fetch_add(1, Ordering::AcqRel);
-        if waiting >= capacity {
-            self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::QueueFull { capacity });
+        {
+            let mut l = self.load.lock();
+            if l.queued + l.in_flight >= capacity {
+                return Err(EngineError::QueueFull { capacity });
+            }
+            l.in_flight += 1;
         }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         match self.tx.try_send(Command::Submit(id, sub, Instant::now())) {
             Ok(()) => Ok(id),
             Err(TrySendError::Full(_)) => {
-                self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+                self.load.lock().in_flight -= 1;
                 Err(EngineError::QueueFull { capacity })
             }
             Err(TrySendError::Disconnected(_)) => {
-                self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+                self.load.lock().in_flight -= 1;
                 Err(EngineError::ShutDown)
             }
         }
     }
 
     pub fn load(&self) -> EngineLoad {
+        let l = self.load.lock();
         EngineLoad {
             total_slots: self.config.total_slots,
-            free_slots: self.load.free_slots.load(Ordering::Acquire),
-            queued: self.load.queued.load(Ordering::Acquire)
-                + self.load.in_flight.load(Ordering::Acquire),
-            active: self.load.active.load(Ordering::Acquire),
+            free_slots: l.free_slots,
+            queued: l.queued + l.in_flight,
+            active: l.active,
             queue_capacity: self.config.queue_capacity,
-            ticks: self.load.ticks.load(Ordering::Acquire),
+            ticks: l.ticks,
         }
     }
 
@@ -210,7 +229,7 @@ impl Engine {
         let channel_bound = config.queue_capacity.max(1) + 1;
         let (tx, rx) = mpsc::sync_channel::<Command<F::Program>>(channel_bound);
         let load = Arc::new(LoadCounters::default());
-        load.free_slots.store(config.total_slots, Ordering::Release);
+        load.lock().free_slots = config.total_slots;
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
         let cfg = config.clone();
         let thread_load = load.clone();
@@ -306,7 +325,6 @@ fn accept<F: Family>(
 ) -> bool {
     match cmd {
         Command::Submit(id, sub, submitted_at) => {
-            load.in_flight.fetch_sub(1, Ordering::AcqRel);
             let w = Waiting {
                 id,
                 prepared: sub.prepared,
@@ -318,6 +336,10 @@ fn accept<F: Family>(
             if let Err((mut w, err)) = sched.enqueue(w) {
                 let _ = w.sink.try_send(Event::Failed(err));
             }
+            // The request moves from in flight to queued in one step.
+            let mut l = load.lock();
+            l.queued = sched.queued();
+            l.in_flight -= 1;
             true
         }
         Command::Shutdown => {
@@ -328,10 +350,12 @@ fn accept<F: Family>(
 }
 
 fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
-    load.free_slots
-        .store(sched.pool().free(), Ordering::Release);
-    load.queued.store(sched.queued(), Ordering::Release);
-    load.active.store(sched.running(), Ordering::Release);
-    load.ticks.store(sched.ticks(), Ordering::Release);
+    {
+        let mut l = load.lock();
+        l.free_slots = sched.pool().free();
+        l.queued = sched.queued();
+        l.active = sched.running();
+        l.ticks = sched.ticks();
+    }
     sched.publish_gauges();
 }

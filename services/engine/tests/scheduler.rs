@@ -352,3 +352,36 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// `load()` never reports an idle engine while a submitted request is still
+/// waiting or running (the router and drain logic rely on it).
+#[test]
+fn load_never_hides_a_submitted_request() {
+    let cfg = EngineConfig {
+        total_slots: 4,
+        queue_capacity: 64,
+        max_active: 1,
+    };
+    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    for round in 0..200u32 {
+        let (s, rx, _closed) = sink(64);
+        let len = 1 + (round as usize % 3);
+        handle
+            .submit(submission(countdown(len, 1 + round as usize % 4), s, None))
+            .unwrap();
+        // The final event is sent before the slots return, so an idle load
+        // means the request's `Finished` is already in the channel.
+        loop {
+            let l = handle.load();
+            if l.queued == 0 && l.active == 0 && l.free_slots == l.total_slots {
+                let events: Vec<Event> = rx.try_iter().collect();
+                assert!(
+                    events.iter().any(|e| matches!(e, Event::Finished { .. })),
+                    "round {round}: load {l:?} idle before the request finished"
+                );
+                break;
+            }
+        }
+    }
+    handle.shutdown();
+}
