@@ -209,3 +209,52 @@ fn an_armt_directory_is_a_recurrent_memory_model_and_its_checkpoint_names_are_li
     assert_eq!(got, want);
     Ok(())
 }
+
+#[test]
+fn a_cell_does_not_see_the_cells_it_shares_a_step_with() -> Result<()> {
+    let model = model()?;
+    let ids = Golden::load()?.input_ids()?;
+    // A request with written memories, and two others with fresh ones.
+    let mem = model
+        .forward_sequential(&ids[..16])?
+        .memory
+        .pop()
+        .context("memory")?;
+    let fresh = model.new_memory()?;
+    let x = model.segment_input(&ids[16..24], true)?;
+    let y = model.segment_input(&ids[24..32], true)?;
+    let w = model.segment_input(&ids[32..36], false)?;
+    for l in 0..3 {
+        let cell = |hidden: &Tensor, memory, write| wavefront_models::armt::CellInput {
+            layer: l,
+            hidden: hidden.clone(),
+            memory,
+            write,
+            keep_kv: !write,
+        };
+        let me = cell(&x, &mem[l], true);
+        let alone = model.grouped_step(std::slice::from_ref(&me))?.0.remove(0);
+        let with_y = model
+            .grouped_step(&[cell(&y, &fresh[l], true), me.clone()])?
+            .0
+            .remove(1);
+        let with_w = model
+            .grouped_step(&[me.clone(), cell(&w, &fresh[l], false)])?
+            .0
+            .remove(0);
+        // Same packed shape, other contents: bit for bit the same.
+        ensure!(diff(&with_y.hidden, &with_w.hidden)?.0 == 0.0, "layer {l}");
+        let (ua, ub) = (
+            with_y.update.context("update")?,
+            with_w.update.context("update")?,
+        );
+        let (mut a, mut b) = (mem[l].clone(), mem[l].clone());
+        a.apply(ua)?;
+        b.apply(ub)?;
+        ensure!(diff(a.a(), b.a())?.0 == 0.0 && diff(a.z(), b.z())?.0 == 0.0);
+        // Another packed shape: the GEMM's summation order only.
+        let (_, rel) = diff(&alone.hidden, &with_y.hidden)?;
+        ensure!(rel < 1e-6, "layer {l}: {rel:e}");
+    }
+    Ok(())
+}

@@ -148,6 +148,10 @@ pub struct LoadOptions {
     /// Diffusion-forcing: slots reserved per request are its maximum
     /// wavefront times this multiplier.
     pub occupancy_multiplier: f32,
+    /// Recurrent memory (ARMT): the longest prompt + `max_new_tokens` accepted; `None`:
+    /// [`crate::recurrent_memory::DEFAULT_MAX_CONTEXT_TOKENS`]. Other families take their limit
+    /// from their config and ignore this.
+    pub max_context_tokens: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -160,6 +164,7 @@ impl Default for LoadOptions {
             queue_capacity: 64,
             max_active: 32,
             occupancy_multiplier: 1.0,
+            max_context_tokens: None,
         }
     }
 }
@@ -169,9 +174,20 @@ pub fn load_model(
     files: ModelFiles,
     opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
-    match files.family()? {
+    let family = files.family()?;
+    if family != ModelFamily::RecurrentMemory {
+        if let Some(n) = opts.max_context_tokens {
+            tracing::warn!(
+                max_context_tokens = n,
+                ?family,
+                "the context-length option applies to recurrent-memory models only; ignored"
+            );
+        }
+    }
+    match family {
         ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
         ModelFamily::MaskedDiffusion => crate::masked_diffusion::serve(files, opts),
+        ModelFamily::RecurrentMemory => crate::recurrent_memory::serve(files, opts),
         other => Err(SchemeError::Unsupported(format!(
             "model family {other:?} is not served yet"
         ))),
