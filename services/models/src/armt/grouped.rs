@@ -15,13 +15,13 @@
 //!   no padding but its partial segment's; requests at different diagonals share the layers they
 //!   both use, and empty blocks are the price of packing them.
 //! * **Grouped matmul.** Weights are stacked once at load, `[L, out, in]` per role (q/k/v fused,
-//!   gate/up fused, o, down, the memory projections). A linear layer of the step is one batched
+//!   gate, up, o, down, W_mq, and W_mk/W_mv/W_mb fused). A linear layer of the step is one batched
 //!   matmul of `[G, K·P, in]` with the contiguous layer range `narrow(0, lo, G)` of its stack,
-//!   transposed as a view: no weight is copied or gathered, and the whole step issues the same
-//!   number of matmuls as one layer of the sequential path. (Upstream instead launches a CUTLASS
-//!   grouped GEMM over per-row weight pointers; a contiguous layer range makes a plain strided
-//!   batched GEMM equivalent, which candle runs on the CPU and through cuBLAS.) Norm weights are
-//!   `[L, d]`, applied per group row after a weightless RMSNorm.
+//!   transposed as a view: no weight is copied or gathered, and the step issues as many
+//!   matmuls as a single layer call does, however many cells it holds. (Upstream instead
+//!   launches a CUTLASS grouped GEMM over per-row weight pointers; a contiguous layer range
+//!   makes a plain strided batched GEMM equivalent, which candle runs on the CPU and through
+//!   cuBLAS.) Norm weights are `[L, d]`, applied per group row after a weightless RMSNorm.
 //! * **Attention** is one batched causal attention over the `G · K` blocks, positions `0..P` in
 //!   every block (RoPE restarts each segment), grouped-query heads, scores and softmax in
 //!   float32.
@@ -55,8 +55,11 @@ pub(crate) struct Stacked {
     pub o: Tensor,
     /// `post_attention_layernorm` `[L, d]`.
     pub ff_norm: Tensor,
-    /// `gate_proj` then `up_proj`, `[L, 2 · I, d]`.
-    pub gate_up: Tensor,
+    /// `gate_proj` `[L, I, d]` (kept apart from `up_proj` so both products are contiguous for
+    /// the elementwise SiLU gate).
+    pub gate: Tensor,
+    /// `up_proj` `[L, I, d]`.
+    pub up: Tensor,
     /// `down_proj` `[L, d, I]`.
     pub down: Tensor,
     /// `W_mq` `[L, d_mem, d]`.
@@ -283,9 +286,9 @@ impl GroupedContext<'_> {
             .reshape((g_n, k_n * p, h * hd))?;
         let x = (x + grouped_linear(&attn, &s.o, lo)?)?;
         let hn = grouped_rms_norm(&x, &s.ones, &s.ff_norm, lo, norm_eps)?;
-        let gu = grouped_linear(&hn, &s.gate_up, lo)?;
-        let inter = cfg.llama.intermediate_size;
-        let act = (gu.narrow(2, 0, inter)?.silu()? * gu.narrow(2, inter, inter)?)?;
+        let gate = grouped_linear(&hn, &s.gate, lo)?;
+        let up = grouped_linear(&hn, &s.up, lo)?;
+        let act = (gate.silu()? * up)?;
         let x = (x + grouped_linear(&act, &s.down, lo)?)?;
 
         // 3. Writes, from the memory rows of the layer's output, against the old memories.

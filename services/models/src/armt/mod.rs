@@ -150,16 +150,8 @@ impl Armt {
                 "ff_norm",
                 get(&bv.pp("post_attention_layernorm"), &[d], "weight")?,
             );
-            push(
-                "gate_up",
-                Tensor::cat(
-                    &[
-                        get(&bv.pp("mlp.gate_proj"), &[inter, d], "weight")?,
-                        get(&bv.pp("mlp.up_proj"), &[inter, d], "weight")?,
-                    ],
-                    0,
-                )?,
-            );
+            push("gate", get(&bv.pp("mlp.gate_proj"), &[inter, d], "weight")?);
+            push("up", get(&bv.pp("mlp.up_proj"), &[inter, d], "weight")?);
             push("down", get(&bv.pp("mlp.down_proj"), &[d, inter], "weight")?);
             push("mq", get(&lv.pp("W_mq"), &[dm, d], "weight")?);
             push(
@@ -184,7 +176,8 @@ impl Armt {
             qkv: stack("qkv")?,
             o: stack("o")?,
             ff_norm: stack("ff_norm")?,
-            gate_up: stack("gate_up")?,
+            gate: stack("gate")?,
+            up: stack("up")?,
             down: stack("down")?,
             mq: stack("mq")?,
             mkvb: stack("mkvb")?,
@@ -556,10 +549,8 @@ fn layer_block(
         cfg.kv_heads(),
         cfg.head_dim(),
     );
-    let inter = cfg.llama.intermediate_size;
     let names = BlockNames::LLAMA;
     let qkv = s.qkv.get(l)?;
-    let gate_up = s.gate_up.get(l)?;
     let w = |name: &str| format!("{name}.weight");
     let tensors: HashMap<String, Tensor> = [
         (w(names.attn_norm), s.attn_norm.get(l)?),
@@ -568,8 +559,8 @@ fn layer_block(
         (w(names.v), qkv.narrow(0, (h + hkv) * hd, hkv * hd)?),
         (w(names.o), s.o.get(l)?),
         (w(names.ff_norm), s.ff_norm.get(l)?),
-        (w(names.gate), gate_up.narrow(0, 0, inter)?),
-        (w(names.up), gate_up.narrow(0, inter, inter)?),
+        (w(names.gate), s.gate.get(l)?),
+        (w(names.up), s.up.get(l)?),
         (w(names.down), s.down.get(l)?),
     ]
     .into_iter()
