@@ -119,6 +119,48 @@ fn sequential_forward_matches_upstream_logits_and_every_segment_memory() -> Resu
 }
 
 #[test]
+fn one_layer_of_segment_one_matches_upstreams_trace() -> Result<()> {
+    // Segment 1 enters layer l with upstream's residual stream and the memory segment 0 left;
+    // the read term, the grouped layer's output and the memory it writes match upstream's.
+    let golden = Golden::load()?;
+    let model = model()?;
+    for l in 0..3 {
+        let trace = |what: &str| -> Result<Tensor> {
+            Ok(golden
+                .get(&format!("seq.trace.seg1.layer{l}.{what}"))?
+                .i(0)?)
+        };
+        let mem = |s: usize| -> Result<LayerMemory> {
+            Ok(LayerMemory::from_state(
+                golden.get(&format!("seq.mem.seg{s}.layer{l}.A"))?.clone(),
+                golden.get(&format!("seq.mem.seg{s}.layer{l}.z"))?.clone(),
+            )?)
+        };
+        let before = mem(0)?;
+        let input = trace("input")?;
+        check_logits(
+            &format!("layer {l} read"),
+            &model.read(l, &input, &before)?,
+            &trace("assoc")?,
+        )?;
+        let cell = wavefront_models::armt::CellInput {
+            layer: l,
+            hidden: input,
+            memory: &before,
+            write: true,
+            keep_kv: false,
+        };
+        let out = model.grouped_step(&[cell])?.0.remove(0);
+        check_logits(&format!("layer {l} output"), &out.hidden, &trace("output")?)?;
+        let mut after = before.clone();
+        after.apply(out.update.context("a memory segment writes")?)?;
+        let want = mem(1)?;
+        check_memory(&format!("layer {l} write"), &after, want.a(), want.z())?;
+    }
+    Ok(())
+}
+
+#[test]
 fn diagonal_forward_matches_upstream_and_the_sequential_path_in_the_fewest_steps() -> Result<()> {
     let golden = Golden::load()?;
     let model = model()?;

@@ -356,6 +356,26 @@ impl Armt {
         Ok((x + assoc)?)
     }
 
+    /// The read term alone, `phi(q) A / (phi(q) · z + eps)` of rows `hidden` `[n, d]` against
+    /// `memory` at `layer` (float32; zero for a memory never written). For checks: the forward
+    /// paths add it to the residual stream themselves.
+    pub fn read(&self, layer: usize, hidden: &Tensor, memory: &LayerMemory) -> Result<Tensor> {
+        let (n, d) = hidden.dims2()?;
+        if !memory.is_written() {
+            return Ok(Tensor::zeros((n, d), DType::F32, self.device())?);
+        }
+        let q = hidden
+            .matmul(&self.stacked.mq.get(layer)?.t()?)?
+            .to_dtype(DType::F32)?;
+        let t = read_term(
+            &dpfp(&q, self.cfg.nu)?.unsqueeze(0)?,
+            &memory.a().unsqueeze(0)?,
+            &memory.z().unsqueeze(0)?,
+            self.cfg.mem_eps,
+        )?;
+        Ok(t.squeeze(0)?)
+    }
+
     /// The writes of layer `l` from each writing sequence's last `M` rows, in one batch.
     fn write_rows(
         &self,
