@@ -213,6 +213,7 @@ impl Workload {
             },
             scheme: self.scheme(a),
             replay_draws: None,
+            stream_canvas: false,
         }
     }
 }
@@ -244,6 +245,7 @@ fn wait(rx: &Receiver<Event>) -> Result<Outcome> {
             .context("engine stalled")?
         {
             Event::Tokens(t) => tokens.extend(t),
+            Event::Canvas(_) => {}
             Event::Finished { stats, .. } => return Ok(Outcome { tokens, stats }),
             Event::Failed(e) => bail!("request failed: {e}"),
         }

@@ -15,6 +15,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use serde::de::DeserializeOwned;
 
+use crate::chat::ChatTemplate;
 use crate::error::{ModelError, Result};
 use crate::tokenizer::TextTokenizer;
 
@@ -124,9 +125,18 @@ impl ModelFiles {
         self.tokenizer_config_json.as_deref()
     }
 
-    /// Loads `tokenizer.json`.
+    /// Loads `tokenizer.json`, with the chat template of `tokenizer_config.json` if it has one
+    /// (a template that does not parse is logged and left out).
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        TextTokenizer::from_bytes(&self.tokenizer_json)
+        let tok = TextTokenizer::from_bytes(&self.tokenizer_json)?;
+        let template = match self.tokenizer_config_json.as_deref() {
+            None => None,
+            Some(json) => ChatTemplate::from_tokenizer_config(json).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "chat template left out");
+                None
+            }),
+        };
+        Ok(tok.with_chat_template(template))
     }
 
     /// The safetensors files backing the weights (empty for an embedded model).

@@ -13,6 +13,7 @@
 //!   mask rules, shared by the Llama-like families.
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
 
+pub mod chat;
 pub mod error;
 pub mod files;
 pub mod huginn;
@@ -20,6 +21,7 @@ pub mod llada;
 pub mod tokenizer;
 pub mod transformer;
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use files::{detect_family, ModelFamily, ModelFiles};
 pub use huginn::{

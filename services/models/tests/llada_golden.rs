@@ -290,3 +290,37 @@ fn config_and_checkpoint_layout() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn tokenizer_and_chat_template_match_upstream() -> Result<()> {
+    let g = Golden::load()?;
+    let tok = ModelFiles::from_dir(fixture_dir())?.tokenizer()?;
+    let want = &g.json["tokenizer"];
+    for case in want["cases"].as_array().context("cases")? {
+        let text = case["text"].as_str().context("text")?;
+        let ids: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
+        ensure!(tok.encode(text, false)? == ids, "encode {text:?}");
+    }
+    let chat = &want["chat"];
+    let messages: Vec<wavefront_models::ChatMessage> = chat["messages"]
+        .as_array()
+        .context("messages")?
+        .iter()
+        .map(|m| {
+            wavefront_models::ChatMessage::new(
+                m["role"].as_str().unwrap_or_default(),
+                m["content"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let template = tok
+        .chat_template()
+        .context("the fixture has a chat template")?;
+    assert_eq!(
+        template.render(&messages, true)?,
+        chat["rendered"].as_str().context("rendered")?
+    );
+    let ids: Vec<u32> = serde_json::from_value(chat["ids"].clone())?;
+    assert_eq!(tok.encode_chat(&messages)?, ids);
+    Ok(())
+}

@@ -13,7 +13,7 @@ use wavefront_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, Family, Prepared,
     RequestError, RequestId, Submission,
 };
-use wavefront_models::{ModelFamily, ModelFiles, TextTokenizer};
+use wavefront_models::{ChatMessage, ModelFamily, ModelFiles, TextTokenizer};
 
 use crate::request::GenerateSpec;
 use crate::SchemeError;
@@ -48,6 +48,13 @@ pub trait ServedModel: Send + Sync {
     fn tokenizer(&self) -> Option<&TextTokenizer>;
     /// Prompt text to ids (the family's convention for special tokens).
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// A conversation to ids through the model's chat template.
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        self.tokenizer()
+            .ok_or("this model has no tokenizer; send token ids")?
+            .encode_chat(messages)
+            .map_err(|e| e.to_string())
+    }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
     /// Validates and queues a request; events arrive through `sink`.

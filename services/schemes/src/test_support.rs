@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_engine::{CanvasFrame, Event, EventSink, FinishReason, SinkError, Stats};
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path).
@@ -50,6 +50,8 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub reason: FinishReason,
     pub stats: Stats,
+    /// Canvas frames, in the order they arrived (only when the request asked for them).
+    pub frames: Vec<CanvasFrame>,
 }
 
 impl Outcome {
@@ -69,6 +71,7 @@ impl Outcome {
 /// Reads events until the request ends; `first` holds events already taken off the channel.
 pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     let mut tokens = Vec::new();
+    let mut frames = Vec::new();
     let mut pending = first.into_iter();
     loop {
         let ev = match pending.next() {
@@ -79,11 +82,13 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
         };
         match ev {
             Event::Tokens(t) => tokens.extend(t),
+            Event::Canvas(f) => frames.push(f),
             Event::Finished { reason, stats } => {
                 return Ok(Outcome {
                     tokens,
                     reason,
                     stats,
+                    frames,
                 })
             }
             Event::Failed(e) => bail!("request failed: {e}"),

@@ -151,6 +151,7 @@ impl Workload {
             },
             scheme: self.scheme(a),
             replay_draws: None,
+            stream_canvas: false,
         }
     }
 }
@@ -175,6 +176,7 @@ fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
             .context("engine stalled")?
         {
             Event::Tokens(t) => tokens += t.len(),
+            Event::Canvas(_) => {}
             Event::Finished { stats, .. } => {
                 return Ok(Outcome {
                     tokens,

@@ -218,7 +218,7 @@ impl LladaPlanner {
         let rows = canvas.len() + shadow;
         let slots = self.slots(rows, copies, surelock.is_some());
         let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
-        let program = MdProgram::new(
+        let mut program = MdProgram::new(
             canvas,
             decoder,
             surelock,
@@ -226,6 +226,7 @@ impl LladaPlanner {
             spec.sampling.temperature,
             spec.sampling.seed,
         );
+        program.stream_canvas = spec.stream_canvas;
         Ok(Prepared {
             program,
             slots,

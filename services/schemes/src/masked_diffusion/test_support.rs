@@ -78,6 +78,7 @@ pub fn spec(prompt_ids: Vec<u32>, gen: usize, seed: u64, scheme: SchemeParams) -
         },
         scheme,
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 

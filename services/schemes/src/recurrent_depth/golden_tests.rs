@@ -111,6 +111,7 @@ impl Fixture {
             sampling: SamplingParams::default(),
             scheme,
             replay_draws: self.replay(name)?,
+            stream_canvas: false,
         })
     }
 
@@ -452,6 +453,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
                 .context("engine stalled")?
             {
                 Event::Tokens(t) => tokens.extend(t),
+                Event::Canvas(_) => {}
                 Event::Finished { stats, .. } => break stats,
                 Event::Failed(e) => bail!("{}: failed: {e}", case.name),
             }

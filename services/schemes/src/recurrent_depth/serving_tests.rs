@@ -400,7 +400,7 @@ fn run_mix(
                     progressed = true;
                     c.events += 1;
                     match ev {
-                        Event::Tokens(_) => {}
+                        Event::Tokens(_) | Event::Canvas(_) => {}
                         Event::Finished { .. } => c.done = true,
                         Event::Failed(e) => bail!("request failed: {e}"),
                     }

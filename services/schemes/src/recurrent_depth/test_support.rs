@@ -55,6 +55,7 @@ pub fn spec(
         },
         scheme,
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 
