@@ -67,9 +67,10 @@ impl ModelArgs {
         let device = parse_device(&self.device)?;
         let dtype = match self.dtype.as_deref() {
             None if device.is_cuda() => DType::BF16,
-            None | Some("f32") => DType::F32,
-            Some("bf16") => DType::BF16,
-            Some(other) => bail!("--dtype must be f32 or bf16, got {other:?}"),
+            None => DType::F32,
+            Some(name) => {
+                wavefront_models::device::parse_dtype(name).map_err(|e| anyhow::anyhow!("--{e}"))?
+            }
         };
         if self.memory_budget_mb == 0 {
             bail!("--memory-budget-mb must be at least 1");
@@ -96,16 +97,5 @@ impl ModelArgs {
 }
 
 fn parse_device(s: &str) -> Result<Device> {
-    if s == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    if let Some(n) = s.strip_prefix("cuda:") {
-        let ordinal: usize = n
-            .parse()
-            .with_context(|| format!("--device cuda:N needs a number, got {s:?}"))?;
-        return Device::new_cuda(ordinal).with_context(|| {
-            format!("cannot open {s}: this build needs the `cuda` feature and a visible GPU")
-        });
-    }
-    bail!("--device must be cpu or cuda:N, got {s:?}")
+    wavefront_models::device::parse_device(s).map_err(|e| anyhow::anyhow!("--{e}"))
 }

@@ -14,6 +14,7 @@
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
 
 pub mod chat;
+pub mod device;
 pub mod error;
 pub mod files;
 pub mod huginn;

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, IndexOp, Tensor};
+use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
 
@@ -18,7 +19,7 @@ fn fixture_dir() -> PathBuf {
 fn model(dtype: DType) -> Result<Llada> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = LladaConfig::from_json(files.config_json())?;
-    Ok(Llada::load(files.var_builder(dtype, &Device::Cpu)?, cfg)?)
+    Ok(Llada::load(files.var_builder(dtype, &test_device())?, cfg)?)
 }
 
 struct Golden {
@@ -30,7 +31,10 @@ impl Golden {
     fn load() -> Result<Self> {
         let dir = fixture_dir();
         Ok(Self {
-            tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?,
+            tensors: candle_core::safetensors::load(
+                dir.join("golden.safetensors"),
+                &test_device(),
+            )?,
             json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
         })
     }
@@ -213,7 +217,7 @@ fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
     let mut seqs = [SeqInput::dense(other.len()), partial];
     let logits = model.logits(&model.forward(&packed_ids, &mut seqs)?)?;
     let got = logits.narrow(0, other.len(), rows.len())?;
-    let want = dense.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
+    let want = dense.index_select(&Tensor::new(rows.as_slice(), &test_device())?, 0)?;
     assert_close("rows from the cache", &got, &want, 1e-5)?;
 
     // A truncated cache serves a shorter buffer.
@@ -260,7 +264,7 @@ fn config_and_checkpoint_layout() -> Result<()> {
     );
     assert_eq!((cfg.mask_token_id, cfg.eos_token_id), (460, Some(449)));
     let stored =
-        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &Device::Cpu)?;
+        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &test_device())?;
     let mut want: Vec<(String, Vec<usize>)> = stored
         .iter()
         .map(|(name, t)| (name.clone(), t.dims().to_vec()))
