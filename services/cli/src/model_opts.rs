@@ -38,6 +38,10 @@ pub struct ModelArgs {
     /// max_wavefront times this.
     #[arg(long, env = "WAVEFRONT_OCCUPANCY_MULTIPLIER", default_value_t = 1.0)]
     pub occupancy_multiplier: f32,
+    /// Tensor-parallel ranks each transformer block is split over (attention heads and MLP
+    /// columns; partials summed after the row-parallel layers). In-process; masked diffusion.
+    #[arg(long, env = "WAVEFRONT_TENSOR_PARALLEL", default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 impl ModelArgs {
@@ -78,6 +82,9 @@ impl ModelArgs {
         if self.queue_capacity == 0 || self.max_active == 0 {
             bail!("--queue-capacity and --max-active must be at least 1");
         }
+        if self.tensor_parallel == 0 {
+            bail!("--tensor-parallel must be at least 1");
+        }
         if !self.occupancy_multiplier.is_finite() || self.occupancy_multiplier <= 0.0 {
             bail!(
                 "--occupancy-multiplier must be a positive number, got {}",
@@ -92,6 +99,7 @@ impl ModelArgs {
             queue_capacity: self.queue_capacity,
             max_active: self.max_active,
             occupancy_multiplier: self.occupancy_multiplier,
+            tensor_parallel: self.tensor_parallel,
         })
     }
 }

@@ -155,6 +155,9 @@ pub struct LoadOptions {
     /// Diffusion-forcing: slots reserved per request are its maximum
     /// wavefront times this multiplier.
     pub occupancy_multiplier: f32,
+    /// Tensor-parallel ranks each block is split over (heads and MLP columns), in-process;
+    /// 1 disables the split.
+    pub tensor_parallel: usize,
 }
 
 impl Default for LoadOptions {
@@ -167,6 +170,7 @@ impl Default for LoadOptions {
             queue_capacity: 64,
             max_active: 32,
             occupancy_multiplier: 1.0,
+            tensor_parallel: 1,
         }
     }
 }
@@ -176,7 +180,14 @@ pub fn load_model(
     files: ModelFiles,
     opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
-    match files.family()? {
+    let family = files.family()?;
+    if opts.tensor_parallel > 1 && !matches!(family, ModelFamily::MaskedDiffusion) {
+        return Err(SchemeError::InvalidOption(format!(
+            "tensor parallelism is not implemented for {family:?} models yet; \
+             use --tensor-parallel 1"
+        )));
+    }
+    match family {
         ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
         ModelFamily::MaskedDiffusion => crate::masked_diffusion::serve(files, opts),
         other => Err(SchemeError::Unsupported(format!(

@@ -215,7 +215,7 @@ fn main() -> Result<()> {
         memory_budget_bytes: 16 << 30,
         queue_capacity: 64,
         max_active: max_c,
-        occupancy_multiplier: 1.0,
+        ..LoadOptions::default()
     };
     let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);
     let model_cfg = cfg.clone();

@@ -57,7 +57,7 @@ mod scheme_tests;
 #[cfg(test)]
 mod serving_tests;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use std::sync::Arc;
 
