@@ -5,19 +5,33 @@ mod common;
 
 use std::collections::HashMap;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, load_model, Golden};
 use wavefront_models::device::test_device;
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{
-    detect_family, CacheStrategy, Huginn, HuginnCache, ModelFamily, ModelFiles, SeqRows,
-    TextTokenizer,
+    detect_family, CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFamily, ModelFiles,
+    SeqRows, TextTokenizer,
 };
 
+/// The upstream forward, also with every block split over 2 and 4 in-process tensor-parallel
+/// ranks (heads and MLP columns; partials summed), within the same tolerance.
 #[test]
 fn forward_matches_upstream() -> Result<()> {
     let golden = Golden::load()?;
-    let model = load_model(&ModelFiles::from_dir(fixture_dir())?)?;
+    let files = ModelFiles::from_dir(fixture_dir())?;
+    check_forward(&golden, &load_model(&files)?)?;
+    for world in [2, 4] {
+        let cfg = HuginnConfig::from_json(files.config_json())?;
+        let vb = files.var_builder(DType::F32, &test_device())?;
+        let model = Huginn::load_parallel(vb, cfg, &TensorParallel::local(world))?;
+        check_forward(&golden, &model).with_context(|| format!("{world} ranks"))?;
+    }
+    Ok(())
+}
+
+fn check_forward(golden: &Golden, model: &Huginn) -> Result<()> {
     let ids = golden.prompt_ids();
     let n = ids.len();
     let mut cache = HuginnCache::new(CacheStrategy::Full);

@@ -181,7 +181,12 @@ pub fn load_model(
     opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let family = files.family()?;
-    if opts.tensor_parallel > 1 && !matches!(family, ModelFamily::MaskedDiffusion) {
+    if opts.tensor_parallel > 1
+        && !matches!(
+            family,
+            ModelFamily::MaskedDiffusion | ModelFamily::RecurrentDepth
+        )
+    {
         return Err(SchemeError::InvalidOption(format!(
             "tensor parallelism is not implemented for {family:?} models yet; \
              use --tensor-parallel 1"

@@ -95,3 +95,54 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
         }
     }
 }
+
+/// Loads `files` with `opts`, submits every request at once and collects their outcomes.
+pub fn served_outcomes(
+    files: wavefront_models::ModelFiles,
+    opts: crate::served::LoadOptions,
+    requests: &[crate::request::GenerateSpec],
+) -> Result<Vec<Outcome>> {
+    let served = crate::served::load_model(files, opts)?;
+    let receivers = requests
+        .iter()
+        .map(|spec| {
+            let (sink, rx, _) = TestSink::new(1024);
+            served.submit(spec.clone(), Box::new(sink), None, tracing::Span::none())?;
+            Ok(rx)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = receivers
+        .iter()
+        .map(|rx| collect(rx, Vec::new()))
+        .collect::<Result<Vec<_>>>();
+    served.shutdown();
+    out
+}
+
+/// Serves `requests` on one rank and split over 2 and 4 in-process tensor-parallel ranks:
+/// every request decodes the same tokens with the same per-step statistics.
+pub fn assert_tensor_parallel_decodes_match(
+    files: impl Fn() -> Result<wavefront_models::ModelFiles>,
+    requests: &[crate::request::GenerateSpec],
+) -> Result<()> {
+    let opts = |world| crate::served::LoadOptions {
+        tensor_parallel: world,
+        ..crate::served::LoadOptions::default()
+    };
+    let one = served_outcomes(files()?, opts(1), requests)?;
+    for world in [2, 4] {
+        for (i, (a, b)) in one
+            .iter()
+            .zip(served_outcomes(files()?, opts(world), requests)?)
+            .enumerate()
+        {
+            anyhow::ensure!(
+                a.tokens == b.tokens && a.reason == b.reason && a.stats.series == b.stats.series,
+                "{world} ranks, request {i}: {:?} vs {:?}",
+                a.tokens,
+                b.tokens
+            );
+        }
+    }
+    Ok(())
+}

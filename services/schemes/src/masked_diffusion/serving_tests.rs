@@ -541,54 +541,5 @@ fn canvas_snapshots_show_every_step_and_change_nothing() -> Result<()> {
 /// requests sharing ticks.
 #[test]
 fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
-    let requests = mixed_requests();
-    let run = |world: usize| -> Result<Vec<crate::test_support::Outcome>> {
-        let served = load_model(
-            fixture_files()?,
-            LoadOptions {
-                tensor_parallel: world,
-                ..LoadOptions::default()
-            },
-        )?;
-        let rxs = requests
-            .iter()
-            .map(|s| submit(served.as_ref(), s.clone()))
-            .collect::<Result<Vec<_>>>()?;
-        let out = rxs
-            .iter()
-            .map(|rx| collect(rx, Vec::new()))
-            .collect::<Result<Vec<_>>>()?;
-        served.shutdown();
-        Ok(out)
-    };
-    let one = run(1)?;
-    for world in [2, 4] {
-        for (i, (a, b)) in one.iter().zip(run(world)?).enumerate() {
-            ensure!(
-                a.tokens == b.tokens && a.reason == b.reason,
-                "{world} ranks, request {i}: {:?} vs {:?}",
-                a.tokens,
-                b.tokens
-            );
-            ensure!(
-                a.stats.series == b.stats.series,
-                "{world} ranks, request {i}"
-            );
-        }
-    }
-    // Families whose blocks are not split yet refuse at load, saying so.
-    let huginn = crate::recurrent_depth::test_support::fixture_files()?;
-    let opts = LoadOptions {
-        tensor_parallel: 2,
-        ..LoadOptions::default()
-    };
-    let err = load_model(huginn, opts)
-        .err()
-        .context("refused")?
-        .to_string();
-    ensure!(
-        err.contains("tensor parallelism is not implemented"),
-        "{err}"
-    );
-    Ok(())
+    crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }

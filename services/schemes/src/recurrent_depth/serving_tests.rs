@@ -511,3 +511,10 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
     }
     Ok(())
 }
+
+/// The served model split over 2 and 4 in-process tensor-parallel ranks decodes what one rank
+/// decodes (static, adaptive and diffusion-forcing requests sharing ticks).
+#[test]
+fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
+    crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
+}
