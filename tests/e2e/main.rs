@@ -44,6 +44,7 @@ fn request(
             exit_threshold: None,
             ..Default::default()
         })),
+        stream_canvas: false,
     }
 }
 
@@ -142,6 +143,9 @@ async fn served_tokens_equal_offline_run_unary_and_streamed() {
                 streamed_text.push_str(&c.text);
             }
             pb::generate_stream_response::Event::Done(d) => done = Some(d),
+            pb::generate_stream_response::Event::Canvas(_) => {
+                panic!("canvas events were not asked for")
+            }
         }
     }
     let done = done.expect("final message");
@@ -593,4 +597,148 @@ async fn batch_invariance_with_requests_joining_at_different_ticks() {
         ticks_after - ticks_before
     );
     wait_pool_full(s.worker.addr).await;
+}
+
+/// LLaDA behind a real worker: a chat prompt is formatted with the checkpoint's template
+/// (the fixture's golden rendering), canvas snapshots stream when asked for, and the offline
+/// `run --chat --stream-canvas --json` prints the same snapshots as JSON lines before the result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masked_diffusion_chat_prompt_and_canvas_stream() {
+    let model = fixture("llada");
+    let worker = spawn(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+    ]);
+    wait_serving(worker.addr, "wavefront.v1.Generation").await;
+    let mut client = GenerationClient::new(channel(worker.addr).await);
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("golden.json")).unwrap()).unwrap();
+    let chat = &golden["tokenizer"]["chat"];
+    let content = chat["messages"][0]["content"].as_str().unwrap().to_owned();
+    let want_ids: Vec<u32> = serde_json::from_value(chat["ids"].clone()).unwrap();
+    let req = pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: content.clone(),
+            }],
+        })),
+        max_new_tokens: 16,
+        sampling: Some(pb::SamplingParams {
+            seed: Some(3),
+            ..Default::default()
+        }),
+        scheme: Some(pb::generate_request::Scheme::Wino(pb::WinoScheme {
+            block_length: Some(8),
+            ..Default::default()
+        })),
+        stream_canvas: true,
+        ..Default::default()
+    };
+    let mut stream = client
+        .generate_stream(req.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut frames, mut tokens, mut done) = (Vec::new(), Vec::new(), None);
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event.unwrap() {
+            pb::generate_stream_response::Event::Canvas(c) => frames.push(c),
+            pb::generate_stream_response::Event::Tokens(t) => tokens.extend(t.token_ids),
+            pb::generate_stream_response::Event::Done(d) => done = Some(d),
+        }
+    }
+    let done = done.expect("final message");
+    let stats = done.stats.unwrap();
+    assert_eq!(
+        stats.prompt_tokens as usize,
+        want_ids.len(),
+        "chat template applied"
+    );
+    assert_eq!(frames.len() as u64, stats.forward_passes);
+    let last = frames.last().unwrap();
+    assert!(last.full);
+    assert_eq!(last.token_ids[..tokens.len()], tokens[..]);
+    assert!(frames
+        .iter()
+        .any(|f| f.states.contains(&(pb::CellState::Drafted as i32))));
+    // The unary call ignores the flag and returns the same tokens.
+    let unary = client.generate(req).await.unwrap().into_inner();
+    assert_eq!(unary.token_ids, done.token_ids);
+
+    // A chat prompt for a model without a template says so.
+    let huginn = fixture("huginn");
+    let out = Command::new(bin())
+        .args([
+            "run",
+            "--model",
+            huginn.to_str().unwrap(),
+            "--json",
+            "--log-filter",
+            "warn",
+        ])
+        .args([
+            "--prompt",
+            "hi",
+            "--chat",
+            "--max-new-tokens",
+            "2",
+            "--num-steps",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no chat template"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Offline: the same request from the command line.
+    let out = Command::new(bin())
+        .args([
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--log-filter",
+            "warn",
+        ])
+        .args([
+            "--prompt",
+            &content,
+            "--chat",
+            "--stream-canvas",
+            "--scheme",
+            "wino",
+        ])
+        .args([
+            "--block-length",
+            "8",
+            "--max-new-tokens",
+            "16",
+            "--seed",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (result, canvas) = lines.split_last().unwrap();
+    assert_eq!(canvas.len(), frames.len());
+    assert!(canvas.iter().all(|c| c["canvas"]["full"] == true));
+    let ids: Vec<u32> = serde_json::from_value(result["token_ids"].clone()).unwrap();
+    assert_eq!(ids, done.token_ids);
 }

@@ -105,22 +105,12 @@ struct Args {
 }
 
 fn device_and_dtype(args: &Args) -> Result<(Device, DType)> {
-    let device = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        d => match d
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            Some(n) => Device::new_cuda(n)?,
-            None => anyhow::bail!("--device must be cpu or cuda:N, got {d:?}"),
-        },
-    };
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        d => anyhow::bail!("--dtype must be f32 or bf16, got {d:?}"),
-    };
-    Ok((device, dtype))
+    use wavefront_models::device::{parse_device, parse_dtype};
+    let flag = |e: wavefront_models::ModelError| anyhow::anyhow!("--{e}");
+    Ok((
+        parse_device(&args.device).map_err(flag)?,
+        parse_dtype(&args.dtype).map_err(flag)?,
+    ))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -213,6 +203,7 @@ impl Workload {
             },
             scheme: self.scheme(a),
             replay_draws: None,
+            stream_canvas: false,
         }
     }
 }
@@ -244,6 +235,7 @@ fn wait(rx: &Receiver<Event>) -> Result<Outcome> {
             .context("engine stalled")?
         {
             Event::Tokens(t) => tokens.extend(t),
+            Event::Canvas(_) => {}
             Event::Finished { stats, .. } => return Ok(Outcome { tokens, stats }),
             Event::Failed(e) => bail!("request failed: {e}"),
         }

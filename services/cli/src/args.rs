@@ -51,6 +51,12 @@ pub struct PromptArgs {
     /// Raw prompt token ids, comma separated (e.g. 1,2,3).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Send `--prompt` as a user message formatted with the model's chat template.
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
+    /// With `--chat`: a system message before the user's.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
     /// Model name to address (empty: the only model served).
     #[arg(long, default_value = "")]
     pub model_name: String,
@@ -79,6 +85,10 @@ pub struct GenerationArgs {
     /// Nucleus filter; 0 or 1 disables.
     #[arg(long, default_value_t = 0.0)]
     pub top_p: f32,
+    /// Also print canvas events (one JSON line each) for watching the decoding: masked
+    /// diffusion's whole canvas after every step.
+    #[arg(long)]
+    pub stream_canvas: bool,
     /// Seed of every random draw of the request.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -157,6 +167,20 @@ impl GenerationArgs {
     /// The API request these flags describe.
     pub fn to_request(&self, prompt: &PromptArgs) -> Result<pb::GenerateRequest> {
         let prompt_oneof = match (&prompt.prompt, &prompt.prompt_ids) {
+            (Some(t), None) if prompt.chat => {
+                let mut messages = Vec::new();
+                if let Some(system) = &prompt.system {
+                    messages.push(pb::ChatMessage {
+                        role: "system".into(),
+                        content: system.clone(),
+                    });
+                }
+                messages.push(pb::ChatMessage {
+                    role: "user".into(),
+                    content: t.clone(),
+                });
+                pb::generate_request::Prompt::Chat(pb::ChatMessages { messages })
+            }
             (Some(t), None) => pb::generate_request::Prompt::Text(t.clone()),
             (None, Some(ids)) => {
                 pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
@@ -283,6 +307,7 @@ impl GenerationArgs {
                 seed: self.seed,
             }),
             scheme: Some(scheme),
+            stream_canvas: self.stream_canvas,
         })
     }
 }

@@ -16,7 +16,7 @@ use wavefront_schemes::{ReplayDraws, ServedModel};
 use wavefront_worker::{WorkerConfig, WorkerService};
 
 use crate::args::{parse_listen, GenerationArgs, PromptArgs};
-use crate::json::response_json;
+use crate::json::{canvas_json, response_json};
 use crate::model_opts::ModelArgs;
 
 #[derive(Debug, Args)]
@@ -237,6 +237,9 @@ pub async fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = std::io::stdout();
     while let Some(msg) = stream.message().await.map_err(status_error)? {
         match msg.event {
+            Some(pb::generate_stream_response::Event::Canvas(c)) => {
+                println!("{}", canvas_json(&c));
+            }
             Some(pb::generate_stream_response::Event::Tokens(chunk)) if !a.json => {
                 write!(out, "{}", chunk.text)?;
                 out.flush()?;
@@ -275,13 +278,22 @@ pub async fn run(a: RunArgs) -> Result<()> {
     let stop_strings = body.stop_strings.clone();
     let result = tokio::task::spawn_blocking(move || {
         let mut out = std::io::stdout();
-        let res =
-            wavefront_worker::generate_blocking(model.as_ref(), spec, stop_strings, None, |d| {
+        let res = wavefront_worker::generate_blocking(
+            model.as_ref(),
+            spec,
+            stop_strings,
+            None,
+            |d| {
                 if !json {
                     let _ = write!(out, "{}", d.text);
                     let _ = out.flush();
                 }
-            });
+            },
+            |frame| {
+                let event = wavefront_worker::convert::canvas_event(frame);
+                println!("{}", canvas_json(&event));
+            },
+        );
         model.shutdown();
         res
     })

@@ -15,6 +15,31 @@ pub fn finish_reason_name(r: i32) -> &'static str {
     }
 }
 
+/// One canvas event: `{"canvas": {"step", "full", "positions", "token_ids", "states"}}` with
+/// states named `masked`, `drafted`, `committed`, `locked`.
+pub fn canvas_json(c: &pb::CanvasEvent) -> Value {
+    let states: Vec<&str> = c
+        .states
+        .iter()
+        .map(
+            |&s| match pb::CellState::try_from(s).unwrap_or(pb::CellState::Unspecified) {
+                pb::CellState::Masked => "masked",
+                pb::CellState::Drafted => "drafted",
+                pb::CellState::Committed => "committed",
+                pb::CellState::Locked => "locked",
+                pb::CellState::Unspecified => "unspecified",
+            },
+        )
+        .collect();
+    json!({"canvas": {
+        "step": c.step,
+        "full": c.full,
+        "positions": c.positions,
+        "token_ids": c.token_ids,
+        "states": states,
+    }})
+}
+
 pub fn response_json(r: &pb::GenerateResponse) -> Value {
     let s = r.stats.clone().unwrap_or_default();
     let counters: Map<String, Value> = s

@@ -42,6 +42,10 @@ pub struct ModelArgs {
     /// request does not grow with it). Default 131072. Other families use their config's limit.
     #[arg(long, env = "WAVEFRONT_MAX_CONTEXT_TOKENS")]
     pub max_context_tokens: Option<usize>,
+    /// Tensor-parallel ranks each transformer block is split over (attention heads and MLP
+    /// columns; partials summed after the row-parallel layers). In-process; masked diffusion.
+    #[arg(long, env = "WAVEFRONT_TENSOR_PARALLEL", default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 impl ModelArgs {
@@ -71,15 +75,19 @@ impl ModelArgs {
         let device = parse_device(&self.device)?;
         let dtype = match self.dtype.as_deref() {
             None if device.is_cuda() => DType::BF16,
-            None | Some("f32") => DType::F32,
-            Some("bf16") => DType::BF16,
-            Some(other) => bail!("--dtype must be f32 or bf16, got {other:?}"),
+            None => DType::F32,
+            Some(name) => {
+                wavefront_models::device::parse_dtype(name).map_err(|e| anyhow::anyhow!("--{e}"))?
+            }
         };
         if self.memory_budget_mb == 0 {
             bail!("--memory-budget-mb must be at least 1");
         }
         if self.queue_capacity == 0 || self.max_active == 0 {
             bail!("--queue-capacity and --max-active must be at least 1");
+        }
+        if self.tensor_parallel == 0 {
+            bail!("--tensor-parallel must be at least 1");
         }
         if !self.occupancy_multiplier.is_finite() || self.occupancy_multiplier <= 0.0 {
             bail!(
@@ -99,21 +107,11 @@ impl ModelArgs {
             max_active: self.max_active,
             occupancy_multiplier: self.occupancy_multiplier,
             max_context_tokens: self.max_context_tokens,
+            tensor_parallel: self.tensor_parallel,
         })
     }
 }
 
 fn parse_device(s: &str) -> Result<Device> {
-    if s == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    if let Some(n) = s.strip_prefix("cuda:") {
-        let ordinal: usize = n
-            .parse()
-            .with_context(|| format!("--device cuda:N needs a number, got {s:?}"))?;
-        return Device::new_cuda(ordinal).with_context(|| {
-            format!("cannot open {s}: this build needs the `cuda` feature and a visible GPU")
-        });
-    }
-    bail!("--device must be cpu or cuda:N, got {s:?}")
+    wavefront_models::device::parse_device(s).map_err(|e| anyhow::anyhow!("--{e}"))
 }

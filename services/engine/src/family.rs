@@ -55,10 +55,43 @@ impl FinishReason {
 pub enum Event {
     /// Newly final tokens, in position order.
     Tokens(Vec<u32>),
+    /// A view of the request's canvas, for clients that watch the decoding (sent only when the
+    /// request asked for it). Positions count from the first generated position.
+    Canvas(CanvasFrame),
     /// The request finished; its slots are back in the pool.
     Finished { reason: FinishReason, stats: Stats },
     /// The request failed; its slots are back in the pool.
     Failed(EngineError),
+}
+
+/// What a canvas position holds at the time of a [`CanvasFrame`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CellState {
+    /// Still the mask token.
+    Masked,
+    /// A token that may still change (a WINO draft, which verification can revoke).
+    Drafted,
+    /// A final token.
+    Committed,
+    /// A final token whose rows are no longer computed (SureLock).
+    Locked,
+}
+
+/// Canvas positions with their tokens and states: either the whole generated region (`full`,
+/// masked diffusion after every step) or the positions one step made final, in the order the
+/// decoder committed them (slot diffusion's out-of-order slots).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CanvasFrame {
+    /// Positions relative to the first generated position.
+    pub positions: Vec<u32>,
+    /// Token at each position (the mask token where masked).
+    pub tokens: Vec<u32>,
+    pub states: Vec<CellState>,
+    /// Whether `positions` covers the whole generated region (a snapshot) rather than an
+    /// update.
+    pub full: bool,
+    /// The request's decoding step (forward passes so far).
+    pub step: u32,
 }
 
 /// Where a program puts what it produced during a tick.
@@ -73,6 +106,13 @@ impl Outbox {
     pub fn tokens(&mut self, ids: Vec<u32>) {
         if !ids.is_empty() && !self.done {
             self.events.push(Event::Tokens(ids));
+        }
+    }
+
+    /// Sends a canvas view (the program decides whether its request asked for one).
+    pub fn canvas(&mut self, frame: CanvasFrame) {
+        if !frame.positions.is_empty() && !self.done {
+            self.events.push(Event::Canvas(frame));
         }
     }
 

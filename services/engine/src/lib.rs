@@ -37,7 +37,9 @@ pub use engine::{
     Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, SinkError, Submission,
 };
 pub use error::EngineError;
-pub use family::{Active, Event, Family, FinishReason, Outbox, Prepared, RequestError};
+pub use family::{
+    Active, CanvasFrame, CellState, Event, Family, FinishReason, Outbox, Prepared, RequestError,
+};
 pub use ids::{RequestId, SlotId};
 pub use queue::AdmissionQueue;
 pub use slots::SlotPool;

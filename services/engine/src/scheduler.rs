@@ -270,6 +270,7 @@ impl<P: Send + 'static> Scheduler<P> {
                         r.generated += ids.len();
                         Event::Tokens(ids)
                     }
+                    Event::Canvas(frame) => Event::Canvas(frame),
                     Event::Finished { reason, mut stats } => {
                         stats.queue_time = r.queue_time;
                         stats.compute_time = now.saturating_duration_since(r.active.admitted_at);

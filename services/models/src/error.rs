@@ -25,6 +25,9 @@ pub enum ModelError {
         source: serde_json::Error,
     },
 
+    /// A device or dtype name that does not parse or cannot be opened.
+    #[error("{0}")]
+    Device(String),
     /// A `config.json` key is missing or holds a value this implementation cannot use.
     #[error("invalid config key `{key}`: {reason}")]
     Config { key: String, reason: String },

@@ -20,6 +20,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use serde::de::DeserializeOwned;
 
+use crate::chat::ChatTemplate;
 use crate::error::{ModelError, Result};
 use crate::tokenizer::TextTokenizer;
 
@@ -159,14 +160,23 @@ impl ModelFiles {
         self.tokenizer_config_json.as_deref()
     }
 
-    /// Loads `tokenizer.json`.
+    /// Loads `tokenizer.json`, with the chat template of `tokenizer_config.json` if it has one
+    /// (a template that does not parse is logged and left out).
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        match &self.tokenizer_json {
-            Some(bytes) => TextTokenizer::from_bytes(bytes),
-            None => Err(ModelError::Tokenizer(format!(
+        let Some(bytes) = &self.tokenizer_json else {
+            return Err(ModelError::Tokenizer(format!(
                 "the model directory has no {TOKENIZER}"
-            ))),
-        }
+            )));
+        };
+        let tok = TextTokenizer::from_bytes(bytes)?;
+        let template = match self.tokenizer_config_json.as_deref() {
+            None => None,
+            Some(json) => ChatTemplate::from_tokenizer_config(json).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "chat template left out");
+                None
+            }),
+        };
+        Ok(tok.with_chat_template(template))
     }
 
     /// The safetensors files backing the weights (empty for an embedded model).

@@ -16,6 +16,8 @@
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
 
 pub mod armt;
+pub mod chat;
+pub mod device;
 pub mod error;
 pub mod files;
 pub mod huginn;
@@ -24,6 +26,7 @@ pub mod tokenizer;
 pub mod transformer;
 
 pub use armt::{Armt, ArmtConfig};
+pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use files::{detect_family, ModelFamily, ModelFiles};
 pub use huginn::{

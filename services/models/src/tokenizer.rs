@@ -9,18 +9,23 @@
 //! its last byte arrives, and windowed decoding keeps whitespace handling identical to decoding
 //! the full sequence.
 
+use std::sync::Arc;
+
+use crate::chat::{ChatMessage, ChatTemplate};
 use crate::error::{ModelError, Result};
 
-/// A loaded `tokenizer.json`.
+/// A loaded `tokenizer.json`, with the model's chat template when it has one.
 #[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    chat: Option<Arc<ChatTemplate>>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TextTokenizer")
             .field("vocab_size", &self.vocab_size())
+            .field("chat_template", &self.chat.is_some())
             .finish()
     }
 }
@@ -34,7 +39,30 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         Ok(Self {
             inner: tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?,
+            chat: None,
         })
+    }
+
+    /// Attaches a chat template.
+    pub fn with_chat_template(mut self, template: Option<ChatTemplate>) -> Self {
+        self.chat = template.map(Arc::new);
+        self
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_deref()
+    }
+
+    /// Token ids of a conversation: the chat template rendered with the generation prompt,
+    /// tokenized without adding special tokens (the template wrote them).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let template = self.chat.as_deref().ok_or_else(|| {
+            ModelError::Tokenizer(
+                "this model has no chat template (no `chat_template` in its tokenizer_config.json)"
+                    .into(),
+            )
+        })?;
+        self.encode(&template.render(messages, true)?, false)
     }
 
     /// Reads a `tokenizer.json` file.

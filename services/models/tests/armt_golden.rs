@@ -10,6 +10,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
 use wavefront_models::armt::LayerMemory;
+use wavefront_models::device::test_device;
 use wavefront_models::{Armt, ArmtConfig, ModelFamily, ModelFiles};
 
 fn fixture_dir() -> PathBuf {
@@ -25,7 +26,7 @@ fn model() -> Result<Armt> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = config(&files)?;
     Ok(Armt::load(
-        files.var_builder(DType::F32, &Device::Cpu)?,
+        files.var_builder(DType::F32, &test_device())?,
         cfg,
     )?)
 }
@@ -36,7 +37,7 @@ impl Golden {
     fn load() -> Result<Self> {
         Ok(Self(candle_core::safetensors::load(
             fixture_dir().join("golden.safetensors"),
-            &Device::Cpu,
+            &test_device(),
         )?))
     }
 
@@ -61,6 +62,7 @@ fn diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
         a.dims(),
         b.dims()
     );
+    let (a, b) = (a.to_device(&Device::Cpu)?, b.to_device(&Device::Cpu)?);
     let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?;
     let max = d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     let num = d.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
@@ -219,7 +221,7 @@ fn both_upstream_layer_prefixes_load_the_same_model() -> Result<()> {
         .keys()
         .any(|k| k.starts_with("memory_cell.model.model.layers.2.W_mb")));
     let other = Armt::load(
-        VarBuilder::from_tensors(renamed, DType::F32, &Device::Cpu),
+        VarBuilder::from_tensors(renamed, DType::F32, &test_device()),
         cfg,
     )?;
     let ids: Vec<u32> = Golden::load()?.input_ids()?[..20].to_vec();

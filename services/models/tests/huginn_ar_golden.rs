@@ -8,8 +8,9 @@
 mod common;
 
 use anyhow::{ensure, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::{assert_close, fixture_model, Golden};
+use wavefront_models::device::test_device;
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 const CASES: [&str; 8] = [
@@ -158,7 +159,7 @@ fn tick(model: &Huginn, reqs: &mut [&mut Request]) -> Result<()> {
         offset += lens[i];
         states.push(match &r.draws {
             Some(d) => d.narrow(0, starts[i], lens[i])?,
-            None => Tensor::zeros((lens[i], dim), DType::F32, &Device::Cpu)?,
+            None => Tensor::zeros((lens[i], dim), DType::F32, &test_device())?,
         });
     }
 
@@ -220,7 +221,7 @@ fn tick(model: &Huginn, reqs: &mut [&mut Request]) -> Result<()> {
         last.push(offset as u32 - 1);
     }
     let logits =
-        model.lm_head(&hidden.index_select(&Tensor::new(last.as_slice(), &Device::Cpu)?, 0)?)?;
+        model.lm_head(&hidden.index_select(&Tensor::new(last.as_slice(), &test_device())?, 0)?)?;
     let next: Vec<u32> = logits.argmax(1)?.to_vec1()?;
     for (i, r) in reqs.iter_mut().enumerate() {
         r.tokens.push(next[i]);

@@ -9,8 +9,9 @@
 mod common;
 
 use anyhow::{ensure, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::{fixture_model, Golden};
+use wavefront_models::device::test_device;
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 const CASES: [&str; 4] = [
@@ -102,7 +103,7 @@ impl Request {
             Some(golden.tensor(&format!("{name}.init_draws"))?.clone())
         };
         let prompt = golden.prompt_ids();
-        let empty = Tensor::zeros((0, dim), DType::F32, &Device::Cpu)?;
+        let empty = Tensor::zeros((0, dim), DType::F32, &test_device())?;
         Ok(Self {
             name,
             cache: HuginnCache::new(c["cache_lookup_strategy"].as_str().unwrap().parse()?),
@@ -130,7 +131,7 @@ impl Request {
                 self.next_draw += n;
                 rows
             }
-            None => Tensor::zeros((n, dim), DType::F32, &Device::Cpu)?,
+            None => Tensor::zeros((n, dim), DType::F32, &test_device())?,
         })
     }
 
@@ -318,7 +319,7 @@ fn step(model: &Huginn, reqs: &mut [&mut Request]) -> Result<()> {
             let b: Vec<f32> = (0..s)
                 .map(|p| (beta / (1.0 + r.counter.get(c + p).copied().unwrap_or(0.0))) as f32)
                 .collect();
-            let b = Tensor::from_vec(b, (s, 1), &Device::Cpu)?;
+            let b = Tensor::from_vec(b, (s, 1), &test_device())?;
             r.z = (r.z.broadcast_mul(&(1.0 - &b)?)? + noise.broadcast_mul(&b)?)?;
         }
     }
@@ -343,7 +344,7 @@ fn step(model: &Huginn, reqs: &mut [&mut Request]) -> Result<()> {
     let logits = model.predict_from_latents(&z, &mut seqs)?;
     drop(seqs);
     let decoded: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-    let decoded = split_rows(&Tensor::new(decoded.as_slice(), &Device::Cpu)?, &sizes)?;
+    let decoded = split_rows(&Tensor::new(decoded.as_slice(), &test_device())?, &sizes)?;
 
     for (i, r) in reqs.iter_mut().enumerate() {
         let (c, s) = (starts[i], sizes[i]);

@@ -5,18 +5,33 @@ mod common;
 
 use std::collections::HashMap;
 
-use anyhow::Result;
-use candle_core::{DType, Device, IndexOp, Tensor};
+use anyhow::{Context, Result};
+use candle_core::{DType, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, load_model, Golden};
+use wavefront_models::device::test_device;
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{
-    detect_family, CacheStrategy, Huginn, HuginnCache, ModelFamily, ModelFiles, SeqRows,
-    TextTokenizer,
+    detect_family, CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFamily, ModelFiles,
+    SeqRows, TextTokenizer,
 };
 
+/// The upstream forward, also with every block split over 2 and 4 in-process tensor-parallel
+/// ranks (heads and MLP columns; partials summed), within the same tolerance.
 #[test]
 fn forward_matches_upstream() -> Result<()> {
     let golden = Golden::load()?;
-    let model = load_model(&ModelFiles::from_dir(fixture_dir())?)?;
+    let files = ModelFiles::from_dir(fixture_dir())?;
+    check_forward(&golden, &load_model(&files)?)?;
+    for world in [2, 4] {
+        let cfg = HuginnConfig::from_json(files.config_json())?;
+        let vb = files.var_builder(DType::F32, &test_device())?;
+        let model = Huginn::load_parallel(vb, cfg, &TensorParallel::local(world))?;
+        check_forward(&golden, &model).with_context(|| format!("{world} ranks"))?;
+    }
+    Ok(())
+}
+
+fn check_forward(golden: &Golden, model: &Huginn) -> Result<()> {
     let ids = golden.prompt_ids();
     let n = ids.len();
     let mut cache = HuginnCache::new(CacheStrategy::Full);
@@ -77,7 +92,7 @@ fn zero_state_forward_matches_upstream() -> Result<()> {
     let n = ids.len();
     let mut cache = HuginnCache::new(CacheStrategy::Full);
     let e = model.prelude(&model.embed(&ids)?, &mut [SeqRows::new(&mut cache, 0, n)])?;
-    let mut state = Tensor::zeros((n, model.config().n_embd), DType::F32, &Device::Cpu)?;
+    let mut state = Tensor::zeros((n, model.config().n_embd), DType::F32, &test_device())?;
     for r in 0..4 {
         state = model.core_step(
             &state,
@@ -224,7 +239,7 @@ fn sharded_checkpoint_loads() -> Result<()> {
     for f in ["config.json", "tokenizer.json"] {
         std::fs::copy(src.join(f), dir.join(f))?;
     }
-    let tensors = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
+    let tensors = candle_core::safetensors::load(src.join("model.safetensors"), &test_device())?;
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort();
     let half = names.len() / 2;
@@ -292,7 +307,7 @@ fn checkpoint_tensor_list_matches_the_fixture() -> Result<()> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = wavefront_models::HuginnConfig::from_json(files.config_json())?;
     let stored =
-        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &Device::Cpu)?;
+        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &test_device())?;
     let mut want: Vec<(String, Vec<usize>)> = stored
         .iter()
         .filter(|(name, _)| name.as_str() != "freqs_cis")
@@ -308,11 +323,11 @@ fn checkpoint_tensor_list_matches_the_fixture() -> Result<()> {
         .map(|(name, shape)| {
             Ok((
                 name.clone(),
-                Tensor::zeros(shape.as_slice(), DType::F32, &Device::Cpu)?,
+                Tensor::zeros(shape.as_slice(), DType::F32, &test_device())?,
             ))
         })
         .collect::<Result<std::collections::HashMap<_, _>>>()?;
-    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &test_device());
     Huginn::load(vb, cfg)?;
     Ok(())
 }
@@ -378,7 +393,7 @@ fn bf16_forward_tracks_float32() -> Result<()> {
     let golden = Golden::load()?;
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = wavefront_models::HuginnConfig::from_json(files.config_json())?;
-    let model = Huginn::load(files.var_builder(DType::BF16, &Device::Cpu)?, cfg)?;
+    let model = Huginn::load(files.var_builder(DType::BF16, &test_device())?, cfg)?;
     assert_eq!(model.dtype(), DType::BF16);
     let ids = golden.prompt_ids();
     let n = ids.len();

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, IndexOp, Tensor};
+use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
 
@@ -18,7 +19,7 @@ fn fixture_dir() -> PathBuf {
 fn model(dtype: DType) -> Result<Llada> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = LladaConfig::from_json(files.config_json())?;
-    Ok(Llada::load(files.var_builder(dtype, &Device::Cpu)?, cfg)?)
+    Ok(Llada::load(files.var_builder(dtype, &test_device())?, cfg)?)
 }
 
 struct Golden {
@@ -30,7 +31,10 @@ impl Golden {
     fn load() -> Result<Self> {
         let dir = fixture_dir();
         Ok(Self {
-            tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?,
+            tensors: candle_core::safetensors::load(
+                dir.join("golden.safetensors"),
+                &test_device(),
+            )?,
             json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
         })
     }
@@ -213,7 +217,7 @@ fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
     let mut seqs = [SeqInput::dense(other.len()), partial];
     let logits = model.logits(&model.forward(&packed_ids, &mut seqs)?)?;
     let got = logits.narrow(0, other.len(), rows.len())?;
-    let want = dense.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
+    let want = dense.index_select(&Tensor::new(rows.as_slice(), &test_device())?, 0)?;
     assert_close("rows from the cache", &got, &want, 1e-5)?;
 
     // A truncated cache serves a shorter buffer.
@@ -260,7 +264,7 @@ fn config_and_checkpoint_layout() -> Result<()> {
     );
     assert_eq!((cfg.mask_token_id, cfg.eos_token_id), (460, Some(449)));
     let stored =
-        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &Device::Cpu)?;
+        candle_core::safetensors::load(fixture_dir().join("model.safetensors"), &test_device())?;
     let mut want: Vec<(String, Vec<usize>)> = stored
         .iter()
         .map(|(name, t)| (name.clone(), t.dims().to_vec()))
@@ -288,5 +292,97 @@ fn config_and_checkpoint_layout() -> Result<()> {
         detect_family(&serde_json::json!({"architectures": ["LLaDAModelLM"]}))?,
         ModelFamily::MaskedDiffusion
     );
+    Ok(())
+}
+
+#[test]
+fn tokenizer_and_chat_template_match_upstream() -> Result<()> {
+    let g = Golden::load()?;
+    let tok = ModelFiles::from_dir(fixture_dir())?.tokenizer()?;
+    let want = &g.json["tokenizer"];
+    for case in want["cases"].as_array().context("cases")? {
+        let text = case["text"].as_str().context("text")?;
+        let ids: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
+        ensure!(tok.encode(text, false)? == ids, "encode {text:?}");
+    }
+    let chat = &want["chat"];
+    let messages: Vec<wavefront_models::ChatMessage> = chat["messages"]
+        .as_array()
+        .context("messages")?
+        .iter()
+        .map(|m| {
+            wavefront_models::ChatMessage::new(
+                m["role"].as_str().unwrap_or_default(),
+                m["content"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let template = tok
+        .chat_template()
+        .context("the fixture has a chat template")?;
+    assert_eq!(
+        template.render(&messages, true)?,
+        chat["rendered"].as_str().context("rendered")?
+    );
+    let ids: Vec<u32> = serde_json::from_value(chat["ids"].clone())?;
+    assert_eq!(tok.encode_chat(&messages)?, ids);
+    Ok(())
+}
+
+/// Tensor parallelism over 2 and 4 in-process ranks (heads and MLP columns split, partials
+/// summed): the golden forward and a cached step give the one-rank logits.
+#[test]
+fn tensor_parallel_ranks_give_the_one_rank_logits() -> Result<()> {
+    use wavefront_models::transformer::TensorParallel;
+    let g = Golden::load()?;
+    let files = ModelFiles::from_dir(fixture_dir())?;
+    let ids = g.ids("forward.input_ids")?;
+    let one = model(DType::F32)?;
+    let single = one.logits(&one.forward(&ids, &mut [SeqInput::dense(ids.len())])?)?;
+    for world in [2, 4] {
+        let cfg = LladaConfig::from_json(files.config_json())?;
+        let tp = Llada::load_parallel(
+            files.var_builder(DType::F32, &test_device())?,
+            cfg,
+            &TensorParallel::local(world),
+        )?;
+        let got = tp.logits(&tp.forward(&ids, &mut [SeqInput::dense(ids.len())])?)?;
+        assert_close(&format!("{world} ranks"), &got, &single, 1e-4)?;
+        let upstream = g.tensor("forward.logits")?.i(0)?;
+        assert_close(&format!("{world} ranks vs upstream"), &got, &upstream, ATOL)?;
+        // Keys cached per rank and read back: a second call over the same buffer through the
+        // cache gives the dense logits.
+        let mut cache = KvCache::new();
+        let n = ids.len();
+        let seq = |cache| SeqInput::dense(n).with_keys(Keys::Buffer { cache, len: n });
+        tp.forward(&ids, &mut [seq(&mut cache)])?;
+        let last = [ids[n - 1]];
+        let mut step = [SeqInput {
+            index: vec![(n - 1) as u32],
+            positions: vec![(n - 1) as u32],
+            mask: MaskRule::Bidirectional,
+            keys: Keys::Buffer {
+                cache: &mut cache,
+                len: n,
+            },
+        }];
+        let got = tp.logits(&tp.forward(&last, &mut step)?)?;
+        assert_close(
+            &format!("{world} ranks, cached"),
+            &got,
+            &single.narrow(0, n - 1, 1)?,
+            1e-4,
+        )?;
+    }
+    // A split the heads do not allow is refused by name.
+    let cfg = LladaConfig::from_json(files.config_json())?;
+    let err = Llada::load_parallel(
+        files.var_builder(DType::F32, &test_device())?,
+        cfg,
+        &TensorParallel::local(3),
+    )
+    .unwrap_err()
+    .to_string();
+    ensure!(err.contains("tensor_parallel"), "{err}");
     Ok(())
 }

@@ -18,6 +18,8 @@ pub struct GenerateSpec {
     /// Recorded random draws to replay instead of the seeded RNG (tests,
     /// reproduction of reference runs).
     pub replay_draws: Option<Arc<ReplayDraws>>,
+    /// Also send canvas frames (`Event::Canvas`) for clients that watch the decoding.
+    pub stream_canvas: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

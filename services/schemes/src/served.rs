@@ -13,7 +13,7 @@ use wavefront_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, Family, Prepared,
     RequestError, RequestId, Submission,
 };
-use wavefront_models::{ModelFamily, ModelFiles, TextTokenizer};
+use wavefront_models::{ChatMessage, ModelFamily, ModelFiles, TextTokenizer};
 
 use crate::request::GenerateSpec;
 use crate::SchemeError;
@@ -48,6 +48,13 @@ pub trait ServedModel: Send + Sync {
     fn tokenizer(&self) -> Option<&TextTokenizer>;
     /// Prompt text to ids (the family's convention for special tokens).
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// A conversation to ids through the model's chat template.
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        self.tokenizer()
+            .ok_or("this model has no tokenizer; send token ids")?
+            .encode_chat(messages)
+            .map_err(|e| e.to_string())
+    }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
     /// Validates and queues a request; events arrive through `sink`.
@@ -152,6 +159,9 @@ pub struct LoadOptions {
     /// [`crate::recurrent_memory::DEFAULT_MAX_CONTEXT_TOKENS`]. Other families take their limit
     /// from their config and ignore this.
     pub max_context_tokens: Option<usize>,
+    /// Tensor-parallel ranks each block is split over (heads and MLP columns), in-process;
+    /// 1 disables the split.
+    pub tensor_parallel: usize,
 }
 
 impl Default for LoadOptions {
@@ -165,6 +175,7 @@ impl Default for LoadOptions {
             max_active: 32,
             occupancy_multiplier: 1.0,
             max_context_tokens: None,
+            tensor_parallel: 1,
         }
     }
 }
@@ -175,6 +186,17 @@ pub fn load_model(
     opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let family = files.family()?;
+    if opts.tensor_parallel > 1
+        && !matches!(
+            family,
+            ModelFamily::MaskedDiffusion | ModelFamily::RecurrentDepth
+        )
+    {
+        return Err(SchemeError::InvalidOption(format!(
+            "tensor parallelism is not implemented for {family:?} models yet; \
+             use --tensor-parallel 1"
+        )));
+    }
     if family != ModelFamily::RecurrentMemory {
         if let Some(n) = opts.max_context_tokens {
             tracing::warn!(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_engine::{CanvasFrame, Event, EventSink, FinishReason, SinkError, Stats};
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path).
@@ -50,6 +50,8 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub reason: FinishReason,
     pub stats: Stats,
+    /// Canvas frames, in the order they arrived (only when the request asked for them).
+    pub frames: Vec<CanvasFrame>,
 }
 
 impl Outcome {
@@ -69,6 +71,7 @@ impl Outcome {
 /// Reads events until the request ends; `first` holds events already taken off the channel.
 pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     let mut tokens = Vec::new();
+    let mut frames = Vec::new();
     let mut pending = first.into_iter();
     loop {
         let ev = match pending.next() {
@@ -79,14 +82,67 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
         };
         match ev {
             Event::Tokens(t) => tokens.extend(t),
+            Event::Canvas(f) => frames.push(f),
             Event::Finished { reason, stats } => {
                 return Ok(Outcome {
                     tokens,
                     reason,
                     stats,
+                    frames,
                 })
             }
             Event::Failed(e) => bail!("request failed: {e}"),
         }
     }
+}
+
+/// Loads `files` with `opts`, submits every request at once and collects their outcomes.
+pub fn served_outcomes(
+    files: wavefront_models::ModelFiles,
+    opts: crate::served::LoadOptions,
+    requests: &[crate::request::GenerateSpec],
+) -> Result<Vec<Outcome>> {
+    let served = crate::served::load_model(files, opts)?;
+    let receivers = requests
+        .iter()
+        .map(|spec| {
+            let (sink, rx, _) = TestSink::new(1024);
+            served.submit(spec.clone(), Box::new(sink), None, tracing::Span::none())?;
+            Ok(rx)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = receivers
+        .iter()
+        .map(|rx| collect(rx, Vec::new()))
+        .collect::<Result<Vec<_>>>();
+    served.shutdown();
+    out
+}
+
+/// Serves `requests` on one rank and split over 2 and 4 in-process tensor-parallel ranks:
+/// every request decodes the same tokens with the same per-step statistics.
+pub fn assert_tensor_parallel_decodes_match(
+    files: impl Fn() -> Result<wavefront_models::ModelFiles>,
+    requests: &[crate::request::GenerateSpec],
+) -> Result<()> {
+    let opts = |world| crate::served::LoadOptions {
+        tensor_parallel: world,
+        ..crate::served::LoadOptions::default()
+    };
+    let one = served_outcomes(files()?, opts(1), requests)?;
+    for world in [2, 4] {
+        for (i, (a, b)) in one
+            .iter()
+            .zip(served_outcomes(files()?, opts(world), requests)?)
+            .enumerate()
+        {
+            anyhow::ensure!(
+                a.tokens == b.tokens && a.reason == b.reason && a.stats.series == b.stats.series,
+                "{world} ranks, request {i}: {:?} vs {:?}",
+                a.tokens,
+                b.tokens
+            );
+        }
+    }
+    Ok(())
 }

@@ -130,6 +130,7 @@ fn peak_of(served: &dyn ServedModel, len: usize, execution: Execution) -> Result
             ..ArParams::default()
         }),
         replay_draws: None,
+        stream_canvas: false,
     };
     let (tx, rx) = mpsc::sync_channel::<Event>(64);
     let baseline = CURRENT.load(Ordering::SeqCst);
@@ -145,6 +146,7 @@ fn peak_of(served: &dyn ServedModel, len: usize, execution: Execution) -> Result
                 break;
             }
             Event::Failed(e) => bail!("{e}"),
+            Event::Canvas(_) => bail!("a left-to-right family sent a canvas frame"),
         }
     }
     Ok(PEAK.load(Ordering::SeqCst).saturating_sub(baseline))

@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tonic::Status;
-use wavefront_engine::{FinishReason, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
+use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
@@ -20,7 +21,7 @@ pub fn spec_from_proto(
     let prompt_ids = match &req.prompt {
         None => {
             return Err(Status::invalid_argument(
-                "prompt is missing: set `text` or `token_ids`",
+                "prompt is missing: set `text`, `token_ids` or `chat`",
             ))
         }
         Some(pb::generate_request::Prompt::Text(t)) => {
@@ -32,6 +33,19 @@ pub fn spec_from_proto(
                 .map_err(|e| Status::invalid_argument(format!("cannot tokenize prompt: {e}")))?
         }
         Some(pb::generate_request::Prompt::TokenIds(ids)) => ids.ids.clone(),
+        Some(pb::generate_request::Prompt::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(Status::invalid_argument("chat has no messages"));
+            }
+            let messages: Vec<ChatMessage> = chat
+                .messages
+                .iter()
+                .map(|m| ChatMessage::new(&m.role, &m.content))
+                .collect();
+            model.encode_chat(&messages).map_err(|e| {
+                Status::invalid_argument(format!("cannot format the chat prompt: {e}"))
+            })?
+        }
     };
     let sampling = req.sampling.unwrap_or_default();
     let seed = sampling.seed.unwrap_or_else(random_seed);
@@ -113,7 +127,30 @@ pub fn spec_from_proto(
         sampling,
         scheme,
         replay_draws: None::<Arc<ReplayDraws>>,
+        stream_canvas: req.stream_canvas,
     })
+}
+
+/// A canvas frame as the API's event.
+pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
+    pb::CanvasEvent {
+        step: f.step,
+        full: f.full,
+        positions: f.positions.clone(),
+        token_ids: f.tokens.clone(),
+        states: f
+            .states
+            .iter()
+            .map(|s| {
+                (match s {
+                    CellState::Masked => pb::CellState::Masked,
+                    CellState::Drafted => pb::CellState::Drafted,
+                    CellState::Committed => pb::CellState::Committed,
+                    CellState::Locked => pb::CellState::Locked,
+                }) as i32
+            })
+            .collect(),
+    }
 }
 
 /// The scheme of a request that names none: `ar` where the model serves it, otherwise the

@@ -8,7 +8,9 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use wavefront_engine::{EngineError, Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_engine::{
+    CanvasFrame, EngineError, Event, EventSink, FinishReason, SinkError, Stats,
+};
 use wavefront_schemes::{GenerateSpec, ServedModel};
 
 /// What one batch of tokens produced for the client.
@@ -185,13 +187,15 @@ impl EventSink for StdSink {
 }
 
 /// Runs one request to completion on `model` without any server (the
-/// offline `wavefront run` path); `on_delta` sees every streamed delta.
+/// offline `wavefront run` path); `on_delta` sees every streamed delta and `on_canvas` every
+/// canvas frame (sent only when `spec.stream_canvas`).
 pub fn generate_blocking(
     model: &dyn ServedModel,
     spec: GenerateSpec,
     stop_strings: Vec<String>,
     timeout: Option<Duration>,
     mut on_delta: impl FnMut(&Delta),
+    mut on_canvas: impl FnMut(&CanvasFrame),
 ) -> Result<Finished, EngineError> {
     let (tx, rx) = mpsc::sync_channel(256);
     let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -224,6 +228,7 @@ pub fn generate_blocking(
                     });
                 }
             }
+            Event::Canvas(frame) => on_canvas(&frame),
             Event::Finished { reason, stats } => {
                 let rest = out.finish(&decode);
                 if !rest.is_empty() {

@@ -303,6 +303,13 @@ impl StreamState {
                     self.pending.push_back(Ok(msg));
                 }
             }
+            Some(Event::Canvas(frame)) => {
+                self.pending.push_back(Ok(pb::GenerateStreamResponse {
+                    event: Some(pb::generate_stream_response::Event::Canvas(
+                        convert::canvas_event(&frame),
+                    )),
+                }));
+            }
             Some(Event::Finished { reason, stats }) => {
                 self.rx = None;
                 let rest = self.out.finish(&decode);

@@ -21,7 +21,6 @@ use clap::Parser;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{Event, Stats};
-use wavefront_models::candle_core::{DType, Device};
 use wavefront_schemes::masked_diffusion::serve_model;
 use wavefront_schemes::{
     GenerateSpec, LoadOptions, LowConfidenceParams, SamplingParams, SchemeParams, ServedModel,
@@ -151,6 +150,7 @@ impl Workload {
             },
             scheme: self.scheme(a),
             replay_draws: None,
+            stream_canvas: false,
         }
     }
 }
@@ -175,6 +175,7 @@ fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
             .context("engine stalled")?
         {
             Event::Tokens(t) => tokens += t.len(),
+            Event::Canvas(_) => {}
             Event::Finished { stats, .. } => {
                 return Ok(Outcome {
                     tokens,
@@ -194,18 +195,9 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        d => match d.strip_prefix("cuda:") {
-            Some(n) => Device::new_cuda(n.parse()?)?,
-            None => bail!("--device must be cpu or cuda:N"),
-        },
-    };
-    let dtype = match a.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        d => bail!("--dtype must be f32 or bf16, got {d}"),
-    };
+    let flag = |e: wavefront_models::ModelError| anyhow::anyhow!("--{e}");
+    let device = wavefront_models::device::parse_device(&a.device).map_err(flag)?;
+    let dtype = wavefront_models::device::parse_dtype(&a.dtype).map_err(flag)?;
     let shape = synthetic::Shape {
         d_model: a.d_model,
         n_heads: a.n_heads,
@@ -223,7 +215,6 @@ fn main() -> Result<()> {
         memory_budget_bytes: 16 << 30,
         queue_capacity: 64,
         max_active: max_c,
-        occupancy_multiplier: 1.0,
         ..LoadOptions::default()
     };
     let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);

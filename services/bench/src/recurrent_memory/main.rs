@@ -24,7 +24,7 @@ use clap::Parser;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{Event, Stats};
-use wavefront_models::candle_core::{DType, Device};
+use wavefront_models::device::{parse_device, parse_dtype};
 use wavefront_schemes::recurrent_memory::serve_model;
 use wavefront_schemes::{
     ArParams, Execution, GenerateSpec, LoadOptions, SamplingParams, SchemeParams, ServedModel,
@@ -94,6 +94,7 @@ fn request(a: &Args, len: usize, execution: Execution, i: u64) -> GenerateSpec {
             ..ArParams::default()
         }),
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 
@@ -119,24 +120,15 @@ fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
                 })
             }
             Event::Failed(e) => bail!("request failed: {e}"),
+            Event::Canvas(_) => {}
         }
     }
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        d => match d.strip_prefix("cuda:") {
-            Some(n) => Device::new_cuda(n.parse()?)?,
-            None => bail!("--device must be cpu or cuda:N"),
-        },
-    };
-    let dtype = match a.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        d => bail!("--dtype must be f32 or bf16, got {d}"),
-    };
+    let device = parse_device(&a.device)?;
+    let dtype = parse_dtype(&a.dtype)?;
     let shape = synthetic::Shape {
         hidden_size: a.hidden_size,
         layers: a.layers,

@@ -12,13 +12,17 @@
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
+use std::sync::Arc;
+
 use super::cache::CacheSlot;
 use super::config::HuginnConfig;
 use super::SeqRows;
 use crate::error::{ModelError, Result};
+use crate::transformer::parallel::{column_range, head_ranges, Collective, TensorParallel};
 pub(crate) use crate::transformer::{get, linear, RmsNorm};
 
-/// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`.
+/// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`; under tensor parallelism one per rank
+/// over its columns (its rows of `g` and of `u`, its columns of `proj`).
 #[derive(Debug, Clone)]
 struct GatedMlp {
     fc: Linear,
@@ -27,13 +31,38 @@ struct GatedMlp {
 }
 
 impl GatedMlp {
-    fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Vec<Self>> {
         let (e, i) = (cfg.n_embd, cfg.intermediate_size);
-        Ok(Self {
-            fc: linear(&vb.pp("fc"), e, 2 * i, false)?,
-            proj: linear(&vb.pp("proj"), i, e, false)?,
-            hidden: i,
-        })
+        let fc = linear(&vb.pp("fc"), e, 2 * i, false)?;
+        let proj = linear(&vb.pp("proj"), i, e, false)?;
+        if tp.is_single() {
+            return Ok(vec![Self {
+                fc,
+                proj,
+                hidden: i,
+            }]);
+        }
+        (0..tp.world)
+            .map(|rank| {
+                let c = column_range(i, tp.world, rank)?;
+                let w = fc.weight();
+                let rows = Tensor::cat(
+                    &[
+                        w.narrow(0, c.start, c.len())?,
+                        w.narrow(0, i + c.start, c.len())?,
+                    ],
+                    0,
+                )?;
+                Ok(Self {
+                    fc: Linear::new(rows, None),
+                    proj: Linear::new(
+                        proj.weight().narrow(1, c.start, c.len())?.contiguous()?,
+                        None,
+                    ),
+                    hidden: c.len(),
+                })
+            })
+            .collect()
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -156,18 +185,29 @@ impl RopeTable {
 }
 
 /// Causal self-attention with q/k bias and interleaved RoPE.
+///
+/// Under tensor parallelism each rank holds its heads' rows of `Wqkv` (and of the q/k bias) and
+/// their columns of `proj`. The heads are gathered for the cache write and the attention itself,
+/// because one cache slot holds every head (the lookup strategies remap slots, not heads); the
+/// output projection runs per rank and the collective sums the partials.
 #[derive(Debug, Clone)]
 struct Attention {
-    wqkv: Linear,
-    proj: Linear,
-    /// `[H, 1, D]` biases of q and k.
-    qk_bias: Option<(Tensor, Tensor)>,
-    n_heads: usize,
+    shards: Vec<AttnShard>,
+    comm: Arc<dyn Collective>,
     head_dim: usize,
 }
 
+#[derive(Debug, Clone)]
+struct AttnShard {
+    wqkv: Linear,
+    proj: Linear,
+    /// `[H_r, 1, D]` biases of q and k.
+    qk_bias: Option<(Tensor, Tensor)>,
+    n_heads: usize,
+}
+
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Self> {
         let (e, h, d) = (cfg.n_embd, cfg.n_heads, cfg.head_dim());
         let qk_bias = if cfg.qk_bias {
             let b = get(&vb, &[2, 1, h, d], "qk_bias")?;
@@ -177,11 +217,43 @@ impl Attention {
         } else {
             None
         };
+        let wqkv = linear(&vb.pp("Wqkv"), e, 3 * e, false)?;
+        let proj = linear(&vb.pp("proj"), e, e, false)?;
+        let shards = if tp.is_single() {
+            vec![AttnShard {
+                wqkv,
+                proj,
+                qk_bias,
+                n_heads: h,
+            }]
+        } else {
+            (0..tp.world)
+                .map(|rank| {
+                    let (r, _) = head_ranges(h, h, tp.world, rank)?;
+                    let (start, len) = (r.start * d, r.len() * d);
+                    let w = wqkv.weight();
+                    let rows: Vec<Tensor> = (0..3)
+                        .map(|part| w.narrow(0, part * e + start, len))
+                        .collect::<candle_core::Result<_>>()?;
+                    let bias = match &qk_bias {
+                        Some((q, k)) => Some((
+                            q.narrow(0, r.start, r.len())?.contiguous()?,
+                            k.narrow(0, r.start, r.len())?.contiguous()?,
+                        )),
+                        None => None,
+                    };
+                    Ok(AttnShard {
+                        wqkv: Linear::new(Tensor::cat(&rows, 0)?, None),
+                        proj: Linear::new(proj.weight().narrow(1, start, len)?.contiguous()?, None),
+                        qk_bias: bias,
+                        n_heads: r.len(),
+                    })
+                })
+                .collect::<Result<_>>()?
+        };
         Ok(Self {
-            wqkv: linear(&vb.pp("Wqkv"), e, 3 * e, false)?,
-            proj: linear(&vb.pp("proj"), e, e, false)?,
-            qk_bias,
-            n_heads: h,
+            shards,
+            comm: tp.comm.clone(),
             head_dim: d,
         })
     }
@@ -194,20 +266,32 @@ impl Attention {
         seqs: &mut [SeqRows],
         slot: &dyn Fn(&SeqRows) -> CacheSlot,
     ) -> Result<Tensor> {
-        let (n, e) = x.dims2()?;
-        let (h, d) = (self.n_heads, self.head_dim);
+        let n = x.dim(0)?;
+        let d = self.head_dim;
         let dtype = x.dtype();
-        let qkv = self.wqkv.forward(x)?.reshape((n, 3, h, d))?;
-        // [H, N, D] views, made contiguous by the bias add / RoPE.
-        let head_major = |i: usize| -> Result<Tensor> { Ok(qkv.i((.., i))?.transpose(0, 1)?) };
-        let (mut q, mut k) = (head_major(0)?, head_major(1)?);
-        if let Some((qb, kb)) = &self.qk_bias {
-            q = q.broadcast_add(qb)?;
-            k = k.broadcast_add(kb)?;
+        // Every rank's q, k, v `[H_r, N, D]`, gathered along the heads.
+        let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+        for s in &self.shards {
+            let qkv = s.wqkv.forward(x)?.reshape((n, 3, s.n_heads, d))?;
+            // [H, N, D] views, made contiguous by the bias add / RoPE.
+            let head_major = |i: usize| -> Result<Tensor> { Ok(qkv.i((.., i))?.transpose(0, 1)?) };
+            let (mut q, mut k) = (head_major(0)?, head_major(1)?);
+            if let Some((qb, kb)) = &s.qk_bias {
+                q = q.broadcast_add(qb)?;
+                k = k.broadcast_add(kb)?;
+            }
+            qs.push(self.rope(&q, layout, dtype)?);
+            ks.push(self.rope(&k, layout, dtype)?);
+            vs.push(head_major(2)?.contiguous()?);
         }
-        let q = self.rope(&q, layout, dtype)?;
-        let k = self.rope(&k, layout, dtype)?;
-        let v = head_major(2)?.contiguous()?;
+        let gather = |mut t: Vec<Tensor>| -> Result<Tensor> {
+            Ok(if t.len() == 1 {
+                t.pop().expect("one shard")
+            } else {
+                Tensor::cat(&t, 0)?
+            })
+        };
+        let (q, k, v) = (gather(qs)?, gather(ks)?, gather(vs)?);
 
         let scale = 1.0 / (d as f64).sqrt();
         let single = seqs.len() == 1;
@@ -241,8 +325,23 @@ impl Attention {
         } else {
             Tensor::cat(&outs, 1)?
         };
-        let y = y.transpose(0, 1)?.contiguous()?.reshape((n, e))?;
-        Ok(self.proj.forward(&y)?)
+        // Each rank projects its heads; the collective sums the partials.
+        let mut partials = Vec::with_capacity(self.shards.len());
+        let mut head = 0;
+        for s in &self.shards {
+            let y = if self.shards.len() == 1 {
+                y.clone()
+            } else {
+                y.narrow(0, head, s.n_heads)?
+            };
+            head += s.n_heads;
+            let y = y
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, s.n_heads * d))?;
+            partials.push(s.proj.forward(&y)?);
+        }
+        reduce(self.comm.as_ref(), partials)
     }
 
     /// Interleaved RoPE on `[H, N, D]`, computed in float32.
@@ -280,25 +379,35 @@ fn attend(
     Ok(probs.matmul(v)?)
 }
 
+/// The sum of the ranks' partial outputs (the partial itself with one rank).
+fn reduce(comm: &dyn Collective, mut partials: Vec<Tensor>) -> Result<Tensor> {
+    if partials.len() == 1 {
+        return Ok(partials.pop().expect("one partial"));
+    }
+    comm.all_reduce_sum(partials)
+}
+
 /// One sandwich block.
 #[derive(Debug, Clone)]
 pub(crate) struct SandwichBlock {
     norm_1: RmsNorm,
     attn: Attention,
     norm_2: RmsNorm,
-    mlp: GatedMlp,
+    mlp: Vec<GatedMlp>,
+    comm: Arc<dyn Collective>,
     norm_3: RmsNorm,
     norm_4: RmsNorm,
 }
 
 impl SandwichBlock {
-    pub(crate) fn load(vb: VarBuilder, cfg: &HuginnConfig) -> Result<Self> {
+    pub(crate) fn load(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Self> {
         let (e, eps) = (cfg.n_embd, cfg.norm_eps);
         Ok(Self {
             norm_1: RmsNorm::load(vb.pp("norm_1"), e, eps)?,
-            attn: Attention::load(vb.pp("attn"), cfg)?,
+            attn: Attention::load(vb.pp("attn"), cfg, tp)?,
             norm_2: RmsNorm::load(vb.pp("norm_2"), e, eps)?,
-            mlp: GatedMlp::load(vb.pp("mlp"), cfg)?,
+            mlp: GatedMlp::load(vb.pp("mlp"), cfg, tp)?,
+            comm: tp.comm.clone(),
             norm_3: RmsNorm::load(vb.pp("norm_3"), e, eps)?,
             norm_4: RmsNorm::load(vb.pp("norm_4"), e, eps)?,
         })
@@ -315,7 +424,13 @@ impl SandwichBlock {
             .attn
             .forward(&self.norm_1.forward(x)?, layout, seqs, slot)?;
         let h = self.norm_2.forward(&(a + x)?)?;
-        let m = self.mlp.forward(&self.norm_3.forward(&h)?)?;
+        let h3 = self.norm_3.forward(&h)?;
+        let partials = self
+            .mlp
+            .iter()
+            .map(|m| m.forward(&h3))
+            .collect::<Result<Vec<_>>>()?;
+        let m = reduce(self.comm.as_ref(), partials)?;
         self.norm_4.forward(&(m + h)?)
     }
 }

@@ -28,6 +28,7 @@ use self::block::{get, linear, RmsNorm, RopeTable, RowLayout, SandwichBlock};
 pub use self::cache::{CacheSlot, CacheStrategy, HuginnCache};
 pub use self::config::{HuginnConfig, InitValues};
 use crate::error::{ModelError, Result};
+use crate::transformer::TensorParallel;
 
 /// The rows one sequence contributes to a packed call.
 #[derive(Debug)]
@@ -78,6 +79,12 @@ impl Huginn {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `transformer.*`).
     /// The `VarBuilder`'s dtype and device are the model's.
     pub fn load(vb: VarBuilder, cfg: HuginnConfig) -> Result<Self> {
+        Self::load_parallel(vb, cfg, &TensorParallel::single())
+    }
+
+    /// Loads the model with every sandwich block split over `tp.world` tensor-parallel ranks
+    /// (attention heads and MLP columns; embeddings, adapter, norms and head replicated).
+    pub fn load_parallel(vb: VarBuilder, cfg: HuginnConfig, tp: &TensorParallel) -> Result<Self> {
         cfg.validate()?;
         let (e, v) = (cfg.n_embd, cfg.padded_vocab());
         let t = vb.pp("transformer");
@@ -89,7 +96,7 @@ impl Huginn {
         };
         let blocks = |name: &str, n: usize| -> Result<Vec<SandwichBlock>> {
             (0..n)
-                .map(|i| SandwichBlock::load(t.pp(name).pp(i), &cfg))
+                .map(|i| SandwichBlock::load(t.pp(name).pp(i), &cfg, tp))
                 .collect()
         };
         let prelude = blocks("prelude", cfg.n_layers_in_prelude)?;

@@ -25,7 +25,9 @@ use candle_nn::VarBuilder;
 
 pub use self::config::LladaConfig;
 use crate::error::{ModelError, Result};
-use crate::transformer::{get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput};
+use crate::transformer::{
+    get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput, TensorParallel,
+};
 
 /// A loaded LLaDA model.
 #[derive(Debug, Clone)]
@@ -43,13 +45,21 @@ impl Llada {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.transformer.*`).
     /// The `VarBuilder`'s dtype and device are the model's.
     pub fn load(vb: VarBuilder, cfg: LladaConfig) -> Result<Self> {
+        Self::load_parallel(vb, cfg, &TensorParallel::single())
+    }
+
+    /// Loads the model with every block split over `tp.world` tensor-parallel ranks (heads and
+    /// MLP columns; embeddings, norms and the head replicated).
+    pub fn load_parallel(vb: VarBuilder, cfg: LladaConfig, tp: &TensorParallel) -> Result<Self> {
         cfg.validate()?;
         let t = vb.pp("model").pp("transformer");
         let (e, v) = (cfg.d_model, cfg.embedding_rows());
         let wte = get(&t.pp("wte"), &[v, e], "weight")?;
         let block_cfg = cfg.block_config();
         let blocks = (0..cfg.n_layers)
-            .map(|i| Block::load(t.pp("blocks").pp(i), &block_cfg, &BlockNames::LLADA, i))
+            .map(|i| {
+                Block::load_parallel(t.pp("blocks").pp(i), &block_cfg, &BlockNames::LLADA, i, tp)
+            })
             .collect::<Result<Vec<_>>>()?;
         let ln_f = RmsNorm::load(t.pp("ln_f"), e, cfg.rms_norm_eps)?;
         let (head, head_bias) = if cfg.weight_tying {

@@ -1,11 +1,15 @@
 //! The pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (Llama layout, Touvron et
 //! al., 2023; LLaDA, Nie et al., 2025; Qwen3 adds per-head q/k RMSNorm), over packed rows.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use candle_core::{Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use super::attention::{attend_packed, PackedLayout, SeqInput};
 use super::layers::{apply_rope, linear, GatedMlp, RmsNorm};
+use super::parallel::{column_range, head_ranges, Collective, TensorParallel};
 use crate::error::{ModelError, Result};
 
 /// Sizes and options of one block.
@@ -103,21 +107,42 @@ impl BlockNames {
     };
 }
 
-/// One pre-norm transformer block.
+/// One pre-norm transformer block, possibly split over tensor-parallel ranks
+/// ([`super::parallel`]): every rank's [`Shard`] computes its part of the attention and MLP
+/// outputs and the collective sums them before each residual add.
 #[derive(Debug, Clone)]
 pub struct Block {
-    layer: usize,
     attn_norm: RmsNorm,
+    ff_norm: RmsNorm,
+    shards: Vec<Shard>,
+    /// Biases of the row-parallel projections, added once after the sum.
+    o_bias: Option<Tensor>,
+    down_bias: Option<Tensor>,
+    comm: Arc<dyn Collective>,
+}
+
+/// One rank's slice of a block: its attention heads and MLP columns.
+#[derive(Debug, Clone)]
+struct Shard {
+    /// Index of this shard's keys/values in every [`KvCache`](super::KvCache):
+    /// `layer · world + rank`.
+    cache_slot: usize,
     q: Linear,
     k: Linear,
     v: Linear,
+    /// Row-parallel: this rank's input columns, no bias.
     o: Linear,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
-    ff_norm: RmsNorm,
     mlp: GatedMlp,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
+}
+
+/// Rows `range` (scaled by `unit`) of a `[out, in]` weight along `dim`, as its own tensor.
+fn slice(t: Tensor, dim: usize, range: &Range<usize>, unit: usize) -> Result<Tensor> {
+    Ok(t.narrow(dim, range.start * unit, range.len() * unit)?
+        .contiguous()?)
 }
 
 impl Block {
@@ -131,10 +156,33 @@ impl Block {
         names: &BlockNames,
         layer: usize,
     ) -> Result<Self> {
+        Self::load_parallel(vb, cfg, names, layer, &TensorParallel::single())
+    }
+
+    /// Loads block `layer` split over `tp.world` ranks.
+    pub fn load_parallel(
+        vb: VarBuilder,
+        cfg: &BlockConfig,
+        names: &BlockNames,
+        layer: usize,
+        tp: &TensorParallel,
+    ) -> Result<Self> {
         cfg.validate()?;
         let (e, h, hkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let i = cfg.intermediate_size;
         let eps = cfg.norm_eps;
+        let full = |name: &str, in_dim, out_dim, bias| linear(&vb.pp(name), in_dim, out_dim, bias);
+        let (q, k, v) = (
+            full(names.q, e, h * d, cfg.qkv_bias)?,
+            full(names.k, e, hkv * d, cfg.qkv_bias)?,
+            full(names.v, e, hkv * d, cfg.qkv_bias)?,
+        );
+        let o = full(names.o, h * d, e, cfg.out_bias)?;
+        let (gate, up, down) = (
+            full(names.gate, e, i, cfg.mlp_bias)?,
+            full(names.up, e, i, cfg.mlp_bias)?,
+            full(names.down, i, e, cfg.mlp_bias)?,
+        );
         let qk_norm = if cfg.qk_norm {
             Some((
                 RmsNorm::load(vb.pp(names.q_norm), d, eps)?,
@@ -143,24 +191,51 @@ impl Block {
         } else {
             None
         };
+        // Column-parallel: rows of the weight (and the bias); row-parallel: columns, no bias.
+        let column = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
+            let b = match l.bias() {
+                Some(b) => Some(slice(b.clone(), 0, r, unit)?),
+                None => None,
+            };
+            Ok(Linear::new(slice(l.weight().clone(), 0, r, unit)?, b))
+        };
+        let row = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
+            Ok(Linear::new(slice(l.weight().clone(), 1, r, unit)?, None))
+        };
+        let mut shards = Vec::with_capacity(tp.world);
+        for rank in 0..tp.world {
+            let (qh, kvh) = head_ranges(h, hkv, tp.world, rank)?;
+            let cols = column_range(i, tp.world, rank)?;
+            shards.push(Shard {
+                cache_slot: layer * tp.world + rank,
+                q: column(&q, &qh, d)?,
+                k: column(&k, &kvh, d)?,
+                v: column(&v, &kvh, d)?,
+                o: row(&o, &qh, d)?,
+                qk_norm: qk_norm.clone(),
+                mlp: GatedMlp {
+                    gate: column(&gate, &cols, 1)?,
+                    up: column(&up, &cols, 1)?,
+                    down: row(&down, &cols, 1)?,
+                },
+                n_heads: qh.len(),
+                n_kv_heads: kvh.len(),
+                head_dim: d,
+            });
+        }
         Ok(Self {
-            layer,
             attn_norm: RmsNorm::load(vb.pp(names.attn_norm), e, eps)?,
-            q: linear(&vb.pp(names.q), e, h * d, cfg.qkv_bias)?,
-            k: linear(&vb.pp(names.k), e, hkv * d, cfg.qkv_bias)?,
-            v: linear(&vb.pp(names.v), e, hkv * d, cfg.qkv_bias)?,
-            o: linear(&vb.pp(names.o), h * d, e, cfg.out_bias)?,
-            qk_norm,
             ff_norm: RmsNorm::load(vb.pp(names.ff_norm), e, eps)?,
-            mlp: GatedMlp {
-                gate: linear(&vb.pp(names.gate), e, i, cfg.mlp_bias)?,
-                up: linear(&vb.pp(names.up), e, i, cfg.mlp_bias)?,
-                down: linear(&vb.pp(names.down), i, e, cfg.mlp_bias)?,
-            },
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: d,
+            shards,
+            o_bias: o.bias().cloned(),
+            down_bias: down.bias().cloned(),
+            comm: tp.comm.clone(),
         })
+    }
+
+    /// Tensor-parallel ranks this block is split over.
+    pub fn world(&self) -> usize {
+        self.shards.len()
     }
 
     /// The block over packed rows `x` `[N, E]`.
@@ -170,12 +245,40 @@ impl Block {
         layout: &PackedLayout,
         seqs: &mut [SeqInput],
     ) -> Result<Tensor> {
-        let a = self.attention(&self.attn_norm.forward(x)?, layout, seqs)?;
+        let h = self.attn_norm.forward(x)?;
+        let partials = self
+            .shards
+            .iter()
+            .map(|s| s.attention(&h, layout, seqs))
+            .collect::<Result<Vec<_>>>()?;
+        let a = self.reduce(partials, self.o_bias.as_ref())?;
         let x = (x + a)?;
-        let m = self.mlp.forward(&self.ff_norm.forward(&x)?)?;
+        let h = self.ff_norm.forward(&x)?;
+        let partials = self
+            .shards
+            .iter()
+            .map(|s| s.mlp.forward(&h))
+            .collect::<Result<Vec<_>>>()?;
+        let m = self.reduce(partials, self.down_bias.as_ref())?;
         Ok((x + m)?)
     }
 
+    /// Sums the ranks' partial outputs (nothing to sum with one rank) and adds the bias.
+    fn reduce(&self, mut partials: Vec<Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+        let y = if partials.len() == 1 {
+            partials.pop().expect("one partial")
+        } else {
+            self.comm.all_reduce_sum(partials)?
+        };
+        Ok(match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+impl Shard {
+    /// This rank's heads of the attention, through its slice of the output projection.
     fn attention(
         &self,
         h: &Tensor,
@@ -194,7 +297,7 @@ impl Block {
         let q = apply_rope(&q.transpose(0, 1)?, &layout.cos, &layout.sin)?;
         let k = apply_rope(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
         let v = v.transpose(0, 1)?.contiguous()?;
-        let y = attend_packed(&q, &k, &v, layout, seqs, self.layer)?;
+        let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;
         let y = y.transpose(0, 1)?.contiguous()?.reshape((n, nh * d))?;
         Ok(self.o.forward(&y)?)
     }

@@ -25,8 +25,10 @@
 mod attention;
 mod block;
 mod layers;
+pub mod parallel;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
 pub use block::{Block, BlockConfig, BlockNames};
 pub use layers::{get, linear, RmsNorm, RopeTable};
+pub use parallel::{Collective, LocalCollective, TensorParallel};

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
+use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
 pub fn fixture_dir() -> PathBuf {
@@ -15,7 +16,7 @@ pub fn fixture_dir() -> PathBuf {
 
 pub fn load_model(files: &ModelFiles) -> Result<Huginn> {
     let cfg = HuginnConfig::from_json(files.config_json())?;
-    let vb = files.var_builder(DType::F32, &Device::Cpu)?;
+    let vb = files.var_builder(DType::F32, &test_device())?;
     Ok(Huginn::load(vb, cfg)?)
 }
 
@@ -31,7 +32,8 @@ pub struct Golden {
 impl Golden {
     pub fn load() -> Result<Self> {
         let dir = fixture_dir();
-        let tensors = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?;
+        let tensors =
+            candle_core::safetensors::load(dir.join("golden.safetensors"), &test_device())?;
         let json = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?;
         Ok(Self { tensors, json })
     }

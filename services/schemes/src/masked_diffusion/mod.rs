@@ -70,6 +70,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
@@ -218,7 +219,7 @@ impl LladaPlanner {
         let rows = canvas.len() + shadow;
         let slots = self.slots(rows, copies, surelock.is_some());
         let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
-        let program = MdProgram::new(
+        let mut program = MdProgram::new(
             canvas,
             decoder,
             surelock,
@@ -226,6 +227,7 @@ impl LladaPlanner {
             spec.sampling.temperature,
             spec.sampling.seed,
         );
+        program.stream_canvas = spec.stream_canvas;
         Ok(Prepared {
             program,
             slots,
@@ -318,11 +320,12 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
+    let tp = TensorParallel::local(opts.tensor_parallel);
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        Llada::load(vb, model_cfg).map_err(|e| e.to_string())
+        Llada::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
     })
 }
 

@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::MaskRule;
 
 use super::canvas::Canvas;
@@ -87,6 +87,8 @@ pub struct MdProgram {
     /// Algorithmic FLOPs of the rows computed, and of the dense steps.
     pub(crate) flops: (u64, u64),
     pub(crate) record: Option<Vec<StepRecord>>,
+    /// Send a snapshot of the generated region after every step.
+    pub(crate) stream_canvas: bool,
 }
 
 impl MdProgram {
@@ -109,6 +111,7 @@ impl MdProgram {
             stats: Stats::default(),
             flops: (0, 0),
             record: None,
+            stream_canvas: false,
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
@@ -303,7 +306,42 @@ impl MdProgram {
         if let Some(r) = &mut self.record {
             r.push(record);
         }
+        if self.stream_canvas {
+            outbox.canvas(self.snapshot());
+        }
         self.advance(outbox)
+    }
+
+    /// The generated region as it stands: masked, drafted (WINO's current block, which
+    /// verification may still revoke), locked (SureLock) or committed.
+    pub(crate) fn snapshot(&self) -> CanvasFrame {
+        let c = &self.canvas;
+        let revocable_from = match self.decoder {
+            Decoder::LowConfidence(_) => usize::MAX,
+            Decoder::Wino(_) => c.block_start(),
+        };
+        let gen = c.prompt_len..c.len();
+        let states = gen
+            .clone()
+            .map(|i| {
+                if c.is_mask(i) {
+                    CellState::Masked
+                } else if self.surelock.as_ref().is_some_and(|s| s.is_locked(i)) {
+                    CellState::Locked
+                } else if i >= revocable_from {
+                    CellState::Drafted
+                } else {
+                    CellState::Committed
+                }
+            })
+            .collect();
+        CanvasFrame {
+            positions: (0..gen.len() as u32).collect(),
+            tokens: c.tokens[gen].to_vec(),
+            states,
+            full: true,
+            step: u32::try_from(self.stats.forward_passes).unwrap_or(u32::MAX),
+        }
     }
 
     /// Cuts, streams, and moves to the next step, block or the end.

@@ -466,3 +466,80 @@ fn classifier_free_guidance_commits_what_the_guided_logits_say() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn canvas_snapshots_show_every_step_and_change_nothing() -> Result<()> {
+    use wavefront_engine::CellState;
+    let served = fixture_served(8)?;
+    // (request, drafts expected, locks expected)
+    let cases = [
+        (
+            spec(prompt(5, 0), 16, 1, lc(low_confidence(8, 16))),
+            false,
+            false,
+        ),
+        (spec(prompt(6, 1), 16, 2, wn(wino(8))), true, false),
+        (
+            spec(
+                prompt(7, 2),
+                16,
+                3,
+                lc(LowConfidenceParams {
+                    surelock: surelock(1e-2, None),
+                    ..low_confidence(16, 16)
+                }),
+            ),
+            false,
+            true,
+        ),
+    ];
+    for (plain, drafts, locks) in cases {
+        let want = collect(&submit(served.as_ref(), plain.clone())?, Vec::new())?;
+        ensure!(want.frames.is_empty(), "frames were not asked for");
+        let watched = GenerateSpec {
+            stream_canvas: true,
+            ..plain.clone()
+        };
+        let got = collect(&submit(served.as_ref(), watched)?, Vec::new())?;
+        ensure!(got.work() == want.work(), "watching changed the result");
+        let scheme = plain.scheme.name();
+        // One snapshot per forward pass, numbered by it, each covering the whole region.
+        ensure!(
+            got.frames.len() as u64 == got.stats.forward_passes,
+            "{scheme}"
+        );
+        for (i, f) in got.frames.iter().enumerate() {
+            ensure!(f.full && f.step as usize == i + 1, "{scheme}: frame {i}");
+            ensure!(f.positions == (0..16).collect::<Vec<u32>>(), "{scheme}");
+            ensure!(f.tokens.len() == 16 && f.states.len() == 16, "{scheme}");
+            for (t, s) in f.tokens.iter().zip(&f.states) {
+                ensure!((*t == 460) == (*s == CellState::Masked), "{scheme}: {f:?}");
+            }
+        }
+        // The last snapshot is the response.
+        let last = got.frames.last().context("frames")?;
+        ensure!(last.tokens == got.tokens, "{scheme}: {last:?}");
+        ensure!(!last.states.contains(&CellState::Masked), "{scheme}");
+        // Final states never change back; drafts and locks appear where the scheme has them.
+        let seen = |s: CellState| got.frames.iter().any(|f| f.states.contains(&s));
+        for w in got.frames.windows(2) {
+            for p in 0..16 {
+                if matches!(w[0].states[p], CellState::Committed | CellState::Locked) {
+                    ensure!(w[1].tokens[p] == w[0].tokens[p], "{scheme}: position {p}");
+                }
+            }
+        }
+        ensure!(seen(CellState::Drafted) == drafts, "{scheme}: drafts");
+        ensure!(seen(CellState::Locked) == locks, "{scheme}: locks");
+    }
+    served.shutdown();
+    Ok(())
+}
+
+/// The served model split over 2 and 4 in-process tensor-parallel ranks decodes what one rank
+/// decodes, for every scheme and option (SureLock reads each rank's cached keys back), with the
+/// requests sharing ticks.
+#[test]
+fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
+    crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
+}

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use serde_json::Value;
 use wavefront_engine::Outbox;
+use wavefront_models::device::test_device;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
 use super::{tick, Entry, LladaPlanner, MdProgram};
@@ -27,7 +28,7 @@ pub fn fixture_files() -> Result<ModelFiles> {
 pub fn fixture() -> Result<(Llada, LladaPlanner)> {
     let files = fixture_files()?;
     let cfg = LladaConfig::from_json(files.config_json())?;
-    let model = Llada::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    let model = Llada::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
     Ok((model, LladaPlanner::new(cfg, "fixture".into(), DType::F32)))
 }
 
@@ -42,7 +43,10 @@ impl Golden {
         let dir = fixture_dir();
         Ok(Self {
             json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
-            tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?,
+            tensors: candle_core::safetensors::load(
+                dir.join("golden.safetensors"),
+                &test_device(),
+            )?,
         })
     }
 
@@ -78,6 +82,7 @@ pub fn spec(prompt_ids: Vec<u32>, gen: usize, seed: u64, scheme: SchemeParams) -
         },
         scheme,
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 

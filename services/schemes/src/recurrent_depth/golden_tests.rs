@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use serde_json::Value;
 use wavefront_engine::{Event, EventSink, Outbox, SinkError};
+use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
 use super::ar::{self, ArProgram};
@@ -78,7 +79,8 @@ impl Fixture {
     fn load() -> Result<Self> {
         let dir = fixture_dir();
         let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?;
-        let tensors = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?;
+        let tensors =
+            candle_core::safetensors::load(dir.join("golden.safetensors"), &test_device())?;
         let prompt_ids = serde_json::from_value(json["prompt_ids"].clone())?;
         Ok(Self {
             json,
@@ -111,6 +113,7 @@ impl Fixture {
             sampling: SamplingParams::default(),
             scheme,
             replay_draws: self.replay(name)?,
+            stream_canvas: false,
         })
     }
 
@@ -198,7 +201,7 @@ impl Fixture {
 fn fixture() -> Result<(Huginn, HuginnPlanner, Fixture)> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = HuginnConfig::from_json(files.config_json())?;
-    let model = Huginn::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    let model = Huginn::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
     let tokenizer = files.tokenizer()?;
     let planner = HuginnPlanner::new(cfg, "fixture".into(), Some(&tokenizer));
     Ok((model, planner, Fixture::load()?))
@@ -453,6 +456,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
                 .context("engine stalled")?
             {
                 Event::Tokens(t) => tokens.extend(t),
+                Event::Canvas(_) => {}
                 Event::Finished { stats, .. } => break stats,
                 Event::Failed(e) => bail!("{}: failed: {e}", case.name),
             }

@@ -57,12 +57,13 @@ mod scheme_tests;
 #[cfg(test)]
 mod serving_tests;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Active, Family, Prepared, RequestError, Stats};
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
@@ -307,11 +308,12 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     let cfg = HuginnConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
+    let tp = TensorParallel::local(opts.tensor_parallel);
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        Huginn::load(vb, model_cfg).map_err(|e| e.to_string())
+        Huginn::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
     })
 }
 

@@ -400,7 +400,7 @@ fn run_mix(
                     progressed = true;
                     c.events += 1;
                     match ev {
-                        Event::Tokens(_) => {}
+                        Event::Tokens(_) | Event::Canvas(_) => {}
                         Event::Finished { .. } => c.done = true,
                         Event::Failed(e) => bail!("request failed: {e}"),
                     }
@@ -510,4 +510,11 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
         }
     }
     Ok(())
+}
+
+/// The served model split over 2 and 4 in-process tensor-parallel ranks decodes what one rank
+/// decodes (static, adaptive and diffusion-forcing requests sharing ticks).
+#[test]
+fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
+    crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }

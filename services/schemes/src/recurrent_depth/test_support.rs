@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use candle_core::{DType, Device};
+use candle_core::DType;
+use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
 use super::HuginnPlanner;
@@ -27,7 +28,7 @@ pub fn fixture_config() -> Result<HuginnConfig> {
 pub fn fixture_model_and_planner() -> Result<(Huginn, HuginnPlanner)> {
     let files = fixture_files()?;
     let cfg = HuginnConfig::from_json(files.config_json())?;
-    let model = Huginn::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    let model = Huginn::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
     let planner = HuginnPlanner::new(cfg, "fixture".into(), None);
     Ok((model, planner))
 }
@@ -55,6 +56,7 @@ pub fn spec(
         },
         scheme,
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use wavefront_engine::Outbox;
 use wavefront_models::armt::Armt;
+use wavefront_models::device::test_device;
 use wavefront_models::ModelFiles;
 
 use super::program::Record;
@@ -28,7 +29,7 @@ pub fn fixture_files() -> Result<ModelFiles> {
 pub fn fixture() -> Result<(Armt, ArmtPlanner)> {
     let files = fixture_files()?;
     let cfg = super::config(&files)?;
-    let model = Armt::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    let model = Armt::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
     let planner = ArmtPlanner::new(
         cfg,
         "fixture".into(),
@@ -88,6 +89,7 @@ pub fn spec(prompt_ids: Vec<u32>, max_new_tokens: usize, execution: Execution) -
         sampling: SamplingParams::default(),
         scheme: ar(execution),
         replay_draws: None,
+        stream_canvas: false,
     }
 }
 

@@ -1,0 +1,223 @@
+//! Launchers of the CUDA kernels (PTX built by `build.rs`), with the layouts of the CPU
+//! references in [`crate::attention`], [`crate::grouped`] and [`crate::softmax_stats`].
+//! Element types: `f32` and `bf16` (float32 accumulation in both).
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use crate::attention::RaggedLayout;
+use crate::grouped::{self, Group};
+use crate::softmax_stats::RowStats;
+use crate::{check, ShapeError};
+
+const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+const GROUPED: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped.ptx"));
+const SOFTMAX_STATS: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax_stats.ptx"));
+
+/// Largest head_dim the attention kernel holds in registers (8 values per lane).
+pub const MAX_HEAD_DIM: usize = 256;
+const TILE: u32 = 16;
+
+/// A kernel failure: bad shapes or a CUDA error.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error("cuda: {0}")]
+    Driver(#[from] DriverError),
+}
+
+/// An element type the kernels are instantiated for.
+pub trait Elem: DeviceRepr + Copy {
+    const SUFFIX: &'static str;
+}
+impl Elem for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+impl Elem for bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+
+/// The loaded kernels of one device, launched on one stream.
+pub struct Kernels {
+    stream: Arc<CudaStream>,
+    modules: [Arc<CudaModule>; 3],
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, KernelError> {
+        let load = |src: &str| ctx.load_module(Ptx::from_src(src));
+        Ok(Self {
+            stream: ctx.default_stream(),
+            modules: [load(ATTENTION)?, load(GROUPED)?, load(SOFTMAX_STATS)?],
+        })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn function(&self, module: usize, name: &str) -> Result<CudaFunction, KernelError> {
+        Ok(self.modules[module].load_function(name)?)
+    }
+
+    /// Ragged attention: `q` `[rows, H, D]`, `k`/`v` `[keys, Hkv, D]` → `out` `[rows, H, D]`.
+    pub fn ragged_attention<T: Elem>(
+        &self,
+        layout: &RaggedLayout,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), KernelError> {
+        layout.validate()?;
+        let (h, hkv, d) = (layout.n_heads, layout.n_kv_heads, layout.head_dim);
+        check(d <= MAX_HEAD_DIM, || {
+            format!("head_dim {d} > {MAX_HEAD_DIM}")
+        })?;
+        check(
+            q.len() == layout.rows() * h * d && out.len() == q.len(),
+            || "q/out shape".into(),
+        )?;
+        check(
+            k.len() == layout.keys() * hkv * d && v.len() == k.len(),
+            || "k/v shape".into(),
+        )?;
+        if layout.rows() == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let seq_table = s.clone_htod(&layout.seq_table())?;
+        let row_seq = s.clone_htod(&layout.row_seq())?;
+        let row_index = s.clone_htod(&layout.row_index)?;
+        let key_index = s.clone_htod(&layout.key_index)?;
+        let f = self.function(0, &format!("ragged_attention_{}", T::SUFFIX))?;
+        let (h32, hkv32, d32) = (h as u32, hkv as u32, d as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (layout.rows() as u32, h32, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(q).arg(k).arg(v).arg(out);
+        b.arg(&seq_table)
+            .arg(&row_seq)
+            .arg(&row_index)
+            .arg(&key_index);
+        b.arg(&h32).arg(&hkv32).arg(&d32).arg(&layout.scale);
+        // SAFETY: argument types and order match the kernel's signature; every index the kernel
+        // reads was validated above against the buffers' lengths.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Grouped matmul: `x` `[rows, k]`, `w` `[layers, n, k]` → `y` `[rows, n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_matmul<T: Elem>(
+        &self,
+        groups: &[Group],
+        x: &CudaSlice<T>,
+        w: &CudaSlice<T>,
+        y: &mut CudaSlice<T>,
+        layers: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let rows = groups.last().map_or(0, |g| g.rows.end as usize);
+        grouped::validate(groups, rows, layers, k, n, x.len(), w.len())?;
+        check(y.len() == rows * n, || "y shape".into())?;
+        let tiles: Vec<u32> = grouped::row_tiles(groups, TILE).concat();
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let weights: Vec<u32> = groups.iter().map(|g| g.weight).collect();
+        let tiles_d = s.clone_htod(&tiles)?;
+        let weights_d = s.clone_htod(&weights)?;
+        let f = self.function(1, &format!("grouped_matmul_{}", T::SUFFIX))?;
+        let (k32, n32) = (k as u32, n as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (n32.div_ceil(TILE), (tiles.len() / 3) as u32, 1),
+            block_dim: (TILE, TILE, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(x)
+            .arg(w)
+            .arg(y)
+            .arg(&tiles_d)
+            .arg(&weights_d)
+            .arg(&k32)
+            .arg(&n32);
+        // SAFETY: as above; tiles never leave their group's rows and weights index the stack.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Per-row softmax statistics of `logits` `[rows, vocab]`; `prev` (log-probabilities of the
+    /// same shape) adds the KL divergence, `log_probs_out` receives the rows' log-probabilities.
+    /// Only `4 · rows` floats come back to the host.
+    pub fn softmax_stats<T: Elem>(
+        &self,
+        logits: &CudaSlice<T>,
+        vocab: usize,
+        prev: Option<&CudaSlice<f32>>,
+        log_probs_out: Option<&mut CudaSlice<f32>>,
+    ) -> Result<Vec<RowStats>, KernelError> {
+        check(vocab > 0 && logits.len().is_multiple_of(vocab), || {
+            "logits are not whole rows".into()
+        })?;
+        let rows = logits.len() / vocab;
+        check(prev.is_none_or(|p| p.len() == logits.len()), || {
+            "prev shape".into()
+        })?;
+        check(
+            log_probs_out
+                .as_ref()
+                .is_none_or(|p| p.len() == logits.len()),
+            || "log_probs_out shape".into(),
+        )?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.stream;
+        let mut stats = s.alloc_zeros::<f32>(4 * rows)?;
+        let f = self.function(2, &format!("softmax_stats_{}", T::SUFFIX))?;
+        let null = 0u64;
+        let vocab32 = vocab as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(logits);
+        match prev {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
+        match log_probs_out {
+            Some(o) => b.arg(o),
+            None => b.arg(&null),
+        };
+        b.arg(&mut stats).arg(&vocab32);
+        // SAFETY: as above; a null pointer is how the kernel is told an optional buffer is absent.
+        unsafe { b.launch(cfg) }?;
+        let host = s.clone_dtoh(&stats)?;
+        Ok(host
+            .chunks_exact(4)
+            .map(|c| RowStats {
+                lse: c[0],
+                top_prob: c[1],
+                top_id: c[2].to_bits(),
+                kl: c[3],
+            })
+            .collect())
+    }
+}

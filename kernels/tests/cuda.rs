@@ -1,0 +1,170 @@
+//! The CUDA kernels against their CPU references (`cuda` feature; needs a GPU: without one the
+//! test reports that it could not run and fails, so a CUDA test run never passes silently).
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::CudaContext;
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
+use wavefront_kernels::cuda::Kernels;
+use wavefront_kernels::grouped::{grouped_matmul, Group};
+use wavefront_kernels::softmax_stats::softmax_stats;
+
+fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn layout(rng: &mut StdRng, head_dim: usize) -> RaggedLayout {
+    let mut l = RaggedLayout {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        seqs: Vec::new(),
+        row_index: Vec::new(),
+        key_index: Vec::new(),
+    };
+    for s in 0..12u32 {
+        let len = rng.random_range(1..300u32);
+        let rows = rng.random_range(1..=len.min(40));
+        let mask = match s % 3 {
+            0 => Mask::Bidirectional,
+            1 => Mask::Causal,
+            _ => Mask::ShadowBlock {
+                main_len: len - rows.min(len / 2),
+                block_start: 0,
+            },
+        };
+        let (r0, k0) = (l.row_index.len() as u32, l.key_index.len() as u32);
+        l.row_index.extend(len - rows..len);
+        l.key_index.extend(0..len);
+        l.seqs.push(RaggedSeq {
+            rows: r0..r0 + rows,
+            keys: k0..k0 + len,
+            mask,
+        });
+    }
+    l
+}
+
+#[test]
+fn kernels_match_their_cpu_references() {
+    let ctx = CudaContext::new(0).expect("a CUDA device (this test needs a GPU)");
+    let kernels = Kernels::load(&ctx).expect("PTX loads");
+    let s = kernels.stream().clone();
+    let mut rng = StdRng::seed_from_u64(7);
+
+    for d in [64, 128, 256] {
+        let l = layout(&mut rng, d);
+        let q = randn(&mut rng, l.rows() * l.n_heads * d);
+        let k = randn(&mut rng, l.keys() * l.n_kv_heads * d);
+        let v = randn(&mut rng, l.keys() * l.n_kv_heads * d);
+        let want = ragged_attention(&l, &q, &k, &v).unwrap();
+        let (qd, kd, vd) = (
+            s.clone_htod(&q).unwrap(),
+            s.clone_htod(&k).unwrap(),
+            s.clone_htod(&v).unwrap(),
+        );
+        let mut out = s.alloc_zeros::<f32>(q.len()).unwrap();
+        kernels
+            .ragged_attention(&l, &qd, &kd, &vd, &mut out)
+            .unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        assert!(
+            max_abs(&got, &want) < 1e-4,
+            "f32 d={d}: {}",
+            max_abs(&got, &want)
+        );
+        // bf16 inputs: within bf16 rounding of the f32 reference on the rounded inputs.
+        let r = |x: &[f32]| x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let back = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        let (qb, kb, vb) = (r(&q), r(&k), r(&v));
+        let want = ragged_attention(&l, &back(&qb), &back(&kb), &back(&vb)).unwrap();
+        let mut out = s.alloc_zeros::<bf16>(q.len()).unwrap();
+        kernels
+            .ragged_attention(
+                &l,
+                &s.clone_htod(&qb).unwrap(),
+                &s.clone_htod(&kb).unwrap(),
+                &s.clone_htod(&vb).unwrap(),
+                &mut out,
+            )
+            .unwrap();
+        let got = back(&s.clone_dtoh(&out).unwrap());
+        assert!(
+            max_abs(&got, &want) < 2e-2,
+            "bf16 d={d}: {}",
+            max_abs(&got, &want)
+        );
+    }
+
+    let (layers, k, n) = (8, 320, 200);
+    let mut groups = Vec::new();
+    let mut rows = 0;
+    for i in 0..10u32 {
+        let len = rng.random_range(0..40);
+        groups.push(Group {
+            rows: rows..rows + len,
+            weight: (i * 3) % layers as u32,
+        });
+        rows += len;
+    }
+    let x = randn(&mut rng, rows as usize * k);
+    let w = randn(&mut rng, layers * n * k);
+    let want = grouped_matmul(&groups, &x, &w, layers, k, n).unwrap();
+    let mut y = s.alloc_zeros::<f32>(rows as usize * n).unwrap();
+    kernels
+        .grouped_matmul(
+            &groups,
+            &s.clone_htod(&x).unwrap(),
+            &s.clone_htod(&w).unwrap(),
+            &mut y,
+            layers,
+            k,
+            n,
+        )
+        .unwrap();
+    let got = s.clone_dtoh(&y).unwrap();
+    assert!(
+        max_abs(&got, &want) < 1e-3,
+        "grouped: {}",
+        max_abs(&got, &want)
+    );
+
+    let (rows, vocab) = (37, 50_000);
+    let logits = randn(&mut rng, rows * vocab);
+    let mut prev = vec![0f32; rows * vocab];
+    softmax_stats(&randn(&mut rng, rows * vocab), vocab, None, Some(&mut prev)).unwrap();
+    let mut lp_want = vec![0f32; rows * vocab];
+    let want = softmax_stats(&logits, vocab, Some(&prev), Some(&mut lp_want)).unwrap();
+    let mut lp = s.alloc_zeros::<f32>(rows * vocab).unwrap();
+    let got = kernels
+        .softmax_stats(
+            &s.clone_htod(&logits).unwrap(),
+            vocab,
+            Some(&s.clone_htod(&prev).unwrap()),
+            Some(&mut lp),
+        )
+        .unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.top_id, w.top_id);
+        assert!((g.top_prob - w.top_prob).abs() < 1e-5 && (g.lse - w.lse).abs() < 1e-3);
+        assert!(
+            (g.kl - w.kl).abs() < 1e-3 * (1.0 + w.kl.abs()),
+            "{g:?} {w:?}"
+        );
+    }
+    assert!(max_abs(&s.clone_dtoh(&lp).unwrap(), &lp_want) < 1e-3);
+    let none = kernels
+        .softmax_stats(&s.clone_htod(&logits).unwrap(), vocab, None, None)
+        .unwrap();
+    assert!(none.iter().all(|r| r.kl.is_nan()));
+}

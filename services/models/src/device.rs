@@ -1,0 +1,50 @@
+//! Device selection by name (`cpu`, `cuda:N`), shared by the command line, the benches and the
+//! golden tests: `WAVEFRONT_TEST_DEVICE=cuda:0` runs every family's golden suite on a GPU
+//! (a build with the `cuda` feature), with the same tolerances as on the CPU in float32.
+
+use candle_core::{DType, Device};
+
+use crate::error::{ModelError, Result};
+
+fn bad(reason: String) -> ModelError {
+    ModelError::Device(format!("device {reason}"))
+}
+
+/// `cpu` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device> {
+    if s == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    if let Some(n) = s.strip_prefix("cuda:") {
+        let ordinal: usize = n
+            .parse()
+            .map_err(|_| bad(format!("cuda:N needs a number, got {s:?}")))?;
+        return Device::new_cuda(ordinal).map_err(|e| {
+            bad(format!(
+                "cannot open {s} ({e}): this build needs the `cuda` feature and a visible GPU"
+            ))
+        });
+    }
+    Err(bad(format!("must be cpu or cuda:N, got {s:?}")))
+}
+
+/// `f32` or `bf16`.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        _ => Err(ModelError::Device(format!(
+            "dtype must be f32 or bf16, got {s:?}"
+        ))),
+    }
+}
+
+/// The device the golden tests run on: `WAVEFRONT_TEST_DEVICE` (default `cpu`).
+///
+/// # Panics
+/// When the variable names a device that cannot be opened: a test run asked for a GPU must not
+/// silently fall back to the CPU.
+pub fn test_device() -> Device {
+    let name = std::env::var("WAVEFRONT_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    parse_device(&name).unwrap_or_else(|e| panic!("WAVEFRONT_TEST_DEVICE: {e}"))
+}

@@ -1,0 +1,143 @@
+//! Tensor parallelism for the shared block (Megatron-style, Shoeybi et al., 2019): each of
+//! `world` ranks holds a slice of every block's weights — a contiguous range of attention heads
+//! (q, k, v column-parallel, o row-parallel) and of MLP columns (gate, up column-parallel, down
+//! row-parallel) — computes its partial output of each row-parallel layer, and a [`Collective`]
+//! sums the partials (all-reduce) before the residual add. Norms, embeddings and the head are
+//! replicated. Grouped-query attention splits the kv heads with the query heads; when there are
+//! fewer kv heads than ranks, each kv head is replicated on the ranks whose query heads read it.
+//!
+//! The controller is single: one thread drives every rank's shard and the collective combines
+//! their partials, which is how one process drives several GPUs through NCCL group calls, and
+//! how the in-process CPU implementation ([`LocalCollective`]) runs the same code in tests.
+//! Results equal the one-rank results up to float summation order (the partials are summed in
+//! rank order, so every run of a given world size is deterministic).
+
+use std::fmt::Debug;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::error::{ModelError, Result};
+
+/// Sums the ranks' partial results.
+pub trait Collective: Send + Sync + Debug {
+    fn world(&self) -> usize;
+    /// All-reduce (sum) of one partial per rank, in rank order; the result is on rank 0's
+    /// device.
+    fn all_reduce_sum(&self, partials: Vec<Tensor>) -> Result<Tensor>;
+}
+
+/// The in-process implementation: every rank's shard on the same device, partials summed in
+/// rank order.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalCollective {
+    world: usize,
+}
+
+impl LocalCollective {
+    pub fn new(world: usize) -> Self {
+        Self { world }
+    }
+}
+
+impl Collective for LocalCollective {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, partials: Vec<Tensor>) -> Result<Tensor> {
+        if partials.len() != self.world {
+            return Err(ModelError::Shape(format!(
+                "all-reduce over {} partials in a world of {}",
+                partials.len(),
+                self.world
+            )));
+        }
+        let mut it = partials.into_iter();
+        let first = it
+            .next()
+            .ok_or_else(|| ModelError::Shape("all-reduce of nothing".into()))?;
+        it.try_fold(first, |acc, p| Ok((acc + p)?))
+    }
+}
+
+/// How a model is split across ranks.
+#[derive(Debug, Clone)]
+pub struct TensorParallel {
+    pub world: usize,
+    pub comm: Arc<dyn Collective>,
+}
+
+impl TensorParallel {
+    /// One rank: no split.
+    pub fn single() -> Self {
+        Self::local(1)
+    }
+
+    /// `world` ranks in this process ([`LocalCollective`]).
+    pub fn local(world: usize) -> Self {
+        Self {
+            world: world.max(1),
+            comm: Arc::new(LocalCollective::new(world.max(1))),
+        }
+    }
+
+    pub fn is_single(&self) -> bool {
+        self.world == 1
+    }
+}
+
+/// The query and kv heads of `rank`.
+pub(crate) fn head_ranges(
+    n_heads: usize,
+    n_kv_heads: usize,
+    world: usize,
+    rank: usize,
+) -> Result<(Range<usize>, Range<usize>)> {
+    let group = n_heads / n_kv_heads;
+    let ok = n_heads.is_multiple_of(world)
+        && (n_kv_heads.is_multiple_of(world) || world.is_multiple_of(n_kv_heads));
+    if !ok {
+        return Err(ModelError::Config {
+            key: "tensor_parallel".into(),
+            reason: format!(
+                "{world} ranks cannot split {n_heads} attention heads with {n_kv_heads} \
+                 key/value heads (the ranks must divide the heads, and divide or be a multiple \
+                 of the key/value heads)"
+            ),
+        });
+    }
+    let per = n_heads / world;
+    let q = rank * per..(rank + 1) * per;
+    let kv = q.start / group..q.end.div_ceil(group);
+    Ok((q, kv))
+}
+
+/// The MLP columns of `rank`.
+pub(crate) fn column_range(size: usize, world: usize, rank: usize) -> Result<Range<usize>> {
+    if !size.is_multiple_of(world) {
+        return Err(ModelError::Config {
+            key: "tensor_parallel".into(),
+            reason: format!("{world} ranks do not divide the MLP width {size}"),
+        });
+    }
+    let per = size / world;
+    Ok(rank * per..(rank + 1) * per)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_split_and_kv_heads_replicate_when_fewer_than_ranks() {
+        assert_eq!(head_ranges(8, 8, 2, 1).unwrap(), (4..8, 4..8));
+        assert_eq!(head_ranges(8, 2, 2, 0).unwrap(), (0..4, 0..1));
+        // 4 query heads over 2 kv heads on 4 ranks: each kv head serves two ranks.
+        assert_eq!(head_ranges(4, 2, 4, 1).unwrap(), (1..2, 0..1));
+        assert_eq!(head_ranges(4, 2, 4, 2).unwrap(), (2..3, 1..2));
+        assert!(head_ranges(6, 2, 4, 0).is_err());
+        assert!(column_range(10, 4, 0).is_err());
+    }
+}
