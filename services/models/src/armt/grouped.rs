@@ -397,3 +397,40 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, p: usize, device: &Device) -> R
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?.to_dtype(dtype)?;
     Ok(probs.matmul(&v.contiguous()?)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wavefront_kernels::grouped::{grouped_matmul, Group};
+
+    /// The grouped linear of a step (one batched matmul over a contiguous layer range, every
+    /// layer's rows padded to the same count) is the grouped-matmul kernel's semantics
+    /// (`wavefront-kernels`, whose CUDA kernel takes ragged groups in place).
+    #[test]
+    fn grouped_linear_is_the_grouped_matmul_kernels_reference() -> Result<()> {
+        let (layers, out, inp, rows, lo, groups) = (5usize, 6usize, 7usize, 4usize, 1usize, 3usize);
+        let det = |n: usize, salt: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| (i as f32 * 0.37 + salt).sin() * 2.0)
+                .collect()
+        };
+        let w = det(layers * out * inp, 0.5);
+        let x = det(groups * rows * inp, 1.5);
+        let wt = Tensor::from_vec(w.clone(), (layers, out, inp), &Device::Cpu)?;
+        let xt = Tensor::from_vec(x.clone(), (groups, rows, inp), &Device::Cpu)?;
+        let got: Vec<f32> = grouped_linear(&xt, &wt, lo)?.flatten_all()?.to_vec1()?;
+        let spec: Vec<Group> = (0..groups)
+            .map(|g| Group {
+                rows: (g * rows) as u32..((g + 1) * rows) as u32,
+                weight: (lo + g) as u32,
+            })
+            .collect();
+        let want = grouped_matmul(&spec, &x, &w, layers, inp, out)
+            .map_err(|e| crate::error::ModelError::Shape(e.to_string()))?;
+        assert_eq!(got.len(), want.len());
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        Ok(())
+    }
+}
