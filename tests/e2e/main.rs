@@ -4,6 +4,7 @@
 mod harness;
 mod metrics;
 mod operations;
+mod recurrent_memory;
 mod tracing;
 
 use std::process::Command;

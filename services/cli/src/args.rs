@@ -22,6 +22,27 @@ pub enum SchemeName {
     Wino,
 }
 
+/// `ar.execution` of a recurrent-memory (ARMT) request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExecutionName {
+    /// One segment through every layer per step.
+    Sequential,
+    /// Diagonal batching: every (segment, layer) cell with segment + layer = i in one step.
+    Diagonal,
+    /// Diagonal when the prompt has at least two segments.
+    Auto,
+}
+
+impl ExecutionName {
+    fn as_str(self) -> &'static str {
+        match self {
+            ExecutionName::Sequential => "sequential",
+            ExecutionName::Diagonal => "diagonal",
+            ExecutionName::Auto => "auto",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct PromptArgs {
     /// Prompt text (tokenized with the model's tokenizer).
@@ -110,6 +131,10 @@ pub struct GenerationArgs {
     /// instead of a fresh random draw (ar and diffusion-forcing).
     #[arg(long)]
     pub continuous_compute: bool,
+    /// ar on a recurrent-memory (ARMT) model: how the context's segments run: `sequential`,
+    /// `diagonal` (diagonal batching) or `auto` (diagonal from two segments on; the default).
+    #[arg(long, value_enum)]
+    pub execution: Option<ExecutionName>,
 
     // ---- low-confidence / wino (masked diffusion) ----
     /// low-confidence, wino: block length; must divide --max-new-tokens (default: one block).
@@ -193,6 +218,9 @@ impl GenerationArgs {
             ("--continuous-compute", self.continuous_compute),
         ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
+        if self.execution.is_some() && self.scheme != SchemeName::Ar {
+            bail!("--execution belongs to --scheme ar (recurrent-memory models)");
+        }
         match self.scheme {
             SchemeName::Ar | SchemeName::DiffusionForcing => {
                 if let Some(flag) = set(&masked_diffusion) {
@@ -241,6 +269,10 @@ impl GenerationArgs {
                     init_scale: self.init_scale,
                     exit_threshold: self.exit_threshold,
                     continuous_compute: self.continuous_compute,
+                    execution: self
+                        .execution
+                        .map(|e| e.as_str().to_owned())
+                        .unwrap_or_default(),
                 })
             }
             SchemeName::DiffusionForcing => {
@@ -359,6 +391,30 @@ mod masked_diffusion_flag_tests {
                 surelock_percentile: None,
             }))
         );
+        Ok(())
+    }
+
+    #[test]
+    fn execution_is_an_ar_flag() -> Result<()> {
+        let ar = request(&["--scheme", "ar", "--execution", "diagonal"])?;
+        let Some(pb::generate_request::Scheme::Ar(a)) = ar.scheme else {
+            panic!("not ar");
+        };
+        assert_eq!(a.execution, "diagonal");
+        let ar = request(&[])?;
+        let Some(pb::generate_request::Scheme::Ar(a)) = ar.scheme else {
+            panic!("not ar");
+        };
+        assert_eq!(a.execution, "");
+        for scheme in ["wino", "diffusion-forcing"] {
+            let err = request(&["--scheme", scheme, "--execution", "sequential"]).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("--execution belongs to --scheme ar"),
+                "{err}"
+            );
+        }
+        assert!(request(&["--execution", "pipelined"]).is_err());
         Ok(())
     }
 

@@ -38,6 +38,10 @@ pub struct ModelArgs {
     /// max_wavefront times this.
     #[arg(long, env = "WAVEFRONT_OCCUPANCY_MULTIPLIER", default_value_t = 1.0)]
     pub occupancy_multiplier: f32,
+    /// Recurrent-memory (ARMT) models: the longest prompt + max_new_tokens accepted (memory per
+    /// request does not grow with it). Default 131072. Other families use their config's limit.
+    #[arg(long, env = "WAVEFRONT_MAX_CONTEXT_TOKENS")]
+    pub max_context_tokens: Option<usize>,
     /// Tensor-parallel ranks each transformer block is split over (attention heads and MLP
     /// columns; partials summed after the row-parallel layers). In-process; masked diffusion.
     #[arg(long, env = "WAVEFRONT_TENSOR_PARALLEL", default_value_t = 1)]
@@ -91,6 +95,9 @@ impl ModelArgs {
                 self.occupancy_multiplier
             );
         }
+        if self.max_context_tokens.is_some_and(|n| n < 2) {
+            bail!("--max-context-tokens must be at least 2");
+        }
         Ok(LoadOptions {
             name,
             device,
@@ -99,6 +106,7 @@ impl ModelArgs {
             queue_capacity: self.queue_capacity,
             max_active: self.max_active,
             occupancy_multiplier: self.occupancy_multiplier,
+            max_context_tokens: self.max_context_tokens,
             tensor_parallel: self.tensor_parallel,
         })
     }

@@ -7,6 +7,11 @@
 //! [`ModelFiles::from_embedded`]. Either way [`ModelFiles::var_builder`] yields a candle
 //! `VarBuilder` whose paths are the checkpoint's tensor names, and [`detect_family`] reads
 //! `model_type` / `architectures` to pick the model family.
+//!
+//! An ARMT directory is a Llama backbone `config.json` plus upstream's ARMT settings in
+//! `armt_config.json` (segment_size, num_mem_tokens, d_mem, ...); [`ModelFiles::family`] reports
+//! it as [`ModelFamily::RecurrentMemory`]. `tokenizer.json` is optional: without it only
+//! token-id prompts work (the ARMT fixture has none).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -24,6 +29,8 @@ const WEIGHTS: &str = "model.safetensors";
 const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 const TOKENIZER: &str = "tokenizer.json";
 const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+/// Upstream ARMT's hyper-parameters, beside a Llama backbone's `config.json`.
+pub const ARMT_CONFIG: &str = "armt_config.json";
 
 /// Where the safetensors weights live.
 #[derive(Debug, Clone)]
@@ -39,8 +46,11 @@ enum Weights {
 pub struct ModelFiles {
     config_json: String,
     weights: Weights,
-    tokenizer_json: Vec<u8>,
+    /// `None` when the directory has no `tokenizer.json`.
+    tokenizer_json: Option<Vec<u8>>,
     tokenizer_config_json: Option<String>,
+    /// `armt_config.json`, when present.
+    armt_config_json: Option<String>,
 }
 
 impl ModelFiles {
@@ -64,13 +74,25 @@ impl ModelFiles {
             });
         };
         let tokenizer_path = dir.join(TOKENIZER);
-        let tokenizer_json = std::fs::read(&tokenizer_path).map_err(|source| ModelError::Io {
-            path: tokenizer_path,
-            source,
-        })?;
+        let tokenizer_json = if tokenizer_path.is_file() {
+            Some(
+                std::fs::read(&tokenizer_path).map_err(|source| ModelError::Io {
+                    path: tokenizer_path,
+                    source,
+                })?,
+            )
+        } else {
+            None
+        };
         let tokenizer_config_path = dir.join(TOKENIZER_CONFIG);
         let tokenizer_config_json = if tokenizer_config_path.is_file() {
             Some(read_string(&tokenizer_config_path)?)
+        } else {
+            None
+        };
+        let armt_path = dir.join(ARMT_CONFIG);
+        let armt_config_json = if armt_path.is_file() {
+            Some(read_string(&armt_path)?)
         } else {
             None
         };
@@ -79,6 +101,7 @@ impl ModelFiles {
             weights: Weights::Files(weights),
             tokenizer_json,
             tokenizer_config_json,
+            armt_config_json,
         })
     }
 
@@ -92,8 +115,9 @@ impl ModelFiles {
         Self {
             config_json: config.to_owned(),
             weights: Weights::Embedded(weights),
-            tokenizer_json: tokenizer.to_vec(),
+            tokenizer_json: Some(tokenizer.to_vec()),
             tokenizer_config_json: None,
+            armt_config_json: None,
         }
     }
 
@@ -115,9 +139,20 @@ impl ModelFiles {
         })
     }
 
-    /// The family named by `config.json`.
+    /// The family named by `config.json`; a Llama backbone with an `armt_config.json` beside it
+    /// is an ARMT ([`ModelFamily::RecurrentMemory`]).
     pub fn family(&self) -> Result<ModelFamily> {
-        detect_family(&self.config_value()?)
+        let config = self.config_value()?;
+        let model_type = config.get("model_type").and_then(|v| v.as_str());
+        if self.armt_config_json.is_some() && model_type == Some("llama") {
+            return Ok(ModelFamily::RecurrentMemory);
+        }
+        detect_family(&config)
+    }
+
+    /// The raw `armt_config.json` text, if the directory has one.
+    pub fn armt_config_json(&self) -> Option<&str> {
+        self.armt_config_json.as_deref()
     }
 
     /// The raw `tokenizer_config.json` text, if the directory has one.
@@ -128,7 +163,12 @@ impl ModelFiles {
     /// Loads `tokenizer.json`, with the chat template of `tokenizer_config.json` if it has one
     /// (a template that does not parse is logged and left out).
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        let tok = TextTokenizer::from_bytes(&self.tokenizer_json)?;
+        let Some(bytes) = &self.tokenizer_json else {
+            return Err(ModelError::Tokenizer(format!(
+                "the model directory has no {TOKENIZER}"
+            )));
+        };
+        let tok = TextTokenizer::from_bytes(bytes)?;
         let template = match self.tokenizer_config_json.as_deref() {
             None => None,
             Some(json) => ChatTemplate::from_tokenizer_config(json).unwrap_or_else(|e| {
@@ -197,12 +237,18 @@ pub enum ModelFamily {
     /// Masked-diffusion language models (LLaDA): a bidirectional transformer that predicts
     /// masked positions.
     MaskedDiffusion,
+    /// Recurrent-memory transformers (ARMT on a Llama backbone): per-layer associative memory
+    /// carried from segment to segment. Detected from the directory (`armt_config.json`), see
+    /// [`ModelFiles::family`].
+    RecurrentMemory,
 }
 
 /// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
-/// Families that are recognised but not implemented yet (ARMT, Qwen3 / ReFusion) are
-/// reported as [`ModelError::Unsupported`] naming the family.
+/// Families that are recognised but not implemented yet (Qwen3 / ReFusion, the later HF-style
+/// `model_type: armt` rewrite) are reported as [`ModelError::Unsupported`] naming the family. The
+/// upstream ARMT served here has a plain Llama `config.json`; only its directory tells it apart
+/// ([`ModelFiles::family`]).
 pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     let model_type = config
         .get("model_type")
@@ -226,7 +272,11 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
             return Ok(ModelFamily::MaskedDiffusion);
         }
         for (needle, family) in [
-            ("armt", "ARMT (associative recurrent memory transformer)"),
+            (
+                "armt",
+                "HF-style ARMT rewrite (ARMTForCausalLM; the served ARMT is a Llama config.json \
+                 plus armt_config.json)",
+            ),
             ("refusion", "ReFusion"),
             ("qwen3", "Qwen3"),
         ] {

@@ -12,7 +12,10 @@
 //! * [`transformer`]: a pre-norm Llama-style block over packed rows with per-sequence keys and
 //!   mask rules, shared by the Llama-like families.
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
+//! * [`armt`]: ARMT, associative recurrent memory on a Llama backbone (Rodkin et al., 2024),
+//!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
 
+pub mod armt;
 pub mod chat;
 pub mod device;
 pub mod error;
@@ -22,6 +25,7 @@ pub mod llada;
 pub mod tokenizer;
 pub mod transformer;
 
+pub use armt::{Armt, ArmtConfig};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use files::{detect_family, ModelFamily, ModelFiles};

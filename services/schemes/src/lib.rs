@@ -10,6 +10,7 @@
 //! |---|---|---|
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
 //! | masked diffusion (LLaDA) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock) |
+//! | recurrent memory (ARMT) | [`recurrent_memory`] | `ar` (`execution`: sequential or diagonal batching) |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
@@ -17,6 +18,7 @@
 pub mod error;
 pub mod masked_diffusion;
 pub mod recurrent_depth;
+pub mod recurrent_memory;
 pub mod request;
 pub mod sampling;
 pub mod served;
@@ -25,7 +27,7 @@ mod test_support;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
-    ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, Execution, FreezeTest, GenerateSpec, LowConfidenceParams,
+    Remasking, ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
 pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -168,6 +168,50 @@ pub struct ArParams {
     /// Upstream `continuous_compute`: every position after the prompt starts from the previous
     /// position's final latent state instead of a fresh random draw.
     pub continuous_compute: bool,
+    /// Recurrent memory (ARMT): how the prompt's segments run. Other families take only
+    /// [`Execution::Auto`].
+    pub execution: Execution,
+}
+
+/// How a recurrent-memory (ARMT) request runs its prompt's (segment, layer) cells
+/// (`ar.execution`; empty means `auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Execution {
+    /// Diagonal when the prompt has at least two segments, otherwise sequential.
+    #[default]
+    Auto,
+    /// One segment through every layer per step (upstream `AssociativeRecurrentWrapper`).
+    Sequential,
+    /// Diagonal batching: every cell with segment + layer = i in one grouped step
+    /// (upstream `FastGroupedArmtExecutor`).
+    Diagonal,
+}
+
+impl Execution {
+    /// The API name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Execution::Auto => "auto",
+            Execution::Sequential => "sequential",
+            Execution::Diagonal => "diagonal",
+        }
+    }
+}
+
+impl std::str::FromStr for Execution {
+    type Err = String;
+
+    /// `sequential`, `diagonal`, `auto` or empty (auto).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "auto" => Ok(Execution::Auto),
+            "sequential" => Ok(Execution::Sequential),
+            "diagonal" => Ok(Execution::Diagonal),
+            other => Err(format!(
+                "ar.execution must be `sequential`, `diagonal` or `auto` (empty is auto), got {other:?}"
+            )),
+        }
+    }
 }
 
 /// Which freeze test the diffusion-forcing sampler applies.

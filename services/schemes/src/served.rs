@@ -155,6 +155,10 @@ pub struct LoadOptions {
     /// Diffusion-forcing: slots reserved per request are its maximum
     /// wavefront times this multiplier.
     pub occupancy_multiplier: f32,
+    /// Recurrent memory (ARMT): the longest prompt + `max_new_tokens` accepted; `None`:
+    /// [`crate::recurrent_memory::DEFAULT_MAX_CONTEXT_TOKENS`]. Other families take their limit
+    /// from their config and ignore this.
+    pub max_context_tokens: Option<usize>,
     /// Tensor-parallel ranks each block is split over (heads and MLP columns), in-process;
     /// 1 disables the split.
     pub tensor_parallel: usize,
@@ -170,6 +174,7 @@ impl Default for LoadOptions {
             queue_capacity: 64,
             max_active: 32,
             occupancy_multiplier: 1.0,
+            max_context_tokens: None,
             tensor_parallel: 1,
         }
     }
@@ -192,9 +197,19 @@ pub fn load_model(
              use --tensor-parallel 1"
         )));
     }
+    if family != ModelFamily::RecurrentMemory {
+        if let Some(n) = opts.max_context_tokens {
+            tracing::warn!(
+                max_context_tokens = n,
+                ?family,
+                "the context-length option applies to recurrent-memory models only; ignored"
+            );
+        }
+    }
     match family {
         ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
         ModelFamily::MaskedDiffusion => crate::masked_diffusion::serve(files, opts),
+        ModelFamily::RecurrentMemory => crate::recurrent_memory::serve(files, opts),
         other => Err(SchemeError::Unsupported(format!(
             "model family {other:?} is not served yet"
         ))),

@@ -67,6 +67,7 @@ pub fn spec_from_proto(
             init_scale: a.init_scale,
             exit_threshold: a.exit_threshold,
             continuous_compute: a.continuous_compute,
+            execution: a.execution.parse().map_err(Status::invalid_argument)?,
         }),
         Some(pb::generate_request::Scheme::DiffusionForcing(d)) => {
             let def = DiffusionForcingParams::default();
@@ -337,6 +338,60 @@ mod masked_diffusion_tests {
             let err = spec_from_proto(&request(Some(scheme)), model.as_ref()).unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
         }
+        model.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod recurrent_memory_tests {
+    use super::*;
+    use std::path::PathBuf;
+    use wavefront_schemes::{load_model, Execution, LoadOptions};
+
+    fn armt() -> Arc<dyn ServedModel> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/armt");
+        let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
+        load_model(files, LoadOptions::default()).expect("loads")
+    }
+
+    fn request(execution: &str) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
+                ids: (1..40).collect(),
+            })),
+            max_new_tokens: 4,
+            scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+                execution: execution.into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_execution_mode_converts_and_an_unknown_one_is_an_invalid_argument() {
+        let model = armt();
+        assert_eq!(model.info().family, "recurrent_memory");
+        for (name, want) in [
+            ("", Execution::Auto),
+            ("auto", Execution::Auto),
+            ("sequential", Execution::Sequential),
+            ("diagonal", Execution::Diagonal),
+        ] {
+            let spec = spec_from_proto(&request(name), model.as_ref()).expect("converts");
+            let SchemeParams::Ar(a) = spec.scheme else {
+                panic!("{name}: not ar");
+            };
+            assert_eq!(a.execution, want);
+        }
+        let err = spec_from_proto(&request("pipelined"), model.as_ref()).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("sequential"), "{err:?}");
+        // No scheme: ar with automatic execution.
+        let mut req = request("");
+        req.scheme = None;
+        let spec = spec_from_proto(&req, model.as_ref()).expect("converts");
+        assert_eq!(spec.scheme, SchemeParams::Ar(ArParams::default()));
         model.shutdown();
     }
 }

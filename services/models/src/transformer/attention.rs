@@ -88,6 +88,16 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Stores the keys (after RoPE) and values `[n_kv_heads, len, head_dim]` of buffer indices
+    /// `0..len` at `layer`, computed outside a [`super::Block`] call (ARMT's grouped diagonal
+    /// step runs a segment's layers in different calls); the cache then holds `len` indices.
+    pub(crate) fn store_layer(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<()> {
+        let len = k.dim(1)?;
+        self.set_layer(layer, k, v);
+        self.len = len;
+        Ok(())
+    }
+
     fn layer(&self, layer: usize) -> Result<&(Tensor, Tensor)> {
         self.layers
             .get(layer)

@@ -133,6 +133,7 @@ impl Fixture {
             init_scale: Some(c["init_scale"].as_f64().unwrap_or(1.0) as f32),
             exit_threshold: adaptive.then(|| c["exit_threshold"].as_f64().unwrap_or(0.03) as f32),
             continuous_compute: false,
+            execution: Default::default(),
         };
         let steps = if adaptive {
             Some(serde_json::from_value(c["steps_per_token"].clone())?)

@@ -68,7 +68,7 @@ use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
 
-use crate::request::{ArParams, GenerateSpec, SchemeParams};
+use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
     optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
@@ -141,6 +141,13 @@ impl HuginnPlanner {
         a: &ArParams,
     ) -> Result<Prepared<Program>, RequestError> {
         let bad = |m: String| Err(RequestError::InvalidArgument(m));
+        if a.execution != Execution::Auto {
+            return bad(format!(
+                "ar.execution `{}` applies to recurrent-memory (ARMT) models; leave it empty or \
+                 `auto` for recurrent-depth models",
+                a.execution.as_str()
+            ));
+        }
         let num_steps = a.num_steps.unwrap_or(self.cfg.mean_recurrence);
         if num_steps == 0 || num_steps > MAX_NUM_STEPS {
             return bad(format!(

@@ -1,0 +1,436 @@
+//! Diagonal batching's grouped step (Sivtsov et al., 2025, "Diagonal Batching Unlocks
+//! Parallelism in Recurrent Memory Transformers for Long Contexts"; upstream
+//! `FastGroupedArmtExecutor` and `linear_grouped_sliced_forward.py` of svtdanny/diagonal-batching).
+//!
+//! Cell (s, l) is segment s at layer l. It needs (s, l - 1) (its input) and (s - 1, l) (the
+//! layer-l memory that segment wrote), so every cell with `s + l = i` can run at step i, and a
+//! request of N segments takes `N + L - 1` steps instead of `N · L` layer calls. One step here
+//! runs every given cell, whatever request it belongs to, as **one** decoder-layer call:
+//!
+//! * **Layout.** The layers the cells span, `lo..=hi`, form the group axis G. Every cell gets a
+//!   block of `P = S + M` rows (shorter cells are padded with zero rows at the end, which causal
+//!   attention keeps from reaching real rows); layer g holds its cells' blocks side by side, and
+//!   every layer is padded with empty blocks to the most cells any layer has (K). The packed
+//!   residual stream is `[G, K·P, d]`. One request has one cell per layer, so K = 1 and there is
+//!   no padding but its partial segment's; requests at different diagonals share the layers they
+//!   both use, and empty blocks are the price of packing them.
+//! * **Grouped matmul.** Weights are stacked once at load, `[L, out, in]` per role (q/k/v fused,
+//!   gate, up, o, down, W_mq, and W_mk/W_mv/W_mb fused). A linear layer of the step is one batched
+//!   matmul of `[G, K·P, in]` with the contiguous layer range `narrow(0, lo, G)` of its stack,
+//!   transposed as a view: no weight is copied or gathered, and the step issues as many
+//!   matmuls as a single layer call does, however many cells it holds. (Upstream instead
+//!   launches a CUTLASS grouped GEMM over per-row weight pointers; a contiguous layer range
+//!   makes a plain strided batched GEMM equivalent, which candle runs on the CPU and through
+//!   cuBLAS.) Norm weights are `[L, d]`, applied per group row after a weightless RMSNorm.
+//! * **Attention** is one batched causal attention over the `G · K` blocks, positions `0..P` in
+//!   every block (RoPE restarts each segment), grouped-query heads, scores and softmax in
+//!   float32.
+//! * **Memory.** Reads come first, for every cell at once, against the memories as they were
+//!   when the step began; the step returns each writing cell's [`MemoryUpdate`] instead of
+//!   applying it, so the caller applies every write after every read by construction. Each
+//!   memory appears at most once per step (one cell per request and layer).
+//!
+//! Upstream quirk not reproduced: its grouped update forces `gamma = 1` on a layer's first write
+//! only while the group is not full and starts at layer 0; the first writes of the other cells use
+//! the generic gamma (off by about `1e-5 / |k|²`). Here every first write has `gamma = 1`, the
+//! sequential semantics, as the fixture's README recommends.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::memory::{
+    dpfp, read_term, updates, write_delta, LayerMemory, MemoryUpdate, WriteInputs,
+};
+use super::ArmtConfig;
+use crate::error::{ModelError, Result};
+use crate::transformer::RopeTable;
+
+/// Per-layer weights stacked along a leading layer axis, in the checkpoint's `[out, in]` layout.
+#[derive(Debug, Clone)]
+pub(crate) struct Stacked {
+    /// `input_layernorm` `[L, d]`.
+    pub attn_norm: Tensor,
+    /// `q_proj`, `k_proj`, `v_proj` stacked on the output axis, `[L, (h + 2 h_kv) · hd, d]`.
+    pub qkv: Tensor,
+    /// `o_proj` `[L, d, h · hd]`.
+    pub o: Tensor,
+    /// `post_attention_layernorm` `[L, d]`.
+    pub ff_norm: Tensor,
+    /// `gate_proj` `[L, I, d]` (kept apart from `up_proj` so both products are contiguous for
+    /// the elementwise SiLU gate).
+    pub gate: Tensor,
+    /// `up_proj` `[L, I, d]`.
+    pub up: Tensor,
+    /// `down_proj` `[L, d, I]`.
+    pub down: Tensor,
+    /// `W_mq` `[L, d_mem, d]`.
+    pub mq: Tensor,
+    /// `W_mk`, `W_mv`, `W_mb` stacked on the output axis, `[L, d_mem + d + 1, d]`.
+    pub mkvb: Tensor,
+    /// `W_mb.bias` `[L, 1]`.
+    pub mb_bias: Tensor,
+    /// Ones `[d]`: the weight of the weightless RMSNorm.
+    pub ones: Tensor,
+}
+
+/// One cell of a grouped step.
+#[derive(Debug, Clone)]
+pub struct CellInput<'a> {
+    pub layer: usize,
+    /// The residual stream entering the layer, `[n, d]` with `n <= S + M`.
+    pub hidden: Tensor,
+    /// The cell's request's memory of `layer`, as left by its previous segment.
+    pub memory: &'a LayerMemory,
+    /// A memory segment: write from the last `M` rows of the layer's output.
+    pub write: bool,
+    /// Return the cell's keys (after RoPE) and values, e.g. a prompt segment whose keys
+    /// generation attends to.
+    pub keep_kv: bool,
+}
+
+/// What a grouped step produced for one cell.
+#[derive(Debug, Clone)]
+pub struct CellOutput {
+    /// The layer's output `[n, d]`.
+    pub hidden: Tensor,
+    /// The write to apply to the cell's memory (cells with `write`).
+    pub update: Option<MemoryUpdate>,
+    /// Keys after RoPE and values, `[h_kv, n, hd]` each (cells with `keep_kv`).
+    pub kv: Option<(Tensor, Tensor)>,
+}
+
+/// The grouped call's shape, for statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepShape {
+    /// Layers spanned (the group axis).
+    pub layers: usize,
+    /// Cell blocks per layer (the most cells any layer has).
+    pub blocks_per_layer: usize,
+    /// Cells run.
+    pub cells: usize,
+}
+
+/// `x` `[G, R, in]` times layers `lo..lo + G` of `w` `[L, out, in]`: one batched matmul.
+fn grouped_linear(x: &Tensor, w: &Tensor, lo: usize) -> Result<Tensor> {
+    let g = x.dim(0)?;
+    Ok(x.matmul(&w.narrow(0, lo, g)?.t()?)?)
+}
+
+/// RMSNorm of `x` `[G, R, d]` with layer `lo + g`'s weight on group row g; the statistic in
+/// float32 and the weight applied after casting back (upstream Llama's order).
+fn grouped_rms_norm(x: &Tensor, ones: &Tensor, w: &Tensor, lo: usize, eps: f64) -> Result<Tensor> {
+    let g = x.dim(0)?;
+    let normed = if x.dtype() == DType::F32 {
+        candle_nn::ops::rms_norm(&x.contiguous()?, ones, eps as f32)?
+    } else {
+        let xf = x.to_dtype(DType::F32)?;
+        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        xf.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?
+            .to_dtype(x.dtype())?
+    };
+    Ok(normed.broadcast_mul(&w.narrow(0, lo, g)?.unsqueeze(1)?)?)
+}
+
+/// Half-layout RoPE of `x` `[B, H, P, hd]` at positions `0..P`, in float32.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let y = candle_nn::rotary_emb::rope(&x.to_dtype(DType::F32)?.contiguous()?, cos, sin)?;
+    Ok(y.to_dtype(dtype)?)
+}
+
+/// Where each cell sits in the `[G, K·P, d]` layout.
+struct Layout {
+    lo: usize,
+    groups: usize,
+    blocks: usize,
+    /// Per cell: `(g, k)`.
+    place: Vec<(usize, usize)>,
+    /// Per `(g, k)` (row-major): the cell there, if any.
+    grid: Vec<Option<usize>>,
+}
+
+impl Layout {
+    fn new(cells: &[CellInput]) -> Result<Self> {
+        let lo = cells.iter().map(|c| c.layer).min().unwrap_or(0);
+        let hi = cells.iter().map(|c| c.layer).max().unwrap_or(0);
+        let groups = hi - lo + 1;
+        let mut count = vec![0usize; groups];
+        let mut place = Vec::with_capacity(cells.len());
+        for c in cells {
+            let g = c.layer - lo;
+            place.push((g, count[g]));
+            count[g] += 1;
+        }
+        let blocks = count.iter().copied().max().unwrap_or(0);
+        let mut grid = vec![None; groups * blocks];
+        for (i, &(g, k)) in place.iter().enumerate() {
+            grid[g * blocks + k] = Some(i);
+        }
+        Ok(Self {
+            lo,
+            groups,
+            blocks,
+            place,
+            grid,
+        })
+    }
+}
+
+/// The stacked weights plus what a grouped step needs of the model.
+pub(crate) struct GroupedContext<'a> {
+    pub cfg: &'a ArmtConfig,
+    pub stacked: &'a Stacked,
+    pub rope: &'a RopeTable,
+    pub device: &'a Device,
+    pub dtype: DType,
+    /// `A = 0` `[d_key, d]` and `z = 0` `[d_key]`, for blocks without a cell.
+    pub empty: &'a LayerMemory,
+}
+
+impl GroupedContext<'_> {
+    /// Runs every cell as one grouped decoder-layer call (see the module doc).
+    pub fn step(&self, cells: &[CellInput]) -> Result<(Vec<CellOutput>, StepShape)> {
+        if cells.is_empty() {
+            return Ok((
+                Vec::new(),
+                StepShape {
+                    layers: 0,
+                    blocks_per_layer: 0,
+                    cells: 0,
+                },
+            ));
+        }
+        let cfg = self.cfg;
+        let (p, d, m) = (cfg.cell_rows(), cfg.hidden_size(), cfg.num_mem_tokens());
+        let (h, hkv, hd) = (
+            cfg.llama.num_attention_heads,
+            cfg.kv_heads(),
+            cfg.head_dim(),
+        );
+        let eps = cfg.mem_eps;
+        for c in cells {
+            let n = c.hidden.dim(0)?;
+            if n == 0 || n > p || (c.write && n < m) || c.layer >= cfg.n_layers() {
+                return Err(ModelError::Shape(format!(
+                    "a cell of {n} rows at layer {} (cells hold 1..={p} rows, writing ones at least {m})",
+                    c.layer
+                )));
+            }
+        }
+        let lay = Layout::new(cells)?;
+        let (g_n, k_n, lo) = (lay.groups, lay.blocks, lay.lo);
+        let blocks = g_n * k_n;
+        let zeros = Tensor::zeros((p, d), self.dtype, self.device)?;
+
+        // Pack the residual stream: [G, K·P, d].
+        let mut pieces = Vec::with_capacity(2 * blocks);
+        for slot in &lay.grid {
+            match slot {
+                Some(c) => {
+                    let x = &cells[*c].hidden;
+                    let n = x.dim(0)?;
+                    pieces.push(x.to_dtype(self.dtype)?);
+                    if n < p {
+                        pieces.push(zeros.narrow(0, 0, p - n)?);
+                    }
+                }
+                None => pieces.push(zeros.clone()),
+            }
+        }
+        let mut x = Tensor::cat(&pieces, 0)?.reshape((g_n, k_n * p, d))?;
+
+        // Every block's memory, once: [G·K, d_key, d] and [G·K, d_key].
+        let needs_memory = cells.iter().any(|c| c.write || c.memory.is_written());
+        let mems: Vec<&LayerMemory> = lay
+            .grid
+            .iter()
+            .map(|s| s.map_or(self.empty, |c| cells[c].memory))
+            .collect();
+        let (a, z) = if needs_memory {
+            let a: Vec<&Tensor> = mems.iter().map(|mm| mm.a()).collect();
+            let z: Vec<&Tensor> = mems.iter().map(|mm| mm.z()).collect();
+            (Some(Tensor::stack(&a, 0)?), Some(Tensor::stack(&z, 0)?))
+        } else {
+            (None, None)
+        };
+
+        // 1. Reads, before the layer, on every row (unwritten memories read exactly 0).
+        let any_read = cells.iter().any(|c| c.memory.is_written());
+        if let (true, Some(a), Some(z)) = (any_read, &a, &z) {
+            let q = grouped_linear(&x, &self.stacked.mq, lo)?.to_dtype(DType::F32)?;
+            let q = dpfp(&q, cfg.nu)?.reshape((blocks, p, cfg.d_key()))?;
+            let assoc = read_term(&q, a, z, eps)?
+                .reshape((g_n, k_n * p, d))?
+                .to_dtype(self.dtype)?;
+            x = (x + assoc)?;
+        }
+
+        // 2. The decoder layer, grouped.
+        let s = self.stacked;
+        let norm_eps = cfg.llama.rms_norm_eps;
+        let hn = grouped_rms_norm(&x, &s.ones, &s.attn_norm, lo, norm_eps)?;
+        let qkv = grouped_linear(&hn, &s.qkv, lo)?;
+        let heads = |offset: usize, n_heads: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(2, offset * hd, n_heads * hd)?
+                .reshape((blocks, p, n_heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let positions: Vec<u32> = (0..p as u32).collect();
+        let (cos, sin) = self.rope.rows(&positions)?;
+        let q = rope(&heads(0, h)?, &cos, &sin)?;
+        let k = rope(&heads(h, hkv)?, &cos, &sin)?;
+        let v = heads(h + hkv, hkv)?;
+        let attn = attention(&q, &k, &v, p, self.device)?
+            .transpose(1, 2)?
+            .reshape((g_n, k_n * p, h * hd))?;
+        let x = (x + grouped_linear(&attn, &s.o, lo)?)?;
+        let hn = grouped_rms_norm(&x, &s.ones, &s.ff_norm, lo, norm_eps)?;
+        let gate = grouped_linear(&hn, &s.gate, lo)?;
+        let up = grouped_linear(&hn, &s.up, lo)?;
+        let act = (gate.silu()? * up)?;
+        let x = (x + grouped_linear(&act, &s.down, lo)?)?;
+
+        // 3. Writes, from the memory rows of the layer's output, against the old memories.
+        let mut deltas: Vec<Option<MemoryUpdate>> = vec![None; blocks];
+        let any_write = cells.iter().any(|c| c.write);
+        if let (true, Some(a), Some(z)) = (any_write, &a, &z) {
+            let zeros_m = zeros.narrow(0, 0, m)?;
+            let mut rows = Vec::with_capacity(blocks);
+            let mut first = Vec::with_capacity(blocks);
+            for (slot, mem) in lay.grid.iter().zip(&mems) {
+                match slot {
+                    Some(c) if cells[*c].write => {
+                        let (g, kk) = lay.place[*c];
+                        let n = cells[*c].hidden.dim(0)?;
+                        rows.push(x.get(g)?.narrow(0, kk * p + n - m, m)?);
+                    }
+                    _ => rows.push(zeros_m.clone()),
+                }
+                first.push(if mem.is_written() { 0f32 } else { 1.0 });
+            }
+            let ym = Tensor::cat(&rows, 0)?.reshape((g_n, k_n * m, d))?;
+            let proj = grouped_linear(&ym, &s.mkvb, lo)?.to_dtype(DType::F32)?;
+            let dm = cfg.d_mem();
+            let bias = s
+                .mb_bias
+                .narrow(0, lo, g_n)?
+                .to_dtype(DType::F32)?
+                .unsqueeze(1)?;
+            let beta_logit = proj
+                .narrow(2, dm + d, 1)?
+                .broadcast_add(&bias)?
+                .reshape((blocks, m, 1))?;
+            let mk = dpfp(&proj.narrow(2, 0, dm)?, cfg.nu)?.reshape((blocks, m, cfg.d_key()))?;
+            let mv = proj.narrow(2, dm, d)?.reshape((blocks, m, d))?;
+            let first = Tensor::from_vec(first, blocks, self.device)?;
+            let (da, dz) = write_delta(&WriteInputs {
+                k: &mk,
+                v: &mv,
+                beta_logit: &beta_logit,
+                a,
+                z,
+                first: &first,
+                correction: cfg.armt.correction,
+                eps,
+            })?;
+            for (b, u) in updates(&da, &dz)?.into_iter().enumerate() {
+                if matches!(lay.grid[b], Some(c) if cells[c].write) {
+                    deltas[b] = Some(u);
+                }
+            }
+        }
+
+        let mut out = Vec::with_capacity(cells.len());
+        for (i, c) in cells.iter().enumerate() {
+            let (g, kk) = lay.place[i];
+            let n = c.hidden.dim(0)?;
+            let b = g * k_n + kk;
+            let kv = if c.keep_kv {
+                Some((
+                    k.get(b)?.narrow(1, 0, n)?.contiguous()?,
+                    v.get(b)?.narrow(1, 0, n)?.contiguous()?,
+                ))
+            } else {
+                None
+            };
+            out.push(CellOutput {
+                hidden: x.get(g)?.narrow(0, kk * p, n)?,
+                update: deltas[b].take(),
+                kv,
+            });
+        }
+        let shape = StepShape {
+            layers: g_n,
+            blocks_per_layer: k_n,
+            cells: cells.len(),
+        };
+        Ok((out, shape))
+    }
+}
+
+/// Causal attention of `q` `[B, h, P, hd]` over `k`, `v` `[B, h_kv, P, hd]` (query head j reads
+/// key head `j / (h / h_kv)`), scaled by `1 / sqrt(hd)`, scores and softmax in float32; returns
+/// `[B, h, P, hd]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, p: usize, device: &Device) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let (b, h, _, hd) = q.dims4()?;
+    let hkv = k.dim(1)?;
+    let (k, v) = if h == hkv {
+        (k.clone(), v.clone())
+    } else {
+        let rep = h / hkv;
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.unsqueeze(2)?
+                .expand((b, hkv, rep, p, hd))?
+                .contiguous()?
+                .reshape((b, h, p, hd))?)
+        };
+        (expand(k)?, expand(v)?)
+    };
+    let scale = 1.0 / (hd as f64).sqrt();
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
+    let mask: Vec<f32> = (0..p)
+        .flat_map(|i| (0..p).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (p, p), device)?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?.to_dtype(dtype)?;
+    Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wavefront_kernels::grouped::{grouped_matmul, Group};
+
+    /// The grouped linear of a step (one batched matmul over a contiguous layer range, every
+    /// layer's rows padded to the same count) is the grouped-matmul kernel's semantics
+    /// (`wavefront-kernels`, whose CUDA kernel takes ragged groups in place).
+    #[test]
+    fn grouped_linear_is_the_grouped_matmul_kernels_reference() -> Result<()> {
+        let (layers, out, inp, rows, lo, groups) = (5usize, 6usize, 7usize, 4usize, 1usize, 3usize);
+        let det = |n: usize, salt: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| (i as f32 * 0.37 + salt).sin() * 2.0)
+                .collect()
+        };
+        let w = det(layers * out * inp, 0.5);
+        let x = det(groups * rows * inp, 1.5);
+        let wt = Tensor::from_vec(w.clone(), (layers, out, inp), &Device::Cpu)?;
+        let xt = Tensor::from_vec(x.clone(), (groups, rows, inp), &Device::Cpu)?;
+        let got: Vec<f32> = grouped_linear(&xt, &wt, lo)?.flatten_all()?.to_vec1()?;
+        let spec: Vec<Group> = (0..groups)
+            .map(|g| Group {
+                rows: (g * rows) as u32..((g + 1) * rows) as u32,
+                weight: (lo + g) as u32,
+            })
+            .collect();
+        let want = grouped_matmul(&spec, &x, &w, layers, inp, out)
+            .map_err(|e| crate::error::ModelError::Shape(e.to_string()))?;
+        assert_eq!(got.len(), want.len());
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,233 @@
+//! The associative memory of one layer and its read and write (Rodkin et al., 2024, "Associative
+//! Recurrent Memory Transformer"; upstream `AssociativeLayerWrapper` in
+//! `modeling_amt/language_modeling.py`).
+//!
+//! Layer l keeps `A_l` `[d_key, d]` and `z_l` `[d_key]`, both zero until its first write.
+//! With `phi` = DPFP (`u = [relu(x), relu(-x)]`, `phi(x) = [u·roll(u,1), ..., u·roll(u,nu)]`):
+//!
+//! * **read**, before the layer, on every row h of the residual stream:
+//!   `h += phi(h W_mq) A / (phi(h W_mq) · z + eps)`;
+//! * **write**, after the layer, from its output o at the M memory rows, every row against the
+//!   *old* state (a parallel delta rule): `k = phi(o W_mk)`, `v = o W_mv`,
+//!   `beta = sigmoid(o W_mb + b)`; on the first write `v_prev = 0` and `gamma = 1`, afterwards
+//!   `den = k · z + eps`, `v_prev = k A / den`, `gamma = clip(1 - den / (|k|² + eps), 0, 1)`
+//!   (`gamma = 1` without `correction`); then `A += Σ_j beta_j k_jᵀ (v_j - v_prev_j)` and
+//!   `z += Σ_j gamma_j k_j`.
+//!
+//! State and memory arithmetic are float32 whatever the model dtype (the projections run in the
+//! model dtype and are cast). Every function takes a leading batch of cells `[C, rows, ...]`, so
+//! the sequential path (one cell) and a grouped diagonal step (all cells of the step) share the
+//! same arithmetic.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::Result;
+
+/// One layer's associative memory of one request.
+#[derive(Debug, Clone)]
+pub struct LayerMemory {
+    a: Tensor,
+    z: Tensor,
+    written: bool,
+}
+
+/// What one write adds to a [`LayerMemory`].
+#[derive(Debug, Clone)]
+pub struct MemoryUpdate {
+    delta_a: Tensor,
+    delta_z: Tensor,
+}
+
+impl LayerMemory {
+    /// The empty memory: `A = 0`, `z = 0`, never written.
+    pub fn zeros(d_key: usize, d: usize, device: &Device) -> Result<Self> {
+        Ok(Self {
+            a: Tensor::zeros((d_key, d), DType::F32, device)?,
+            z: Tensor::zeros(d_key, DType::F32, device)?,
+            written: false,
+        })
+    }
+
+    /// A memory with the given state (e.g. upstream's `W_mem[l]`, `z[l]`), marked written.
+    pub fn from_state(a: Tensor, z: Tensor) -> Result<Self> {
+        Ok(Self {
+            a: a.to_dtype(DType::F32)?,
+            z: z.to_dtype(DType::F32)?,
+            written: true,
+        })
+    }
+
+    /// `A` `[d_key, d]` (the read is `phi(q) A`).
+    pub fn a(&self) -> &Tensor {
+        &self.a
+    }
+
+    /// `z` `[d_key]`.
+    pub fn z(&self) -> &Tensor {
+        &self.z
+    }
+
+    /// Whether a segment has written this layer (reads are skipped before that; upstream's
+    /// `first_seg`).
+    pub fn is_written(&self) -> bool {
+        self.written
+    }
+
+    /// Adds a write.
+    pub fn apply(&mut self, u: MemoryUpdate) -> Result<()> {
+        self.a = (&self.a + u.delta_a)?;
+        self.z = (&self.z + u.delta_z)?;
+        self.written = true;
+        Ok(())
+    }
+}
+
+/// DPFP over the last dim (float32): `[..., d_mem]` to `[..., 2 · nu · d_mem]`.
+pub fn dpfp(x: &Tensor, nu: usize) -> Result<Tensor> {
+    let u = Tensor::cat(&[x.relu()?, x.neg()?.relu()?], D::Minus1)?;
+    let n = u.dim(D::Minus1)?;
+    let mut parts = Vec::with_capacity(nu);
+    for j in 1..=nu {
+        // torch.roll(u, j)[i] = u[(i - j) mod n].
+        let j = j % n;
+        let rolled = if j == 0 {
+            u.clone()
+        } else {
+            Tensor::cat(
+                &[
+                    u.narrow(D::Minus1, n - j, j)?,
+                    u.narrow(D::Minus1, 0, n - j)?,
+                ],
+                D::Minus1,
+            )?
+        };
+        parts.push((&u * rolled)?);
+    }
+    Ok(Tensor::cat(&parts, D::Minus1)?)
+}
+
+/// The read term `phi(q) A / (phi(q) · z + eps)` `[C, n, d]` (float32) of keys
+/// `phi_q` `[C, n, d_key]` against memories `a` `[C, d_key, d]` and `z` `[C, d_key]`.
+pub fn read_term(phi_q: &Tensor, a: &Tensor, z: &Tensor, eps: f64) -> Result<Tensor> {
+    let num = phi_q.matmul(a)?;
+    let den = (phi_q.matmul(&z.unsqueeze(D::Minus1)?)? + eps)?;
+    Ok(num.broadcast_div(&den)?)
+}
+
+/// Inputs of a batched write: per cell, the memory rows' projections and the old state.
+pub struct WriteInputs<'a> {
+    /// `phi(o W_mk)` `[C, M, d_key]`.
+    pub k: &'a Tensor,
+    /// `o W_mv` `[C, M, d]`.
+    pub v: &'a Tensor,
+    /// `o W_mb + b` before the sigmoid, `[C, M, 1]`.
+    pub beta_logit: &'a Tensor,
+    /// Old `A` `[C, d_key, d]` and `z` `[C, d_key]`.
+    pub a: &'a Tensor,
+    pub z: &'a Tensor,
+    /// Per cell: 1.0 on the layer's first write, else 0.0, `[C]`.
+    pub first: &'a Tensor,
+    pub correction: bool,
+    pub eps: f64,
+}
+
+/// The updates `(ΔA [C, d_key, d], Δz [C, d_key])` of a batch of writes (all float32).
+pub fn write_delta(w: &WriteInputs) -> Result<(Tensor, Tensor)> {
+    let beta = candle_nn::ops::sigmoid(w.beta_logit)?;
+    let first = w.first.reshape((w.first.elem_count(), 1, 1))?;
+    let keep = first.affine(-1.0, 1.0)?;
+    // den_j = k_j · z + eps; on a first write z = 0 and A = 0, so v_prev = 0 / eps = 0 exactly.
+    let den = (w.k.matmul(&w.z.unsqueeze(D::Minus1)?)? + w.eps)?;
+    let v_prev = w.k.matmul(w.a)?.broadcast_div(&den)?;
+    let delta_a =
+        w.k.transpose(1, 2)?
+            .matmul(&(w.v - v_prev)?.broadcast_mul(&beta)?)?;
+    let k = w.k;
+    let delta_z = if w.correction {
+        let norm = (k.sqr()?.sum_keepdim(D::Minus1)? + w.eps)?;
+        let gamma = (1.0 - den.div(&norm)?)?.clamp(0f32, 1f32)?;
+        // gamma = 1 on the first write (the sequential semantics; see the module doc of
+        // `grouped` for upstream's diagonal quirk).
+        let gamma = (gamma.broadcast_mul(&keep)? + first.broadcast_as(gamma.shape())?)?;
+        k.broadcast_mul(&gamma)?.sum(1)?
+    } else {
+        k.sum(1)?
+    };
+    Ok((delta_a, delta_z))
+}
+
+/// Splits batched deltas into one update per cell.
+pub fn updates(delta_a: &Tensor, delta_z: &Tensor) -> Result<Vec<MemoryUpdate>> {
+    (0..delta_a.dim(0)?)
+        .map(|c| {
+            Ok(MemoryUpdate {
+                delta_a: delta_a.get(c)?,
+                delta_z: delta_z.get(c)?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dpfp_matches_torch_roll_semantics() -> Result<()> {
+        let x = Tensor::new(&[[1f32, -2.0]], &Device::Cpu)?;
+        // u = [1, 0, 0, 2]; roll 1 = [2, 1, 0, 0]; roll 2 = [0, 2, 1, 0].
+        let y: Vec<Vec<f32>> = dpfp(&x, 2)?.to_vec2()?;
+        assert_eq!(y, vec![vec![2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]);
+        let x = Tensor::new(&[[1f32, 3.0]], &Device::Cpu)?;
+        // u = [1, 3, 0, 0]; roll 1 = [0, 1, 3, 0]; roll 3 = [3, 0, 0, 1].
+        let y: Vec<Vec<f32>> = dpfp(&x, 3)?.to_vec2()?;
+        assert_eq!(y[0][..4], [0.0, 3.0, 0.0, 0.0]);
+        assert_eq!(y[0][8..], [3.0, 0.0, 0.0, 0.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn first_write_has_unit_gamma_and_no_previous_value() -> Result<()> {
+        let dev = Device::Cpu;
+        let k = Tensor::new(&[[[0.5f32, 0.0], [0.0, 2.0]]], &dev)?;
+        let v = Tensor::new(&[[[1f32], [3.0]]], &dev)?;
+        let beta_logit = Tensor::zeros((1, 2, 1), DType::F32, &dev)?;
+        let a = Tensor::zeros((1, 2, 1), DType::F32, &dev)?;
+        let z = Tensor::zeros((1, 2), DType::F32, &dev)?;
+        let first = Tensor::ones(1, DType::F32, &dev)?;
+        let (da, dz) = write_delta(&WriteInputs {
+            k: &k,
+            v: &v,
+            beta_logit: &beta_logit,
+            a: &a,
+            z: &z,
+            first: &first,
+            correction: true,
+            eps: 1e-5,
+        })?;
+        // beta = 0.5: A = 0.5 · (k0ᵀ v0 + k1ᵀ v1); z = k0 + k1.
+        assert_eq!(da.to_vec3::<f32>()?, vec![vec![vec![0.25], vec![3.0]]]);
+        assert_eq!(dz.to_vec2::<f32>()?, vec![vec![0.5, 2.0]]);
+        // Not first: gamma_j = clip(1 - (k_j · z + eps) / (|k_j|² + eps)).
+        let z = Tensor::new(&[[0.5f32, 0.0]], &dev)?;
+        let first = Tensor::zeros(1, DType::F32, &dev)?;
+        let (_, dz) = write_delta(&WriteInputs {
+            k: &k,
+            v: &v,
+            beta_logit: &beta_logit,
+            a: &a,
+            z: &z,
+            first: &first,
+            correction: true,
+            eps: 1e-5,
+        })?;
+        let dz: Vec<f32> = dz.get(0)?.to_vec1()?;
+        let g0 = 1.0 - (0.25f32 + 1e-5) / (0.25 + 1e-5); // 0
+        let g1 = 1.0 - 1e-5f32 / (4.0 + 1e-5);
+        assert!(
+            (dz[0] - 0.5 * g0).abs() < 1e-6 && (dz[1] - 2.0 * g1).abs() < 1e-6,
+            "{dz:?}"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,590 @@
+//! ARMT, the associative recurrent memory transformer on a Llama backbone, with sequential and
+//! diagonal-batched execution.
+//!
+//! Rodkin et al., 2024, "Associative Recurrent Memory Transformer" (upstream
+//! RodkinIvan/associative-recurrent-memory-transformer, `modeling_amt/language_modeling.py`
+//! with diagonal-batching's `group_amt.patch`), and Sivtsov et al., 2025, "Diagonal Batching
+//! Unlocks Parallelism in Recurrent Memory Transformers for Long Contexts" (upstream
+//! svtdanny/diagonal-batching, `FastGroupedArmtExecutor`).
+//!
+//! A long input is cut into segments of `segment_size` (S) tokens from the left; the last may
+//! be shorter. Each segment runs through the unchanged Llama backbone as
+//! `[embed(segment), P]`, where P (`memory_cell.memory` `[M, d]`) is the same learned matrix for
+//! every segment, at positions `0..n` (RoPE restarts), with a plain causal mask; no key or value
+//! crosses a segment boundary. What carries over is each layer's associative memory
+//! ([`LayerMemory`]): before layer l every row reads it, after layer l the M memory rows write
+//! it ([`memory`]). The logits of a segment are those of its real tokens.
+//!
+//! Two executions give the same numbers:
+//! * **sequential** ([`Armt::forward_layers`]): a segment goes through all layers before the next
+//!   starts; rows of many sequences pack into one call per layer of the shared
+//!   [`crate::transformer::Block`] (also the generation path: a prompt segment whose keys go to a
+//!   [`KvCache`], then one token at a time);
+//! * **diagonal** ([`Armt::grouped_step`]): cell (segment s, layer l) runs at step `s + l`, all
+//!   cells of a step in one grouped call over layer-stacked weights ([`grouped`]).
+//!
+//! Checkpoint: the state dict of upstream's `AssociativeRecurrentWrapper`. Per-layer tensors
+//! live under `memory_cell.layers.{i}` (`safetensors.torch.save_model`) or
+//! `memory_cell.model.model.layers.{i}` (accelerate's `save_model`): `W_mq`, `W_mk`, `W_mv`,
+//! `W_mb` (with bias) and the backbone layer under `.layer.*`; then `memory_cell.memory`,
+//! `memory_cell.model.model.{embed_tokens, norm}` and `memory_cell.model.lm_head`. Weights are
+//! stacked per role at load ([`grouped`]); the per-layer blocks of the sequential path are views
+//! of the stacks, so nothing is held twice.
+
+pub mod config;
+pub mod grouped;
+pub mod memory;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+pub use self::config::{ArmtConfig, ArmtSettings, LlamaConfig};
+pub use self::grouped::{CellInput, CellOutput, StepShape};
+use self::grouped::{GroupedContext, Stacked};
+use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
+pub use self::memory::{LayerMemory, MemoryUpdate};
+use crate::error::{ModelError, Result};
+use crate::transformer::{
+    commit_buffers, get, Block, BlockNames, KvCache, MaskRule, PackedLayout, RmsNorm, RopeTable,
+    SeqInput,
+};
+
+/// One sequence's memories in a [`Armt::forward_layers`] call.
+#[derive(Debug)]
+pub struct SeqMemory<'a> {
+    /// Its memory of every layer (read before each layer).
+    pub layers: &'a mut [LayerMemory],
+    /// A memory segment: its last `M` rows write every layer's memory.
+    pub write: bool,
+}
+
+/// What a whole-sequence forward produced.
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    /// Logits of every input token `[T, V]` (float32).
+    pub logits: Tensor,
+    /// The memories after each segment (sequential), or after the last one (diagonal).
+    pub memory: Vec<Vec<LayerMemory>>,
+    /// Layer calls (sequential: segments × layers) or grouped steps (diagonal).
+    pub steps: usize,
+}
+
+/// A loaded ARMT.
+pub struct Armt {
+    cfg: ArmtConfig,
+    embed: Tensor,
+    memory_tokens: Tensor,
+    blocks: Vec<Block>,
+    stacked: Stacked,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rope: RopeTable,
+    empty: LayerMemory,
+}
+
+impl std::fmt::Debug for Armt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Armt").field("cfg", &self.cfg).finish()
+    }
+}
+
+impl Armt {
+    /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `memory_cell.*`),
+    /// accepting either per-layer prefix. The `VarBuilder`'s dtype and device are the model's.
+    pub fn load(vb: VarBuilder, cfg: ArmtConfig) -> Result<Self> {
+        cfg.validate()?;
+        let root = vb.pp("memory_cell");
+        let layers_vb = if root.contains_tensor("layers.0.W_mq.weight") {
+            root.pp("layers")
+        } else if root.contains_tensor("model.model.layers.0.W_mq.weight") {
+            root.pp("model").pp("model").pp("layers")
+        } else if root.contains_tensor("model.base_model.model.model.norm.weight") {
+            return Err(ModelError::Unsupported(
+                "a PEFT (LoRA) ARMT checkpoint: merge the adapters first (merge_and_unload) and \
+                 save the merged AssociativeRecurrentWrapper"
+                    .into(),
+            ));
+        } else {
+            return Err(ModelError::MissingTensor {
+                name: "memory_cell.layers.0.W_mq.weight (or memory_cell.model.model.layers.0.W_mq.weight)"
+                    .into(),
+            });
+        };
+        let (d, v, inter) = (
+            cfg.hidden_size(),
+            cfg.vocab_size(),
+            cfg.llama.intermediate_size,
+        );
+        let (h, hkv, hd) = (
+            cfg.llama.num_attention_heads,
+            cfg.kv_heads(),
+            cfg.head_dim(),
+        );
+        let dm = cfg.d_mem();
+        let n_layers = cfg.n_layers();
+
+        let mut parts: HashMap<&str, Vec<Tensor>> = HashMap::new();
+        for i in 0..n_layers {
+            let lv = layers_vb.pp(i);
+            let bv = lv.pp("layer");
+            let mut push = |role: &'static str, t: Tensor| parts.entry(role).or_default().push(t);
+            push("attn_norm", get(&bv.pp("input_layernorm"), &[d], "weight")?);
+            push(
+                "qkv",
+                Tensor::cat(
+                    &[
+                        get(&bv.pp("self_attn.q_proj"), &[h * hd, d], "weight")?,
+                        get(&bv.pp("self_attn.k_proj"), &[hkv * hd, d], "weight")?,
+                        get(&bv.pp("self_attn.v_proj"), &[hkv * hd, d], "weight")?,
+                    ],
+                    0,
+                )?,
+            );
+            push(
+                "o",
+                get(&bv.pp("self_attn.o_proj"), &[d, h * hd], "weight")?,
+            );
+            push(
+                "ff_norm",
+                get(&bv.pp("post_attention_layernorm"), &[d], "weight")?,
+            );
+            push("gate", get(&bv.pp("mlp.gate_proj"), &[inter, d], "weight")?);
+            push("up", get(&bv.pp("mlp.up_proj"), &[inter, d], "weight")?);
+            push("down", get(&bv.pp("mlp.down_proj"), &[d, inter], "weight")?);
+            push("mq", get(&lv.pp("W_mq"), &[dm, d], "weight")?);
+            push(
+                "mkvb",
+                Tensor::cat(
+                    &[
+                        get(&lv.pp("W_mk"), &[dm, d], "weight")?,
+                        get(&lv.pp("W_mv"), &[d, d], "weight")?,
+                        get(&lv.pp("W_mb"), &[1, d], "weight")?,
+                    ],
+                    0,
+                )?,
+            );
+            push("mb_bias", get(&lv.pp("W_mb"), &[1], "bias")?);
+        }
+        let mut stack = |role: &str| -> Result<Tensor> {
+            let list = parts.remove(role).unwrap_or_default();
+            Ok(Tensor::stack(&list, 0)?)
+        };
+        let stacked = Stacked {
+            attn_norm: stack("attn_norm")?,
+            qkv: stack("qkv")?,
+            o: stack("o")?,
+            ff_norm: stack("ff_norm")?,
+            gate: stack("gate")?,
+            up: stack("up")?,
+            down: stack("down")?,
+            mq: stack("mq")?,
+            mkvb: stack("mkvb")?,
+            mb_bias: stack("mb_bias")?,
+            ones: Tensor::ones(d, vb.dtype(), vb.device())?,
+        };
+        let blocks = (0..n_layers)
+            .map(|l| layer_block(&stacked, &cfg, l, vb.dtype(), vb.device()))
+            .collect::<Result<Vec<_>>>()?;
+
+        let model = root.pp("model");
+        let embed_name = "model.embed_tokens";
+        let head_name = "lm_head";
+        let (embed, lm_head) = if cfg.llama.tie_word_embeddings {
+            // save_model keeps one of the tied names.
+            let t = if model.contains_tensor(&format!("{embed_name}.weight")) {
+                get(&model.pp(embed_name), &[v, d], "weight")?
+            } else {
+                get(&model.pp(head_name), &[v, d], "weight")?
+            };
+            (t.clone(), t)
+        } else {
+            (
+                get(&model.pp(embed_name), &[v, d], "weight")?,
+                get(&model.pp(head_name), &[v, d], "weight")?,
+            )
+        };
+        let memory_tokens = get(&root, &[cfg.num_mem_tokens(), d], "memory")?;
+        let norm = RmsNorm::load(model.pp("model.norm"), d, cfg.llama.rms_norm_eps)?;
+        let rope = cfg.rope_table(vb.device())?;
+        let empty = LayerMemory::zeros(cfg.d_key(), d, vb.device())?;
+        Ok(Self {
+            cfg,
+            embed,
+            memory_tokens,
+            blocks,
+            stacked,
+            norm,
+            lm_head,
+            rope,
+            empty,
+        })
+    }
+
+    pub fn config(&self) -> &ArmtConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// Compute dtype of the weights and hidden rows (memories are float32).
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Fresh (never written) memories of every layer.
+    pub fn new_memory(&self) -> Result<Vec<LayerMemory>> {
+        (0..self.cfg.n_layers())
+            .map(|_| LayerMemory::zeros(self.cfg.d_key(), self.cfg.hidden_size(), self.device()))
+            .collect()
+    }
+
+    /// Token embeddings `[n, d]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let v = self.cfg.vocab_size();
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
+            return Err(ModelError::Shape(format!(
+                "token id {bad} outside the vocabulary of {v}"
+            )));
+        }
+        let idx = Tensor::new(ids, self.device())?;
+        Ok(self.embed.index_select(&idx, 0)?)
+    }
+
+    /// A segment's backbone input: its embeddings, followed by the memory tokens P when
+    /// `memory_tokens` (a memory segment) or alone (a generation prompt).
+    pub fn segment_input(&self, ids: &[u32], memory_tokens: bool) -> Result<Tensor> {
+        let e = self.embed(ids)?;
+        if memory_tokens {
+            Ok(Tensor::cat(&[&e, &self.memory_tokens], 0)?)
+        } else {
+            Ok(e)
+        }
+    }
+
+    /// The RoPE table (`max_position_embeddings` positions).
+    pub fn rope(&self) -> &RopeTable {
+        &self.rope
+    }
+
+    /// Packed rows `x` `[N, d]` of many sequences through every layer (the sequential path and
+    /// generation): before layer l each sequence's rows read its layer-l memory, the shared
+    /// block runs, and each writing sequence's last `M` rows write its layer-l memory. Buffer
+    /// sequences' caches hold this call's keys afterwards. Returns the last layer's output
+    /// (before the final norm).
+    pub fn forward_layers(
+        &self,
+        x: &Tensor,
+        seqs: &mut [SeqInput],
+        mems: &mut [SeqMemory],
+    ) -> Result<Tensor> {
+        if seqs.len() != mems.len() {
+            return Err(ModelError::Shape(format!(
+                "{} sequences but {} memories",
+                seqs.len(),
+                mems.len()
+            )));
+        }
+        let layout = PackedLayout::new(&self.rope, x.dim(0)?, seqs)?;
+        let rows: Vec<usize> = seqs.iter().map(SeqInput::rows).collect();
+        let offsets: Vec<usize> = rows
+            .iter()
+            .scan(0, |acc, &n| {
+                let o = *acc;
+                *acc += n;
+                Some(o)
+            })
+            .collect();
+        let m = self.cfg.num_mem_tokens();
+        for (&n, mem) in rows.iter().zip(mems.iter()) {
+            if mem.write && n < m {
+                return Err(ModelError::Shape(format!(
+                    "a writing sequence has {n} rows, fewer than the {m} memory tokens"
+                )));
+            }
+        }
+        let mut x = x.clone();
+        for (l, block) in self.blocks.iter().enumerate() {
+            x = self.read_rows(&x, l, &rows, mems)?;
+            x = block.forward(&x, &layout, seqs)?;
+            self.write_rows(&x, l, &rows, &offsets, mems)?;
+        }
+        commit_buffers(seqs);
+        Ok(x)
+    }
+
+    /// `x + read` of layer `l` for every sequence whose layer-l memory was written.
+    fn read_rows(
+        &self,
+        x: &Tensor,
+        l: usize,
+        rows: &[usize],
+        mems: &[SeqMemory],
+    ) -> Result<Tensor> {
+        if !mems.iter().any(|m| m.layers[l].is_written()) {
+            return Ok(x.clone());
+        }
+        let q = x
+            .matmul(&self.stacked.mq.get(l)?.t()?)?
+            .to_dtype(DType::F32)?;
+        let q = dpfp(&q, self.cfg.nu)?;
+        let mut pieces = Vec::with_capacity(rows.len());
+        let mut offset = 0;
+        for (&n, mem) in rows.iter().zip(mems) {
+            let lm = &mem.layers[l];
+            if lm.is_written() {
+                let t = read_term(
+                    &q.narrow(0, offset, n)?.unsqueeze(0)?,
+                    &lm.a().unsqueeze(0)?,
+                    &lm.z().unsqueeze(0)?,
+                    self.cfg.mem_eps,
+                )?;
+                pieces.push(t.squeeze(0)?);
+            } else {
+                pieces.push(Tensor::zeros(
+                    (n, self.cfg.hidden_size()),
+                    DType::F32,
+                    self.device(),
+                )?);
+            }
+            offset += n;
+        }
+        let assoc = Tensor::cat(&pieces, 0)?.to_dtype(x.dtype())?;
+        Ok((x + assoc)?)
+    }
+
+    /// The read term alone, `phi(q) A / (phi(q) · z + eps)` of rows `hidden` `[n, d]` against
+    /// `memory` at `layer` (float32; zero for a memory never written). For checks: the forward
+    /// paths add it to the residual stream themselves.
+    pub fn read(&self, layer: usize, hidden: &Tensor, memory: &LayerMemory) -> Result<Tensor> {
+        let (n, d) = hidden.dims2()?;
+        if !memory.is_written() {
+            return Ok(Tensor::zeros((n, d), DType::F32, self.device())?);
+        }
+        let q = hidden
+            .matmul(&self.stacked.mq.get(layer)?.t()?)?
+            .to_dtype(DType::F32)?;
+        let t = read_term(
+            &dpfp(&q, self.cfg.nu)?.unsqueeze(0)?,
+            &memory.a().unsqueeze(0)?,
+            &memory.z().unsqueeze(0)?,
+            self.cfg.mem_eps,
+        )?;
+        Ok(t.squeeze(0)?)
+    }
+
+    /// The writes of layer `l` from each writing sequence's last `M` rows, in one batch.
+    fn write_rows(
+        &self,
+        x: &Tensor,
+        l: usize,
+        rows: &[usize],
+        offsets: &[usize],
+        mems: &mut [SeqMemory],
+    ) -> Result<()> {
+        let writers: Vec<usize> = (0..mems.len()).filter(|&i| mems[i].write).collect();
+        if writers.is_empty() {
+            return Ok(());
+        }
+        let (m, d, dm) = (
+            self.cfg.num_mem_tokens(),
+            self.cfg.hidden_size(),
+            self.cfg.d_mem(),
+        );
+        let o = writers
+            .iter()
+            .map(|&i| x.narrow(0, offsets[i] + rows[i] - m, m))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let c = writers.len();
+        let proj = Tensor::cat(&o, 0)?
+            .matmul(&self.stacked.mkvb.get(l)?.t()?)?
+            .to_dtype(DType::F32)?
+            .reshape((c, m, dm + d + 1))?;
+        let bias = self.stacked.mb_bias.get(l)?.to_dtype(DType::F32)?;
+        let beta_logit = proj.narrow(2, dm + d, 1)?.broadcast_add(&bias)?;
+        let k = dpfp(&proj.narrow(2, 0, dm)?, self.cfg.nu)?;
+        let v = proj.narrow(2, dm, d)?;
+        let a = Tensor::stack(
+            &writers
+                .iter()
+                .map(|&i| mems[i].layers[l].a())
+                .collect::<Vec<_>>(),
+            0,
+        )?;
+        let z = Tensor::stack(
+            &writers
+                .iter()
+                .map(|&i| mems[i].layers[l].z())
+                .collect::<Vec<_>>(),
+            0,
+        )?;
+        let first: Vec<f32> = writers
+            .iter()
+            .map(|&i| {
+                if mems[i].layers[l].is_written() {
+                    0.0
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        let first = Tensor::from_vec(first, c, self.device())?;
+        let (da, dz) = write_delta(&WriteInputs {
+            k: &k,
+            v: &v,
+            beta_logit: &beta_logit,
+            a: &a,
+            z: &z,
+            first: &first,
+            correction: self.cfg.armt.correction,
+            eps: self.cfg.mem_eps,
+        })?;
+        for (&i, u) in writers.iter().zip(updates(&da, &dz)?) {
+            mems[i].layers[l].apply(u)?;
+        }
+        Ok(())
+    }
+
+    /// Runs every cell as one grouped decoder-layer call (diagonal batching, see [`grouped`]).
+    /// Reads use the memories as given; the writes come back in the outputs, to be applied
+    /// (with [`LayerMemory::apply`]) once the step is done.
+    pub fn grouped_step(&self, cells: &[CellInput]) -> Result<(Vec<CellOutput>, StepShape)> {
+        GroupedContext {
+            cfg: &self.cfg,
+            stacked: &self.stacked,
+            rope: &self.rope,
+            device: self.device(),
+            dtype: self.dtype(),
+            empty: &self.empty,
+        }
+        .step(cells)
+    }
+
+    /// Stores keys and values a grouped step kept (a prompt segment's, `keep_kv`) as buffer
+    /// indices `0..n` of `cache` at `layer`, where generation's [`Armt::forward_layers`] calls
+    /// read them.
+    pub fn store_kv(&self, cache: &mut KvCache, layer: usize, kv: (Tensor, Tensor)) -> Result<()> {
+        cache.store_layer(layer, kv.0, kv.1)
+    }
+
+    /// Logits `[n, V]` (float32) of last-layer rows: the final RMSNorm and `lm_head`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let h = self.norm.forward(hidden)?;
+        Ok(h.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?)
+    }
+
+    /// The reference forward of upstream's `AssociativeRecurrentWrapper.forward`: every segment
+    /// (the partial last one too) with its memory tokens, reads and writes, one after another
+    /// through [`Armt::forward_layers`]. Holds all logits: for tests and checks, not serving.
+    pub fn forward_sequential(&self, ids: &[u32]) -> Result<ForwardOutput> {
+        let mut memory = self.new_memory()?;
+        let mut logits = Vec::new();
+        let mut snapshots = Vec::new();
+        for seg in ids.chunks(self.cfg.segment_size()) {
+            let x = self.segment_input(seg, true)?;
+            let n = x.dim(0)?;
+            let mut seqs = [SeqInput::dense(n).with_mask(MaskRule::Causal)];
+            let mut mems = [SeqMemory {
+                layers: &mut memory,
+                write: true,
+            }];
+            let out = self.forward_layers(&x, &mut seqs, &mut mems)?;
+            logits.push(self.logits(&out.narrow(0, 0, seg.len())?)?);
+            snapshots.push(memory.clone());
+        }
+        Ok(ForwardOutput {
+            logits: Tensor::cat(&logits, 0)?,
+            memory: snapshots,
+            steps: ids.len().div_ceil(self.cfg.segment_size()) * self.cfg.n_layers(),
+        })
+    }
+
+    /// The same forward with diagonal batching: step i runs every cell (s, l) with
+    /// `s + l = i` in one [`Armt::grouped_step`], `segments + layers - 1` steps in all. The
+    /// partial last segment is a cell like the others (padded). For tests and checks.
+    pub fn forward_diagonal(&self, ids: &[u32]) -> Result<ForwardOutput> {
+        let segs: Vec<&[u32]> = ids.chunks(self.cfg.segment_size()).collect();
+        let (n_segs, n_layers) = (segs.len(), self.cfg.n_layers());
+        let mut memory = self.new_memory()?;
+        let mut inflight: Vec<Option<Tensor>> = vec![None; n_segs];
+        let mut logits: Vec<Option<Tensor>> = vec![None; n_segs];
+        let steps = n_segs + n_layers - 1;
+        for i in 0..steps {
+            let first = i.saturating_sub(n_layers - 1);
+            let last = i.min(n_segs - 1);
+            let placed: Vec<(usize, usize)> = (first..=last).map(|s| (s, i - s)).collect();
+            let outputs = {
+                let mut cells = Vec::with_capacity(placed.len());
+                for &(s, l) in &placed {
+                    let hidden = match inflight[s].take() {
+                        Some(h) => h,
+                        None => self.segment_input(segs[s], true)?,
+                    };
+                    cells.push(CellInput {
+                        layer: l,
+                        hidden,
+                        memory: &memory[l],
+                        write: true,
+                        keep_kv: false,
+                    });
+                }
+                self.grouped_step(&cells)?.0
+            };
+            for (&(s, l), out) in placed.iter().zip(outputs) {
+                if let Some(u) = out.update {
+                    memory[l].apply(u)?;
+                }
+                if l + 1 == n_layers {
+                    logits[s] = Some(self.logits(&out.hidden.narrow(0, 0, segs[s].len())?)?);
+                } else {
+                    inflight[s] = Some(out.hidden);
+                }
+            }
+        }
+        let logits = logits
+            .into_iter()
+            .map(|t| t.ok_or_else(|| ModelError::Shape("a segment never reached the top".into())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ForwardOutput {
+            logits: Tensor::cat(&logits, 0)?,
+            memory: vec![memory],
+            steps,
+        })
+    }
+}
+
+/// Layer `l`'s shared block, its weights views into the stacks.
+fn layer_block(
+    s: &Stacked,
+    cfg: &ArmtConfig,
+    l: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Block> {
+    let (h, hkv, hd) = (
+        cfg.llama.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.head_dim(),
+    );
+    let names = BlockNames::LLAMA;
+    let qkv = s.qkv.get(l)?;
+    let w = |name: &str| format!("{name}.weight");
+    let tensors: HashMap<String, Tensor> = [
+        (w(names.attn_norm), s.attn_norm.get(l)?),
+        (w(names.q), qkv.narrow(0, 0, h * hd)?),
+        (w(names.k), qkv.narrow(0, h * hd, hkv * hd)?),
+        (w(names.v), qkv.narrow(0, (h + hkv) * hd, hkv * hd)?),
+        (w(names.o), s.o.get(l)?),
+        (w(names.ff_norm), s.ff_norm.get(l)?),
+        (w(names.gate), s.gate.get(l)?),
+        (w(names.up), s.up.get(l)?),
+        (w(names.down), s.down.get(l)?),
+    ]
+    .into_iter()
+    .collect();
+    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+    Block::load(vb, &cfg.block_config(), &names, l)
+}

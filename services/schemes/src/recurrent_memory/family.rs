@@ -1,0 +1,328 @@
+//! The recurrent-memory family: what one engine tick runs for every active ARMT request.
+//!
+//! 1. **One grouped step** ([`wavefront_models::Armt::grouped_step`]) with the current
+//!    diagonal of every request in diagonal prefill: request r at step `i_r` contributes cells
+//!    `(s, i_r - s)`; requests that started at different ticks sit at different diagonals and
+//!    share the layers they both touch. Every read of the step sees the memories as the tick
+//!    found them; the writes come back and are applied after the step.
+//! 2. **One pass through the layers** of the shared block ([`wavefront_models::Armt::forward_layers`])
+//!    with the rows of every sequential segment (one per request in sequential prefill) and every
+//!    decoding token, each against its own keys and memories.
+//! 3. **One head call** over the rows that choose a token: the last row of each prompt segment
+//!    that reached the top layer this tick, and every decoding row.
+//!
+//! Nothing a request computes depends on which other requests share the tick: packed rows never
+//! mix (attention is per cell or per sequence, memories per request), so its tokens are the same
+//! alone or batched.
+
+use candle_core::{DType, Tensor};
+use wavefront_engine::{Active, Family, Outbox};
+use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
+use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
+
+use super::program::{ArmtProgram, Phase};
+
+/// One active program as a tick sees it.
+pub struct Entry<'a> {
+    pub program: &'a mut ArmtProgram,
+    pub outbox: &'a mut Outbox,
+}
+
+/// What one tick computed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TickReport {
+    /// Rows through the model: every cell's and every packed row.
+    pub rows: usize,
+    /// The grouped step's shape, when one ran.
+    pub grouped: Option<StepShape>,
+}
+
+/// Runs one tick of every program in `batch` (see the module doc). A failure of a packed call
+/// fails the tick; nothing here is specific to one program.
+pub fn tick(model: &Armt, batch: &mut [Entry<'_>]) -> candle_core::Result<TickReport> {
+    let mut report = TickReport::default();
+    for e in batch.iter_mut() {
+        if e.program.memory.is_none() {
+            e.program.memory = Some(model.new_memory().map_err(to_candle)?);
+        }
+    }
+    // Rows whose logits choose a token: (entry, hidden row [1, d]).
+    let mut heads: Vec<(usize, Tensor)> = Vec::new();
+    let diagonal: Vec<usize> = (0..batch.len())
+        .filter(|&i| {
+            let p = &batch[i].program;
+            p.phase == Phase::Prefill && p.is_diagonal()
+        })
+        .collect();
+    if !diagonal.is_empty() {
+        grouped_step(model, batch, &diagonal, &mut heads, &mut report)?;
+    }
+    let packed: Vec<usize> = (0..batch.len())
+        .filter(|i| !diagonal.contains(i) && batch[*i].program.phase != Phase::Done)
+        .collect();
+    if !packed.is_empty() {
+        layer_pass(model, batch, &packed, &mut heads, &mut report)?;
+    }
+    if heads.is_empty() {
+        return Ok(report);
+    }
+    let rows: Vec<Tensor> = heads.iter().map(|(_, r)| r.clone()).collect();
+    let logits = model.logits(&Tensor::cat(&rows, 0)?).map_err(to_candle)?;
+    let tokens: Vec<u32> = if heads.iter().all(|(i, _)| batch[*i].program.is_greedy()) {
+        logits
+            .argmax(candle_core::D::Minus1)?
+            .to_dtype(DType::U32)?
+            .to_vec1()?
+    } else {
+        let rows = logits.to_vec2::<f32>()?;
+        heads
+            .iter()
+            .zip(rows)
+            .map(|((i, _), r)| batch[*i].program.sample(&r))
+            .collect()
+    };
+    for (k, (i, _)) in heads.iter().enumerate() {
+        if batch[*i].program.records_logits() {
+            let row = logits.get(k)?.to_vec1::<f32>()?;
+            batch[*i].program.record_logits(row);
+        }
+    }
+    for ((i, _), token) in heads.iter().zip(tokens) {
+        let e = &mut batch[*i];
+        e.program.commit(token, e.outbox);
+    }
+    Ok(report)
+}
+
+/// Step 1 of the tick: the diagonals of `members`, in one grouped call.
+fn grouped_step(
+    model: &Armt,
+    batch: &mut [Entry<'_>],
+    members: &[usize],
+    heads: &mut Vec<(usize, Tensor)>,
+    report: &mut TickReport,
+) -> candle_core::Result<()> {
+    let n_layers = model.config().n_layers();
+    // (entry, segment, layer) of every cell, and the residual stream entering it.
+    let mut placed: Vec<(usize, usize, usize)> = Vec::new();
+    let mut hidden: Vec<Tensor> = Vec::new();
+    for &i in members {
+        let p = &mut *batch[i].program;
+        for (s, l) in p.diagonal_cells(n_layers) {
+            let h = match p.inflight.remove(&s) {
+                Some(h) => h,
+                None if l == 0 => model
+                    .segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
+                    .map_err(to_candle)?,
+                None => candle_core::bail!("segment {s} is not in flight before layer {l}"),
+            };
+            placed.push((i, s, l));
+            hidden.push(h);
+        }
+    }
+    let (outputs, shape) = {
+        let cells: Vec<CellInput> = placed
+            .iter()
+            .zip(hidden)
+            .map(|(&(i, s, l), hidden)| {
+                let p = &*batch[i].program;
+                let memory = &p
+                    .memory
+                    .as_ref()
+                    .expect("memories exist after the first tick")[l];
+                let prompt = p.is_prompt_segment(s);
+                CellInput {
+                    layer: l,
+                    hidden,
+                    memory,
+                    write: !prompt,
+                    keep_kv: prompt,
+                }
+            })
+            .collect();
+        report.rows += cells
+            .iter()
+            .map(|c| c.hidden.dim(0).unwrap_or(0))
+            .sum::<usize>();
+        model.grouped_step(&cells).map_err(to_candle)?
+    };
+    report.grouped = Some(shape);
+    // Every read is done: apply the writes, keep the prompt segment's keys, move segments up.
+    for (&(i, s, l), out) in placed.iter().zip(outputs) {
+        let p = &mut *batch[i].program;
+        if let Some(u) = out.update {
+            let memory = p
+                .memory
+                .as_mut()
+                .expect("memories exist after the first tick");
+            memory[l].apply(u).map_err(to_candle)?;
+        }
+        if let Some(kv) = out.kv {
+            model.store_kv(&mut p.cache, l, kv).map_err(to_candle)?;
+        }
+        if l + 1 < n_layers {
+            p.inflight.insert(s, out.hidden);
+        } else if p.is_prompt_segment(s) {
+            let n = out.hidden.dim(0)?;
+            heads.push((i, out.hidden.narrow(0, n - 1, 1)?));
+        }
+    }
+    for &i in members {
+        let own = placed.iter().filter(|c| c.0 == i).count();
+        let p = &mut *batch[i].program;
+        p.step += 1;
+        p.stats.forward_passes += 1;
+        p.stats.add_counter("grouped_steps", 1);
+        p.stats.push_series("cells_per_step", own as u32);
+    }
+    Ok(())
+}
+
+/// Step 2 of the tick: sequential segments and decoding tokens of `members` through every layer.
+fn layer_pass(
+    model: &Armt,
+    batch: &mut [Entry<'_>],
+    members: &[usize],
+    heads: &mut Vec<(usize, Tensor)>,
+    report: &mut TickReport,
+) -> candle_core::Result<()> {
+    let n_layers = model.config().n_layers();
+    // Each member's input rows, and whether its last row chooses a token.
+    let mut xs = Vec::with_capacity(members.len());
+    let mut choose = Vec::with_capacity(members.len());
+    for &i in members {
+        let p = &*batch[i].program;
+        let x = match p.phase {
+            Phase::Prefill => {
+                let s = p.next_segment;
+                choose.push(p.is_prompt_segment(s));
+                model.segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
+            }
+            _ => {
+                choose.push(true);
+                model.embed(&[p.pending])
+            }
+        }
+        .map_err(to_candle)?;
+        xs.push(x);
+    }
+    let rows: Vec<usize> = xs
+        .iter()
+        .map(|x| x.dim(0))
+        .collect::<candle_core::Result<_>>()?;
+    report.rows += rows.iter().sum::<usize>();
+    let out = {
+        let mut seqs = Vec::with_capacity(members.len());
+        let mut mems = Vec::with_capacity(members.len());
+        for (k, e) in batch
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| members.contains(i))
+            .map(|(_, e)| e)
+            .enumerate()
+        {
+            let ArmtProgram {
+                cache,
+                memory,
+                phase,
+                position,
+                ..
+            } = &mut *e.program;
+            let n = rows[k];
+            let layers = memory
+                .as_mut()
+                .expect("memories exist after the first tick");
+            let (seq, write) = if *phase == Phase::Prefill {
+                // A memory segment attends to itself only; the prompt segment keeps its keys.
+                let seq = SeqInput::dense(n).with_mask(MaskRule::Causal);
+                if choose[k] {
+                    (seq.with_keys(Keys::Buffer { cache, len: n }), false)
+                } else {
+                    (seq, true)
+                }
+            } else {
+                let pos = *position as u32;
+                let seq = SeqInput {
+                    index: vec![pos],
+                    positions: vec![pos],
+                    mask: MaskRule::Causal,
+                    keys: Keys::Buffer {
+                        cache,
+                        len: *position + 1,
+                    },
+                };
+                (seq, false)
+            };
+            seqs.push(seq);
+            mems.push(SeqMemory { layers, write });
+        }
+        let x = Tensor::cat(&xs, 0)?;
+        model
+            .forward_layers(&x, &mut seqs, &mut mems)
+            .map_err(to_candle)?
+    };
+    let mut offset = 0;
+    for (k, &i) in members.iter().enumerate() {
+        let n = rows[k];
+        if choose[k] {
+            heads.push((i, out.narrow(0, offset + n - 1, 1)?));
+        }
+        offset += n;
+        let p = &mut *batch[i].program;
+        p.stats.forward_passes += 1;
+        if p.phase == Phase::Prefill {
+            p.next_segment += 1;
+            p.stats.add_counter("grouped_steps", n_layers as u64);
+            for _ in 0..n_layers {
+                p.stats.push_series("cells_per_step", 1);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The family: owns the model on the engine thread.
+pub struct RecurrentMemoryFamily {
+    model: Armt,
+    last_rows: Option<usize>,
+}
+
+impl RecurrentMemoryFamily {
+    pub fn new(model: Armt) -> Self {
+        Self {
+            model,
+            last_rows: None,
+        }
+    }
+}
+
+impl Family for RecurrentMemoryFamily {
+    type Program = ArmtProgram;
+
+    fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), String> {
+        let mut entries: Vec<Entry<'_>> = batch
+            .iter_mut()
+            .map(|a| {
+                let Active {
+                    program, outbox, ..
+                } = &mut **a;
+                Entry { program, outbox }
+            })
+            .collect();
+        let report = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        self.last_rows = Some(report.rows);
+        Ok(())
+    }
+
+    fn release(&mut self, program: &mut Active<ArmtProgram>) {
+        program.program.release();
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.last_rows
+    }
+}

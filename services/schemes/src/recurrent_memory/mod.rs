@@ -1,0 +1,280 @@
+//! # Recurrent memory (ARMT)
+//!
+//! Rodkin et al. 2024, "Associative Recurrent Memory Transformer", served with the execution of
+//! Sivtsov et al. 2025, "Diagonal Batching Unlocks Parallelism in Recurrent Memory Transformers
+//! for Long Contexts". A prompt of any length is cut into segments of `segment_size` tokens;
+//! every layer carries an associative memory from segment to segment
+//! ([`wavefront_models::armt`]). Scheme `ar` generates after the context exactly as upstream's
+//! `AssociativeRecurrentWrapper.generate`:
+//!
+//! * every segment but the last runs with its memory tokens, reading and writing each layer's
+//!   memory (a *memory segment*);
+//! * the last segment (the partial one, or the last full one when the prompt length is a
+//!   multiple of `segment_size`) is the *prompt segment*: no memory tokens, no writes, reads of
+//!   the memory every earlier segment left, its keys and values kept in a cache;
+//! * greedy (or sampled) decoding follows with that cache, positions continuing after the prompt
+//!   segment's, reading the frozen memory before every layer.
+//!
+//! `ar.execution` picks how the prompt's (segment, layer) cells run ([`Execution`]):
+//! * `sequential`: one segment through all layers per engine tick;
+//! * `diagonal`: one diagonal per tick, every cell with `segment + layer = i` in one grouped
+//!   step, `segments + layers - 1` ticks for the whole prompt (the prompt segment is a cell of
+//!   the diagonal too, so the first token comes with the last diagonal);
+//! * `auto` (or empty): diagonal when the prompt has at least two segments.
+//!
+//! One tick ([`family`]) runs one grouped step holding the current diagonal of **every**
+//! request in diagonal prefill (a request that arrives later joins at its own first diagonal;
+//! requests at different diagonals share the layers both touch), plus one pass through the
+//! layers of the shared block for every sequential segment and every decoding token, packed.
+//!
+//! Statistics: counters `segments` (memory segments + the prompt segment) and `grouped_steps`
+//! (layer calls the prompt's cells took: one per diagonal, or one per segment and layer when
+//! sequential), series `cells_per_step` (this request's cells in each of them).
+//!
+//! ## Slots
+//!
+//! The slot unit is one position's key and value in one layer: `2 · n_kv_heads · head_dim`
+//! values of the model dtype. A request reserves, for the whole of its life:
+//! - its memories: `n_layers × ceil(4 · (d_key · d + d_key) / slot bytes)` (one layer's float32
+//!   `A` and `z`, per layer);
+//! - its generation cache: `(prompt segment + max_new_tokens) × n_layers`;
+//! - with diagonal execution, the residual streams of the segments between layers:
+//!   `min(n_layers, segments) × (segment_size + num_mem_tokens) × ceil(d · dtype / slot bytes)`.
+//!
+//! None of it grows with the prompt: a 64k-token context reserves what a 2k one does, and the
+//! transient activations of a tick are bounded by the cells of one diagonal (at most
+//! `n_layers` segments per request). The prompt ids themselves are the only per-token state.
+//! A request that finishes, fails or is cancelled drops its memories and cache when the engine
+//! retires it, before the next tick, and its slots return to the pool.
+
+pub mod family;
+pub mod program;
+
+#[cfg(test)]
+mod golden_tests;
+#[cfg(test)]
+mod serving_tests;
+#[cfg(test)]
+mod test_support;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use wavefront_engine::{Prepared, RequestError, Stats};
+use wavefront_models::armt::{Armt, ArmtConfig};
+use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
+
+pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
+pub use self::program::ArmtProgram;
+use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
+use crate::sampling::TokenSampler;
+use crate::served::{
+    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+};
+use crate::SchemeError;
+
+/// The context limit of a recurrent-memory model when the load options set none. The memory
+/// a request holds does not depend on its length; this bounds the work of one request.
+pub const DEFAULT_MAX_CONTEXT_TOKENS: usize = 131_072;
+
+/// Validates requests against an ARMT config and builds programs.
+pub struct ArmtPlanner {
+    cfg: ArmtConfig,
+    info: ModelInfo,
+    dtype_size: usize,
+}
+
+impl ArmtPlanner {
+    /// A planner for `cfg` served under `name` in `dtype`, accepting prompt + `max_new_tokens`
+    /// up to `max_context` tokens.
+    pub fn new(cfg: ArmtConfig, name: String, dtype: DType, max_context: usize) -> Self {
+        let info = ModelInfo {
+            name,
+            family: "recurrent_memory",
+            schemes: vec!["ar"],
+            vocab_size: cfg.vocab_size(),
+            max_context,
+        };
+        Self {
+            cfg,
+            info,
+            dtype_size: dtype.size_in_bytes(),
+        }
+    }
+
+    /// Bytes of one slot: one position's K and V in one layer.
+    pub fn slot_bytes(&self) -> usize {
+        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Slots a request reserves (see the module doc).
+    pub fn slots(
+        &self,
+        segments: usize,
+        prompt_segment: usize,
+        max_new: usize,
+        diagonal: bool,
+    ) -> usize {
+        let unit = self.slot_bytes();
+        let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
+        let memory = (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
+        let mut slots = layers * memory + (prompt_segment + max_new) * layers;
+        if diagonal {
+            let row = (d * self.dtype_size).div_ceil(unit);
+            slots += layers.min(segments) * self.cfg.cell_rows() * row;
+        }
+        slots
+    }
+
+    fn prepare_ar(
+        &self,
+        spec: GenerateSpec,
+        a: &ArParams,
+    ) -> Result<Prepared<ArmtProgram>, RequestError> {
+        let recurrent_depth_only = [
+            ("num_steps", a.num_steps.is_some()),
+            ("cache_lookup_strategy", a.cache_lookup_strategy.is_some()),
+            ("init_scale", a.init_scale.is_some()),
+            ("exit_threshold", a.exit_threshold.is_some()),
+            ("continuous_compute", a.continuous_compute),
+        ];
+        if let Some((name, _)) = recurrent_depth_only.iter().find(|(_, set)| *set) {
+            return bad(format!(
+                "ar.{name} applies to recurrent-depth models; recurrent-memory (ARMT) models \
+                 take ar.execution only"
+            ));
+        }
+        if spec.replay_draws.is_some() {
+            return bad("replayed draws apply to recurrent-depth models only".into());
+        }
+        let s = self.cfg.segment_size();
+        let t = spec.prompt_ids.len();
+        let segments = t.div_ceil(s);
+        let prompt_segment = t - (segments - 1) * s;
+        let max_positions = self.cfg.llama.max_position_embeddings;
+        // Generation feeds positions prompt_segment .. prompt_segment + max_new - 2.
+        if prompt_segment + spec.max_new_tokens > max_positions + 1 {
+            return bad(format!(
+                "the prompt's last segment ({prompt_segment} of its {t} tokens) + max_new_tokens \
+                 ({}) exceed the backbone's {max_positions} positions, which generation after the \
+                 context continues from; lower max_new_tokens to at most {}",
+                spec.max_new_tokens,
+                max_positions + 1 - prompt_segment
+            ));
+        }
+        let diagonal = match a.execution {
+            Execution::Sequential => false,
+            Execution::Diagonal => true,
+            Execution::Auto => segments >= 2,
+        };
+        let slots = self.slots(segments, prompt_segment, spec.max_new_tokens, diagonal);
+        let mut stats = Stats::default();
+        stats.add_counter("segments", segments as u64);
+        stats.add_counter("grouped_steps", 0);
+        let prompt_tokens = t;
+        let program = ArmtProgram::new(
+            spec.prompt_ids,
+            s,
+            diagonal,
+            TokenSampler::new(spec.sampling),
+            spec.max_new_tokens,
+            spec.stop_token_ids,
+            stats,
+        );
+        Ok(Prepared {
+            program,
+            slots,
+            prompt_tokens,
+        })
+    }
+}
+
+fn bad<T>(message: String) -> Result<T, RequestError> {
+    Err(RequestError::InvalidArgument(message))
+}
+
+impl Planner for ArmtPlanner {
+    type Program = ArmtProgram;
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<ArmtProgram>, RequestError> {
+        spec.validate_common(self.cfg.vocab_size(), self.info.max_context)?;
+        match spec.scheme.clone() {
+            SchemeParams::Ar(a) => self.prepare_ar(spec, &a),
+            other => bad(format!(
+                "scheme `{}` is not served by recurrent-memory models; use `ar` (with \
+                 ar.execution `sequential`, `diagonal` or `auto`)",
+                other.name()
+            )),
+        }
+    }
+}
+
+/// The ARMT config of a model directory (`config.json` + `armt_config.json`).
+pub fn config(files: &ModelFiles) -> Result<ArmtConfig, ModelError> {
+    let armt = files.armt_config_json().ok_or_else(|| ModelError::Config {
+        key: wavefront_models::files::ARMT_CONFIG.into(),
+        reason: "an ARMT directory needs its armt_config.json".into(),
+    })?;
+    ArmtConfig::from_json(files.config_json(), armt)
+}
+
+/// Loads an ARMT checkpoint and starts its engine.
+pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let cfg = config(&files)?;
+    let tokenizer = optional_tokenizer(&files);
+    let model_cfg = cfg.clone();
+    serve_model(cfg, tokenizer, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        Armt::load(vb, model_cfg).map_err(|e| e.to_string())
+    })
+}
+
+/// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
+/// synthetic weights for benchmarks); `cfg` must be the model's config.
+pub fn serve_model<L>(
+    cfg: ArmtConfig,
+    tokenizer: Option<TextTokenizer>,
+    opts: LoadOptions,
+    load: L,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    L: FnOnce(&Device, DType) -> Result<Armt, String> + Send + 'static,
+{
+    let max_context = opts
+        .max_context_tokens
+        .unwrap_or(DEFAULT_MAX_CONTEXT_TOKENS);
+    if max_context < 2 {
+        return Err(SchemeError::InvalidOption(format!(
+            "the context limit must be at least 2 tokens, got {max_context}"
+        )));
+    }
+    let planner = Arc::new(ArmtPlanner::new(
+        cfg.clone(),
+        opts.name.clone(),
+        opts.dtype,
+        max_context,
+    ));
+    let bytes_per_slot = planner.slot_bytes();
+    start_served(
+        planner,
+        tokenizer,
+        &opts,
+        bytes_per_slot,
+        move |device, dtype| {
+            let model = load(device, dtype)?;
+            if model.config() != &cfg {
+                return Err(
+                    "the loaded model's config differs from the one requests are planned with"
+                        .into(),
+                );
+            }
+            Ok(RecurrentMemoryFamily::new(model))
+        },
+    )
+}

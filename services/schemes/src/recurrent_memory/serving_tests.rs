@@ -1,0 +1,370 @@
+//! The recurrent-memory family behind the engine: batch invariance of requests packed into the
+//! same grouped steps (joining at different ticks, mixed executions, sampled and stopped
+//! requests), fewer grouped steps for many long prompts than for separate runs, prompts longer
+//! than the backbone's context, cancellation freeing slots mid-prefill, slot accounting and
+//! request validation.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::DType;
+use wavefront_engine::{EngineError, Event, FinishReason, RequestError};
+
+use super::test_support::*;
+use super::ArmtPlanner;
+use crate::request::{ArParams, Execution, GenerateSpec, LowConfidenceParams, SchemeParams};
+use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+
+fn served(opts: LoadOptions) -> Result<Arc<dyn ServedModel>> {
+    Ok(load_model(fixture_files()?, opts)?)
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (sink, rx, _) = TestSink::new(1024);
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+fn wait_for_free_slots(served: &dyn ServedModel) -> Result<()> {
+    let start = Instant::now();
+    while served.load().free_slots != served.load().total_slots {
+        ensure!(start.elapsed() < Duration::from_secs(20), "slots leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// Eight requests: one segment or many, exact multiples of the segment size, every execution,
+/// a sampled one and one with a stop token.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    let mut sampled = spec(prompt(57, 5), 9, Execution::Diagonal);
+    sampled.sampling.temperature = 0.8;
+    sampled.sampling.top_k = 20;
+    sampled.sampling.seed = 11;
+    let mut stopped = spec(prompt(30, 6), 12, Execution::Auto);
+    stopped.stop_token_ids = vec![79];
+    vec![
+        spec(prompt(3, 0), 5, Execution::Auto),
+        spec(prompt(8, 1), 4, Execution::Diagonal),
+        spec(prompt(44, 2), 8, Execution::Diagonal),
+        spec(prompt(80, 3), 6, Execution::Sequential),
+        spec(prompt(123, 4), 7, Execution::Auto),
+        sampled,
+        stopped,
+        spec(prompt(96, 7), 10, Execution::Diagonal),
+    ]
+}
+
+#[test]
+fn requests_packed_into_shared_grouped_steps_produce_what_they_produce_alone() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let specs = mixed_requests();
+    let alone: Vec<_> = specs
+        .iter()
+        .map(|s| {
+            Ok(run(&model, vec![program(&planner, s.clone())?], &[])?
+                .records
+                .remove(0))
+        })
+        .collect::<Result<_>>()?;
+    // All at once, then request k joining at tick 3k (mid-way through the others' diagonals).
+    for join in [vec![], (0..specs.len()).map(|k| 3 * k).collect::<Vec<_>>()] {
+        let programs = specs
+            .iter()
+            .map(|s| program(&planner, s.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        let packed = run(&model, programs, &join)?;
+        ensure!(
+            packed.cells.iter().any(|&c| c > 3),
+            "no grouped step held cells of several requests: {:?}",
+            packed.cells
+        );
+        for (k, (got, want)) in packed.records.iter().zip(&alone).enumerate() {
+            ensure!(
+                got.tokens == want.tokens,
+                "request {k}: {:?} vs {:?}",
+                got.tokens,
+                want.tokens
+            );
+            ensure!(
+                got.finish == want.finish,
+                "request {k}: {:?} vs {:?}",
+                got.finish,
+                want.finish
+            );
+            // Summation-order noise only: sharing a layer gives the grouped matmul more rows,
+            // which changes the CPU GEMM's blocking (about 2e-7 relative per step, see the
+            // models crate's `a_cell_does_not_see_the_cells_it_shares_a_step_with`); the
+            // recurrence amplifies it to about 1e-4 relative after ten-odd segments with this
+            // fixture's random weights (reads divide by q·z + 1e-5), flat with length.
+            let rel = rel_fro(&got.logits, &want.logits);
+            ensure!(rel < 1e-3, "request {k}: logits differ by {rel:e} relative");
+        }
+    }
+    // The stop token ended its request early; every other ran to max_new_tokens.
+    for (s, r) in specs.iter().zip(&alone) {
+        let (reason, _) = r.finish.as_ref().context("finished")?;
+        if s.stop_token_ids.is_empty() {
+            ensure!(*reason == FinishReason::Length && r.tokens.len() == s.max_new_tokens);
+        } else {
+            ensure!(*reason == FinishReason::StopToken, "{:?}", r.tokens);
+            ensure!(r.tokens.last() == Some(&79) && r.tokens.len() < s.max_new_tokens);
+        }
+    }
+    Ok(())
+}
+
+/// `||a - b|| / ||b||` over logits rows.
+fn rel_fro(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        for (u, v) in x.iter().zip(y) {
+            num += f64::from(u - v).powi(2);
+            den += f64::from(*v).powi(2);
+        }
+    }
+    (num / den).sqrt()
+}
+
+#[test]
+fn eight_long_prompts_take_fewer_grouped_steps_together_than_apart() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let specs: Vec<GenerateSpec> = (0..8)
+        .map(|k| spec(prompt(40 + 13 * k, k as u32), 3, Execution::Diagonal))
+        .collect();
+    let mut apart = 0;
+    let mut alone = Vec::new();
+    for s in &specs {
+        let r = run(&model, vec![program(&planner, s.clone())?], &[])?;
+        let segments = s.prompt_ids.len().div_ceil(8);
+        // One request: the minimum, segments + layers - 1.
+        ensure!(r.grouped_steps == segments + 3 - 1);
+        apart += r.grouped_steps;
+        alone.push(r.records[0].clone());
+    }
+    let programs = specs
+        .iter()
+        .map(|s| program(&planner, s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let together = run(&model, programs, &[])?;
+    // Started together, they finish their prompts with the longest one.
+    let longest = specs
+        .iter()
+        .map(|s| s.prompt_ids.len().div_ceil(8))
+        .max()
+        .unwrap_or(0);
+    ensure!(
+        together.grouped_steps == longest + 2,
+        "{}",
+        together.grouped_steps
+    );
+    ensure!(
+        together.grouped_steps * 4 < apart,
+        "{} vs {apart}",
+        together.grouped_steps
+    );
+    for (got, want) in together.records.iter().zip(&alone) {
+        ensure!(got.tokens == want.tokens && got.finish == want.finish);
+    }
+
+    // The same through the engine: eight concurrent requests take fewer ticks than eight runs.
+    let served = served(LoadOptions {
+        max_active: 8,
+        ..LoadOptions::default()
+    })?;
+    let mut apart_ticks = 0;
+    for s in &specs {
+        let before = served.load().ticks;
+        collect(&submit(served.as_ref(), s.clone())?, Vec::new())?;
+        apart_ticks += served.load().ticks - before;
+    }
+    let before = served.load().ticks;
+    let receivers = specs
+        .iter()
+        .map(|s| submit(served.as_ref(), s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    for (rx, want) in receivers.iter().zip(&alone) {
+        let got = collect(rx, Vec::new())?;
+        ensure!(got.tokens == want.tokens);
+        let (_, stats) = want.finish.as_ref().context("finished")?;
+        ensure!(got.stats.counters == stats.counters && got.stats.series == stats.series);
+    }
+    let together_ticks = served.load().ticks - before;
+    ensure!(
+        together_ticks * 4 < apart_ticks,
+        "{together_ticks} vs {apart_ticks}"
+    );
+    wait_for_free_slots(served.as_ref())?;
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn prompts_longer_than_the_backbone_context_run_and_cancelling_one_frees_its_slots() -> Result<()> {
+    let served = served(LoadOptions {
+        max_context_tokens: Some(1 << 20),
+        ..LoadOptions::default()
+    })?;
+    let info = served.info().clone();
+    ensure!(info.family == "recurrent_memory" && info.schemes == vec!["ar"]);
+    ensure!(info.max_context == 1 << 20);
+    // 2000 tokens: eight times the backbone's 256 positions.
+    let long = prompt(2000, 9);
+    for execution in [Execution::Sequential, Execution::Diagonal] {
+        let out = collect(
+            &submit(served.as_ref(), spec(long.clone(), 2, execution))?,
+            Vec::new(),
+        )?;
+        ensure!(out.tokens.len() == 2 && out.stats.counters["segments"] == 250);
+    }
+    // Cancel a 4000-token request mid-prefill (its first token needs 500+ ticks).
+    let (sink, rx, closed) = TestSink::new(16);
+    let before = served.load().ticks;
+    served.submit(
+        spec(prompt(4000, 10), 4, Execution::Diagonal),
+        Box::new(sink),
+        None,
+        tracing::Span::none(),
+    )?;
+    let start = Instant::now();
+    while served.load().ticks < before + 20 {
+        ensure!(start.elapsed() < Duration::from_secs(60), "engine stalled");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    ensure!(served.load().free_slots < served.load().total_slots);
+    closed.store(true, Ordering::Release);
+    wait_for_free_slots(served.as_ref())?;
+    ensure!(
+        rx.try_recv().is_err(),
+        "the cancelled request produced a token"
+    );
+    // The engine goes on serving.
+    let out = collect(
+        &submit(served.as_ref(), spec(prompt(20, 1), 2, Execution::Auto))?,
+        Vec::new(),
+    )?;
+    ensure!(out.tokens.len() == 2);
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn requests_are_validated_and_reserve_flat_slots() -> Result<()> {
+    let (_, planner) = fixture()?;
+    let base = || spec(prompt(44, 0), 8, Execution::Auto);
+    let cases: Vec<(GenerateSpec, &str)> = vec![
+        (
+            GenerateSpec {
+                scheme: SchemeParams::Ar(ArParams {
+                    num_steps: Some(4),
+                    ..ArParams::default()
+                }),
+                ..base()
+            },
+            "ar.num_steps applies to recurrent-depth models",
+        ),
+        (
+            GenerateSpec {
+                scheme: SchemeParams::Ar(ArParams {
+                    continuous_compute: true,
+                    ..ArParams::default()
+                }),
+                ..base()
+            },
+            "ar.continuous_compute applies to recurrent-depth models",
+        ),
+        (
+            GenerateSpec {
+                scheme: SchemeParams::LowConfidence(LowConfidenceParams::default()),
+                ..base()
+            },
+            "not served by recurrent-memory models",
+        ),
+        // Last segment 4 tokens: generation may reach 4 + 253 - 1 = 256 positions, not more.
+        (
+            spec(prompt(44, 0), 254, Execution::Auto),
+            "lower max_new_tokens to at most 253",
+        ),
+    ];
+    for (s, want) in cases {
+        match planner.prepare(s) {
+            Err(RequestError::InvalidArgument(m)) => {
+                ensure!(m.contains(want), "{m:?} lacks {want:?}")
+            }
+            Err(e) => bail!("{want}: unexpected {e:?}"),
+            Ok(_) => bail!("{want}: accepted"),
+        }
+    }
+    ensure!(planner
+        .prepare(spec(prompt(44, 0), 253, Execution::Auto))
+        .is_ok());
+    // The configured context limit, not the backbone's, bounds the prompt.
+    let cfg = super::config(&fixture_files()?)?;
+    let small = ArmtPlanner::new(cfg, "small".into(), DType::F32, 100);
+    match small.prepare(spec(prompt(90, 0), 20, Execution::Auto)) {
+        Err(RequestError::InvalidArgument(m)) => ensure!(m.contains("context limit of 100"), "{m}"),
+        other => bail!("{other:?}"),
+    }
+    match small.prepare(spec(prompt(100, 0), 1, Execution::Auto)) {
+        Err(RequestError::TooLarge(m)) => ensure!(m.contains("context limit is 100"), "{m}"),
+        other => bail!("{other:?}"),
+    }
+    // auto: diagonal from two segments on.
+    ensure!(!program(&planner, spec(prompt(8, 0), 2, Execution::Auto))?.is_diagonal());
+    ensure!(program(&planner, spec(prompt(9, 0), 2, Execution::Auto))?.is_diagonal());
+    ensure!(!program(&planner, spec(prompt(90, 0), 2, Execution::Sequential))?.is_diagonal());
+    // Slots: one unit is a position's K/V in one layer (2 · 2 · 16 · 4 bytes = 256). Memories
+    // 3 × ceil(4 · (96 · 64 + 96) / 256) = 294; cache (4 + 8) × 3 = 36; diagonal in-flight
+    // streams 3 × 12 × 1 = 36. None of it depends on the prompt's length.
+    ensure!(planner.slot_bytes() == 256);
+    let slots = |len: usize, e| planner.prepare(spec(prompt(len, 0), 8, e)).map(|p| p.slots);
+    ensure!(slots(44, Execution::Sequential)? == 294 + 36);
+    ensure!(slots(44, Execution::Diagonal)? == 294 + 36 + 36);
+    ensure!(slots(44 + 8 * 1000, Execution::Diagonal)? == slots(44, Execution::Diagonal)?);
+    // A pool smaller than one request refuses it at once.
+    let tiny = served(LoadOptions {
+        memory_budget_bytes: 256 * 100,
+        ..LoadOptions::default()
+    })?;
+    let (sink, _rx, _) = TestSink::new(4);
+    let err = tiny
+        .submit(base(), Box::new(sink), None, tracing::Span::none())
+        .unwrap_err();
+    ensure!(
+        matches!(
+            err,
+            EngineError::TooLarge {
+                needed: 366,
+                total: 100
+            }
+        ),
+        "{err:?}"
+    );
+    tiny.shutdown();
+    Ok(())
+}
+
+#[test]
+fn recurrent_depth_models_refuse_an_execution_mode() -> Result<()> {
+    let dir = fixture_dir().join("../huginn");
+    let files = wavefront_models::ModelFiles::from_dir(dir)?;
+    let cfg = wavefront_models::HuginnConfig::from_json(files.config_json())?;
+    let planner = crate::recurrent_depth::HuginnPlanner::new(cfg, "huginn".into(), None);
+    let s = spec(vec![1, 2, 3], 2, Execution::Diagonal);
+    match planner.prepare(s) {
+        Err(RequestError::InvalidArgument(m)) => {
+            ensure!(
+                m.contains("ar.execution `diagonal` applies to recurrent-memory"),
+                "{m}"
+            )
+        }
+        other => bail!("{other:?}"),
+    }
+    ensure!(planner
+        .prepare(spec(vec![1, 2, 3], 2, Execution::Auto))
+        .is_ok());
+    Ok(())
+}
