@@ -187,12 +187,16 @@ pub enum ModelFamily {
     /// Masked-diffusion language models (LLaDA): a bidirectional transformer that predicts
     /// masked positions.
     MaskedDiffusion,
+    /// Slot-diffusion language models (ReFusion): a causal Qwen3 with a mask token, fed
+    /// non-contiguous position ids.
+    SlotDiffusion,
 }
 
 /// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
-/// Families that are recognised but not implemented yet (ARMT, Qwen3 / ReFusion) are
-/// reported as [`ModelError::Unsupported`] naming the family.
+/// A Qwen3 config with a `mask_token_id` (which ReFusion's `train.py` adds) is ReFusion. Families
+/// that are recognised but not implemented yet (ARMT, plain Qwen3) are reported as
+/// [`ModelError::Unsupported`] naming the family.
 pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     let model_type = config
         .get("model_type")
@@ -215,10 +219,16 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         if lower.contains("llada") {
             return Ok(ModelFamily::MaskedDiffusion);
         }
+        let has_mask = config.get("mask_token_id").is_some_and(|v| !v.is_null());
+        if lower.contains("refusion") || (lower.contains("qwen3") && has_mask) {
+            return Ok(ModelFamily::SlotDiffusion);
+        }
         for (needle, family) in [
             ("armt", "ARMT (associative recurrent memory transformer)"),
-            ("refusion", "ReFusion"),
-            ("qwen3", "Qwen3"),
+            (
+                "qwen3",
+                "Qwen3 without a mask_token_id (not a ReFusion checkpoint)",
+            ),
         ] {
             if lower.contains(needle) {
                 return Err(ModelError::Unsupported(format!(

@@ -12,11 +12,13 @@
 //! * [`transformer`]: a pre-norm Llama-style block over packed rows with per-sequence keys and
 //!   mask rules, shared by the Llama-like families.
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
+//! * [`qwen3`]: Qwen3 with explicit position ids, the backbone of ReFusion (Li et al., 2025).
 
 pub mod error;
 pub mod files;
 pub mod huginn;
 pub mod llada;
+pub mod qwen3;
 pub mod tokenizer;
 pub mod transformer;
 
@@ -26,6 +28,7 @@ pub use huginn::{
     relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };
 pub use llada::{Llada, LladaConfig};
+pub use qwen3::{Qwen3, Qwen3Config};
 pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 
 /// Re-exported so downstream crates name the same candle types.
