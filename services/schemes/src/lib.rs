@@ -10,6 +10,7 @@
 //! |---|---|---|
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
 //! | masked diffusion (LLaDA) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock) |
+//! | slot diffusion (ReFusion) | [`slot_diffusion`] | `plan-infill`, `ar` |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
@@ -20,12 +21,14 @@ pub mod recurrent_depth;
 pub mod request;
 pub mod sampling;
 pub mod served;
+pub mod slot_diffusion;
 #[cfg(test)]
 mod test_support;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
-    ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, EosRule, FreezeTest, GenerateSpec, LowConfidenceParams,
+    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, SureLockParams,
+    WinoParams,
 };
 pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};
