@@ -131,9 +131,10 @@ impl KvCache {
                 ks.push(k.narrow(1, *start, *len)?);
                 vs.push(v.narrow(1, *start, *len)?);
             }
+            // Stored contiguous: attention reads it in place on every later call.
             let cat = |xs: Vec<Tensor>| -> Result<Tensor> {
                 Ok(if xs.len() == 1 {
-                    xs.into_iter().next().expect("one part")
+                    xs.into_iter().next().expect("one part").contiguous()?
                 } else {
                     Tensor::cat(&xs, 1)?
                 })
@@ -487,12 +488,14 @@ pub(crate) fn attend_packed(
                     (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
                 };
                 suffix.set_layer(layer, sk.clone(), sv.clone());
-                if *p == 0 {
-                    (sk, sv)
-                } else {
+                if *p > 0 {
+                    // The shared prefix is read in place, not copied next to the suffix.
                     let (pk, pv) = prefix.layer(layer)?;
-                    (Tensor::cat(&[pk, &sk], 1)?, Tensor::cat(&[pv, &sv], 1)?)
+                    let parts = [(pk, pv), (&sk, &sv)];
+                    outs.push(sdpa(&qs, &parts, s.mask.as_ref(), scale)?);
+                    continue;
                 }
+                (sk, sv)
             }
             _ => {
                 return Err(ModelError::Shape(
@@ -500,7 +503,7 @@ pub(crate) fn attend_packed(
                 ))
             }
         };
-        outs.push(sdpa(&qs, &ks, &vs, s.mask.as_ref(), scale)?);
+        outs.push(sdpa(&qs, &[(&ks, &vs)], s.mask.as_ref(), scale)?);
     }
     if single {
         Ok(outs.pop().expect("one sequence"))
@@ -521,31 +524,62 @@ pub(crate) fn commit_buffers(seqs: &mut [SeqInput]) {
     }
 }
 
-/// `softmax(q kᵀ · scale + mask) v` with `q` `[H, L, D]` and `k`, `v` `[H_kv, T, D]`; scores and
-/// softmax in float32. Key/value heads are shared by `H / H_kv` consecutive query heads.
-fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+/// `softmax(q kᵀ · scale + mask) v` with `q` `[H, L, D]` and the keys and values `[H_kv, T_i, D]`
+/// given in parts that concatenate along the key axis (`T = Σ T_i`, e.g. a shared prefix cache
+/// and a sequence's own keys, read where they are); scores and softmax in float32. Key/value
+/// head `j` serves query heads `j · H / H_kv ..`: the queries of a group are stacked so each
+/// part is multiplied once per key/value head, without repeating keys or values.
+fn sdpa(
+    q: &Tensor,
+    parts: &[(&Tensor, &Tensor)],
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
     let dtype = q.dtype();
-    let (h, _, d) = q.dims3()?;
-    let (hkv, t, _) = k.dims3()?;
-    let (k, v) = if h == hkv {
-        (k.clone(), v.clone())
+    let (h, l, d) = q.dims3()?;
+    let hkv = parts.first().map_or(h, |(k, _)| k.dim(0).unwrap_or(h));
+    let rep = h / hkv;
+    let qg = q.contiguous()?.reshape((hkv, rep * l, d))?;
+    let contiguous = |x: &Tensor| -> Result<Tensor> { Ok(x.contiguous()?) };
+    let mut scores = Vec::with_capacity(parts.len());
+    let mut lens = Vec::with_capacity(parts.len());
+    for (k, _) in parts {
+        let k = contiguous(k)?;
+        lens.push(k.dim(1)?);
+        scores.push(qg.matmul(&k.t()?)?);
+    }
+    let scores = if scores.len() == 1 {
+        scores.pop().expect("one part")
     } else {
-        let rep = h / hkv;
-        let expand = |x: &Tensor| -> Result<Tensor> {
-            Ok(x.unsqueeze(1)?
-                .expand((hkv, rep, t, d))?
-                .contiguous()?
-                .reshape((h, t, d))?)
-        };
-        (expand(k)?, expand(v)?)
+        Tensor::cat(&scores, 2)?
     };
-    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
+    let t: usize = lens.iter().sum();
+    let scores = (scores.to_dtype(DType::F32)? * scale)?;
     let scores = match mask {
-        Some(m) => scores.broadcast_add(m)?,
+        Some(m) => scores
+            .reshape((hkv, rep, l, t))?
+            .broadcast_add(m)?
+            .reshape((hkv, rep * l, t))?,
         None => scores,
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
-    Ok(probs.matmul(&v.contiguous()?)?)
+    let mut out: Option<Tensor> = None;
+    let mut offset = 0;
+    for ((_, v), &n) in parts.iter().zip(&lens) {
+        let p = if parts.len() == 1 {
+            probs.clone()
+        } else {
+            probs.narrow(2, offset, n)?.contiguous()?
+        };
+        offset += n;
+        let y = p.matmul(&contiguous(v)?)?;
+        out = Some(match out {
+            None => y,
+            Some(acc) => (acc + y)?,
+        });
+    }
+    let out = out.ok_or_else(|| ModelError::Shape("attention over no keys".into()))?;
+    Ok(out.reshape((h, l, d))?)
 }
 
 #[cfg(test)]

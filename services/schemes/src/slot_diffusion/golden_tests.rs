@@ -14,6 +14,7 @@ use serde_json::Value;
 use super::test_support::*;
 use super::SdProgram;
 use crate::request::{EosRule, GenerateSpec, PlanInfillParams, SchemeParams};
+use crate::served::Planner;
 
 /// Probabilities in the goldens are rounded to 6 decimals; float32 differences are ~1e-6.
 const PROB_TOL: f32 = 2e-5;
@@ -309,6 +310,11 @@ fn every_run_matches_upstream_alone_and_packed_together() -> Result<()> {
         check(run, &p[0])?;
         // One model call per tick.
         ensure!(ticks[0] == p[0].calls().len());
+        // Without recording, calls read only the logits their decisions need: same run.
+        let mut quiet = [planner.prepare(run_spec(run, rule_for(run)))?.program];
+        let quiet_ticks = run_model(&model, &mut quiet)?;
+        ensure!(quiet_ticks == ticks);
+        check_buffer(run, &quiet[0])?;
     }
     let mut packed = runs
         .iter()

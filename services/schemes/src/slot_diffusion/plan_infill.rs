@@ -282,6 +282,10 @@ impl PlanInfill {
             }
             Phase::Infill(inf) => {
                 let acc = inf.acc;
+                // Logits only where a decision needs them (all of them when recording, for the
+                // trace): a draft call re-predicts the unaccepted tokens, a verify call scores a
+                // token whose predecessor was not accepted before the step.
+                let all = self.record.is_some();
                 let mut rows = Vec::with_capacity(inf.rows.len());
                 for (r, row) in inf.rows.iter().enumerate() {
                     let positions: Vec<u32> = self.slot_positions(row.start).skip(acc).collect();
@@ -295,10 +299,15 @@ impl PlanInfill {
                                 }
                             })
                             .collect();
-                        (ids, (0..s - acc).map(RowRead::top1).collect())
+                        let reads = (0..s - acc)
+                            .filter(|&t| all || !row.tags[acc + t])
+                            .map(RowRead::top1)
+                            .collect();
+                        (ids, reads)
                     } else {
                         let ids = row.tokens[acc..].to_vec();
                         let reads = (0..s - acc - 1)
+                            .filter(|&t| all || !row.tags[acc + t])
                             .map(|t| RowRead::prob_of(t, ids[t + 1]))
                             .collect();
                         (ids, reads)
@@ -357,9 +366,9 @@ impl PlanInfill {
             Phase::Verify(sel) => self.commit_verify(sel, outs, stats, outbox)?,
             Phase::Infill(mut inf) => {
                 if inf.draft_next {
-                    self.commit_draft(&mut inf, outs);
+                    self.commit_draft(&mut inf, call, outs);
                     self.phase = Phase::Infill(inf);
-                } else if self.commit_infill_verify(&mut inf, outs) {
+                } else if self.commit_infill_verify(&mut inf, call, outs) {
                     self.finish_infill(inf, stats, outbox)?;
                 } else {
                     self.phase = Phase::Infill(inf);
@@ -535,13 +544,14 @@ impl PlanInfill {
         Ok(())
     }
 
-    fn commit_draft(&mut self, inf: &mut Infill, outs: &[Vec<ReadOut>]) {
+    fn commit_draft(&mut self, inf: &mut Infill, call: &Call, outs: &[Vec<ReadOut>]) {
         let acc = inf.acc;
         let mut step = StepRecord {
             accepted_prefix_len_before: acc,
             ..StepRecord::default()
         };
-        for (row, o) in inf.rows.iter_mut().zip(outs) {
+        for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
+            let o = by_position(c, o);
             if self.record.is_some() {
                 step.draft_input.push(
                     (acc..row.tokens.len())
@@ -554,10 +564,11 @@ impl PlanInfill {
                         })
                         .collect(),
                 );
-                step.draft_out.push(o.iter().map(|o| o.argmax).collect());
+                step.draft_out
+                    .push(o.iter().map(|o| o.map_or(u32::MAX, |o| o.argmax)).collect());
             }
             for (t, o) in (acc..row.tokens.len()).zip(o) {
-                if !row.tags[t] {
+                if let (false, Some(o)) = (row.tags[t], o) {
                     row.tokens[t] = o.argmax;
                 }
             }
@@ -571,11 +582,17 @@ impl PlanInfill {
     }
 
     /// The verify call of a completion step; returns whether every row is complete.
-    fn commit_infill_verify(&mut self, inf: &mut Infill, outs: &[Vec<ReadOut>]) -> bool {
+    fn commit_infill_verify(
+        &mut self,
+        inf: &mut Infill,
+        call: &Call,
+        outs: &[Vec<ReadOut>],
+    ) -> bool {
         let (s, acc) = (self.s.slot_size, inf.acc);
         let mut caches = std::mem::take(&mut self.scratch);
         let mut verify_probs = Vec::with_capacity(inf.rows.len());
-        for (row, o) in inf.rows.iter_mut().zip(outs) {
+        for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
+            let o = by_position(c, o);
             let n = s - acc;
             let mut probs = vec![f32::NAN; n];
             let mut all = true;
@@ -583,12 +600,10 @@ impl PlanInfill {
             for t in 0..n {
                 // Forced: the step's first token and the token after an accepted one.
                 let forced = t == 0 || old[acc + t - 1];
-                let ok = if t == 0 {
-                    true
-                } else {
-                    probs[t] = o[t - 1].target_prob;
-                    forced || probs[t] > self.s.token_threshold
-                };
+                if let Some(Some(o)) = t.checked_sub(1).map(|u| o[u]) {
+                    probs[t] = o.target_prob;
+                }
+                let ok = forced || probs[t] > self.s.token_threshold;
                 all &= ok;
                 row.tags[acc + t] = all;
             }
@@ -770,6 +785,15 @@ impl PlanInfill {
         outbox.finish(reason, std::mem::take(stats));
         self.phase = Phase::Done;
     }
+}
+
+/// A row's reads indexed by their position in the row (`None` where nothing was read).
+fn by_position<'a>(row: &CallRow, outs: &'a [ReadOut]) -> Vec<Option<&'a ReadOut>> {
+    let mut at = vec![None; row.ids.len()];
+    for (rd, o) in row.reads.iter().zip(outs) {
+        at[rd.at] = Some(o);
+    }
+    at
 }
 
 /// `softmax(logits)[token]` on the host (sampled planning drafts).
