@@ -362,13 +362,13 @@ impl PlanInfill {
                 .collect();
         }
         match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Plan => self.commit_plan(outs, stats),
+            Phase::Plan => self.commit_plan(outs, stats)?,
             Phase::Verify(sel) => self.commit_verify(sel, outs, stats, outbox)?,
             Phase::Infill(mut inf) => {
                 if inf.draft_next {
                     self.commit_draft(&mut inf, call, outs);
                     self.phase = Phase::Infill(inf);
-                } else if self.commit_infill_verify(&mut inf, call, outs) {
+                } else if self.commit_infill_verify(&mut inf, call, outs)? {
                     self.finish_infill(inf, stats, outbox)?;
                 } else {
                     self.phase = Phase::Infill(inf);
@@ -379,7 +379,7 @@ impl PlanInfill {
         Ok(())
     }
 
-    fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) {
+    fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), String> {
         let s = self.s.slot_size;
         let outs = &outs[0];
         let mut drafts = Vec::with_capacity(self.pool.len());
@@ -410,9 +410,9 @@ impl PlanInfill {
             // The first call's prompt K/V are the committed cache from now on.
             let p = self.prompt.len();
             let scratch = std::mem::take(&mut self.scratch);
-            if let Err(e) = self.main.append(&[(&scratch[0], 0, p)]) {
-                tracing::error!(error = %e, "cannot keep the prompt cache");
-            }
+            self.main
+                .append(&[(&scratch[0], 0, p)])
+                .map_err(|e| format!("cannot keep the prompt cache: {e}"))?;
         }
         self.scratch.clear();
         stats.add_counter("iterations", 1);
@@ -437,6 +437,7 @@ impl PlanInfill {
             drafts,
             first_conf,
         });
+        Ok(())
     }
 
     fn commit_verify(
@@ -581,13 +582,13 @@ impl PlanInfill {
         }
     }
 
-    /// The verify call of a completion step; returns whether every row is complete.
+    /// The verify call of a completion step; returns whether the completion is over.
     fn commit_infill_verify(
         &mut self,
         inf: &mut Infill,
         call: &Call,
         outs: &[Vec<ReadOut>],
-    ) -> bool {
+    ) -> Result<bool, String> {
         let (s, acc) = (self.s.slot_size, inf.acc);
         let mut caches = std::mem::take(&mut self.scratch);
         let mut verify_probs = Vec::with_capacity(inf.rows.len());
@@ -640,9 +641,7 @@ impl PlanInfill {
             };
         }
         for (row, mut cache) in inf.rows.iter_mut().zip(caches) {
-            if let Err(e) = cache.truncate(inf.acc) {
-                tracing::error!(error = %e, "cannot crop a row cache");
-            }
+            cache.truncate(inf.acc).map_err(|e| e.to_string())?;
             row.cache = cache;
         }
         inf.steps += 1;
@@ -653,7 +652,7 @@ impl PlanInfill {
             step.tags = tags_before_eos;
             step.newly_accepted_len = newly;
         }
-        complete || inf.steps >= s
+        Ok(complete || inf.steps >= s)
     }
 
     /// Commits the completed rows: their K/V (each over the committed buffer and itself) are
