@@ -20,6 +20,9 @@ pub enum SchemeName {
     /// Masked diffusion (LLaDA): WINO draft-and-verify sampler (`--block-length`,
     /// `--threshold`, `--threshold-back`, `--surelock-eps`).
     Wino,
+    /// Slot diffusion (ReFusion): plan-and-infill (`--slot-size`, `--serial-num-blocks`,
+    /// `--slot-threshold`, `--token-threshold`, `--temperature`).
+    PlanInfill,
 }
 
 /// `ar.execution` of a recurrent-memory (ARMT) request.
@@ -161,6 +164,20 @@ pub struct GenerationArgs {
     /// low-confidence, wino: SureLock's confidence-gate percentile m in (0, 100].
     #[arg(long)]
     pub surelock_percentile: Option<f32>,
+
+    // ---- plan-infill (slot diffusion) ----
+    /// plan-infill: tokens per slot; must divide the block length (default 8).
+    #[arg(long)]
+    pub slot_size: Option<u32>,
+    /// plan-infill: number of blocks (not their length); must divide --max-new-tokens (default 2).
+    #[arg(long)]
+    pub serial_num_blocks: Option<u32>,
+    /// plan-infill: select slots whose first token's probability exceeds this (default 0.9).
+    #[arg(long)]
+    pub slot_threshold: Option<f32>,
+    /// plan-infill: accept drafted tokens whose AR probability exceeds this (default 0.9).
+    #[arg(long)]
+    pub token_threshold: Option<f32>,
 }
 
 impl GenerationArgs {
@@ -217,11 +234,30 @@ impl GenerationArgs {
             ("--exit-threshold", self.exit_threshold.is_some()),
             ("--continuous-compute", self.continuous_compute),
         ];
+        let slot_diffusion = [
+            ("--slot-size", self.slot_size.is_some()),
+            ("--serial-num-blocks", self.serial_num_blocks.is_some()),
+            ("--slot-threshold", self.slot_threshold.is_some()),
+            ("--token-threshold", self.token_threshold.is_some()),
+        ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
         if self.execution.is_some() && self.scheme != SchemeName::Ar {
             bail!("--execution belongs to --scheme ar (recurrent-memory models)");
         }
+        if self.scheme != SchemeName::PlanInfill {
+            if let Some(flag) = set(&slot_diffusion) {
+                bail!("{flag} belongs to --scheme plan-infill");
+            }
+        }
         match self.scheme {
+            SchemeName::PlanInfill => {
+                if let Some(flag) = set(&masked_diffusion)
+                    .or(set(&recurrent_depth))
+                    .or(set(&df_only))
+                {
+                    bail!("{flag} does not apply to --scheme plan-infill");
+                }
+            }
             SchemeName::Ar | SchemeName::DiffusionForcing => {
                 if let Some(flag) = set(&masked_diffusion) {
                     bail!("{flag} belongs to --scheme low-confidence or wino");
@@ -242,6 +278,14 @@ impl GenerationArgs {
             }
         }
         let scheme = match self.scheme {
+            SchemeName::PlanInfill => {
+                pb::generate_request::Scheme::PlanInfill(pb::PlanInfillScheme {
+                    slot_size: self.slot_size,
+                    serial_num_blocks: self.serial_num_blocks,
+                    slot_threshold: self.slot_threshold,
+                    token_threshold: self.token_threshold,
+                })
+            }
             SchemeName::LowConfidence => {
                 pb::generate_request::Scheme::LowConfidence(pb::LowConfidenceScheme {
                     block_length: self.block_length,
@@ -433,6 +477,79 @@ mod masked_diffusion_flag_tests {
             (
                 &["--scheme", "ar", "--surelock-eps", "0.1"][..],
                 "--surelock-eps",
+            ),
+        ] {
+            let err = request(flags).unwrap_err().to_string();
+            assert!(err.contains(want), "{flags:?}: {err}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod slot_diffusion_flag_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        prompt: PromptArgs,
+        #[command(flatten)]
+        generation: GenerationArgs,
+    }
+
+    fn request(flags: &[&str]) -> Result<pb::GenerateRequest> {
+        let argv = ["wavefront", "--prompt-ids", "1,2", "--max-new-tokens", "32"];
+        let cli = Cli::try_parse_from(argv.iter().chain(flags))?;
+        cli.generation.to_request(&cli.prompt)
+    }
+
+    #[test]
+    fn plan_infill_flags_build_their_scheme() -> Result<()> {
+        let r = request(&[
+            "--scheme",
+            "plan-infill",
+            "--slot-size",
+            "4",
+            "--serial-num-blocks",
+            "2",
+            "--slot-threshold",
+            "0.8",
+            "--token-threshold",
+            "0.2",
+            "--temperature",
+            "0.5",
+        ])?;
+        assert_eq!(
+            r.scheme,
+            Some(pb::generate_request::Scheme::PlanInfill(
+                pb::PlanInfillScheme {
+                    slot_size: Some(4),
+                    serial_num_blocks: Some(2),
+                    slot_threshold: Some(0.8),
+                    token_threshold: Some(0.2),
+                }
+            ))
+        );
+        assert_eq!(r.sampling.map(|s| s.temperature), Some(0.5));
+        Ok(())
+    }
+
+    #[test]
+    fn flags_of_other_schemes_are_refused() {
+        for (flags, want) in [
+            (&["--scheme", "ar", "--slot-size", "4"][..], "--slot-size"),
+            (
+                &["--scheme", "wino", "--token-threshold", "0.5"][..],
+                "--token-threshold",
+            ),
+            (
+                &["--scheme", "plan-infill", "--block-length", "8"][..],
+                "--block-length",
+            ),
+            (
+                &["--scheme", "plan-infill", "--num-steps", "4"][..],
+                "--num-steps",
             ),
         ] {
             let err = request(flags).unwrap_err().to_string();

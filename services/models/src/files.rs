@@ -241,14 +241,18 @@ pub enum ModelFamily {
     /// carried from segment to segment. Detected from the directory (`armt_config.json`), see
     /// [`ModelFiles::family`].
     RecurrentMemory,
+    /// Slot-diffusion language models (ReFusion): a causal Qwen3 with a mask token, fed
+    /// non-contiguous position ids.
+    SlotDiffusion,
 }
 
 /// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
-/// Families that are recognised but not implemented yet (Qwen3 / ReFusion, the later HF-style
-/// `model_type: armt` rewrite) are reported as [`ModelError::Unsupported`] naming the family. The
+/// A Qwen3 config with a `mask_token_id` (which ReFusion's `train.py` adds) is ReFusion. The
 /// upstream ARMT served here has a plain Llama `config.json`; only its directory tells it apart
-/// ([`ModelFiles::family`]).
+/// ([`ModelFiles::family`]). Families that are recognised but not implemented (the later HF-style
+/// `model_type: armt` rewrite, plain Qwen3) are reported as [`ModelError::Unsupported`] naming
+/// the family.
 pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     let model_type = config
         .get("model_type")
@@ -271,14 +275,20 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         if lower.contains("llada") {
             return Ok(ModelFamily::MaskedDiffusion);
         }
+        let has_mask = config.get("mask_token_id").is_some_and(|v| !v.is_null());
+        if lower.contains("refusion") || (lower.contains("qwen3") && has_mask) {
+            return Ok(ModelFamily::SlotDiffusion);
+        }
         for (needle, family) in [
             (
                 "armt",
                 "HF-style ARMT rewrite (ARMTForCausalLM; the served ARMT is a Llama config.json \
                  plus armt_config.json)",
             ),
-            ("refusion", "ReFusion"),
-            ("qwen3", "Qwen3"),
+            (
+                "qwen3",
+                "Qwen3 without a mask_token_id (not a ReFusion checkpoint)",
+            ),
         ] {
             if lower.contains(needle) {
                 return Err(ModelError::Unsupported(format!(

@@ -14,6 +14,7 @@
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
 //! * [`armt`]: ARMT, associative recurrent memory on a Llama backbone (Rodkin et al., 2024),
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
+//! * [`qwen3`]: Qwen3 with explicit position ids, the backbone of ReFusion (Li et al., 2025).
 
 pub mod armt;
 pub mod chat;
@@ -22,6 +23,7 @@ pub mod error;
 pub mod files;
 pub mod huginn;
 pub mod llada;
+pub mod qwen3;
 pub mod tokenizer;
 pub mod transformer;
 
@@ -33,6 +35,7 @@ pub use huginn::{
     relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };
 pub use llada::{Llada, LladaConfig};
+pub use qwen3::{Qwen3, Qwen3Config};
 pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 
 /// Re-exported so downstream crates name the same candle types.

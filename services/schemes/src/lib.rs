@@ -11,6 +11,7 @@
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
 //! | masked diffusion (LLaDA) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock) |
 //! | recurrent memory (ARMT) | [`recurrent_memory`] | `ar` (`execution`: sequential or diagonal batching) |
+//! | slot diffusion (ReFusion) | [`slot_diffusion`] | `plan-infill`, `ar` |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
@@ -22,12 +23,14 @@ pub mod recurrent_memory;
 pub mod request;
 pub mod sampling;
 pub mod served;
+pub mod slot_diffusion;
 #[cfg(test)]
 mod test_support;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, Execution, FreezeTest, GenerateSpec, LowConfidenceParams,
-    Remasking, ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, EosRule, Execution, FreezeTest, GenerateSpec,
+    LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
+    SureLockParams, WinoParams,
 };
 pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};

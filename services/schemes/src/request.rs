@@ -78,6 +78,9 @@ pub enum SchemeParams {
     LowConfidence(LowConfidenceParams),
     /// `wino`: WINO's draft-and-verify masked-diffusion sampler (upstream `decoding_wino()`).
     Wino(WinoParams),
+    /// `plan-infill`: ReFusion's slot planning and parallel infilling (upstream
+    /// `generate_refusion()`).
+    PlanInfill(PlanInfillParams),
 }
 
 impl SchemeParams {
@@ -88,6 +91,7 @@ impl SchemeParams {
             SchemeParams::DiffusionForcing(_) => "diffusion-forcing",
             SchemeParams::LowConfidence(_) => "low-confidence",
             SchemeParams::Wino(_) => "wino",
+            SchemeParams::PlanInfill(_) => "plan-infill",
         }
     }
 }
@@ -148,6 +152,49 @@ impl Default for WinoParams {
             threshold: 0.6,
             threshold_back: 0.9,
             surelock: None,
+        }
+    }
+}
+
+/// Which slots an end-of-sequence token found during iterative completion removes from the
+/// block's pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EosRule {
+    /// The slot holding the EOS and every slot to its right (what upstream means; the slots to
+    /// its left are still generated, so the output has no gaps).
+    #[default]
+    Aligned,
+    /// Reproduce upstream `generate_refusion()`, which removes `range(first_eos_block_idx, n)`
+    /// with a *row* index among the selected slots used as an index into the pool, so
+    /// undecoded slots left of the EOS can be dropped and never generated (tests only).
+    Upstream,
+}
+
+/// ReFusion's plan-and-infill decoding (upstream `generate_refusion()`); `gen_length` is the
+/// request's `max_new_tokens`, the sampling temperature is `SamplingParams::temperature`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanInfillParams {
+    /// Tokens per slot; must divide the block length.
+    pub slot_size: usize,
+    /// Number of semi-autoregressive blocks (not their length); must divide `gen_length`.
+    pub serial_num_blocks: usize,
+    /// A slot is selected when the probability of its first drafted token exceeds this, in
+    /// (0, 1]; when none does, the single most confident slot is.
+    pub slot_threshold: f32,
+    /// A drafted token is accepted when its autoregressive probability exceeds this, in (0, 1].
+    pub token_threshold: f32,
+    pub eos_rule: EosRule,
+}
+
+impl Default for PlanInfillParams {
+    /// Upstream `generate_refusion()`'s defaults.
+    fn default() -> Self {
+        Self {
+            slot_size: 8,
+            serial_num_blocks: 2,
+            slot_threshold: 0.9,
+            token_threshold: 0.9,
+            eos_rule: EosRule::Aligned,
         }
     }
 }

@@ -210,6 +210,7 @@ pub fn load_model(
         ModelFamily::RecurrentDepth => crate::recurrent_depth::serve(files, opts),
         ModelFamily::MaskedDiffusion => crate::masked_diffusion::serve(files, opts),
         ModelFamily::RecurrentMemory => crate::recurrent_memory::serve(files, opts),
+        ModelFamily::SlotDiffusion => crate::slot_diffusion::serve(files, opts),
         other => Err(SchemeError::Unsupported(format!(
             "model family {other:?} is not served yet"
         ))),

@@ -8,8 +8,9 @@ use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams, Remasking,
-    ReplayDraws, SamplingParams, SchemeParams, ServedModel, SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams,
+    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, ServedModel,
+    SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -119,6 +120,18 @@ pub fn spec_from_proto(
                 surelock: surelock("wino", w.surelock_eps, w.surelock_percentile)?,
             })
         }
+        Some(pb::generate_request::Scheme::PlanInfill(p)) => {
+            let def = PlanInfillParams::default();
+            SchemeParams::PlanInfill(PlanInfillParams {
+                slot_size: p.slot_size.map_or(def.slot_size, |n| n as usize),
+                serial_num_blocks: p
+                    .serial_num_blocks
+                    .map_or(def.serial_num_blocks, |n| n as usize),
+                slot_threshold: p.slot_threshold.unwrap_or(def.slot_threshold),
+                token_threshold: p.token_threshold.unwrap_or(def.token_threshold),
+                ..def
+            })
+        }
     };
     Ok(GenerateSpec {
         prompt_ids,
@@ -153,10 +166,14 @@ pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
     }
 }
 
-/// The scheme of a request that names none: `ar` where the model serves it, otherwise the
-/// model's first scheme with its defaults.
+/// The scheme of a request that names none: `plan-infill` for a model that lists it first
+/// (slot diffusion), else `ar` where the model serves it, otherwise the model's first scheme
+/// with its defaults.
 fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     let schemes = &model.info().schemes;
+    if schemes.first() == Some(&"plan-infill") {
+        return SchemeParams::PlanInfill(PlanInfillParams::default());
+    }
     if !schemes.contains(&"ar") && schemes.first() == Some(&"low-confidence") {
         SchemeParams::LowConfidence(LowConfidenceParams::default())
     } else {
@@ -392,6 +409,64 @@ mod recurrent_memory_tests {
         req.scheme = None;
         let spec = spec_from_proto(&req, model.as_ref()).expect("converts");
         assert_eq!(spec.scheme, SchemeParams::Ar(ArParams::default()));
+        model.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod slot_diffusion_tests {
+    use super::*;
+    use std::path::PathBuf;
+    use wavefront_schemes::{load_model, LoadOptions};
+
+    fn refusion() -> Arc<dyn ServedModel> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion");
+        let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
+        load_model(files, LoadOptions::default()).expect("loads")
+    }
+
+    fn request(scheme: Option<pb::generate_request::Scheme>) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
+                ids: vec![34, 78, 79],
+            })),
+            max_new_tokens: 32,
+            scheme,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn plan_infill_converts_with_upstream_names_and_defaults() {
+        let model = refusion();
+        assert_eq!(model.info().schemes, vec!["plan-infill", "ar"]);
+        let p = pb::PlanInfillScheme {
+            slot_size: Some(4),
+            serial_num_blocks: None,
+            slot_threshold: Some(0.8),
+            token_threshold: Some(0.2),
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::PlanInfill(p))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::PlanInfill(PlanInfillParams {
+                slot_size: 4,
+                serial_num_blocks: 2,
+                slot_threshold: 0.8,
+                token_threshold: 0.2,
+                ..PlanInfillParams::default()
+            })
+        );
+        // No scheme: the slot-diffusion model's default is plan-infill with upstream defaults.
+        let spec = spec_from_proto(&request(None), model.as_ref()).expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::PlanInfill(PlanInfillParams::default())
+        );
         model.shutdown();
     }
 }

@@ -245,6 +245,7 @@ fn scheme_label(req: &pb::GenerateRequest, default: Option<&'static str>) -> &'s
         Some(pb::generate_request::Scheme::DiffusionForcing(_)) => "diffusion-forcing",
         Some(pb::generate_request::Scheme::LowConfidence(_)) => "low-confidence",
         Some(pb::generate_request::Scheme::Wino(_)) => "wino",
+        Some(pb::generate_request::Scheme::PlanInfill(_)) => "plan-infill",
     }
 }
 

@@ -98,6 +98,70 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends, after its own indices, buffer indices `start..start + len` of each of `parts` in
+    /// order (e.g. the K/V of slots computed in other caches, stitched into this one). Keys keep
+    /// the RoPE of the positions they were computed at. One concatenation per layer; `clone` of
+    /// a cache is cheap (tensors are shared) and copies nothing.
+    pub fn append(&mut self, parts: &[(&KvCache, usize, usize)]) -> Result<()> {
+        let parts: Vec<_> = parts.iter().filter(|p| p.2 > 0).collect();
+        let Some(first) = parts.first() else {
+            return Ok(());
+        };
+        for (c, start, len) in &parts {
+            if start + len > c.len {
+                return Err(ModelError::Cache(format!(
+                    "cannot take indices {start}..{} of a cache holding {}",
+                    start + len,
+                    c.len
+                )));
+            }
+            if c.layers.len() != first.0.layers.len() {
+                return Err(ModelError::Cache(
+                    "caches with different layer counts cannot be stitched".into(),
+                ));
+            }
+        }
+        if self.len > 0 && self.layers.len() != first.0.layers.len() {
+            return Err(ModelError::Cache(
+                "caches with different layer counts cannot be stitched".into(),
+            ));
+        }
+        let n_layers = first.0.layers.len();
+        let mut layers = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let mut ks = Vec::with_capacity(parts.len() + 1);
+            let mut vs = Vec::with_capacity(parts.len() + 1);
+            if self.len > 0 {
+                let (k, v) = self.layer(l)?;
+                ks.push(k.clone());
+                vs.push(v.clone());
+            }
+            for (c, start, len) in &parts {
+                let (k, v) = c.layer(l)?;
+                ks.push(k.narrow(1, *start, *len)?);
+                vs.push(v.narrow(1, *start, *len)?);
+            }
+            // Stored contiguous: attention reads it in place on every later call.
+            let cat = |xs: Vec<Tensor>| -> Result<Tensor> {
+                Ok(if xs.len() == 1 {
+                    xs.into_iter().next().expect("one part").contiguous()?
+                } else {
+                    Tensor::cat(&xs, 1)?
+                })
+            };
+            layers.push(Some((cat(ks)?, cat(vs)?)));
+        }
+        self.layers = layers;
+        self.len += parts.iter().map(|p| p.2).sum::<usize>();
+        Ok(())
+    }
+
+    /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`.
+    pub fn layer_kv(&self, layer: usize) -> Result<(&Tensor, &Tensor)> {
+        let (k, v) = self.layer(layer)?;
+        Ok((k, v))
+    }
+
     fn layer(&self, layer: usize) -> Result<&(Tensor, Tensor)> {
         self.layers
             .get(layer)
@@ -122,6 +186,16 @@ pub enum Keys<'a> {
     /// `cache` (which must hold it). The assembled K/V replace the cache's, layer by layer, and
     /// the cache then holds `len` indices.
     Buffer { cache: &'a mut KvCache, len: usize },
+    /// A buffer whose first `prefix.len()` indices live in a cache shared with other sequences
+    /// (read, never written), followed by `suffix`'s indices and then the call's rows, which
+    /// must be the next indices in order (`prefix.len() + suffix.len() ..`). Only `suffix`
+    /// grows: afterwards it holds its old indices plus the rows. Several sequences of one call
+    /// may share a prefix (ReFusion's parallel slots each extend their own copy of a request's
+    /// committed cache without copying it).
+    Shared {
+        prefix: &'a KvCache,
+        suffix: &'a mut KvCache,
+    },
 }
 
 /// The rows one sequence contributes to a packed call, contiguous in row order.
@@ -172,6 +246,11 @@ enum KeySource {
     Buffer {
         index: Option<Tensor>,
         cached: usize,
+    },
+    /// `prefix ++ suffix ++ rows`, in order.
+    Shared {
+        prefix: usize,
+        suffix: usize,
     },
 }
 
@@ -224,6 +303,28 @@ impl PackedLayout {
                     let (src, keys) = buffer_keys(&s.index, cache.len(), *len, &device)?;
                     (src, keys)
                 }
+                Keys::Shared { prefix, suffix } => {
+                    let (p, c) = (prefix.len(), suffix.len());
+                    if !s
+                        .index
+                        .iter()
+                        .copied()
+                        .eq((p + c) as u32..(p + c + n) as u32)
+                    {
+                        return Err(ModelError::Shape(format!(
+                            "rows of a shared-prefix sequence must be buffer indices {}..{} in order",
+                            p + c,
+                            p + c + n
+                        )));
+                    }
+                    (
+                        KeySource::Shared {
+                            prefix: p,
+                            suffix: c,
+                        },
+                        (0..(p + c + n) as u32).collect(),
+                    )
+                }
             };
             let mask = build_mask(s.mask, &s.index, &key_index, &device)?;
             layouts.push(SeqLayout {
@@ -271,7 +372,8 @@ fn buffer_keys(
         }
     }
     let keys: Vec<u32> = (0..len as u32).collect();
-    let in_order = cached == 0 && index.iter().copied().eq(0..len as u32);
+    // The rows are exactly the indices after the cached ones: `cache ++ rows` is the buffer.
+    let in_order = cached <= len && index.iter().copied().eq(cached as u32..len as u32);
     if in_order {
         return Ok((
             KeySource::Buffer {
@@ -364,7 +466,11 @@ pub(crate) fn attend_packed(
             (KeySource::Rows, _) => (ks, vs),
             (KeySource::Buffer { index, cached }, Keys::Buffer { cache, .. }) => {
                 let (ka, va) = match index {
-                    None => (ks, vs),
+                    None if *cached == 0 => (ks, vs),
+                    None => {
+                        let (ck, cv) = cache.layer(layer)?;
+                        (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
+                    }
                     Some(idx) => {
                         let (src_k, src_v) = if *cached == 0 {
                             (ks, vs)
@@ -378,13 +484,36 @@ pub(crate) fn attend_packed(
                 cache.set_layer(layer, ka.clone(), va.clone());
                 (ka, va)
             }
-            (KeySource::Buffer { .. }, Keys::Rows) => {
+            (
+                KeySource::Shared {
+                    prefix: p,
+                    suffix: c,
+                },
+                Keys::Shared { prefix, suffix },
+            ) => {
+                let (sk, sv) = if *c == 0 {
+                    (ks, vs)
+                } else {
+                    let (ck, cv) = suffix.layer(layer)?;
+                    (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
+                };
+                suffix.set_layer(layer, sk.clone(), sv.clone());
+                if *p > 0 {
+                    // The shared prefix is read in place, not copied next to the suffix.
+                    let (pk, pv) = prefix.layer(layer)?;
+                    let parts = [(pk, pv), (&sk, &sv)];
+                    outs.push(sdpa(&qs, &parts, s.mask.as_ref(), scale)?);
+                    continue;
+                }
+                (sk, sv)
+            }
+            _ => {
                 return Err(ModelError::Shape(
                     "the sequences changed between layout and call".into(),
                 ))
             }
         };
-        outs.push(sdpa(&qs, &ks, &vs, s.mask.as_ref(), scale)?);
+        outs.push(sdpa(&qs, &[(&ks, &vs)], s.mask.as_ref(), scale)?);
     }
     if single {
         Ok(outs.pop().expect("one sequence"))
@@ -396,37 +525,71 @@ pub(crate) fn attend_packed(
 /// Records the new buffer length of every buffer sequence after all layers ran.
 pub(crate) fn commit_buffers(seqs: &mut [SeqInput]) {
     for s in seqs {
-        if let Keys::Buffer { cache, len } = &mut s.keys {
-            cache.len = *len;
+        let rows = s.index.len();
+        match &mut s.keys {
+            Keys::Buffer { cache, len } => cache.len = *len,
+            Keys::Shared { suffix, .. } => suffix.len += rows,
+            Keys::Rows => {}
         }
     }
 }
 
-/// `softmax(q kᵀ · scale + mask) v` with `q` `[H, L, D]` and `k`, `v` `[H_kv, T, D]`; scores and
-/// softmax in float32. Key/value heads are shared by `H / H_kv` consecutive query heads.
-fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+/// `softmax(q kᵀ · scale + mask) v` with `q` `[H, L, D]` and the keys and values `[H_kv, T_i, D]`
+/// given in parts that concatenate along the key axis (`T = Σ T_i`, e.g. a shared prefix cache
+/// and a sequence's own keys, read where they are); scores and softmax in float32. Key/value
+/// head `j` serves query heads `j · H / H_kv ..`: the queries of a group are stacked so each
+/// part is multiplied once per key/value head, without repeating keys or values.
+fn sdpa(
+    q: &Tensor,
+    parts: &[(&Tensor, &Tensor)],
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
     let dtype = q.dtype();
-    let (h, _, d) = q.dims3()?;
-    let (hkv, t, _) = k.dims3()?;
-    let (k, v) = if h == hkv {
-        (k.clone(), v.clone())
+    let (h, l, d) = q.dims3()?;
+    let hkv = parts.first().map_or(h, |(k, _)| k.dim(0).unwrap_or(h));
+    let rep = h / hkv;
+    let qg = q.contiguous()?.reshape((hkv, rep * l, d))?;
+    let contiguous = |x: &Tensor| -> Result<Tensor> { Ok(x.contiguous()?) };
+    let mut scores = Vec::with_capacity(parts.len());
+    let mut lens = Vec::with_capacity(parts.len());
+    for (k, _) in parts {
+        let k = contiguous(k)?;
+        lens.push(k.dim(1)?);
+        scores.push(qg.matmul(&k.t()?)?);
+    }
+    let scores = if scores.len() == 1 {
+        scores.pop().expect("one part")
     } else {
-        let rep = h / hkv;
-        let expand = |x: &Tensor| -> Result<Tensor> {
-            Ok(x.unsqueeze(1)?
-                .expand((hkv, rep, t, d))?
-                .contiguous()?
-                .reshape((h, t, d))?)
-        };
-        (expand(k)?, expand(v)?)
+        Tensor::cat(&scores, 2)?
     };
-    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
+    let t: usize = lens.iter().sum();
+    let scores = (scores.to_dtype(DType::F32)? * scale)?;
     let scores = match mask {
-        Some(m) => scores.broadcast_add(m)?,
+        Some(m) => scores
+            .reshape((hkv, rep, l, t))?
+            .broadcast_add(m)?
+            .reshape((hkv, rep * l, t))?,
         None => scores,
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
-    Ok(probs.matmul(&v.contiguous()?)?)
+    let mut out: Option<Tensor> = None;
+    let mut offset = 0;
+    for ((_, v), &n) in parts.iter().zip(&lens) {
+        let p = if parts.len() == 1 {
+            probs.clone()
+        } else {
+            probs.narrow(2, offset, n)?.contiguous()?
+        };
+        offset += n;
+        let y = p.matmul(&contiguous(v)?)?;
+        out = Some(match out {
+            None => y,
+            Some(acc) => (acc + y)?,
+        });
+    }
+    let out = out.ok_or_else(|| ModelError::Shape("attention over no keys".into()))?;
+    Ok(out.reshape((h, l, d))?)
 }
 
 #[cfg(test)]

@@ -1,0 +1,121 @@
+//! Qwen3, the backbone of ReFusion, with a packed multi-sequence API and explicit position ids.
+//!
+//! Li et al., 2025, "ReFusion: A Diffusion Large Language Model with Parallel Autoregressive
+//! Decoding" (arXiv:2512.13586); checkpoint `GSAI-ML/ReFusion`, reference code
+//! `qwen3/modeling_qwen3_refusion.py` of ML-GSAI/ReFusion, which is Hugging Face's generated
+//! Qwen3 file with a training loss: for inference ReFusion *is* Qwen3 (Qwen3-8B's shapes), fed
+//! explicit, non-contiguous `position_ids`. Tensor names are `Qwen3ForCausalLM`'s
+//! (`model.embed_tokens`, `model.layers.N.*`, `model.norm`, `lm_head`) and are mirrored by the
+//! `VarBuilder` paths here.
+//!
+//! The network: `x = embed_tokens[ids]`, then per layer
+//! `x += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` over `input_layernorm(x)` and
+//! `x += down(silu(gate(h)) · up(h))` over `post_attention_layernorm(x)`, then `norm` and
+//! `lm_head`. q/k RMSNorm is per head over `head_dim`; RoPE is the "half" layout at each row's
+//! **position id**; attention is grouped-query and **causal in buffer order** (the order rows
+//! were appended to the sequence's cache), never in position order: ReFusion moves decoded slots
+//! in front of still-masked ones, so a key's buffer index and its position id disagree.
+//!
+//! The block is the shared one ([`crate::transformer`], [`BlockNames::LLAMA`] with q/k norm).
+//! Each sequence of a packed call reads its earlier keys from a
+//! [`crate::transformer::KvCache`]: [`crate::transformer::Keys::Buffer`] for one cache that
+//! grows, [`crate::transformer::Keys::Shared`] for a row that extends a cache shared with other
+//! rows without copying it (ReFusion's parallel slots). Select the rows that need logits before
+//! [`Qwen3::logits`]: the head is as wide as the vocabulary.
+
+mod config;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+pub use self::config::{Qwen3Config, TokenIds};
+use crate::error::{ModelError, Result};
+use crate::transformer::{get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput};
+
+/// A loaded Qwen3 / ReFusion model.
+#[derive(Debug, Clone)]
+pub struct Qwen3 {
+    cfg: Qwen3Config,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    head: Tensor,
+    rope: RopeTable,
+}
+
+impl Qwen3 {
+    /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.*`,
+    /// `lm_head.*`). The `VarBuilder`'s dtype and device are the model's.
+    pub fn load(vb: VarBuilder, cfg: Qwen3Config) -> Result<Self> {
+        cfg.validate()?;
+        let m = vb.pp("model");
+        let (e, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = get(&m.pp("embed_tokens"), &[v, e], "weight")?;
+        let block_cfg = cfg.block_config();
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(m.pp("layers").pp(i), &block_cfg, &BlockNames::LLAMA, i))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(m.pp("norm"), e, cfg.rms_norm_eps)?;
+        let head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            get(&vb.pp("lm_head"), &[v, e], "weight")?
+        };
+        let rope = RopeTable::new(
+            cfg.head_dim(),
+            cfg.rope_theta,
+            cfg.max_position_embeddings,
+            vb.device(),
+        )?;
+        Ok(Self {
+            cfg,
+            embed,
+            blocks,
+            norm,
+            head,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &Qwen3Config {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// Compute dtype of the weights (and of hidden rows and caches).
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Token embeddings `[N, E]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let rows = self.cfg.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
+            return Err(ModelError::Shape(format!(
+                "token id {bad} outside the embedding of {rows} rows"
+            )));
+        }
+        let idx = Tensor::new(ids, self.device())?;
+        Ok(self.embed.index_select(&idx, 0)?)
+    }
+
+    /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
+    /// the head. Caches of the sequences hold this call's keys afterwards.
+    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
+        let mut x = self.embed(ids)?;
+        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
+        for block in &self.blocks {
+            x = block.forward(&x, &layout, seqs)?;
+        }
+        crate::transformer::commit_buffers(seqs);
+        self.norm.forward(&x)
+    }
+
+    /// Logits `[N, V]` (float32) of hidden rows from [`Qwen3::forward`].
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(hidden.matmul(&self.head.t()?)?.to_dtype(DType::F32)?)
+    }
+}

@@ -1,0 +1,326 @@
+//! Golden tests of the ReFusion / Qwen3 model against outputs of the upstream PyTorch code
+//! (tests/fixtures/refusion, see its README): logits at non-contiguous position ids in one call
+//! and split over a cache, the cached K/V of every layer, RoPE really fed by the position ids,
+//! parallel slot rows over one shared prefix and the stitched cache they leave, packing
+//! invariance, the checkpoint layout, family detection and the tokenizer.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
+use wavefront_models::{detect_family, ModelFamily, ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion")
+}
+
+fn model() -> Result<Qwen3> {
+    let files = ModelFiles::from_dir(fixture_dir())?;
+    let cfg = Qwen3Config::from_json(files.config_json())?;
+    Ok(Qwen3::load(
+        files.var_builder(DType::F32, &Device::Cpu)?,
+        cfg,
+    )?)
+}
+
+struct Golden {
+    tensors: HashMap<String, Tensor>,
+    json: serde_json::Value,
+}
+
+impl Golden {
+    fn load() -> Result<Self> {
+        let dir = fixture_dir();
+        Ok(Self {
+            tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)?,
+            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
+        })
+    }
+
+    fn tensor(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .with_context(|| format!("golden tensor {name}"))
+    }
+
+    /// Rows of an integer tensor `[B, L]`.
+    fn rows(&self, name: &str) -> Result<Vec<Vec<u32>>> {
+        Ok(self.tensor(name)?.to_dtype(DType::U32)?.to_vec2()?)
+    }
+
+    fn ids(&self, name: &str) -> Result<Vec<u32>> {
+        Ok(self.rows(name)?.concat())
+    }
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    ensure!(
+        a.dims() == b.dims(),
+        "shapes {:?} vs {:?}",
+        a.dims(),
+        b.dims()
+    );
+    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?)
+}
+
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f32) -> Result<f32> {
+    let d = max_abs_diff(got, want)?;
+    ensure!(d <= atol, "{what}: max |diff| = {d:e} > {atol:e}");
+    eprintln!("{what}: max |diff| = {d:e}");
+    Ok(d)
+}
+
+/// The README's tolerances: logits 1e-4, cached K/V 1e-5.
+const LOGITS_ATOL: f32 = 1e-4;
+const KV_ATOL: f32 = 1e-5;
+
+/// Rows appended to `cache` (buffer indices after its own), causal.
+fn appended<'a>(cache: &'a mut KvCache, positions: &[u32]) -> SeqInput<'a> {
+    let start = cache.len() as u32;
+    SeqInput {
+        index: (start..start + positions.len() as u32).collect(),
+        positions: positions.to_vec(),
+        mask: MaskRule::Causal,
+        keys: Keys::Buffer {
+            len: cache.len() + positions.len(),
+            cache,
+        },
+    }
+}
+
+fn logits(model: &Qwen3, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
+    let hidden = model.forward(ids, seqs)?;
+    Ok(model.logits(&hidden)?)
+}
+
+#[test]
+fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
+    let golden = Golden::load()?;
+    let model = model()?;
+    let ids = golden.ids("fwd.input_ids")?;
+    let pos = golden.ids("fwd.position_ids")?;
+    let mut cache = KvCache::new();
+    let full = logits(&model, &ids, &mut [appended(&mut cache, &pos)])?;
+    assert_close(
+        "logits_full",
+        &full,
+        golden.tensor("fwd.logits_full")?,
+        LOGITS_ATOL,
+    )?;
+    ensure!(cache.len() == 16);
+    for layer in 0..2 {
+        let (k, v) = cache.layer_kv(layer)?;
+        let want_k = golden.tensor(&format!("fwd.cache.layer{layer}.key"))?;
+        let want_v = golden.tensor(&format!("fwd.cache.layer{layer}.value"))?;
+        assert_close(&format!("layer {layer} key"), k, want_k, KV_ATOL)?;
+        assert_close(&format!("layer {layer} value"), v, want_v, KV_ATOL)?;
+    }
+
+    // Split over the cache at the README's split point.
+    let split = golden.json["forward"]["split_at"]
+        .as_u64()
+        .context("split_at")? as usize;
+    let mut cache = KvCache::new();
+    let first = logits(
+        &model,
+        &ids[..split],
+        &mut [appended(&mut cache, &pos[..split])],
+    )?;
+    let second = logits(
+        &model,
+        &ids[split..],
+        &mut [appended(&mut cache, &pos[split..])],
+    )?;
+    assert_close(
+        "logits_call1",
+        &first,
+        golden.tensor("fwd.logits_call1")?,
+        LOGITS_ATOL,
+    )?;
+    assert_close(
+        "logits_call2",
+        &second,
+        golden.tensor("fwd.logits_call2")?,
+        LOGITS_ATOL,
+    )?;
+
+    // Position ids reach RoPE: contiguous positions give upstream's other logits.
+    let contiguous: Vec<u32> = (0..16).collect();
+    let mut cache = KvCache::new();
+    let c = logits(&model, &ids, &mut [appended(&mut cache, &contiguous)])?;
+    assert_close(
+        "logits_contiguous_positions",
+        &c,
+        golden.tensor("fwd.logits_contiguous_positions")?,
+        LOGITS_ATOL,
+    )?;
+    ensure!(max_abs_diff(&c, &full)? > 1.0, "position ids had no effect");
+    Ok(())
+}
+
+#[test]
+fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> Result<()> {
+    let golden = Golden::load()?;
+    let model = model()?;
+    let mut prefix = KvCache::new();
+    logits(
+        &model,
+        &golden.ids("par.prefix_input_ids")?,
+        &mut [appended(
+            &mut prefix,
+            &golden.ids("par.prefix_position_ids")?,
+        )],
+    )?;
+    // Both rows in one packed call, each over the shared prefix and itself only.
+    let rows = golden.rows("par.rows_input_ids")?;
+    let rows_pos = golden.rows("par.rows_position_ids")?;
+    let mut suffixes = [KvCache::new(), KvCache::new()];
+    let got = {
+        let [s0, s1] = &mut suffixes;
+        let mut seqs: Vec<SeqInput> = [s0, s1]
+            .into_iter()
+            .zip(&rows_pos)
+            .map(|(suffix, pos)| SeqInput {
+                index: (8..12).collect(),
+                positions: pos.clone(),
+                mask: MaskRule::Causal,
+                keys: Keys::Shared {
+                    prefix: &prefix,
+                    suffix,
+                },
+            })
+            .collect();
+        logits(&model, &rows.concat(), &mut seqs)?
+    };
+    ensure!(prefix.len() == 8, "the shared prefix was written");
+    let want = golden.tensor("par.rows_logits")?.reshape((8, 512))?;
+    assert_close("rows_logits", &got, &want, LOGITS_ATOL)?;
+
+    // Stitch row 0's then row 1's K/V after the prefix and decode the masks on top.
+    let mut stitched = prefix.clone();
+    stitched.append(&[(&suffixes[0], 0, 4), (&suffixes[1], 0, 4)])?;
+    ensure!(stitched.len() == 16 && prefix.len() == 8);
+    let next = logits(
+        &model,
+        &golden.ids("par.next_input_ids")?,
+        &mut [appended(
+            &mut stitched,
+            &golden.ids("par.next_position_ids")?,
+        )],
+    )?;
+    let want = golden.tensor("par.next_logits_stitched_cache")?;
+    assert_close("next_logits_stitched_cache", &next, want, LOGITS_ATOL)?;
+
+    // The fresh sequential forward differs, as upstream's README reports.
+    let mut fresh = KvCache::new();
+    let all = logits(
+        &model,
+        &golden.ids("par.fresh_input_ids")?,
+        &mut [appended(&mut fresh, &golden.ids("par.fresh_position_ids")?)],
+    )?;
+    let tail = all.narrow(0, 16, 4)?;
+    assert_close(
+        "next_logits_fresh_sequential",
+        &tail,
+        golden.tensor("par.next_logits_fresh_sequential")?,
+        LOGITS_ATOL,
+    )?;
+    ensure!(max_abs_diff(&tail, &next)? > 1.0);
+    Ok(())
+}
+
+#[test]
+fn a_sequence_computes_the_same_packed_with_others() -> Result<()> {
+    let golden = Golden::load()?;
+    let model = model()?;
+    let ids = golden.ids("fwd.input_ids")?;
+    let pos = golden.ids("fwd.position_ids")?;
+    let mut alone_cache = KvCache::new();
+    let alone = logits(&model, &ids, &mut [appended(&mut alone_cache, &pos)])?;
+    // The same rows between two other sequences, one of them on a warm cache.
+    let mut warm = KvCache::new();
+    logits(&model, &[1, 2, 3], &mut [appended(&mut warm, &[0, 1, 2])])?;
+    let (mut a, mut b) = (KvCache::new(), KvCache::new());
+    let packed_ids: Vec<u32> = [&[7u32, 8][..], &ids, &[9, 10, 11]].concat();
+    let packed = logits(
+        &model,
+        &packed_ids,
+        &mut [
+            appended(&mut a, &[5, 9]),
+            appended(&mut b, &pos),
+            appended(&mut warm, &[3, 4, 5]),
+        ],
+    )?;
+    let d = max_abs_diff(&packed.narrow(0, 2, 16)?, &alone)?;
+    ensure!(d <= 1e-5, "packing changed the logits by {d:e}");
+    let (k, _) = b.layer_kv(1)?;
+    let (k_alone, _) = alone_cache.layer_kv(1)?;
+    ensure!(max_abs_diff(k, k_alone)? <= 1e-6);
+    Ok(())
+}
+
+#[test]
+fn checkpoint_layout_config_family_and_tokenizer() -> Result<()> {
+    let golden = Golden::load()?;
+    let files = ModelFiles::from_dir(fixture_dir())?;
+    let cfg = Qwen3Config::from_json(files.config_json())?;
+    assert_eq!(cfg.head_dim(), 16);
+    assert_eq!(cfg.kv_heads(), 2);
+    assert_eq!(cfg.mask_token_id, Some(511));
+    assert_eq!(cfg.eos_token_ids(), vec![486]);
+    let mut want: Vec<(String, Vec<usize>)> = golden.json["tensors"]
+        .as_array()
+        .context("tensors")?
+        .iter()
+        .map(|t| {
+            (
+                t[0].as_str().unwrap_or_default().to_owned(),
+                serde_json::from_value(t[1].clone()).unwrap_or_default(),
+            )
+        })
+        .collect();
+    want.sort();
+    let mut got = cfg.checkpoint_tensors();
+    got.sort();
+    assert_eq!(got, want);
+
+    assert_eq!(files.family()?, ModelFamily::SlotDiffusion);
+    let plain_qwen3 =
+        serde_json::json!({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]});
+    let err = detect_family(&plain_qwen3).unwrap_err().to_string();
+    ensure!(err.contains("mask_token_id"), "{err}");
+
+    for (key, value) in [
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 4.0}),
+        ),
+        ("hidden_act", serde_json::json!("gelu")),
+        ("use_sliding_window", serde_json::json!(true)),
+        ("num_key_value_heads", serde_json::json!(3)),
+    ] {
+        let mut json: serde_json::Value = serde_json::from_str(files.config_json())?;
+        json[key] = value;
+        let err = Qwen3Config::from_json(&json.to_string())
+            .unwrap_err()
+            .to_string();
+        ensure!(
+            err.contains(key) || err.contains("n_kv_heads"),
+            "{key}: {err}"
+        );
+    }
+
+    let tok = TextTokenizer::from_file(fixture_dir().join("tokenizer.json"))?;
+    for case in golden.json["tokenizer_cases"].as_array().context("cases")? {
+        let text = case["text"].as_str().context("text")?;
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
+        assert_eq!(tok.encode(text, true)?, want, "{text:?}");
+    }
+    Ok(())
+}

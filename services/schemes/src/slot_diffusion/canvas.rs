@@ -1,0 +1,118 @@
+//! The generated positions of one plan-and-infill request in *position* order, and what has been
+//! streamed of them.
+//!
+//! ReFusion commits slots in any order (its buffer is in commit order); a client reads text left
+//! to right. A position is *final* once its slot is committed (or, reproducing upstream's EOS
+//! quirk, dropped). Tokens stream only up to the first position that is not final, so a token is
+//! sent once every position before it is final, and the response is cut at the first stop token
+//! in position order (included): tokens committed at later positions before it was found are
+//! not part of the response.
+
+use wavefront_engine::FinishReason;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cell {
+    Masked,
+    Token(u32),
+    /// Never generated (upstream's EOS quirk); streamed as nothing.
+    Dropped,
+}
+
+#[derive(Debug)]
+pub(crate) struct Canvas {
+    prompt_len: usize,
+    cells: Vec<Cell>,
+    stop_token_ids: Vec<u32>,
+    /// Generated positions streamed so far (cells before this one are final).
+    streamed: usize,
+    /// Set once the first stop token in position order was streamed.
+    stopped: bool,
+}
+
+impl Canvas {
+    pub(crate) fn new(prompt_len: usize, gen_length: usize, stop_token_ids: Vec<u32>) -> Self {
+        Self {
+            prompt_len,
+            cells: vec![Cell::Masked; gen_length],
+            stop_token_ids,
+            streamed: 0,
+            stopped: false,
+        }
+    }
+
+    pub(crate) fn is_stop(&self, token: u32) -> bool {
+        self.stop_token_ids.contains(&token)
+    }
+
+    /// Records committed tokens at their positions (absolute position ids).
+    pub(crate) fn commit(&mut self, positions: &[u32], tokens: &[u32]) {
+        for (&p, &t) in positions.iter().zip(tokens) {
+            self.cells[p as usize - self.prompt_len] = Cell::Token(t);
+        }
+    }
+
+    /// Marks positions that will never be generated.
+    pub(crate) fn drop_positions(&mut self, positions: impl Iterator<Item = u32>) {
+        for p in positions {
+            let c = &mut self.cells[p as usize - self.prompt_len];
+            if *c == Cell::Masked {
+                *c = Cell::Dropped;
+            }
+        }
+    }
+
+    /// Newly final tokens in position order, up to and including the first stop token; with
+    /// `StopToken` once that token is among them.
+    pub(crate) fn stream(&mut self) -> (Vec<u32>, Option<FinishReason>) {
+        let mut out = Vec::new();
+        if self.stopped {
+            return (out, Some(FinishReason::StopToken));
+        }
+        while let Some(&cell) = self.cells.get(self.streamed) {
+            match cell {
+                Cell::Masked => break,
+                Cell::Dropped => self.streamed += 1,
+                Cell::Token(t) => {
+                    self.streamed += 1;
+                    out.push(t);
+                    if self.is_stop(t) {
+                        self.stopped = true;
+                        return (out, Some(FinishReason::StopToken));
+                    }
+                }
+            }
+        }
+        (out, None)
+    }
+
+    /// Generated tokens in position order (committed ones only).
+    pub(crate) fn tokens(&self) -> Vec<(u32, u32)> {
+        self.cells
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c {
+                Cell::Token(t) => Some(((self.prompt_len + i) as u32, *t)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_only_behind_the_first_unfinished_position_and_stops_at_a_stop_token() {
+        let mut c = Canvas::new(2, 8, vec![9]);
+        c.commit(&[6, 7], &[60, 70]);
+        assert_eq!(c.stream(), (vec![], None));
+        c.commit(&[2, 3], &[20, 30]);
+        assert_eq!(c.stream(), (vec![20, 30], None));
+        c.drop_positions([4, 5].into_iter());
+        assert_eq!(c.stream(), (vec![60, 70], None));
+        c.commit(&[8, 9], &[9, 90]);
+        assert_eq!(c.stream(), (vec![9], Some(FinishReason::StopToken)));
+        assert_eq!(c.stream(), (vec![], Some(FinishReason::StopToken)));
+    }
+}

@@ -1,0 +1,149 @@
+//! The slot-diffusion family (ReFusion): every engine tick runs the next model call of every
+//! active program in one packed forward.
+//!
+//! A program's call is a planning call (its block's masked slots), a verification call (its
+//! selected drafts), a draft or verify call of iterative completion (one row per selected slot,
+//! each over its own copy of the request's cache), or an autoregressive step. Every row of every
+//! call becomes one attention sequence (causal in buffer order, its own position ids, its own
+//! keys), so projections, norms and the MLP run once over all rows of the tick while attention
+//! never mixes requests or slots. One head call then computes the logits of every row any
+//! program reads; argmax, softmax maximum and the probability each read asks for are reduced on
+//! the device and copied to the host together (full rows only for sampled rows).
+
+use candle_core::Tensor;
+use wavefront_engine::{Active, Family, Outbox};
+use wavefront_models::Qwen3;
+
+use super::call::{reduce, Call, ReadOut};
+use super::program::SdProgram;
+
+/// One active program as a tick sees it.
+pub struct Entry<'a> {
+    pub program: &'a mut SdProgram,
+    pub outbox: &'a mut Outbox,
+}
+
+/// Runs the next call of every program in `batch` through `model` in one packed forward;
+/// returns the rows computed. A failure of the forward fails the tick; a program's own failure
+/// goes to its outbox.
+pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
+    let calls: Vec<Call> = batch.iter_mut().map(|e| e.program.next_call()).collect();
+    let ids: Vec<u32> = calls
+        .iter()
+        .flat_map(|c| c.rows.iter().flat_map(|r| r.ids.iter().copied()))
+        .collect();
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let hidden = {
+        let mut seqs = Vec::new();
+        for (e, c) in batch.iter_mut().zip(&calls) {
+            seqs.extend(e.program.sequences(c).map_err(candle_core::Error::Msg)?);
+        }
+        model.forward(&ids, &mut seqs).map_err(to_candle)?
+    };
+
+    // One head call over every row any program reads.
+    let (mut select, mut targets, mut full) = (Vec::new(), Vec::new(), Vec::new());
+    let mut offset = 0;
+    for c in &calls {
+        for row in &c.rows {
+            for rd in &row.reads {
+                if rd.full {
+                    full.push(select.len() as u32);
+                }
+                select.push((offset + rd.at) as u32);
+                targets.push(rd.target.unwrap_or(0));
+            }
+            offset += row.ids.len();
+        }
+    }
+    let (reduced, mut full_rows) = if select.is_empty() {
+        (Vec::new(), Vec::new())
+    } else {
+        let device = hidden.device();
+        let rows = hidden.index_select(&Tensor::new(select.as_slice(), device)?, 0)?;
+        let logits = model.logits(&rows).map_err(to_candle)?;
+        let reduced = reduce(&logits, &targets)?;
+        let full_rows = if full.is_empty() {
+            Vec::new()
+        } else {
+            logits
+                .index_select(&Tensor::new(full.as_slice(), device)?, 0)?
+                .to_vec2::<f32>()?
+        };
+        (reduced, full_rows)
+    };
+    full_rows.reverse();
+
+    let mut at = 0;
+    for (e, c) in batch.iter_mut().zip(&calls) {
+        let mut outs = Vec::with_capacity(c.rows.len());
+        for row in &c.rows {
+            let mut mine = Vec::with_capacity(row.reads.len());
+            for rd in &row.reads {
+                let [argmax, max_prob, target_prob] = reduced[at];
+                at += 1;
+                mine.push(ReadOut {
+                    argmax: argmax as u32,
+                    max_prob,
+                    target_prob: if rd.target.is_some() {
+                        target_prob
+                    } else {
+                        max_prob
+                    },
+                    logits: if rd.full { full_rows.pop() } else { None },
+                });
+            }
+            outs.push(mine);
+        }
+        if let Err(err) = e.program.commit(c, &outs, e.outbox) {
+            e.outbox.fail(format!("slot-diffusion step failed: {err}"));
+        }
+    }
+    debug_assert_eq!(at, calls.iter().map(Call::reads).sum::<usize>());
+    Ok(ids.len())
+}
+
+fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The family: owns the model on the engine thread.
+pub struct SlotDiffusionFamily {
+    model: Qwen3,
+    last_rows: Option<usize>,
+}
+
+impl SlotDiffusionFamily {
+    pub fn new(model: Qwen3) -> Self {
+        Self {
+            model,
+            last_rows: None,
+        }
+    }
+}
+
+impl Family for SlotDiffusionFamily {
+    type Program = SdProgram;
+
+    fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), String> {
+        let mut entries: Vec<Entry<'_>> = batch
+            .iter_mut()
+            .filter(|a| !a.program.is_done())
+            .map(|a| {
+                let Active {
+                    program, outbox, ..
+                } = &mut **a;
+                Entry { program, outbox }
+            })
+            .collect();
+        let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        self.last_rows = Some(rows);
+        Ok(())
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.last_rows
+    }
+}

@@ -1,0 +1,320 @@
+//! # Slot diffusion (ReFusion)
+//!
+//! Li, Guan, Wu, Li 2025, "ReFusion: A Diffusion Large Language Model with Parallel
+//! Autoregressive Decoding" (arXiv:2512.13586): a causal Qwen3 trained to fill masked *slots*
+//! (fixed-length runs of consecutive positions) in any order. Decoded slots are moved in front
+//! of the still-masked ones, each keeping its true position id (RoPE), so attention stays causal
+//! in buffer order and every decoded token's K/V is computed once and reused. Schemes served
+//! here:
+//! - `plan-infill` (upstream `generate_refusion()`): semi-autoregressive blocks, each decoded
+//!   by iterations of *plan* (a diffusion-style draft of all the block's masked slots; select
+//!   the slots whose first token is confident) and *infill* (verify the drafts autoregressively;
+//!   commit whole verified slots, or complete the selected slots in parallel, each over its own
+//!   copy of the cache, and stitch their K/V) ([`plan_infill`]);
+//! - `ar`: plain causal decoding of the same model with the same KV cache, one token per step
+//!   ([`ar`]), the baseline of `bench-slot-diffusion`.
+//!
+//! Parameters keep upstream's names: `gen_length` is `max_new_tokens`, `slot_size`,
+//! `serial_num_blocks` (the *number* of blocks, not their length), `slot_threshold`,
+//! `token_threshold`, and the sampling temperature (Gumbel noise on planning drafts only; the
+//! infill loop is always greedy, as upstream). Defaults are upstream's function defaults:
+//! `slot_size` 8, `serial_num_blocks` 2, thresholds 0.9 / 0.9. Unlike upstream, which rounds
+//! `gen_length` up to a multiple of the slot size, a length that is not a multiple is refused,
+//! so the response never exceeds `max_new_tokens`.
+//!
+//! ## The engine's unit of work
+//!
+//! One tick runs one *model call* of every active request: its planning call (the block's masked
+//! slots, plus the prompt on the first call), its verification call (the selected drafts), one
+//! draft or verify call of iterative completion (one row per selected slot), or one
+//! autoregressive step. Every row of every call is its own attention sequence over its own keys
+//! ([`family`]), so the parallel completion of one request's slots and the steps of other
+//! requests share one forward, and a request's result does not depend on its batch. The model
+//! calls of a request, their inputs and their number are exactly upstream's.
+//!
+//! ## End of sequence
+//!
+//! The model's `eos_token_id` and the request's `stop_token_ids` act as upstream's EOS: a stop
+//! token in the verified prefix or accepted during iterative completion removes its slot's
+//! right-hand side from the block and ends decoding after the block. Tokens committed earlier
+//! at later positions stay in the buffer, as upstream; the *response* is the generated text in
+//! position order cut after the first stop token. Upstream's iterative-completion branch removes
+//! `range(first_eos_block_idx, n)` from the block's pool, with a row index among the selected
+//! slots used as a pool index, which can drop undecoded slots *left of* the EOS: they are never
+//! generated and upstream's output has a gap. Here ([`crate::request::EosRule::Aligned`], the
+//! default) only the EOS slot and the slots to its right are removed, so the slots to its left
+//! are still generated and the output has no gap; [`crate::request::EosRule::Upstream`]
+//! reproduces the quirk (the golden `eos_quirk_b16` run) and is not exposed in the API.
+//!
+//! ## Streaming
+//!
+//! Slots are committed in any order; a token streams once every position before it is final
+//! (committed), and the stream ends at the first stop token in position order ([`canvas`]).
+//! [`plan_infill::PlanInfill`]'s `commit_slots` is the one place where slots (positions and
+//! tokens, in commit order) become final.
+//!
+//! ## Slots
+//!
+//! The slot unit is one buffer row's key and value in one layer: `2 · n_kv_heads · head_dim`
+//! values of the model dtype. A `plan-infill` request reserves
+//! `(prompt + gen_length + block_length) · n_layers` slots: its committed cache (prompt and every
+//! generated token) plus the K/V a call appends after it (the planning call's masked slots, the
+//! verification call's drafts, or the rows of iterative completion, at most one block in all:
+//! each row extends the committed cache without copying it, `Keys::Shared`). An `ar` request
+//! reserves `(prompt + max_new_tokens) · n_layers`. Per-call attention buffers are working
+//! memory of the tick.
+
+pub mod family;
+pub mod plan_infill;
+pub mod program;
+
+mod ar;
+mod call;
+mod canvas;
+
+#[cfg(test)]
+mod golden_tests;
+#[cfg(test)]
+mod serving_tests;
+#[cfg(test)]
+mod test_support;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use wavefront_engine::{Prepared, RequestError};
+use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
+
+use self::ar::ArDecode;
+pub use self::family::{tick, Entry, SlotDiffusionFamily};
+pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
+use self::plan_infill::{PlanInfill, Settings};
+use self::program::Scheme;
+pub use self::program::SdProgram;
+use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
+use crate::sampling::TokenSampler;
+use crate::served::{
+    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+};
+use crate::SchemeError;
+
+/// Validates requests against a ReFusion config and builds programs.
+pub struct RefusionPlanner {
+    cfg: Qwen3Config,
+    mask_id: u32,
+    info: ModelInfo,
+    dtype_size: usize,
+}
+
+impl RefusionPlanner {
+    /// A planner for `cfg` (which must name a `mask_token_id`) served under `name` with weights
+    /// and caches in `dtype`.
+    pub fn new(cfg: Qwen3Config, name: String, dtype: DType) -> Result<Self, SchemeError> {
+        let mask_id = cfg.mask_token_id.ok_or_else(|| {
+            SchemeError::Unsupported(
+                "a Qwen3 config without mask_token_id is not a ReFusion checkpoint".into(),
+            )
+        })?;
+        let info = ModelInfo {
+            name,
+            family: "slot_diffusion",
+            schemes: vec!["plan-infill", "ar"],
+            vocab_size: cfg.vocab_size,
+            max_context: cfg.max_position_embeddings,
+        };
+        Ok(Self {
+            cfg,
+            mask_id,
+            info,
+            dtype_size: dtype.size_in_bytes(),
+        })
+    }
+
+    /// Bytes of one slot: one buffer row's K and V in one layer.
+    pub fn slot_bytes(&self) -> usize {
+        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Slots a request whose caches hold at most `rows` buffer rows reserves.
+    pub fn slots(&self, rows: usize) -> usize {
+        rows * self.cfg.num_hidden_layers
+    }
+
+    fn stop_ids(&self, spec: &GenerateSpec) -> Vec<u32> {
+        let mut stop = spec.stop_token_ids.clone();
+        stop.extend(self.cfg.eos_token_ids());
+        stop
+    }
+
+    fn prepare_plan_infill(
+        &self,
+        spec: GenerateSpec,
+        p: &PlanInfillParams,
+    ) -> Result<Prepared<SdProgram>, RequestError> {
+        let s = &spec.sampling;
+        if s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
+            return bad(
+                "plan_infill takes sampling.temperature only; top_k and top_p must be unset \
+                 (upstream generate_refusion() has neither)"
+                    .into(),
+            );
+        }
+        let gen = spec.max_new_tokens;
+        let (slot, blocks) = (p.slot_size, p.serial_num_blocks);
+        if slot == 0 {
+            return bad("plan_infill.slot_size must be at least 1".into());
+        }
+        if blocks == 0 {
+            return bad("plan_infill.serial_num_blocks must be at least 1".into());
+        }
+        for (name, t) in [
+            ("slot_threshold", p.slot_threshold),
+            ("token_threshold", p.token_threshold),
+        ] {
+            if !t.is_finite() || t <= 0.0 || t > 1.0 {
+                return bad(format!("plan_infill.{name} must be in (0, 1], got {t}"));
+            }
+        }
+        if !gen.is_multiple_of(slot) {
+            return bad(format!(
+                "max_new_tokens (gen_length, {gen}) must be a multiple of plan_infill.slot_size \
+                 ({slot}); use {} or {}",
+                gen / slot * slot,
+                gen.div_ceil(slot) * slot
+            ));
+        }
+        if !gen.is_multiple_of(blocks) {
+            return bad(format!(
+                "plan_infill.serial_num_blocks ({blocks}) must divide max_new_tokens \
+                 (gen_length, {gen}): it is the number of blocks, not their length"
+            ));
+        }
+        let block_length = gen / blocks;
+        if !block_length.is_multiple_of(slot) {
+            return bad(format!(
+                "plan_infill.slot_size ({slot}) must divide the block length max_new_tokens / \
+                 serial_num_blocks = {gen} / {blocks} = {block_length}"
+            ));
+        }
+        let settings = Settings {
+            slot_size: slot,
+            block_length,
+            blocks,
+            slot_threshold: p.slot_threshold,
+            token_threshold: p.token_threshold,
+            mask_id: self.mask_id,
+            eos_rule: p.eos_rule,
+        };
+        let sampler = (!s.is_greedy()).then(|| TokenSampler::new(*s));
+        let slots = self.slots(spec.prompt_ids.len() + gen + block_length);
+        let prompt_tokens = spec.prompt_ids.len();
+        let stop = self.stop_ids(&spec);
+        let program = PlanInfill::new(settings, spec.prompt_ids, gen, stop, sampler);
+        Ok(Prepared {
+            program: SdProgram::new(Scheme::PlanInfill(Box::new(program))),
+            slots,
+            prompt_tokens,
+        })
+    }
+
+    fn prepare_ar(
+        &self,
+        spec: GenerateSpec,
+        a: &ArParams,
+    ) -> Result<Prepared<SdProgram>, RequestError> {
+        if *a != ArParams::default() {
+            return bad(
+                "ar on a slot-diffusion model is plain causal decoding: num_steps, \
+                 cache_lookup_strategy, init_scale, exit_threshold and continuous_compute are \
+                 recurrent-depth options and must be unset"
+                    .into(),
+            );
+        }
+        let slots = self.slots(spec.prompt_ids.len() + spec.max_new_tokens);
+        let prompt_tokens = spec.prompt_ids.len();
+        let stop = self.stop_ids(&spec);
+        let program = ArDecode::new(
+            spec.prompt_ids,
+            spec.max_new_tokens,
+            stop,
+            TokenSampler::new(spec.sampling),
+        );
+        Ok(Prepared {
+            program: SdProgram::new(Scheme::Ar(Box::new(program))),
+            slots,
+            prompt_tokens,
+        })
+    }
+}
+
+fn bad<T>(message: String) -> Result<T, RequestError> {
+    Err(RequestError::InvalidArgument(message))
+}
+
+impl Planner for RefusionPlanner {
+    type Program = SdProgram;
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<SdProgram>, RequestError> {
+        spec.validate_common(self.cfg.vocab_size, self.cfg.max_position_embeddings)?;
+        match spec.scheme.clone() {
+            SchemeParams::PlanInfill(p) => self.prepare_plan_infill(spec, &p),
+            SchemeParams::Ar(a) => self.prepare_ar(spec, &a),
+            other => bad(format!(
+                "scheme `{}` is not served by slot-diffusion models; use `plan-infill` or `ar`",
+                other.name()
+            )),
+        }
+    }
+}
+
+/// Loads a ReFusion checkpoint and starts its engine.
+pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let cfg = Qwen3Config::from_json(files.config_json())?;
+    let tokenizer = optional_tokenizer(&files);
+    let model_cfg = cfg.clone();
+    serve_model(cfg, tokenizer, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        Qwen3::load(vb, model_cfg).map_err(|e| e.to_string())
+    })
+}
+
+/// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
+/// synthetic weights for benchmarks); `cfg` must be the model's config.
+pub fn serve_model<L>(
+    cfg: Qwen3Config,
+    tokenizer: Option<TextTokenizer>,
+    opts: LoadOptions,
+    load: L,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    L: FnOnce(&Device, DType) -> Result<Qwen3, String> + Send + 'static,
+{
+    let planner = Arc::new(RefusionPlanner::new(
+        cfg.clone(),
+        opts.name.clone(),
+        opts.dtype,
+    )?);
+    let bytes_per_slot = planner.slot_bytes();
+    start_served(
+        planner,
+        tokenizer,
+        &opts,
+        bytes_per_slot,
+        move |device, dtype| {
+            let model = load(device, dtype)?;
+            if model.config() != &cfg {
+                return Err(
+                    "the loaded model's config differs from the one requests are planned with"
+                        .into(),
+                );
+            }
+            Ok(SlotDiffusionFamily::new(model))
+        },
+    )
+}

@@ -1,0 +1,803 @@
+//! One request's plan-and-infill program (ReFusion, Li et al., 2025; upstream
+//! `generate_refusion()`), as a state machine that issues one model call per engine tick.
+//!
+//! An *iteration* is: **plan** (one call over the block's still-masked slots, every token a
+//! mask at its true position id, after the committed buffer; the draft of each position is the
+//! argmax of its own logits and a slot's score is the probability of its first draft token),
+//! **select** (every slot scoring above `slot_threshold`, or the single best one), **verify**
+//! (one call over the selected drafts concatenated in position order; token `j ≥ 1` of a slot is
+//! accepted when the autoregressive probability from the token before it exceeds
+//! `token_threshold`, token 0 always), then either the **whole-slot fast path** (the leading
+//! accepted run covers a stop token or at least one whole slot: commit those slots with the
+//! verification K/V) or **parallel iterative completion** (one row per selected slot, each over
+//! its own copy of the committed cache: a draft call re-predicts every unaccepted token from the
+//! partly re-masked row, a verify call accepts by threshold with the token after the accepted
+//! prefix forced, the common accepted prefix advances, until every row is complete; then the
+//! rows' K/V are stitched after the committed cache, row after row, each having attended only
+//! to the committed buffer and itself). The README of tests/fixtures/refusion spells out every
+//! rule; the golden tests replay upstream's calls one by one.
+//!
+//! State lives in plain fields; tensors are the committed cache (`main`, appended in commit
+//! order and never cropped) and the scratch caches of the current call (`scratch[r]` extends
+//! `main` for row `r` of the call without copying it). [`PlanInfill::commit_slots`] is the one
+//! place where slots become final.
+
+use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_models::transformer::KvCache;
+
+use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
+use super::canvas::Canvas;
+use crate::request::EosRule;
+use crate::sampling::TokenSampler;
+
+/// The request's fixed settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) slot_size: usize,
+    pub(crate) block_length: usize,
+    pub(crate) blocks: usize,
+    pub(crate) slot_threshold: f32,
+    pub(crate) token_threshold: f32,
+    pub(crate) mask_id: u32,
+    pub(crate) eos_rule: EosRule,
+}
+
+/// What one iteration did, kept when recording (tests compare it with upstream's trace).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct IterationRecord {
+    pub block: usize,
+    pub cache_len_before_plan: usize,
+    /// Start positions of the block's masked slots at planning.
+    pub remaining: Vec<u32>,
+    pub plan_draft: Vec<Vec<u32>>,
+    pub plan_conf: Vec<Vec<f32>>,
+    pub slot_scores: Vec<f32>,
+    /// Start positions of the selected slots.
+    pub selected: Vec<u32>,
+    /// Per selected slot: token 0 its planning confidence, tokens 1.. the verification call's
+    /// autoregressive probabilities.
+    pub verify_probs: Vec<Vec<f32>>,
+    pub verify_prefix_len: usize,
+    /// "prefix" or "iterative".
+    pub path: &'static str,
+    pub steps: Vec<StepRecord>,
+    pub committed_tokens: Vec<u32>,
+    pub committed_pos: Vec<u32>,
+    pub eos: bool,
+    /// Iterative path with a stop token: the row it was found in.
+    pub eos_row: Option<usize>,
+    /// Start positions of undecoded slots left of the stop token that upstream's quirk drops.
+    pub dropped: Vec<u32>,
+}
+
+/// One draft + verify step of iterative completion.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepRecord {
+    pub accepted_prefix_len_before: usize,
+    pub draft_input: Vec<Vec<u32>>,
+    pub draft_out: Vec<Vec<u32>>,
+    pub merged: Vec<Vec<u32>>,
+    /// Per row, index `t ≥ 1` relative to the step's start: the probability of token `t` from
+    /// the logits at `t - 1` (index 0 is not computed and holds NaN).
+    pub verify_probs: Vec<Vec<f32>>,
+    /// Accepted flags of all slot tokens per row after the step.
+    pub tags: Vec<Vec<bool>>,
+    pub newly_accepted_len: usize,
+}
+
+/// The input of one call, recorded for comparison with upstream's `model_calls`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallRecord {
+    pub batch: usize,
+    pub cache_len_before: usize,
+    pub input_ids: Vec<Vec<u32>>,
+    pub position_ids: Vec<Vec<u32>>,
+    /// Per row: (index in the row, argmax, softmax maximum) of every position read.
+    pub reads: Vec<Vec<(usize, u32, f32)>>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Recorder {
+    pub(crate) iterations: Vec<IterationRecord>,
+    pub(crate) calls: Vec<CallRecord>,
+}
+
+/// The slots selected by a plan, waiting for verification.
+#[derive(Debug)]
+struct Selection {
+    /// Pool indices of the selected slots, increasing.
+    picked: Vec<usize>,
+    /// Their planning drafts, `slot_size` tokens each.
+    drafts: Vec<Vec<u32>>,
+    /// Their first tokens' planning confidences.
+    first_conf: Vec<f32>,
+}
+
+/// One row of iterative completion: a selected slot with its own cache suffix.
+#[derive(Debug)]
+struct Row {
+    start: u32,
+    tokens: Vec<u32>,
+    tags: Vec<bool>,
+    /// K/V of the row's accepted prefix (`acc` tokens) after the committed cache.
+    cache: KvCache,
+}
+
+#[derive(Debug)]
+struct Infill {
+    /// Pool indices of every originally selected slot.
+    picked: Vec<usize>,
+    rows: Vec<Row>,
+    acc: usize,
+    /// The next call is a draft call (otherwise a verify call).
+    draft_next: bool,
+    eos_row: Option<usize>,
+    steps: usize,
+}
+
+#[derive(Debug)]
+enum Phase {
+    Plan,
+    Verify(Selection),
+    Infill(Infill),
+    Done,
+}
+
+/// One plan-and-infill request.
+#[derive(Debug)]
+pub struct PlanInfill {
+    s: Settings,
+    prompt: Vec<u32>,
+    /// The committed buffer in commit order (`cur_x`, `cur_pos` upstream), prompt first.
+    buffer_ids: Vec<u32>,
+    buffer_pos: Vec<u32>,
+    /// K/V of the committed buffer (empty before the first call).
+    pub(crate) main: KvCache,
+    /// Per row of the current call, the K/V it appends after `main`.
+    pub(crate) scratch: Vec<KvCache>,
+    block: usize,
+    /// Start positions of the current block's slots still to decode, increasing.
+    pool: Vec<u32>,
+    /// A stop token was committed: finish once the current block's pool is empty.
+    stop: bool,
+    /// The response streamed its first stop token in position order.
+    stopped: bool,
+    phase: Phase,
+    canvas: Canvas,
+    /// Planning with a temperature (upstream's Gumbel noise): a categorical draw from
+    /// `softmax(logits / T)` with the request's own RNG.
+    sampler: Option<TokenSampler>,
+    pub(crate) record: Option<Recorder>,
+    current: Option<IterationRecord>,
+}
+
+impl PlanInfill {
+    pub(crate) fn new(
+        s: Settings,
+        prompt: Vec<u32>,
+        gen_length: usize,
+        stop_token_ids: Vec<u32>,
+        sampler: Option<TokenSampler>,
+    ) -> Self {
+        let p = prompt.len();
+        let mut me = Self {
+            buffer_ids: prompt.clone(),
+            buffer_pos: (0..p as u32).collect(),
+            prompt,
+            main: KvCache::new(),
+            scratch: Vec::new(),
+            block: 0,
+            pool: Vec::new(),
+            stop: false,
+            stopped: false,
+            phase: Phase::Plan,
+            canvas: Canvas::new(p, gen_length, stop_token_ids),
+            sampler,
+            record: None,
+            current: None,
+            s,
+        };
+        me.pool = me.block_slots(0);
+        me
+    }
+
+    fn block_slots(&self, block: usize) -> Vec<u32> {
+        let start = self.prompt.len() + block * self.s.block_length;
+        (0..self.s.block_length / self.s.slot_size)
+            .map(|i| (start + i * self.s.slot_size) as u32)
+            .collect()
+    }
+
+    fn slot_positions(&self, start: u32) -> impl Iterator<Item = u32> {
+        start..start + self.s.slot_size as u32
+    }
+
+    fn is_stop(&self, token: u32) -> bool {
+        self.canvas.is_stop(token)
+    }
+
+    /// Generated (position, token) pairs committed so far, in position order.
+    pub fn generated(&self) -> Vec<(u32, u32)> {
+        self.canvas.tokens()
+    }
+
+    /// The committed buffer in commit order: token ids and position ids, prompt first.
+    pub fn buffer(&self) -> (&[u32], &[u32]) {
+        (&self.buffer_ids, &self.buffer_pos)
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done)
+    }
+
+    /// The next model call; prepares the scratch caches its rows extend.
+    pub(crate) fn next_call(&mut self) -> Call {
+        let s = self.s.slot_size;
+        let rows = match &self.phase {
+            Phase::Plan => {
+                let first = self.main.is_empty();
+                let (mut ids, mut positions) = if first {
+                    (self.prompt.clone(), (0..self.prompt.len() as u32).collect())
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                let offset = ids.len();
+                for &start in &self.pool {
+                    ids.extend(std::iter::repeat_n(self.s.mask_id, s));
+                    positions.extend(self.slot_positions(start));
+                }
+                let full = self.sampler.is_some();
+                let reads = (offset..ids.len())
+                    .map(|at| RowRead {
+                        full,
+                        ..RowRead::top1(at)
+                    })
+                    .collect();
+                self.scratch = vec![KvCache::new()];
+                vec![CallRow {
+                    ids,
+                    positions,
+                    cache: CacheUse::Scratch(0),
+                    reads,
+                }]
+            }
+            Phase::Verify(sel) => {
+                let ids: Vec<u32> = sel.drafts.concat();
+                let positions: Vec<u32> = sel
+                    .picked
+                    .iter()
+                    .flat_map(|&i| self.slot_positions(self.pool[i]))
+                    .collect();
+                let reads = (0..ids.len().saturating_sub(1))
+                    .filter(|f| (f + 1) % s != 0)
+                    .map(|f| RowRead::prob_of(f, ids[f + 1]))
+                    .collect();
+                self.scratch = vec![KvCache::new()];
+                vec![CallRow {
+                    ids,
+                    positions,
+                    cache: CacheUse::Scratch(0),
+                    reads,
+                }]
+            }
+            Phase::Infill(inf) => {
+                let acc = inf.acc;
+                // Logits only where a decision needs them (all of them when recording, for the
+                // trace): a draft call re-predicts the unaccepted tokens, a verify call scores a
+                // token whose predecessor was not accepted before the step.
+                let all = self.record.is_some();
+                let mut rows = Vec::with_capacity(inf.rows.len());
+                for (r, row) in inf.rows.iter().enumerate() {
+                    let positions: Vec<u32> = self.slot_positions(row.start).skip(acc).collect();
+                    let (ids, reads): (Vec<u32>, Vec<RowRead>) = if inf.draft_next {
+                        let ids = (acc..s)
+                            .map(|t| {
+                                if row.tags[t] {
+                                    row.tokens[t]
+                                } else {
+                                    self.s.mask_id
+                                }
+                            })
+                            .collect();
+                        let reads = (0..s - acc)
+                            .filter(|&t| all || !row.tags[acc + t])
+                            .map(RowRead::top1)
+                            .collect();
+                        (ids, reads)
+                    } else {
+                        let ids = row.tokens[acc..].to_vec();
+                        let reads = (0..s - acc - 1)
+                            .filter(|&t| all || !row.tags[acc + t])
+                            .map(|t| RowRead::prob_of(t, ids[t + 1]))
+                            .collect();
+                        (ids, reads)
+                    };
+                    rows.push(CallRow {
+                        ids,
+                        positions,
+                        cache: CacheUse::Scratch(r),
+                        reads,
+                    });
+                }
+                // A draft call must not extend a row's cache: it extends a copy (sharing the
+                // tensors). The verify call extends the row's own.
+                self.scratch = inf.rows.iter().map(|row| row.cache.clone()).collect();
+                rows
+            }
+            Phase::Done => Vec::new(),
+        };
+        if let Some(rec) = &mut self.record {
+            rec.calls.push(CallRecord {
+                batch: rows.len(),
+                cache_len_before: self.main.len() + self.scratch.first().map_or(0, KvCache::len),
+                input_ids: rows.iter().map(|r| r.ids.clone()).collect(),
+                position_ids: rows.iter().map(|r| r.positions.clone()).collect(),
+                reads: Vec::new(),
+            });
+        }
+        Call { rows }
+    }
+
+    /// Applies the results of the call from [`Self::next_call`]: `outs[r]` holds row `r`'s
+    /// reads in order.
+    pub(crate) fn commit(
+        &mut self,
+        call: &Call,
+        outs: &[Vec<ReadOut>],
+        stats: &mut Stats,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        if let Some(rec) = self.record.as_mut().and_then(|r| r.calls.last_mut()) {
+            rec.reads = call
+                .rows
+                .iter()
+                .zip(outs)
+                .map(|(row, o)| {
+                    row.reads
+                        .iter()
+                        .zip(o)
+                        .map(|(rd, o)| (rd.at, o.argmax, o.max_prob))
+                        .collect()
+                })
+                .collect();
+        }
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Plan => self.commit_plan(outs, stats)?,
+            Phase::Verify(sel) => self.commit_verify(sel, outs, stats, outbox)?,
+            Phase::Infill(mut inf) => {
+                if inf.draft_next {
+                    self.commit_draft(&mut inf, call, outs);
+                    self.phase = Phase::Infill(inf);
+                } else if self.commit_infill_verify(&mut inf, call, outs)? {
+                    self.finish_infill(inf, stats, outbox)?;
+                } else {
+                    self.phase = Phase::Infill(inf);
+                }
+            }
+            Phase::Done => return Err("a finished program was ticked".into()),
+        }
+        Ok(())
+    }
+
+    fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), String> {
+        let s = self.s.slot_size;
+        let outs = &outs[0];
+        let mut drafts = Vec::with_capacity(self.pool.len());
+        let mut conf = Vec::with_capacity(self.pool.len());
+        for slot in outs.chunks(s) {
+            let (d, c): (Vec<u32>, Vec<f32>) = slot
+                .iter()
+                .map(|o| match (&mut self.sampler, &o.logits) {
+                    (Some(sampler), Some(logits)) => {
+                        let token = sampler.sample(logits);
+                        (token, softmax_prob(logits, token))
+                    }
+                    _ => (o.argmax, o.max_prob),
+                })
+                .unzip();
+            drafts.push(d);
+            conf.push(c);
+        }
+        let scores: Vec<f32> = conf.iter().map(|c| c[0]).collect();
+        let mut picked: Vec<usize> = (0..scores.len())
+            .filter(|&i| scores[i] > self.s.slot_threshold)
+            .collect();
+        if picked.is_empty() {
+            let best = (0..scores.len()).fold(0, |b, i| if scores[i] > scores[b] { i } else { b });
+            picked.push(best);
+        }
+        if self.main.is_empty() {
+            // The first call's prompt K/V are the committed cache from now on.
+            let p = self.prompt.len();
+            let scratch = std::mem::take(&mut self.scratch);
+            self.main
+                .append(&[(&scratch[0], 0, p)])
+                .map_err(|e| format!("cannot keep the prompt cache: {e}"))?;
+        }
+        self.scratch.clear();
+        stats.add_counter("iterations", 1);
+        stats.add_counter("slots_selected", picked.len() as u64);
+        stats.push_series("slots_selected_per_iteration", picked.len() as u32);
+        if self.record.is_some() {
+            self.current = Some(IterationRecord {
+                block: self.block,
+                cache_len_before_plan: self.buffer_ids.len(),
+                remaining: self.pool.clone(),
+                plan_draft: drafts.clone(),
+                plan_conf: conf.clone(),
+                slot_scores: scores,
+                selected: picked.iter().map(|&i| self.pool[i]).collect(),
+                ..IterationRecord::default()
+            });
+        }
+        let first_conf = picked.iter().map(|&i| conf[i][0]).collect();
+        let drafts = picked.iter().map(|&i| drafts[i].clone()).collect();
+        self.phase = Phase::Verify(Selection {
+            picked,
+            drafts,
+            first_conf,
+        });
+        Ok(())
+    }
+
+    fn commit_verify(
+        &mut self,
+        sel: Selection,
+        outs: &[Vec<ReadOut>],
+        stats: &mut Stats,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        let s = self.s.slot_size;
+        let k = sel.picked.len();
+        let flat: Vec<u32> = sel.drafts.concat();
+        let mut probs: Vec<Vec<f32>> = sel
+            .first_conf
+            .iter()
+            .map(|&c| {
+                let mut v = vec![0.0; s];
+                v[0] = c;
+                v
+            })
+            .collect();
+        let mut reads = outs[0].iter();
+        for f in 0..k * s - 1 {
+            if (f + 1) % s != 0 {
+                let o = reads.next().ok_or("verify call returned too few rows")?;
+                probs[(f + 1) / s][(f + 1) % s] = o.target_prob;
+            }
+        }
+        let accept: Vec<Vec<bool>> = probs
+            .iter()
+            .map(|p| {
+                (0..s)
+                    .map(|j| j == 0 || p[j] > self.s.token_threshold)
+                    .collect()
+            })
+            .collect();
+        let prefix_len = accept.concat().iter().take_while(|&&a| a).count();
+        stats.push_series("verified_prefix_per_iteration", prefix_len as u32);
+        if let Some(cur) = &mut self.current {
+            cur.verify_probs = probs;
+            cur.verify_prefix_len = prefix_len;
+        }
+        let eos_at = (0..prefix_len).find(|&f| self.is_stop(flat[f]));
+        let commit_len = match eos_at {
+            Some(e) => Some(e + 1),
+            None if prefix_len >= s => Some(prefix_len / s * s),
+            None => None,
+        };
+        let Some(n) = commit_len else {
+            // Iterative completion: one row per selected slot, each over its own copy of the
+            // committed cache (the verification K/V are dropped).
+            self.scratch.clear();
+            let rows = sel
+                .picked
+                .iter()
+                .zip(sel.drafts)
+                .zip(accept)
+                .map(|((&i, tokens), acc)| Row {
+                    start: self.pool[i],
+                    tokens,
+                    tags: acc
+                        .iter()
+                        .scan(true, |all, &a| {
+                            *all &= a;
+                            Some(*all)
+                        })
+                        .collect(),
+                    cache: KvCache::new(),
+                })
+                .collect();
+            if let Some(cur) = &mut self.current {
+                cur.path = "iterative";
+            }
+            stats.add_counter("iterative_path_iterations", 1);
+            self.phase = Phase::Infill(Infill {
+                picked: sel.picked,
+                rows,
+                acc: 0,
+                draft_next: true,
+                eos_row: None,
+                steps: 0,
+            });
+            return Ok(());
+        };
+        // Fast path: whole slots of the verified prefix (cut at a stop token), with the K/V of
+        // the verification call, computed sequentially over the selected slots.
+        if let Some(cur) = &mut self.current {
+            cur.path = "prefix";
+        }
+        stats.add_counter("prefix_path_iterations", 1);
+        let slots = n.div_ceil(s);
+        let positions: Vec<u32> = sel.picked[..slots]
+            .iter()
+            .flat_map(|&i| self.slot_positions(self.pool[i]))
+            .take(n)
+            .collect();
+        self.commit_slots(&positions, &flat[..n], &[(0, 0, n)], stats, outbox)?;
+        let mut remove: Vec<usize> = sel.picked[..slots].to_vec();
+        if eos_at.is_some() {
+            // Every slot from the stop token's slot rightwards leaves the pool.
+            remove.extend(sel.picked[slots - 1]..self.pool.len());
+            self.stop = true;
+        }
+        self.end_iteration(&remove, stats, outbox);
+        Ok(())
+    }
+
+    fn commit_draft(&mut self, inf: &mut Infill, call: &Call, outs: &[Vec<ReadOut>]) {
+        let acc = inf.acc;
+        let mut step = StepRecord {
+            accepted_prefix_len_before: acc,
+            ..StepRecord::default()
+        };
+        for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
+            let o = by_position(c, o);
+            if self.record.is_some() {
+                step.draft_input.push(
+                    (acc..row.tokens.len())
+                        .map(|t| {
+                            if row.tags[t] {
+                                row.tokens[t]
+                            } else {
+                                self.s.mask_id
+                            }
+                        })
+                        .collect(),
+                );
+                step.draft_out
+                    .push(o.iter().map(|o| o.map_or(u32::MAX, |o| o.argmax)).collect());
+            }
+            for (t, o) in (acc..row.tokens.len()).zip(o) {
+                if let (false, Some(o)) = (row.tags[t], o) {
+                    row.tokens[t] = o.argmax;
+                }
+            }
+            step.merged.push(row.tokens[acc..].to_vec());
+        }
+        self.scratch.clear();
+        inf.draft_next = false;
+        if let Some(cur) = &mut self.current {
+            cur.steps.push(step);
+        }
+    }
+
+    /// The verify call of a completion step; returns whether the completion is over.
+    fn commit_infill_verify(
+        &mut self,
+        inf: &mut Infill,
+        call: &Call,
+        outs: &[Vec<ReadOut>],
+    ) -> Result<bool, String> {
+        let (s, acc) = (self.s.slot_size, inf.acc);
+        let mut caches = std::mem::take(&mut self.scratch);
+        let mut verify_probs = Vec::with_capacity(inf.rows.len());
+        for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
+            let o = by_position(c, o);
+            let n = s - acc;
+            let mut probs = vec![f32::NAN; n];
+            let mut all = true;
+            let old = row.tags.clone();
+            for t in 0..n {
+                // Forced: the step's first token and the token after an accepted one.
+                let forced = t == 0 || old[acc + t - 1];
+                if let Some(Some(o)) = t.checked_sub(1).map(|u| o[u]) {
+                    probs[t] = o.target_prob;
+                }
+                let ok = forced || probs[t] > self.s.token_threshold;
+                all &= ok;
+                row.tags[acc + t] = all;
+            }
+            verify_probs.push(probs);
+        }
+        let tags_before_eos: Vec<Vec<bool>> = self
+            .current
+            .as_ref()
+            .map(|_| inf.rows.iter().map(|r| r.tags.clone()).collect())
+            .unwrap_or_default();
+        // A stop token accepted in some row: that row is complete, later rows are dropped.
+        let eos_row = inf
+            .rows
+            .iter()
+            .position(|row| (acc..s).any(|t| row.tags[t] && self.is_stop(row.tokens[t])));
+        if let Some(r) = eos_row {
+            inf.rows.truncate(r + 1);
+            caches.truncate(r + 1);
+            inf.rows[r].tags.iter_mut().for_each(|t| *t = true);
+            inf.eos_row = Some(r);
+        }
+        let newly = inf
+            .rows
+            .iter()
+            .map(|row| row.tags[acc..].iter().filter(|&&t| t).count())
+            .min()
+            .unwrap_or(0);
+        let complete = inf.rows.iter().all(|row| row.tags.iter().all(|&t| t));
+        if newly > 0 {
+            inf.acc = if complete {
+                acc + newly
+            } else {
+                acc + newly - 1
+            };
+        }
+        for (row, mut cache) in inf.rows.iter_mut().zip(caches) {
+            cache.truncate(inf.acc).map_err(|e| e.to_string())?;
+            row.cache = cache;
+        }
+        inf.steps += 1;
+        inf.draft_next = true;
+        if let Some(step) = self.current.as_mut().and_then(|c| c.steps.last_mut()) {
+            step.verify_probs = verify_probs;
+            // Upstream traces the flags before a stop token completes its row.
+            step.tags = tags_before_eos;
+            step.newly_accepted_len = newly;
+        }
+        Ok(complete || inf.steps >= s)
+    }
+
+    /// Commits the completed rows: their K/V (each over the committed buffer and itself) are
+    /// stitched after the committed cache, row after row, cut after the first stop token.
+    fn finish_infill(
+        &mut self,
+        inf: Infill,
+        stats: &mut Stats,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        let s = self.s.slot_size;
+        if inf.acc != s {
+            return Err(format!(
+                "iterative completion ended with {} of {s} tokens accepted",
+                inf.acc
+            ));
+        }
+        stats.add_counter("infill_steps", inf.steps as u64);
+        let mut tokens: Vec<u32> = inf.rows.iter().flat_map(|r| r.tokens.clone()).collect();
+        let mut positions: Vec<u32> = inf
+            .rows
+            .iter()
+            .flat_map(|r| self.slot_positions(r.start))
+            .collect();
+        if let Some(e) = tokens.iter().position(|&t| self.is_stop(t)) {
+            tokens.truncate(e + 1);
+            positions.truncate(e + 1);
+        }
+        let n = tokens.len();
+        let parts: Vec<(usize, usize, usize)> = (0..inf.rows.len())
+            .filter(|r| r * s < n)
+            .map(|r| (r, 0, s.min(n - r * s)))
+            .collect();
+        self.scratch = inf.rows.into_iter().map(|r| r.cache).collect();
+        self.commit_slots(&positions, &tokens, &parts, stats, outbox)?;
+        let mut remove = inf.picked.clone();
+        if let Some(r) = inf.eos_row {
+            let from = match self.s.eos_rule {
+                EosRule::Aligned => inf.picked[r],
+                // Upstream: `range(first_eos_block_idx, n)`, a row index used as a pool index.
+                EosRule::Upstream => r,
+            };
+            let eos_slot = self.pool[inf.picked[r]];
+            let dropped: Vec<u32> = (from..self.pool.len())
+                .filter(|i| !inf.picked.contains(i) && self.pool[*i] < eos_slot)
+                .map(|i| self.pool[i])
+                .collect();
+            remove.extend(from..self.pool.len());
+            let s = self.s.slot_size as u32;
+            self.canvas
+                .drop_positions(dropped.iter().flat_map(|&p| p..p + s));
+            if let Some(cur) = &mut self.current {
+                cur.eos_row = Some(r);
+                cur.dropped = dropped;
+            }
+            self.stop = true;
+        }
+        self.end_iteration(&remove, stats, outbox);
+        Ok(())
+    }
+
+    /// The one place where slots become final: appends tokens at their positions (in commit
+    /// order) to the buffer, their K/V — rows `start..start + len` of scratch cache `r` for
+    /// each `(r, start, len)` of `kv`, in order — to the committed cache, and streams the
+    /// tokens that became final in position order.
+    fn commit_slots(
+        &mut self,
+        positions: &[u32],
+        tokens: &[u32],
+        kv: &[(usize, usize, usize)],
+        stats: &mut Stats,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        let parts: Vec<(&KvCache, usize, usize)> = kv
+            .iter()
+            .map(|&(r, start, len)| (&self.scratch[r], start, len))
+            .collect();
+        self.main.append(&parts).map_err(|e| e.to_string())?;
+        self.scratch.clear();
+        self.buffer_ids.extend_from_slice(tokens);
+        self.buffer_pos.extend_from_slice(positions);
+        self.canvas.commit(positions, tokens);
+        let slots = positions.len().div_ceil(self.s.slot_size);
+        stats.add_counter("slots_committed", slots as u64);
+        stats.add_counter("tokens_committed", tokens.len() as u64);
+        stats.push_series("committed_per_iteration", tokens.len() as u32);
+        if let Some(cur) = &mut self.current {
+            cur.committed_tokens = tokens.to_vec();
+            cur.committed_pos = positions.to_vec();
+            cur.eos = tokens.iter().any(|&t| self.canvas.is_stop(t));
+        }
+        let (fresh, reason) = self.canvas.stream();
+        outbox.tokens(fresh);
+        self.stopped |= reason.is_some();
+        Ok(())
+    }
+
+    /// Removes pool slots, then moves to the next iteration, block or the end.
+    fn end_iteration(&mut self, remove: &[usize], stats: &mut Stats, outbox: &mut Outbox) {
+        if let (Some(rec), Some(cur)) = (&mut self.record, self.current.take()) {
+            rec.iterations.push(cur);
+        }
+        let pool = std::mem::take(&mut self.pool);
+        self.pool = pool
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !remove.contains(i))
+            .map(|(_, p)| p)
+            .collect();
+        if self.stopped {
+            // The response reached its first stop token in position order: every position
+            // before it is final (the pool holds nothing left of it).
+            self.finish(FinishReason::StopToken, stats, outbox);
+            return;
+        }
+        if self.pool.is_empty() {
+            self.block += 1;
+            if self.stop || self.block == self.s.blocks {
+                self.finish(FinishReason::Length, stats, outbox);
+                return;
+            }
+            self.pool = self.block_slots(self.block);
+            stats.add_counter("blocks", 1);
+        }
+        self.phase = Phase::Plan;
+    }
+
+    fn finish(&mut self, reason: FinishReason, stats: &mut Stats, outbox: &mut Outbox) {
+        outbox.finish(reason, std::mem::take(stats));
+        self.phase = Phase::Done;
+    }
+}
+
+/// A row's reads indexed by their position in the row (`None` where nothing was read).
+fn by_position<'a>(row: &CallRow, outs: &'a [ReadOut]) -> Vec<Option<&'a ReadOut>> {
+    let mut at = vec![None; row.ids.len()];
+    for (rd, o) in row.reads.iter().zip(outs) {
+        at[rd.at] = Some(o);
+    }
+    at
+}
+
+/// `softmax(logits)[token]` on the host (sampled planning drafts).
+fn softmax_prob(logits: &[f32], token: u32) -> f32 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f32 = logits.iter().map(|&l| (l - m).exp()).sum();
+    (logits[token as usize] - m).exp() / z
+}

@@ -1,0 +1,146 @@
+//! A slot-diffusion request's program: plan-and-infill or plain autoregression, behind one
+//! interface the family packs: the next call, the attention sequences of its rows (borrowing the
+//! program's caches), and the commit of the call's results.
+
+use wavefront_engine::{Outbox, Stats};
+use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
+
+use super::ar::ArDecode;
+use super::call::{CacheUse, Call, CallRow, ReadOut};
+use super::plan_infill::{CallRecord, IterationRecord, PlanInfill, Recorder};
+
+#[derive(Debug)]
+pub(crate) enum Scheme {
+    PlanInfill(Box<PlanInfill>),
+    Ar(Box<ArDecode>),
+}
+
+/// One request's decoding state.
+#[derive(Debug)]
+pub struct SdProgram {
+    pub(crate) scheme: Scheme,
+    pub(crate) stats: Stats,
+}
+
+impl SdProgram {
+    pub(crate) fn new(scheme: Scheme) -> Self {
+        let mut stats = Stats::default();
+        if matches!(scheme, Scheme::PlanInfill(_)) {
+            stats.add_counter("blocks", 1);
+        }
+        Self { scheme, stats }
+    }
+
+    /// Keeps a record of every iteration and model call (plan-and-infill).
+    pub fn record(&mut self) {
+        if let Scheme::PlanInfill(p) = &mut self.scheme {
+            p.record = Some(Recorder::default());
+        }
+    }
+
+    /// The recorded iterations.
+    pub fn iterations(&self) -> &[IterationRecord] {
+        match &self.scheme {
+            Scheme::PlanInfill(p) => p.record.as_ref().map_or(&[], |r| &r.iterations),
+            Scheme::Ar(_) => &[],
+        }
+    }
+
+    /// The recorded model calls.
+    pub fn calls(&self) -> &[CallRecord] {
+        match &self.scheme {
+            Scheme::PlanInfill(p) => p.record.as_ref().map_or(&[], |r| &r.calls),
+            Scheme::Ar(_) => &[],
+        }
+    }
+
+    /// The plan-and-infill state (`None` for `ar`).
+    pub fn plan_infill(&self) -> Option<&PlanInfill> {
+        match &self.scheme {
+            Scheme::PlanInfill(p) => Some(p),
+            Scheme::Ar(_) => None,
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        match &self.scheme {
+            Scheme::PlanInfill(p) => p.is_done(),
+            Scheme::Ar(a) => a.is_done(),
+        }
+    }
+
+    pub(crate) fn next_call(&mut self) -> Call {
+        let call = match &mut self.scheme {
+            Scheme::PlanInfill(p) => p.next_call(),
+            Scheme::Ar(a) => a.next_call(),
+        };
+        self.stats.forward_passes += 1;
+        self.stats
+            .push_series("rows_per_call", call.tokens() as u32);
+        call
+    }
+
+    /// The attention sequences of `call`'s rows, in row order, causal in buffer order, each
+    /// appended after its cache.
+    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
+        match &mut self.scheme {
+            Scheme::PlanInfill(p) => {
+                let PlanInfill { main, scratch, .. } = &mut **p;
+                if scratch.len() != call.rows.len() {
+                    return Err("a call's rows and its scratch caches disagree".into());
+                }
+                let main = &*main;
+                let mut seqs = Vec::with_capacity(call.rows.len());
+                for (r, (row, suffix)) in call.rows.iter().zip(scratch.iter_mut()).enumerate() {
+                    if row.cache != CacheUse::Scratch(r) {
+                        return Err(format!("row {r} does not extend its scratch cache"));
+                    }
+                    let start = main.len() + suffix.len();
+                    seqs.push(seq(
+                        row,
+                        start,
+                        Keys::Shared {
+                            prefix: main,
+                            suffix,
+                        },
+                    ));
+                }
+                Ok(seqs)
+            }
+            Scheme::Ar(a) => {
+                let row = call.rows.first().ok_or("an empty call")?;
+                let start = a.cache.len();
+                Ok(vec![seq(
+                    row,
+                    start,
+                    Keys::Buffer {
+                        len: start + row.ids.len(),
+                        cache: &mut a.cache,
+                    },
+                )])
+            }
+        }
+    }
+
+    pub(crate) fn commit(
+        &mut self,
+        call: &Call,
+        outs: &[Vec<ReadOut>],
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        match &mut self.scheme {
+            Scheme::PlanInfill(p) => p.commit(call, outs, &mut self.stats, outbox),
+            Scheme::Ar(a) => a.commit(outs, &mut self.stats, outbox),
+        }
+    }
+}
+
+/// Row `row` appended at buffer index `start`, causal in buffer order.
+fn seq<'a>(row: &CallRow, start: usize, keys: Keys<'a>) -> SeqInput<'a> {
+    SeqInput {
+        index: (start as u32..(start + row.ids.len()) as u32).collect(),
+        positions: row.positions.clone(),
+        mask: MaskRule::Causal,
+        keys,
+    }
+}

@@ -1,0 +1,438 @@
+//! The slot-diffusion family behind the real engine thread: batch invariance across requests of
+//! both schemes with different prompt and generation lengths, slot sizes, block counts,
+//! thresholds, temperatures and stop tokens, joining at different ticks; the golden runs'
+//! responses (position order, cut at the first EOS) and their streaming order; `ar` against a
+//! cache-free reference; slot accounting and request validation.
+
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::D;
+use serde_json::Value;
+use wavefront_engine::{EngineError, Event, FinishReason, RequestError};
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
+
+use super::test_support::*;
+use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
+use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+
+const EOS: u32 = 486;
+
+fn pi(p: PlanInfillParams) -> SchemeParams {
+    SchemeParams::PlanInfill(p)
+}
+
+fn ar() -> SchemeParams {
+    SchemeParams::Ar(ArParams::default())
+}
+
+fn sampled(mut s: GenerateSpec, temperature: f32, seed: u64) -> GenerateSpec {
+    s.sampling.temperature = temperature;
+    s.sampling.seed = seed;
+    s
+}
+
+fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
+    let opts = LoadOptions {
+        name: "refusion-fixture".into(),
+        max_active,
+        ..LoadOptions::default()
+    };
+    Ok(load_model(fixture_files()?, opts)?)
+}
+
+fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (sink, rx, _) = TestSink::new(1024);
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+/// Twelve requests over both schemes with different lengths, slot sizes, blocks, thresholds,
+/// temperatures and stop tokens.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    vec![
+        spec(prompt(5, 0), 16, plan_infill(4, 2, 0.8, 0.2)),
+        spec(prompt(12, 1), 32, plan_infill(4, 1, 0.9, 0.4)),
+        spec(prompt(3, 2), 24, plan_infill(8, 1, 0.5, 0.5)),
+        spec(prompt(7, 3), 16, plan_infill(2, 4, 0.7, 0.3)),
+        sampled(spec(prompt(6, 4), 32, plan_infill(4, 2, 0.8, 0.2)), 0.8, 42),
+        spec(prompt(9, 5), 12, ar()),
+        {
+            let mut s = sampled(spec(prompt(4, 6), 10, ar()), 0.9, 3);
+            s.sampling.top_k = 20;
+            s
+        },
+        {
+            let mut s = spec(prompt(8, 7), 32, plan_infill(4, 2, 0.6, 0.2));
+            s.stop_token_ids = vec![168];
+            s
+        },
+        spec(prompt(10, 8), 8, plan_infill(1, 2, 0.9, 0.9)),
+        spec(prompt(2, 9), 16, plan_infill(16, 1, 0.8, 0.1)),
+        spec(
+            vec![86, 275, 75, 67, 312, 314, 72, 322],
+            32,
+            plan_infill(4, 2, 0.8, 0.2),
+        ),
+        spec(prompt(6, 10), 32, pi(PlanInfillParams::default())),
+    ]
+}
+
+#[test]
+fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = fixture_served(specs.len())?;
+    assert_eq!(served.info().family, "slot_diffusion");
+    assert_eq!(served.info().schemes, vec!["plan-infill", "ar"]);
+    let total = served.load().total_slots;
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    // Request i joins once request i - 1 has produced an event, so requests enter a batch that
+    // is already running, in other phases (planning, verifying, completing) and schemes.
+    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
+    for s in &specs {
+        if let Some((rx, seen)) = receivers.last_mut() {
+            let ev = rx
+                .recv_timeout(Duration::from_secs(120))
+                .context("engine stalled")?;
+            seen.push(ev);
+        }
+        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
+    }
+    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
+        let got = collect(&rx, seen)?;
+        ensure!(
+            got.work() == want.work(),
+            "request {i} ({}): batched {:?}, alone {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    let mut parallel = 0;
+    for (s, o) in specs.iter().zip(&alone) {
+        ensure!(!o.tokens.is_empty() && o.tokens.len() <= s.max_new_tokens);
+        let stops = |t: &u32| *t == EOS || s.stop_token_ids.contains(t);
+        let first_stop = o.tokens.iter().position(stops);
+        ensure!(
+            first_stop.is_none_or(|k| k + 1 == o.tokens.len()),
+            "{:?}",
+            o.tokens
+        );
+        if first_stop.is_some() {
+            ensure!(o.reason == FinishReason::StopToken);
+        } else {
+            ensure!(o.tokens.len() == s.max_new_tokens && o.reason == FinishReason::Length);
+        }
+        let calls = o.stats.forward_passes;
+        ensure!(o.stats.series["rows_per_call"].len() as u64 == calls);
+        if let SchemeParams::PlanInfill(_) = s.scheme {
+            let c = &o.stats.counters;
+            let infill_steps = c.get("infill_steps").copied().unwrap_or(0);
+            ensure!(calls == 2 * c["iterations"] + 2 * infill_steps, "{c:?}");
+            ensure!(c["tokens_committed"] >= o.tokens.len() as u64);
+            ensure!(
+                c["iterations"]
+                    == c.get("prefix_path_iterations").copied().unwrap_or(0)
+                        + c.get("iterative_path_iterations").copied().unwrap_or(0)
+            );
+            ensure!(o.stats.series["committed_per_iteration"].len() as u64 == c["iterations"]);
+            parallel += usize::from(c["slots_selected"] > c["iterations"]);
+        } else {
+            // The prompt's call, then one per further token.
+            ensure!(calls == o.tokens.len() as u64);
+        }
+    }
+    ensure!(
+        parallel >= 3,
+        "too few requests selected several slots at once"
+    );
+    // The request stop token acts as an EOS: the response ends at its first occurrence.
+    ensure!(alone[7].reason == FinishReason::StopToken && alone[7].tokens.len() < 32);
+    // Every slot came back.
+    let start = Instant::now();
+    while served.load().free_slots != total {
+        ensure!(start.elapsed() < Duration::from_secs(10), "slots leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    served.shutdown();
+    Ok(())
+}
+
+/// A golden run's response: the generated tokens in position order, cut after the first EOS.
+fn response(run: &Value) -> Vec<u32> {
+    let ids: Vec<u32> = serde_json::from_value(run["generated_ids"].clone()).expect("ids");
+    let pos: Vec<u32> = serde_json::from_value(run["generated_positions"].clone()).expect("pos");
+    let mut pairs: Vec<(u32, u32)> = pos.into_iter().zip(ids).collect();
+    pairs.sort_unstable();
+    let mut out = Vec::new();
+    for (_, t) in pairs {
+        out.push(t);
+        if t == EOS {
+            break;
+        }
+    }
+    out
+}
+
+/// Positions that become final after each iteration of a golden run: how many tokens stream
+/// then (a token streams once every position before it is committed, up to the first EOS).
+fn stream_chunks(run: &Value) -> Vec<usize> {
+    let prompt = run["prompt_ids"].as_array().map_or(0, Vec::len) as u32;
+    let mut committed = std::collections::BTreeMap::new();
+    let (mut frontier, mut chunks, mut stopped) = (prompt, Vec::new(), false);
+    for it in run["trace"].as_array().expect("trace") {
+        let pos: Vec<u32> = serde_json::from_value(it["committed_pos"].clone()).expect("pos");
+        let tok: Vec<u32> = serde_json::from_value(it["committed_tokens"].clone()).expect("tok");
+        committed.extend(pos.into_iter().zip(tok));
+        let mut n = 0;
+        while !stopped {
+            match committed.get(&frontier) {
+                Some(&t) => {
+                    n += 1;
+                    frontier += 1;
+                    stopped = t == EOS;
+                }
+                None => break,
+            }
+        }
+        if n > 0 {
+            chunks.push(n);
+        }
+    }
+    chunks
+}
+
+#[test]
+fn golden_runs_stream_in_position_order_and_stop_at_the_first_eos() -> Result<()> {
+    let golden = golden()?;
+    let served = fixture_served(8)?;
+    let runs: Vec<Value> = golden["generate"].as_array().context("runs")?.clone();
+    let mut receivers = Vec::new();
+    for run in &runs {
+        let a = &run["args"];
+        let s = spec(
+            serde_json::from_value(run["prompt_ids"].clone())?,
+            a["gen_length"].as_u64().context("gen")? as usize,
+            plan_infill(
+                a["slot_size"].as_u64().context("slot")? as usize,
+                a["serial_num_blocks"].as_u64().context("blocks")? as usize,
+                a["slot_threshold"].as_f64().context("thr")? as f32,
+                a["token_threshold"].as_f64().context("thr")? as f32,
+            ),
+        );
+        receivers.push(submit(served.as_ref(), s)?);
+    }
+    for (run, rx) in runs.iter().zip(receivers) {
+        let name = run["name"].as_str().unwrap_or("?");
+        let mut chunks = Vec::new();
+        let (tokens, reason, stats) = loop {
+            match rx.recv_timeout(Duration::from_secs(120))? {
+                Event::Tokens(t) => chunks.push(t),
+                Event::Canvas(_) => {}
+                Event::Finished { reason, stats } => break (chunks.concat(), reason, stats),
+                Event::Failed(e) => bail!("{name}: {e}"),
+            }
+        };
+        if name == "eos_quirk_b16" {
+            // The aligned rule also generates slot 25 (whose first token is an EOS).
+            ensure!(
+                tokens
+                    == response(run)[..16]
+                        .iter()
+                        .copied()
+                        .chain([EOS])
+                        .collect::<Vec<_>>(),
+                "{name}: {tokens:?}"
+            );
+            ensure!(reason == FinishReason::StopToken);
+            continue;
+        }
+        ensure!(
+            tokens == response(run),
+            "{name}: {tokens:?}, upstream {:?}",
+            response(run)
+        );
+        let eos = tokens.last() == Some(&EOS);
+        ensure!(
+            reason
+                == if eos {
+                    FinishReason::StopToken
+                } else {
+                    FinishReason::Length
+                },
+            "{name}: {reason:?}"
+        );
+        let lens: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        ensure!(lens == stream_chunks(run), "{name}: chunks {lens:?}");
+        let calls = run["model_calls"].as_array().map_or(0, Vec::len) as u64;
+        ensure!(
+            stats.forward_passes == calls,
+            "{name}: {} calls",
+            stats.forward_passes
+        );
+        let iterations = run["trace"].as_array().map_or(0, Vec::len) as u64;
+        ensure!(stats.counters["iterations"] == iterations);
+        ensure!(stats.generated_tokens as usize == tokens.len());
+    }
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn ar_decodes_what_a_cache_free_forward_decodes() -> Result<()> {
+    let (model, _) = fixture()?;
+    let served = fixture_served(2)?;
+    let prompt_ids = prompt(7, 3);
+    let out = collect(
+        &submit(served.as_ref(), spec(prompt_ids.clone(), 10, ar()))?,
+        Vec::new(),
+    )?;
+    // Reference: the whole sequence from scratch at every step, argmax of the last position.
+    let mut seq = prompt_ids;
+    let mut want = Vec::new();
+    for _ in 0..10 {
+        let n = seq.len();
+        let mut cache = KvCache::new();
+        let hidden = model.forward(
+            &seq,
+            &mut [SeqInput {
+                index: (0..n as u32).collect(),
+                positions: (0..n as u32).collect(),
+                mask: MaskRule::Causal,
+                keys: Keys::Buffer {
+                    cache: &mut cache,
+                    len: n,
+                },
+            }],
+        )?;
+        let last = model.logits(&hidden.narrow(0, n - 1, 1)?)?;
+        let t = last.argmax(D::Minus1)?.to_vec1::<u32>()?[0];
+        want.push(t);
+        seq.push(t);
+        if t == EOS {
+            break;
+        }
+    }
+    ensure!(out.tokens == want, "{:?} vs {want:?}", out.tokens);
+    served.shutdown();
+    Ok(())
+}
+
+#[test]
+fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
+    let (_, planner) = fixture()?;
+    let base = || spec(prompt(4, 0), 16, plan_infill(4, 2, 0.8, 0.2));
+    let with = |scheme| GenerateSpec { scheme, ..base() };
+    let p = |slot_size, serial_num_blocks, slot_threshold, token_threshold| {
+        plan_infill(
+            slot_size,
+            serial_num_blocks,
+            slot_threshold,
+            token_threshold,
+        )
+    };
+    let cases: Vec<(GenerateSpec, &str)> = vec![
+        (
+            with(p(3, 1, 0.8, 0.2)),
+            "max_new_tokens (gen_length, 16) must be a multiple of plan_infill.slot_size (3); use 15 or 18",
+        ),
+        (
+            with(p(8, 4, 0.8, 0.2)),
+            "plan_infill.slot_size (8) must divide the block length max_new_tokens / serial_num_blocks = 16 / 4 = 4",
+        ),
+        (
+            with(p(4, 3, 0.8, 0.2)),
+            "plan_infill.serial_num_blocks (3) must divide max_new_tokens",
+        ),
+        (with(p(0, 2, 0.8, 0.2)), "plan_infill.slot_size must be at least 1"),
+        (
+            with(p(4, 0, 0.8, 0.2)),
+            "plan_infill.serial_num_blocks must be at least 1",
+        ),
+        (
+            with(p(4, 2, 0.0, 0.2)),
+            "plan_infill.slot_threshold must be in (0, 1], got 0",
+        ),
+        (
+            with(p(4, 2, 0.8, 1.5)),
+            "plan_infill.token_threshold must be in (0, 1], got 1.5",
+        ),
+        (
+            with(p(4, 2, f32::NAN, 0.2)),
+            "plan_infill.slot_threshold must be in (0, 1]",
+        ),
+        (
+            GenerateSpec {
+                sampling: SamplingParams {
+                    top_p: 0.5,
+                    ..SamplingParams::default()
+                },
+                ..base()
+            },
+            "top_k and top_p must be unset",
+        ),
+        (
+            with(SchemeParams::Ar(ArParams {
+                num_steps: Some(4),
+                ..ArParams::default()
+            })),
+            "recurrent-depth options",
+        ),
+        (
+            with(SchemeParams::Wino(Default::default())),
+            "not served by slot-diffusion models; use `plan-infill` or `ar`",
+        ),
+        (
+            spec(prompt(4, 0), 40960, plan_infill(4, 2, 0.8, 0.2)),
+            "context limit",
+        ),
+    ];
+    for (s, want) in cases {
+        match planner.prepare(s) {
+            Err(RequestError::InvalidArgument(m)) => {
+                ensure!(m.contains(want), "{m:?} lacks {want:?}")
+            }
+            Err(e) => bail!("{want}: unexpected {e:?}"),
+            Ok(_) => bail!("{want}: accepted"),
+        }
+    }
+    // Thresholds of exactly 1 are accepted (nothing passes; the best slot is the fallback).
+    ensure!(planner.prepare(with(p(4, 2, 1.0, 1.0))).is_ok());
+    // Upstream's defaults (slot 8, 2 blocks) need a multiple of 16.
+    ensure!(planner
+        .prepare(spec(prompt(4, 0), 32, pi(PlanInfillParams::default())))
+        .is_ok());
+    // Slots: the committed cache plus one block of appended K/V, per layer; ar its cache.
+    let slots = |s| planner.prepare(s).map(|p| p.slots);
+    ensure!(slots(base())? == (4 + 16 + 8) * 2);
+    ensure!(slots(with(ar()))? == (4 + 16) * 2);
+    // A request larger than the pool is refused at once (slot: 2 · 2 heads · 16 · 4 bytes).
+    let served = load_model(
+        fixture_files()?,
+        LoadOptions {
+            memory_budget_bytes: 256 * 50,
+            ..LoadOptions::default()
+        },
+    )?;
+    let (sink, _rx, _) = TestSink::new(4);
+    let err = served
+        .submit(base(), Box::new(sink), None, tracing::Span::none())
+        .unwrap_err();
+    ensure!(
+        matches!(
+            err,
+            EngineError::TooLarge {
+                needed: 56,
+                total: 50
+            }
+        ),
+        "{err:?}"
+    );
+    served.shutdown();
+    Ok(())
+}

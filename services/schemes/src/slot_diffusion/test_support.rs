@@ -1,0 +1,105 @@
+//! Helpers shared by the slot-diffusion tests: the ReFusion fixture (tests/fixtures/refusion),
+//! request builders and a direct tick loop.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use serde_json::Value;
+use wavefront_engine::Outbox;
+use wavefront_models::{ModelFiles, Qwen3, Qwen3Config};
+
+use super::{tick, Entry, RefusionPlanner, SdProgram};
+use crate::request::{EosRule, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
+use crate::served::Planner;
+
+pub fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion")
+}
+
+pub fn fixture_files() -> Result<ModelFiles> {
+    Ok(ModelFiles::from_dir(fixture_dir())?)
+}
+
+pub fn fixture() -> Result<(Qwen3, RefusionPlanner)> {
+    let files = fixture_files()?;
+    let cfg = Qwen3Config::from_json(files.config_json())?;
+    let model = Qwen3::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    Ok((
+        model,
+        RefusionPlanner::new(cfg, "fixture".into(), DType::F32)?,
+    ))
+}
+
+/// `golden.json`.
+pub fn golden() -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(
+        fixture_dir().join("golden.json"),
+    )?)?)
+}
+
+/// The fixture's deterministic prompts: `len` ordinary BPE ids (no special tokens).
+pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + salt * 101 + 11) % 480)
+        .collect()
+}
+
+pub fn plan_infill(
+    slot_size: usize,
+    serial_num_blocks: usize,
+    slot_threshold: f32,
+    token_threshold: f32,
+) -> SchemeParams {
+    SchemeParams::PlanInfill(PlanInfillParams {
+        slot_size,
+        serial_num_blocks,
+        slot_threshold,
+        token_threshold,
+        eos_rule: EosRule::Aligned,
+    })
+}
+
+pub fn spec(prompt_ids: Vec<u32>, gen: usize, scheme: SchemeParams) -> GenerateSpec {
+    GenerateSpec {
+        prompt_ids,
+        max_new_tokens: gen,
+        stop_token_ids: Vec::new(),
+        sampling: SamplingParams::default(),
+        scheme,
+        replay_draws: None,
+        stream_canvas: false,
+    }
+}
+
+pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgram> {
+    let mut p = planner.prepare(spec)?.program;
+    p.record();
+    Ok(p)
+}
+
+/// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
+/// was part of.
+pub fn run(model: &Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
+    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+    let mut ticks = vec![0; programs.len()];
+    for _ in 0..10_000 {
+        let mut batch: Vec<Entry<'_>> = programs
+            .iter_mut()
+            .zip(outboxes.iter_mut())
+            .zip(ticks.iter_mut())
+            .filter(|((_, o), _)| !o.is_done())
+            .map(|((program, outbox), t)| {
+                *t += 1;
+                Entry { program, outbox }
+            })
+            .collect();
+        if batch.is_empty() {
+            return Ok(ticks);
+        }
+        tick(model, &mut batch)?;
+    }
+    bail!("programs did not finish")
+}
+
+pub use crate::test_support::{collect, TestSink};
