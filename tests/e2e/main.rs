@@ -5,6 +5,7 @@ mod harness;
 mod metrics;
 mod operations;
 mod recurrent_memory;
+mod slot_diffusion;
 mod tracing;
 
 use std::process::Command;

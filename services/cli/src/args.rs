@@ -89,7 +89,7 @@ pub struct GenerationArgs {
     #[arg(long, default_value_t = 0.0)]
     pub top_p: f32,
     /// Also print canvas events (one JSON line each) for watching the decoding: masked
-    /// diffusion's whole canvas after every step.
+    /// diffusion's whole canvas after every step, slot diffusion's slots as they commit.
     #[arg(long)]
     pub stream_canvas: bool,
     /// Seed of every random draw of the request.

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
+use wavefront_models::device::test_device;
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
 use wavefront_models::{detect_family, ModelFamily, ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 fn fixture_dir() -> PathBuf {
@@ -17,11 +18,17 @@ fn fixture_dir() -> PathBuf {
 }
 
 fn model() -> Result<Qwen3> {
+    model_on_ranks(1)
+}
+
+/// The fixture split over `world` in-process tensor-parallel ranks (1: not split).
+fn model_on_ranks(world: usize) -> Result<Qwen3> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = Qwen3Config::from_json(files.config_json())?;
-    Ok(Qwen3::load(
-        files.var_builder(DType::F32, &Device::Cpu)?,
+    Ok(Qwen3::load_parallel(
+        files.var_builder(DType::F32, &test_device())?,
         cfg,
+        &TensorParallel::local(world),
     )?)
 }
 
@@ -62,7 +69,8 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         a.dims(),
         b.dims()
     );
-    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+    let f32_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    Ok((f32_cpu(a)? - f32_cpu(b)?)?
         .abs()?
         .flatten_all()?
         .max(0)?
@@ -101,20 +109,25 @@ fn logits(model: &Qwen3, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
 
 #[test]
 fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
-    let model = model()?;
+    check_forward(&Golden::load()?, &model()?, "")
+}
+
+/// Logits in one call, split over the cache and at contiguous positions against upstream; with
+/// one rank also every layer's cached K/V (with more, a layer's K/V is spread over the ranks'
+/// cache slots).
+fn check_forward(golden: &Golden, model: &Qwen3, label: &str) -> Result<()> {
     let ids = golden.ids("fwd.input_ids")?;
     let pos = golden.ids("fwd.position_ids")?;
     let mut cache = KvCache::new();
-    let full = logits(&model, &ids, &mut [appended(&mut cache, &pos)])?;
+    let full = logits(model, &ids, &mut [appended(&mut cache, &pos)])?;
     assert_close(
-        "logits_full",
+        &format!("{label}logits_full"),
         &full,
         golden.tensor("fwd.logits_full")?,
         LOGITS_ATOL,
     )?;
     ensure!(cache.len() == 16);
-    for layer in 0..2 {
+    for layer in (0..2).filter(|_| label.is_empty()) {
         let (k, v) = cache.layer_kv(layer)?;
         let want_k = golden.tensor(&format!("fwd.cache.layer{layer}.key"))?;
         let want_v = golden.tensor(&format!("fwd.cache.layer{layer}.value"))?;
@@ -128,23 +141,23 @@ fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
         .context("split_at")? as usize;
     let mut cache = KvCache::new();
     let first = logits(
-        &model,
+        model,
         &ids[..split],
         &mut [appended(&mut cache, &pos[..split])],
     )?;
     let second = logits(
-        &model,
+        model,
         &ids[split..],
         &mut [appended(&mut cache, &pos[split..])],
     )?;
     assert_close(
-        "logits_call1",
+        &format!("{label}logits_call1"),
         &first,
         golden.tensor("fwd.logits_call1")?,
         LOGITS_ATOL,
     )?;
     assert_close(
-        "logits_call2",
+        &format!("{label}logits_call2"),
         &second,
         golden.tensor("fwd.logits_call2")?,
         LOGITS_ATOL,
@@ -153,9 +166,9 @@ fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
     // Position ids reach RoPE: contiguous positions give upstream's other logits.
     let contiguous: Vec<u32> = (0..16).collect();
     let mut cache = KvCache::new();
-    let c = logits(&model, &ids, &mut [appended(&mut cache, &contiguous)])?;
+    let c = logits(model, &ids, &mut [appended(&mut cache, &contiguous)])?;
     assert_close(
-        "logits_contiguous_positions",
+        &format!("{label}logits_contiguous_positions"),
         &c,
         golden.tensor("fwd.logits_contiguous_positions")?,
         LOGITS_ATOL,
@@ -166,11 +179,42 @@ fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
 
 #[test]
 fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> Result<()> {
+    check_parallel_slots(&Golden::load()?, &model()?)
+}
+
+/// Tensor parallelism over 2 and 4 in-process ranks (heads and MLP columns split, the fixture's
+/// 2 key/value heads replicated on 4 ranks): the forward at non-contiguous positions, the split
+/// over a cache, the parallel slot rows over a shared prefix and the stitched cache all give
+/// upstream's logits, and the one-rank logits, within the README's logits tolerance.
+#[test]
+fn tensor_parallel_ranks_match_upstream_and_one_rank() -> Result<()> {
     let golden = Golden::load()?;
-    let model = model()?;
+    let one = model()?;
+    let ids = golden.ids("fwd.input_ids")?;
+    let pos = golden.ids("fwd.position_ids")?;
+    let single = logits(&one, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
+    for world in [2, 4] {
+        let split = model_on_ranks(world)?;
+        let label = format!("{world} ranks: ");
+        check_forward(&golden, &split, &label)?;
+        check_parallel_slots(&golden, &split)?;
+        let got = logits(&split, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
+        assert_close(
+            &format!("{label}against one rank"),
+            &got,
+            &single,
+            LOGITS_ATOL,
+        )?;
+    }
+    Ok(())
+}
+
+/// Two slot rows packed over one shared prefix cache, their K/V stitched after it, and the next
+/// call over the stitched cache, against upstream.
+fn check_parallel_slots(golden: &Golden, model: &Qwen3) -> Result<()> {
     let mut prefix = KvCache::new();
     logits(
-        &model,
+        model,
         &golden.ids("par.prefix_input_ids")?,
         &mut [appended(
             &mut prefix,
@@ -196,7 +240,7 @@ fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> 
                 },
             })
             .collect();
-        logits(&model, &rows.concat(), &mut seqs)?
+        logits(model, &rows.concat(), &mut seqs)?
     };
     ensure!(prefix.len() == 8, "the shared prefix was written");
     let want = golden.tensor("par.rows_logits")?.reshape((8, 512))?;
@@ -207,7 +251,7 @@ fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> 
     stitched.append(&[(&suffixes[0], 0, 4), (&suffixes[1], 0, 4)])?;
     ensure!(stitched.len() == 16 && prefix.len() == 8);
     let next = logits(
-        &model,
+        model,
         &golden.ids("par.next_input_ids")?,
         &mut [appended(
             &mut stitched,
@@ -220,7 +264,7 @@ fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> 
     // The fresh sequential forward differs, as upstream's README reports.
     let mut fresh = KvCache::new();
     let all = logits(
-        &model,
+        model,
         &golden.ids("par.fresh_input_ids")?,
         &mut [appended(&mut fresh, &golden.ids("par.fresh_position_ids")?)],
     )?;

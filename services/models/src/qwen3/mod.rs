@@ -30,7 +30,9 @@ use candle_nn::VarBuilder;
 
 pub use self::config::{Qwen3Config, TokenIds};
 use crate::error::{ModelError, Result};
-use crate::transformer::{get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput};
+use crate::transformer::{
+    get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput, TensorParallel,
+};
 
 /// A loaded Qwen3 / ReFusion model.
 #[derive(Debug, Clone)]
@@ -47,13 +49,23 @@ impl Qwen3 {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.*`,
     /// `lm_head.*`). The `VarBuilder`'s dtype and device are the model's.
     pub fn load(vb: VarBuilder, cfg: Qwen3Config) -> Result<Self> {
+        Self::load_parallel(vb, cfg, &TensorParallel::single())
+    }
+
+    /// Loads the model with every block split over `tp.world` tensor-parallel ranks (heads and
+    /// MLP columns; embeddings, norms and the head replicated). Caches then hold one slot per
+    /// layer and rank; stitching and sharing them ([`crate::transformer::KvCache::append`],
+    /// `Keys::Shared`) works slot by slot as with one rank.
+    pub fn load_parallel(vb: VarBuilder, cfg: Qwen3Config, tp: &TensorParallel) -> Result<Self> {
         cfg.validate()?;
         let m = vb.pp("model");
         let (e, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = get(&m.pp("embed_tokens"), &[v, e], "weight")?;
         let block_cfg = cfg.block_config();
         let blocks = (0..cfg.num_hidden_layers)
-            .map(|i| Block::load(m.pp("layers").pp(i), &block_cfg, &BlockNames::LLAMA, i))
+            .map(|i| {
+                Block::load_parallel(m.pp("layers").pp(i), &block_cfg, &BlockNames::LLAMA, i, tp)
+            })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(m.pp("norm"), e, cfg.rms_norm_eps)?;
         let head = if cfg.tie_word_embeddings {

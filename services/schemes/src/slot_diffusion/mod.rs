@@ -83,6 +83,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -209,7 +210,8 @@ impl RefusionPlanner {
         let slots = self.slots(spec.prompt_ids.len() + gen + block_length);
         let prompt_tokens = spec.prompt_ids.len();
         let stop = self.stop_ids(&spec);
-        let program = PlanInfill::new(settings, spec.prompt_ids, gen, stop, sampler);
+        let mut program = PlanInfill::new(settings, spec.prompt_ids, gen, stop, sampler);
+        program.stream_canvas = spec.stream_canvas;
         Ok(Prepared {
             program: SdProgram::new(Scheme::PlanInfill(Box::new(program))),
             slots,
@@ -276,11 +278,12 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     let cfg = Qwen3Config::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
+    let tp = TensorParallel::local(opts.tensor_parallel);
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        Qwen3::load(vb, model_cfg).map_err(|e| e.to_string())
+        Qwen3::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
     })
 }
 

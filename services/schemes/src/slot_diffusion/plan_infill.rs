@@ -22,7 +22,7 @@
 //! `main` for row `r` of the call without copying it). [`PlanInfill::commit_slots`] is the one
 //! place where slots become final.
 
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::KvCache;
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
@@ -169,6 +169,8 @@ pub struct PlanInfill {
     sampler: Option<TokenSampler>,
     pub(crate) record: Option<Recorder>,
     current: Option<IterationRecord>,
+    /// Send every commit as a canvas update (the request's `stream_canvas`).
+    pub(crate) stream_canvas: bool,
 }
 
 impl PlanInfill {
@@ -195,6 +197,7 @@ impl PlanInfill {
             sampler,
             record: None,
             current: None,
+            stream_canvas: false,
             s,
         };
         me.pool = me.block_slots(0);
@@ -743,6 +746,18 @@ impl PlanInfill {
             cur.committed_tokens = tokens.to_vec();
             cur.committed_pos = positions.to_vec();
             cur.eos = tokens.iter().any(|&t| self.canvas.is_stop(t));
+        }
+        if self.stream_canvas {
+            // Out-of-order slot events: what this commit made final, in commit order, before
+            // the in-order tokens it releases.
+            let start = self.prompt.len() as u32;
+            outbox.canvas(CanvasFrame {
+                positions: positions.iter().map(|&p| p - start).collect(),
+                tokens: tokens.to_vec(),
+                states: vec![CellState::Committed; tokens.len()],
+                full: false,
+                step: stats.forward_passes as u32,
+            });
         }
         let (fresh, reason) = self.canvas.stream();
         outbox.tokens(fresh);

@@ -4,9 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use serde_json::Value;
 use wavefront_engine::Outbox;
+use wavefront_models::device::test_device;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config};
 
 use super::{tick, Entry, RefusionPlanner, SdProgram};
@@ -24,7 +25,7 @@ pub fn fixture_files() -> Result<ModelFiles> {
 pub fn fixture() -> Result<(Qwen3, RefusionPlanner)> {
     let files = fixture_files()?;
     let cfg = Qwen3Config::from_json(files.config_json())?;
-    let model = Qwen3::load(files.var_builder(DType::F32, &Device::Cpu)?, cfg.clone())?;
+    let model = Qwen3::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
     Ok((
         model,
         RefusionPlanner::new(cfg, "fixture".into(), DType::F32)?,
