@@ -2,7 +2,7 @@
 //! reproduces upstream's responses, prints the out-of-order slot events with `--stream-canvas`,
 //! and decodes the same split over two tensor-parallel ranks; a worker serving the model streams
 //! tokens in position order with slot events ahead of them, and refuses a slot size that does
-//! not divide the block as INVALID_ARGUMENT.
+//! not divide gen_length as INVALID_ARGUMENT.
 
 use std::process::Command;
 
@@ -214,8 +214,13 @@ async fn a_worker_streams_slots_in_position_order_with_slot_events_ahead() {
     );
     assert_eq!(done.expect("done").token_ids, golden.response);
 
-    // A slot size that does not divide the block (32 / 1 blocks, slots of 5) is refused.
+    // A slot size that does not divide gen_length (32 tokens, slots of 5) is refused with the
+    // rule it breaks.
     let err = client.generate(request(5)).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("slot_size"), "{err:?}");
+    assert!(
+        err.message()
+            .contains("must be a multiple of plan_infill.slot_size"),
+        "{err:?}"
+    );
 }
