@@ -189,7 +189,9 @@ pub fn load_model(
     if opts.tensor_parallel > 1
         && !matches!(
             family,
-            ModelFamily::MaskedDiffusion | ModelFamily::RecurrentDepth
+            ModelFamily::MaskedDiffusion
+                | ModelFamily::RecurrentDepth
+                | ModelFamily::RecurrentMemory
         )
     {
         return Err(SchemeError::InvalidOption(format!(
