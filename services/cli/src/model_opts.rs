@@ -43,7 +43,8 @@ pub struct ModelArgs {
     #[arg(long, env = "WAVEFRONT_MAX_CONTEXT_TOKENS")]
     pub max_context_tokens: Option<usize>,
     /// Tensor-parallel ranks each transformer block is split over (attention heads and MLP
-    /// columns; partials summed after the row-parallel layers). In-process; masked diffusion.
+    /// columns; partials summed after the row-parallel layers). In-process on one device; every
+    /// family. Must divide the model's attention heads and MLP columns.
     #[arg(long, env = "WAVEFRONT_TENSOR_PARALLEL", default_value_t = 1)]
     pub tensor_parallel: usize,
 }

@@ -1,7 +1,8 @@
 //! Golden tests of the ARMT model against the upstream PyTorch code (tests/fixtures/armt, see its
 //! README): the sequential forward's logits and per-segment memories, the diagonal-batched
 //! forward against upstream's grouped executor and against the sequential path, the number of
-//! grouped steps, both checkpoint prefixes, and family detection.
+//! grouped steps, both checkpoint prefixes, family detection, and tensor parallelism (2 and 4
+//! ranks give the one-rank results).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
 use wavefront_models::armt::LayerMemory;
 use wavefront_models::device::test_device;
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
 use wavefront_models::{Armt, ArmtConfig, ModelFamily, ModelFiles};
 
 fn fixture_dir() -> PathBuf {
@@ -23,11 +25,17 @@ fn config(files: &ModelFiles) -> Result<ArmtConfig> {
 }
 
 fn model() -> Result<Armt> {
+    model_split(1)
+}
+
+/// The fixture split over `world` in-process tensor-parallel ranks.
+fn model_split(world: usize) -> Result<Armt> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = config(&files)?;
-    Ok(Armt::load(
+    Ok(Armt::load_parallel(
         files.var_builder(DType::F32, &test_device())?,
         cfg,
+        &TensorParallel::local(world),
     )?)
 }
 
@@ -301,4 +309,107 @@ fn a_cell_does_not_see_the_cells_it_shares_a_step_with() -> Result<()> {
         ensure!(rel < 1e-6, "layer {l}: {rel:e}");
     }
     Ok(())
+}
+
+/// Every decoder layer split over 2 and 4 in-process tensor-parallel ranks (heads and MLP
+/// columns; on 4 ranks the fixture's 2 key/value heads are replicated): the sequential and the
+/// diagonal forward give the one-rank logits and memories within the fixture's tolerances, and
+/// so does decoding from a prompt segment whose keys a grouped step kept per rank. A split the
+/// heads do not allow is refused by name.
+#[test]
+fn tensor_parallel_ranks_give_the_one_rank_logits_and_memories() -> Result<()> {
+    let ids = Golden::load()?.input_ids()?;
+    let one = model()?;
+    ensure!(one.world() == 1);
+    let (seq, diag) = (one.forward_sequential(&ids)?, one.forward_diagonal(&ids)?);
+    let decoded = decode_after_grouped_prompt(&one, &ids)?;
+    let same_memories = |what: &str, got: &[Vec<LayerMemory>], want: &[Vec<LayerMemory>]| {
+        ensure!(got.len() == want.len(), "{what}: {} snapshots", got.len());
+        for (s, (g, w)) in got.iter().zip(want).enumerate() {
+            for (l, (g, w)) in g.iter().zip(w).enumerate() {
+                check_memory(&format!("{what} {s}, layer {l}"), g, w.a(), w.z())?;
+            }
+        }
+        Ok(())
+    };
+    for world in [2, 4] {
+        let split = model_split(world)?;
+        ensure!(split.world() == world);
+        let got = split.forward_sequential(&ids)?;
+        check_logits(
+            &format!("{world} ranks, sequential"),
+            &got.logits,
+            &seq.logits,
+        )?;
+        same_memories(
+            &format!("{world} ranks, sequential, segment"),
+            &got.memory,
+            &seq.memory,
+        )?;
+        let got = split.forward_diagonal(&ids)?;
+        ensure!(got.steps == diag.steps);
+        check_logits(
+            &format!("{world} ranks, diagonal"),
+            &got.logits,
+            &diag.logits,
+        )?;
+        same_memories(
+            &format!("{world} ranks, diagonal, end"),
+            &got.memory,
+            &diag.memory,
+        )?;
+        check_logits(
+            &format!("{world} ranks, decoding from kept keys"),
+            &decode_after_grouped_prompt(&split, &ids)?,
+            &decoded,
+        )?;
+    }
+    let err = model_split(3).unwrap_err().to_string();
+    ensure!(err.contains("tensor_parallel"), "{err}");
+    Ok(())
+}
+
+/// Generation's path: the memories of the first 40 tokens, the last 4 as a prompt segment run
+/// layer by layer through grouped steps that keep its keys and values in a cache, then one
+/// decoding token through the shared blocks reading that cache. The logits of the prompt
+/// segment's last row and of the decoded token, `[2, V]`.
+fn decode_after_grouped_prompt(model: &Armt, ids: &[u32]) -> Result<Tensor> {
+    let memory = model
+        .forward_sequential(&ids[..40])?
+        .memory
+        .pop()
+        .context("memory")?;
+    let prompt = &ids[40..];
+    let n = prompt.len();
+    let mut cache = KvCache::new();
+    let mut hidden = model.segment_input(prompt, false)?;
+    for (l, mem) in memory.iter().enumerate() {
+        let cell = wavefront_models::armt::CellInput {
+            layer: l,
+            hidden,
+            memory: mem,
+            write: false,
+            keep_kv: true,
+        };
+        let out = model.grouped_step(&[cell])?.0.remove(0);
+        model.store_kv(&mut cache, l, out.kv.context("kept keys")?)?;
+        hidden = out.hidden;
+    }
+    let last = model.logits(&hidden.narrow(0, n - 1, 1)?)?;
+    let mut layers = memory.clone();
+    let mut seqs = [SeqInput {
+        index: vec![n as u32],
+        positions: vec![n as u32],
+        mask: MaskRule::Causal,
+        keys: Keys::Buffer {
+            cache: &mut cache,
+            len: n + 1,
+        },
+    }];
+    let mut mems = [wavefront_models::armt::SeqMemory {
+        layers: &mut layers,
+        write: false,
+    }];
+    let out = model.forward_layers(&model.embed(&[7])?, &mut seqs, &mut mems)?;
+    Ok(Tensor::cat(&[last, model.logits(&out)?], 0)?)
 }

@@ -186,17 +186,6 @@ pub fn load_model(
     opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let family = files.family()?;
-    if opts.tensor_parallel > 1
-        && !matches!(
-            family,
-            ModelFamily::MaskedDiffusion | ModelFamily::RecurrentDepth | ModelFamily::SlotDiffusion
-        )
-    {
-        return Err(SchemeError::InvalidOption(format!(
-            "tensor parallelism is not implemented for {family:?} models yet; \
-             use --tensor-parallel 1"
-        )));
-    }
     if family != ModelFamily::RecurrentMemory {
         if let Some(n) = opts.max_context_tokens {
             tracing::warn!(

@@ -25,6 +25,13 @@
 //! * **Attention** is one batched causal attention over the `G · K` blocks, positions `0..P` in
 //!   every block (RoPE restarts each segment), grouped-query heads, scores and softmax in
 //!   float32.
+//! * **Tensor parallelism.** The attention and MLP linears are stacked per rank: rank r's
+//!   `[L, out_r, in_r]` stacks hold its slice of every layer, cut as the shared block cuts one
+//!   layer (its heads' rows of q/k/v and columns of o, its MLP columns of gate/up and down; see
+//!   [`crate::transformer::parallel`]). Each rank runs the step's attention and MLP over the
+//!   replicated residual stream with one batched matmul per linear, and the collective sums
+//!   the ranks' partials once per row-parallel layer (o, down) for all cells of the step. Norms
+//!   and the memory projections are whole; reads and writes run once on the summed stream.
 //! * **Memory.** Reads come first, for every cell at once, against the memories as they were
 //!   when the step began; the step returns each writing cell's [`MemoryUpdate`] instead of
 //!   applying it, so the caller applies every write after every read by construction. Each
@@ -35,33 +42,28 @@
 //! the generic gamma (off by about `1e-5 / |k|²`). Here every first write has `gamma = 1`, the
 //! sequential semantics, as the fixture's README recommends.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, D};
+use candle_nn::Linear;
 
 use super::memory::{
     dpfp, read_term, updates, write_delta, LayerMemory, MemoryUpdate, WriteInputs,
 };
 use super::ArmtConfig;
 use crate::error::{ModelError, Result};
-use crate::transformer::RopeTable;
+use crate::transformer::parallel::{reduce, slice, Collective};
+use crate::transformer::{GatedMlp, RopeTable, ShardRange, ShardWeights};
 
 /// Per-layer weights stacked along a leading layer axis, in the checkpoint's `[out, in]` layout.
+/// The decoder layers' linears are stacked once per tensor-parallel rank (its slice of every
+/// layer); norms and the memory projections are whole (the residual stream is replicated).
 #[derive(Debug, Clone)]
 pub(crate) struct Stacked {
     /// `input_layernorm` `[L, d]`.
     pub attn_norm: Tensor,
-    /// `q_proj`, `k_proj`, `v_proj` stacked on the output axis, `[L, (h + 2 h_kv) · hd, d]`.
-    pub qkv: Tensor,
-    /// `o_proj` `[L, d, h · hd]`.
-    pub o: Tensor,
     /// `post_attention_layernorm` `[L, d]`.
     pub ff_norm: Tensor,
-    /// `gate_proj` `[L, I, d]` (kept apart from `up_proj` so both products are contiguous for
-    /// the elementwise SiLU gate).
-    pub gate: Tensor,
-    /// `up_proj` `[L, I, d]`.
-    pub up: Tensor,
-    /// `down_proj` `[L, d, I]`.
-    pub down: Tensor,
     /// `W_mq` `[L, d_mem, d]`.
     pub mq: Tensor,
     /// `W_mk`, `W_mv`, `W_mb` stacked on the output axis, `[L, d_mem + d + 1, d]`.
@@ -70,6 +72,131 @@ pub(crate) struct Stacked {
     pub mb_bias: Tensor,
     /// Ones `[d]`: the weight of the weightless RMSNorm.
     pub ones: Tensor,
+    /// Each rank's slice of the attention and MLP linears, in rank order (one holding the whole
+    /// layers without a split).
+    pub ranks: Vec<RankStack>,
+    /// Sums the ranks' partial outputs.
+    pub comm: Arc<dyn Collective>,
+}
+
+/// The decoder layers' attention and MLP linears stacked whole, `[L, out, in]` each: what
+/// [`Linears::shard`] cuts into each rank's [`RankStack`].
+pub(crate) struct Linears {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub o: Tensor,
+    pub gate: Tensor,
+    pub up: Tensor,
+    pub down: Tensor,
+}
+
+/// One rank's slice of every layer's attention and MLP linears, stacked: the shared block's
+/// split ([`ShardRange`]) applied to the whole stack, so a grouped step still runs one batched
+/// matmul per linear on each rank.
+#[derive(Debug, Clone)]
+pub(crate) struct RankStack {
+    /// The rank's rows of `q_proj`, `k_proj`, `v_proj`, stacked on the output axis,
+    /// `[L, (h_r + 2 h_kv_r) · hd, d]`.
+    pub qkv: Tensor,
+    /// Its columns of `o_proj` `[L, d, h_r · hd]` (row-parallel).
+    pub o: Tensor,
+    /// Its rows of `gate_proj` `[L, I_r, d]` (kept apart from `up_proj` so both products are
+    /// contiguous for the elementwise SiLU gate).
+    pub gate: Tensor,
+    /// Its rows of `up_proj` `[L, I_r, d]`.
+    pub up: Tensor,
+    /// Its columns of `down_proj` `[L, d, I_r]` (row-parallel).
+    pub down: Tensor,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Linears {
+    /// The slice `r` of every layer (q, k, v, gate, up: output rows; o, down: input columns), as
+    /// the shared block cuts one layer. With the whole range only the q/k/v concatenation
+    /// copies; the other stacks stay as they are.
+    pub(crate) fn shard(&self, r: &ShardRange, head_dim: usize) -> Result<RankStack> {
+        let hd = head_dim;
+        let qkv = Tensor::cat(
+            &[
+                slice(&self.q, 1, &r.heads, hd)?,
+                slice(&self.k, 1, &r.kv_heads, hd)?,
+                slice(&self.v, 1, &r.kv_heads, hd)?,
+            ],
+            1,
+        )?;
+        Ok(RankStack {
+            qkv,
+            o: slice(&self.o, 2, &r.heads, hd)?,
+            gate: slice(&self.gate, 1, &r.columns, 1)?,
+            up: slice(&self.up, 1, &r.columns, 1)?,
+            down: slice(&self.down, 2, &r.columns, 1)?,
+            n_heads: r.heads.len(),
+            n_kv_heads: r.kv_heads.len(),
+            head_dim,
+        })
+    }
+}
+
+impl RankStack {
+    /// Layer `l`'s shard of the shared block (the sequential path): views into the stacks.
+    pub(crate) fn layer(&self, l: usize) -> Result<ShardWeights> {
+        let (h, hkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let qkv = self.qkv.get(l)?;
+        let linear = |w: Tensor| Linear::new(w, None);
+        Ok(ShardWeights {
+            q: linear(qkv.narrow(0, 0, h * hd)?),
+            k: linear(qkv.narrow(0, h * hd, hkv * hd)?),
+            v: linear(qkv.narrow(0, (h + hkv) * hd, hkv * hd)?),
+            o: linear(self.o.get(l)?),
+            mlp: GatedMlp {
+                gate: linear(self.gate.get(l)?),
+                up: linear(self.up.get(l)?),
+                down: linear(self.down.get(l)?),
+            },
+        })
+    }
+
+    /// The rank's heads of a grouped step's attention over `hn` `[G, K·P, d]` (blocks of
+    /// `P = mask.dim(0)` rows, layers `lo..lo + G`), through its columns of `o_proj`: its partial
+    /// output `[G, K·P, d]`, and its keys (after RoPE) and values `[G·K, h_kv_r, P, hd]`.
+    fn attention(
+        &self,
+        hn: &Tensor,
+        lo: usize,
+        (cos, sin): (&Tensor, &Tensor),
+        mask: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (h, hkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (g_n, rows, _) = hn.dims3()?;
+        let p = mask.dim(0)?;
+        let blocks = g_n * rows / p;
+        let qkv = grouped_linear(hn, &self.qkv, lo)?;
+        let heads = |offset: usize, n_heads: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(2, offset * hd, n_heads * hd)?
+                .reshape((blocks, p, n_heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let q = rope(&heads(0, h)?, cos, sin)?;
+        let k = rope(&heads(h, hkv)?, cos, sin)?;
+        let v = heads(h + hkv, hkv)?;
+        let attn = attention(&q, &k, &v, mask)?
+            .transpose(1, 2)?
+            .reshape((g_n, rows, h * hd))?;
+        Ok((grouped_linear(&attn, &self.o, lo)?, k, v))
+    }
+
+    /// The rank's columns of a grouped step's MLP over `hn` `[G, R, d]`: its partial output.
+    fn mlp(&self, hn: &Tensor, lo: usize) -> Result<Tensor> {
+        let gate = grouped_linear(hn, &self.gate, lo)?;
+        let up = grouped_linear(hn, &self.up, lo)?;
+        let act = (gate.silu()? * up)?;
+        grouped_linear(&act, &self.down, lo)
+    }
 }
 
 /// One cell of a grouped step.
@@ -94,8 +221,10 @@ pub struct CellOutput {
     pub hidden: Tensor,
     /// The write to apply to the cell's memory (cells with `write`).
     pub update: Option<MemoryUpdate>,
-    /// Keys after RoPE and values, `[h_kv, n, hd]` each (cells with `keep_kv`).
-    pub kv: Option<(Tensor, Tensor)>,
+    /// Keys after RoPE and values, `[h_kv_r, n, hd]` each, one pair per tensor-parallel rank
+    /// (its key/value heads) in rank order (cells with `keep_kv`); [`super::Armt::store_kv`]
+    /// puts them where the shared block's shards read them.
+    pub kv: Option<Vec<(Tensor, Tensor)>>,
 }
 
 /// The grouped call's shape, for statistics.
@@ -201,11 +330,6 @@ impl GroupedContext<'_> {
         }
         let cfg = self.cfg;
         let (p, d, m) = (cfg.cell_rows(), cfg.hidden_size(), cfg.num_mem_tokens());
-        let (h, hkv, hd) = (
-            cfg.llama.num_attention_heads,
-            cfg.kv_heads(),
-            cfg.head_dim(),
-        );
         let eps = cfg.mem_eps;
         for c in cells {
             let n = c.hidden.dim(0)?;
@@ -264,32 +388,29 @@ impl GroupedContext<'_> {
             x = (x + assoc)?;
         }
 
-        // 2. The decoder layer, grouped.
+        // 2. The decoder layer, grouped: every rank's heads and MLP columns, the partials summed
+        //    (one all-reduce per row-parallel layer for all cells of the step).
         let s = self.stacked;
         let norm_eps = cfg.llama.rms_norm_eps;
         let hn = grouped_rms_norm(&x, &s.ones, &s.attn_norm, lo, norm_eps)?;
-        let qkv = grouped_linear(&hn, &s.qkv, lo)?;
-        let heads = |offset: usize, n_heads: usize| -> Result<Tensor> {
-            Ok(qkv
-                .narrow(2, offset * hd, n_heads * hd)?
-                .reshape((blocks, p, n_heads, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
         let positions: Vec<u32> = (0..p as u32).collect();
         let (cos, sin) = self.rope.rows(&positions)?;
-        let q = rope(&heads(0, h)?, &cos, &sin)?;
-        let k = rope(&heads(h, hkv)?, &cos, &sin)?;
-        let v = heads(h + hkv, hkv)?;
-        let attn = attention(&q, &k, &v, p, self.device)?
-            .transpose(1, 2)?
-            .reshape((g_n, k_n * p, h * hd))?;
-        let x = (x + grouped_linear(&attn, &s.o, lo)?)?;
+        let mask = causal_mask(p, self.device)?;
+        let mut kv = Vec::with_capacity(s.ranks.len());
+        let mut partials = Vec::with_capacity(s.ranks.len());
+        for r in &s.ranks {
+            let (y, k, v) = r.attention(&hn, lo, (&cos, &sin), &mask)?;
+            partials.push(y);
+            kv.push((k, v));
+        }
+        let x = (x + reduce(s.comm.as_ref(), partials)?)?;
         let hn = grouped_rms_norm(&x, &s.ones, &s.ff_norm, lo, norm_eps)?;
-        let gate = grouped_linear(&hn, &s.gate, lo)?;
-        let up = grouped_linear(&hn, &s.up, lo)?;
-        let act = (gate.silu()? * up)?;
-        let x = (x + grouped_linear(&act, &s.down, lo)?)?;
+        let partials = s
+            .ranks
+            .iter()
+            .map(|r| r.mlp(&hn, lo))
+            .collect::<Result<Vec<_>>>()?;
+        let x = (x + reduce(s.comm.as_ref(), partials)?)?;
 
         // 3. Writes, from the memory rows of the layer's output, against the old memories.
         let mut deltas: Vec<Option<MemoryUpdate>> = vec![None; blocks];
@@ -347,10 +468,13 @@ impl GroupedContext<'_> {
             let n = c.hidden.dim(0)?;
             let b = g * k_n + kk;
             let kv = if c.keep_kv {
-                Some((
-                    k.get(b)?.narrow(1, 0, n)?.contiguous()?,
-                    v.get(b)?.narrow(1, 0, n)?.contiguous()?,
-                ))
+                let cell =
+                    |t: &Tensor| -> Result<Tensor> { Ok(t.get(b)?.narrow(1, 0, n)?.contiguous()?) };
+                Some(
+                    kv.iter()
+                        .map(|(k, v)| Ok((cell(k)?, cell(v)?)))
+                        .collect::<Result<Vec<_>>>()?,
+                )
             } else {
                 None
             };
@@ -369,12 +493,20 @@ impl GroupedContext<'_> {
     }
 }
 
-/// Causal attention of `q` `[B, h, P, hd]` over `k`, `v` `[B, h_kv, P, hd]` (query head j reads
-/// key head `j / (h / h_kv)`), scaled by `1 / sqrt(hd)`, scores and softmax in float32; returns
-/// `[B, h, P, hd]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, p: usize, device: &Device) -> Result<Tensor> {
+/// The causal mask `[P, P]` of a block: 0 on and below the diagonal, `-inf` above.
+fn causal_mask(p: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..p)
+        .flat_map(|i| (0..p).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (p, p), device)?)
+}
+
+/// Causal attention (`mask` `[P, P]`) of `q` `[B, h, P, hd]` over `k`, `v` `[B, h_kv, P, hd]`
+/// (query head j reads key head `j / (h / h_kv)`), scaled by `1 / sqrt(hd)`, scores and softmax
+/// in float32; returns `[B, h, P, hd]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let dtype = q.dtype();
-    let (b, h, _, hd) = q.dims4()?;
+    let (b, h, p, hd) = q.dims4()?;
     let hkv = k.dim(1)?;
     let (k, v) = if h == hkv {
         (k.clone(), v.clone())
@@ -390,11 +522,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, p: usize, device: &Device) -> R
     };
     let scale = 1.0 / (hd as f64).sqrt();
     let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
-    let mask: Vec<f32> = (0..p)
-        .flat_map(|i| (0..p).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    let mask = Tensor::from_vec(mask, (p, p), device)?;
-    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?.to_dtype(dtype)?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?.to_dtype(dtype)?;
     Ok(probs.matmul(&v.contiguous()?)?)
 }
 

@@ -30,6 +30,11 @@
 //! `memory_cell.model.model.{embed_tokens, norm}` and `memory_cell.model.lm_head`. Weights are
 //! stacked per role at load ([`grouped`]); the per-layer blocks of the sequential path are views
 //! of the stacks, so nothing is held twice.
+//!
+//! Tensor parallelism ([`Armt::load_parallel`]): the attention and MLP linears are split over
+//! ranks as the shared block splits them (heads and MLP columns), stacked per rank, and both
+//! executions sum the ranks' partials through the collective before each residual add; the
+//! embeddings, norms, head and associative memories are whole.
 
 pub mod config;
 pub mod grouped;
@@ -42,13 +47,13 @@ use candle_nn::VarBuilder;
 
 pub use self::config::{ArmtConfig, ArmtSettings, LlamaConfig};
 pub use self::grouped::{CellInput, CellOutput, StepShape};
-use self::grouped::{GroupedContext, Stacked};
+use self::grouped::{GroupedContext, Linears, Stacked};
 use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
 pub use self::memory::{LayerMemory, MemoryUpdate};
 use crate::error::{ModelError, Result};
 use crate::transformer::{
-    commit_buffers, get, Block, BlockNames, KvCache, MaskRule, PackedLayout, RmsNorm, RopeTable,
-    SeqInput,
+    commit_buffers, get, Block, BlockConfig, BlockWeights, KvCache, MaskRule, PackedLayout,
+    RmsNorm, RopeTable, SeqInput, TensorParallel,
 };
 
 /// One sequence's memories in a [`Armt::forward_layers`] call.
@@ -94,7 +99,17 @@ impl Armt {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `memory_cell.*`),
     /// accepting either per-layer prefix. The `VarBuilder`'s dtype and device are the model's.
     pub fn load(vb: VarBuilder, cfg: ArmtConfig) -> Result<Self> {
+        Self::load_parallel(vb, cfg, &TensorParallel::single())
+    }
+
+    /// Loads the model with every decoder layer split over `tp.world` ranks as the shared
+    /// block splits (attention heads and MLP columns, partials summed before the residual
+    /// adds), in both executions; embeddings, norms, the head and the associative memories
+    /// stay whole.
+    pub fn load_parallel(vb: VarBuilder, cfg: ArmtConfig, tp: &TensorParallel) -> Result<Self> {
         cfg.validate()?;
+        let block_cfg = cfg.block_config();
+        let ranges = block_cfg.shard_ranges(tp.world)?;
         let root = vb.pp("memory_cell");
         let layers_vb = if root.contains_tensor("layers.0.W_mq.weight") {
             root.pp("layers")
@@ -132,15 +147,16 @@ impl Armt {
             let mut push = |role: &'static str, t: Tensor| parts.entry(role).or_default().push(t);
             push("attn_norm", get(&bv.pp("input_layernorm"), &[d], "weight")?);
             push(
-                "qkv",
-                Tensor::cat(
-                    &[
-                        get(&bv.pp("self_attn.q_proj"), &[h * hd, d], "weight")?,
-                        get(&bv.pp("self_attn.k_proj"), &[hkv * hd, d], "weight")?,
-                        get(&bv.pp("self_attn.v_proj"), &[hkv * hd, d], "weight")?,
-                    ],
-                    0,
-                )?,
+                "q",
+                get(&bv.pp("self_attn.q_proj"), &[h * hd, d], "weight")?,
+            );
+            push(
+                "k",
+                get(&bv.pp("self_attn.k_proj"), &[hkv * hd, d], "weight")?,
+            );
+            push(
+                "v",
+                get(&bv.pp("self_attn.v_proj"), &[hkv * hd, d], "weight")?,
             );
             push(
                 "o",
@@ -171,21 +187,35 @@ impl Armt {
             let list = parts.remove(role).unwrap_or_default();
             Ok(Tensor::stack(&list, 0)?)
         };
+        // Each rank's slice of the whole stacks (which are dropped here unless a rank's slice is
+        // a view of them).
+        let ranks = {
+            let linears = Linears {
+                q: stack("q")?,
+                k: stack("k")?,
+                v: stack("v")?,
+                o: stack("o")?,
+                gate: stack("gate")?,
+                up: stack("up")?,
+                down: stack("down")?,
+            };
+            ranges
+                .iter()
+                .map(|r| linears.shard(r, hd))
+                .collect::<Result<Vec<_>>>()?
+        };
         let stacked = Stacked {
             attn_norm: stack("attn_norm")?,
-            qkv: stack("qkv")?,
-            o: stack("o")?,
             ff_norm: stack("ff_norm")?,
-            gate: stack("gate")?,
-            up: stack("up")?,
-            down: stack("down")?,
             mq: stack("mq")?,
             mkvb: stack("mkvb")?,
             mb_bias: stack("mb_bias")?,
             ones: Tensor::ones(d, vb.dtype(), vb.device())?,
+            ranks,
+            comm: tp.comm.clone(),
         };
         let blocks = (0..n_layers)
-            .map(|l| layer_block(&stacked, &cfg, l, vb.dtype(), vb.device()))
+            .map(|l| layer_block(&stacked, &block_cfg, l))
             .collect::<Result<Vec<_>>>()?;
 
         let model = root.pp("model");
@@ -463,11 +493,31 @@ impl Armt {
         .step(cells)
     }
 
-    /// Stores keys and values a grouped step kept (a prompt segment's, `keep_kv`) as buffer
-    /// indices `0..n` of `cache` at `layer`, where generation's [`Armt::forward_layers`] calls
-    /// read them.
-    pub fn store_kv(&self, cache: &mut KvCache, layer: usize, kv: (Tensor, Tensor)) -> Result<()> {
-        cache.store_layer(layer, kv.0, kv.1)
+    /// Tensor-parallel ranks the decoder layers are split over.
+    pub fn world(&self) -> usize {
+        self.stacked.ranks.len()
+    }
+
+    /// Stores keys and values a grouped step kept (a prompt segment's, `keep_kv`: one pair per
+    /// rank) as buffer indices `0..n` of `cache` at `layer`, in the slots where generation's
+    /// [`Armt::forward_layers`] calls read them (the shared block's `layer · world + rank`).
+    pub fn store_kv(
+        &self,
+        cache: &mut KvCache,
+        layer: usize,
+        kv: Vec<(Tensor, Tensor)>,
+    ) -> Result<()> {
+        let world = self.world();
+        if kv.len() != world {
+            return Err(ModelError::Shape(format!(
+                "keys and values of {} ranks for a model split over {world}",
+                kv.len()
+            )));
+        }
+        for (rank, (k, v)) in kv.into_iter().enumerate() {
+            cache.store_layer(layer * world + rank, k, v)?;
+        }
+        Ok(())
     }
 
     /// Logits `[n, V]` (float32) of last-layer rows: the final RMSNorm and `lm_head`.
@@ -556,35 +606,19 @@ impl Armt {
     }
 }
 
-/// Layer `l`'s shared block, its weights views into the stacks.
-fn layer_block(
-    s: &Stacked,
-    cfg: &ArmtConfig,
-    l: usize,
-    dtype: DType,
-    device: &Device,
-) -> Result<Block> {
-    let (h, hkv, hd) = (
-        cfg.llama.num_attention_heads,
-        cfg.kv_heads(),
-        cfg.head_dim(),
-    );
-    let names = BlockNames::LLAMA;
-    let qkv = s.qkv.get(l)?;
-    let w = |name: &str| format!("{name}.weight");
-    let tensors: HashMap<String, Tensor> = [
-        (w(names.attn_norm), s.attn_norm.get(l)?),
-        (w(names.q), qkv.narrow(0, 0, h * hd)?),
-        (w(names.k), qkv.narrow(0, h * hd, hkv * hd)?),
-        (w(names.v), qkv.narrow(0, (h + hkv) * hd, hkv * hd)?),
-        (w(names.o), s.o.get(l)?),
-        (w(names.ff_norm), s.ff_norm.get(l)?),
-        (w(names.gate), s.gate.get(l)?),
-        (w(names.up), s.up.get(l)?),
-        (w(names.down), s.down.get(l)?),
-    ]
-    .into_iter()
-    .collect();
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    Block::load(vb, &cfg.block_config(), &names, l)
+/// Layer `l`'s shared block, split as the stacks are, its weights views into them.
+fn layer_block(s: &Stacked, cfg: &BlockConfig, l: usize) -> Result<Block> {
+    let weights = BlockWeights {
+        attn_norm: RmsNorm::new(s.attn_norm.get(l)?, cfg.norm_eps),
+        ff_norm: RmsNorm::new(s.ff_norm.get(l)?, cfg.norm_eps),
+        qk_norm: None,
+        o_bias: None,
+        down_bias: None,
+        shards: s
+            .ranks
+            .iter()
+            .map(|r| r.layer(l))
+            .collect::<Result<Vec<_>>>()?,
+    };
+    Block::from_weights(weights, cfg, l, s.comm.clone())
 }

@@ -18,7 +18,9 @@ use super::cache::CacheSlot;
 use super::config::HuginnConfig;
 use super::SeqRows;
 use crate::error::{ModelError, Result};
-use crate::transformer::parallel::{column_range, head_ranges, Collective, TensorParallel};
+use crate::transformer::parallel::{
+    column_range, head_ranges, reduce, slice, Collective, TensorParallel,
+};
 pub(crate) use crate::transformer::{get, linear, RmsNorm};
 
 /// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`; under tensor parallelism one per rank
@@ -55,10 +57,7 @@ impl GatedMlp {
                 )?;
                 Ok(Self {
                     fc: Linear::new(rows, None),
-                    proj: Linear::new(
-                        proj.weight().narrow(1, c.start, c.len())?.contiguous()?,
-                        None,
-                    ),
+                    proj: Linear::new(slice(proj.weight(), 1, &c, 1)?, None),
                     hidden: c.len(),
                 })
             })
@@ -236,15 +235,12 @@ impl Attention {
                         .map(|part| w.narrow(0, part * e + start, len))
                         .collect::<candle_core::Result<_>>()?;
                     let bias = match &qk_bias {
-                        Some((q, k)) => Some((
-                            q.narrow(0, r.start, r.len())?.contiguous()?,
-                            k.narrow(0, r.start, r.len())?.contiguous()?,
-                        )),
+                        Some((q, k)) => Some((slice(q, 0, &r, 1)?, slice(k, 0, &r, 1)?)),
                         None => None,
                     };
                     Ok(AttnShard {
                         wqkv: Linear::new(Tensor::cat(&rows, 0)?, None),
-                        proj: Linear::new(proj.weight().narrow(1, start, len)?.contiguous()?, None),
+                        proj: Linear::new(slice(proj.weight(), 1, &r, d)?, None),
                         qk_bias: bias,
                         n_heads: r.len(),
                     })
@@ -377,14 +373,6 @@ fn attend(
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
     Ok(probs.matmul(v)?)
-}
-
-/// The sum of the ranks' partial outputs (the partial itself with one rank).
-fn reduce(comm: &dyn Collective, mut partials: Vec<Tensor>) -> Result<Tensor> {
-    if partials.len() == 1 {
-        return Ok(partials.pop().expect("one partial"));
-    }
-    comm.all_reduce_sum(partials)
 }
 
 /// One sandwich block.

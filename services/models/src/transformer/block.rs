@@ -9,7 +9,7 @@ use candle_nn::{Linear, VarBuilder};
 
 use super::attention::{attend_packed, PackedLayout, SeqInput};
 use super::layers::{apply_rope, linear, GatedMlp, RmsNorm};
-use super::parallel::{column_range, head_ranges, Collective, TensorParallel};
+use super::parallel::{column_range, head_ranges, reduce, slice, Collective, TensorParallel};
 use crate::error::{ModelError, Result};
 
 /// Sizes and options of one block.
@@ -107,6 +107,59 @@ impl BlockNames {
     };
 }
 
+/// What one tensor-parallel rank holds of a block: a contiguous range of query heads, the
+/// key/value heads they read (replicated on several ranks when there are fewer than the ranks)
+/// and a contiguous range of MLP columns ([`super::parallel`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardRange {
+    pub heads: Range<usize>,
+    pub kv_heads: Range<usize>,
+    pub columns: Range<usize>,
+}
+
+impl BlockConfig {
+    /// Every rank's [`ShardRange`] under `world` ranks, in rank order; an error naming
+    /// `tensor_parallel` when the ranks cannot split the heads or the MLP width.
+    pub(crate) fn shard_ranges(&self, world: usize) -> Result<Vec<ShardRange>> {
+        (0..world)
+            .map(|rank| {
+                let (heads, kv_heads) = head_ranges(self.n_heads, self.n_kv_heads, world, rank)?;
+                let columns = column_range(self.intermediate_size, world, rank)?;
+                Ok(ShardRange {
+                    heads,
+                    kv_heads,
+                    columns,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One rank's slice of a block's weights, `[out, in]` each: q, k, v and the MLP's gate and up
+/// column-parallel (the rank's output rows, with their biases); o and the MLP's down
+/// row-parallel (its input columns, no bias: the block adds the biases once after the sum).
+#[derive(Debug, Clone)]
+pub(crate) struct ShardWeights {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub mlp: GatedMlp,
+}
+
+/// A block's weights, already split: what every rank shares (norms, the row-parallel biases)
+/// and each rank's [`ShardWeights`], in rank order.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockWeights {
+    pub attn_norm: RmsNorm,
+    pub ff_norm: RmsNorm,
+    /// Per-head q and k RMSNorm (Qwen3).
+    pub qk_norm: Option<(RmsNorm, RmsNorm)>,
+    pub o_bias: Option<Tensor>,
+    pub down_bias: Option<Tensor>,
+    pub shards: Vec<ShardWeights>,
+}
+
 /// One pre-norm transformer block, possibly split over tensor-parallel ranks
 /// ([`super::parallel`]): every rank's [`Shard`] computes its part of the attention and MLP
 /// outputs and the collective sums them before each residual add.
@@ -127,22 +180,11 @@ struct Shard {
     /// Index of this shard's keys/values in every [`KvCache`](super::KvCache):
     /// `layer · world + rank`.
     cache_slot: usize,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    /// Row-parallel: this rank's input columns, no bias.
-    o: Linear,
+    w: ShardWeights,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
-    mlp: GatedMlp,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
-}
-
-/// Rows `range` (scaled by `unit`) of a `[out, in]` weight along `dim`, as its own tensor.
-fn slice(t: Tensor, dim: usize, range: &Range<usize>, unit: usize) -> Result<Tensor> {
-    Ok(t.narrow(dim, range.start * unit, range.len() * unit)?
-        .contiguous()?)
 }
 
 impl Block {
@@ -168,6 +210,7 @@ impl Block {
         tp: &TensorParallel,
     ) -> Result<Self> {
         cfg.validate()?;
+        let ranges = cfg.shard_ranges(tp.world)?;
         let (e, h, hkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let i = cfg.intermediate_size;
         let eps = cfg.norm_eps;
@@ -193,43 +236,77 @@ impl Block {
         };
         // Column-parallel: rows of the weight (and the bias); row-parallel: columns, no bias.
         let column = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
-            let b = match l.bias() {
-                Some(b) => Some(slice(b.clone(), 0, r, unit)?),
-                None => None,
-            };
-            Ok(Linear::new(slice(l.weight().clone(), 0, r, unit)?, b))
+            let b = l.bias().map(|b| slice(b, 0, r, unit)).transpose()?;
+            Ok(Linear::new(slice(l.weight(), 0, r, unit)?, b))
         };
         let row = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
-            Ok(Linear::new(slice(l.weight().clone(), 1, r, unit)?, None))
+            Ok(Linear::new(slice(l.weight(), 1, r, unit)?, None))
         };
-        let mut shards = Vec::with_capacity(tp.world);
-        for rank in 0..tp.world {
-            let (qh, kvh) = head_ranges(h, hkv, tp.world, rank)?;
-            let cols = column_range(i, tp.world, rank)?;
-            shards.push(Shard {
-                cache_slot: layer * tp.world + rank,
-                q: column(&q, &qh, d)?,
-                k: column(&k, &kvh, d)?,
-                v: column(&v, &kvh, d)?,
-                o: row(&o, &qh, d)?,
-                qk_norm: qk_norm.clone(),
-                mlp: GatedMlp {
-                    gate: column(&gate, &cols, 1)?,
-                    up: column(&up, &cols, 1)?,
-                    down: row(&down, &cols, 1)?,
-                },
-                n_heads: qh.len(),
-                n_kv_heads: kvh.len(),
-                head_dim: d,
-            });
-        }
-        Ok(Self {
+        let shards = ranges
+            .iter()
+            .map(|r| {
+                Ok(ShardWeights {
+                    q: column(&q, &r.heads, d)?,
+                    k: column(&k, &r.kv_heads, d)?,
+                    v: column(&v, &r.kv_heads, d)?,
+                    o: row(&o, &r.heads, d)?,
+                    mlp: GatedMlp {
+                        gate: column(&gate, &r.columns, 1)?,
+                        up: column(&up, &r.columns, 1)?,
+                        down: row(&down, &r.columns, 1)?,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights = BlockWeights {
             attn_norm: RmsNorm::load(vb.pp(names.attn_norm), e, eps)?,
             ff_norm: RmsNorm::load(vb.pp(names.ff_norm), e, eps)?,
-            shards,
+            qk_norm,
             o_bias: o.bias().cloned(),
             down_bias: down.bias().cloned(),
-            comm: tp.comm.clone(),
+            shards,
+        };
+        Self::from_weights(weights, cfg, layer, tp.comm.clone())
+    }
+
+    /// Block `layer` from weights already split over the ranks of `comm`, one
+    /// [`ShardWeights`] per rank as [`BlockConfig::shard_ranges`] cuts them (e.g. views of a
+    /// model's own layer-stacked weights).
+    pub(crate) fn from_weights(
+        w: BlockWeights,
+        cfg: &BlockConfig,
+        layer: usize,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let world = w.shards.len();
+        if world == 0 || world != comm.world() {
+            return Err(ModelError::Shape(format!(
+                "{world} weight shards for a world of {}",
+                comm.world()
+            )));
+        }
+        let shards = w
+            .shards
+            .into_iter()
+            .zip(cfg.shard_ranges(world)?)
+            .enumerate()
+            .map(|(rank, (s, r))| Shard {
+                cache_slot: layer * world + rank,
+                w: s,
+                qk_norm: w.qk_norm.clone(),
+                n_heads: r.heads.len(),
+                n_kv_heads: r.kv_heads.len(),
+                head_dim: cfg.head_dim,
+            })
+            .collect();
+        Ok(Self {
+            attn_norm: w.attn_norm,
+            ff_norm: w.ff_norm,
+            shards,
+            o_bias: w.o_bias,
+            down_bias: w.down_bias,
+            comm,
         })
     }
 
@@ -251,25 +328,21 @@ impl Block {
             .iter()
             .map(|s| s.attention(&h, layout, seqs))
             .collect::<Result<Vec<_>>>()?;
-        let a = self.reduce(partials, self.o_bias.as_ref())?;
+        let a = self.sum_partials(partials, self.o_bias.as_ref())?;
         let x = (x + a)?;
         let h = self.ff_norm.forward(&x)?;
         let partials = self
             .shards
             .iter()
-            .map(|s| s.mlp.forward(&h))
+            .map(|s| s.w.mlp.forward(&h))
             .collect::<Result<Vec<_>>>()?;
-        let m = self.reduce(partials, self.down_bias.as_ref())?;
+        let m = self.sum_partials(partials, self.down_bias.as_ref())?;
         Ok((x + m)?)
     }
 
     /// Sums the ranks' partial outputs (nothing to sum with one rank) and adds the bias.
-    fn reduce(&self, mut partials: Vec<Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
-        let y = if partials.len() == 1 {
-            partials.pop().expect("one partial")
-        } else {
-            self.comm.all_reduce_sum(partials)?
-        };
+    fn sum_partials(&self, partials: Vec<Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+        let y = reduce(self.comm.as_ref(), partials)?;
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -287,9 +360,9 @@ impl Shard {
     ) -> Result<Tensor> {
         let n = h.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let mut q = self.q.forward(h)?.reshape((n, nh, d))?;
-        let mut k = self.k.forward(h)?.reshape((n, nkv, d))?;
-        let v = self.v.forward(h)?.reshape((n, nkv, d))?;
+        let mut q = self.w.q.forward(h)?.reshape((n, nh, d))?;
+        let mut k = self.w.k.forward(h)?.reshape((n, nkv, d))?;
+        let v = self.w.v.forward(h)?.reshape((n, nkv, d))?;
         if let Some((qn, kn)) = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -299,6 +372,6 @@ impl Shard {
         let v = v.transpose(0, 1)?.contiguous()?;
         let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;
         let y = y.transpose(0, 1)?.contiguous()?.reshape((n, nh * d))?;
-        Ok(self.o.forward(&y)?)
+        Ok(self.w.o.forward(&y)?)
     }
 }

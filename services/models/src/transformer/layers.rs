@@ -48,6 +48,11 @@ impl RmsNorm {
         })
     }
 
+    /// A norm with the given `weight` `[dim]` (e.g. a view of a layer-stacked tensor).
+    pub(crate) fn new(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         if x.dtype() == DType::F32 {

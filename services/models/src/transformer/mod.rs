@@ -30,5 +30,7 @@ pub mod parallel;
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
 pub use block::{Block, BlockConfig, BlockNames};
+pub(crate) use block::{BlockWeights, ShardRange, ShardWeights};
+pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub use parallel::{Collective, LocalCollective, TensorParallel};

@@ -114,6 +114,24 @@ pub(crate) fn head_ranges(
     Ok((q, kv))
 }
 
+/// The sum of the ranks' partial outputs: the partial itself with one rank (no collective call,
+/// no copy).
+pub(crate) fn reduce(comm: &dyn Collective, mut partials: Vec<Tensor>) -> Result<Tensor> {
+    if partials.len() == 1 {
+        return Ok(partials.pop().expect("one partial"));
+    }
+    comm.all_reduce_sum(partials)
+}
+
+/// Indices `range` (in units of `unit`: a head's `head_dim`, or 1) of `t` along `dim`, as its own
+/// contiguous tensor: a rank's rows of a column-parallel weight (the output axis) or columns of a
+/// row-parallel one (the input axis), of one `[out, in]` weight or of a layer stack
+/// `[L, out, in]`. A contiguous slice (the whole range, or rows) is a view, not a copy.
+pub(crate) fn slice(t: &Tensor, dim: usize, range: &Range<usize>, unit: usize) -> Result<Tensor> {
+    Ok(t.narrow(dim, range.start * unit, range.len() * unit)?
+        .contiguous()?)
+}
+
 /// The MLP columns of `rank`.
 pub(crate) fn column_range(size: usize, world: usize, rank: usize) -> Result<Range<usize>> {
     if !size.is_multiple_of(world) {

@@ -62,6 +62,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
+use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
@@ -227,11 +228,12 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     let cfg = config(&files)?;
     let tokenizer = optional_tokenizer(&files);
     let model_cfg = cfg.clone();
+    let tp = TensorParallel::local(opts.tensor_parallel);
     serve_model(cfg, tokenizer, opts, move |device, dtype| {
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        Armt::load(vb, model_cfg).map_err(|e| e.to_string())
+        Armt::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
     })
 }
 

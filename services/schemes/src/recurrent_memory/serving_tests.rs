@@ -368,3 +368,11 @@ fn recurrent_depth_models_refuse_an_execution_mode() -> Result<()> {
         .is_ok());
     Ok(())
 }
+
+/// The served model split over 2 and 4 in-process tensor-parallel ranks decodes what one rank
+/// decodes, for every execution and prompt length (diagonal prompt segments keep each rank's
+/// keys for decoding), with the requests sharing grouped steps and layer passes.
+#[test]
+fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
+    crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
+}
