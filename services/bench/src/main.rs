@@ -184,7 +184,7 @@ impl Workload {
         let mut x = a
             .seed
             .wrapping_mul(6364136223846793005)
-            .wrapping_add(i * 1442695040888963407 + 1);
+            .wrapping_add(i.wrapping_mul(1442695040888963407).wrapping_add(1));
         let prompt_ids = (0..a.prompt_len)
             .map(|_| {
                 x = x
