@@ -231,6 +231,27 @@ pub fn assert_joining_requests_match_alone(
     Ok(alone)
 }
 
+/// Checks how a response ends: it is not empty and at most `spec.max_new_tokens` long; it stops
+/// right after its first stop token (`eos` or one of the request's) with
+/// [`FinishReason::StopToken`], or, without one, runs to `max_new_tokens` with
+/// [`FinishReason::Length`]. Returns whether it stopped on a stop token.
+pub fn assert_ends_at_first_stop(spec: &GenerateSpec, out: &Outcome, eos: u32) -> Result<bool> {
+    ensure!(!out.tokens.is_empty() && out.tokens.len() <= spec.max_new_tokens);
+    let stops = |t: &u32| *t == eos || spec.stop_token_ids.contains(t);
+    let first_stop = out.tokens.iter().position(stops);
+    ensure!(
+        first_stop.is_none_or(|k| k + 1 == out.tokens.len()),
+        "{:?}",
+        out.tokens
+    );
+    if first_stop.is_some() {
+        ensure!(out.reason == FinishReason::StopToken);
+    } else {
+        ensure!(out.tokens.len() == spec.max_new_tokens && out.reason == FinishReason::Length);
+    }
+    Ok(first_stop.is_some())
+}
+
 /// Waits until every slot of the pool is free again; fails after `within`.
 pub fn wait_for_free_slots(served: &dyn ServedModel, within: Duration) -> Result<()> {
     let start = Instant::now();

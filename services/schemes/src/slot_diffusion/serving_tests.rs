@@ -17,8 +17,8 @@ use super::test_support::*;
 use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
-    assert_invalid, assert_joining_requests_match_alone, refused_as_too_large, serve, submit,
-    wait_for_free_slots,
+    assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
+    refused_as_too_large, serve, submit, wait_for_free_slots,
 };
 
 const EOS: u32 = 486;
@@ -83,19 +83,7 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
     let mut parallel = 0;
     for (s, o) in specs.iter().zip(&alone) {
-        ensure!(!o.tokens.is_empty() && o.tokens.len() <= s.max_new_tokens);
-        let stops = |t: &u32| *t == EOS || s.stop_token_ids.contains(t);
-        let first_stop = o.tokens.iter().position(stops);
-        ensure!(
-            first_stop.is_none_or(|k| k + 1 == o.tokens.len()),
-            "{:?}",
-            o.tokens
-        );
-        if first_stop.is_some() {
-            ensure!(o.reason == FinishReason::StopToken);
-        } else {
-            ensure!(o.tokens.len() == s.max_new_tokens && o.reason == FinishReason::Length);
-        }
+        assert_ends_at_first_stop(s, o, EOS)?;
         let calls = o.stats.forward_passes;
         ensure!(o.stats.series["rows_per_call"].len() as u64 == calls);
         if let SchemeParams::PlanInfill(_) = s.scheme {
