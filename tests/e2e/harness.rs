@@ -1,10 +1,12 @@
 //! Starting real `wavefront` processes on 127.0.0.1 port 0 and waiting for
-//! them on gRPC health (never on sleeps).
+//! them on gRPC health (never on sleeps), and offline `wavefront run --json`
+//! on a fixture.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +23,54 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
         .join(name)
+}
+
+/// `wavefront run --model tests/fixtures/FIXTURE --json --log-filter warn ARGS`: offline
+/// generation on a fixture; its output, whatever its exit status.
+pub fn wavefront_run<S: AsRef<OsStr>>(fixture_name: &str, args: &[S]) -> Output {
+    wavefront_run_with_env(fixture_name, args, &[])
+}
+
+/// [`wavefront_run`] with extra environment variables.
+pub fn wavefront_run_with_env<S: AsRef<OsStr>>(
+    fixture_name: &str,
+    args: &[S],
+    env: &[(&str, &str)],
+) -> Output {
+    let model = fixture(fixture_name);
+    Command::new(bin())
+        .args(["run", "--model", model.to_str().unwrap(), "--json"])
+        .args(["--log-filter", "warn"])
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run wavefront run")
+}
+
+/// Panics with the run's stderr unless it succeeded.
+fn assert_succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "wavefront run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The JSON object a run that must have succeeded printed on stdout (its result).
+pub fn json_result(out: &Output) -> serde_json::Value {
+    assert_succeeded(out);
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+/// The JSON lines a run that must have succeeded printed on stdout: with `--stream-canvas` one
+/// per canvas event, then the result.
+pub fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert_succeeded(out);
+    std::str::from_utf8(&out.stdout)
+        .expect("UTF-8 on stdout")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
 }
 
 /// A child process killed when dropped.
@@ -85,6 +135,26 @@ pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     Proc { child, addr }
 }
 
+/// Starts `wavefront worker --listen 127.0.0.1:0 --model tests/fixtures/FIXTURE ARGS` and waits
+/// for its "listening on ADDR" line.
+pub fn spawn_worker(fixture_name: &str, args: &[&str]) -> Proc {
+    spawn_worker_with_env(fixture_name, args, &[])
+}
+
+/// [`spawn_worker`] with extra environment variables.
+pub fn spawn_worker_with_env(fixture_name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+    let model = fixture(fixture_name);
+    let mut all = vec![
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    spawn_with_env(&all, env)
+}
+
 pub async fn channel(addr: SocketAddr) -> Channel {
     Channel::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -133,18 +203,9 @@ pub struct Stack {
 }
 
 pub async fn stack(worker_args: &[&str]) -> Stack {
-    let model = fixture("huginn");
-    let mut args = vec![
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-        "--served-name",
-        "huginn-tiny",
-    ];
+    let mut args = vec!["--served-name", "huginn-tiny"];
     args.extend_from_slice(worker_args);
-    let worker = spawn(&args);
+    let worker = spawn_worker("huginn", &args);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
     let workers = worker.addr.to_string();
     let router = spawn(&[

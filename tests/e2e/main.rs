@@ -8,10 +8,12 @@ mod recurrent_memory;
 mod slot_diffusion;
 mod tracing;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use harness::{bin, channel, fixture, spawn, stack, wait_serving};
+use harness::{
+    channel, fixture, json_lines, json_result, spawn, spawn_worker, stack, wait_serving,
+    wavefront_run,
+};
 use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
@@ -59,25 +61,7 @@ fn ids(v: Vec<u32>) -> pb::generate_request::Prompt {
 
 /// `wavefront run --json` for the same parameters, offline.
 fn offline_run(args: &[&str]) -> serde_json::Value {
-    let model = fixture("huginn");
-    let out = Command::new(bin())
-        .args([
-            "run",
-            "--model",
-            model.to_str().unwrap(),
-            "--json",
-            "--log-filter",
-            "warn",
-        ])
-        .args(args)
-        .output()
-        .expect("run wavefront run");
-    assert!(
-        out.status.success(),
-        "wavefront run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+    json_result(&wavefront_run("huginn", args))
 }
 
 async fn wait_pool_full(worker: std::net::SocketAddr) {
@@ -606,13 +590,7 @@ async fn batch_invariance_with_requests_joining_at_different_ticks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn masked_diffusion_chat_prompt_and_canvas_stream() {
     let model = fixture("llada");
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let worker = spawn_worker("llada", &[]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
     let golden: serde_json::Value =
@@ -671,17 +649,9 @@ async fn masked_diffusion_chat_prompt_and_canvas_stream() {
     assert_eq!(unary.token_ids, done.token_ids);
 
     // A chat prompt for a model without a template says so.
-    let huginn = fixture("huginn");
-    let out = Command::new(bin())
-        .args([
-            "run",
-            "--model",
-            huginn.to_str().unwrap(),
-            "--json",
-            "--log-filter",
-            "warn",
-        ])
-        .args([
+    let out = wavefront_run(
+        "huginn",
+        &[
             "--prompt",
             "hi",
             "--chat",
@@ -689,9 +659,8 @@ async fn masked_diffusion_chat_prompt_and_canvas_stream() {
             "2",
             "--num-steps",
             "2",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("no chat template"),
@@ -700,43 +669,23 @@ async fn masked_diffusion_chat_prompt_and_canvas_stream() {
     );
 
     // Offline: the same request from the command line.
-    let out = Command::new(bin())
-        .args([
-            "run",
-            "--model",
-            model.to_str().unwrap(),
-            "--json",
-            "--log-filter",
-            "warn",
-        ])
-        .args([
+    let lines = json_lines(&wavefront_run(
+        "llada",
+        &[
             "--prompt",
             &content,
             "--chat",
             "--stream-canvas",
             "--scheme",
             "wino",
-        ])
-        .args([
             "--block-length",
             "8",
             "--max-new-tokens",
             "16",
             "--seed",
             "3",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+        ],
+    ));
     let (result, canvas) = lines.split_last().unwrap();
     assert_eq!(canvas.len(), frames.len());
     assert!(canvas.iter().all(|c| c["canvas"]["full"] == true));

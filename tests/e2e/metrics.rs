@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, spawn, wait_serving};
+use crate::harness::{channel, spawn, spawn_worker, wait_serving};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -37,19 +37,11 @@ fn sample(body: &str, prefix: &str) -> Option<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     let (wport, rport) = (free_port(), free_port());
-    let model = fixture("huginn");
     let wm = format!("127.0.0.1:{wport}");
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-        "--served-name",
-        "tiny",
-        "--metrics-listen",
-        &wm,
-    ]);
+    let worker = spawn_worker(
+        "huginn",
+        &["--served-name", "tiny", "--metrics-listen", &wm],
+    );
     wait_serving(worker.addr, "").await;
     let target = worker.addr.to_string();
     let rm = format!("127.0.0.1:{rport}");

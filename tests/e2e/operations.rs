@@ -9,7 +9,7 @@ use tonic_health::pb::HealthCheckRequest;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, spawn, wait_serving};
+use crate::harness::{channel, fixture, spawn, spawn_worker, wait_serving};
 
 fn long_request(max_new_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
@@ -35,16 +35,7 @@ async fn health(addr: std::net::SocketAddr, service: &str) -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
-    let model = fixture("huginn");
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-        "--drain-timeout-s",
-        "60",
-    ]);
+    let worker = spawn_worker("huginn", &["--drain-timeout-s", "60"]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let addr = worker.addr;
     let mut client = GenerationClient::new(channel(addr).await);
@@ -102,8 +93,8 @@ async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
 async fn a_dead_worker_is_routed_around_and_readded_when_it_returns() {
     let model = fixture("huginn");
     let m = model.to_str().unwrap();
-    let a = spawn(&["worker", "--listen", "127.0.0.1:0", "--model", m]);
-    let b = spawn(&["worker", "--listen", "127.0.0.1:0", "--model", m]);
+    let a = spawn_worker("huginn", &[]);
+    let b = spawn_worker("huginn", &[]);
     wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
     wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
     let (a_addr, b_addr) = (a.addr, b.addr);

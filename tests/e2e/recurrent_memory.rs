@@ -3,13 +3,14 @@
 //! worker serving the model answers the same tokens over gRPC with an unknown execution mode
 //! refused as INVALID_ARGUMENT.
 
-use std::process::Command;
-
 use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{bin, channel, fixture, spawn, wait_serving};
+use crate::harness::{
+    channel, fixture, json_result, spawn_worker, wait_serving, wavefront_run,
+    wavefront_run_with_env,
+};
 
 /// The fixture's 44 input ids and upstream's 8 greedy tokens after them (golden.json).
 fn golden() -> (Vec<u32>, Vec<u32>) {
@@ -21,24 +22,14 @@ fn golden() -> (Vec<u32>, Vec<u32>) {
     (ids, tokens)
 }
 
-fn run(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    let model = fixture("armt");
-    Command::new(bin())
-        .args(["run", "--model", model.to_str().unwrap(), "--json"])
-        .args(["--log-filter", "warn"])
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .expect("run wavefront run")
-}
-
 #[test]
 fn run_reproduces_upstream_generation_with_each_execution_mode() {
     let (ids, want) = golden();
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     for (execution, steps) in [("sequential", 18), ("diagonal", 8), ("auto", 8)] {
-        let out = run(
+        let json = json_result(&wavefront_run(
+            "armt",
             &[
                 "--scheme",
                 "ar",
@@ -49,14 +40,7 @@ fn run_reproduces_upstream_generation_with_each_execution_mode() {
                 "--max-new-tokens",
                 "8",
             ],
-            &[],
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        ));
         let tokens: Vec<u32> = serde_json::from_value(json["token_ids"].clone()).expect("ids");
         assert_eq!(tokens, want, "{execution}");
         let stats = &json["stats"];
@@ -65,7 +49,8 @@ fn run_reproduces_upstream_generation_with_each_execution_mode() {
         assert!(stats["series"]["cells_per_step"].is_array());
     }
     // The context limit is the configured one (44 + 8 > 40), not the backbone's.
-    let out = run(
+    let out = wavefront_run_with_env(
+        "armt",
         &["--prompt-ids", &ids, "--max-new-tokens", "8"],
         &[("WAVEFRONT_MAX_CONTEXT_TOKENS", "40")],
     );
@@ -77,16 +62,7 @@ fn run_reproduces_upstream_generation_with_each_execution_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_serves_the_armt_fixture() {
     let (ids, want) = golden();
-    let model = fixture("armt");
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-        "--max-context-tokens",
-        "100000",
-    ]);
+    let worker = spawn_worker("armt", &["--max-context-tokens", "100000"]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
     let models = client

@@ -4,13 +4,11 @@
 //! tokens in position order with slot events ahead of them, and refuses a slot size that does
 //! not divide gen_length as INVALID_ARGUMENT.
 
-use std::process::Command;
-
 use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{bin, channel, fixture, spawn, wait_serving};
+use crate::harness::{channel, fixture, json_lines, spawn_worker, wait_serving, wavefront_run};
 
 const EOS: u32 = 486;
 
@@ -68,10 +66,12 @@ fn golden_run(name: &str) -> Run {
     }
 }
 
+/// `wavefront run` flags of the golden run with `plan-infill`.
 fn flags(run: &Run) -> Vec<String> {
     let a = &run.args;
     let ids: Vec<String> = run.prompt.iter().map(u32::to_string).collect();
     [
+        ("--scheme", "plan-infill".to_owned()),
         ("--prompt-ids", ids.join(",")),
         ("--max-new-tokens", a["gen_length"].to_string()),
         ("--slot-size", a["slot_size"].to_string()),
@@ -84,32 +84,13 @@ fn flags(run: &Run) -> Vec<String> {
     .collect()
 }
 
-fn run(args: &[String]) -> Vec<serde_json::Value> {
-    let model = fixture("refusion");
-    let out = Command::new(bin())
-        .args(["run", "--model", model.to_str().unwrap(), "--json"])
-        .args(["--log-filter", "warn", "--scheme", "plan-infill"])
-        .args(args)
-        .output()
-        .expect("run wavefront run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
-}
-
 #[test]
 fn run_reproduces_upstream_and_prints_slot_events() {
     for name in ["main_b16", "paper_b16", "eos_prefix_b16"] {
         let golden = golden_run(name);
         let mut args = flags(&golden);
         args.push("--stream-canvas".into());
-        let lines = run(&args);
+        let lines = json_lines(&wavefront_run("refusion", &args));
         let (result, canvas) = lines.split_last().expect("output");
         let tokens: Vec<u32> = serde_json::from_value(result["token_ids"].clone()).unwrap();
         assert_eq!(tokens, golden.response, "{name}");
@@ -137,21 +118,14 @@ fn run_reproduces_upstream_and_prints_slot_events() {
     let golden = golden_run("main_b16");
     let mut args = flags(&golden);
     args.extend(["--tensor-parallel".into(), "2".into()]);
-    let lines = run(&args);
+    let lines = json_lines(&wavefront_run("refusion", &args));
     let tokens: Vec<u32> = serde_json::from_value(lines[0]["token_ids"].clone()).unwrap();
     assert_eq!(tokens, golden.response);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_streams_slots_in_position_order_with_slot_events_ahead() {
-    let model = fixture("refusion");
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let worker = spawn_worker("refusion", &[]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
     let models = client

@@ -14,7 +14,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use tokio_stream::wrappers::TcpListenerStream;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, spawn_with_env, wait_serving};
+use crate::harness::{channel, spawn_with_env, spawn_worker_with_env, wait_serving};
 
 #[derive(Clone, Default)]
 struct Receiver {
@@ -63,17 +63,7 @@ async fn one_trace_spans_client_router_worker_and_engine_ticks() {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
-    let model = fixture("huginn");
-    let worker = spawn_with_env(
-        &[
-            "worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            model.to_str().unwrap(),
-        ],
-        &env,
-    );
+    let worker = spawn_worker_with_env("huginn", &[], &env);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
     let target = worker.addr.to_string();
     let router = spawn_with_env(

@@ -14,17 +14,16 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Parser, ValueEnum};
-use wavefront_engine::{Event, Stats};
-use wavefront_models::candle_core::{DType, Device};
+use wavefront_bench::run::{self, Outcome};
+use wavefront_bench::table;
+use wavefront_bench::table::Align::{Left, Right};
 use wavefront_schemes::recurrent_depth::serve_model;
 use wavefront_schemes::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LoadOptions, SamplingParams,
-    SchemeParams, ServedModel,
+    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LoadOptions, SchemeParams,
 };
 
 #[derive(Debug, Parser)]
@@ -104,15 +103,6 @@ struct Args {
     dtype: String,
 }
 
-fn device_and_dtype(args: &Args) -> Result<(Device, DType)> {
-    use wavefront_models::device::{parse_device, parse_dtype};
-    let flag = |e: wavefront_models::ModelError| anyhow::anyhow!("--{e}");
-    Ok((
-        parse_device(&args.device).map_err(flag)?,
-        parse_dtype(&args.dtype).map_err(flag)?,
-    ))
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Workload {
     ArStatic,
@@ -184,7 +174,7 @@ impl Workload {
         let mut x = a
             .seed
             .wrapping_mul(6364136223846793005)
-            .wrapping_add(i * 1442695040888963407 + 1);
+            .wrapping_add(i.wrapping_mul(1442695040888963407).wrapping_add(1));
         let prompt_ids = (0..a.prompt_len)
             .map(|_| {
                 x = x
@@ -193,84 +183,8 @@ impl Workload {
                 ((x >> 33) % a.vocab_size as u64) as u32
             })
             .collect();
-        GenerateSpec {
-            prompt_ids,
-            max_new_tokens,
-            stop_token_ids: Vec::new(),
-            sampling: SamplingParams {
-                seed: a.seed + i,
-                ..SamplingParams::default()
-            },
-            scheme: self.scheme(a),
-            replay_draws: None,
-            stream_canvas: false,
-        }
+        run::spec(prompt_ids, max_new_tokens, a.seed + i, self.scheme(a))
     }
-}
-
-/// What one request produced.
-struct Outcome {
-    tokens: Vec<u32>,
-    stats: Stats,
-}
-
-impl Outcome {
-    fn mean_series(&self, name: &str) -> Option<f64> {
-        let s = self.stats.series.get(name)?;
-        (!s.is_empty()).then(|| s.iter().map(|&v| f64::from(v)).sum::<f64>() / s.len() as f64)
-    }
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (tx, rx) = mpsc::sync_channel(4096);
-    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
-    Ok(rx)
-}
-
-fn wait(rx: &Receiver<Event>) -> Result<Outcome> {
-    let mut tokens = Vec::new();
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(1800))
-            .context("engine stalled")?
-        {
-            Event::Tokens(t) => tokens.extend(t),
-            Event::Canvas(_) => {}
-            Event::Finished { stats, .. } => return Ok(Outcome { tokens, stats }),
-            Event::Failed(e) => bail!("request failed: {e}"),
-        }
-    }
-}
-
-/// Submits every request at once and waits for all of them.
-fn concurrent(
-    served: &dyn ServedModel,
-    specs: &[GenerateSpec],
-) -> Result<(Vec<Outcome>, Duration)> {
-    let start = Instant::now();
-    let rxs = specs
-        .iter()
-        .map(|s| submit(served, s.clone()))
-        .collect::<Result<Vec<_>>>()?;
-    let outs = rxs.iter().map(wait).collect::<Result<Vec<_>>>()?;
-    Ok((outs, start.elapsed()))
-}
-
-/// Serves the requests one after another.
-fn sequential(
-    served: &dyn ServedModel,
-    specs: &[GenerateSpec],
-) -> Result<(Vec<Outcome>, Duration)> {
-    let start = Instant::now();
-    let outs = specs
-        .iter()
-        .map(|s| wait(&submit(served, s.clone())?))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((outs, start.elapsed()))
-}
-
-fn tokens(outs: &[Outcome]) -> usize {
-    outs.iter().map(|o| o.tokens.len()).sum()
 }
 
 fn main() -> Result<()> {
@@ -287,17 +201,12 @@ fn main() -> Result<()> {
         mean_recurrence: args.num_steps,
     };
     let cfg = shape.config()?;
-    let (device, dtype) = device_and_dtype(&args)?;
-    eprintln!("device {device:?}, dtype {dtype:?}");
     let opts = LoadOptions {
-        name: "synthetic-huginn".into(),
-        device,
-        dtype,
         memory_budget_bytes: args.memory_budget_mb << 20,
         max_active: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
-        queue_capacity: 64,
-        ..LoadOptions::default()
+        ..run::load_options("synthetic-huginn", &args.device, &args.dtype)?
     };
+    eprintln!("device {:?}, dtype {:?}", opts.device, opts.dtype);
     let (model_cfg, seed) = (cfg.clone(), args.seed);
     eprintln!("building the synthetic model ({shape:?})");
     let served = serve_model(cfg, None, opts, move |device, dtype| {
@@ -307,10 +216,7 @@ fn main() -> Result<()> {
         "model ready after {:.1}s; warming up",
         total.elapsed().as_secs_f64()
     );
-    sequential(
-        served.as_ref(),
-        &[Workload::ArStatic.request(&args, 999, 2)],
-    )?;
+    run::serve(served.as_ref(), Workload::ArStatic.request(&args, 999, 2))?;
 
     println!(
         "Synthetic Huginn: n_embd {}, heads {}, prelude/core/coda {}/{}/{}, intermediate {}, vocab {}; \
@@ -332,15 +238,25 @@ fn main() -> Result<()> {
     );
 
     // 1. Batch 1.
-    println!("| workload (batch 1) | settings | new tokens | seconds | tokens/s | vs static AR | core calls | core iterations per token | core row-iterations | mean wavefront |");
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    table::print_header(&[
+        ("workload (batch 1)", Left),
+        ("settings", Left),
+        ("new tokens", Right),
+        ("seconds", Right),
+        ("tokens/s", Right),
+        ("vs static AR", Right),
+        ("core calls", Right),
+        ("core iterations per token", Right),
+        ("core row-iterations", Right),
+        ("mean wavefront", Right),
+    ]);
     let mut static_rate = None;
     for &w in &args.single {
         eprintln!("batch 1: {}", w.label());
         let spec = w.request(&args, 0, args.max_new_tokens);
         let mut best: Option<(Outcome, Duration)> = None;
         for _ in 0..args.repeat.max(1) {
-            let (mut outs, took) = sequential(served.as_ref(), std::slice::from_ref(&spec))?;
+            let (mut outs, took) = run::one_after_another(served.as_ref(), [spec.clone()])?;
             if best.as_ref().is_none_or(|(_, t)| took < *t) {
                 best = Some((outs.remove(0), took));
             }
@@ -373,22 +289,31 @@ fn main() -> Result<()> {
 
     // 2. Continuous batching against one after another.
     println!();
-    println!("| workload | concurrent requests | tokens | continuous batching: seconds | tokens/s | one after another: seconds | tokens/s | speed-up | same outputs |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    table::print_header(&[
+        ("workload", Left),
+        ("concurrent requests", Right),
+        ("tokens", Right),
+        ("continuous batching: seconds", Right),
+        ("tokens/s", Right),
+        ("one after another: seconds", Right),
+        ("tokens/s", Right),
+        ("speed-up", Right),
+        ("same outputs", Left),
+    ]);
     for &w in &args.batched {
         for &n in &args.concurrency {
             let specs: Vec<GenerateSpec> = (0..n as u64)
                 .map(|i| w.request(&args, 100 + i, args.batched_max_new_tokens))
                 .collect();
             eprintln!("{}: {n} concurrent", w.label());
-            let (batched, t_batched) = concurrent(served.as_ref(), &specs)?;
+            let (batched, t_batched) = run::together(served.as_ref(), specs.iter().cloned())?;
             eprintln!("{}: {n} one after another", w.label());
-            let (alone, t_alone) = sequential(served.as_ref(), &specs)?;
+            let (alone, t_alone) = run::one_after_another(served.as_ref(), specs.iter().cloned())?;
             let same = batched
                 .iter()
                 .zip(&alone)
                 .all(|(a, b)| a.tokens == b.tokens);
-            let (nb, na) = (tokens(&batched), tokens(&alone));
+            let (nb, na) = (table::total_tokens(&batched), table::total_tokens(&alone));
             let (rb, ra) = (
                 nb as f64 / t_batched.as_secs_f64(),
                 na as f64 / t_alone.as_secs_f64(),

@@ -9,12 +9,10 @@
 //! fixture checkpoint, so adaptive exits and diffusion freezes happen, but how quickly they
 //! happen says nothing about a trained model.
 
-use std::collections::HashMap;
-
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_models::candle_core::{DType, Device, Tensor};
-use wavefront_models::candle_nn::VarBuilder;
+use rand::SeedableRng;
+use wavefront_bench::weights::{uniform_with_std, var_builder};
+use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Huginn, HuginnConfig};
 
 /// Sizes of the synthetic model.
@@ -73,10 +71,9 @@ pub fn random_model(
         + cfg.n_layers_in_recurrent_block * cfg.mean_recurrence
         + cfg.n_layers_in_coda;
     let out_std = std / (2.0 * depth as f64).sqrt();
-    let mut tensors = HashMap::new();
-    for (name, shape) in cfg.checkpoint_tensors() {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.contains("norm") || name.ends_with("ln_f.weight") {
+    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
+        let n = shape.iter().product();
+        if name.contains("norm") || name.ends_with("ln_f.weight") {
             vec![1.0; n]
         } else {
             let s = if name.ends_with("attn.proj.weight") || name.ends_with("mlp.proj.weight") {
@@ -86,15 +83,8 @@ pub fn random_model(
             } else {
                 std
             };
-            // Uniform on [-a, a] has standard deviation a / sqrt(3).
-            let a = (s * 3f64.sqrt()) as f32;
-            (0..n).map(|_| rng.random_range(-a..a)).collect()
-        };
-        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
-        tensors.insert(name, t);
-    }
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+            uniform_with_std(&mut rng, n, s)
+        }
+    })?;
     Ok(Huginn::load(vb, cfg.clone())?)
 }

@@ -1,13 +1,22 @@
 //! Test helpers shared by every family: an event sink over a bounded std
-//! channel that the test can close, and collecting a request's events.
+//! channel that the test can close, collecting a request's events, request
+//! builders, serving a fixture behind the real engine, and the checks the
+//! families' serving tests share.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use wavefront_engine::{CanvasFrame, Event, EventSink, FinishReason, SinkError, Stats};
+use anyhow::{bail, ensure, Context, Result};
+use wavefront_engine::{
+    CanvasFrame, EngineError, Event, EventSink, FinishReason, Outbox, RequestError, SinkError,
+    Stats,
+};
+use wavefront_models::ModelFiles;
+
+use crate::request::{GenerateSpec, SamplingParams, SchemeParams};
+use crate::served::{load_model, LoadOptions, Planner, ServedModel};
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path).
@@ -96,20 +105,201 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     }
 }
 
+/// A greedy request (seeded with `seed` for the schemes that draw) for `max_new_tokens` tokens
+/// after `prompt_ids`, without stop tokens, replayed draws or canvas frames.
+pub fn spec(
+    prompt_ids: Vec<u32>,
+    max_new_tokens: usize,
+    seed: u64,
+    scheme: SchemeParams,
+) -> GenerateSpec {
+    GenerateSpec {
+        prompt_ids,
+        max_new_tokens,
+        stop_token_ids: Vec::new(),
+        sampling: SamplingParams {
+            seed,
+            ..SamplingParams::default()
+        },
+        scheme,
+        replay_draws: None,
+        stream_canvas: false,
+    }
+}
+
+/// Loads `files` as model `name`, ticking at most `max_active` requests together, and starts its
+/// engine (default options otherwise).
+pub fn serve(files: ModelFiles, name: &str, max_active: usize) -> Result<Arc<dyn ServedModel>> {
+    let opts = LoadOptions {
+        name: name.into(),
+        max_active,
+        ..LoadOptions::default()
+    };
+    Ok(load_model(files, opts)?)
+}
+
+/// Submits `spec` with a [`TestSink`] of 1024 events; its events arrive on the returned channel.
+pub fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (sink, rx, _) = TestSink::new(1024);
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+/// Submits `spec` expecting the engine to refuse it at once; the error it was refused with.
+pub fn refusal(served: &dyn ServedModel, spec: GenerateSpec) -> Result<EngineError> {
+    let (sink, _rx, _) = TestSink::new(4);
+    match served.submit(spec, Box::new(sink), None, tracing::Span::none()) {
+        Err(e) => Ok(e),
+        Ok(id) => bail!("request {id} was accepted"),
+    }
+}
+
+/// Loads `files` with a slot pool of `memory_budget_bytes` and submits `spec`, which the engine
+/// must refuse at once as larger than the pool; returns the slots it needed and the pool's.
+pub fn refused_as_too_large(
+    files: ModelFiles,
+    memory_budget_bytes: u64,
+    spec: GenerateSpec,
+) -> Result<(usize, usize)> {
+    let opts = LoadOptions {
+        memory_budget_bytes,
+        ..LoadOptions::default()
+    };
+    let served = load_model(files, opts)?;
+    let err = refusal(served.as_ref(), spec);
+    served.shutdown();
+    match err? {
+        EngineError::TooLarge { needed, total } => Ok((needed, total)),
+        other => bail!("refused with {other:?}, not as too large"),
+    }
+}
+
+/// Checks that the planner refuses each request as an invalid argument whose message contains
+/// the text paired with it.
+pub fn assert_invalid<P: Planner>(planner: &P, cases: Vec<(GenerateSpec, &str)>) -> Result<()> {
+    for (s, want) in cases {
+        match planner.prepare(s) {
+            Err(RequestError::InvalidArgument(m)) => {
+                ensure!(m.contains(want), "{m:?} lacks {want:?}")
+            }
+            Err(e) => bail!("{want}: unexpected {e:?}"),
+            Ok(_) => bail!("{want}: accepted"),
+        }
+    }
+    Ok(())
+}
+
+/// Serves every request alone, one after another, then all of them again with request i
+/// submitted once request i - 1 has sent an event that `ready` accepts (or has ended), so that
+/// each joins a batch that is already running; checks that each request's [`Outcome::work`] is
+/// the same both times. Returns the outcomes of the requests served alone.
+pub fn assert_joining_requests_match_alone(
+    served: &dyn ServedModel,
+    specs: &[GenerateSpec],
+    ready: impl Fn(&Event) -> bool,
+) -> Result<Vec<Outcome>> {
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served, s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
+    for s in specs {
+        if let Some((rx, seen)) = receivers.last_mut() {
+            loop {
+                let ev = rx
+                    .recv_timeout(Duration::from_secs(120))
+                    .context("engine stalled")?;
+                let joins = ready(&ev) || matches!(ev, Event::Finished { .. } | Event::Failed(_));
+                seen.push(ev);
+                if joins {
+                    break;
+                }
+            }
+        }
+        receivers.push((submit(served, s.clone())?, Vec::new()));
+    }
+    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
+        let got = collect(&rx, seen)?;
+        ensure!(
+            got.work() == want.work(),
+            "request {i} ({}): batched {:?}, alone {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    Ok(alone)
+}
+
+/// Checks how a response ends: it is not empty and at most `spec.max_new_tokens` long; it stops
+/// right after its first stop token (`eos` or one of the request's) with
+/// [`FinishReason::StopToken`], or, without one, runs to `max_new_tokens` with
+/// [`FinishReason::Length`]. Returns whether it stopped on a stop token.
+pub fn assert_ends_at_first_stop(spec: &GenerateSpec, out: &Outcome, eos: u32) -> Result<bool> {
+    ensure!(!out.tokens.is_empty() && out.tokens.len() <= spec.max_new_tokens);
+    let stops = |t: &u32| *t == eos || spec.stop_token_ids.contains(t);
+    let first_stop = out.tokens.iter().position(stops);
+    ensure!(
+        first_stop.is_none_or(|k| k + 1 == out.tokens.len()),
+        "{:?}",
+        out.tokens
+    );
+    if first_stop.is_some() {
+        ensure!(out.reason == FinishReason::StopToken);
+    } else {
+        ensure!(out.tokens.len() == spec.max_new_tokens && out.reason == FinishReason::Length);
+    }
+    Ok(first_stop.is_some())
+}
+
+/// Waits until every slot of the pool is free again; fails after `within`.
+pub fn wait_for_free_slots(served: &dyn ServedModel, within: Duration) -> Result<()> {
+    let start = Instant::now();
+    while served.load().free_slots != served.load().total_slots {
+        ensure!(start.elapsed() < within, "slots leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// Runs `programs` packed into the same ticks until every one is done, each with its own outbox:
+/// `tick` runs one tick of the programs still running, each with its outbox. Returns how many
+/// ticks each program was part of; fails after 10 000 ticks.
+pub fn tick_until_done<P>(
+    programs: &mut [P],
+    mut tick: impl FnMut(Vec<(&mut P, &mut Outbox)>) -> Result<()>,
+) -> Result<Vec<usize>> {
+    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+    let mut ticks = vec![0; programs.len()];
+    for _ in 0..10_000 {
+        let batch: Vec<(&mut P, &mut Outbox)> = programs
+            .iter_mut()
+            .zip(outboxes.iter_mut())
+            .zip(ticks.iter_mut())
+            .filter(|((_, o), _)| !o.is_done())
+            .map(|((program, outbox), t)| {
+                *t += 1;
+                (program, outbox)
+            })
+            .collect();
+        if batch.is_empty() {
+            return Ok(ticks);
+        }
+        tick(batch)?;
+    }
+    bail!("programs did not finish")
+}
+
 /// Loads `files` with `opts`, submits every request at once and collects their outcomes.
 pub fn served_outcomes(
-    files: wavefront_models::ModelFiles,
-    opts: crate::served::LoadOptions,
-    requests: &[crate::request::GenerateSpec],
+    files: ModelFiles,
+    opts: LoadOptions,
+    requests: &[GenerateSpec],
 ) -> Result<Vec<Outcome>> {
-    let served = crate::served::load_model(files, opts)?;
+    let served = load_model(files, opts)?;
     let receivers = requests
         .iter()
-        .map(|spec| {
-            let (sink, rx, _) = TestSink::new(1024);
-            served.submit(spec.clone(), Box::new(sink), None, tracing::Span::none())?;
-            Ok(rx)
-        })
+        .map(|spec| submit(served.as_ref(), spec.clone()))
         .collect::<Result<Vec<_>>>()?;
     let out = receivers
         .iter()
@@ -122,12 +312,12 @@ pub fn served_outcomes(
 /// Serves `requests` on one rank and split over 2 and 4 in-process tensor-parallel ranks:
 /// every request decodes the same tokens with the same per-step statistics.
 pub fn assert_tensor_parallel_decodes_match(
-    files: impl Fn() -> Result<wavefront_models::ModelFiles>,
-    requests: &[crate::request::GenerateSpec],
+    files: impl Fn() -> Result<ModelFiles>,
+    requests: &[GenerateSpec],
 ) -> Result<()> {
-    let opts = |world| crate::served::LoadOptions {
+    let opts = |world| LoadOptions {
         tensor_parallel: world,
-        ..crate::served::LoadOptions::default()
+        ..LoadOptions::default()
     };
     let one = served_outcomes(files()?, opts(1), requests)?;
     for world in [2, 4] {

@@ -13,18 +13,14 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver};
-use std::time::{Duration, Instant};
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_engine::{Event, Stats};
+use wavefront_bench::run;
+use wavefront_bench::table::Align::{Left, Right};
+use wavefront_bench::table::{self, mean, series_mean};
 use wavefront_schemes::masked_diffusion::serve_model;
 use wavefront_schemes::{
-    GenerateSpec, LoadOptions, LowConfidenceParams, SamplingParams, SchemeParams, ServedModel,
-    SureLockParams, WinoParams,
+    GenerateSpec, LoadOptions, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
 };
 
 #[derive(Debug, Parser)]
@@ -135,69 +131,14 @@ impl Workload {
     }
 
     fn request(self, a: &Args, i: u64) -> GenerateSpec {
-        let mut rng = StdRng::seed_from_u64(a.seed ^ (i + 1).wrapping_mul(0x9e37_79b9));
         // Ordinary ids: below the two special rows (eos, mask) at the end of the vocabulary.
-        let prompt_ids = (0..a.prompt_len)
-            .map(|_| rng.random_range(0..(a.vocab_size - 2) as u32))
-            .collect();
-        GenerateSpec {
-            prompt_ids,
-            max_new_tokens: a.gen_length,
-            stop_token_ids: Vec::new(),
-            sampling: SamplingParams {
-                seed: i,
-                ..SamplingParams::default()
-            },
-            scheme: self.scheme(a),
-            replay_draws: None,
-            stream_canvas: false,
-        }
+        let prompt_ids = run::random_prompt(a.seed, i, a.prompt_len, 0..(a.vocab_size - 2) as u32);
+        run::spec(prompt_ids, a.gen_length, i, self.scheme(a))
     }
-}
-
-struct Outcome {
-    tokens: usize,
-    stats: Stats,
-    latency: Duration,
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (tx, rx) = mpsc::sync_channel(4096);
-    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
-    Ok(rx)
-}
-
-fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
-    let mut tokens = 0;
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(3600))
-            .context("engine stalled")?
-        {
-            Event::Tokens(t) => tokens += t.len(),
-            Event::Canvas(_) => {}
-            Event::Finished { stats, .. } => {
-                return Ok(Outcome {
-                    tokens,
-                    stats,
-                    latency: started.elapsed(),
-                })
-            }
-            Event::Failed(e) => bail!("request failed: {e}"),
-        }
-    }
-}
-
-fn mean(values: impl Iterator<Item = f64>) -> f64 {
-    let v: Vec<f64> = values.collect();
-    v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let flag = |e: wavefront_models::ModelError| anyhow::anyhow!("--{e}");
-    let device = wavefront_models::device::parse_device(&a.device).map_err(flag)?;
-    let dtype = wavefront_models::device::parse_dtype(&a.dtype).map_err(flag)?;
     let shape = synthetic::Shape {
         d_model: a.d_model,
         n_heads: a.n_heads,
@@ -209,13 +150,9 @@ fn main() -> Result<()> {
     let cfg = shape.config()?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let opts = LoadOptions {
-        name: "synthetic-llada".into(),
-        device: device.clone(),
-        dtype,
         memory_budget_bytes: 16 << 30,
-        queue_capacity: 64,
         max_active: max_c,
-        ..LoadOptions::default()
+        ..run::load_options("synthetic-llada", &a.device, &a.dtype)?
     };
     let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);
     let model_cfg = cfg.clone();
@@ -227,29 +164,28 @@ fn main() -> Result<()> {
     // Warm up (kernels, allocator) with one short request.
     let mut warm = Workload::Wino.request(&a, 999);
     warm.max_new_tokens = a.block_length;
-    wait(&submit(served.as_ref(), warm)?, Instant::now())?;
+    run::serve(served.as_ref(), warm)?;
 
-    println!("| scheme | concurrent requests | forward passes per request | wall s | latency per request s | tokens/s (all requests) | rows computed per request per step | SureLock FLOPs ratio |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    table::print_header(&[
+        ("scheme", Left),
+        ("concurrent requests", Right),
+        ("forward passes per request", Right),
+        ("wall s", Right),
+        ("latency per request s", Right),
+        ("tokens/s (all requests)", Right),
+        ("rows computed per request per step", Right),
+        ("SureLock FLOPs ratio", Right),
+    ]);
     for &c in &a.concurrency {
         for w in Workload::ALL {
             eprintln!("{} x{c}...", w.label());
-            let started = Instant::now();
-            let rxs = (0..c as u64)
-                .map(|i| submit(served.as_ref(), w.request(&a, i)))
-                .collect::<Result<Vec<_>>>()?;
-            let outs = rxs
-                .iter()
-                .map(|rx| wait(rx, started))
-                .collect::<Result<Vec<_>>>()?;
-            let wall = started.elapsed().as_secs_f64();
-            let tokens: usize = outs.iter().map(|o| o.tokens).sum();
+            let (outs, wall) =
+                run::together(served.as_ref(), (0..c as u64).map(|i| w.request(&a, i)))?;
+            let wall = wall.as_secs_f64();
+            let tokens = table::total_tokens(&outs);
             let passes = mean(outs.iter().map(|o| o.stats.forward_passes as f64));
             let latency = mean(outs.iter().map(|o| o.latency.as_secs_f64()));
-            let rows = mean(
-                outs.iter()
-                    .flat_map(|o| o.stats.series["active_rows"].iter().map(|&r| f64::from(r))),
-            );
+            let rows = series_mean(&outs, "active_rows").unwrap_or(0.0);
             let flops = outs
                 .iter()
                 .map(|o| {

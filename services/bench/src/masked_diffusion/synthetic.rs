@@ -9,12 +9,10 @@
 //! SureLock sees posteriors settle. How often either happens with these weights says nothing
 //! about the trained LLaDA-8B.
 
-use std::collections::HashMap;
-
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_models::candle_core::{DType, Device, Tensor};
-use wavefront_models::candle_nn::VarBuilder;
+use rand::SeedableRng;
+use wavefront_bench::weights::{uniform_with_std, var_builder};
+use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Llada, LladaConfig};
 
 /// Sizes of the synthetic model.
@@ -82,10 +80,9 @@ pub fn random_model(
 ) -> anyhow::Result<Llada> {
     let mut rng = StdRng::seed_from_u64(seed);
     let d = cfg.d_model as f64;
-    let mut tensors = HashMap::new();
-    for (name, shape) in cfg.checkpoint_tensors() {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") || name.ends_with("ln_f.weight") {
+    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
+        let n = shape.iter().product();
+        if name.ends_with("norm.weight") || name.ends_with("ln_f.weight") {
             vec![1.0; n]
         } else {
             let layer = name
@@ -107,15 +104,8 @@ pub fn random_model(
             } else {
                 1.0
             };
-            // Uniform on [-a, a] has standard deviation a / sqrt(3).
-            let a = (std * scale * 3f64.sqrt()) as f32;
-            (0..n).map(|_| rng.random_range(-a..a)).collect()
-        };
-        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
-        tensors.insert(name, t);
-    }
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+            uniform_with_std(&mut rng, n, std * scale)
+        }
+    })?;
     Ok(Llada::load(vb, cfg.clone())?)
 }

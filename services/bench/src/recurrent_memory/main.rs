@@ -16,19 +16,13 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver};
-use std::time::{Duration, Instant};
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_engine::{Event, Stats};
-use wavefront_models::device::{parse_device, parse_dtype};
+use wavefront_bench::run;
+use wavefront_bench::table;
+use wavefront_bench::table::Align::{Left, Right};
 use wavefront_schemes::recurrent_memory::serve_model;
-use wavefront_schemes::{
-    ArParams, Execution, GenerateSpec, LoadOptions, SamplingParams, SchemeParams, ServedModel,
-};
+use wavefront_schemes::{ArParams, Execution, GenerateSpec, LoadOptions, SchemeParams};
 
 #[derive(Debug, Parser)]
 #[command(about = "ARMT prefill: sequential execution against diagonal batching")]
@@ -73,62 +67,21 @@ struct Args {
     seed: u64,
 }
 
-struct Outcome {
-    tokens: Vec<u32>,
-    stats: Stats,
-    latency: Duration,
-}
-
 fn request(a: &Args, len: usize, execution: Execution, i: u64) -> GenerateSpec {
-    let mut rng = StdRng::seed_from_u64(a.seed ^ (i + 1).wrapping_mul(0x9e37_79b9));
-    let prompt_ids = (0..len)
-        .map(|_| rng.random_range(3..a.vocab_size as u32))
-        .collect();
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens: 1,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams::default(),
-        scheme: SchemeParams::Ar(ArParams {
-            execution,
-            ..ArParams::default()
-        }),
-        replay_draws: None,
-        stream_canvas: false,
-    }
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (tx, rx) = mpsc::sync_channel(64);
-    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
-    Ok(rx)
-}
-
-fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
-    let mut tokens = Vec::new();
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(3600))
-            .context("engine stalled")?
-        {
-            Event::Tokens(t) => tokens.extend(t),
-            Event::Finished { stats, .. } => {
-                return Ok(Outcome {
-                    tokens,
-                    stats,
-                    latency: started.elapsed(),
-                })
-            }
-            Event::Failed(e) => bail!("request failed: {e}"),
-            Event::Canvas(_) => {}
-        }
-    }
+    let scheme = SchemeParams::Ar(ArParams {
+        execution,
+        ..ArParams::default()
+    });
+    run::spec(
+        run::random_prompt(a.seed, i, len, 3..a.vocab_size as u32),
+        1,
+        0,
+        scheme,
+    )
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let device = parse_device(&a.device)?;
-    let dtype = parse_dtype(&a.dtype)?;
     let shape = synthetic::Shape {
         hidden_size: a.hidden_size,
         layers: a.layers,
@@ -150,14 +103,10 @@ fn main() -> Result<()> {
         .max()
         .unwrap_or(1);
     let opts = LoadOptions {
-        name: "synthetic-armt".into(),
-        device,
-        dtype,
         memory_budget_bytes: 8 << 30,
-        queue_capacity: 64,
         max_active: a.concurrent.max(1),
         max_context_tokens: Some(longest + 1),
-        ..LoadOptions::default()
+        ..run::load_options("synthetic-armt", &a.device, &a.dtype)?
     };
     let (model_cfg, seed) = (cfg.clone(), a.seed);
     eprintln!("building the synthetic model ({shape:?})");
@@ -167,24 +116,35 @@ fn main() -> Result<()> {
 
     // Warm up both paths (allocator, thread pool) with a short context.
     for execution in [Execution::Sequential, Execution::Diagonal] {
-        let spec = request(&a, 4 * a.segment_size, execution, 999);
-        wait(&submit(served.as_ref(), spec)?, Instant::now())?;
+        run::serve(
+            served.as_ref(),
+            request(&a, 4 * a.segment_size, execution, 999),
+        )?;
     }
 
     println!("### One request: prefill time (time to the first token)\n");
-    println!("| input tokens | segments | sequential: layer calls | sequential s | diagonal: grouped steps | diagonal s | diagonal speed-up | cells per grouped step (mean) | same first token |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    table::print_header(&[
+        ("input tokens", Right),
+        ("segments", Right),
+        ("sequential: layer calls", Right),
+        ("sequential s", Right),
+        ("diagonal: grouped steps", Right),
+        ("diagonal s", Right),
+        ("diagonal speed-up", Right),
+        ("cells per grouped step (mean)", Right),
+        ("same first token", Left),
+    ]);
     for (i, &len) in a.lengths.iter().enumerate() {
         let mut outs = Vec::new();
         for execution in [Execution::Sequential, Execution::Diagonal] {
             eprintln!("{len} tokens, {}...", execution.as_str());
-            let started = Instant::now();
-            let rx = submit(served.as_ref(), request(&a, len, execution, i as u64))?;
-            outs.push(wait(&rx, started)?);
+            outs.push(run::serve(
+                served.as_ref(),
+                request(&a, len, execution, i as u64),
+            )?);
         }
         let (seq, diag) = (&outs[0], &outs[1]);
-        let cells = &diag.stats.series["cells_per_step"];
-        let mean_cells = cells.iter().map(|&c| f64::from(c)).sum::<f64>() / cells.len() as f64;
+        let mean_cells = diag.mean_series("cells_per_step").unwrap_or(f64::NAN);
         println!(
             "| {len} | {} | {} | {:.2} | {} | {:.2} | {:.2}x | {mean_cells:.2} | {} |",
             diag.stats.counters["segments"],
@@ -206,8 +166,15 @@ fn main() -> Result<()> {
             "\n### {} requests of {} tokens: packed together against one after another\n",
             a.concurrent, a.concurrent_length
         );
-        println!("| execution | together: engine ticks | together s | one after another: engine ticks | one after another s | speed-up | same outputs |");
-        println!("|---|---:|---:|---:|---:|---:|---|");
+        table::print_header(&[
+            ("execution", Left),
+            ("together: engine ticks", Right),
+            ("together s", Right),
+            ("one after another: engine ticks", Right),
+            ("one after another s", Right),
+            ("speed-up", Right),
+            ("same outputs", Left),
+        ]);
         for execution in [Execution::Diagonal, Execution::Sequential] {
             let specs: Vec<GenerateSpec> = (0..a.concurrent as u64)
                 .map(|i| request(&a, a.concurrent_length, execution, 100 + i))
@@ -218,25 +185,13 @@ fn main() -> Result<()> {
                 a.concurrent
             );
             let before = served.load().ticks;
-            let started = Instant::now();
-            let mut apart = Vec::new();
-            for s in &specs {
-                apart.push(wait(&submit(served.as_ref(), s.clone())?, Instant::now())?);
-            }
-            let apart_s = started.elapsed().as_secs_f64();
+            let (apart, apart_s) = run::one_after_another(served.as_ref(), specs.iter().cloned())?;
+            let apart_s = apart_s.as_secs_f64();
             let apart_ticks = served.load().ticks - before;
             eprintln!("{} x{} together...", execution.as_str(), a.concurrent);
             let before = served.load().ticks;
-            let started = Instant::now();
-            let rxs = specs
-                .iter()
-                .map(|s| submit(served.as_ref(), s.clone()))
-                .collect::<Result<Vec<_>>>()?;
-            let together = rxs
-                .iter()
-                .map(|rx| wait(rx, started))
-                .collect::<Result<Vec<_>>>()?;
-            let together_s = started.elapsed().as_secs_f64();
+            let (together, together_s) = run::together(served.as_ref(), specs.iter().cloned())?;
+            let together_s = together_s.as_secs_f64();
             let together_ticks = served.load().ticks - before;
             let same = together
                 .iter()

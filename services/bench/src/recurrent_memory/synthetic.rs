@@ -7,13 +7,11 @@
 //! would keep every memory at zero; here it is random like the rest, so reads and writes do
 //! real work. The timings say nothing about a trained model's outputs.
 
-use std::collections::HashMap;
-
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
+use wavefront_bench::weights::{uniform, var_builder};
 use wavefront_models::armt::{Armt, ArmtConfig};
-use wavefront_models::candle_core::{DType, Device, Tensor};
-use wavefront_models::candle_nn::VarBuilder;
+use wavefront_models::candle_core::{DType, Device};
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -74,10 +72,9 @@ pub fn random_model(
     dtype: DType,
 ) -> anyhow::Result<Armt> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut tensors = HashMap::new();
-    for (name, shape) in cfg.checkpoint_tensors() {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") {
+    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
+        let n = shape.iter().product();
+        if name.ends_with("norm.weight") {
             vec![1.0; n]
         } else if name.ends_with("W_mb.bias") {
             vec![0.0; n]
@@ -87,17 +84,9 @@ pub fn random_model(
             } else {
                 1.0 / (shape[1] as f32).sqrt()
             };
-            // Uniform on [-a, a] has standard deviation a / sqrt(3).
-            let a = std * 3f32.sqrt();
-            (0..n).map(|_| rng.random_range(-a..a)).collect()
-        };
-        let t = Tensor::from_vec(data, shape, &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
-        tensors.insert(name, t);
-    }
-    Ok(Armt::load(
-        VarBuilder::from_tensors(tensors, dtype, device),
-        cfg.clone(),
-    )?)
+            // Half-width std · sqrt(3), in float32.
+            uniform(&mut rng, n, std * 3f32.sqrt())
+        }
+    })?;
+    Ok(Armt::load(vb, cfg.clone())?)
 }

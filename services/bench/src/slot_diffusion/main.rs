@@ -14,20 +14,13 @@
 
 mod synthetic;
 
-use std::sync::mpsc::{self, Receiver};
-use std::time::{Duration, Instant};
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_engine::{Event, Stats};
-use wavefront_models::candle_core::{DType, Device};
+use wavefront_bench::run;
+use wavefront_bench::table::Align::{Left, Right};
+use wavefront_bench::table::{self, mean, series_mean};
 use wavefront_schemes::slot_diffusion::serve_model;
-use wavefront_schemes::{
-    ArParams, GenerateSpec, LoadOptions, PlanInfillParams, SamplingParams, SchemeParams,
-    ServedModel,
-};
+use wavefront_schemes::{ArParams, GenerateSpec, LoadOptions, PlanInfillParams, SchemeParams};
 
 #[derive(Debug, Parser)]
 #[command(about = "ReFusion plan-and-infill against autoregressive decoding on a synthetic Qwen3")]
@@ -101,11 +94,8 @@ impl Workload {
     }
 
     fn request(self, a: &Args, i: u64) -> GenerateSpec {
-        let mut rng = StdRng::seed_from_u64(a.seed ^ (i + 1).wrapping_mul(0x9e37_79b9));
         // Ordinary ids: below the two special rows (bos, mask) at the end of the vocabulary.
-        let prompt_ids = (0..a.prompt_len)
-            .map(|_| rng.random_range(0..(a.vocab_size - 2) as u32))
-            .collect();
+        let prompt_ids = run::random_prompt(a.seed, i, a.prompt_len, 0..(a.vocab_size - 2) as u32);
         let scheme = match self {
             Workload::PlanInfill => SchemeParams::PlanInfill(PlanInfillParams {
                 slot_size: a.slot_size,
@@ -116,82 +106,12 @@ impl Workload {
             }),
             Workload::Ar => SchemeParams::Ar(ArParams::default()),
         };
-        GenerateSpec {
-            prompt_ids,
-            max_new_tokens: a.gen_length,
-            stop_token_ids: Vec::new(),
-            sampling: SamplingParams {
-                seed: i,
-                ..SamplingParams::default()
-            },
-            scheme,
-            replay_draws: None,
-            stream_canvas: false,
-        }
+        run::spec(prompt_ids, a.gen_length, i, scheme)
     }
-}
-
-struct Outcome {
-    tokens: usize,
-    stats: Stats,
-    latency: Duration,
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (tx, rx) = mpsc::sync_channel(4096);
-    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
-    Ok(rx)
-}
-
-fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
-    let mut tokens = 0;
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(3600))
-            .context("engine stalled")?
-        {
-            Event::Tokens(t) => tokens += t.len(),
-            Event::Canvas(_) => {}
-            Event::Finished { stats, .. } => {
-                return Ok(Outcome {
-                    tokens,
-                    stats,
-                    latency: started.elapsed(),
-                })
-            }
-            Event::Failed(e) => bail!("request failed: {e}"),
-        }
-    }
-}
-
-fn mean(values: impl Iterator<Item = f64>) -> f64 {
-    let v: Vec<f64> = values.collect();
-    v.iter().sum::<f64>() / v.len().max(1) as f64
-}
-
-fn series_mean(outs: &[Outcome], name: &str) -> Option<f64> {
-    let v: Vec<f64> = outs
-        .iter()
-        .flat_map(|o| o.stats.series.get(name).into_iter().flatten())
-        .map(|&x| f64::from(x))
-        .collect();
-    (!v.is_empty()).then(|| mean(v.into_iter()))
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        d => match d.strip_prefix("cuda:") {
-            Some(n) => Device::new_cuda(n.parse()?)?,
-            None => bail!("--device must be cpu or cuda:N"),
-        },
-    };
-    let dtype = match a.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        d => bail!("--dtype must be f32 or bf16, got {d}"),
-    };
     let shape = synthetic::Shape {
         hidden_size: a.hidden_size,
         num_attention_heads: a.num_attention_heads,
@@ -205,14 +125,10 @@ fn main() -> Result<()> {
     let cfg = shape.config()?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let opts = LoadOptions {
-        name: "synthetic-refusion".into(),
-        device: device.clone(),
-        dtype,
         memory_budget_bytes: 16 << 30,
-        queue_capacity: 64,
         max_active: 2 * max_c,
         occupancy_multiplier: 1.0,
-        ..LoadOptions::default()
+        ..run::load_options("synthetic-refusion", &a.device, &a.dtype)?
     };
     let (seed, qk, head, consensus) = (a.seed, a.qk_scale, a.head_scale, a.consensus);
     let model_cfg = cfg.clone();
@@ -228,24 +144,28 @@ fn main() -> Result<()> {
         if let SchemeParams::PlanInfill(p) = &mut warm.scheme {
             p.serial_num_blocks = 1;
         }
-        wait(&submit(served.as_ref(), warm)?, Instant::now())?;
+        run::serve(served.as_ref(), warm)?;
     }
 
-    println!("| scheme | concurrent requests | model calls per request | wall s | latency per request s | tokens/s (all requests) | tokens computed per call | slots selected per iteration | verified prefix per iteration | iterations (fast path / iterative) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    table::print_header(&[
+        ("scheme", Left),
+        ("concurrent requests", Right),
+        ("model calls per request", Right),
+        ("wall s", Right),
+        ("latency per request s", Right),
+        ("tokens/s (all requests)", Right),
+        ("tokens computed per call", Right),
+        ("slots selected per iteration", Right),
+        ("verified prefix per iteration", Right),
+        ("iterations (fast path / iterative)", Left),
+    ]);
     for &c in &a.concurrency {
         for w in Workload::ALL {
             eprintln!("{} x{c}...", w.label());
-            let started = Instant::now();
-            let rxs = (0..c as u64)
-                .map(|i| submit(served.as_ref(), w.request(&a, i)))
-                .collect::<Result<Vec<_>>>()?;
-            let outs = rxs
-                .iter()
-                .map(|rx| wait(rx, started))
-                .collect::<Result<Vec<_>>>()?;
-            let wall = started.elapsed().as_secs_f64();
-            let tokens: usize = outs.iter().map(|o| o.tokens).sum();
+            let (outs, wall) =
+                run::together(served.as_ref(), (0..c as u64).map(|i| w.request(&a, i)))?;
+            let wall = wall.as_secs_f64();
+            let tokens = table::total_tokens(&outs);
             let calls = mean(outs.iter().map(|o| o.stats.forward_passes as f64));
             let latency = mean(outs.iter().map(|o| o.latency.as_secs_f64()));
             let rows = series_mean(&outs, "rows_per_call").unwrap_or(0.0);

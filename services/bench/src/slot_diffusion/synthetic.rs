@@ -8,12 +8,10 @@
 //! planning confidences cross the thresholds. How often slots are selected and drafts verified
 //! with these weights says nothing about the trained ReFusion.
 
-use std::collections::HashMap;
-
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wavefront_models::candle_core::{DType, Device, Tensor};
-use wavefront_models::candle_nn::VarBuilder;
+use rand::SeedableRng;
+use wavefront_bench::weights::{uniform, uniform_with_std, var_builder};
+use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Qwen3, Qwen3Config};
 
 /// Sizes of the synthetic model.
@@ -84,13 +82,10 @@ pub fn random_model(
     let mut rng = StdRng::seed_from_u64(seed);
     let d = cfg.hidden_size as f64;
     let a = (3.0 / d).sqrt() as f32;
-    let direction: Vec<f32> = (0..cfg.hidden_size)
-        .map(|_| rng.random_range(-a..a))
-        .collect();
-    let mut tensors = HashMap::new();
-    for (name, shape) in cfg.checkpoint_tensors() {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") {
+    let direction = uniform(&mut rng, cfg.hidden_size, a);
+    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
+        let n = shape.iter().product();
+        if name.ends_with("norm.weight") {
             vec![1.0; n]
         } else {
             let layer = name
@@ -110,9 +105,7 @@ pub fn random_model(
             } else {
                 1.0
             };
-            // Uniform on [-a, a] has standard deviation a / sqrt(3).
-            let a = (std * scale * 3f64.sqrt()) as f32;
-            let mut w: Vec<f32> = (0..n).map(|_| rng.random_range(-a..a)).collect();
+            let mut w = uniform_with_std(&mut rng, n, std * scale);
             if consensus > 0.0 {
                 let e = cfg.hidden_size;
                 if name == "model.embed_tokens.weight" {
@@ -128,12 +121,7 @@ pub fn random_model(
                 }
             }
             w
-        };
-        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
-        tensors.insert(name, t);
-    }
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+        }
+    })?;
     Ok(Qwen3::load(vb, cfg.clone())?)
 }

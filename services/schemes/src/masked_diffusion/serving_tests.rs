@@ -3,20 +3,23 @@
 //! block lengths, with requests joining at different ticks; slot accounting; early stop; request
 //! validation; classifier-free guidance against a hand-computed first step.
 
-use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{Tensor, D};
-use wavefront_engine::{EngineError, Event, FinishReason, RequestError};
+use wavefront_engine::FinishReason;
 use wavefront_models::transformer::SeqInput;
 
 use super::test_support::*;
 use crate::request::{
     GenerateSpec, LowConfidenceParams, Remasking, SamplingParams, SchemeParams, WinoParams,
 };
-use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::served::{Planner, ServedModel};
+use crate::test_support::{
+    assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
+    refused_as_too_large, serve, submit, wait_for_free_slots,
+};
 
 fn lc(p: LowConfidenceParams) -> SchemeParams {
     SchemeParams::LowConfidence(p)
@@ -131,18 +134,7 @@ fn mixed_requests() -> Vec<GenerateSpec> {
 }
 
 fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
-    let opts = LoadOptions {
-        name: "llada-fixture".into(),
-        max_active,
-        ..LoadOptions::default()
-    };
-    Ok(load_model(fixture_files()?, opts)?)
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (sink, rx, _) = TestSink::new(1024);
-    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
-    Ok(rx)
+    serve(fixture_files()?, "llada-fixture", max_active)
 }
 
 #[test]
@@ -151,51 +143,17 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     let served = fixture_served(specs.len())?;
     assert_eq!(served.info().family, "masked_diffusion");
     assert_eq!(served.info().schemes, vec!["low-confidence", "wino"]);
-    let total = served.load().total_slots;
-    let alone = specs
-        .iter()
-        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
-        .collect::<Result<Vec<_>>>()?;
     // Request i joins once request i - 1 has produced an event, so requests enter a batch that
     // is already running, in other blocks and other schemes.
-    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
-    for s in &specs {
-        if let Some((rx, seen)) = receivers.last_mut() {
-            let ev = rx
-                .recv_timeout(Duration::from_secs(120))
-                .context("engine stalled")?;
-            seen.push(ev);
-        }
-        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
-    }
-    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
-        let got = collect(&rx, seen)?;
-        ensure!(
-            got.work() == want.work(),
-            "request {i} ({}): batched {:?}, alone {:?}",
-            specs[i].scheme.name(),
-            got.work(),
-            want.work()
-        );
-    }
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
     for (s, o) in specs.iter().zip(&alone) {
-        ensure!(!o.tokens.is_empty() && o.tokens.len() <= s.max_new_tokens);
         ensure!(
             o.tokens.iter().all(|&t| t != 460),
             "a mask token was streamed"
         );
-        // The fixture's eos (449) always stops; the request's stop ids too.
-        let stops = |t: &u32| *t == 449 || s.stop_token_ids.contains(t);
-        let first_stop = o.tokens.iter().position(stops);
-        ensure!(
-            first_stop.is_none_or(|k| k + 1 == o.tokens.len()),
-            "{:?}",
-            o.tokens
-        );
-        if first_stop.is_some() {
-            ensure!(o.reason == FinishReason::StopToken);
-        } else {
-            ensure!(o.tokens.len() == s.max_new_tokens && o.reason == FinishReason::Length);
+        // The fixture's eos (449) always stops; the request's stop ids too. A response that ran
+        // to its length decoded every block.
+        if !assert_ends_at_first_stop(s, o, 449)? {
             let block = match &s.scheme {
                 SchemeParams::LowConfidence(p) => p.block_length,
                 SchemeParams::Wino(p) => p.block_length,
@@ -222,11 +180,7 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
         }
     }
     // Every slot came back.
-    let start = Instant::now();
-    while served.load().free_slots != total {
-        ensure!(start.elapsed() < Duration::from_secs(10), "slots leaked");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
     served.shutdown();
     Ok(())
 }
@@ -364,15 +318,7 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
             "context limit",
         ),
     ];
-    for (s, want) in cases {
-        match planner.prepare(s) {
-            Err(RequestError::InvalidArgument(m)) => {
-                ensure!(m.contains(want), "{m:?} lacks {want:?}")
-            }
-            Err(e) => anyhow::bail!("{want}: unexpected {e:?}"),
-            Ok(_) => anyhow::bail!("{want}: accepted"),
-        }
-    }
+    assert_invalid(&planner, cases)?;
     // Defaults: block_length and steps default to gen_length.
     ensure!(planner
         .prepare(with(lc(LowConfidenceParams::default())))
@@ -389,28 +335,8 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     }))?;
     ensure!(locked == 20 + 20 * 2 + 20 * 4, "{locked}");
     // A request larger than the pool is refused at once.
-    let served = load_model(
-        fixture_files()?,
-        LoadOptions {
-            memory_budget_bytes: 512 * 10,
-            ..LoadOptions::default()
-        },
-    )?;
-    let (sink, _rx, _) = TestSink::new(4);
-    let err = served
-        .submit(base(), Box::new(sink), None, tracing::Span::none())
-        .unwrap_err();
-    ensure!(
-        matches!(
-            err,
-            EngineError::TooLarge {
-                needed: 20,
-                total: 10
-            }
-        ),
-        "{err:?}"
-    );
-    served.shutdown();
+    let (needed, total) = refused_as_too_large(fixture_files()?, 512 * 10, base())?;
+    ensure!((needed, total) == (20, 10), "{needed} of {total} slots");
     Ok(())
 }
 

@@ -1,21 +1,20 @@
 //! Helpers shared by the masked-diffusion tests: the LLaDA fixture (tests/fixtures/llada), request
-//! builders, a direct tick loop and an event sink over a bounded std channel.
+//! builders and a direct tick loop (the event sink, outcome collection and request spec are
+//! shared by every family).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use serde_json::Value;
-use wavefront_engine::Outbox;
 use wavefront_models::device::test_device;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
 use super::{tick, Entry, LladaPlanner, MdProgram};
-use crate::request::{
-    GenerateSpec, LowConfidenceParams, SamplingParams, SchemeParams, SureLockParams, WinoParams,
-};
+use crate::request::{GenerateSpec, LowConfidenceParams, SureLockParams, WinoParams};
 use crate::served::Planner;
+use crate::test_support::tick_until_done;
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada")
@@ -71,21 +70,6 @@ pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-pub fn spec(prompt_ids: Vec<u32>, gen: usize, seed: u64, scheme: SchemeParams) -> GenerateSpec {
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens: gen,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::default()
-        },
-        scheme,
-        replay_draws: None,
-        stream_canvas: false,
-    }
-}
-
 pub fn low_confidence(block_length: usize, steps: usize) -> LowConfidenceParams {
     LowConfidenceParams {
         block_length: Some(block_length),
@@ -114,25 +98,14 @@ pub fn program(planner: &LladaPlanner, spec: GenerateSpec) -> Result<MdProgram> 
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
 pub fn run(model: &Llada, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
-    let mut ticks = vec![0; programs.len()];
-    for _ in 0..10_000 {
-        let mut batch: Vec<Entry<'_>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .zip(ticks.iter_mut())
-            .filter(|((_, o), _)| !o.is_done())
-            .map(|((program, outbox), t)| {
-                *t += 1;
-                Entry { program, outbox }
-            })
+    tick_until_done(programs, |batch| {
+        let mut batch: Vec<Entry<'_>> = batch
+            .into_iter()
+            .map(|(program, outbox)| Entry { program, outbox })
             .collect();
-        if batch.is_empty() {
-            return Ok(ticks);
-        }
         tick(model, &mut batch)?;
-    }
-    bail!("programs did not finish")
+        Ok(())
+    })
 }
 
-pub use crate::test_support::{collect, TestSink};
+pub use crate::test_support::{collect, spec};

@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
 use wavefront_engine::{Active, EngineError, Event, Family, RequestId, SlotId};
 use wavefront_models::Huginn;
@@ -19,6 +19,7 @@ use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
 };
 use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::test_support::{assert_joining_requests_match_alone, refusal, serve, submit};
 use crate::SchemeError;
 
 /// Sixteen requests covering both schemes and their options, with different prompt lengths.
@@ -112,18 +113,7 @@ fn mixed_requests() -> Vec<GenerateSpec> {
 }
 
 fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
-    let opts = LoadOptions {
-        name: "fixture".into(),
-        max_active,
-        ..LoadOptions::default()
-    };
-    Ok(load_model(fixture_files()?, opts)?)
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (sink, rx, _) = TestSink::new(1024);
-    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
-    Ok(rx)
+    serve(fixture_files()?, "fixture", max_active)
 }
 
 #[test]
@@ -131,39 +121,11 @@ fn requests_arriving_at_different_ticks_produce_what_they_produce_alone() -> Res
     let specs = mixed_requests();
     assert_eq!(specs.len(), 16);
     let served = fixture_served(specs.len())?;
-    let alone = specs
-        .iter()
-        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
-        .collect::<Result<Vec<_>>>()?;
     // Request i joins once request i - 1 has streamed a token, so every request is admitted
     // into a batch that is already running, mid-prefill or mid-wavefront for the others.
-    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
-    for s in &specs {
-        if let Some((rx, seen)) = receivers.last_mut() {
-            loop {
-                let ev = rx
-                    .recv_timeout(Duration::from_secs(120))
-                    .context("engine stalled")?;
-                let first_tokens = matches!(ev, Event::Tokens(_));
-                let ended = matches!(ev, Event::Finished { .. } | Event::Failed(_));
-                seen.push(ev);
-                if first_tokens || ended {
-                    break;
-                }
-            }
-        }
-        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
-    }
-    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
-        let got = collect(&rx, seen)?;
-        ensure!(
-            got.work() == want.work(),
-            "request {i} ({}): batched {:?}, alone {:?}",
-            specs[i].scheme.name(),
-            got.work(),
-            want.work()
-        );
-    }
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |ev| {
+        matches!(ev, Event::Tokens(_))
+    })?;
     // The mix really was mixed: every scheme variant produced tokens.
     ensure!(alone.iter().all(|o| !o.tokens.is_empty()));
     served.shutdown();
@@ -494,9 +456,8 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
     ensure!(out.tokens.len() == max_new);
     served.shutdown();
     let served = load_model(fixture_files()?, opts(2.0))?;
-    let (sink, _rx, _) = TestSink::new(4);
-    match served.submit(df, Box::new(sink), None, tracing::Span::none()) {
-        Err(EngineError::TooLarge { needed, total }) => {
+    match refusal(served.as_ref(), df)? {
+        EngineError::TooLarge { needed, total } => {
             ensure!((needed, total) == (kv + 2 * w, budget_slots));
         }
         other => bail!("expected TooLarge, got {other:?}"),

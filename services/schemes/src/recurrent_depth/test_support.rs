@@ -1,5 +1,5 @@
 //! Helpers of the recurrent-depth tests: the fixture model and request builders (the event
-//! sink and outcome collection are shared by every family).
+//! sink, outcome collection and request spec are shared by every family).
 
 use std::path::PathBuf;
 
@@ -9,9 +9,7 @@ use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
 use super::HuginnPlanner;
-use crate::request::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
-};
+use crate::request::{ArParams, DiffusionForcingParams, FreezeTest, SchemeParams};
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
@@ -40,26 +38,6 @@ pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-pub fn spec(
-    prompt_ids: Vec<u32>,
-    max_new_tokens: usize,
-    seed: u64,
-    scheme: SchemeParams,
-) -> GenerateSpec {
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::default()
-        },
-        scheme,
-        replay_draws: None,
-        stream_canvas: false,
-    }
-}
-
 pub fn ar_static(num_steps: usize, cache: &str) -> SchemeParams {
     SchemeParams::Ar(ArParams {
         num_steps: Some(num_steps),
@@ -86,4 +64,4 @@ pub fn diffusion(max_wavefront: usize, freeze_test: FreezeTest) -> DiffusionForc
     }
 }
 
-pub use crate::test_support::{collect, TestSink};
+pub use crate::test_support::{collect, spec, TestSink};

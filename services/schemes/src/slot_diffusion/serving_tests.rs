@@ -4,19 +4,22 @@
 //! responses (position order, cut at the first EOS) and their streaming order; `ar` against a
 //! cache-free reference; slot accounting and request validation.
 
-use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::D;
 use serde_json::Value;
-use wavefront_engine::{CellState, EngineError, Event, FinishReason, RequestError};
+use wavefront_engine::{CellState, Event, FinishReason};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::test_support::*;
 use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
-use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::served::{Planner, ServedModel};
+use crate::test_support::{
+    assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
+    refused_as_too_large, serve, submit, wait_for_free_slots,
+};
 
 const EOS: u32 = 486;
 
@@ -35,18 +38,7 @@ fn sampled(mut s: GenerateSpec, temperature: f32, seed: u64) -> GenerateSpec {
 }
 
 fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
-    let opts = LoadOptions {
-        name: "refusion-fixture".into(),
-        max_active,
-        ..LoadOptions::default()
-    };
-    Ok(load_model(fixture_files()?, opts)?)
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (sink, rx, _) = TestSink::new(1024);
-    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
-    Ok(rx)
+    serve(fixture_files()?, "refusion-fixture", max_active)
 }
 
 /// Twelve requests over both schemes with different lengths, slot sizes, blocks, thresholds,
@@ -86,48 +78,12 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     let served = fixture_served(specs.len())?;
     assert_eq!(served.info().family, "slot_diffusion");
     assert_eq!(served.info().schemes, vec!["plan-infill", "ar"]);
-    let total = served.load().total_slots;
-    let alone = specs
-        .iter()
-        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
-        .collect::<Result<Vec<_>>>()?;
     // Request i joins once request i - 1 has produced an event, so requests enter a batch that
     // is already running, in other phases (planning, verifying, completing) and schemes.
-    let mut receivers: Vec<(Receiver<Event>, Vec<Event>)> = Vec::new();
-    for s in &specs {
-        if let Some((rx, seen)) = receivers.last_mut() {
-            let ev = rx
-                .recv_timeout(Duration::from_secs(120))
-                .context("engine stalled")?;
-            seen.push(ev);
-        }
-        receivers.push((submit(served.as_ref(), s.clone())?, Vec::new()));
-    }
-    for (i, ((rx, seen), want)) in receivers.into_iter().zip(&alone).enumerate() {
-        let got = collect(&rx, seen)?;
-        ensure!(
-            got.work() == want.work(),
-            "request {i} ({}): batched {:?}, alone {:?}",
-            specs[i].scheme.name(),
-            got.work(),
-            want.work()
-        );
-    }
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
     let mut parallel = 0;
     for (s, o) in specs.iter().zip(&alone) {
-        ensure!(!o.tokens.is_empty() && o.tokens.len() <= s.max_new_tokens);
-        let stops = |t: &u32| *t == EOS || s.stop_token_ids.contains(t);
-        let first_stop = o.tokens.iter().position(stops);
-        ensure!(
-            first_stop.is_none_or(|k| k + 1 == o.tokens.len()),
-            "{:?}",
-            o.tokens
-        );
-        if first_stop.is_some() {
-            ensure!(o.reason == FinishReason::StopToken);
-        } else {
-            ensure!(o.tokens.len() == s.max_new_tokens && o.reason == FinishReason::Length);
-        }
+        assert_ends_at_first_stop(s, o, EOS)?;
         let calls = o.stats.forward_passes;
         ensure!(o.stats.series["rows_per_call"].len() as u64 == calls);
         if let SchemeParams::PlanInfill(_) = s.scheme {
@@ -154,13 +110,24 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     // The request stop token acts as an EOS: the response ends at its first occurrence.
     ensure!(alone[7].reason == FinishReason::StopToken && alone[7].tokens.len() < 32);
     // Every slot came back.
-    let start = Instant::now();
-    while served.load().free_slots != total {
-        ensure!(start.elapsed() < Duration::from_secs(10), "slots leaked");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
     served.shutdown();
     Ok(())
+}
+
+/// The request of a golden run: its prompt and `generate_refusion()` settings.
+fn golden_spec(run: &Value) -> Result<GenerateSpec> {
+    let a = &run["args"];
+    Ok(spec(
+        serde_json::from_value(run["prompt_ids"].clone())?,
+        a["gen_length"].as_u64().context("gen")? as usize,
+        plan_infill(
+            a["slot_size"].as_u64().context("slot")? as usize,
+            a["serial_num_blocks"].as_u64().context("blocks")? as usize,
+            a["slot_threshold"].as_f64().context("thr")? as f32,
+            a["token_threshold"].as_f64().context("thr")? as f32,
+        ),
+    ))
 }
 
 /// A golden run's response: the generated tokens in position order, cut after the first EOS.
@@ -214,18 +181,7 @@ fn golden_runs_stream_in_position_order_and_stop_at_the_first_eos() -> Result<()
     let runs: Vec<Value> = golden["generate"].as_array().context("runs")?.clone();
     let mut receivers = Vec::new();
     for run in &runs {
-        let a = &run["args"];
-        let s = spec(
-            serde_json::from_value(run["prompt_ids"].clone())?,
-            a["gen_length"].as_u64().context("gen")? as usize,
-            plan_infill(
-                a["slot_size"].as_u64().context("slot")? as usize,
-                a["serial_num_blocks"].as_u64().context("blocks")? as usize,
-                a["slot_threshold"].as_f64().context("thr")? as f32,
-                a["token_threshold"].as_f64().context("thr")? as f32,
-            ),
-        );
-        receivers.push(submit(served.as_ref(), s)?);
+        receivers.push(submit(served.as_ref(), golden_spec(run)?)?);
     }
     for (run, rx) in runs.iter().zip(receivers) {
         let name = run["name"].as_str().unwrap_or("?");
@@ -392,15 +348,7 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
             "context limit",
         ),
     ];
-    for (s, want) in cases {
-        match planner.prepare(s) {
-            Err(RequestError::InvalidArgument(m)) => {
-                ensure!(m.contains(want), "{m:?} lacks {want:?}")
-            }
-            Err(e) => bail!("{want}: unexpected {e:?}"),
-            Ok(_) => bail!("{want}: accepted"),
-        }
-    }
+    assert_invalid(&planner, cases)?;
     // Thresholds of exactly 1 are accepted (nothing passes; the best slot is the fallback).
     ensure!(planner.prepare(with(p(4, 2, 1.0, 1.0))).is_ok());
     // Upstream's defaults (slot 8, 2 blocks) need a multiple of 16.
@@ -412,28 +360,8 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     ensure!(slots(base())? == (4 + 16 + 8) * 2);
     ensure!(slots(with(ar()))? == (4 + 16) * 2);
     // A request larger than the pool is refused at once (slot: 2 · 2 heads · 16 · 4 bytes).
-    let served = load_model(
-        fixture_files()?,
-        LoadOptions {
-            memory_budget_bytes: 256 * 50,
-            ..LoadOptions::default()
-        },
-    )?;
-    let (sink, _rx, _) = TestSink::new(4);
-    let err = served
-        .submit(base(), Box::new(sink), None, tracing::Span::none())
-        .unwrap_err();
-    ensure!(
-        matches!(
-            err,
-            EngineError::TooLarge {
-                needed: 56,
-                total: 50
-            }
-        ),
-        "{err:?}"
-    );
-    served.shutdown();
+    let (needed, total) = refused_as_too_large(fixture_files()?, 256 * 50, base())?;
+    ensure!((needed, total) == (56, 50), "{needed} of {total} slots");
     Ok(())
 }
 
@@ -460,17 +388,7 @@ fn slot_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<
         if name == "eos_quirk_b16" {
             continue; // upstream's EOS quirk; the default rule commits one more slot
         }
-        let a = &run["args"];
-        let plain = spec(
-            serde_json::from_value(run["prompt_ids"].clone())?,
-            a["gen_length"].as_u64().context("gen")? as usize,
-            plan_infill(
-                a["slot_size"].as_u64().context("slot")? as usize,
-                a["serial_num_blocks"].as_u64().context("blocks")? as usize,
-                a["slot_threshold"].as_f64().context("thr")? as f32,
-                a["token_threshold"].as_f64().context("thr")? as f32,
-            ),
-        );
+        let plain = golden_spec(run)?;
         let want = collect(&submit(served.as_ref(), plain.clone())?, Vec::new())?;
         ensure!(want.frames.is_empty(), "{name}: frames were not asked for");
         let rx = submit(

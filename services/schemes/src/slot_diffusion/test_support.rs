@@ -3,16 +3,16 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::DType;
 use serde_json::Value;
-use wavefront_engine::Outbox;
 use wavefront_models::device::test_device;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config};
 
 use super::{tick, Entry, RefusionPlanner, SdProgram};
 use crate::request::{EosRule, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
 use crate::served::Planner;
+use crate::test_support::tick_until_done;
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion")
@@ -61,16 +61,9 @@ pub fn plan_infill(
     })
 }
 
+/// A greedy request with the default seed (see [`crate::test_support::spec`]).
 pub fn spec(prompt_ids: Vec<u32>, gen: usize, scheme: SchemeParams) -> GenerateSpec {
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens: gen,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams::default(),
-        scheme,
-        replay_draws: None,
-        stream_canvas: false,
-    }
+    crate::test_support::spec(prompt_ids, gen, SamplingParams::default().seed, scheme)
 }
 
 pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgram> {
@@ -82,25 +75,14 @@ pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgra
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
 pub fn run(model: &Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
-    let mut ticks = vec![0; programs.len()];
-    for _ in 0..10_000 {
-        let mut batch: Vec<Entry<'_>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .zip(ticks.iter_mut())
-            .filter(|((_, o), _)| !o.is_done())
-            .map(|((program, outbox), t)| {
-                *t += 1;
-                Entry { program, outbox }
-            })
+    tick_until_done(programs, |batch| {
+        let mut batch: Vec<Entry<'_>> = batch
+            .into_iter()
+            .map(|(program, outbox)| Entry { program, outbox })
             .collect();
-        if batch.is_empty() {
-            return Ok(ticks);
-        }
         tick(model, &mut batch)?;
-    }
-    bail!("programs did not finish")
+        Ok(())
+    })
 }
 
-pub use crate::test_support::{collect, TestSink};
+pub use crate::test_support::collect;

@@ -1,0 +1,7 @@
+//! Pieces shared by the bench binaries: serving requests through the engine and timing them
+//! ([`run`]), the markdown tables they print and the aggregates in their cells ([`table`]), and
+//! the random weights of their synthetic models ([`weights`]).
+
+pub mod run;
+pub mod table;
+pub mod weights;

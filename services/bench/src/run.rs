@@ -1,0 +1,181 @@
+//! Requests through a served model's engine: submitting one, waiting for its outcome, serving a
+//! set together or one after another, and the prompts, flags and load options every bench
+//! shares.
+
+use std::ops::Range;
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use wavefront_engine::{Event, Stats};
+use wavefront_models::candle_core::{DType, Device};
+use wavefront_models::device::{parse_device, parse_dtype};
+use wavefront_models::ModelError;
+use wavefront_schemes::{GenerateSpec, LoadOptions, SamplingParams, SchemeParams, ServedModel};
+
+/// How long a request may go without an event before the engine counts as stalled.
+const STALL_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// What one request produced.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The generated tokens, in order.
+    pub tokens: Vec<u32>,
+    /// The engine's statistics of the request.
+    pub stats: Stats,
+    /// From the instant given to [`wait`] to the request's end.
+    pub latency: Duration,
+}
+
+impl Outcome {
+    /// The mean of the request's statistic series `name`; `None` when it recorded no values.
+    pub fn mean_series(&self, name: &str) -> Option<f64> {
+        crate::table::series_mean(std::slice::from_ref(self), name)
+    }
+}
+
+/// Submits `spec`; its events arrive on the returned channel.
+pub fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
+    let (tx, rx) = mpsc::sync_channel(4096);
+    served.submit(spec, Box::new(tx), None, tracing::Span::none())?;
+    Ok(rx)
+}
+
+/// Reads a request's events until it finishes; its latency counts from `started`.
+pub fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv_timeout(STALL_TIMEOUT).context("engine stalled")? {
+            Event::Tokens(t) => tokens.extend(t),
+            Event::Canvas(_) => {}
+            Event::Finished { stats, .. } => {
+                return Ok(Outcome {
+                    tokens,
+                    stats,
+                    latency: started.elapsed(),
+                })
+            }
+            Event::Failed(e) => bail!("request failed: {e}"),
+        }
+    }
+}
+
+/// Serves one request and waits for it; its latency counts from its submission.
+pub fn serve(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Outcome> {
+    let started = Instant::now();
+    wait(&submit(served, spec)?, started)
+}
+
+/// Submits every request at once (the engine packs them into shared forwards), then waits for
+/// all of them; returns their outcomes, latencies counted from the start, and the wall time.
+pub fn together(
+    served: &dyn ServedModel,
+    specs: impl IntoIterator<Item = GenerateSpec>,
+) -> Result<(Vec<Outcome>, Duration)> {
+    let started = Instant::now();
+    let receivers = specs
+        .into_iter()
+        .map(|spec| submit(served, spec))
+        .collect::<Result<Vec<_>>>()?;
+    let outs = receivers
+        .iter()
+        .map(|rx| wait(rx, started))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((outs, started.elapsed()))
+}
+
+/// Serves the requests one after another; returns their outcomes, each latency counted from its
+/// own submission, and the wall time.
+pub fn one_after_another(
+    served: &dyn ServedModel,
+    specs: impl IntoIterator<Item = GenerateSpec>,
+) -> Result<(Vec<Outcome>, Duration)> {
+    let started = Instant::now();
+    let outs = specs
+        .into_iter()
+        .map(|spec| serve(served, spec))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((outs, started.elapsed()))
+}
+
+/// A request for `max_new_tokens` tokens after `prompt_ids` with `scheme`: greedy, seeded with
+/// `seed` (for the schemes that draw), without stop tokens or canvas frames.
+pub fn spec(
+    prompt_ids: Vec<u32>,
+    max_new_tokens: usize,
+    seed: u64,
+    scheme: SchemeParams,
+) -> GenerateSpec {
+    GenerateSpec {
+        prompt_ids,
+        max_new_tokens,
+        stop_token_ids: Vec::new(),
+        sampling: SamplingParams {
+            seed,
+            ..SamplingParams::default()
+        },
+        scheme,
+        replay_draws: None,
+        stream_canvas: false,
+    }
+}
+
+/// The prompt of request `i` of a run seeded with `seed`: `len` token ids drawn uniformly from
+/// `ids`.
+pub fn random_prompt(seed: u64, i: u64, len: usize, ids: Range<u32>) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed ^ (i + 1).wrapping_mul(0x9e37_79b9));
+    (0..len).map(|_| rng.random_range(ids.clone())).collect()
+}
+
+/// The device and dtype that the `--device` (`cpu` or `cuda:N`) and `--dtype` (`f32` or `bf16`)
+/// flags name.
+pub fn device_and_dtype(device: &str, dtype: &str) -> Result<(Device, DType)> {
+    let flag = |e: ModelError| anyhow!("--{e}");
+    Ok((
+        parse_device(device).map_err(flag)?,
+        parse_dtype(dtype).map_err(flag)?,
+    ))
+}
+
+/// Load options of the synthetic model `name` on the device and dtype the `--device` and
+/// `--dtype` flags name, queueing 64 requests at most; each bench sets its memory budget and
+/// concurrency.
+pub fn load_options(name: &str, device: &str, dtype: &str) -> Result<LoadOptions> {
+    let (device, dtype) = device_and_dtype(device, dtype)?;
+    Ok(LoadOptions {
+        name: name.into(),
+        device,
+        dtype,
+        queue_capacity: 64,
+        ..LoadOptions::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_prompts_are_reproducible_per_request_and_stay_in_range() {
+        let a = random_prompt(7, 0, 64, 3..40);
+        assert_eq!(a, random_prompt(7, 0, 64, 3..40));
+        assert_ne!(a, random_prompt(7, 1, 64, 3..40));
+        assert_ne!(a, random_prompt(8, 0, 64, 3..40));
+        assert!(a.iter().all(|id| (3..40).contains(id)));
+    }
+
+    #[test]
+    fn flags_name_the_device_and_dtype_or_say_which_flag_is_wrong() {
+        let opts = load_options("synthetic", "cpu", "bf16").unwrap();
+        assert_eq!(opts.name, "synthetic");
+        assert!(matches!(opts.device, Device::Cpu));
+        assert_eq!(opts.dtype, DType::BF16);
+        assert_eq!(opts.queue_capacity, 64);
+        let err = device_and_dtype("gpu", "f32").unwrap_err().to_string();
+        assert!(err.starts_with("--device "), "{err}");
+        let err = device_and_dtype("cpu", "f16").unwrap_err().to_string();
+        assert!(err.starts_with("--dtype "), "{err}");
+    }
+}
