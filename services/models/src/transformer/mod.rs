@@ -33,4 +33,4 @@ pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use block::{BlockWeights, ShardRange, ShardWeights};
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
-pub use parallel::{Collective, LocalCollective, TensorParallel};
+pub use parallel::{cached_kv_heads, Collective, LocalCollective, TensorParallel};

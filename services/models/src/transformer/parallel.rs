@@ -114,6 +114,17 @@ pub(crate) fn head_ranges(
     Ok((q, kv))
 }
 
+/// Key/value heads the caches hold over all `world` ranks: the model's own when the ranks split
+/// them, one per rank when there are fewer of them than ranks (each is replicated on the ranks
+/// whose query heads read it). A world that cannot split the heads counts as one rank (loading
+/// refuses it).
+pub fn cached_kv_heads(n_heads: usize, n_kv_heads: usize, world: usize) -> usize {
+    (0..world)
+        .map(|rank| head_ranges(n_heads, n_kv_heads, world, rank).map(|(_, kv)| kv.len()))
+        .sum::<Result<usize>>()
+        .unwrap_or(n_kv_heads)
+}
+
 /// The sum of the ranks' partial outputs: the partial itself with one rank (no collective call,
 /// no copy).
 pub(crate) fn reduce(comm: &dyn Collective, mut partials: Vec<Tensor>) -> Result<Tensor> {
@@ -156,6 +167,11 @@ mod tests {
         assert_eq!(head_ranges(4, 2, 4, 1).unwrap(), (1..2, 0..1));
         assert_eq!(head_ranges(4, 2, 4, 2).unwrap(), (2..3, 1..2));
         assert!(head_ranges(6, 2, 4, 0).is_err());
+        assert_eq!(cached_kv_heads(8, 2, 1), 2);
+        assert_eq!(cached_kv_heads(8, 2, 2), 2);
+        assert_eq!(cached_kv_heads(8, 2, 4), 4);
+        assert_eq!(cached_kv_heads(8, 8, 4), 8);
+        assert_eq!(cached_kv_heads(6, 2, 4), 2);
         assert!(column_range(10, 4, 0).is_err());
     }
 }

@@ -70,7 +70,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::TensorParallel;
+use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
 use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
@@ -91,6 +91,8 @@ pub struct LladaPlanner {
     cfg: LladaConfig,
     info: ModelInfo,
     dtype_size: usize,
+    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
+    kv_heads: usize,
 }
 
 impl LladaPlanner {
@@ -104,6 +106,7 @@ impl LladaPlanner {
             max_context: cfg.max_sequence_length,
         };
         Self {
+            kv_heads: cfg.kv_heads(),
             cfg,
             info,
             dtype_size: dtype.size_in_bytes(),
@@ -112,7 +115,15 @@ impl LladaPlanner {
 
     /// Bytes of one slot: one buffer row's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
+    /// on ranks when there are fewer than ranks take room in every rank's cache).
+    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
+        let b = self.cfg.block_config();
+        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self
     }
 
     /// Slots a request with `rows` buffer rows (per copy) reserves (see the module doc).
@@ -340,11 +351,10 @@ pub fn serve_model<L>(
 where
     L: FnOnce(&Device, DType) -> Result<Llada, String> + Send + 'static,
 {
-    let planner = Arc::new(LladaPlanner::new(
-        cfg.clone(),
-        opts.name.clone(),
-        opts.dtype,
-    ));
+    let planner = Arc::new(
+        LladaPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)
+            .with_tensor_parallel(opts.tensor_parallel),
+    );
     let bytes_per_slot = planner.slot_bytes();
     start_served(
         planner,

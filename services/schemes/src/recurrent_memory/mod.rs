@@ -62,7 +62,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
-use wavefront_models::transformer::TensorParallel;
+use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
@@ -83,6 +83,8 @@ pub struct ArmtPlanner {
     cfg: ArmtConfig,
     info: ModelInfo,
     dtype_size: usize,
+    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
+    kv_heads: usize,
 }
 
 impl ArmtPlanner {
@@ -97,6 +99,7 @@ impl ArmtPlanner {
             max_context,
         };
         Self {
+            kv_heads: cfg.kv_heads(),
             cfg,
             info,
             dtype_size: dtype.size_in_bytes(),
@@ -105,7 +108,15 @@ impl ArmtPlanner {
 
     /// Bytes of one slot: one position's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
+    /// on ranks when there are fewer than ranks take room in every rank's cache).
+    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
+        let b = self.cfg.block_config();
+        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self
     }
 
     /// Slots a request reserves (see the module doc).
@@ -256,12 +267,10 @@ where
             "the context limit must be at least 2 tokens, got {max_context}"
         )));
     }
-    let planner = Arc::new(ArmtPlanner::new(
-        cfg.clone(),
-        opts.name.clone(),
-        opts.dtype,
-        max_context,
-    ));
+    let planner = Arc::new(
+        ArmtPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype, max_context)
+            .with_tensor_parallel(opts.tensor_parallel),
+    );
     let bytes_per_slot = planner.slot_bytes();
     start_served(
         planner,

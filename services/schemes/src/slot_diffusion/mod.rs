@@ -83,7 +83,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::TensorParallel;
+use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -105,6 +105,8 @@ pub struct RefusionPlanner {
     mask_id: u32,
     info: ModelInfo,
     dtype_size: usize,
+    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
+    kv_heads: usize,
 }
 
 impl RefusionPlanner {
@@ -124,6 +126,7 @@ impl RefusionPlanner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
+            kv_heads: cfg.kv_heads(),
             cfg,
             mask_id,
             info,
@@ -133,7 +136,15 @@ impl RefusionPlanner {
 
     /// Bytes of one slot: one buffer row's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.cfg.kv_heads() * self.cfg.head_dim() * self.dtype_size
+        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+    }
+
+    /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
+    /// on ranks when there are fewer than ranks take room in every rank's cache).
+    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
+        let b = self.cfg.block_config();
+        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self
     }
 
     /// Slots a request whose caches hold at most `rows` buffer rows reserves.
@@ -298,11 +309,10 @@ pub fn serve_model<L>(
 where
     L: FnOnce(&Device, DType) -> Result<Qwen3, String> + Send + 'static,
 {
-    let planner = Arc::new(RefusionPlanner::new(
-        cfg.clone(),
-        opts.name.clone(),
-        opts.dtype,
-    )?);
+    let planner = Arc::new(
+        RefusionPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)?
+            .with_tensor_parallel(opts.tensor_parallel),
+    );
     let bytes_per_slot = planner.slot_bytes();
     start_served(
         planner,

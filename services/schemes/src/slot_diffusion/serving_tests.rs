@@ -461,3 +461,30 @@ fn slot_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<
     served.shutdown();
     Ok(())
 }
+
+/// Split over more ranks than it has key/value heads (2 heads, 4 ranks), every rank caches a
+/// copy of the head its queries read: a slot takes twice the bytes and the same memory budget
+/// holds half the slots.
+#[test]
+fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
+    let (_, planner) = fixture()?;
+    ensure!(planner.slot_bytes() == 2 * 2 * 16 * 4);
+    let (_, planner) = fixture()?;
+    ensure!(planner.with_tensor_parallel(2).slot_bytes() == 2 * 2 * 16 * 4);
+    let (_, planner) = fixture()?;
+    ensure!(planner.with_tensor_parallel(4).slot_bytes() == 2 * 4 * 16 * 4);
+    let slots = |world| -> Result<usize> {
+        let served = crate::served::load_model(
+            fixture_files()?,
+            crate::served::LoadOptions {
+                tensor_parallel: world,
+                ..crate::served::LoadOptions::default()
+            },
+        )?;
+        let total = served.load().total_slots;
+        served.shutdown();
+        Ok(total)
+    };
+    ensure!(slots(1)? == 2 * slots(4)?);
+    Ok(())
+}
