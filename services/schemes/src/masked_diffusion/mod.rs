@@ -80,7 +80,9 @@ use self::program::Decoder;
 pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
-use crate::request::{GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams};
+use crate::request::{
+    bad, GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
+};
 use crate::served::{
     checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
     Planner, ServedModel,
@@ -246,10 +248,6 @@ impl LladaPlanner {
             prompt_tokens,
         })
     }
-}
-
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
 }
 
 /// Block length (default: `gen_length`) and block count, checked.

@@ -67,7 +67,7 @@ use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
 pub use self::program::ArmtProgram;
-use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
+use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
     checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
@@ -200,10 +200,6 @@ impl ArmtPlanner {
             prompt_tokens,
         })
     }
-}
-
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
 }
 
 impl Planner for ArmtPlanner {

@@ -92,7 +92,7 @@ pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
-use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
+use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
     checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
@@ -259,10 +259,6 @@ impl RefusionPlanner {
             prompt_tokens,
         })
     }
-}
-
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
 }
 
 impl Planner for RefusionPlanner {
