@@ -18,6 +18,7 @@
 
 pub mod armt;
 pub mod chat;
+mod config;
 pub mod device;
 pub mod error;
 pub mod files;

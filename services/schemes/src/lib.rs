@@ -26,6 +26,7 @@ pub mod served;
 pub mod slot_diffusion;
 #[cfg(test)]
 mod test_support;
+pub mod tick;
 
 pub use error::SchemeError;
 pub use request::{

@@ -376,3 +376,8 @@ impl GenerateSpec {
         self.sampling.validate()
     }
 }
+
+/// Refuses a request as an invalid argument, saying why.
+pub(crate) fn bad<T>(message: String) -> Result<T, RequestError> {
+    Err(RequestError::InvalidArgument(message))
+}

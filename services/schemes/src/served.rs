@@ -13,7 +13,9 @@ use wavefront_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, Family, Prepared,
     RequestError, RequestId, Submission,
 };
-use wavefront_models::{ChatMessage, ModelFamily, ModelFiles, TextTokenizer};
+use wavefront_models::candle_nn::VarBuilder;
+use wavefront_models::transformer::TensorParallel;
+use wavefront_models::{ChatMessage, ModelError, ModelFamily, ModelFiles, TextTokenizer};
 
 use crate::request::GenerateSpec;
 use crate::SchemeError;
@@ -258,4 +260,52 @@ where
     let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
         .map_err(SchemeError::Engine)?;
     Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+}
+
+/// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights
+/// of `files` (in the engine's device and dtype) with `load_parallel`, split over the
+/// `opts.tensor_parallel` in-process ranks.
+pub(crate) fn checkpoint_loader<C, M>(
+    files: ModelFiles,
+    cfg: C,
+    opts: &LoadOptions,
+    load_parallel: fn(VarBuilder<'static>, C, &TensorParallel) -> Result<M, ModelError>,
+) -> impl FnOnce(&Device, DType) -> Result<M, String> + Send + 'static
+where
+    C: Send + 'static,
+    M: 'static,
+{
+    let tp = TensorParallel::local(opts.tensor_parallel);
+    move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())
+    }
+}
+
+/// The engine-thread constructor of a family wrapping one model: runs `load`, refuses a model
+/// whose config (`config_of`) is not `cfg`, the config requests are planned with, and wraps
+/// the model with `wrap`. Hand the result to [`start_served`].
+pub(crate) fn checked_family<C, M, F, L>(
+    cfg: C,
+    load: L,
+    config_of: fn(&M) -> &C,
+    wrap: fn(M) -> F,
+) -> impl FnOnce(&Device, DType) -> Result<F, String> + Send + 'static
+where
+    C: PartialEq + Send + 'static,
+    M: 'static,
+    F: 'static,
+    L: FnOnce(&Device, DType) -> Result<M, String> + Send + 'static,
+{
+    move |device, dtype| {
+        let model = load(device, dtype)?;
+        if config_of(&model) != &cfg {
+            return Err(
+                "the loaded model's config differs from the one requests are planned with".into(),
+            );
+        }
+        Ok(wrap(model))
+    }
 }

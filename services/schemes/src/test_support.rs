@@ -17,6 +17,7 @@ use wavefront_models::ModelFiles;
 
 use crate::request::{GenerateSpec, SamplingParams, SchemeParams};
 use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::tick::Entry;
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path).
@@ -263,29 +264,29 @@ pub fn wait_for_free_slots(served: &dyn ServedModel, within: Duration) -> Result
 }
 
 /// Runs `programs` packed into the same ticks until every one is done, each with its own outbox:
-/// `tick` runs one tick of the programs still running, each with its outbox. Returns how many
-/// ticks each program was part of; fails after 10 000 ticks.
+/// `tick` runs one tick of the entries of the programs still running. Returns how many ticks
+/// each program was part of; fails after 10 000 ticks.
 pub fn tick_until_done<P>(
     programs: &mut [P],
-    mut tick: impl FnMut(Vec<(&mut P, &mut Outbox)>) -> Result<()>,
+    mut tick: impl FnMut(&mut [Entry<'_, P>]) -> candle_core::Result<()>,
 ) -> Result<Vec<usize>> {
     let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
     let mut ticks = vec![0; programs.len()];
     for _ in 0..10_000 {
-        let batch: Vec<(&mut P, &mut Outbox)> = programs
+        let mut batch: Vec<Entry<'_, P>> = programs
             .iter_mut()
             .zip(outboxes.iter_mut())
             .zip(ticks.iter_mut())
             .filter(|((_, o), _)| !o.is_done())
             .map(|((program, outbox), t)| {
                 *t += 1;
-                (program, outbox)
+                Entry { program, outbox }
             })
             .collect();
         if batch.is_empty() {
             return Ok(ticks);
         }
-        tick(batch)?;
+        tick(&mut batch)?;
     }
     bail!("programs did not finish")
 }

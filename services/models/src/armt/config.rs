@@ -13,6 +13,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::config::{bad, parse_json};
 use crate::error::{ModelError, Result};
 use crate::transformer::{BlockConfig, RopeTable};
 
@@ -20,20 +21,8 @@ fn default_eps() -> f64 {
     1e-6
 }
 
-fn default_theta() -> f64 {
-    10_000.0
-}
-
 fn default_max_positions() -> usize {
     2048
-}
-
-fn default_silu() -> String {
-    "silu".into()
-}
-
-fn default_true() -> bool {
-    true
 }
 
 /// The keys of the backbone's `config.json` (transformers' `LlamaConfig`).
@@ -54,7 +43,7 @@ pub struct LlamaConfig {
     pub head_dim: Option<usize>,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
+    #[serde(default = "crate::config::default_rope_theta")]
     pub rope_theta: f64,
     /// `null`, or `{"rope_type": "llama3", ...}` (Llama 3.1 / 3.2).
     #[serde(default)]
@@ -65,7 +54,7 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    #[serde(default = "default_silu")]
+    #[serde(default = "crate::config::default_silu")]
     pub hidden_act: String,
     #[serde(default)]
     pub attention_bias: bool,
@@ -95,7 +84,7 @@ pub struct ArmtSettings {
     #[serde(default)]
     pub wrap_pos: bool,
     /// Gamma correction of the normaliser update (upstream default true).
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::config::default_true")]
     pub correction: bool,
     /// `left` (or absent): segments are cut from the start, the last one may be shorter.
     #[serde(default)]
@@ -122,16 +111,8 @@ pub struct ArmtConfig {
 impl ArmtConfig {
     /// Parses and validates `config.json` and `armt_config.json`.
     pub fn from_json(config_json: &str, armt_json: &str) -> Result<Self> {
-        let llama: LlamaConfig =
-            serde_json::from_str(config_json).map_err(|source| ModelError::Json {
-                what: "config.json".into(),
-                source,
-            })?;
-        let armt: ArmtSettings =
-            serde_json::from_str(armt_json).map_err(|source| ModelError::Json {
-                what: crate::files::ARMT_CONFIG.into(),
-                source,
-            })?;
+        let llama: LlamaConfig = parse_json("config.json", config_json)?;
+        let armt: ArmtSettings = parse_json(crate::files::ARMT_CONFIG, armt_json)?;
         let (nu, mem_eps) = hardcoded(armt.hardcoded.as_ref())?;
         let cfg = Self {
             llama,
@@ -145,12 +126,6 @@ impl ArmtConfig {
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, reason: String| {
-            Err(ModelError::Config {
-                key: key.into(),
-                reason,
-            })
-        };
         let l = &self.llama;
         if let Some(t) = l.model_type.as_deref() {
             if t != "llama" {

@@ -8,7 +8,8 @@
 
 use serde::Deserialize;
 
-use crate::error::{ModelError, Result};
+use crate::config::{invalid, parse_json};
+use crate::error::Result;
 
 /// Initial-value block of the config (`init_values`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -19,10 +20,6 @@ pub struct InitValues {
     /// `sqrt(n_embd)`, which is what upstream writes.
     #[serde(default)]
     pub embed_scale: Option<f64>,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 /// The inference-relevant keys of a huginn `config.json`.
@@ -61,10 +58,10 @@ pub struct HuginnConfig {
     /// Length of the RoPE table, i.e. the largest supported sequence length.
     pub block_size: usize,
     /// Whether `lm_head` shares `transformer.wte.weight`.
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::config::default_true")]
     pub tie_embeddings: bool,
     /// Whether attention adds a learned bias to q and k before RoPE.
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::config::default_true")]
     pub qk_bias: bool,
     /// Whether the adapter has a bias.
     #[serde(default)]
@@ -83,20 +80,10 @@ fn positive(x: f64) -> bool {
     x > 0.0
 }
 
-fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
-    ModelError::Config {
-        key: key.to_owned(),
-        reason: reason.into(),
-    }
-}
-
 impl HuginnConfig {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(json).map_err(|source| ModelError::Json {
-            what: "config.json".to_owned(),
-            source,
-        })?;
+        let cfg: Self = parse_json("config.json", json)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -7,12 +7,9 @@
 
 use serde::Deserialize;
 
-use crate::error::{ModelError, Result};
+use crate::config::{bad, parse_json};
+use crate::error::Result;
 use crate::transformer::BlockConfig;
-
-fn default_true() -> bool {
-    true
-}
 
 fn default_mlp_ratio() -> usize {
     4
@@ -20,10 +17,6 @@ fn default_mlp_ratio() -> usize {
 
 fn default_eps() -> f64 {
     1e-5
-}
-
-fn default_theta() -> f64 {
-    10_000.0
 }
 
 fn default_mask_id() -> u32 {
@@ -40,10 +33,6 @@ fn default_one() -> usize {
 
 fn default_rms() -> String {
     "rms".into()
-}
-
-fn default_silu() -> String {
-    "silu".into()
 }
 
 fn default_llama() -> String {
@@ -83,9 +72,9 @@ pub struct LladaConfig {
     pub pad_token_id: Option<u32>,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
+    #[serde(default = "crate::config::default_rope_theta")]
     pub rope_theta: f64,
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::config::default_true")]
     pub rope: bool,
     /// Sizes the RoPE table: the longest canvas (prompt + generation) accepted.
     #[serde(default = "default_max_seq")]
@@ -104,13 +93,13 @@ pub struct LladaConfig {
     pub scale_logits: bool,
     #[serde(default = "default_rms")]
     pub layer_norm_type: String,
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::config::default_true")]
     pub layer_norm_with_affine: bool,
     #[serde(default)]
     pub bias_for_layer_norm: Option<bool>,
     #[serde(default)]
     pub attention_layer_norm: bool,
-    #[serde(default = "default_silu")]
+    #[serde(default = "crate::config::default_silu")]
     pub activation_type: String,
     #[serde(default = "default_llama")]
     pub block_type: String,
@@ -125,22 +114,13 @@ pub struct LladaConfig {
 impl LladaConfig {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(json).map_err(|source| ModelError::Json {
-            what: "config.json".into(),
-            source,
-        })?;
+        let cfg: Self = parse_json("config.json", json)?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, reason: String| {
-            Err(ModelError::Config {
-                key: key.into(),
-                reason,
-            })
-        };
         if self.d_model == 0 || self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
             return bad(
                 "n_heads",

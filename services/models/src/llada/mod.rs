@@ -24,9 +24,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use self::config::LladaConfig;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::transformer::{
-    get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput, TensorParallel,
+    embed_tokens, forward_stack, get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable,
+    SeqInput, TensorParallel,
 };
 
 /// A loaded LLaDA model.
@@ -104,26 +105,13 @@ impl Llada {
 
     /// Token embeddings `[N, E]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        let rows = self.cfg.embedding_rows();
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
-            return Err(ModelError::Shape(format!(
-                "token id {bad} outside the embedding of {rows} rows"
-            )));
-        }
-        let idx = Tensor::new(ids, self.device())?;
-        Ok(self.wte.index_select(&idx, 0)?)
+        embed_tokens(&self.wte, ids)
     }
 
     /// All blocks and `ln_f` over packed token rows: the hidden rows `[N, E]` fed to the head.
     /// Buffer sequences' caches hold this call's keys afterwards.
     pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
-        for block in &self.blocks {
-            x = block.forward(&x, &layout, seqs)?;
-        }
-        crate::transformer::commit_buffers(seqs);
-        self.ln_f.forward(&x)
+        forward_stack(&self.blocks, &self.rope, &self.ln_f, self.embed(ids)?, seqs)
     }
 
     /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the

@@ -12,23 +12,16 @@
 
 use serde::Deserialize;
 
-use crate::error::{ModelError, Result};
+use crate::config::{bad, parse_json};
+use crate::error::Result;
 use crate::transformer::BlockConfig;
 
 fn default_eps() -> f64 {
     1e-6
 }
 
-fn default_theta() -> f64 {
-    10_000.0
-}
-
 fn default_max_positions() -> usize {
     32_768
-}
-
-fn default_silu() -> String {
-    "silu".into()
 }
 
 /// `eos_token_id` as transformers writes it: one id or a list.
@@ -64,14 +57,14 @@ pub struct Qwen3Config {
     /// Width of one attention head; `hidden_size / num_attention_heads` when absent.
     #[serde(default)]
     pub head_dim: Option<usize>,
-    #[serde(default = "default_silu")]
+    #[serde(default = "crate::config::default_silu")]
     pub hidden_act: String,
     /// Sizes the RoPE table: the longest buffer (prompt + generation) accepted.
     #[serde(default = "default_max_positions")]
     pub max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
+    #[serde(default = "crate::config::default_rope_theta")]
     pub rope_theta: f64,
     /// Must be null: scaled RoPE variants are not implemented.
     #[serde(default)]
@@ -96,22 +89,13 @@ pub struct Qwen3Config {
 impl Qwen3Config {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(json).map_err(|source| ModelError::Json {
-            what: "config.json".into(),
-            source,
-        })?;
+        let cfg: Self = parse_json("config.json", json)?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, reason: String| {
-            Err(ModelError::Config {
-                key: key.into(),
-                reason,
-            })
-        };
         if self.hidden_size == 0 || self.num_attention_heads == 0 || self.num_hidden_layers == 0 {
             return bad(
                 "num_attention_heads",

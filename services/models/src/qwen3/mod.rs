@@ -29,9 +29,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use self::config::{Qwen3Config, TokenIds};
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::transformer::{
-    get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable, SeqInput, TensorParallel,
+    embed_tokens, forward_stack, get, Block, BlockNames, RmsNorm, RopeTable, SeqInput,
+    TensorParallel,
 };
 
 /// A loaded Qwen3 / ReFusion model.
@@ -104,26 +105,13 @@ impl Qwen3 {
 
     /// Token embeddings `[N, E]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        let rows = self.cfg.vocab_size;
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
-            return Err(ModelError::Shape(format!(
-                "token id {bad} outside the embedding of {rows} rows"
-            )));
-        }
-        let idx = Tensor::new(ids, self.device())?;
-        Ok(self.embed.index_select(&idx, 0)?)
+        embed_tokens(&self.embed, ids)
     }
 
     /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
     /// the head. Caches of the sequences hold this call's keys afterwards.
     pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
-        for block in &self.blocks {
-            x = block.forward(&x, &layout, seqs)?;
-        }
-        crate::transformer::commit_buffers(seqs);
-        self.norm.forward(&x)
+        forward_stack(&self.blocks, &self.rope, &self.norm, self.embed(ids)?, seqs)
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Qwen3::forward`].

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use candle_core::{Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
-use super::attention::{attend_packed, PackedLayout, SeqInput};
-use super::layers::{apply_rope, linear, GatedMlp, RmsNorm};
+use super::attention::{attend_packed, commit_buffers, PackedLayout, SeqInput};
+use super::layers::{apply_rope, linear, GatedMlp, RmsNorm, RopeTable};
 use super::parallel::{column_range, head_ranges, reduce, slice, Collective, TensorParallel};
+use crate::config::bad;
 use crate::error::{ModelError, Result};
 
 /// Sizes and options of one block.
@@ -33,12 +34,6 @@ pub struct BlockConfig {
 
 impl BlockConfig {
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, reason: String| {
-            Err(ModelError::Config {
-                key: key.into(),
-                reason,
-            })
-        };
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad("n_heads", "heads and head_dim must be positive".into());
         }
@@ -56,6 +51,37 @@ impl BlockConfig {
         }
         Ok(())
     }
+}
+
+/// Embedding rows of `ids` from `table` `[rows, E]`; an id outside the table is refused.
+pub(crate) fn embed_tokens(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    let rows = table.dim(0)?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
+        return Err(ModelError::Shape(format!(
+            "token id {id} outside the embedding of {rows} rows"
+        )));
+    }
+    let idx = Tensor::new(ids, table.device())?;
+    Ok(table.index_select(&idx, 0)?)
+}
+
+/// `blocks` in order over packed rows `x` `[N, E]` of `seqs` (positions from `rope`), then the
+/// final `norm`: the hidden rows fed to the head. Buffer sequences' caches hold this call's keys
+/// afterwards.
+pub(crate) fn forward_stack(
+    blocks: &[Block],
+    rope: &RopeTable,
+    norm: &RmsNorm,
+    x: Tensor,
+    seqs: &mut [SeqInput],
+) -> Result<Tensor> {
+    let layout = PackedLayout::new(rope, x.dim(0)?, seqs)?;
+    let mut x = x;
+    for block in blocks {
+        x = block.forward(&x, &layout, seqs)?;
+    }
+    commit_buffers(seqs);
+    norm.forward(&x)
 }
 
 /// Tensor names of a block's weights, relative to the block's prefix (each followed by

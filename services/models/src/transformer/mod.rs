@@ -29,8 +29,8 @@ pub mod parallel;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
+pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
-pub(crate) use block::{BlockWeights, ShardRange, ShardWeights};
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub use parallel::{cached_kv_heads, Collective, LocalCollective, TensorParallel};

@@ -8,17 +8,15 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, Outbox};
+use wavefront_engine::{Active, Family};
 use wavefront_models::transformer::{Keys, SeqInput};
 use wavefront_models::Llada;
 
 use super::program::{MdProgram, StepPlan};
+use crate::tick::{entries, head_rows, to_candle};
 
 /// One active program as a tick sees it.
-pub struct Entry<'a> {
-    pub program: &'a mut MdProgram,
-    pub outbox: &'a mut Outbox,
-}
+pub type Entry<'a> = crate::tick::Entry<'a, MdProgram>;
 
 /// Runs one step of every program in `batch` through `model` in one packed forward; returns the
 /// rows computed. A failure of the forward fails the tick; a program's own failure goes to its
@@ -75,12 +73,7 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
             offset += n;
         }
     }
-    let logits = if select.is_empty() {
-        None
-    } else {
-        let rows = hidden.index_select(&Tensor::new(select.as_slice(), hidden.device())?, 0)?;
-        Some(model.logits(&rows).map_err(to_candle)?)
-    };
+    let logits = head_rows(&hidden, &select, |rows| model.logits(rows))?;
 
     let cfg = model.config();
     let mut at = 0;
@@ -120,10 +113,6 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
     Ok(ids.len())
 }
 
-fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
 /// The family: owns the model on the engine thread.
 pub struct MaskedDiffusionFamily {
     model: Llada,
@@ -143,15 +132,7 @@ impl Family for MaskedDiffusionFamily {
     type Program = MdProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), String> {
-        let mut entries: Vec<Entry<'_>> = batch
-            .iter_mut()
-            .map(|a| {
-                let Active {
-                    program, outbox, ..
-                } = &mut **a;
-                Entry { program, outbox }
-            })
-            .collect();
+        let mut entries = entries(batch, |_| true);
         let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
         self.last_rows = Some(rows);
         Ok(())

@@ -70,7 +70,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
+use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
@@ -80,9 +80,12 @@ use self::program::Decoder;
 pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
-use crate::request::{GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams};
+use crate::request::{
+    bad, GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
+};
 use crate::served::{
-    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
+    Planner, ServedModel,
 };
 use crate::SchemeError;
 
@@ -247,10 +250,6 @@ impl LladaPlanner {
     }
 }
 
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
-}
-
 /// Block length (default: `gen_length`) and block count, checked.
 fn blocks(
     scheme: &str,
@@ -330,14 +329,8 @@ impl Planner for LladaPlanner {
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
-    let model_cfg = cfg.clone();
-    let tp = TensorParallel::local(opts.tensor_parallel);
-    serve_model(cfg, tokenizer, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        Llada::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
-    })
+    let load = checkpoint_loader(files, cfg.clone(), &opts, Llada::load_parallel);
+    serve_model(cfg, tokenizer, opts, load)
 }
 
 /// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
@@ -356,20 +349,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    start_served(
-        planner,
-        tokenizer,
-        &opts,
-        bytes_per_slot,
-        move |device, dtype| {
-            let model = load(device, dtype)?;
-            if model.config() != &cfg {
-                return Err(
-                    "the loaded model's config differs from the one requests are planned with"
-                        .into(),
-                );
-            }
-            Ok(MaskedDiffusionFamily::new(model))
-        },
-    )
+    let make = checked_family(cfg, load, Llada::config, MaskedDiffusionFamily::new);
+    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

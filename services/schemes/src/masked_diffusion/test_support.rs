@@ -11,7 +11,7 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
-use super::{tick, Entry, LladaPlanner, MdProgram};
+use super::{tick, LladaPlanner, MdProgram};
 use crate::request::{GenerateSpec, LowConfidenceParams, SureLockParams, WinoParams};
 use crate::served::Planner;
 use crate::test_support::tick_until_done;
@@ -98,14 +98,7 @@ pub fn program(planner: &LladaPlanner, spec: GenerateSpec) -> Result<MdProgram> 
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
 pub fn run(model: &Llada, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
-    tick_until_done(programs, |batch| {
-        let mut batch: Vec<Entry<'_>> = batch
-            .into_iter()
-            .map(|(program, outbox)| Entry { program, outbox })
-            .collect();
-        tick(model, &mut batch)?;
-        Ok(())
-    })
+    tick_until_done(programs, |batch| tick(model, batch).map(drop))
 }
 
 pub use crate::test_support::{collect, spec};

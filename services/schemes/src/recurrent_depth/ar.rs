@@ -27,11 +27,12 @@
 //! `num_steps` and adaptive requests that exit early pack together.
 
 use candle_core::{DType, Device, Tensor};
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{FinishReason, Stats};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
 use crate::sampling::TokenSampler;
+use crate::tick::to_candle;
 
 /// One request's autoregressive decoding state.
 #[derive(Debug)]
@@ -54,10 +55,7 @@ pub struct ArProgram {
 }
 
 /// One active AR request as the tick sees it.
-pub struct Entry<'a> {
-    pub program: &'a mut ArProgram,
-    pub outbox: &'a mut Outbox,
-}
+pub type Entry<'a> = crate::tick::Entry<'a, ArProgram>;
 
 /// Runs one token for every program in `batch` through `model` in packed calls.
 pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
@@ -276,8 +274,4 @@ fn cat_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
     } else {
         Tensor::cat(parts, 0)
     }
-}
-
-fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
 }

@@ -212,10 +212,7 @@ impl DiffusionProgram {
 }
 
 /// One active diffusion-forcing request as the tick sees it.
-pub struct Entry<'a> {
-    pub program: &'a mut DiffusionProgram,
-    pub outbox: &'a mut Outbox,
-}
+pub type Entry<'a> = crate::tick::Entry<'a, DiffusionProgram>;
 
 /// What a request runs in this tick.
 struct Plan {

@@ -63,7 +63,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Active, Family, Prepared, RequestError, Stats};
-use wavefront_models::transformer::TensorParallel;
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
@@ -71,7 +70,8 @@ use wavefront_models::{
 use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
+    Planner, ServedModel,
 };
 use crate::SchemeError;
 use ar::ArProgram;
@@ -307,14 +307,8 @@ impl Family for HuginnFamily {
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = HuginnConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
-    let model_cfg = cfg.clone();
-    let tp = TensorParallel::local(opts.tensor_parallel);
-    serve_model(cfg, tokenizer, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        Huginn::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
-    })
+    let load = checkpoint_loader(files, cfg.clone(), &opts, Huginn::load_parallel);
+    serve_model(cfg, tokenizer, opts, load)
 }
 
 /// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
@@ -328,16 +322,8 @@ pub fn serve_model<L>(
 where
     L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
 {
-    let want = cfg.clone();
-    serve_family(cfg, tokenizer, opts, move |device, dtype| {
-        let model = load(device, dtype)?;
-        if model.config() != &want {
-            return Err(
-                "the loaded model's config differs from the one requests are planned with".into(),
-            );
-        }
-        Ok(HuginnFamily::new(model))
-    })
+    let make = checked_family(cfg.clone(), load, Huginn::config, HuginnFamily::new);
+    serve_family(cfg, tokenizer, opts, make)
 }
 
 /// Sizes the slot pool from the memory budget and starts the engine with the family `make`

@@ -16,17 +16,15 @@
 //! alone or batched.
 
 use candle_core::{DType, Tensor};
-use wavefront_engine::{Active, Family, Outbox};
+use wavefront_engine::{Active, Family};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
 use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
 
 use super::program::{ArmtProgram, Phase};
+use crate::tick::{entries, to_candle};
 
 /// One active program as a tick sees it.
-pub struct Entry<'a> {
-    pub program: &'a mut ArmtProgram,
-    pub outbox: &'a mut Outbox,
-}
+pub type Entry<'a> = crate::tick::Entry<'a, ArmtProgram>;
 
 /// What one tick computed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -281,10 +279,6 @@ fn layer_pass(
     Ok(())
 }
 
-fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
 /// The family: owns the model on the engine thread.
 pub struct RecurrentMemoryFamily {
     model: Armt,
@@ -304,15 +298,7 @@ impl Family for RecurrentMemoryFamily {
     type Program = ArmtProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), String> {
-        let mut entries: Vec<Entry<'_>> = batch
-            .iter_mut()
-            .map(|a| {
-                let Active {
-                    program, outbox, ..
-                } = &mut **a;
-                Entry { program, outbox }
-            })
-            .collect();
+        let mut entries = entries(batch, |_| true);
         let report = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
         self.last_rows = Some(report.rows);
         Ok(())

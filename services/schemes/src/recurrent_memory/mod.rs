@@ -62,15 +62,16 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
-use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
+use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
 pub use self::program::ArmtProgram;
-use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
+use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
+    Planner, ServedModel,
 };
 use crate::SchemeError;
 
@@ -201,10 +202,6 @@ impl ArmtPlanner {
     }
 }
 
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
-}
-
 impl Planner for ArmtPlanner {
     type Program = ArmtProgram;
 
@@ -238,14 +235,8 @@ pub fn config(files: &ModelFiles) -> Result<ArmtConfig, ModelError> {
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = config(&files)?;
     let tokenizer = optional_tokenizer(&files);
-    let model_cfg = cfg.clone();
-    let tp = TensorParallel::local(opts.tensor_parallel);
-    serve_model(cfg, tokenizer, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        Armt::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
-    })
+    let load = checkpoint_loader(files, cfg.clone(), &opts, Armt::load_parallel);
+    serve_model(cfg, tokenizer, opts, load)
 }
 
 /// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
@@ -272,20 +263,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    start_served(
-        planner,
-        tokenizer,
-        &opts,
-        bytes_per_slot,
-        move |device, dtype| {
-            let model = load(device, dtype)?;
-            if model.config() != &cfg {
-                return Err(
-                    "the loaded model's config differs from the one requests are planned with"
-                        .into(),
-                );
-            }
-            Ok(RecurrentMemoryFamily::new(model))
-        },
-    )
+    let make = checked_family(cfg, load, Armt::config, RecurrentMemoryFamily::new);
+    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

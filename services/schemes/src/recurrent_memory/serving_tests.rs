@@ -5,37 +5,19 @@
 //! request validation.
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::DType;
-use wavefront_engine::{EngineError, Event, FinishReason, RequestError};
+use wavefront_engine::{FinishReason, RequestError};
 
 use super::test_support::*;
 use super::ArmtPlanner;
 use crate::request::{ArParams, Execution, GenerateSpec, LowConfidenceParams, SchemeParams};
-use crate::served::{load_model, LoadOptions, Planner, ServedModel};
-
-fn served(opts: LoadOptions) -> Result<Arc<dyn ServedModel>> {
-    Ok(load_model(fixture_files()?, opts)?)
-}
-
-fn submit(served: &dyn ServedModel, spec: GenerateSpec) -> Result<Receiver<Event>> {
-    let (sink, rx, _) = TestSink::new(1024);
-    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
-    Ok(rx)
-}
-
-fn wait_for_free_slots(served: &dyn ServedModel) -> Result<()> {
-    let start = Instant::now();
-    while served.load().free_slots != served.load().total_slots {
-        ensure!(start.elapsed() < Duration::from_secs(20), "slots leaked");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    Ok(())
-}
+use crate::served::{load_model, LoadOptions, Planner};
+use crate::test_support::{
+    assert_invalid, refused_as_too_large, serve, submit, wait_for_free_slots,
+};
 
 /// Eight requests: one segment or many, exact multiples of the segment size, every execution,
 /// a sampled one and one with a stop token.
@@ -171,10 +153,7 @@ fn eight_long_prompts_take_fewer_grouped_steps_together_than_apart() -> Result<(
     }
 
     // The same through the engine: eight concurrent requests take fewer ticks than eight runs.
-    let served = served(LoadOptions {
-        max_active: 8,
-        ..LoadOptions::default()
-    })?;
+    let served = serve(fixture_files()?, "armt-fixture", 8)?;
     let mut apart_ticks = 0;
     for s in &specs {
         let before = served.load().ticks;
@@ -197,17 +176,18 @@ fn eight_long_prompts_take_fewer_grouped_steps_together_than_apart() -> Result<(
         together_ticks * 4 < apart_ticks,
         "{together_ticks} vs {apart_ticks}"
     );
-    wait_for_free_slots(served.as_ref())?;
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(20))?;
     served.shutdown();
     Ok(())
 }
 
 #[test]
 fn prompts_longer_than_the_backbone_context_run_and_cancelling_one_frees_its_slots() -> Result<()> {
-    let served = served(LoadOptions {
+    let opts = LoadOptions {
         max_context_tokens: Some(1 << 20),
         ..LoadOptions::default()
-    })?;
+    };
+    let served = load_model(fixture_files()?, opts)?;
     let info = served.info().clone();
     ensure!(info.family == "recurrent_memory" && info.schemes == vec!["ar"]);
     ensure!(info.max_context == 1 << 20);
@@ -236,7 +216,7 @@ fn prompts_longer_than_the_backbone_context_run_and_cancelling_one_frees_its_slo
     }
     ensure!(served.load().free_slots < served.load().total_slots);
     closed.store(true, Ordering::Release);
-    wait_for_free_slots(served.as_ref())?;
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(20))?;
     ensure!(
         rx.try_recv().is_err(),
         "the cancelled request produced a token"
@@ -289,15 +269,7 @@ fn requests_are_validated_and_reserve_flat_slots() -> Result<()> {
             "lower max_new_tokens to at most 253",
         ),
     ];
-    for (s, want) in cases {
-        match planner.prepare(s) {
-            Err(RequestError::InvalidArgument(m)) => {
-                ensure!(m.contains(want), "{m:?} lacks {want:?}")
-            }
-            Err(e) => bail!("{want}: unexpected {e:?}"),
-            Ok(_) => bail!("{want}: accepted"),
-        }
-    }
+    assert_invalid(&planner, cases)?;
     ensure!(planner
         .prepare(spec(prompt(44, 0), 253, Execution::Auto))
         .is_ok());
@@ -325,25 +297,8 @@ fn requests_are_validated_and_reserve_flat_slots() -> Result<()> {
     ensure!(slots(44, Execution::Diagonal)? == 294 + 36 + 36);
     ensure!(slots(44 + 8 * 1000, Execution::Diagonal)? == slots(44, Execution::Diagonal)?);
     // A pool smaller than one request refuses it at once.
-    let tiny = served(LoadOptions {
-        memory_budget_bytes: 256 * 100,
-        ..LoadOptions::default()
-    })?;
-    let (sink, _rx, _) = TestSink::new(4);
-    let err = tiny
-        .submit(base(), Box::new(sink), None, tracing::Span::none())
-        .unwrap_err();
-    ensure!(
-        matches!(
-            err,
-            EngineError::TooLarge {
-                needed: 366,
-                total: 100
-            }
-        ),
-        "{err:?}"
-    );
-    tiny.shutdown();
+    let (needed, total) = refused_as_too_large(fixture_files()?, 256 * 100, base())?;
+    ensure!((needed, total) == (366, 100), "{needed} of {total}");
     Ok(())
 }
 

@@ -81,16 +81,15 @@ pub fn ar(execution: Execution) -> SchemeParams {
     })
 }
 
+/// A greedy `ar` request with the default seed and `execution` (see
+/// [`crate::test_support::spec`]).
 pub fn spec(prompt_ids: Vec<u32>, max_new_tokens: usize, execution: Execution) -> GenerateSpec {
-    GenerateSpec {
+    crate::test_support::spec(
         prompt_ids,
         max_new_tokens,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams::default(),
-        scheme: ar(execution),
-        replay_draws: None,
-        stream_canvas: false,
-    }
+        SamplingParams::default().seed,
+        ar(execution),
+    )
 }
 
 pub fn program(planner: &ArmtPlanner, spec: GenerateSpec) -> Result<ArmtProgram> {

@@ -11,17 +11,15 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, Outbox};
+use wavefront_engine::{Active, Family};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
 use super::program::SdProgram;
+use crate::tick::{entries, head_rows, to_candle};
 
 /// One active program as a tick sees it.
-pub struct Entry<'a> {
-    pub program: &'a mut SdProgram,
-    pub outbox: &'a mut Outbox,
-}
+pub type Entry<'a> = crate::tick::Entry<'a, SdProgram>;
 
 /// Runs the next call of every program in `batch` through `model` in one packed forward;
 /// returns the rows computed. A failure of the forward fails the tick; a program's own failure
@@ -58,21 +56,19 @@ pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
             offset += row.ids.len();
         }
     }
-    let (reduced, mut full_rows) = if select.is_empty() {
-        (Vec::new(), Vec::new())
-    } else {
-        let device = hidden.device();
-        let rows = hidden.index_select(&Tensor::new(select.as_slice(), device)?, 0)?;
-        let logits = model.logits(&rows).map_err(to_candle)?;
-        let reduced = reduce(&logits, &targets)?;
-        let full_rows = if full.is_empty() {
-            Vec::new()
-        } else {
-            logits
-                .index_select(&Tensor::new(full.as_slice(), device)?, 0)?
-                .to_vec2::<f32>()?
-        };
-        (reduced, full_rows)
+    let (reduced, mut full_rows) = match head_rows(&hidden, &select, |rows| model.logits(rows))? {
+        None => (Vec::new(), Vec::new()),
+        Some(logits) => {
+            let reduced = reduce(&logits, &targets)?;
+            let full_rows = if full.is_empty() {
+                Vec::new()
+            } else {
+                logits
+                    .index_select(&Tensor::new(full.as_slice(), logits.device())?, 0)?
+                    .to_vec2::<f32>()?
+            };
+            (reduced, full_rows)
+        }
     };
     full_rows.reverse();
 
@@ -105,10 +101,6 @@ pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
     Ok(ids.len())
 }
 
-fn to_candle(e: wavefront_models::ModelError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
 /// The family: owns the model on the engine thread.
 pub struct SlotDiffusionFamily {
     model: Qwen3,
@@ -128,16 +120,7 @@ impl Family for SlotDiffusionFamily {
     type Program = SdProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), String> {
-        let mut entries: Vec<Entry<'_>> = batch
-            .iter_mut()
-            .filter(|a| !a.program.is_done())
-            .map(|a| {
-                let Active {
-                    program, outbox, ..
-                } = &mut **a;
-                Entry { program, outbox }
-            })
-            .collect();
+        let mut entries = entries(batch, |p| !p.is_done());
         let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
         self.last_rows = Some(rows);
         Ok(())

@@ -83,7 +83,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::{cached_kv_heads, TensorParallel};
+use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -92,10 +92,11 @@ pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
-use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
+use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    optional_tokenizer, start_served, LoadOptions, ModelInfo, Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
+    Planner, ServedModel,
 };
 use crate::SchemeError;
 
@@ -260,10 +261,6 @@ impl RefusionPlanner {
     }
 }
 
-fn bad<T>(message: String) -> Result<T, RequestError> {
-    Err(RequestError::InvalidArgument(message))
-}
-
 impl Planner for RefusionPlanner {
     type Program = SdProgram;
 
@@ -288,14 +285,8 @@ impl Planner for RefusionPlanner {
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let cfg = Qwen3Config::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
-    let model_cfg = cfg.clone();
-    let tp = TensorParallel::local(opts.tensor_parallel);
-    serve_model(cfg, tokenizer, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        Qwen3::load_parallel(vb, model_cfg, &tp).map_err(|e| e.to_string())
-    })
+    let load = checkpoint_loader(files, cfg.clone(), &opts, Qwen3::load_parallel);
+    serve_model(cfg, tokenizer, opts, load)
 }
 
 /// Starts the engine for the model `load` builds on the engine thread (from a checkpoint, or
@@ -314,20 +305,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    start_served(
-        planner,
-        tokenizer,
-        &opts,
-        bytes_per_slot,
-        move |device, dtype| {
-            let model = load(device, dtype)?;
-            if model.config() != &cfg {
-                return Err(
-                    "the loaded model's config differs from the one requests are planned with"
-                        .into(),
-                );
-            }
-            Ok(SlotDiffusionFamily::new(model))
-        },
-    )
+    let make = checked_family(cfg, load, Qwen3::config, SlotDiffusionFamily::new);
+    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

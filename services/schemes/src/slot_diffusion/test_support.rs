@@ -9,7 +9,7 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config};
 
-use super::{tick, Entry, RefusionPlanner, SdProgram};
+use super::{tick, RefusionPlanner, SdProgram};
 use crate::request::{EosRule, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
 use crate::served::Planner;
 use crate::test_support::tick_until_done;
@@ -75,14 +75,7 @@ pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgra
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
 pub fn run(model: &Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
-    tick_until_done(programs, |batch| {
-        let mut batch: Vec<Entry<'_>> = batch
-            .into_iter()
-            .map(|(program, outbox)| Entry { program, outbox })
-            .collect();
-        tick(model, &mut batch)?;
-        Ok(())
-    })
+    tick_until_done(programs, |batch| tick(model, batch).map(drop))
 }
 
 pub use crate::test_support::collect;
