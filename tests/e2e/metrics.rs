@@ -72,7 +72,11 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     let start = Instant::now();
     let body = loop {
         let body = scrape(wport);
-        if body.contains("wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"OK\"}") {
+        // The engine publishes its slot gauges after the tick that finished the request, which
+        // can be just after the worker counted the response.
+        if body.contains("wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"OK\"}")
+            && body.contains("wavefront_slots_used{model=\"tiny\"} 0")
+        {
             break body;
         }
         assert!(start.elapsed() < Duration::from_secs(10), "{body}");
