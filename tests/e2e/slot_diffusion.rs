@@ -121,6 +121,15 @@ fn run_reproduces_upstream_and_prints_slot_events() {
     let lines = json_lines(&wavefront_run("refusion", &args));
     let tokens: Vec<u32> = serde_json::from_value(lines[0]["token_ids"].clone()).unwrap();
     assert_eq!(tokens, golden.response);
+    // NCCL joins GPUs only: asked for on the CPU, the run refuses at start-up and says why.
+    args.extend(["--collective".into(), "nccl".into()]);
+    let out = wavefront_run("refusion", &args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--collective nccl needs --device cuda:N"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use wavefront_models::candle_core::{DType, Device};
+use wavefront_models::transformer::CollectiveKind;
 use wavefront_models::ModelFiles;
 use wavefront_schemes::LoadOptions;
 
@@ -43,10 +44,15 @@ pub struct ModelArgs {
     #[arg(long, env = "WAVEFRONT_MAX_CONTEXT_TOKENS")]
     pub max_context_tokens: Option<usize>,
     /// Tensor-parallel ranks each transformer block is split over (attention heads and MLP
-    /// columns; partials summed after the row-parallel layers). In-process on one device; every
-    /// family. Must divide the model's attention heads and MLP columns.
+    /// columns; partials summed after the row-parallel layers); every family. Must divide the
+    /// model's attention heads and MLP columns.
     #[arg(long, env = "WAVEFRONT_TENSOR_PARALLEL", default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// What joins the ranks: auto (NCCL over one GPU per rank, cuda:N, N+1, ..., when the model
+    /// is on a GPU and split; else in-process), local (every rank in this process on --device),
+    /// nccl (NCCL even at one rank; needs the `cuda` feature).
+    #[arg(long, env = "WAVEFRONT_COLLECTIVE", default_value = "auto")]
+    pub collective: String,
 }
 
 impl ModelArgs {
@@ -90,6 +96,15 @@ impl ModelArgs {
         if self.tensor_parallel == 0 {
             bail!("--tensor-parallel must be at least 1");
         }
+        let collective: CollectiveKind = self.collective.parse().map_err(|_| {
+            anyhow::anyhow!(
+                "--collective must be auto, local or nccl, got {:?}",
+                self.collective
+            )
+        })?;
+        if collective == CollectiveKind::Nccl && !device.is_cuda() {
+            bail!("--collective nccl needs --device cuda:N");
+        }
         if !self.occupancy_multiplier.is_finite() || self.occupancy_multiplier <= 0.0 {
             bail!(
                 "--occupancy-multiplier must be a positive number, got {}",
@@ -109,6 +124,7 @@ impl ModelArgs {
             occupancy_multiplier: self.occupancy_multiplier,
             max_context_tokens: self.max_context_tokens,
             tensor_parallel: self.tensor_parallel,
+            collective,
         })
     }
 }

@@ -48,3 +48,26 @@ pub fn test_device() -> Device {
     let name = std::env::var("WAVEFRONT_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
     parse_device(&name).unwrap_or_else(|e| panic!("WAVEFRONT_TEST_DEVICE: {e}"))
 }
+
+/// Tensor parallelism for a golden test's `world` ranks on [`test_device`]:
+/// `WAVEFRONT_TEST_COLLECTIVE` (`local`, the default: in-process ranks; `nccl`: NCCL over one
+/// GPU per rank, in a `cuda` build on a GPU; `auto`). `None` when this machine cannot give
+/// `world` NCCL ranks (fewer GPUs): the test names the world it skips.
+///
+/// # Panics
+/// When the variable does not parse, or NCCL fails for another reason than missing GPUs.
+pub fn test_parallel(world: usize) -> Option<crate::transformer::TensorParallel> {
+    use crate::transformer::{CollectiveKind, TensorParallel};
+    let name = std::env::var("WAVEFRONT_TEST_COLLECTIVE").unwrap_or_else(|_| "local".into());
+    let kind: CollectiveKind = name
+        .parse()
+        .unwrap_or_else(|e| panic!("WAVEFRONT_TEST_COLLECTIVE: {e}"));
+    match TensorParallel::for_device(kind, world, &test_device()) {
+        Ok(tp) => Some(tp),
+        Err(e) if e.to_string().contains("GPUs") => {
+            eprintln!("skipping {world} tensor-parallel ranks: {e}");
+            None
+        }
+        Err(e) => panic!("{world} tensor-parallel ranks: {e}"),
+    }
+}

@@ -11,7 +11,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
 use wavefront_models::armt::LayerMemory;
-use wavefront_models::device::test_device;
+use wavefront_models::device::{test_device, test_parallel};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
 use wavefront_models::{Armt, ArmtConfig, ModelFamily, ModelFiles};
 
@@ -30,12 +30,17 @@ fn model() -> Result<Armt> {
 
 /// The fixture split over `world` in-process tensor-parallel ranks.
 fn model_split(world: usize) -> Result<Armt> {
+    model_with(&TensorParallel::local(world))
+}
+
+/// The fixture split as `tp` says.
+fn model_with(tp: &TensorParallel) -> Result<Armt> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = config(&files)?;
     Ok(Armt::load_parallel(
         files.var_builder(DType::F32, &test_device())?,
         cfg,
-        &TensorParallel::local(world),
+        tp,
     )?)
 }
 
@@ -332,8 +337,12 @@ fn tensor_parallel_ranks_give_the_one_rank_logits_and_memories() -> Result<()> {
         }
         Ok(())
     };
-    for world in [2, 4] {
-        let split = model_split(world)?;
+    // One rank through the collective (NCCL under WAVEFRONT_TEST_COLLECTIVE=nccl), 2 and 4 split.
+    for world in [1, 2, 4] {
+        let Some(tp) = test_parallel(world) else {
+            continue;
+        };
+        let split = model_with(&tp)?;
         ensure!(split.world() == world);
         let got = split.forward_sequential(&ids)?;
         check_logits(

@@ -8,8 +8,7 @@ use std::collections::HashMap;
 use anyhow::{Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, load_model, Golden};
-use wavefront_models::device::test_device;
-use wavefront_models::transformer::TensorParallel;
+use wavefront_models::device::{test_device, test_parallel};
 use wavefront_models::{
     detect_family, CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFamily, ModelFiles,
     SeqRows, TextTokenizer,
@@ -22,10 +21,14 @@ fn forward_matches_upstream() -> Result<()> {
     let golden = Golden::load()?;
     let files = ModelFiles::from_dir(fixture_dir())?;
     check_forward(&golden, &load_model(&files)?)?;
-    for world in [2, 4] {
+    // One rank through the collective (NCCL under WAVEFRONT_TEST_COLLECTIVE=nccl), 2 and 4 split.
+    for world in [1, 2, 4] {
+        let Some(tp) = test_parallel(world) else {
+            continue;
+        };
         let cfg = HuginnConfig::from_json(files.config_json())?;
         let vb = files.var_builder(DType::F32, &test_device())?;
-        let model = Huginn::load_parallel(vb, cfg, &TensorParallel::local(world))?;
+        let model = Huginn::load_parallel(vb, cfg, &tp)?;
         check_forward(&golden, &model).with_context(|| format!("{world} ranks"))?;
     }
     Ok(())

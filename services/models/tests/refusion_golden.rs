@@ -6,11 +6,15 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use wavefront_models::device::test_device;
-use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
+use wavefront_models::device::{test_device, test_parallel};
+use wavefront_models::transformer::{
+    Collective, Keys, KvCache, LocalCollective, MaskRule, SeqInput, TensorParallel,
+};
 use wavefront_models::{detect_family, ModelFamily, ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 fn fixture_dir() -> PathBuf {
@@ -23,12 +27,17 @@ fn model() -> Result<Qwen3> {
 
 /// The fixture split over `world` in-process tensor-parallel ranks (1: not split).
 fn model_on_ranks(world: usize) -> Result<Qwen3> {
+    model_with(&TensorParallel::local(world))
+}
+
+/// The fixture split as `tp` says.
+fn model_with(tp: &TensorParallel) -> Result<Qwen3> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = Qwen3Config::from_json(files.config_json())?;
     Ok(Qwen3::load_parallel(
         files.var_builder(DType::F32, &test_device())?,
         cfg,
-        &TensorParallel::local(world),
+        tp,
     )?)
 }
 
@@ -193,8 +202,11 @@ fn tensor_parallel_ranks_match_upstream_and_one_rank() -> Result<()> {
     let ids = golden.ids("fwd.input_ids")?;
     let pos = golden.ids("fwd.position_ids")?;
     let single = logits(&one, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
-    for world in [2, 4] {
-        let split = model_on_ranks(world)?;
+    for world in [1, 2, 4] {
+        let Some(tp) = test_parallel(world) else {
+            continue;
+        };
+        let split = model_with(&tp)?;
         let label = format!("{world} ranks: ");
         check_forward(&golden, &split, &label)?;
         check_parallel_slots(&golden, &split)?;
@@ -205,6 +217,69 @@ fn tensor_parallel_ranks_match_upstream_and_one_rank() -> Result<()> {
             &single,
             LOGITS_ATOL,
         )?;
+    }
+    Ok(())
+}
+
+/// A collective that places every rank on the CPU explicitly and, like NCCL, is called even at
+/// one rank, counting its calls.
+#[derive(Debug)]
+struct Placing {
+    inner: LocalCollective,
+    cpu: Device,
+    calls: AtomicUsize,
+}
+
+impl Collective for Placing {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_reduce_sum(
+        &self,
+        partials: Vec<Tensor>,
+    ) -> Result<Tensor, wavefront_models::ModelError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.all_reduce_sum(partials)
+    }
+    fn device(&self, _rank: usize) -> Option<&Device> {
+        Some(&self.cpu)
+    }
+    fn skips_one_rank(&self) -> bool {
+        false
+    }
+}
+
+/// The path a library collective takes (ranks placed on their devices, the sum taken through
+/// the collective at one rank too): two sums per block per call, every logit unchanged.
+#[test]
+fn a_collective_called_at_one_rank_changes_nothing() -> Result<()> {
+    let golden = Golden::load()?;
+    let ids = golden.ids("fwd.input_ids")?;
+    let pos = golden.ids("fwd.position_ids")?;
+    let one = model()?;
+    let want = logits(&one, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
+    for world in [1, 2] {
+        let comm = Arc::new(Placing {
+            inner: LocalCollective::new(world),
+            cpu: Device::Cpu,
+            calls: AtomicUsize::new(0),
+        });
+        let placed = model_with(&TensorParallel::with(comm.clone()))?;
+        let got = logits(&placed, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
+        let layers = one.config().num_hidden_layers;
+        ensure!(
+            comm.calls.load(Ordering::Relaxed) == 2 * layers,
+            "{world} ranks: {} sums for {layers} blocks",
+            comm.calls.load(Ordering::Relaxed)
+        );
+        if world == 1 {
+            ensure!(
+                max_abs_diff(&got, &want)? == 0.0,
+                "one rank through the collective"
+            );
+        } else {
+            assert_close("2 placed ranks", &got, &want, LOGITS_ATOL)?;
+        }
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ use wavefront_engine::{
     RequestError, RequestId, Submission,
 };
 use wavefront_models::candle_nn::VarBuilder;
-use wavefront_models::transformer::TensorParallel;
+use wavefront_models::transformer::{CollectiveKind, TensorParallel};
 use wavefront_models::{ChatMessage, ModelError, ModelFamily, ModelFiles, TextTokenizer};
 
 use crate::request::GenerateSpec;
@@ -161,9 +161,11 @@ pub struct LoadOptions {
     /// [`crate::recurrent_memory::DEFAULT_MAX_CONTEXT_TOKENS`]. Other families take their limit
     /// from their config and ignore this.
     pub max_context_tokens: Option<usize>,
-    /// Tensor-parallel ranks each block is split over (heads and MLP columns), in-process;
-    /// 1 disables the split.
+    /// Tensor-parallel ranks each block is split over (heads and MLP columns); 1 disables the
+    /// split.
     pub tensor_parallel: usize,
+    /// What joins the ranks: in-process on the model's device, or NCCL over one GPU per rank.
+    pub collective: CollectiveKind,
 }
 
 impl Default for LoadOptions {
@@ -178,6 +180,7 @@ impl Default for LoadOptions {
             occupancy_multiplier: 1.0,
             max_context_tokens: None,
             tensor_parallel: 1,
+            collective: CollectiveKind::Auto,
         }
     }
 }
@@ -263,8 +266,9 @@ where
 }
 
 /// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights
-/// of `files` (in the engine's device and dtype) with `load_parallel`, split over the
-/// `opts.tensor_parallel` in-process ranks.
+/// of `files` (in the engine's device and dtype) with `load_parallel`, split over
+/// `opts.tensor_parallel` ranks joined by `opts.collective` (made on the engine thread, which
+/// drives every rank).
 pub(crate) fn checkpoint_loader<C, M>(
     files: ModelFiles,
     cfg: C,
@@ -275,8 +279,9 @@ where
     C: Send + 'static,
     M: 'static,
 {
-    let tp = TensorParallel::local(opts.tensor_parallel);
+    let (world, kind) = (opts.tensor_parallel, opts.collective);
     move |device, dtype| {
+        let tp = TensorParallel::for_device(kind, world, device).map_err(|e| e.to_string())?;
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;

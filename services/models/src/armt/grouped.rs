@@ -52,7 +52,7 @@ use super::memory::{
 };
 use super::ArmtConfig;
 use crate::error::{ModelError, Result};
-use crate::transformer::parallel::{reduce, slice, Collective};
+use crate::transformer::parallel::{on_rank, reduce, slice, Collective};
 use crate::transformer::{GatedMlp, RopeTable, ShardRange, ShardWeights};
 
 /// Per-layer weights stacked along a leading layer axis, in the checkpoint's `[out, in]` layout.
@@ -141,6 +141,18 @@ impl Linears {
 }
 
 impl RankStack {
+    /// The stacks on `device` (the rank's own GPU under NCCL).
+    pub(crate) fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            qkv: self.qkv.to_device(device)?,
+            o: self.o.to_device(device)?,
+            gate: self.gate.to_device(device)?,
+            up: self.up.to_device(device)?,
+            down: self.down.to_device(device)?,
+            ..*self
+        })
+    }
+
     /// Layer `l`'s shard of the shared block (the sequential path): views into the stacks.
     pub(crate) fn layer(&self, l: usize) -> Result<ShardWeights> {
         let (h, hkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
@@ -396,19 +408,24 @@ impl GroupedContext<'_> {
         let positions: Vec<u32> = (0..p as u32).collect();
         let (cos, sin) = self.rope.rows(&positions)?;
         let mask = causal_mask(p, self.device)?;
+        let comm = s.comm.as_ref();
         let mut kv = Vec::with_capacity(s.ranks.len());
         let mut partials = Vec::with_capacity(s.ranks.len());
-        for r in &s.ranks {
-            let (y, k, v) = r.attention(&hn, lo, (&cos, &sin), &mask)?;
+        for (rank, r) in s.ranks.iter().enumerate() {
+            // On the rank's device (a no-op unless ranks have GPUs of their own).
+            let here = |t: &Tensor| on_rank(comm, rank, t);
+            let rope = (&here(&cos)?, &here(&sin)?);
+            let (y, k, v) = r.attention(&here(&hn)?, lo, rope, &here(&mask)?)?;
             partials.push(y);
             kv.push((k, v));
         }
-        let x = (x + reduce(s.comm.as_ref(), partials)?)?;
+        let x = (x + reduce(comm, partials)?)?;
         let hn = grouped_rms_norm(&x, &s.ones, &s.ff_norm, lo, norm_eps)?;
         let partials = s
             .ranks
             .iter()
-            .map(|r| r.mlp(&hn, lo))
+            .enumerate()
+            .map(|(rank, r)| r.mlp(&on_rank(comm, rank, &hn)?, lo))
             .collect::<Result<Vec<_>>>()?;
         let x = (x + reduce(s.comm.as_ref(), partials)?)?;
 

@@ -201,7 +201,14 @@ impl Armt {
             };
             ranges
                 .iter()
-                .map(|r| linears.shard(r, hd))
+                .enumerate()
+                .map(|(rank, r)| {
+                    let stack = linears.shard(r, hd)?;
+                    match tp.comm.device(rank) {
+                        Some(d) => stack.to_device(d),
+                        None => Ok(stack),
+                    }
+                })
                 .collect::<Result<Vec<_>>>()?
         };
         let stacked = Stacked {

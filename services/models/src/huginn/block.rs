@@ -19,7 +19,7 @@ use super::config::HuginnConfig;
 use super::SeqRows;
 use crate::error::{ModelError, Result};
 use crate::transformer::parallel::{
-    column_range, head_ranges, reduce, slice, Collective, TensorParallel,
+    column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
 pub(crate) use crate::transformer::{get, linear, RmsNorm};
 
@@ -55,9 +55,10 @@ impl GatedMlp {
                     ],
                     0,
                 )?;
+                let proj = slice(proj.weight(), 1, &c, 1)?;
                 Ok(Self {
-                    fc: Linear::new(rows, None),
-                    proj: Linear::new(slice(proj.weight(), 1, &c, 1)?, None),
+                    fc: Linear::new(on_rank(tp.comm.as_ref(), rank, &rows)?, None),
+                    proj: Linear::new(on_rank(tp.comm.as_ref(), rank, &proj)?, None),
                     hidden: c.len(),
                 })
             })
@@ -186,9 +187,9 @@ impl RopeTable {
 /// Causal self-attention with q/k bias and interleaved RoPE.
 ///
 /// Under tensor parallelism each rank holds its heads' rows of `Wqkv` (and of the q/k bias) and
-/// their columns of `proj`. The heads are gathered for the cache write and the attention itself,
-/// because one cache slot holds every head (the lookup strategies remap slots, not heads); the
-/// output projection runs per rank and the collective sums the partials.
+/// their columns of `proj`, on its device. The heads are gathered on rank 0 for the cache write
+/// and the attention itself, because one cache slot holds every head (the lookup strategies remap
+/// slots, not heads); the output projection runs per rank and the collective sums the partials.
 #[derive(Debug, Clone)]
 struct Attention {
     shards: Vec<AttnShard>,
@@ -238,9 +239,11 @@ impl Attention {
                         Some((q, k)) => Some((slice(q, 0, &r, 1)?, slice(k, 0, &r, 1)?)),
                         None => None,
                     };
+                    let comm = tp.comm.as_ref();
+                    let proj = slice(proj.weight(), 1, &r, d)?;
                     Ok(AttnShard {
-                        wqkv: Linear::new(Tensor::cat(&rows, 0)?, None),
-                        proj: Linear::new(slice(proj.weight(), 1, &r, d)?, None),
+                        wqkv: Linear::new(on_rank(comm, rank, &Tensor::cat(&rows, 0)?)?, None),
+                        proj: Linear::new(on_rank(comm, rank, &proj)?, None),
                         qk_bias: bias,
                         n_heads: r.len(),
                     })
@@ -265,10 +268,12 @@ impl Attention {
         let n = x.dim(0)?;
         let d = self.head_dim;
         let dtype = x.dtype();
-        // Every rank's q, k, v `[H_r, N, D]`, gathered along the heads.
+        let comm = self.comm.as_ref();
+        // Every rank's q, k, v `[H_r, N, D]`, gathered along the heads on rank 0.
         let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
-        for s in &self.shards {
-            let qkv = s.wqkv.forward(x)?.reshape((n, 3, s.n_heads, d))?;
+        for (rank, s) in self.shards.iter().enumerate() {
+            let qkv = s.wqkv.forward(&on_rank(comm, rank, x)?)?;
+            let qkv = on_rank(comm, 0, &qkv)?.reshape((n, 3, s.n_heads, d))?;
             // [H, N, D] views, made contiguous by the bias add / RoPE.
             let head_major = |i: usize| -> Result<Tensor> { Ok(qkv.i((.., i))?.transpose(0, 1)?) };
             let (mut q, mut k) = (head_major(0)?, head_major(1)?);
@@ -324,7 +329,7 @@ impl Attention {
         // Each rank projects its heads; the collective sums the partials.
         let mut partials = Vec::with_capacity(self.shards.len());
         let mut head = 0;
-        for s in &self.shards {
+        for (rank, s) in self.shards.iter().enumerate() {
             let y = if self.shards.len() == 1 {
                 y.clone()
             } else {
@@ -335,9 +340,9 @@ impl Attention {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((n, s.n_heads * d))?;
-            partials.push(s.proj.forward(&y)?);
+            partials.push(s.proj.forward(&on_rank(comm, rank, &y)?)?);
         }
-        reduce(self.comm.as_ref(), partials)
+        reduce(comm, partials)
     }
 
     /// Interleaved RoPE on `[H, N, D]`, computed in float32.
@@ -413,12 +418,14 @@ impl SandwichBlock {
             .forward(&self.norm_1.forward(x)?, layout, seqs, slot)?;
         let h = self.norm_2.forward(&(a + x)?)?;
         let h3 = self.norm_3.forward(&h)?;
+        let comm = self.comm.as_ref();
         let partials = self
             .mlp
             .iter()
-            .map(|m| m.forward(&h3))
+            .enumerate()
+            .map(|(rank, m)| m.forward(&on_rank(comm, rank, &h3)?))
             .collect::<Result<Vec<_>>>()?;
-        let m = reduce(self.comm.as_ref(), partials)?;
+        let m = reduce(comm, partials)?;
         self.norm_4.forward(&(m + h)?)
     }
 }

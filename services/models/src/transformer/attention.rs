@@ -9,8 +9,9 @@
 //! sees everything but the current-block position it verifies.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::layers::RopeTable;
 use crate::error::{ModelError, Result};
@@ -271,6 +272,8 @@ pub struct PackedLayout {
     pub(crate) cos: Tensor,
     pub(crate) sin: Tensor,
     seqs: Vec<SeqLayout>,
+    /// Copies on other devices (tensor-parallel ranks on their own GPUs), made once per call.
+    replicas: Mutex<Vec<Arc<PackedLayout>>>,
 }
 
 impl PackedLayout {
@@ -341,7 +344,60 @@ impl PackedLayout {
             cos,
             sin,
             seqs: layouts,
+            replicas: Mutex::default(),
         })
+    }
+
+    /// This layout on `device`: `None` when it is already there (or no device is asked for),
+    /// else a copy of its RoPE rows, masks and key gathers, made on the first request for that
+    /// device and shared by every layer after.
+    pub(crate) fn replica(&self, device: Option<&Device>) -> Result<Option<Arc<PackedLayout>>> {
+        let Some(device) = device else {
+            return Ok(None);
+        };
+        if self.cos.device().same_device(device) {
+            return Ok(None);
+        }
+        let mut replicas = self
+            .replicas
+            .lock()
+            .map_err(|_| ModelError::Shape("a layout's replicas are poisoned".into()))?;
+        if let Some(r) = replicas.iter().find(|r| r.cos.device().same_device(device)) {
+            return Ok(Some(r.clone()));
+        }
+        let move_opt = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_device(device)).transpose();
+        let seqs = self
+            .seqs
+            .iter()
+            .map(|s| {
+                let keys = match &s.keys {
+                    KeySource::Rows => KeySource::Rows,
+                    KeySource::Buffer { index, cached } => KeySource::Buffer {
+                        index: move_opt(index)?,
+                        cached: *cached,
+                    },
+                    KeySource::Shared { prefix, suffix } => KeySource::Shared {
+                        prefix: *prefix,
+                        suffix: *suffix,
+                    },
+                };
+                Ok(SeqLayout {
+                    offset: s.offset,
+                    len: s.len,
+                    keys,
+                    mask: move_opt(&s.mask)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let r = Arc::new(Self {
+            rows: self.rows,
+            cos: self.cos.to_device(device)?,
+            sin: self.sin.to_device(device)?,
+            seqs,
+            replicas: Mutex::default(),
+        });
+        replicas.push(r.clone());
+        Ok(Some(r))
     }
 
     /// Rows of the call.

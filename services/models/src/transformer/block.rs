@@ -8,8 +8,10 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use super::attention::{attend_packed, commit_buffers, PackedLayout, SeqInput};
-use super::layers::{apply_rope, linear, GatedMlp, RmsNorm, RopeTable};
-use super::parallel::{column_range, head_ranges, reduce, slice, Collective, TensorParallel};
+use super::layers::{apply_rope, linear, linear_to_device, GatedMlp, RmsNorm, RopeTable};
+use super::parallel::{
+    column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
+};
 use crate::config::bad;
 use crate::error::{ModelError, Result};
 
@@ -173,6 +175,19 @@ pub(crate) struct ShardWeights {
     pub mlp: GatedMlp,
 }
 
+impl ShardWeights {
+    /// The shard with every weight on `device` (no copy of what is already there).
+    pub(crate) fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            q: linear_to_device(&self.q, device)?,
+            k: linear_to_device(&self.k, device)?,
+            v: linear_to_device(&self.v, device)?,
+            o: linear_to_device(&self.o, device)?,
+            mlp: self.mlp.to_device(device)?,
+        })
+    }
+}
+
 /// A block's weights, already split: what every rank shares (norms, the row-parallel biases)
 /// and each rank's [`ShardWeights`], in rank order.
 #[derive(Debug, Clone)]
@@ -200,9 +215,10 @@ pub struct Block {
     comm: Arc<dyn Collective>,
 }
 
-/// One rank's slice of a block: its attention heads and MLP columns.
+/// One rank's slice of a block: its attention heads and MLP columns, on the rank's device.
 #[derive(Debug, Clone)]
 struct Shard {
+    rank: usize,
     /// Index of this shard's keys/values in every [`KvCache`](super::KvCache):
     /// `layer · world + rank`.
     cache_slot: usize,
@@ -297,7 +313,8 @@ impl Block {
 
     /// Block `layer` from weights already split over the ranks of `comm`, one
     /// [`ShardWeights`] per rank as [`BlockConfig::shard_ranges`] cuts them (e.g. views of a
-    /// model's own layer-stacked weights).
+    /// model's own layer-stacked weights). Each rank's weights move to its device when the
+    /// collective places ranks on devices of their own.
     pub(crate) fn from_weights(
         w: BlockWeights,
         cfg: &BlockConfig,
@@ -317,15 +334,28 @@ impl Block {
             .into_iter()
             .zip(cfg.shard_ranges(world)?)
             .enumerate()
-            .map(|(rank, (s, r))| Shard {
-                cache_slot: layer * world + rank,
-                w: s,
-                qk_norm: w.qk_norm.clone(),
-                n_heads: r.heads.len(),
-                n_kv_heads: r.kv_heads.len(),
-                head_dim: cfg.head_dim,
+            .map(|(rank, (s, r))| {
+                let (s, qk_norm) = match comm.device(rank) {
+                    None => (s, w.qk_norm.clone()),
+                    Some(d) => (
+                        s.to_device(d)?,
+                        w.qk_norm
+                            .as_ref()
+                            .map(|(q, k)| Ok::<_, ModelError>((q.to_device(d)?, k.to_device(d)?)))
+                            .transpose()?,
+                    ),
+                };
+                Ok(Shard {
+                    rank,
+                    cache_slot: layer * world + rank,
+                    w: s,
+                    qk_norm,
+                    n_heads: r.heads.len(),
+                    n_kv_heads: r.kv_heads.len(),
+                    head_dim: cfg.head_dim,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             attn_norm: w.attn_norm,
             ff_norm: w.ff_norm,
@@ -348,11 +378,16 @@ impl Block {
         layout: &PackedLayout,
         seqs: &mut [SeqInput],
     ) -> Result<Tensor> {
+        let comm = self.comm.as_ref();
         let h = self.attn_norm.forward(x)?;
         let partials = self
             .shards
             .iter()
-            .map(|s| s.attention(&h, layout, seqs))
+            .map(|s| {
+                let replica = layout.replica(comm.device(s.rank))?;
+                let layout = replica.as_deref().unwrap_or(layout);
+                s.attention(&on_rank(comm, s.rank, &h)?, layout, seqs)
+            })
             .collect::<Result<Vec<_>>>()?;
         let a = self.sum_partials(partials, self.o_bias.as_ref())?;
         let x = (x + a)?;
@@ -360,7 +395,7 @@ impl Block {
         let partials = self
             .shards
             .iter()
-            .map(|s| s.w.mlp.forward(&h))
+            .map(|s| s.w.mlp.forward(&on_rank(comm, s.rank, &h)?))
             .collect::<Result<Vec<_>>>()?;
         let m = self.sum_partials(partials, self.down_bias.as_ref())?;
         Ok((x + m)?)

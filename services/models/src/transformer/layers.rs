@@ -53,6 +53,11 @@ impl RmsNorm {
         Self { weight, eps }
     }
 
+    /// The norm with its weight on `device` (itself when it is there).
+    pub(crate) fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self::new(self.weight.to_device(device)?, self.eps))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         if x.dtype() == DType::F32 {
@@ -75,7 +80,22 @@ pub(crate) struct GatedMlp {
     pub(crate) down: Linear,
 }
 
+/// `l` with its weight and bias on `device` (no copy of what is already there).
+pub(crate) fn linear_to_device(l: &Linear, device: &Device) -> Result<Linear> {
+    let b = l.bias().map(|b| b.to_device(device)).transpose()?;
+    Ok(Linear::new(l.weight().to_device(device)?, b))
+}
+
 impl GatedMlp {
+    /// The MLP with its weights on `device`.
+    pub(crate) fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            gate: linear_to_device(&self.gate, device)?,
+            up: linear_to_device(&self.up, device)?,
+            down: linear_to_device(&self.down, device)?,
+        })
+    }
+
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = self.gate.forward(x)?.silu()?;
         let u = self.up.forward(x)?;

@@ -25,6 +25,8 @@
 mod attention;
 mod block;
 mod layers;
+#[cfg(feature = "cuda")]
+mod nccl;
 pub mod parallel;
 
 pub(crate) use attention::commit_buffers;
@@ -33,4 +35,4 @@ pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, Sh
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
-pub use parallel::{cached_kv_heads, Collective, LocalCollective, TensorParallel};
+pub use parallel::{cached_kv_heads, Collective, CollectiveKind, LocalCollective, TensorParallel};

@@ -7,25 +7,47 @@
 //! fewer kv heads than ranks, each kv head is replicated on the ranks whose query heads read it.
 //!
 //! The controller is single: one thread drives every rank's shard and the collective combines
-//! their partials, which is how one process drives several GPUs through NCCL group calls, and
-//! how the in-process CPU implementation ([`LocalCollective`]) runs the same code in tests.
-//! Results equal the one-rank results up to float summation order (the partials are summed in
-//! rank order, so every run of a given world size is deterministic).
+//! their partials, which is how one process drives several GPUs through NCCL group calls
+//! ([`NcclCollective`] under the `cuda` feature: rank `r`'s shard, its RoPE rows, masks and
+//! key/value caches live on GPU `r`, the replicated residual stream on rank 0's), and how the
+//! in-process CPU implementation ([`LocalCollective`]: every rank on the model's device) runs the
+//! same code in tests. Results equal the one-rank results up to float summation order (the
+//! partials are summed in rank order, so every run of a given world size is deterministic).
 
 use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// Sums the ranks' partial results.
+#[cfg(feature = "cuda")]
+pub use super::nccl::NcclCollective;
+
+/// Sums the ranks' partial results, and says where each rank computes.
 pub trait Collective: Send + Sync + Debug {
     fn world(&self) -> usize;
-    /// All-reduce (sum) of one partial per rank, in rank order; the result is on rank 0's
-    /// device.
+    /// All-reduce (sum) of one partial per rank, in rank order, each on its rank's device; the
+    /// result is on rank 0's device.
     fn all_reduce_sum(&self, partials: Vec<Tensor>) -> Result<Tensor>;
+    /// The device rank `rank`'s shard lives on; `None`: the model's own device.
+    fn device(&self, _rank: usize) -> Option<&Device> {
+        None
+    }
+    /// Whether one rank's partial is taken as the sum without calling the collective (true for
+    /// the in-process sum; a library collective says false so one rank still runs through it).
+    fn skips_one_rank(&self) -> bool {
+        true
+    }
+}
+
+/// `t` on rank `rank`'s device (the tensor itself, no copy, when it is already there).
+pub(crate) fn on_rank(comm: &dyn Collective, rank: usize, t: &Tensor) -> Result<Tensor> {
+    match comm.device(rank) {
+        Some(d) => Ok(t.to_device(d)?),
+        None => Ok(t.clone()),
+    }
 }
 
 /// The in-process implementation: every rank's shard on the same device, partials summed in
@@ -62,6 +84,35 @@ impl Collective for LocalCollective {
     }
 }
 
+/// Which collective joins a model's tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CollectiveKind {
+    /// NCCL with one GPU per rank when the model is on a GPU and split, else in-process.
+    #[default]
+    Auto,
+    /// Every rank in this process on the model's device ([`LocalCollective`]).
+    Local,
+    /// NCCL, one GPU per rank from the model's GPU on (`cuda` feature); with one rank the sums
+    /// still go through the library.
+    Nccl,
+}
+
+impl std::str::FromStr for CollectiveKind {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "local" => Ok(Self::Local),
+            "nccl" => Ok(Self::Nccl),
+            _ => Err(ModelError::Config {
+                key: "collective".into(),
+                reason: format!("must be auto, local or nccl, got {s:?}"),
+            }),
+        }
+    }
+}
+
 /// How a model is split across ranks.
 #[derive(Debug, Clone)]
 pub struct TensorParallel {
@@ -77,10 +128,66 @@ impl TensorParallel {
 
     /// `world` ranks in this process ([`LocalCollective`]).
     pub fn local(world: usize) -> Self {
+        Self::with(Arc::new(LocalCollective::new(world.max(1))))
+    }
+
+    /// Ranks as `comm` has them.
+    pub fn with(comm: Arc<dyn Collective>) -> Self {
         Self {
-            world: world.max(1),
-            comm: Arc::new(LocalCollective::new(world.max(1))),
+            world: comm.world(),
+            comm,
         }
+    }
+
+    /// One rank per device of `devices` (in rank order; rank 0's is the model's device, where
+    /// the residual stream, embeddings and head stay) over NCCL.
+    #[cfg(feature = "cuda")]
+    pub fn nccl(devices: Vec<Device>) -> Result<Self> {
+        Ok(Self::with(Arc::new(NcclCollective::new(devices)?)))
+    }
+
+    /// `world` ranks for a model on `device` joined by `kind`: NCCL ranks take GPUs
+    /// `N, N+1, …` from the model's `cuda:N` (rank 0 is the model's device itself).
+    pub fn for_device(kind: CollectiveKind, world: usize, device: &Device) -> Result<Self> {
+        let world = world.max(1);
+        let nccl = match kind {
+            CollectiveKind::Local => false,
+            CollectiveKind::Auto => device.is_cuda() && world > 1,
+            CollectiveKind::Nccl => true,
+        };
+        if !nccl {
+            return Ok(Self::local(world));
+        }
+        let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else {
+            return Err(ModelError::Device(format!(
+                "the NCCL collective needs the model on a GPU (cuda:N), not {:?}",
+                device.location()
+            )));
+        };
+        Self::nccl_from(device, gpu_id, world)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn nccl_from(device: &Device, gpu_id: usize, world: usize) -> Result<Self> {
+        let mut devices = vec![device.clone()];
+        for r in 1..world {
+            let d = Device::new_cuda(gpu_id + r).map_err(|e| {
+                ModelError::Device(format!(
+                    "tensor-parallel rank {r} needs cuda:{} ({e}); {world} ranks from cuda:{gpu_id} \
+                     need {world} GPUs",
+                    gpu_id + r
+                ))
+            })?;
+            devices.push(d);
+        }
+        Self::nccl(devices)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn nccl_from(_device: &Device, _gpu_id: usize, _world: usize) -> Result<Self> {
+        Err(ModelError::Unsupported(
+            "the NCCL collective needs a build with the `cuda` feature".into(),
+        ))
     }
 
     pub fn is_single(&self) -> bool {
@@ -128,7 +235,7 @@ pub fn cached_kv_heads(n_heads: usize, n_kv_heads: usize, world: usize) -> usize
 /// The sum of the ranks' partial outputs: the partial itself with one rank (no collective call,
 /// no copy).
 pub(crate) fn reduce(comm: &dyn Collective, mut partials: Vec<Tensor>) -> Result<Tensor> {
-    if partials.len() == 1 {
+    if partials.len() == 1 && comm.skips_one_rank() {
         return Ok(partials.pop().expect("one partial"));
     }
     comm.all_reduce_sum(partials)
@@ -173,5 +280,25 @@ mod tests {
         assert_eq!(cached_kv_heads(8, 8, 4), 8);
         assert_eq!(cached_kv_heads(6, 2, 4), 2);
         assert!(column_range(10, 4, 0).is_err());
+    }
+
+    #[test]
+    fn the_collective_is_chosen_by_name_and_device() {
+        let parse = |s: &str| s.parse::<CollectiveKind>();
+        assert_eq!(parse("auto").unwrap(), CollectiveKind::Auto);
+        assert_eq!(parse("local").unwrap(), CollectiveKind::Local);
+        assert_eq!(parse("nccl").unwrap(), CollectiveKind::Nccl);
+        assert!(parse("mpi")
+            .unwrap_err()
+            .to_string()
+            .contains("auto, local or nccl"));
+        // On the CPU, auto and local are the in-process ranks; NCCL is refused with the reason.
+        for kind in [CollectiveKind::Auto, CollectiveKind::Local] {
+            let tp = TensorParallel::for_device(kind, 2, &Device::Cpu).unwrap();
+            assert_eq!((tp.world, tp.comm.world()), (2, 2));
+            assert!(tp.comm.device(1).is_none() && tp.comm.skips_one_rank());
+        }
+        let err = TensorParallel::for_device(CollectiveKind::Nccl, 1, &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("GPU (cuda:N)"), "{err}");
     }
 }
