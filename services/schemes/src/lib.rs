@@ -17,6 +17,7 @@
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
 
 pub mod error;
+mod kv_slot;
 pub mod masked_diffusion;
 pub mod recurrent_depth;
 pub mod recurrent_memory;

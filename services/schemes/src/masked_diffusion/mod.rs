@@ -70,7 +70,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
@@ -80,6 +79,7 @@ use self::program::Decoder;
 pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
+use crate::kv_slot::KvSlot;
 use crate::request::{
     bad, GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
 };
@@ -93,9 +93,8 @@ use crate::SchemeError;
 pub struct LladaPlanner {
     cfg: LladaConfig,
     info: ModelInfo,
-    dtype_size: usize,
-    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
-    kv_heads: usize,
+    /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
+    kv: KvSlot,
 }
 
 impl LladaPlanner {
@@ -109,23 +108,21 @@ impl LladaPlanner {
             max_context: cfg.max_sequence_length,
         };
         Self {
-            kv_heads: cfg.kv_heads(),
+            kv: KvSlot::new(&cfg.block_config(), dtype),
             cfg,
             info,
-            dtype_size: dtype.size_in_bytes(),
         }
     }
 
     /// Bytes of one slot: one buffer row's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+        self.kv.bytes()
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        let b = self.cfg.block_config();
-        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self.kv = self.kv.with_world(world);
         self
     }
 

@@ -62,11 +62,11 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
-use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
 pub use self::program::ArmtProgram;
+use crate::kv_slot::KvSlot;
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -83,9 +83,8 @@ pub const DEFAULT_MAX_CONTEXT_TOKENS: usize = 131_072;
 pub struct ArmtPlanner {
     cfg: ArmtConfig,
     info: ModelInfo,
-    dtype_size: usize,
-    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
-    kv_heads: usize,
+    /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
+    kv: KvSlot,
 }
 
 impl ArmtPlanner {
@@ -100,23 +99,21 @@ impl ArmtPlanner {
             max_context,
         };
         Self {
-            kv_heads: cfg.kv_heads(),
+            kv: KvSlot::new(&cfg.block_config(), dtype),
             cfg,
             info,
-            dtype_size: dtype.size_in_bytes(),
         }
     }
 
     /// Bytes of one slot: one position's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+        self.kv.bytes()
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        let b = self.cfg.block_config();
-        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self.kv = self.kv.with_world(world);
         self
     }
 
@@ -133,7 +130,7 @@ impl ArmtPlanner {
         let memory = (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
         let mut slots = layers * memory + (prompt_segment + max_new) * layers;
         if diagonal {
-            let row = (d * self.dtype_size).div_ceil(unit);
+            let row = (d * self.kv.dtype_size()).div_ceil(unit);
             slots += layers.min(segments) * self.cfg.cell_rows() * row;
         }
         slots

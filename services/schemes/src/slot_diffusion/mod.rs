@@ -83,7 +83,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::cached_kv_heads;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -92,6 +91,7 @@ pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
+use crate::kv_slot::KvSlot;
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -105,9 +105,8 @@ pub struct RefusionPlanner {
     cfg: Qwen3Config,
     mask_id: u32,
     info: ModelInfo,
-    dtype_size: usize,
-    /// Key/value heads one buffer row keeps per layer, over all tensor-parallel ranks.
-    kv_heads: usize,
+    /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
+    kv: KvSlot,
 }
 
 impl RefusionPlanner {
@@ -127,24 +126,22 @@ impl RefusionPlanner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
-            kv_heads: cfg.kv_heads(),
+            kv: KvSlot::new(&cfg.block_config(), dtype),
             cfg,
             mask_id,
             info,
-            dtype_size: dtype.size_in_bytes(),
         })
     }
 
     /// Bytes of one slot: one buffer row's K and V in one layer.
     pub fn slot_bytes(&self) -> usize {
-        2 * self.kv_heads * self.cfg.head_dim() * self.dtype_size
+        self.kv.bytes()
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        let b = self.cfg.block_config();
-        self.kv_heads = cached_kv_heads(b.n_heads, b.n_kv_heads, world);
+        self.kv = self.kv.with_world(world);
         self
     }
 
