@@ -65,9 +65,24 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     client.generate(req.clone()).await.expect("generate");
     let bad = pb::GenerateRequest {
         max_new_tokens: 0,
-        ..req
+        ..req.clone()
     };
     assert!(client.generate(bad).await.is_err());
+    // A deadline that expires mid-generation, straight to the worker: its timer cuts the stream,
+    // and the worker counts DEADLINE_EXCEEDED, not a cancellation.
+    let mut direct = GenerationClient::new(channel(worker.addr).await);
+    let mut slow = tonic::Request::new(pb::GenerateRequest {
+        max_new_tokens: 240,
+        scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+            num_steps: Some(32),
+            ..Default::default()
+        })),
+        ..req.clone()
+    });
+    slow.metadata_mut()
+        .insert("grpc-timeout", "200m".parse().unwrap());
+    let err = direct.generate(slow).await.expect_err("deadline");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
 
     let start = Instant::now();
     let body = loop {
@@ -76,6 +91,7 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         // can be just after the worker counted the response.
         if body.contains("wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"OK\"}")
             && body.contains("wavefront_slots_used{model=\"tiny\"} 0")
+            && body.contains("status=\"DEADLINE_EXCEEDED\"")
         {
             break body;
         }
@@ -99,9 +115,19 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     assert_eq!(
         sample(
             &body,
-            "wavefront_generated_tokens_total{model=\"tiny\",scheme=\"ar\"}"
+            "wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"DEADLINE_EXCEEDED\"}"
         ),
-        Some(5.0)
+        Some(1.0)
+    );
+    assert!(!body.contains("status=\"CANCELLED\""), "{body}");
+    // The 5 tokens of the finished request and what the cut one had made.
+    assert!(
+        sample(
+            &body,
+            "wavefront_generated_tokens_total{model=\"tiny\",scheme=\"ar\"}"
+        )
+        .is_some_and(|n| n >= 5.0),
+        "{body}"
     );
     assert_eq!(
         sample(

@@ -181,7 +181,7 @@ impl WorkerService {
             .map_err(|e| from_engine_error(&e))?;
         tracing::debug!(parent: &span, "submitted");
         Ok(wavefront_proto::timeout::with_deadline(
-            response_stream(model, rx, req.stop_strings, seed, scheme, span),
+            response_stream(model, rx, req.stop_strings, seed, scheme, deadline, span),
             deadline,
         ))
     }
@@ -195,8 +195,10 @@ struct StreamState {
     seed: u64,
     scheme: &'static str,
     started: Instant,
+    /// The request's deadline: the timer around the stream drops it when this passes.
+    deadline: Option<Instant>,
     first_token: bool,
-    /// The outcome was counted (a stream dropped before that was cancelled).
+    /// The outcome was counted (a stream dropped before that was cancelled or timed out).
     recorded: bool,
     span: tracing::Span,
 }
@@ -218,8 +220,14 @@ impl StreamState {
 
 impl Drop for StreamState {
     fn drop(&mut self) {
-        // Dropped before its outcome: the client went away.
-        self.record(tonic::Code::Cancelled, None);
+        // Dropped before its outcome: the deadline timer cut it (the client got
+        // DEADLINE_EXCEEDED), or the client went away.
+        let code = if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            tonic::Code::DeadlineExceeded
+        } else {
+            tonic::Code::Cancelled
+        };
+        self.record(code, None);
     }
 }
 
@@ -256,6 +264,7 @@ fn response_stream(
     stop_strings: Vec<String>,
     seed: u64,
     scheme: &'static str,
+    deadline: Option<Instant>,
     span: tracing::Span,
 ) -> EventStream {
     let state = StreamState {
@@ -266,6 +275,7 @@ fn response_stream(
         seed,
         scheme,
         started: Instant::now(),
+        deadline,
         first_token: false,
         recorded: false,
         span,
