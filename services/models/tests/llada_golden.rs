@@ -3,11 +3,14 @@
 //! shadow-block forward (position ids and attention mask), packing invariance, keys read back
 //! from a cache, and the checkpoint layout.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
+use support::assert_close;
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
@@ -52,26 +55,6 @@ impl Golden {
             .to_dtype(DType::U32)?
             .to_vec1()?)
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    ensure!(
-        a.dims() == b.dims(),
-        "shapes {:?} vs {:?}",
-        a.dims(),
-        b.dims()
-    );
-    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()?)
-}
-
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f32) -> Result<()> {
-    let d = max_abs_diff(got, want)?;
-    ensure!(d <= atol, "{what}: max |diff| = {d:e} > {atol:e}");
-    Ok(())
 }
 
 /// The README's suggested tolerance for float32 logits.

@@ -6,15 +6,14 @@
 
 #![cfg(feature = "cuda")]
 
+mod support;
+
+use support::max_abs_diff;
+
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::{CollectiveKind, TensorParallel};
-
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?;
-    Ok(d.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
 
 #[test]
 fn nccl_sums_the_ranks_partials_on_rank_zero() -> Result<()> {
@@ -33,7 +32,7 @@ fn nccl_sums_the_ranks_partials_on_rank_zero() -> Result<()> {
             "the sum lands on rank 0's device"
         );
         ensure!(
-            max_diff(&y, &x)? == 0.0,
+            max_abs_diff(&y, &x)? == 0.0,
             "{dtype:?}: one rank's sum is its partial"
         );
     }
@@ -45,7 +44,7 @@ fn nccl_sums_the_ranks_partials_on_rank_zero() -> Result<()> {
             let b = Tensor::randn(0f32, 1.0, (5, 64), &Device::Cpu)?;
             let want = (a.to_device(&Device::Cpu)? + &b)?;
             let got = two.comm.all_reduce_sum(vec![a, b.to_device(&other)?])?;
-            ensure!(max_diff(&got.to_device(&Device::Cpu)?, &want)? <= 1e-6);
+            ensure!(max_abs_diff(&got, &want)? <= 1e-6);
         }
     }
     Ok(())

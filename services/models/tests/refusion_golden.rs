@@ -4,6 +4,8 @@
 //! parallel slot rows over one shared prefix and the stitched cache they leave, packing
 //! invariance, the checkpoint layout, family detection and the tokenizer.
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,6 +13,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use support::{assert_close, max_abs_diff};
 use wavefront_models::device::{test_device, test_parallel};
 use wavefront_models::transformer::{
     Collective, Keys, KvCache, LocalCollective, MaskRule, SeqInput, TensorParallel,
@@ -69,28 +72,6 @@ impl Golden {
     fn ids(&self, name: &str) -> Result<Vec<u32>> {
         Ok(self.rows(name)?.concat())
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    ensure!(
-        a.dims() == b.dims(),
-        "shapes {:?} vs {:?}",
-        a.dims(),
-        b.dims()
-    );
-    let f32_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
-    Ok((f32_cpu(a)? - f32_cpu(b)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()?)
-}
-
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f32) -> Result<f32> {
-    let d = max_abs_diff(got, want)?;
-    ensure!(d <= atol, "{what}: max |diff| = {d:e} > {atol:e}");
-    eprintln!("{what}: max |diff| = {d:e}");
-    Ok(d)
 }
 
 /// The README's tolerances: logits 1e-4, cached K/V 1e-5.

@@ -5,10 +5,15 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
+
+#[path = "../support/mod.rs"]
+mod support;
+#[allow(unused_imports)]
+pub use support::{assert_close, max_abs_diff};
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
@@ -51,24 +56,4 @@ impl Golden {
     pub fn prompt_ids(&self) -> Vec<u32> {
         serde_json::from_value(self.json["prompt_ids"].clone()).expect("prompt_ids")
     }
-}
-
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    ensure!(
-        a.dims() == b.dims(),
-        "shapes {:?} vs {:?}",
-        a.dims(),
-        b.dims()
-    );
-    let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?;
-    Ok(d.to_scalar::<f32>()?)
-}
-
-pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f32) -> Result<()> {
-    let d = max_abs_diff(got, want)?;
-    ensure!(d <= atol, "{what}: max |diff| = {d:e} > {atol:e}");
-    Ok(())
 }
