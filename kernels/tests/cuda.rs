@@ -2,6 +2,9 @@
 //! test reports that it could not run and fails, so a CUDA test run never passes silently).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{max_abs, randn};
 use cudarc::driver::CudaContext;
 use half::bf16;
 use rand::rngs::StdRng;
@@ -10,17 +13,6 @@ use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedS
 use wavefront_kernels::cuda::Kernels;
 use wavefront_kernels::grouped::{grouped_matmul, Group};
 use wavefront_kernels::softmax_stats::softmax_stats;
-
-fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 fn layout(rng: &mut StdRng, head_dim: usize) -> RaggedLayout {
     let mut l = RaggedLayout {

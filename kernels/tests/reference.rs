@@ -3,24 +3,16 @@
 //! random problems: ragged sequences with every mask rule, non-contiguous buffer indices and
 //! grouped-query heads; groups of uneven sizes sharing weights; logits with ties.
 
+mod common;
+
 use candle_core::{Device, Tensor, D};
+use common::{max_abs, randn};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
 use wavefront_kernels::grouped::{grouped_matmul, Group};
 use wavefront_kernels::softmax_stats::softmax_stats;
-
-fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 /// A random ragged call: per sequence a buffer of `len` indices (shuffled, so rows are not in
 /// buffer order), of which some are query rows and all are keys.

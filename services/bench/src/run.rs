@@ -13,7 +13,7 @@ use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::device::{parse_device, parse_dtype};
 use wavefront_models::ModelError;
-use wavefront_schemes::{GenerateSpec, LoadOptions, SamplingParams, SchemeParams, ServedModel};
+use wavefront_schemes::{GenerateSpec, LoadOptions, SchemeParams, ServedModel};
 
 /// How long a request may go without an event before the engine counts as stalled.
 const STALL_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -100,26 +100,14 @@ pub fn one_after_another(
     Ok((outs, started.elapsed()))
 }
 
-/// A request for `max_new_tokens` tokens after `prompt_ids` with `scheme`: greedy, seeded with
-/// `seed` (for the schemes that draw), without stop tokens or canvas frames.
+/// [`GenerateSpec::greedy`], the request benchmarks and tests send.
 pub fn spec(
     prompt_ids: Vec<u32>,
     max_new_tokens: usize,
     seed: u64,
     scheme: SchemeParams,
 ) -> GenerateSpec {
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::default()
-        },
-        scheme,
-        replay_draws: None,
-        stream_canvas: false,
-    }
+    GenerateSpec::greedy(prompt_ids, max_new_tokens, seed, scheme)
 }
 
 /// The prompt of request `i` of a run seeded with `seed`: `len` token ids drawn uniformly from

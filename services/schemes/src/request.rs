@@ -325,6 +325,29 @@ impl ReplayDraws {
 }
 
 impl GenerateSpec {
+    /// A greedy request (seeded with `seed` for the schemes that draw) for `max_new_tokens`
+    /// tokens after `prompt_ids`, without stop tokens, replayed draws or canvas frames: what
+    /// benchmarks and tests send.
+    pub fn greedy(
+        prompt_ids: Vec<u32>,
+        max_new_tokens: usize,
+        seed: u64,
+        scheme: SchemeParams,
+    ) -> Self {
+        Self {
+            prompt_ids,
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+            sampling: SamplingParams {
+                seed,
+                ..SamplingParams::default()
+            },
+            scheme,
+            replay_draws: None,
+            stream_canvas: false,
+        }
+    }
+
     /// Checks every family shares: prompt present, ids in the vocabulary,
     /// lengths within the model's limits, sampling ranges.
     pub fn validate_common(

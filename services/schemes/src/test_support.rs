@@ -15,7 +15,7 @@ use wavefront_engine::{
 };
 use wavefront_models::ModelFiles;
 
-use crate::request::{GenerateSpec, SamplingParams, SchemeParams};
+use crate::request::{GenerateSpec, SchemeParams};
 use crate::served::{load_model, LoadOptions, Planner, ServedModel};
 use crate::tick::Entry;
 
@@ -106,26 +106,14 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     }
 }
 
-/// A greedy request (seeded with `seed` for the schemes that draw) for `max_new_tokens` tokens
-/// after `prompt_ids`, without stop tokens, replayed draws or canvas frames.
+/// [`GenerateSpec::greedy`], the request benchmarks and tests send.
 pub fn spec(
     prompt_ids: Vec<u32>,
     max_new_tokens: usize,
     seed: u64,
     scheme: SchemeParams,
 ) -> GenerateSpec {
-    GenerateSpec {
-        prompt_ids,
-        max_new_tokens,
-        stop_token_ids: Vec::new(),
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::default()
-        },
-        scheme,
-        replay_draws: None,
-        stream_canvas: false,
-    }
+    GenerateSpec::greedy(prompt_ids, max_new_tokens, seed, scheme)
 }
 
 /// Loads `files` as model `name`, ticking at most `max_active` requests together, and starts its
