@@ -2,6 +2,7 @@
 //! the key to blame, and the serde defaults several configs give their keys.
 
 use serde::de::DeserializeOwned;
+use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 
@@ -39,4 +40,21 @@ pub(crate) fn default_rope_theta() -> f64 {
 /// Serde default of the MLP activation: `silu`.
 pub(crate) fn default_silu() -> String {
     "silu".into()
+}
+
+/// `eos_token_id` as transformers writes it: one id or a list.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            TokenIds::One(id) => vec![*id],
+            TokenIds::Many(ids) => ids.clone(),
+        }
+    }
 }

@@ -13,9 +13,9 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config::{bad, parse_json};
+use crate::config::{bad, parse_json, TokenIds};
 use crate::error::{ModelError, Result};
-use crate::transformer::{BlockConfig, RopeTable};
+use crate::transformer::{BlockConfig, BlockNames, RopeTable};
 
 fn default_eps() -> f64 {
     1e-6
@@ -62,9 +62,8 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     #[serde(default)]
     pub bos_token_id: Option<Value>,
-    /// An id or a list of ids.
     #[serde(default)]
-    pub eos_token_id: Option<Value>,
+    pub eos_token_id: Option<TokenIds>,
 }
 
 /// `armt_config.json`: upstream ARMT's hyper-parameters under their upstream names.
@@ -271,14 +270,10 @@ impl ArmtConfig {
 
     /// The end-of-sequence ids of `config.json` (an id or a list).
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        match &self.llama.eos_token_id {
-            Some(Value::Number(n)) => n.as_u64().map(|v| v as u32).into_iter().collect(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(|v| v.as_u64().map(|v| v as u32))
-                .collect(),
-            _ => Vec::new(),
-        }
+        self.llama
+            .eos_token_id
+            .as_ref()
+            .map_or_else(Vec::new, TokenIds::to_vec)
     }
 
     /// RoPE inverse frequencies (float32, as transformers computes them), with `llama3`
@@ -335,16 +330,8 @@ impl ArmtConfig {
     /// Every checkpoint tensor with its shape, named as upstream's `safetensors.torch.save_model`
     /// writes them (layers under `memory_cell.layers.{i}`).
     pub fn checkpoint_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let (d, v, i) = (
-            self.hidden_size(),
-            self.vocab_size(),
-            self.llama.intermediate_size,
-        );
-        let (h, hkv, hd) = (
-            self.llama.num_attention_heads,
-            self.kv_heads(),
-            self.head_dim(),
-        );
+        let (d, v) = (self.hidden_size(), self.vocab_size());
+        let block = self.block_config();
         let mut out = Vec::new();
         for l in 0..self.n_layers() {
             let p = format!("memory_cell.layers.{l}");
@@ -353,30 +340,7 @@ impl ArmtConfig {
             out.push((format!("{p}.W_mk.weight"), vec![self.d_mem(), d]));
             out.push((format!("{p}.W_mq.weight"), vec![self.d_mem(), d]));
             out.push((format!("{p}.W_mv.weight"), vec![d, d]));
-            out.push((format!("{p}.layer.input_layernorm.weight"), vec![d]));
-            out.push((format!("{p}.layer.mlp.down_proj.weight"), vec![d, i]));
-            out.push((format!("{p}.layer.mlp.gate_proj.weight"), vec![i, d]));
-            out.push((format!("{p}.layer.mlp.up_proj.weight"), vec![i, d]));
-            out.push((
-                format!("{p}.layer.post_attention_layernorm.weight"),
-                vec![d],
-            ));
-            out.push((
-                format!("{p}.layer.self_attn.k_proj.weight"),
-                vec![hkv * hd, d],
-            ));
-            out.push((
-                format!("{p}.layer.self_attn.o_proj.weight"),
-                vec![d, h * hd],
-            ));
-            out.push((
-                format!("{p}.layer.self_attn.q_proj.weight"),
-                vec![h * hd, d],
-            ));
-            out.push((
-                format!("{p}.layer.self_attn.v_proj.weight"),
-                vec![hkv * hd, d],
-            ));
+            out.extend(block.checkpoint_tensors(&format!("{p}.layer"), &BlockNames::LLAMA));
         }
         out.push(("memory_cell.memory".into(), vec![self.num_mem_tokens(), d]));
         out.push((

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use crate::config::{bad, parse_json};
 use crate::error::Result;
-use crate::transformer::BlockConfig;
+use crate::transformer::{BlockConfig, BlockNames};
 
 fn default_mlp_ratio() -> usize {
     4
@@ -266,20 +266,12 @@ impl LladaConfig {
 
     /// Every checkpoint tensor with its shape, as the real checkpoint names them.
     pub fn checkpoint_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let (e, v, ff) = (self.d_model, self.embedding_rows(), self.mlp_hidden());
-        let (h, hkv, d) = (self.n_heads, self.kv_heads(), self.head_dim());
+        let (e, v) = (self.d_model, self.embedding_rows());
+        let block = self.block_config();
         let mut out = vec![("model.transformer.wte.weight".to_owned(), vec![v, e])];
         for i in 0..self.n_layers {
             let p = format!("model.transformer.blocks.{i}");
-            out.push((format!("{p}.attn_norm.weight"), vec![e]));
-            out.push((format!("{p}.q_proj.weight"), vec![h * d, e]));
-            out.push((format!("{p}.k_proj.weight"), vec![hkv * d, e]));
-            out.push((format!("{p}.v_proj.weight"), vec![hkv * d, e]));
-            out.push((format!("{p}.attn_out.weight"), vec![e, h * d]));
-            out.push((format!("{p}.ff_norm.weight"), vec![e]));
-            out.push((format!("{p}.ff_proj.weight"), vec![ff, e]));
-            out.push((format!("{p}.up_proj.weight"), vec![ff, e]));
-            out.push((format!("{p}.ff_out.weight"), vec![e, ff]));
+            out.extend(block.checkpoint_tensors(&p, &BlockNames::LLADA));
         }
         out.push(("model.transformer.ln_f.weight".to_owned(), vec![e]));
         if !self.weight_tying {

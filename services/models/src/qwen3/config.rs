@@ -12,9 +12,9 @@
 
 use serde::Deserialize;
 
-use crate::config::{bad, parse_json};
+use crate::config::{bad, parse_json, TokenIds};
 use crate::error::Result;
-use crate::transformer::BlockConfig;
+use crate::transformer::{BlockConfig, BlockNames};
 
 fn default_eps() -> f64 {
     1e-6
@@ -22,23 +22,6 @@ fn default_eps() -> f64 {
 
 fn default_max_positions() -> usize {
     32_768
-}
-
-/// `eos_token_id` as transformers writes it: one id or a list.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
-pub enum TokenIds {
-    One(u32),
-    Many(Vec<u32>),
-}
-
-impl TokenIds {
-    pub fn to_vec(&self) -> Vec<u32> {
-        match self {
-            TokenIds::One(id) => vec![*id],
-            TokenIds::Many(ids) => ids.clone(),
-        }
-    }
 }
 
 /// The keys of a Qwen3 `config.json` (ReFusion's adds `mask_token_id`).
@@ -174,28 +157,12 @@ impl Qwen3Config {
 
     /// Every checkpoint tensor with its shape, as `Qwen3ForCausalLM` names them.
     pub fn checkpoint_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let (e, v, ff) = (self.hidden_size, self.vocab_size, self.intermediate_size);
-        let (h, hkv, d) = (self.num_attention_heads, self.kv_heads(), self.head_dim());
+        let (e, v) = (self.hidden_size, self.vocab_size);
+        let block = self.block_config();
         let mut out = vec![("model.embed_tokens.weight".to_owned(), vec![v, e])];
         for i in 0..self.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            out.push((format!("{p}.input_layernorm.weight"), vec![e]));
-            out.push((format!("{p}.self_attn.q_proj.weight"), vec![h * d, e]));
-            out.push((format!("{p}.self_attn.k_proj.weight"), vec![hkv * d, e]));
-            out.push((format!("{p}.self_attn.v_proj.weight"), vec![hkv * d, e]));
-            out.push((format!("{p}.self_attn.o_proj.weight"), vec![e, h * d]));
-            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
-            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
-            if self.attention_bias {
-                out.push((format!("{p}.self_attn.q_proj.bias"), vec![h * d]));
-                out.push((format!("{p}.self_attn.k_proj.bias"), vec![hkv * d]));
-                out.push((format!("{p}.self_attn.v_proj.bias"), vec![hkv * d]));
-                out.push((format!("{p}.self_attn.o_proj.bias"), vec![e]));
-            }
-            out.push((format!("{p}.post_attention_layernorm.weight"), vec![e]));
-            out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, e]));
-            out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, e]));
-            out.push((format!("{p}.mlp.down_proj.weight"), vec![e, ff]));
+            out.extend(block.checkpoint_tensors(&p, &BlockNames::LLAMA));
         }
         out.push(("model.norm.weight".to_owned(), vec![e]));
         if !self.tie_word_embeddings {

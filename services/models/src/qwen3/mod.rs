@@ -28,7 +28,8 @@ mod config;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-pub use self::config::{Qwen3Config, TokenIds};
+pub use self::config::Qwen3Config;
+pub use crate::config::TokenIds;
 use crate::error::Result;
 use crate::transformer::{
     embed_tokens, forward_stack, get, Block, BlockNames, RmsNorm, RopeTable, SeqInput,

@@ -135,6 +135,40 @@ impl BlockNames {
     };
 }
 
+impl BlockConfig {
+    /// The block's checkpoint tensors under `prefix` (`{prefix}.{name}.weight` / `.bias`) with
+    /// their shapes, exactly what [`Block::load`] reads with `names`.
+    pub fn checkpoint_tensors(
+        &self,
+        prefix: &str,
+        names: &BlockNames,
+    ) -> Vec<(String, Vec<usize>)> {
+        let (e, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (q, kv) = (self.n_heads * d, self.n_kv_heads * d);
+        let mut out = Vec::new();
+        let mut push = |name: &str, bias: bool, shape: Vec<usize>| {
+            if bias {
+                out.push((format!("{prefix}.{name}.bias"), vec![shape[0]]));
+            }
+            out.push((format!("{prefix}.{name}.weight"), shape));
+        };
+        push(names.attn_norm, false, vec![e]);
+        push(names.q, self.qkv_bias, vec![q, e]);
+        push(names.k, self.qkv_bias, vec![kv, e]);
+        push(names.v, self.qkv_bias, vec![kv, e]);
+        push(names.o, self.out_bias, vec![e, q]);
+        if self.qk_norm {
+            push(names.q_norm, false, vec![d]);
+            push(names.k_norm, false, vec![d]);
+        }
+        push(names.ff_norm, false, vec![e]);
+        push(names.gate, self.mlp_bias, vec![i, e]);
+        push(names.up, self.mlp_bias, vec![i, e]);
+        push(names.down, self.mlp_bias, vec![e, i]);
+        out
+    }
+}
+
 /// What one tensor-parallel rank holds of a block: a contiguous range of query heads, the
 /// key/value heads they read (replicated on several ranks when there are fewer than the ranks)
 /// and a contiguous range of MLP columns ([`super::parallel`]).
