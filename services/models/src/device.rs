@@ -51,23 +51,42 @@ pub fn test_device() -> Device {
 
 /// Tensor parallelism for a golden test's `world` ranks on [`test_device`]:
 /// `WAVEFRONT_TEST_COLLECTIVE` (`local`, the default: in-process ranks; `nccl`: NCCL over one
-/// GPU per rank, in a `cuda` build on a GPU; `auto`). `None` when this machine cannot give
-/// `world` NCCL ranks (fewer GPUs): the test names the world it skips.
+/// GPU per rank, in a `cuda` build on a GPU; `auto`). `None` when this machine has fewer GPUs
+/// than `world` NCCL ranks need: the test names the world it skips.
 ///
 /// # Panics
-/// When the variable does not parse, or NCCL fails for another reason than missing GPUs.
+/// When the variable does not parse, or the ranks cannot be set up.
 pub fn test_parallel(world: usize) -> Option<crate::transformer::TensorParallel> {
     use crate::transformer::{CollectiveKind, TensorParallel};
     let name = std::env::var("WAVEFRONT_TEST_COLLECTIVE").unwrap_or_else(|_| "local".into());
     let kind: CollectiveKind = name
         .parse()
         .unwrap_or_else(|e| panic!("WAVEFRONT_TEST_COLLECTIVE: {e}"));
-    match TensorParallel::for_device(kind, world, &test_device()) {
-        Ok(tp) => Some(tp),
-        Err(e) if e.to_string().contains("GPUs") => {
-            eprintln!("skipping {world} tensor-parallel ranks: {e}");
-            None
-        }
-        Err(e) => panic!("{world} tensor-parallel ranks: {e}"),
+    let device = test_device();
+    if kind.uses_nccl(world, &device) && world > gpus_from(&device) {
+        eprintln!(
+            "skipping {world} NCCL ranks: this machine has {} GPU(s) from {:?} on",
+            gpus_from(&device),
+            device.location()
+        );
+        return None;
     }
+    Some(
+        TensorParallel::for_device(kind, world, &device)
+            .unwrap_or_else(|e| panic!("{world} tensor-parallel ranks: {e}")),
+    )
+}
+
+/// GPUs visible from `device`'s ordinal on (`cuda:N` counts N, N+1, ...); 0 for the CPU or a
+/// build without the `cuda` feature.
+pub fn gpus_from(device: &Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() {
+        let count = cudarc::driver::CudaContext::device_count()
+            .unwrap_or(0)
+            .max(0) as usize;
+        return count.saturating_sub(gpu_id);
+    }
+    let _ = device;
+    0
 }

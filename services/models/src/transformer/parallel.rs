@@ -97,6 +97,17 @@ pub enum CollectiveKind {
     Nccl,
 }
 
+impl CollectiveKind {
+    /// Whether `world` ranks of a model on `device` are joined by NCCL.
+    pub fn uses_nccl(self, world: usize, device: &Device) -> bool {
+        match self {
+            Self::Local => false,
+            Self::Auto => device.is_cuda() && world > 1,
+            Self::Nccl => true,
+        }
+    }
+}
+
 impl std::str::FromStr for CollectiveKind {
     type Err = ModelError;
 
@@ -150,12 +161,7 @@ impl TensorParallel {
     /// `N, N+1, …` from the model's `cuda:N` (rank 0 is the model's device itself).
     pub fn for_device(kind: CollectiveKind, world: usize, device: &Device) -> Result<Self> {
         let world = world.max(1);
-        let nccl = match kind {
-            CollectiveKind::Local => false,
-            CollectiveKind::Auto => device.is_cuda() && world > 1,
-            CollectiveKind::Nccl => true,
-        };
-        if !nccl {
+        if !kind.uses_nccl(world, device) {
             return Ok(Self::local(world));
         }
         let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else {
