@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -23,6 +23,39 @@ const SOFTMAX_STATS: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax_stat
 /// Largest head_dim the attention kernel holds in registers (8 values per lane).
 pub const MAX_HEAD_DIM: usize = 256;
 const TILE: u32 = 16;
+
+/// Sizes of one ragged attention call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RaggedDims {
+    pub rows: usize,
+    pub keys: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl RaggedDims {
+    pub fn of(layout: &RaggedLayout) -> Self {
+        Self {
+            rows: layout.rows(),
+            keys: layout.keys(),
+            n_heads: layout.n_heads,
+            n_kv_heads: layout.n_kv_heads,
+            head_dim: layout.head_dim,
+            scale: layout.scale,
+        }
+    }
+}
+
+/// A [`RaggedLayout`]'s tables on the device: [`RaggedLayout::seq_table`],
+/// [`RaggedLayout::row_seq`], `row_index` and `key_index`.
+pub struct RaggedTables<'a> {
+    pub seq_table: &'a CudaSlice<u32>,
+    pub row_seq: &'a CudaSlice<u32>,
+    pub row_index: &'a CudaSlice<u32>,
+    pub key_index: &'a CudaSlice<u32>,
+}
 
 /// A kernel failure: bad shapes or a CUDA error.
 #[derive(Debug, thiserror::Error)]
@@ -51,11 +84,19 @@ pub struct Kernels {
 }
 
 impl Kernels {
+    /// The kernels of `ctx`'s device, launched on its default stream.
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, KernelError> {
+        Self::on_stream(ctx.default_stream())
+    }
+
+    /// The kernels of `stream`'s device, launched on `stream` (e.g. candle's stream of a
+    /// device, so launches are ordered with candle's own work without synchronising).
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Self, KernelError> {
+        let ctx = stream.context().clone();
         let load = |src: &str| ctx.load_module(Ptx::from_src(src));
         Ok(Self {
-            stream: ctx.default_stream(),
             modules: [load(ATTENTION)?, load(GROUPED)?, load(SOFTMAX_STATS)?],
+            stream,
         })
     }
 
@@ -68,6 +109,7 @@ impl Kernels {
     }
 
     /// Ragged attention: `q` `[rows, H, D]`, `k`/`v` `[keys, Hkv, D]` → `out` `[rows, H, D]`.
+    /// Uploads the layout's tables, then [`Kernels::ragged_attention_with`].
     pub fn ragged_attention<T: Elem>(
         &self,
         layout: &RaggedLayout,
@@ -77,42 +119,69 @@ impl Kernels {
         out: &mut CudaSlice<T>,
     ) -> Result<(), KernelError> {
         layout.validate()?;
-        let (h, hkv, d) = (layout.n_heads, layout.n_kv_heads, layout.head_dim);
+        let s = &self.stream;
+        let tables = RaggedTables {
+            seq_table: &s.clone_htod(&layout.seq_table())?,
+            row_seq: &s.clone_htod(&layout.row_seq())?,
+            row_index: &s.clone_htod(&layout.row_index)?,
+            key_index: &s.clone_htod(&layout.key_index)?,
+        };
+        let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
+        self.ragged_attention_with(&RaggedDims::of(layout), &tables, &q, &k, &v, out)
+    }
+
+    /// Ragged attention over tables already on the device (uploaded once per packed call and
+    /// shared by every layer). The tables must come from a [`RaggedLayout`] that passed
+    /// [`RaggedLayout::validate`] with `dims`' row and key counts: the kernel trusts the
+    /// per-sequence ranges they hold.
+    pub fn ragged_attention_with<T: Elem>(
+        &self,
+        dims: &RaggedDims,
+        tables: &RaggedTables<'_>,
+        q: &CudaView<'_, T>,
+        k: &CudaView<'_, T>,
+        v: &CudaView<'_, T>,
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), KernelError> {
+        let (h, hkv, d) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
+        check(hkv > 0 && h.is_multiple_of(hkv), || {
+            format!("{hkv} kv heads do not divide {h} heads")
+        })?;
         check(d <= MAX_HEAD_DIM, || {
             format!("head_dim {d} > {MAX_HEAD_DIM}")
         })?;
+        check(q.len() == dims.rows * h * d && out.len() == q.len(), || {
+            "q/out shape".into()
+        })?;
+        check(k.len() == dims.keys * hkv * d && v.len() == k.len(), || {
+            "k/v shape".into()
+        })?;
         check(
-            q.len() == layout.rows() * h * d && out.len() == q.len(),
-            || "q/out shape".into(),
+            tables.row_seq.len() == dims.rows
+                && tables.row_index.len() == dims.rows
+                && tables.key_index.len() == dims.keys
+                && tables.seq_table.len().is_multiple_of(7),
+            || "tables do not match the row and key counts".into(),
         )?;
-        check(
-            k.len() == layout.keys() * hkv * d && v.len() == k.len(),
-            || "k/v shape".into(),
-        )?;
-        if layout.rows() == 0 {
+        if dims.rows == 0 {
             return Ok(());
         }
-        let s = &self.stream;
-        let seq_table = s.clone_htod(&layout.seq_table())?;
-        let row_seq = s.clone_htod(&layout.row_seq())?;
-        let row_index = s.clone_htod(&layout.row_index)?;
-        let key_index = s.clone_htod(&layout.key_index)?;
         let f = self.function(0, &format!("ragged_attention_{}", T::SUFFIX))?;
         let (h32, hkv32, d32) = (h as u32, hkv as u32, d as u32);
         let cfg = LaunchConfig {
-            grid_dim: (layout.rows() as u32, h32, 1),
+            grid_dim: (dims.rows as u32, h32, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = s.launch_builder(&f);
+        let mut b = self.stream.launch_builder(&f);
         b.arg(q).arg(k).arg(v).arg(out);
-        b.arg(&seq_table)
-            .arg(&row_seq)
-            .arg(&row_index)
-            .arg(&key_index);
-        b.arg(&h32).arg(&hkv32).arg(&d32).arg(&layout.scale);
-        // SAFETY: argument types and order match the kernel's signature; every index the kernel
-        // reads was validated above against the buffers' lengths.
+        b.arg(tables.seq_table)
+            .arg(tables.row_seq)
+            .arg(tables.row_index)
+            .arg(tables.key_index);
+        b.arg(&h32).arg(&hkv32).arg(&d32).arg(&dims.scale);
+        // SAFETY: argument types and order match the kernel's signature; the buffers' lengths
+        // were checked above and the tables' ranges when their layout was validated.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
