@@ -8,7 +8,9 @@ use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, json_lines, spawn_worker, wait_serving, wavefront_run};
+use crate::harness::{
+    channel, fixture, json_lines, spawn_worker, wait_serving, wavefront_run, wavefront_run_with_env,
+};
 
 const EOS: u32 = 486;
 
@@ -121,6 +123,46 @@ fn run_reproduces_upstream_and_prints_slot_events() {
     let lines = json_lines(&wavefront_run("refusion", &args));
     let tokens: Vec<u32> = serde_json::from_value(lines[0]["token_ids"].clone()).unwrap();
     assert_eq!(tokens, golden.response);
+    // Every forward's sequences in one ragged attention operation (WAVEFRONT_ATTENTION as
+    // the deployment sets it), split or not: the same response.
+    for tp in ["1", "2"] {
+        let mut ragged = flags(&golden);
+        ragged.extend(["--tensor-parallel".into(), tp.into()]);
+        let out = wavefront_run_with_env("refusion", &ragged, &[("WAVEFRONT_ATTENTION", "ragged")]);
+        let lines = json_lines(&out);
+        let tokens: Vec<u32> = serde_json::from_value(lines[0]["token_ids"].clone()).unwrap();
+        assert_eq!(tokens, golden.response, "ragged attention, {tp} rank(s)");
+    }
+    // An unknown kernel is refused at start-up with the choices.
+    let mut bad = flags(&golden);
+    bad.extend(["--attention".into(), "flash".into()]);
+    let out = wavefront_run("refusion", &bad);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "--attention: unknown attention kernel \"flash\": expected one of sdpa, ragged"
+        ),
+        "{err}"
+    );
+    // Recurrent depth keeps its own attention path and says so.
+    let out = wavefront_run(
+        "huginn",
+        &[
+            "--attention",
+            "ragged",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "1",
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("huginn (recurrent depth) attends with sdpa only"),
+        "{err}"
+    );
     // NCCL joins GPUs only: asked for on the CPU, the run refuses at start-up and says why.
     args.extend(["--collective".into(), "nccl".into()]);
     let out = wavefront_run("refusion", &args);

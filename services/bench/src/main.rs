@@ -95,12 +95,8 @@ struct Args {
     /// Seed of the weights, prompts and initial states.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Device: cpu or cuda:N (cuda needs a build with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Compute dtype: f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    target: run::Target,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -204,13 +200,16 @@ fn main() -> Result<()> {
     let opts = LoadOptions {
         memory_budget_bytes: args.memory_budget_mb << 20,
         max_active: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
-        ..run::load_options("synthetic-huginn", &args.device, &args.dtype)?
+        ..args.target.load_options("synthetic-huginn")?
     };
     eprintln!("device {:?}, dtype {:?}", opts.device, opts.dtype);
     let (model_cfg, seed) = (cfg.clone(), args.seed);
     eprintln!("building the synthetic model ({shape:?})");
+    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| format!("{e:#}"))
+        synthetic::random_model(&model_cfg, seed, device, dtype)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|m| run::attending(m, attention))
     })?;
     eprintln!(
         "model ready after {:.1}s; warming up",
@@ -229,8 +228,8 @@ fn main() -> Result<()> {
         args.coda,
         args.intermediate_size,
         args.vocab_size,
-        args.dtype,
-        args.device,
+        args.target.dtype,
+        args.target.device,
         args.prompt_len,
         args.max_new_tokens,
         args.repeat,

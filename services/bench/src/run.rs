@@ -12,6 +12,7 @@ use rand::{Rng, SeedableRng};
 use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::device::{parse_device, parse_dtype};
+use wavefront_models::transformer::{AttentionKernel, SelectAttention};
 use wavefront_models::ModelError;
 use wavefront_schemes::{GenerateSpec, LoadOptions, SchemeParams, ServedModel};
 
@@ -127,18 +128,50 @@ pub fn device_and_dtype(device: &str, dtype: &str) -> Result<(Device, DType)> {
     ))
 }
 
-/// Load options of the synthetic model `name` on the device and dtype the `--device` and
-/// `--dtype` flags name, queueing 64 requests at most; each bench sets its memory budget and
-/// concurrency.
-pub fn load_options(name: &str, device: &str, dtype: &str) -> Result<LoadOptions> {
-    let (device, dtype) = device_and_dtype(device, dtype)?;
-    Ok(LoadOptions {
-        name: name.into(),
-        device,
-        dtype,
-        queue_capacity: 64,
-        ..LoadOptions::default()
-    })
+/// Where and how a bench's model runs: the `--device`, `--dtype` and `--attention` flags every
+/// bench takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Target {
+    /// `cpu` or `cuda:N` (cuda needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute dtype: `f32` or `bf16`.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// How packed calls attend: `sdpa` (candle ops per sequence) or `ragged` (one operation
+    /// over every sequence; not for the recurrent-depth model).
+    #[arg(long, default_value = "sdpa")]
+    pub attention: String,
+}
+
+impl Target {
+    /// Load options of the synthetic model `name` on the flags' device, dtype and attention,
+    /// queueing 64 requests at most; each bench sets its memory budget and concurrency.
+    pub fn load_options(&self, name: &str) -> Result<LoadOptions> {
+        let (device, dtype) = device_and_dtype(&self.device, &self.dtype)?;
+        let attention = self
+            .attention
+            .parse()
+            .map_err(|e| anyhow!("--attention: {e}"))?;
+        Ok(LoadOptions {
+            name: name.into(),
+            device,
+            dtype,
+            queue_capacity: 64,
+            attention,
+            ..LoadOptions::default()
+        })
+    }
+}
+
+/// `model`, attending with `kernel` (the load options' `attention`): what a bench's
+/// engine-thread constructor returns.
+pub fn attending<M: SelectAttention>(
+    mut model: M,
+    kernel: AttentionKernel,
+) -> std::result::Result<M, String> {
+    model.select_attention(kernel).map_err(|e| e.to_string())?;
+    Ok(model)
 }
 
 #[cfg(test)]
@@ -156,7 +189,13 @@ mod tests {
 
     #[test]
     fn flags_name_the_device_and_dtype_or_say_which_flag_is_wrong() {
-        let opts = load_options("synthetic", "cpu", "bf16").unwrap();
+        let target = Target {
+            device: "cpu".into(),
+            dtype: "bf16".into(),
+            attention: "ragged".into(),
+        };
+        let opts = target.load_options("synthetic").unwrap();
+        assert_eq!(opts.attention, AttentionKernel::Ragged);
         assert_eq!(opts.name, "synthetic");
         assert!(matches!(opts.device, Device::Cpu));
         assert_eq!(opts.dtype, DType::BF16);
@@ -165,5 +204,14 @@ mod tests {
         assert!(err.starts_with("--device "), "{err}");
         let err = device_and_dtype("cpu", "f16").unwrap_err().to_string();
         assert!(err.starts_with("--dtype "), "{err}");
+        let bad = Target {
+            attention: "flash".into(),
+            ..target
+        };
+        let err = bad.load_options("synthetic").unwrap_err().to_string();
+        assert!(
+            err.starts_with("--attention: unknown attention kernel"),
+            "{err}"
+        );
     }
 }

@@ -59,9 +59,9 @@ enum Command {
     /// A worker serving one model.
     Worker(commands::WorkerArgs),
     /// Client: call a router or worker and print the result.
-    Generate(commands::GenerateArgs),
+    Generate(Box<commands::GenerateArgs>),
     /// Offline: load a model and generate without any server; prints JSON with --json.
-    Run(commands::RunArgs),
+    Run(Box<commands::RunArgs>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -109,8 +109,8 @@ fn run(cli: Cli) -> Result<()> {
             Command::Serve(a) => commands::serve(a).await,
             Command::Router(a) => commands::router(a).await,
             Command::Worker(a) => commands::worker(a).await,
-            Command::Generate(a) => commands::generate(a).await,
-            Command::Run(a) => commands::run(a).await,
+            Command::Generate(a) => commands::generate(*a).await,
+            Command::Run(a) => commands::run(*a).await,
         }
     })
 }

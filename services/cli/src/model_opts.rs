@@ -53,6 +53,11 @@ pub struct ModelArgs {
     /// nccl (NCCL even at one rank; needs the `cuda` feature).
     #[arg(long, env = "WAVEFRONT_COLLECTIVE", default_value = "auto")]
     pub collective: String,
+    /// How a packed forward attends: sdpa (candle ops, one attention per sequence) or ragged
+    /// (every sequence of the forward in one operation: the wavefront-kernels CUDA kernel on a
+    /// GPU, its CPU reference on the CPU). ragged serves llada, armt and refusion models.
+    #[arg(long, env = "WAVEFRONT_ATTENTION", default_value = "sdpa")]
+    pub attention: String,
 }
 
 impl ModelArgs {
@@ -105,6 +110,10 @@ impl ModelArgs {
         if collective == CollectiveKind::Nccl && !device.is_cuda() {
             bail!("--collective nccl needs --device cuda:N");
         }
+        let attention = self
+            .attention
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--attention: {e}"))?;
         if !self.occupancy_multiplier.is_finite() || self.occupancy_multiplier <= 0.0 {
             bail!(
                 "--occupancy-multiplier must be a positive number, got {}",
@@ -125,6 +134,7 @@ impl ModelArgs {
             max_context_tokens: self.max_context_tokens,
             tensor_parallel: self.tensor_parallel,
             collective,
+            attention,
         })
     }
 }

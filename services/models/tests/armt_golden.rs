@@ -1,8 +1,10 @@
 //! Golden tests of the ARMT model against the upstream PyTorch code (tests/fixtures/armt, see its
 //! README): the sequential forward's logits and per-segment memories, the diagonal-batched
 //! forward against upstream's grouped executor and against the sequential path, the number of
-//! grouped steps, both checkpoint prefixes, family detection, and tensor parallelism (2 and 4
+//! grouped steps (the sequential forward with both attention kernels), both checkpoint prefixes, family detection, and tensor parallelism (2 and 4
 //! ranks give the one-rank results).
+
+mod support;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,6 +16,8 @@ use wavefront_models::armt::LayerMemory;
 use wavefront_models::device::{test_device, test_parallel};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
 use wavefront_models::{Armt, ArmtConfig, ModelFamily, ModelFiles};
+
+use support::with_each_attention;
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/armt")
@@ -112,25 +116,27 @@ fn check_memory(what: &str, got: &LayerMemory, a: &Tensor, z: &Tensor) -> Result
 #[test]
 fn sequential_forward_matches_upstream_logits_and_every_segment_memory() -> Result<()> {
     let golden = Golden::load()?;
-    let model = model()?;
-    let ids = golden.input_ids()?;
-    assert_eq!(ids.len(), 44);
-    let out = model.forward_sequential(&ids)?;
-    check_logits("seq.logits", &out.logits, &golden.get("seq.logits")?.i(0)?)?;
-    // Six segments (five full, one of 4 tokens), each writing every layer.
-    assert_eq!(out.memory.len(), 6);
-    for (s, mems) in out.memory.iter().enumerate() {
-        for (l, m) in mems.iter().enumerate() {
-            check_memory(
-                &format!("seq.mem.seg{s}.layer{l}"),
-                m,
-                golden.get(&format!("seq.mem.seg{s}.layer{l}.A"))?,
-                golden.get(&format!("seq.mem.seg{s}.layer{l}.z"))?,
-            )?;
+    // The sequential path runs the shared block: with both attention kernels.
+    with_each_attention(model, |model| {
+        let ids = golden.input_ids()?;
+        assert_eq!(ids.len(), 44);
+        let out = model.forward_sequential(&ids)?;
+        check_logits("seq.logits", &out.logits, &golden.get("seq.logits")?.i(0)?)?;
+        // Six segments (five full, one of 4 tokens), each writing every layer.
+        assert_eq!(out.memory.len(), 6);
+        for (s, mems) in out.memory.iter().enumerate() {
+            for (l, m) in mems.iter().enumerate() {
+                check_memory(
+                    &format!("seq.mem.seg{s}.layer{l}"),
+                    m,
+                    golden.get(&format!("seq.mem.seg{s}.layer{l}.A"))?,
+                    golden.get(&format!("seq.mem.seg{s}.layer{l}.z"))?,
+                )?;
+            }
         }
-    }
-    assert_eq!(out.steps, 6 * 3);
-    Ok(())
+        assert_eq!(out.steps, 6 * 3);
+        Ok(())
+    })
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Golden tests of the LLaDA model against outputs of the upstream PyTorch code
 //! (tests/fixtures/llada, see its README): the forward logits and hidden states, WINO's
 //! shadow-block forward (position ids and attention mask), packing invariance, keys read back
-//! from a cache, and the checkpoint layout.
+//! from a cache (each with both attention kernels), and the checkpoint layout.
 
 mod support;
 
@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
-use support::assert_close;
+use support::{assert_close, with_each_attention};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
@@ -62,161 +62,177 @@ const ATOL: f32 = 5e-4;
 
 #[test]
 fn forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
-    let model = model(DType::F32)?;
-    let ids = golden.ids("forward.input_ids")?;
-    let n = ids.len();
-    let states = model.forward_hidden_states(&ids, &mut [SeqInput::dense(n)])?;
-    ensure!(states.len() == 3);
-    for (i, s) in states.iter().enumerate() {
-        let want = golden.tensor(&format!("forward.hidden_states.{i}"))?.i(0)?;
-        assert_close(&format!("hidden_states.{i}"), s, &want, 1e-4)?;
-    }
-    let logits = model.logits(&states[2])?;
-    assert_close(
-        "logits",
-        &logits,
-        &golden.tensor("forward.logits")?.i(0)?,
-        ATOL,
-    )?;
-    let argmax: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-    let want: Vec<u32> = serde_json::from_value(golden.json["forward"]["argmax"].clone())?;
-    assert_eq!(argmax, want);
-    // `forward` is the last hidden state.
-    let hidden = model.forward(&ids, &mut [SeqInput::dense(n)])?;
-    assert_close("forward", &hidden, &states[2], 0.0)?;
-    Ok(())
+    with_each_attention(
+        || model(DType::F32),
+        |model| {
+            let golden = Golden::load()?;
+            let ids = golden.ids("forward.input_ids")?;
+            let n = ids.len();
+            let states = model.forward_hidden_states(&ids, &mut [SeqInput::dense(n)])?;
+            ensure!(states.len() == 3);
+            for (i, s) in states.iter().enumerate() {
+                let want = golden.tensor(&format!("forward.hidden_states.{i}"))?.i(0)?;
+                assert_close(&format!("hidden_states.{i}"), s, &want, 1e-4)?;
+            }
+            let logits = model.logits(&states[2])?;
+            assert_close(
+                "logits",
+                &logits,
+                &golden.tensor("forward.logits")?.i(0)?,
+                ATOL,
+            )?;
+            let argmax: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+            let want: Vec<u32> = serde_json::from_value(golden.json["forward"]["argmax"].clone())?;
+            assert_eq!(argmax, want);
+            // `forward` is the last hidden state.
+            let hidden = model.forward(&ids, &mut [SeqInput::dense(n)])?;
+            assert_close("forward", &hidden, &states[2], 0.0)?;
+            Ok(())
+        },
+    )
 }
 
 #[test]
 fn packed_sequences_match_their_own_forwards() -> Result<()> {
-    let golden = Golden::load()?;
-    let model = model(DType::F32)?;
-    let a = golden.ids("forward.input_ids")?;
-    let b: Vec<u32> = golden.ids("generate.bl8.steps32.output_ids")?[..23].to_vec();
-    let alone_a = model.logits(&model.forward(&a, &mut [SeqInput::dense(a.len())])?)?;
-    let alone_b = model.logits(&model.forward(&b, &mut [SeqInput::dense(b.len())])?)?;
-    let ids: Vec<u32> = b.iter().chain(&a).copied().collect();
-    let mut seqs = [SeqInput::dense(b.len()), SeqInput::dense(a.len())];
-    let packed = model.logits(&model.forward(&ids, &mut seqs)?)?;
-    assert_close("b packed", &packed.narrow(0, 0, b.len())?, &alone_b, 1e-5)?;
-    assert_close(
-        "a packed",
-        &packed.narrow(0, b.len(), a.len())?,
-        &alone_a,
-        1e-5,
-    )?;
-    Ok(())
+    with_each_attention(
+        || model(DType::F32),
+        |model| {
+            let golden = Golden::load()?;
+            let a = golden.ids("forward.input_ids")?;
+            let b: Vec<u32> = golden.ids("generate.bl8.steps32.output_ids")?[..23].to_vec();
+            let alone_a = model.logits(&model.forward(&a, &mut [SeqInput::dense(a.len())])?)?;
+            let alone_b = model.logits(&model.forward(&b, &mut [SeqInput::dense(b.len())])?)?;
+            let ids: Vec<u32> = b.iter().chain(&a).copied().collect();
+            let mut seqs = [SeqInput::dense(b.len()), SeqInput::dense(a.len())];
+            let packed = model.logits(&model.forward(&ids, &mut seqs)?)?;
+            assert_close("b packed", &packed.narrow(0, 0, b.len())?, &alone_b, 1e-5)?;
+            assert_close(
+                "a packed",
+                &packed.narrow(0, b.len(), a.len())?,
+                &alone_a,
+                1e-5,
+            )?;
+            Ok(())
+        },
+    )
 }
 
 #[test]
 fn wino_shadow_block_forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
-    let model = model(DType::F32)?;
-    let w = &golden.json["wino"];
-    let prompt_len = w["prompt_ids"].as_array().context("prompt")?.len();
-    let gen = w["gen_length"].as_u64().context("gen")? as usize;
-    let bl = w["block_length"].as_u64().context("bl")? as usize;
-    let main_len = prompt_len + gen;
-    let inputs = golden.tensor("wino.step_input_ids")?.to_dtype(DType::U32)?;
-    for (step, block) in [(1usize, 0usize), (16, 1)] {
-        let block_start = prompt_len + block * bl;
-        let rule = MaskRule::ShadowBlock {
-            main_len,
-            block_start,
-        };
-        // The rule reproduces upstream's boolean mask.
-        let want_mask: Vec<Vec<u8>> = golden
-            .tensor(&format!("wino.block{block}.attention_mask"))?
-            .to_vec2()?;
-        for (q, row) in want_mask.iter().enumerate() {
-            for (k, &m) in row.iter().enumerate() {
-                ensure!(
-                    rule.allows(q, k) == (m != 0),
-                    "mask ({q}, {k}) of block {block}"
-                );
+    with_each_attention(
+        || model(DType::F32),
+        |model| {
+            let golden = Golden::load()?;
+            let w = &golden.json["wino"];
+            let prompt_len = w["prompt_ids"].as_array().context("prompt")?.len();
+            let gen = w["gen_length"].as_u64().context("gen")? as usize;
+            let bl = w["block_length"].as_u64().context("bl")? as usize;
+            let main_len = prompt_len + gen;
+            let inputs = golden.tensor("wino.step_input_ids")?.to_dtype(DType::U32)?;
+            for (step, block) in [(1usize, 0usize), (16, 1)] {
+                let block_start = prompt_len + block * bl;
+                let rule = MaskRule::ShadowBlock {
+                    main_len,
+                    block_start,
+                };
+                // The rule reproduces upstream's boolean mask.
+                let want_mask: Vec<Vec<u8>> = golden
+                    .tensor(&format!("wino.block{block}.attention_mask"))?
+                    .to_vec2()?;
+                for (q, row) in want_mask.iter().enumerate() {
+                    for (k, &m) in row.iter().enumerate() {
+                        ensure!(
+                            rule.allows(q, k) == (m != 0),
+                            "mask ({q}, {k}) of block {block}"
+                        );
+                    }
+                }
+                let positions: Vec<u32> = golden
+                    .tensor(&format!("wino.block{block}.position_ids"))?
+                    .to_dtype(DType::U32)?
+                    .to_vec1()?;
+                let want_pos: Vec<u32> = (0..main_len as u32)
+                    .chain((block_start..block_start + bl).map(|p| p as u32))
+                    .collect();
+                assert_eq!(positions, want_pos);
+                let ids: Vec<u32> = inputs.i(step)?.to_vec1()?;
+                let seq = SeqInput {
+                    index: (0..ids.len() as u32).collect(),
+                    positions,
+                    mask: rule,
+                    keys: Keys::Rows,
+                };
+                let logits = model.logits(&model.forward(&ids, &mut [seq])?)?;
+                assert_close(
+                    &format!("wino step {step}"),
+                    &logits,
+                    golden.tensor(&format!("wino.step{step}.logits"))?,
+                    ATOL,
+                )?;
             }
-        }
-        let positions: Vec<u32> = golden
-            .tensor(&format!("wino.block{block}.position_ids"))?
-            .to_dtype(DType::U32)?
-            .to_vec1()?;
-        let want_pos: Vec<u32> = (0..main_len as u32)
-            .chain((block_start..block_start + bl).map(|p| p as u32))
-            .collect();
-        assert_eq!(positions, want_pos);
-        let ids: Vec<u32> = inputs.i(step)?.to_vec1()?;
-        let seq = SeqInput {
-            index: (0..ids.len() as u32).collect(),
-            positions,
-            mask: rule,
-            keys: Keys::Rows,
-        };
-        let logits = model.logits(&model.forward(&ids, &mut [seq])?)?;
-        assert_close(
-            &format!("wino step {step}"),
-            &logits,
-            golden.tensor(&format!("wino.step{step}.logits"))?,
-            ATOL,
-        )?;
-    }
-    Ok(())
+            Ok(())
+        },
+    )
 }
 
 #[test]
 fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
-    let golden = Golden::load()?;
-    let model = model(DType::F32)?;
-    let ids = golden.ids("forward.input_ids")?;
-    let n = ids.len();
-    let dense = model.logits(&model.forward(&ids, &mut [SeqInput::dense(n)])?)?;
+    with_each_attention(
+        || model(DType::F32),
+        |model| {
+            let golden = Golden::load()?;
+            let ids = golden.ids("forward.input_ids")?;
+            let n = ids.len();
+            let dense = model.logits(&model.forward(&ids, &mut [SeqInput::dense(n)])?)?;
 
-    // First call fills the cache with every position.
-    let mut cache = KvCache::new();
-    let full = SeqInput::dense(n).with_keys(Keys::Buffer {
-        cache: &mut cache,
-        len: n,
-    });
-    let first = model.logits(&model.forward(&ids, &mut [full])?)?;
-    assert_close("buffer, all rows", &first, &dense, 0.0)?;
-    assert_eq!(cache.len(), n);
+            // First call fills the cache with every position.
+            let mut cache = KvCache::new();
+            let full = SeqInput::dense(n).with_keys(Keys::Buffer {
+                cache: &mut cache,
+                len: n,
+            });
+            let first = model.logits(&model.forward(&ids, &mut [full])?)?;
+            assert_close("buffer, all rows", &first, &dense, 0.0)?;
+            assert_eq!(cache.len(), n);
 
-    // Then only some rows, out of order; the others come from the cache.
-    let rows: Vec<u32> = vec![9, 2, 15, 3, 12];
-    let sub_ids: Vec<u32> = rows.iter().map(|&r| ids[r as usize]).collect();
-    let partial = SeqInput {
-        index: rows.clone(),
-        positions: rows.clone(),
-        mask: MaskRule::Bidirectional,
-        keys: Keys::Buffer {
-            cache: &mut cache,
-            len: n,
+            // Then only some rows, out of order; the others come from the cache.
+            let rows: Vec<u32> = vec![9, 2, 15, 3, 12];
+            let sub_ids: Vec<u32> = rows.iter().map(|&r| ids[r as usize]).collect();
+            let partial = SeqInput {
+                index: rows.clone(),
+                positions: rows.clone(),
+                mask: MaskRule::Bidirectional,
+                keys: Keys::Buffer {
+                    cache: &mut cache,
+                    len: n,
+                },
+            };
+            // Packed behind an unrelated sequence, so the rows are not at offset 0.
+            let other = golden.ids("generate.bl8.steps16.output_ids")?;
+            let mut packed_ids = other.clone();
+            packed_ids.extend(&sub_ids);
+            let mut seqs = [SeqInput::dense(other.len()), partial];
+            let logits = model.logits(&model.forward(&packed_ids, &mut seqs)?)?;
+            let got = logits.narrow(0, other.len(), rows.len())?;
+            let want = dense.index_select(&Tensor::new(rows.as_slice(), &test_device())?, 0)?;
+            assert_close("rows from the cache", &got, &want, 1e-5)?;
+
+            // A truncated cache serves a shorter buffer.
+            cache.truncate(10)?;
+            assert_eq!(cache.len(), 10);
+            let missing = SeqInput {
+                index: vec![11],
+                positions: vec![11],
+                mask: MaskRule::Bidirectional,
+                keys: Keys::Buffer {
+                    cache: &mut cache,
+                    len: 12,
+                },
+            };
+            assert!(model.forward(&[ids[11]], &mut [missing]).is_err());
+            Ok(())
         },
-    };
-    // Packed behind an unrelated sequence, so the rows are not at offset 0.
-    let other = golden.ids("generate.bl8.steps16.output_ids")?;
-    let mut packed_ids = other.clone();
-    packed_ids.extend(&sub_ids);
-    let mut seqs = [SeqInput::dense(other.len()), partial];
-    let logits = model.logits(&model.forward(&packed_ids, &mut seqs)?)?;
-    let got = logits.narrow(0, other.len(), rows.len())?;
-    let want = dense.index_select(&Tensor::new(rows.as_slice(), &test_device())?, 0)?;
-    assert_close("rows from the cache", &got, &want, 1e-5)?;
-
-    // A truncated cache serves a shorter buffer.
-    cache.truncate(10)?;
-    assert_eq!(cache.len(), 10);
-    let missing = SeqInput {
-        index: vec![11],
-        positions: vec![11],
-        mask: MaskRule::Bidirectional,
-        keys: Keys::Buffer {
-            cache: &mut cache,
-            len: 12,
-        },
-    };
-    assert!(model.forward(&[ids[11]], &mut [missing]).is_err());
-    Ok(())
+    )
 }
 
 #[test]

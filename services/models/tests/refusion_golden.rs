@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use support::{assert_close, max_abs_diff};
+use support::{assert_close, max_abs_diff, with_each_attention};
 use wavefront_models::device::{test_device, test_parallel};
 use wavefront_models::transformer::{
     Collective, Keys, KvCache, LocalCollective, MaskRule, SeqInput, TensorParallel,
@@ -99,7 +99,8 @@ fn logits(model: &Qwen3, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
 
 #[test]
 fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
-    check_forward(&Golden::load()?, &model()?, "")
+    let golden = Golden::load()?;
+    with_each_attention(model, |m| check_forward(&golden, m, ""))
 }
 
 /// Logits in one call, split over the cache and at contiguous positions against upstream; with
@@ -169,7 +170,8 @@ fn check_forward(golden: &Golden, model: &Qwen3, label: &str) -> Result<()> {
 
 #[test]
 fn parallel_slots_on_a_shared_prefix_and_the_stitched_cache_match_upstream() -> Result<()> {
-    check_parallel_slots(&Golden::load()?, &model()?)
+    let golden = Golden::load()?;
+    with_each_attention(model, |m| check_parallel_slots(&golden, m))
 }
 
 /// Tensor parallelism over 2 and 4 in-process ranks (heads and MLP columns split, the fixture's
@@ -187,16 +189,21 @@ fn tensor_parallel_ranks_match_upstream_and_one_rank() -> Result<()> {
         let Some(tp) = test_parallel(world) else {
             continue;
         };
-        let split = model_with(&tp)?;
-        let label = format!("{world} ranks: ");
-        check_forward(&golden, &split, &label)?;
-        check_parallel_slots(&golden, &split)?;
-        let got = logits(&split, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
-        assert_close(
-            &format!("{label}against one rank"),
-            &got,
-            &single,
-            LOGITS_ATOL,
+        // Each rank's attention over its own heads, with both kernels.
+        with_each_attention(
+            || model_with(&tp),
+            |split| {
+                let label = format!("{world} ranks: ");
+                check_forward(&golden, split, &label)?;
+                check_parallel_slots(&golden, split)?;
+                let got = logits(split, &ids, &mut [appended(&mut KvCache::new(), &pos)])?;
+                assert_close(
+                    &format!("{label}against one rank"),
+                    &got,
+                    &single,
+                    LOGITS_ATOL,
+                )
+            },
         )?;
     }
     Ok(())
@@ -338,31 +345,32 @@ fn check_parallel_slots(golden: &Golden, model: &Qwen3) -> Result<()> {
 #[test]
 fn a_sequence_computes_the_same_packed_with_others() -> Result<()> {
     let golden = Golden::load()?;
-    let model = model()?;
-    let ids = golden.ids("fwd.input_ids")?;
-    let pos = golden.ids("fwd.position_ids")?;
-    let mut alone_cache = KvCache::new();
-    let alone = logits(&model, &ids, &mut [appended(&mut alone_cache, &pos)])?;
-    // The same rows between two other sequences, one of them on a warm cache.
-    let mut warm = KvCache::new();
-    logits(&model, &[1, 2, 3], &mut [appended(&mut warm, &[0, 1, 2])])?;
-    let (mut a, mut b) = (KvCache::new(), KvCache::new());
-    let packed_ids: Vec<u32> = [&[7u32, 8][..], &ids, &[9, 10, 11]].concat();
-    let packed = logits(
-        &model,
-        &packed_ids,
-        &mut [
-            appended(&mut a, &[5, 9]),
-            appended(&mut b, &pos),
-            appended(&mut warm, &[3, 4, 5]),
-        ],
-    )?;
-    let d = max_abs_diff(&packed.narrow(0, 2, 16)?, &alone)?;
-    ensure!(d <= 1e-5, "packing changed the logits by {d:e}");
-    let (k, _) = b.layer_kv(1)?;
-    let (k_alone, _) = alone_cache.layer_kv(1)?;
-    ensure!(max_abs_diff(k, k_alone)? <= 1e-6);
-    Ok(())
+    with_each_attention(model, |model| {
+        let ids = golden.ids("fwd.input_ids")?;
+        let pos = golden.ids("fwd.position_ids")?;
+        let mut alone_cache = KvCache::new();
+        let alone = logits(model, &ids, &mut [appended(&mut alone_cache, &pos)])?;
+        // The same rows between two other sequences, one of them on a warm cache.
+        let mut warm = KvCache::new();
+        logits(model, &[1, 2, 3], &mut [appended(&mut warm, &[0, 1, 2])])?;
+        let (mut a, mut b) = (KvCache::new(), KvCache::new());
+        let packed_ids: Vec<u32> = [&[7u32, 8][..], &ids, &[9, 10, 11]].concat();
+        let packed = logits(
+            model,
+            &packed_ids,
+            &mut [
+                appended(&mut a, &[5, 9]),
+                appended(&mut b, &pos),
+                appended(&mut warm, &[3, 4, 5]),
+            ],
+        )?;
+        let d = max_abs_diff(&packed.narrow(0, 2, 16)?, &alone)?;
+        ensure!(d <= 1e-5, "packing changed the logits by {d:e}");
+        let (k, _) = b.layer_kv(1)?;
+        let (k_alone, _) = alone_cache.layer_kv(1)?;
+        ensure!(max_abs_diff(k, k_alone)? <= 1e-6);
+        Ok(())
+    })
 }
 
 #[test]

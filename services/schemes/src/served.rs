@@ -14,7 +14,9 @@ use wavefront_engine::{
     RequestError, RequestId, Submission,
 };
 use wavefront_models::candle_nn::VarBuilder;
-use wavefront_models::transformer::{CollectiveKind, TensorParallel};
+use wavefront_models::transformer::{
+    AttentionKernel, CollectiveKind, SelectAttention, TensorParallel,
+};
 use wavefront_models::{ChatMessage, ModelError, ModelFamily, ModelFiles, TextTokenizer};
 
 use crate::request::GenerateSpec;
@@ -166,6 +168,9 @@ pub struct LoadOptions {
     pub tensor_parallel: usize,
     /// What joins the ranks: in-process on the model's device, or NCCL over one GPU per rank.
     pub collective: CollectiveKind,
+    /// How packed calls attend (per-sequence candle ops, or one ragged operation); a family
+    /// that cannot honour it refuses to load.
+    pub attention: AttentionKernel,
 }
 
 impl Default for LoadOptions {
@@ -181,6 +186,7 @@ impl Default for LoadOptions {
             max_context_tokens: None,
             tensor_parallel: 1,
             collective: CollectiveKind::Auto,
+            attention: AttentionKernel::Sdpa,
         }
     }
 }
@@ -268,7 +274,7 @@ where
 /// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights
 /// of `files` (in the engine's device and dtype) with `load_parallel`, split over
 /// `opts.tensor_parallel` ranks joined by `opts.collective` (made on the engine thread, which
-/// drives every rank).
+/// drives every rank), attending with `opts.attention`.
 pub(crate) fn checkpoint_loader<C, M>(
     files: ModelFiles,
     cfg: C,
@@ -277,15 +283,19 @@ pub(crate) fn checkpoint_loader<C, M>(
 ) -> impl FnOnce(&Device, DType) -> Result<M, String> + Send + 'static
 where
     C: Send + 'static,
-    M: 'static,
+    M: SelectAttention + 'static,
 {
-    let (world, kind) = (opts.tensor_parallel, opts.collective);
+    let (world, kind, attention) = (opts.tensor_parallel, opts.collective, opts.attention);
     move |device, dtype| {
         let tp = TensorParallel::for_device(kind, world, device).map_err(|e| e.to_string())?;
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())
+        let mut model = load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())?;
+        model
+            .select_attention(attention)
+            .map_err(|e| e.to_string())?;
+        Ok(model)
     }
 }
 

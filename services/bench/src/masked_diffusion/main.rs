@@ -68,12 +68,8 @@ struct Args {
     /// Concurrent requests per run.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
-    /// `cpu` or `cuda:N` (needs a build with `--features wavefront-models/cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// `f32` or `bf16`.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    target: run::Target,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
@@ -152,13 +148,15 @@ fn main() -> Result<()> {
     let opts = LoadOptions {
         memory_budget_bytes: 16 << 30,
         max_active: max_c,
-        ..run::load_options("synthetic-llada", &a.device, &a.dtype)?
+        ..a.target.load_options("synthetic-llada")?
     };
     let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);
     let model_cfg = cfg.clone();
+    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
         synthetic::random_model(&model_cfg, seed, qk, head, device, dtype)
             .map_err(|e| e.to_string())
+            .and_then(|m| run::attending(m, attention))
     })?;
 
     // Warm up (kernels, allocator) with one short request.

@@ -57,12 +57,8 @@ struct Args {
     /// Input length of each request of the concurrency run.
     #[arg(long, default_value_t = 4096)]
     concurrent_length: usize,
-    /// `cpu` or `cuda:N` (needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// `f32` or `bf16`.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    target: run::Target,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
@@ -106,12 +102,15 @@ fn main() -> Result<()> {
         memory_budget_bytes: 8 << 30,
         max_active: a.concurrent.max(1),
         max_context_tokens: Some(longest + 1),
-        ..run::load_options("synthetic-armt", &a.device, &a.dtype)?
+        ..a.target.load_options("synthetic-armt")?
     };
     let (model_cfg, seed) = (cfg.clone(), a.seed);
     eprintln!("building the synthetic model ({shape:?})");
+    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| e.to_string())
+        synthetic::random_model(&model_cfg, seed, device, dtype)
+            .map_err(|e| e.to_string())
+            .and_then(|m| run::attending(m, attention))
     })?;
 
     // Warm up both paths (allocator, thread pool) with a short context.

@@ -67,12 +67,8 @@ struct Args {
     /// Concurrent requests per run.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
-    /// `cpu` or `cuda:N` (needs a build with `--features wavefront-models/cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// `f32` or `bf16`.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    target: run::Target,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
@@ -128,13 +124,15 @@ fn main() -> Result<()> {
         memory_budget_bytes: 16 << 30,
         max_active: 2 * max_c,
         occupancy_multiplier: 1.0,
-        ..run::load_options("synthetic-refusion", &a.device, &a.dtype)?
+        ..a.target.load_options("synthetic-refusion")?
     };
     let (seed, qk, head, consensus) = (a.seed, a.qk_scale, a.head_scale, a.consensus);
     let model_cfg = cfg.clone();
+    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
         synthetic::random_model(&model_cfg, seed, qk, head, consensus, device, dtype)
             .map_err(|e| e.to_string())
+            .and_then(|m| run::attending(m, attention))
     })?;
 
     // Warm up (allocator, kernels) with one short request of each scheme.

@@ -52,8 +52,8 @@ use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
 pub use self::memory::{LayerMemory, MemoryUpdate};
 use crate::error::{ModelError, Result};
 use crate::transformer::{
-    commit_buffers, get, Block, BlockConfig, BlockWeights, KvCache, MaskRule, PackedLayout,
-    RmsNorm, RopeTable, SeqInput, TensorParallel,
+    commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, KvCache, MaskRule,
+    PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput, TensorParallel,
 };
 
 /// One sequence's memories in a [`Armt::forward_layers`] call.
@@ -87,11 +87,22 @@ pub struct Armt {
     lm_head: Tensor,
     rope: RopeTable,
     empty: LayerMemory,
+    attention: AttentionKernel,
 }
 
 impl std::fmt::Debug for Armt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Armt").field("cfg", &self.cfg).finish()
+    }
+}
+
+/// The sequential path (one segment through every layer) and generation attend with the chosen
+/// kernel; a grouped diagonal step's cells all have a segment's rows, so they attend as one
+/// batched product without raggedness (`grouped.rs`).
+impl SelectAttention for Armt {
+    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
+        self.attention = kernel;
+        Ok(())
     }
 }
 
@@ -256,6 +267,7 @@ impl Armt {
             lm_head,
             rope,
             empty,
+            attention: AttentionKernel::default(),
         })
     }
 
@@ -325,7 +337,7 @@ impl Armt {
                 mems.len()
             )));
         }
-        let layout = PackedLayout::new(&self.rope, x.dim(0)?, seqs)?;
+        let layout = PackedLayout::new(&self.rope, x.dim(0)?, seqs, self.attention)?;
         let rows: Vec<usize> = seqs.iter().map(SeqInput::rows).collect();
         let offsets: Vec<usize> = rows
             .iter()

@@ -28,7 +28,7 @@ use self::block::{get, linear, RmsNorm, RopeTable, RowLayout, SandwichBlock};
 pub use self::cache::{CacheSlot, CacheStrategy, HuginnCache};
 pub use self::config::{HuginnConfig, InitValues};
 use crate::error::{ModelError, Result};
-use crate::transformer::TensorParallel;
+use crate::transformer::{AttentionKernel, SelectAttention, TensorParallel};
 
 /// The rows one sequence contributes to a packed call.
 #[derive(Debug)]
@@ -73,6 +73,21 @@ pub struct Huginn {
     coda: Vec<SandwichBlock>,
     ln_f: RmsNorm,
     rope: RopeTable,
+}
+
+/// Huginn's sandwich blocks attend through their own per-row-group path (`block.rs`): its
+/// rows' keys live in the recurrent-depth cache slots, not in the shared transformer's buffers.
+impl SelectAttention for Huginn {
+    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
+        match kernel {
+            AttentionKernel::Sdpa => Ok(()),
+            AttentionKernel::Ragged => Err(ModelError::Unsupported(
+                "huginn (recurrent depth) attends with sdpa only; --attention ragged serves the \
+                 llada, armt and refusion families"
+                    .into(),
+            )),
+        }
+    }
 }
 
 impl Huginn {

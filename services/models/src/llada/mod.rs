@@ -26,8 +26,8 @@ use candle_nn::VarBuilder;
 pub use self::config::LladaConfig;
 use crate::error::Result;
 use crate::transformer::{
-    embed_tokens, forward_stack, get, Block, BlockNames, PackedLayout, RmsNorm, RopeTable,
-    SeqInput, TensorParallel,
+    embed_tokens, forward_stack, get, AttentionKernel, Block, BlockNames, PackedLayout, RmsNorm,
+    RopeTable, SelectAttention, SeqInput, TensorParallel,
 };
 
 /// A loaded LLaDA model.
@@ -40,6 +40,14 @@ pub struct Llada {
     head: Tensor,
     head_bias: Option<Tensor>,
     rope: RopeTable,
+    attention: AttentionKernel,
+}
+
+impl SelectAttention for Llada {
+    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
+        self.attention = kernel;
+        Ok(())
+    }
 }
 
 impl Llada {
@@ -87,6 +95,7 @@ impl Llada {
             head,
             head_bias,
             rope,
+            attention: AttentionKernel::default(),
         })
     }
 
@@ -111,14 +120,21 @@ impl Llada {
     /// All blocks and `ln_f` over packed token rows: the hidden rows `[N, E]` fed to the head.
     /// Buffer sequences' caches hold this call's keys afterwards.
     pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(&self.blocks, &self.rope, &self.ln_f, self.embed(ids)?, seqs)
+        forward_stack(
+            &self.blocks,
+            &self.rope,
+            &self.ln_f,
+            self.embed(ids)?,
+            seqs,
+            self.attention,
+        )
     }
 
     /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the
     /// first, and `ln_f` of the last block's output (`n_layers + 1` tensors `[N, E]`).
     pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
         let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs)?;
+        let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
         let mut states = Vec::with_capacity(self.blocks.len() + 1);
         for block in &self.blocks {
             states.push(x.clone());

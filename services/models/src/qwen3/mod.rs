@@ -32,8 +32,8 @@ pub use self::config::Qwen3Config;
 pub use crate::config::TokenIds;
 use crate::error::Result;
 use crate::transformer::{
-    embed_tokens, forward_stack, get, Block, BlockNames, RmsNorm, RopeTable, SeqInput,
-    TensorParallel,
+    embed_tokens, forward_stack, get, AttentionKernel, Block, BlockNames, RmsNorm, RopeTable,
+    SelectAttention, SeqInput, TensorParallel,
 };
 
 /// A loaded Qwen3 / ReFusion model.
@@ -45,6 +45,14 @@ pub struct Qwen3 {
     norm: RmsNorm,
     head: Tensor,
     rope: RopeTable,
+    attention: AttentionKernel,
+}
+
+impl SelectAttention for Qwen3 {
+    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
+        self.attention = kernel;
+        Ok(())
+    }
 }
 
 impl Qwen3 {
@@ -88,6 +96,7 @@ impl Qwen3 {
             norm,
             head,
             rope,
+            attention: AttentionKernel::default(),
         })
     }
 
@@ -112,7 +121,14 @@ impl Qwen3 {
     /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
     /// the head. Caches of the sequences hold this call's keys afterwards.
     pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(&self.blocks, &self.rope, &self.norm, self.embed(ids)?, seqs)
+        forward_stack(
+            &self.blocks,
+            &self.rope,
+            &self.norm,
+            self.embed(ids)?,
+            seqs,
+            self.attention,
+        )
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Qwen3::forward`].

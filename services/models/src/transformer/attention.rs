@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 
 use super::layers::RopeTable;
+use super::ragged::{AttentionKernel, RaggedPlan};
 use crate::error::{ModelError, Result};
 
 /// Which keys a query row may attend to, decided on buffer indices.
@@ -272,12 +273,21 @@ pub struct PackedLayout {
     pub(crate) cos: Tensor,
     pub(crate) sin: Tensor,
     seqs: Vec<SeqLayout>,
+    /// With [`AttentionKernel::Ragged`]: every sequence's attention as one operation.
+    ragged: Option<Arc<RaggedPlan>>,
     /// Copies on other devices (tensor-parallel ranks on their own GPUs), made once per call.
     replicas: Mutex<Vec<Arc<PackedLayout>>>,
 }
 
 impl PackedLayout {
-    pub fn new(rope: &RopeTable, rows: usize, seqs: &[SeqInput]) -> Result<Self> {
+    /// The layout of a call whose packed rows `0..rows` are `seqs`' rows in order, attending
+    /// with `kernel`.
+    pub fn new(
+        rope: &RopeTable,
+        rows: usize,
+        seqs: &[SeqInput],
+        kernel: AttentionKernel,
+    ) -> Result<Self> {
         let total: usize = seqs.iter().map(SeqInput::rows).sum();
         if total != rows {
             return Err(ModelError::Shape(format!(
@@ -287,6 +297,7 @@ impl PackedLayout {
         let device = rope.device().clone();
         let mut positions = Vec::with_capacity(rows);
         let mut layouts = Vec::with_capacity(seqs.len());
+        let mut ragged = Vec::new();
         let mut offset = 0;
         for s in seqs {
             let n = s.rows();
@@ -329,7 +340,13 @@ impl PackedLayout {
                     )
                 }
             };
-            let mask = build_mask(s.mask, &s.index, &key_index, &device)?;
+            let mask = match kernel {
+                AttentionKernel::Sdpa => build_mask(s.mask, &s.index, &key_index, &device)?,
+                AttentionKernel::Ragged => {
+                    ragged.push((s.index.clone(), key_index, s.mask));
+                    None
+                }
+            };
             layouts.push(SeqLayout {
                 offset,
                 len: n,
@@ -339,11 +356,16 @@ impl PackedLayout {
             offset += n;
         }
         let (cos, sin) = rope.rows(&positions)?;
+        let ragged = match kernel {
+            AttentionKernel::Sdpa => None,
+            AttentionKernel::Ragged => Some(Arc::new(RaggedPlan::new(ragged, &device)?)),
+        };
         Ok(Self {
             rows,
             cos,
             sin,
             seqs: layouts,
+            ragged,
             replicas: Mutex::default(),
         })
     }
@@ -394,6 +416,11 @@ impl PackedLayout {
             cos: self.cos.to_device(device)?,
             sin: self.sin.to_device(device)?,
             seqs,
+            ragged: self
+                .ragged
+                .as_ref()
+                .map(|p| p.to_device(device).map(Arc::new))
+                .transpose()?,
             replicas: Mutex::default(),
         });
         replicas.push(r.clone());
@@ -496,7 +523,8 @@ fn build_mask(
 
 /// Attention of every sequence over its own keys. `q` `[H, N, D]`, `k`/`v` `[H_kv, N, D]` (keys
 /// after RoPE); returns `[H, N, D]`. Writes the assembled keys of buffer sequences to their
-/// caches at `layer`.
+/// caches at `layer`. With a ragged plan all sequences attend in one operation, else one
+/// [`sdpa`] per sequence.
 pub(crate) fn attend_packed(
     q: &Tensor,
     k: &Tensor,
@@ -507,74 +535,93 @@ pub(crate) fn attend_packed(
 ) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(2)? as f64).sqrt();
     let single = seqs.len() == 1;
-    let mut outs = Vec::with_capacity(seqs.len());
-    for (s, seq) in layout.seqs.iter().zip(seqs.iter_mut()) {
-        let (qs, ks, vs) = if single {
-            (q.clone(), k.clone(), v.clone())
+    let rows = |t: &Tensor, s: &SeqLayout| -> Result<Tensor> {
+        Ok(if single {
+            t.clone()
         } else {
-            (
-                q.narrow(1, s.offset, s.len)?.contiguous()?,
-                k.narrow(1, s.offset, s.len)?.contiguous()?,
-                v.narrow(1, s.offset, s.len)?.contiguous()?,
-            )
-        };
-        let (ks, vs) = match (&s.keys, &mut seq.keys) {
-            (KeySource::Rows, _) => (ks, vs),
-            (KeySource::Buffer { index, cached }, Keys::Buffer { cache, .. }) => {
-                let (ka, va) = match index {
-                    None if *cached == 0 => (ks, vs),
-                    None => {
-                        let (ck, cv) = cache.layer(layer)?;
-                        (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
-                    }
-                    Some(idx) => {
-                        let (src_k, src_v) = if *cached == 0 {
-                            (ks, vs)
-                        } else {
-                            let (ck, cv) = cache.layer(layer)?;
-                            (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
-                        };
-                        (src_k.index_select(idx, 1)?, src_v.index_select(idx, 1)?)
-                    }
-                };
-                cache.set_layer(layer, ka.clone(), va.clone());
-                (ka, va)
-            }
-            (
-                KeySource::Shared {
-                    prefix: p,
-                    suffix: c,
-                },
-                Keys::Shared { prefix, suffix },
-            ) => {
-                let (sk, sv) = if *c == 0 {
-                    (ks, vs)
-                } else {
-                    let (ck, cv) = suffix.layer(layer)?;
-                    (Tensor::cat(&[ck, &ks], 1)?, Tensor::cat(&[cv, &vs], 1)?)
-                };
-                suffix.set_layer(layer, sk.clone(), sv.clone());
-                if *p > 0 {
-                    // The shared prefix is read in place, not copied next to the suffix.
-                    let (pk, pv) = prefix.layer(layer)?;
-                    let parts = [(pk, pv), (&sk, &sv)];
-                    outs.push(sdpa(&qs, &parts, s.mask.as_ref(), scale)?);
-                    continue;
+            t.narrow(1, s.offset, s.len)?.contiguous()?
+        })
+    };
+    let mut outs = Vec::with_capacity(seqs.len());
+    let mut all_keys = Vec::with_capacity(seqs.len());
+    for (s, seq) in layout.seqs.iter().zip(seqs.iter_mut()) {
+        let parts = assemble_keys(s, seq, rows(k, s)?, rows(v, s)?, layer)?;
+        if layout.ragged.is_some() {
+            all_keys.push(match <[_; 1]>::try_from(parts) {
+                Ok([kv]) => kv,
+                Err(parts) => {
+                    let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+                    (Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?)
                 }
-                (sk, sv)
-            }
-            _ => {
-                return Err(ModelError::Shape(
-                    "the sequences changed between layout and call".into(),
-                ))
-            }
-        };
-        outs.push(sdpa(&qs, &[(&ks, &vs)], s.mask.as_ref(), scale)?);
+            });
+        } else {
+            let parts: Vec<(&Tensor, &Tensor)> = parts.iter().map(|(k, v)| (k, v)).collect();
+            outs.push(sdpa(&rows(q, s)?, &parts, s.mask.as_ref(), scale)?);
+        }
+    }
+    if let Some(plan) = &layout.ragged {
+        return plan.attend(q, &all_keys, scale);
     }
     if single {
         Ok(outs.pop().expect("one sequence"))
     } else {
         Ok(Tensor::cat(&outs, 1)?)
+    }
+}
+
+/// One sequence's keys and values `[H_kv, T, D]` at `layer` from its rows' fresh `ks`/`vs`,
+/// in parts that concatenate along the key axis (a shared prefix is read in place, not copied
+/// next to the suffix); a buffer sequence's cache (or a shared sequence's suffix) is updated.
+fn assemble_keys(
+    s: &SeqLayout,
+    seq: &mut SeqInput,
+    ks: Tensor,
+    vs: Tensor,
+    layer: usize,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let cat = |cached: &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+        Ok((
+            Tensor::cat(&[&cached.0, &ks], 1)?,
+            Tensor::cat(&[&cached.1, &vs], 1)?,
+        ))
+    };
+    match (&s.keys, &mut seq.keys) {
+        (KeySource::Rows, _) => Ok(vec![(ks, vs)]),
+        (KeySource::Buffer { index, cached }, Keys::Buffer { cache, .. }) => {
+            let (src_k, src_v) = if *cached == 0 {
+                (ks.clone(), vs.clone())
+            } else {
+                cat(cache.layer(layer)?)?
+            };
+            let (ka, va) = match index {
+                None => (src_k, src_v),
+                Some(idx) => (src_k.index_select(idx, 1)?, src_v.index_select(idx, 1)?),
+            };
+            cache.set_layer(layer, ka.clone(), va.clone());
+            Ok(vec![(ka, va)])
+        }
+        (
+            KeySource::Shared {
+                prefix: p,
+                suffix: c,
+            },
+            Keys::Shared { prefix, suffix },
+        ) => {
+            let (sk, sv) = if *c == 0 {
+                (ks.clone(), vs.clone())
+            } else {
+                cat(suffix.layer(layer)?)?
+            };
+            suffix.set_layer(layer, sk.clone(), sv.clone());
+            if *p == 0 {
+                return Ok(vec![(sk, sv)]);
+            }
+            let (pk, pv) = prefix.layer(layer)?;
+            Ok(vec![(pk.clone(), pv.clone()), (sk, sv)])
+        }
+        _ => Err(ModelError::Shape(
+            "the sequences changed between layout and call".into(),
+        )),
     }
 }
 

@@ -12,6 +12,7 @@ use super::layers::{apply_rope, linear, linear_to_device, GatedMlp, RmsNorm, Rop
 use super::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
+use super::ragged::AttentionKernel;
 use crate::config::bad;
 use crate::error::{ModelError, Result};
 
@@ -76,8 +77,9 @@ pub(crate) fn forward_stack(
     norm: &RmsNorm,
     x: Tensor,
     seqs: &mut [SeqInput],
+    kernel: AttentionKernel,
 ) -> Result<Tensor> {
-    let layout = PackedLayout::new(rope, x.dim(0)?, seqs)?;
+    let layout = PackedLayout::new(rope, x.dim(0)?, seqs, kernel)?;
     let mut x = x;
     for block in blocks {
         x = block.forward(&x, &layout, seqs)?;

@@ -15,7 +15,8 @@
 //! cache or segment); each of its rows names its buffer index and its RoPE position id, which
 //! need not agree (WINO's shadow block copies positions, ReFusion's slots are non-contiguous).
 //! Projections, norms and the MLP run once over all rows; attention runs per sequence over that
-//! sequence's keys only, with a [`MaskRule`] evaluated on buffer indices. Keys are either the
+//! sequence's keys only, with a [`MaskRule`] evaluated on buffer indices (one candle
+//! attention per sequence, or all sequences in one ragged operation: [`AttentionKernel`]). Keys are either the
 //! call's own rows ([`Keys::Rows`]) or the whole buffer `0..len`, where buffer indices that are
 //! not rows of the call read their K/V from the sequence's [`KvCache`] ([`Keys::Buffer`]; the
 //! assembled K/V replace the cache). The latter serves SureLock (locked positions keep their
@@ -28,6 +29,7 @@ mod layers;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod parallel;
+mod ragged;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
@@ -36,3 +38,4 @@ pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub use parallel::{cached_kv_heads, Collective, CollectiveKind, LocalCollective, TensorParallel};
+pub use ragged::{AttentionKernel, SelectAttention};

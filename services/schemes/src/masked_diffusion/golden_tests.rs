@@ -10,6 +10,7 @@ use std::collections::BTreeSet;
 use anyhow::{ensure, Context, Result};
 use candle_core::DType;
 use serde_json::Value;
+use wavefront_models::transformer::{AttentionKernel, SelectAttention};
 
 use super::program::StepRecord;
 use super::surelock::percentile;
@@ -315,6 +316,51 @@ fn surelock_skips_locked_rows_and_matches_the_trace_until_it_diverges() -> Resul
         ensure!(!locked.is_empty() && locked.len() < canvas);
         let ratio = p.flops.0 as f64 / p.flops.1 as f64;
         ensure!(ratio < 1.0 && ratio > 0.0, "flops ratio {ratio}");
+    }
+    Ok(())
+}
+
+/// The ragged attention path (every sequence of a forward in one operation) through the real
+/// programs: all goldens packed into the same ticks still match upstream, and SureLock runs that
+/// read locked rows' keys from the cache make the same decisions as with per-sequence sdpa.
+#[test]
+fn ragged_attention_reproduces_the_packed_goldens_and_sdpas_surelock_runs() -> Result<()> {
+    let (mut ragged, planner) = fixture()?;
+    ragged.select_attention(AttentionKernel::Ragged)?;
+    let (sdpa, _) = fixture()?;
+    let golden = Golden::load()?;
+    let runs = golden.json["generate_runs"].as_array().context("runs")?;
+    let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
+    for run in runs {
+        programs.push(program(&planner, generate_spec(&golden, run, None))?);
+    }
+    run_programs(&ragged, &mut programs)?;
+    check_wino(&golden, &programs[0])?;
+    for (run, p) in runs.iter().zip(&programs[1..]) {
+        check_generate(run, p)?;
+    }
+
+    let run = &golden.json["generate_runs"][2];
+    let locking = || -> Result<Vec<MdProgram>> {
+        Ok(vec![
+            program(
+                &planner,
+                generate_spec(&golden, run, surelock(1e-2, Some(50.0))),
+            )?,
+            program(&planner, wino_spec(&golden, surelock(1e-3, None)))?,
+        ])
+    };
+    let (mut a, mut b) = (locking()?, locking()?);
+    run_programs(&sdpa, &mut a)?;
+    run_programs(&ragged, &mut b)?;
+    for (a, b) in a.iter().zip(&b) {
+        ensure!(a.tokens() == b.tokens(), "tokens differ between kernels");
+        ensure!(locks_of(a.steps()) == locks_of(b.steps()), "locks differ");
+        ensure!(
+            !a.locked().is_empty(),
+            "nothing locked: the cache path was not exercised"
+        );
+        ensure!(a.flops == b.flops, "rows computed differ");
     }
     Ok(())
 }
