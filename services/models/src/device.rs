@@ -49,6 +49,18 @@ pub fn test_device() -> Device {
     parse_device(&name).unwrap_or_else(|e| panic!("WAVEFRONT_TEST_DEVICE: {e}"))
 }
 
+/// The directory of the test fixture `name` (`tests/fixtures/<name>` of this repository), or
+/// `$WAVEFRONT_FIXTURES/<name>` when that variable is set: test binaries carried to another
+/// machine (a GPU host) find the fixtures of the tree they run in.
+pub fn test_fixture(name: &str) -> std::path::PathBuf {
+    std::env::var_os("WAVEFRONT_FIXTURES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+        })
+        .join(name)
+}
+
 /// Tensor parallelism for a golden test's `world` ranks on [`test_device`]:
 /// `WAVEFRONT_TEST_COLLECTIVE` (`local`, the default: in-process ranks; `nccl`: NCCL over one
 /// GPU per rank, in a `cuda` build on a GPU; `auto`). `None` when this machine has fewer GPUs

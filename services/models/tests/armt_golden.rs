@@ -20,7 +20,7 @@ use wavefront_models::{Armt, ArmtConfig, ModelFamily, ModelFiles};
 use support::with_each_attention;
 
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/armt")
+    wavefront_models::device::test_fixture("armt")
 }
 
 fn config(files: &ModelFiles) -> Result<ArmtConfig> {

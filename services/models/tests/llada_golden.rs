@@ -16,7 +16,7 @@ use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
 
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada")
+    wavefront_models::device::test_fixture("llada")
 }
 
 fn model(dtype: DType) -> Result<Llada> {

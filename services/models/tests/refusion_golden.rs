@@ -21,7 +21,7 @@ use wavefront_models::transformer::{
 use wavefront_models::{detect_family, ModelFamily, ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion")
+    wavefront_models::device::test_fixture("refusion")
 }
 
 fn model() -> Result<Qwen3> {

@@ -260,11 +260,10 @@ pub fn deadline_from_metadata(
 #[cfg(test)]
 mod masked_diffusion_tests {
     use super::*;
-    use std::path::PathBuf;
     use wavefront_schemes::{load_model, LoadOptions};
 
     fn llada() -> Arc<dyn ServedModel> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada");
+        let dir = wavefront_models::device::test_fixture("llada");
         let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
         load_model(files, LoadOptions::default()).expect("loads")
     }
@@ -362,11 +361,10 @@ mod masked_diffusion_tests {
 #[cfg(test)]
 mod recurrent_memory_tests {
     use super::*;
-    use std::path::PathBuf;
     use wavefront_schemes::{load_model, Execution, LoadOptions};
 
     fn armt() -> Arc<dyn ServedModel> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/armt");
+        let dir = wavefront_models::device::test_fixture("armt");
         let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
         load_model(files, LoadOptions::default()).expect("loads")
     }
@@ -416,11 +414,10 @@ mod recurrent_memory_tests {
 #[cfg(test)]
 mod slot_diffusion_tests {
     use super::*;
-    use std::path::PathBuf;
     use wavefront_schemes::{load_model, LoadOptions};
 
     fn refusion() -> Arc<dyn ServedModel> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/refusion");
+        let dir = wavefront_models::device::test_fixture("refusion");
         let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
         load_model(files, LoadOptions::default()).expect("loads")
     }

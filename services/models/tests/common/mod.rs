@@ -16,7 +16,7 @@ mod support;
 pub use support::{assert_close, max_abs_diff};
 
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
+    wavefront_models::device::test_fixture("huginn")
 }
 
 pub fn load_model(files: &ModelFiles) -> Result<Huginn> {

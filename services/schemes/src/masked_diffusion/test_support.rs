@@ -17,7 +17,7 @@ use crate::served::Planner;
 use crate::test_support::tick_until_done;
 
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llada")
+    wavefront_models::device::test_fixture("llada")
 }
 
 pub fn fixture_files() -> Result<ModelFiles> {

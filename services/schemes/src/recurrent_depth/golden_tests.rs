@@ -46,7 +46,7 @@ const DIFFUSION_CASES: [&str; 4] = [
 ];
 
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
+    wavefront_models::device::test_fixture("huginn")
 }
 
 struct Case {

@@ -12,7 +12,7 @@ use super::HuginnPlanner;
 use crate::request::{ArParams, DiffusionForcingParams, FreezeTest, SchemeParams};
 
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/huginn")
+    wavefront_models::device::test_fixture("huginn")
 }
 
 pub fn fixture_files() -> Result<ModelFiles> {

@@ -19,7 +19,7 @@ use crate::served::Planner;
 pub use crate::test_support::{collect, TestSink};
 
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/armt")
+    wavefront_models::device::test_fixture("armt")
 }
 
 pub fn fixture_files() -> Result<ModelFiles> {
