@@ -1,8 +1,9 @@
 //! Ragged attention: the query rows of many sequences, packed along one axis, each attending
 //! to its own range of gathered keys under its own mask rule.
 //!
-//! Layouts (row-major): queries `[rows, n_heads, head_dim]`, keys and values
-//! `[keys, n_kv_heads, head_dim]` (keys after RoPE), output `[rows, n_heads, head_dim]`.
+//! Layouts (head-major, the layout of the model crate's activations and K/V caches, so a
+//! caller passes them without transposing): queries `[n_heads, rows, head_dim]`, keys and
+//! values `[n_kv_heads, keys, head_dim]` (keys after RoPE), output `[n_heads, rows, head_dim]`.
 //! Sequence `s` owns query rows `seqs[s].rows` and key rows `seqs[s].keys`; every query row and
 //! key row also carries its *buffer index* (`row_index`, `key_index`), on which the mask is
 //! decided, so a sequence's rows may sit anywhere in its buffer (a KV cache plus new rows,
@@ -148,7 +149,7 @@ impl RaggedLayout {
     }
 }
 
-/// The CPU reference: `out[r, h, :] = softmax_j(scale · q[r,h]·k[j,g]) v[j,g]` over the allowed
+/// The CPU reference: `out[h, r, :] = softmax_j(scale · q[h,r]·k[g,j]) v[g,j]` over the allowed
 /// keys `j` of row `r`'s sequence, `g` the kv head of `h`.
 pub fn ragged_attention(
     layout: &RaggedLayout,
@@ -166,6 +167,7 @@ pub fn ragged_attention(
         format!("k/v have {}/{} values, want {kv_len}", k.len(), v.len())
     })?;
     let group = h / hkv;
+    let (rows, keys) = (layout.rows(), layout.keys());
     let mut out = vec![0f32; q.len()];
     let mut acc = vec![0f32; d];
     for seq in &layout.seqs {
@@ -173,18 +175,18 @@ pub fn ragged_attention(
             let qi = layout.row_index[r as usize];
             for head in 0..h {
                 let g = head / group;
-                let qv = &q[(r as usize * h + head) * d..][..d];
+                let qv = &q[(head * rows + r as usize) * d..][..d];
                 let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
                 acc.iter_mut().for_each(|a| *a = 0.0);
                 for j in seq.keys.clone() {
                     if !seq.mask.allows(qi, layout.key_index[j as usize]) {
                         continue;
                     }
-                    let kv = &k[(j as usize * hkv + g) * d..][..d];
+                    let kv = &k[(g * keys + j as usize) * d..][..d];
                     let s = layout.scale * qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>();
                     let m_new = m.max(s);
                     let (c_old, c_new) = ((m - m_new).exp(), (s - m_new).exp());
-                    let vv = &v[(j as usize * hkv + g) * d..][..d];
+                    let vv = &v[(g * keys + j as usize) * d..][..d];
                     for (a, x) in acc.iter_mut().zip(vv) {
                         *a = *a * c_old + c_new * x;
                     }
@@ -192,7 +194,7 @@ pub fn ragged_attention(
                     m = m_new;
                 }
                 if l > 0.0 {
-                    let o = &mut out[(r as usize * h + head) * d..][..d];
+                    let o = &mut out[(head * rows + r as usize) * d..][..d];
                     for (o, a) in o.iter_mut().zip(&acc) {
                         *o = a / l;
                     }

@@ -108,7 +108,7 @@ impl Kernels {
         Ok(self.modules[module].load_function(name)?)
     }
 
-    /// Ragged attention: `q` `[rows, H, D]`, `k`/`v` `[keys, Hkv, D]` → `out` `[rows, H, D]`.
+    /// Ragged attention: `q` `[H, rows, D]`, `k`/`v` `[Hkv, keys, D]` → `out` `[H, rows, D]`.
     /// Uploads the layout's tables, then [`Kernels::ragged_attention_with`].
     pub fn ragged_attention<T: Elem>(
         &self,
@@ -168,8 +168,9 @@ impl Kernels {
         }
         let f = self.function(0, &format!("ragged_attention_{}", T::SUFFIX))?;
         let (h32, hkv32, d32) = (h as u32, hkv as u32, d as u32);
+        let (rows32, keys32) = (dims.rows as u32, dims.keys as u32);
         let cfg = LaunchConfig {
-            grid_dim: (dims.rows as u32, h32, 1),
+            grid_dim: (rows32, h32, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -179,6 +180,7 @@ impl Kernels {
             .arg(tables.row_seq)
             .arg(tables.row_index)
             .arg(tables.key_index);
+        b.arg(&rows32).arg(&keys32);
         b.arg(&h32).arg(&hkv32).arg(&d32).arg(&dims.scale);
         // SAFETY: argument types and order match the kernel's signature; the buffers' lengths
         // were checked above and the tables' ranges when their layout was validated.

@@ -67,9 +67,10 @@ fn ragged(seed: u64, seqs: usize) -> (RaggedLayout, Vec<f32>, Vec<f32>, Vec<f32>
 fn dense(layout: &RaggedLayout, q: &[f32], k: &[f32], v: &[f32]) -> candle_core::Result<Vec<f32>> {
     let dev = Device::Cpu;
     let (h, hkv, d) = (layout.n_heads, layout.n_kv_heads, layout.head_dim);
-    let q = Tensor::from_slice(q, (layout.rows(), h, d), &dev)?;
-    let k = Tensor::from_slice(k, (layout.keys(), hkv, d), &dev)?;
-    let v = Tensor::from_slice(v, (layout.keys(), hkv, d), &dev)?;
+    // Head-major inputs, viewed row-major (`[rows, H, D]`, `[keys, H_kv, D]`) for the loop.
+    let q = Tensor::from_slice(q, (h, layout.rows(), d), &dev)?.transpose(0, 1)?;
+    let k = Tensor::from_slice(k, (hkv, layout.keys(), d), &dev)?.transpose(0, 1)?;
+    let v = Tensor::from_slice(v, (hkv, layout.keys(), d), &dev)?.transpose(0, 1)?;
     let mut out = Tensor::zeros((layout.rows(), h, d), candle_core::DType::F32, &dev)?;
     for s in &layout.seqs {
         let (r0, nr) = (s.rows.start as usize, s.rows.len());
@@ -106,7 +107,7 @@ fn dense(layout: &RaggedLayout, q: &[f32], k: &[f32], v: &[f32]) -> candle_core:
         let o = Tensor::cat(&heads, 1)?;
         out = out.slice_assign(&[r0..r0 + nr, 0..h, 0..d], &o)?;
     }
-    out.flatten_all()?.to_vec1()
+    out.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1()
 }
 
 proptest! {

@@ -6,7 +6,8 @@
 //! A call's sequences, mask rules and buffer indices become one [`RaggedPlan`] when its
 //! [`super::PackedLayout`] is built, uploaded to the device once and shared by every layer; per
 //! layer the sequences' assembled keys and values are concatenated along the key axis and the
-//! operation runs over `q` `[rows, H, D]`, `k`/`v` `[keys, H_kv, D]`.
+//! operation runs over `q` `[H, rows, D]`, `k`/`v` `[H_kv, keys, D]`, the layout the block's
+//! activations and caches already have.
 
 use std::fmt;
 use std::str::FromStr;
@@ -172,22 +173,21 @@ impl RaggedPlan {
                 .iter()
                 .map(|kv| if i == 0 { &kv.0 } else { &kv.1 })
                 .collect();
-            let all = if parts.len() == 1 {
-                parts[0].clone()
+            Ok(if parts.len() == 1 {
+                parts[0].contiguous()?
             } else {
                 Tensor::cat(&parts, 1)?
-            };
-            Ok(all.transpose(0, 1)?.contiguous()?)
+            })
         };
         let (k, v) = (cat(0)?, cat(1)?);
-        if k.dim(0)? != self.keys() {
+        if k.dim(1)? != self.keys() {
             return Err(ModelError::Shape(format!(
                 "the sequences brought {} keys, the call's layout has {}",
-                k.dim(0)?,
+                k.dim(1)?,
                 self.keys()
             )));
         }
-        let q = q.transpose(0, 1)?.contiguous()?;
+        let q = q.contiguous()?;
         let op = RaggedOp {
             plan: self.clone(),
             n_heads: h,
@@ -205,12 +205,13 @@ impl RaggedPlan {
                 .apply_op3_no_bwd(&f(&k)?, &f(&v)?, &op)?
                 .to_dtype(dtype)?
         };
-        debug_assert_eq!(out.dims(), &[n, h, d]);
-        Ok(out.transpose(0, 1)?)
+        debug_assert_eq!(out.dims(), &[h, n, d]);
+        Ok(out)
     }
 }
 
-/// The ragged operation over contiguous `q` `[rows, H, D]`, `k`/`v` `[keys, H_kv, D]`.
+/// The ragged operation over contiguous `q` `[H, rows, D]`, `k`/`v` `[H_kv, keys, D]` (the
+/// layout the block's activations and caches already have: nothing is transposed).
 struct RaggedOp {
     plan: Arc<RaggedPlan>,
     n_heads: usize,
@@ -231,7 +232,7 @@ impl RaggedOp {
     }
 
     fn shape(&self) -> Shape {
-        Shape::from((self.plan.layout.rows(), self.n_heads, self.head_dim))
+        Shape::from((self.n_heads, self.plan.layout.rows(), self.head_dim))
     }
 }
 
