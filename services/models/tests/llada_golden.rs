@@ -62,10 +62,10 @@ const ATOL: f32 = 5e-4;
 
 #[test]
 fn forward_matches_upstream() -> Result<()> {
+    let golden = Golden::load()?;
     with_each_attention(
         || model(DType::F32),
         |model| {
-            let golden = Golden::load()?;
             let ids = golden.ids("forward.input_ids")?;
             let n = ids.len();
             let states = model.forward_hidden_states(&ids, &mut [SeqInput::dense(n)])?;
@@ -94,10 +94,10 @@ fn forward_matches_upstream() -> Result<()> {
 
 #[test]
 fn packed_sequences_match_their_own_forwards() -> Result<()> {
+    let golden = Golden::load()?;
     with_each_attention(
         || model(DType::F32),
         |model| {
-            let golden = Golden::load()?;
             let a = golden.ids("forward.input_ids")?;
             let b: Vec<u32> = golden.ids("generate.bl8.steps32.output_ids")?[..23].to_vec();
             let alone_a = model.logits(&model.forward(&a, &mut [SeqInput::dense(a.len())])?)?;
@@ -119,10 +119,10 @@ fn packed_sequences_match_their_own_forwards() -> Result<()> {
 
 #[test]
 fn wino_shadow_block_forward_matches_upstream() -> Result<()> {
+    let golden = Golden::load()?;
     with_each_attention(
         || model(DType::F32),
         |model| {
-            let golden = Golden::load()?;
             let w = &golden.json["wino"];
             let prompt_len = w["prompt_ids"].as_array().context("prompt")?.len();
             let gen = w["gen_length"].as_u64().context("gen")? as usize;
@@ -177,10 +177,10 @@ fn wino_shadow_block_forward_matches_upstream() -> Result<()> {
 
 #[test]
 fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
+    let golden = Golden::load()?;
     with_each_attention(
         || model(DType::F32),
         |model| {
-            let golden = Golden::load()?;
             let ids = golden.ids("forward.input_ids")?;
             let n = ids.len();
             let dense = model.logits(&model.forward(&ids, &mut [SeqInput::dense(n)])?)?;

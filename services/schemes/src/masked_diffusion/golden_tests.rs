@@ -2,7 +2,7 @@
 //! (tests/fixtures/llada, see its README): the four `generate()` runs (tokens, forward passes and
 //! the positions and tokens committed at every step), the `decoding_wino()` run (tokens, forward
 //! passes, per-step drafts, revocations and branches), each alone and all packed into the same
-//! ticks; and SureLock against the per-step trace of `generate.bl32.steps32` (lock decisions for
+//! ticks (with both attention kernels); and SureLock against the per-step trace of `generate.bl32.steps32` (lock decisions for
 //! several `eps` and gate percentiles, eps = 0 reproducing the plain runs).
 
 use std::collections::BTreeSet;
@@ -168,19 +168,24 @@ fn wino_matches_upstream_alone() -> Result<()> {
     check_wino(&golden, &programs[0])
 }
 
+/// With either attention kernel (per-sequence sdpa, or every sequence of a tick in one ragged
+/// operation).
 #[test]
 fn all_goldens_match_packed_into_the_same_ticks() -> Result<()> {
-    let (model, planner) = fixture()?;
     let golden = Golden::load()?;
     let runs = golden.json["generate_runs"].as_array().context("runs")?;
-    let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
-    for run in runs {
-        programs.push(program(&planner, generate_spec(&golden, run, None))?);
-    }
-    run_programs(&model, &mut programs)?;
-    check_wino(&golden, &programs[0])?;
-    for (run, p) in runs.iter().zip(&programs[1..]) {
-        check_generate(run, p)?;
+    for kernel in AttentionKernel::ALL {
+        let (mut model, planner) = fixture()?;
+        model.select_attention(kernel)?;
+        let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
+        for run in runs {
+            programs.push(program(&planner, generate_spec(&golden, run, None))?);
+        }
+        run_programs(&model, &mut programs)?;
+        check_wino(&golden, &programs[0]).with_context(|| format!("{kernel}"))?;
+        for (run, p) in runs.iter().zip(&programs[1..]) {
+            check_generate(run, p).with_context(|| format!("{kernel}"))?;
+        }
     }
     Ok(())
 }
@@ -320,26 +325,15 @@ fn surelock_skips_locked_rows_and_matches_the_trace_until_it_diverges() -> Resul
     Ok(())
 }
 
-/// The ragged attention path (every sequence of a forward in one operation) through the real
-/// programs: all goldens packed into the same ticks still match upstream, and SureLock runs that
-/// read locked rows' keys from the cache make the same decisions as with per-sequence sdpa.
+/// SureLock runs, whose locked rows' keys are read back from the cache, make the same decisions
+/// with the ragged attention path (every sequence of a forward in one operation) as with
+/// per-sequence sdpa.
 #[test]
-fn ragged_attention_reproduces_the_packed_goldens_and_sdpas_surelock_runs() -> Result<()> {
-    let (mut ragged, planner) = fixture()?;
+fn ragged_attention_makes_sdpas_surelock_decisions() -> Result<()> {
+    let (sdpa, planner) = fixture()?;
+    let (mut ragged, _) = fixture()?;
     ragged.select_attention(AttentionKernel::Ragged)?;
-    let (sdpa, _) = fixture()?;
     let golden = Golden::load()?;
-    let runs = golden.json["generate_runs"].as_array().context("runs")?;
-    let mut programs = vec![program(&planner, wino_spec(&golden, None))?];
-    for run in runs {
-        programs.push(program(&planner, generate_spec(&golden, run, None))?);
-    }
-    run_programs(&ragged, &mut programs)?;
-    check_wino(&golden, &programs[0])?;
-    for (run, p) in runs.iter().zip(&programs[1..]) {
-        check_generate(run, p)?;
-    }
-
     let run = &golden.json["generate_runs"][2];
     let locking = || -> Result<Vec<MdProgram>> {
         Ok(vec![
