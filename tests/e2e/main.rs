@@ -167,6 +167,86 @@ async fn served_tokens_equal_offline_run_unary_and_streamed() {
     }
 }
 
+/// A stop string ends the response where it appears, and the engine (told by the worker)
+/// finishes the request with its own figures instead of dropping it as cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_ends_the_response_with_the_engines_stats() {
+    let s = stack(&[]).await;
+    let mut client = GenerationClient::new(channel(s.worker.addr).await);
+    let full = client
+        .generate(request(text(PROMPT), 16, 4, 7))
+        .await
+        .unwrap()
+        .into_inner();
+    // Two ASCII letters from the second half of the full text.
+    let at = (full.text.len() / 2..full.text.len() - 1)
+        .find(|&i| {
+            full.text.is_char_boundary(i)
+                && full.text.as_bytes()[i..i + 2]
+                    .iter()
+                    .all(u8::is_ascii_alphabetic)
+        })
+        .expect("two letters in the second half of the text");
+    let stop = full.text[at..at + 2].to_owned();
+    let cut = full.text.find(&stop).unwrap();
+    let mut req = request(text(PROMPT), 16, 4, 7);
+    req.stop_strings = vec![stop.clone()];
+
+    let unary = client.generate(req.clone()).await.unwrap().into_inner();
+    assert_eq!(unary.finish_reason, pb::FinishReason::StopString as i32);
+    assert_eq!(unary.text, full.text[..cut], "cut before {stop:?}");
+    assert!(full.token_ids.starts_with(&unary.token_ids));
+    assert!(unary.token_ids.len() < full.token_ids.len());
+    let stats = unary.stats.unwrap();
+    assert_eq!(stats.generated_tokens as usize, unary.token_ids.len());
+    assert_eq!(stats.counters.get("stopped_by_string"), Some(&1));
+    // The engine's figures: 4 core iterations for every token it made (at least the kept
+    // ones), one forward each, and the ticks it ran.
+    assert!(
+        stats.forward_passes >= unary.token_ids.len() as u64,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.recurrence_steps,
+        4 * stats.forward_passes,
+        "{stats:?}"
+    );
+    assert!(stats.ticks >= stats.forward_passes, "{stats:?}");
+
+    let mut stream = client.generate_stream(req).await.unwrap().into_inner();
+    let (mut streamed, mut done) = (String::new(), None);
+    while let Some(msg) = stream.message().await.unwrap() {
+        match msg.event.unwrap() {
+            pb::generate_stream_response::Event::Tokens(c) => streamed.push_str(&c.text),
+            pb::generate_stream_response::Event::Done(d) => done = Some(d),
+            pb::generate_stream_response::Event::Canvas(_) => panic!("no canvas asked for"),
+        }
+    }
+    let done = done.expect("final message");
+    assert_eq!(streamed, unary.text);
+    assert_eq!(done.finish_reason, pb::FinishReason::StopString as i32);
+    assert!(done.stats.unwrap().forward_passes > 0);
+
+    // Offline: the same cut and the engine's figures.
+    let offline = offline_run(&[
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "16",
+        "--num-steps",
+        "4",
+        "--seed",
+        "7",
+        "--stop-string",
+        &stop,
+    ]);
+    assert_eq!(offline["finish_reason"], "stop_string");
+    assert_eq!(offline["text"].as_str().unwrap(), unary.text);
+    assert!(offline["stats"]["forward_passes"].as_u64().unwrap() > 0);
+    assert_eq!(offline["stats"]["counters"]["stopped_by_string"], 1);
+    wait_pool_full(s.worker.addr).await;
+}
+
 async fn reflected_services(addr: std::net::SocketAddr) -> Vec<String> {
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;

@@ -30,6 +30,14 @@ pub enum SinkError {
 pub trait EventSink: Send {
     fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)>;
     fn is_closed(&self) -> bool;
+    /// The transport decided the response is complete (a stop string appeared in its text)
+    /// and still listens: the engine finishes the request at its next step with
+    /// [`FinishReason::StopString`](crate::FinishReason::StopString) and the program's
+    /// statistics so far ([`Family::stop`](crate::Family::stop)), instead of dropping it as
+    /// a cancelled one.
+    fn stop_requested(&self) -> bool {
+        false
+    }
 }
 
 /// A bounded std channel is a sink for callers without an async runtime

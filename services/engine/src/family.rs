@@ -173,6 +173,15 @@ pub trait Family: Send + 'static {
     /// expired) so the family can drop any device state it keyed by slot.
     fn release(&mut self, _program: &mut Active<Self::Program>) {}
 
+    /// The transport stopped the request (a stop string): the program finishes now, through
+    /// its outbox, with [`FinishReason::StopString`] and the statistics it has gathered. The
+    /// default reports none; families that keep statistics pass theirs on.
+    fn stop(&mut self, active: &mut Active<Self::Program>) {
+        active
+            .outbox
+            .finish(FinishReason::StopString, Stats::default());
+    }
+
     /// Rows (positions, states, cells) the last tick computed, for metrics.
     fn last_tick_rows(&self) -> Option<usize> {
         None

@@ -154,12 +154,17 @@ impl<P: Send + 'static> Scheduler<P> {
                     }));
             }
         }
-        // Running requests: cancelled or expired ones leave now.
+        // Running requests: cancelled or expired ones leave now; stopped ones finish (their
+        // Finished event is delivered this step and they leave as finished requests).
         let mut i = 0;
         while i < self.running.len() {
             let r = &mut self.running[i];
             let closed = r.sink.is_closed();
             let expired = r.deadline.is_some_and(|d| d <= now);
+            if !closed && !expired && !r.active.outbox.done && r.sink.stop_requested() {
+                tracing::debug!(parent: &r.span, request = %r.active.id, "stopped by the transport");
+                family.stop(&mut r.active);
+            }
             if closed || expired {
                 let mut r = self.running.swap_remove(i);
                 if closed {

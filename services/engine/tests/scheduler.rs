@@ -59,6 +59,12 @@ impl Family for FakeFamily {
         }
         Ok(())
     }
+
+    fn stop(&mut self, a: &mut Active<Countdown>) {
+        let mut stats = Stats::default();
+        stats.add_counter("emitted", a.program.emitted as u64);
+        a.outbox.finish(FinishReason::StopString, stats);
+    }
 }
 
 /// A sink backed by a std channel; `closed` simulates the client leaving.
@@ -79,6 +85,24 @@ impl EventSink for TestSink {
     }
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// A [`TestSink`] whose transport saw a stop string once `stop` is set.
+struct StoppingSink {
+    inner: TestSink,
+    stop: Arc<AtomicBool>,
+}
+
+impl EventSink for StoppingSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.inner.try_send(event)
+    }
+    fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 
@@ -267,6 +291,45 @@ fn a_slow_reader_pauses_only_itself() {
         .collect();
     assert_eq!(tokens, vec![0, 1, 2, 3, 4]);
     assert_eq!(sched.pool().free(), 4);
+}
+
+#[test]
+fn a_stop_from_the_transport_finishes_the_request_with_its_stats_and_frees_its_slots() {
+    let mut sched = Scheduler::<Countdown>::new(4, 4, 4);
+    let mut fam = FakeFamily::default();
+    let (tx, rx) = mpsc::sync_channel(64);
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink = StoppingSink {
+        inner: TestSink {
+            tx,
+            closed: Arc::new(AtomicBool::new(false)),
+        },
+        stop: stop.clone(),
+    };
+    assert!(sched
+        .enqueue(waiting(1, countdown(100, 2), Box::new(sink)))
+        .is_ok());
+    for _ in 0..3 {
+        sched.step(&mut fam, Instant::now());
+    }
+    stop.store(true, Ordering::Release);
+    let report = sched.step(&mut fam, Instant::now());
+    // Finished, not cancelled; not ticked again; its slots are back.
+    assert_eq!(
+        (report.finished, report.cancelled, report.ticked),
+        (1, 0, 0)
+    );
+    assert_eq!(sched.running(), 0);
+    assert_eq!(sched.pool().free(), 4);
+    let events: Vec<Event> = rx.try_iter().collect();
+    assert_eq!(events.len(), 4, "three tokens, then the end");
+    let Some(Event::Finished { reason, stats }) = events.last() else {
+        panic!("no Finished event: {events:?}");
+    };
+    assert_eq!(*reason, FinishReason::StopString);
+    // The family's own figures and the engine's.
+    assert_eq!(stats.counters.get("emitted"), Some(&3));
+    assert_eq!((stats.generated_tokens, stats.ticks), (3, 3));
 }
 
 #[test]

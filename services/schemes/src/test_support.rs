@@ -20,10 +20,12 @@ use crate::served::{load_model, LoadOptions, Planner, ServedModel};
 use crate::tick::Entry;
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
-/// dropping the receiver makes sends fail (the delivery path).
+/// dropping the receiver makes sends fail (the delivery path), `stop` is a transport's stop
+/// string.
 pub struct TestSink {
     pub tx: SyncSender<Event>,
     pub closed: Arc<AtomicBool>,
+    pub stop: Arc<AtomicBool>,
 }
 
 impl TestSink {
@@ -34,6 +36,7 @@ impl TestSink {
             Self {
                 tx,
                 closed: closed.clone(),
+                stop: Arc::default(),
             },
             rx,
             closed,
@@ -51,6 +54,10 @@ impl EventSink for TestSink {
 
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 
@@ -239,6 +246,43 @@ pub fn assert_ends_at_first_stop(spec: &GenerateSpec, out: &Outcome, eos: u32) -
         ensure!(out.tokens.len() == spec.max_new_tokens && out.reason == FinishReason::Length);
     }
     Ok(first_stop.is_some())
+}
+
+/// Submits `spec` and, once its first tokens arrive, stops it the way a transport does when a
+/// stop string appears: the request must finish with [`FinishReason::StopString`], before its
+/// natural end, with statistics the family filled in (`check` looks at them), and give every
+/// slot back.
+pub fn assert_stop_finishes_with_stats(
+    served: &dyn ServedModel,
+    spec: GenerateSpec,
+    check: impl FnOnce(&Stats) -> Result<()>,
+) -> Result<Outcome> {
+    let max = spec.max_new_tokens;
+    let (sink, rx, _) = TestSink::new(1024);
+    let stop = sink.stop.clone();
+    served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    let first = loop {
+        match rx
+            .recv_timeout(Duration::from_secs(120))
+            .context("engine stalled")?
+        {
+            ev @ Event::Tokens(_) => break ev,
+            Event::Canvas(_) => {}
+            other => bail!("ended before its first tokens: {other:?}"),
+        }
+    };
+    stop.store(true, Ordering::Release);
+    let out = collect(&rx, vec![first])?;
+    ensure!(
+        out.reason == FinishReason::StopString,
+        "finished with {:?}",
+        out.reason
+    );
+    ensure!(out.tokens.len() < max, "ran to its natural end");
+    ensure!(out.stats.ticks > 0 && out.stats.generated_tokens as usize == out.tokens.len());
+    check(&out.stats).with_context(|| format!("stats {:?}", out.stats))?;
+    wait_for_free_slots(served, Duration::from_secs(30))?;
+    Ok(out)
 }
 
 /// Waits until every slot of the pool is free again; fails after `within`.

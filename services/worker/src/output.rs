@@ -5,7 +5,8 @@
 //! stop strings. Text that could still turn into a stop string is held back,
 //! so a streamed client never sees text that the final result cuts.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use wavefront_engine::{
@@ -151,12 +152,13 @@ impl OutputAssembler {
         &self.text
     }
 
-    /// Stats of a request a stop string ended: the transport stopped it, so
-    /// the engine's own figures never arrive.
-    pub fn stop_string_stats(&self) -> Stats {
+    /// Stats of a request a stop string ended, from the engine's figures when it sent them
+    /// (`Stats::default()` otherwise): the generated tokens are the ones the response kept
+    /// (the engine may have made a few more before it saw the stop).
+    pub fn stopped_stats(&self, engine: Stats) -> Stats {
         let mut stats = Stats {
             generated_tokens: self.ids.len() as u32,
-            ..Stats::default()
+            ..engine
         };
         stats.add_counter("stopped_by_string", 1);
         stats
@@ -168,21 +170,26 @@ pub fn decoder(model: &dyn ServedModel) -> impl Fn(&[u32]) -> String + '_ {
     move |ids: &[u32]| model.decode(ids)
 }
 
-/// A sink over a bounded std channel, for callers without an async runtime.
-struct StdSink(
-    mpsc::SyncSender<Event>,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-);
+/// A sink over a bounded std channel, for callers without an async runtime, with the flags
+/// that say the caller left (`closed`) or that a stop string ended the response (`stop`).
+struct StdSink {
+    tx: mpsc::SyncSender<Event>,
+    closed: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
 
 impl EventSink for StdSink {
     fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
+        self.tx.try_send(event).map_err(|e| match e {
             mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
             mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
         })
     }
     fn is_closed(&self) -> bool {
-        self.1.load(std::sync::atomic::Ordering::Acquire)
+        self.closed.load(Ordering::Acquire)
+    }
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 
@@ -198,37 +205,49 @@ pub fn generate_blocking(
     mut on_canvas: impl FnMut(&CanvasFrame),
 ) -> Result<Finished, EngineError> {
     let (tx, rx) = mpsc::sync_channel(256);
-    let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let closed = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let seed = spec.sampling.seed;
     let deadline = timeout.map(|t| Instant::now() + t);
-    model.submit(
-        spec,
-        Box::new(StdSink(tx, closed.clone())),
-        deadline,
-        tracing::Span::current(),
-    )?;
+    let sink = StdSink {
+        tx,
+        closed: closed.clone(),
+        stop: stop.clone(),
+    };
+    model.submit(spec, Box::new(sink), deadline, tracing::Span::current())?;
     let decode = decoder(model);
     let mut out = OutputAssembler::new(stop_strings);
+    let finished = |out: &OutputAssembler, finish_reason, stats| Finished {
+        token_ids: out.token_ids().to_vec(),
+        text: out.text().to_owned(),
+        finish_reason,
+        stats,
+        seed,
+    };
     loop {
-        let event = rx.recv().map_err(|_| EngineError::ShutDown)?;
+        let Ok(event) = rx.recv() else {
+            closed.store(true, Ordering::Release);
+            return Err(EngineError::ShutDown);
+        };
         match event {
+            // Tokens and frames the engine made before it saw the stop are not the response's.
+            Event::Tokens(_) | Event::Canvas(_) if out.is_stopped() => {}
             Event::Tokens(ids) => {
                 let delta = out.push(&ids, &decode);
                 on_delta(&delta);
                 if delta.stopped {
-                    // Leaving frees the request's slots at the next tick.
-                    closed.store(true, std::sync::atomic::Ordering::Release);
-                    let stats = out.stop_string_stats();
-                    return Ok(Finished {
-                        token_ids: out.token_ids().to_vec(),
-                        text: out.text().to_owned(),
-                        finish_reason: FinishReason::StopString,
-                        stats,
-                        seed,
-                    });
+                    // The engine finishes the request at its next step and sends its stats.
+                    stop.store(true, Ordering::Release);
                 }
             }
             Event::Canvas(frame) => on_canvas(&frame),
+            Event::Finished { stats, .. } if out.is_stopped() => {
+                return Ok(finished(
+                    &out,
+                    FinishReason::StopString,
+                    out.stopped_stats(stats),
+                ));
+            }
             Event::Finished { reason, stats } => {
                 let rest = out.finish(&decode);
                 if !rest.is_empty() {
@@ -238,13 +257,12 @@ pub fn generate_blocking(
                         stopped: false,
                     });
                 }
-                return Ok(Finished {
-                    token_ids: out.token_ids().to_vec(),
-                    text: out.text().to_owned(),
-                    finish_reason: reason,
-                    stats,
-                    seed,
-                });
+                return Ok(finished(&out, reason, stats));
+            }
+            // The response was complete when the request failed (a deadline while stopping).
+            Event::Failed(_) if out.is_stopped() => {
+                let stats = out.stopped_stats(Stats::default());
+                return Ok(finished(&out, FinishReason::StopString, stats));
             }
             Event::Failed(e) => return Err(e),
         }

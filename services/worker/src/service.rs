@@ -33,17 +33,25 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, 
 /// Events buffered per request before the engine pauses it.
 const EVENT_BUFFER: usize = 64;
 
-struct TokioSink(mpsc::Sender<Event>);
+/// A request's sink: a bounded tokio channel, and the flag the stream sets when a stop string
+/// ended the response (the engine then finishes the request and sends its statistics).
+struct TokioSink {
+    tx: mpsc::Sender<Event>,
+    stop: Arc<AtomicBool>,
+}
 
 impl EventSink for TokioSink {
     fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
+        self.tx.try_send(event).map_err(|e| match e {
             mpsc::error::TrySendError::Full(ev) => (SinkError::Full, ev),
             mpsc::error::TrySendError::Closed(ev) => (SinkError::Closed, ev),
         })
     }
     fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.tx.is_closed()
+    }
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 
@@ -176,12 +184,31 @@ impl WorkerService {
         metrics::counter!(m::PROMPT_TOKENS_TOTAL, "model" => model.info().name.clone(), "scheme" => scheme)
             .increment(spec.prompt_ids.len() as u64);
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let stop = Arc::new(AtomicBool::new(false));
+        let sink = TokioSink {
+            tx,
+            stop: stop.clone(),
+        };
         model
-            .submit(spec, Box::new(TokioSink(tx)), deadline, span.clone())
+            .submit(spec, Box::new(sink), deadline, span.clone())
             .map_err(|e| from_engine_error(&e))?;
         tracing::debug!(parent: &span, "submitted");
+        let state = StreamState {
+            model,
+            rx: Some(rx),
+            stop,
+            out: OutputAssembler::new(req.stop_strings),
+            pending: VecDeque::new(),
+            seed,
+            scheme,
+            started: Instant::now(),
+            deadline,
+            first_token: false,
+            recorded: false,
+            span,
+        };
         Ok(wavefront_proto::timeout::with_deadline(
-            response_stream(model, rx, req.stop_strings, seed, scheme, deadline, span),
+            response_stream(state),
             deadline,
         ))
     }
@@ -190,6 +217,8 @@ impl WorkerService {
 struct StreamState {
     model: Arc<dyn ServedModel>,
     rx: Option<mpsc::Receiver<Event>>,
+    /// Set once a stop string ended the response: the engine finishes the request.
+    stop: Arc<AtomicBool>,
     out: OutputAssembler,
     pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
     seed: u64,
@@ -258,28 +287,7 @@ fn scheme_label(req: &pb::GenerateRequest, default: Option<&'static str>) -> &'s
 }
 
 /// Reads engine events and yields protobuf stream messages; ends after `done`.
-fn response_stream(
-    model: Arc<dyn ServedModel>,
-    rx: mpsc::Receiver<Event>,
-    stop_strings: Vec<String>,
-    seed: u64,
-    scheme: &'static str,
-    deadline: Option<Instant>,
-    span: tracing::Span,
-) -> EventStream {
-    let state = StreamState {
-        model,
-        rx: Some(rx),
-        out: OutputAssembler::new(stop_strings),
-        pending: VecDeque::new(),
-        seed,
-        scheme,
-        started: Instant::now(),
-        deadline,
-        first_token: false,
-        recorded: false,
-        span,
-    };
+fn response_stream(state: StreamState) -> EventStream {
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         loop {
             if let Some(item) = st.pending.pop_front() {
@@ -296,6 +304,8 @@ impl StreamState {
         let model = self.model.clone();
         let decode = decoder(model.as_ref());
         match event {
+            // Tokens and frames the engine made before it saw the stop are not the response's.
+            Some(Event::Tokens(_) | Event::Canvas(_)) if self.out.is_stopped() => {}
             Some(Event::Tokens(ids)) => {
                 if !self.first_token {
                     self.first_token = true;
@@ -306,12 +316,8 @@ impl StreamState {
                 self.pending
                     .push_back(Ok(chunk(delta.token_ids, delta.text)));
                 if delta.stopped {
-                    // Dropping the receiver frees the slots at the next tick.
-                    self.rx = None;
-                    let stats = self.out.stop_string_stats();
-                    let msg = done(self, FinishReason::StopString, &stats);
-                    self.record(tonic::Code::Ok, Some(&stats));
-                    self.pending.push_back(Ok(msg));
+                    // The engine finishes the request at its next step and sends its stats.
+                    self.stop.store(true, Ordering::Release);
                 }
             }
             Some(Event::Canvas(frame)) => {
@@ -320,6 +326,15 @@ impl StreamState {
                         convert::canvas_event(&frame),
                     )),
                 }));
+            }
+            Some(Event::Finished { stats, .. }) if self.out.is_stopped() => {
+                let stats = self.out.stopped_stats(stats);
+                self.end_stopped(stats);
+            }
+            // The response was complete when the request failed or the engine went away.
+            Some(Event::Failed(_)) | None if self.out.is_stopped() => {
+                let stats = self.out.stopped_stats(Stats::default());
+                self.end_stopped(stats);
             }
             Some(Event::Finished { reason, stats }) => {
                 self.rx = None;
@@ -346,6 +361,16 @@ impl StreamState {
                 )));
             }
         }
+    }
+}
+
+impl StreamState {
+    /// Ends a response a stop string completed.
+    fn end_stopped(&mut self, stats: Stats) {
+        self.rx = None;
+        let msg = done(self, FinishReason::StopString, &stats);
+        self.record(tonic::Code::Ok, Some(&stats));
+        self.pending.push_back(Ok(msg));
     }
 }
 

@@ -8,7 +8,7 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family};
+use wavefront_engine::{Active, Family, FinishReason};
 use wavefront_models::transformer::{Keys, SeqInput};
 use wavefront_models::Llada;
 
@@ -136,6 +136,10 @@ impl Family for MaskedDiffusionFamily {
         let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
         self.last_rows = Some(rows);
         Ok(())
+    }
+
+    fn stop(&mut self, a: &mut Active<MdProgram>) {
+        a.program.finish(FinishReason::StopString, &mut a.outbox);
     }
 
     fn last_tick_rows(&self) -> Option<usize> {

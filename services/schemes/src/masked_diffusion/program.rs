@@ -399,7 +399,8 @@ impl MdProgram {
         }
     }
 
-    fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
+    /// Ends the request with its statistics (blocks, and SureLock's locks and FLOPs).
+    pub(crate) fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
         self.stats
             .add_counter("blocks", self.canvas.completed_blocks() as u64);
         if let Some(sl) = &self.surelock {

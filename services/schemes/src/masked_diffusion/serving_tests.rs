@@ -469,3 +469,20 @@ fn canvas_snapshots_show_every_step_and_change_nothing() -> Result<()> {
 fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
     crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }
+
+/// A transport's stop (a stop string) finishes low-confidence and WINO requests with their
+/// statistics so far: forward passes and the blocks counter.
+#[test]
+fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
+    let served = fixture_served(2)?;
+    for s in [
+        spec(prompt(5, 0), 32, 1, lc(low_confidence(8, 32))),
+        spec(prompt(7, 1), 32, 2, wn(wino(8))),
+    ] {
+        crate::test_support::assert_stop_finishes_with_stats(served.as_ref(), s, |st| {
+            ensure!(st.forward_passes > 0 && st.counters.contains_key("blocks"));
+            Ok(())
+        })?;
+    }
+    Ok(())
+}

@@ -187,7 +187,8 @@ impl DiffusionProgram {
         }
     }
 
-    fn finish(&mut self, outbox: &mut Outbox, reason: FinishReason) {
+    /// Ends the request with its statistics (frozen positions, recurrence per position).
+    pub(crate) fn finish(&mut self, outbox: &mut Outbox, reason: FinishReason) {
         let mut stats = std::mem::take(&mut self.stats);
         // Positions the sampler froze (upstream may freeze a few past max_new_tokens).
         stats.add_counter(

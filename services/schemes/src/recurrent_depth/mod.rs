@@ -62,7 +62,7 @@ pub(crate) mod test_support;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use wavefront_engine::{Active, Family, Prepared, RequestError, Stats};
+use wavefront_engine::{Active, Family, FinishReason, Prepared, RequestError, Stats};
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
@@ -300,6 +300,16 @@ impl Family for HuginnFamily {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    fn stop(&mut self, a: &mut Active<Program>) {
+        match &mut a.program {
+            Program::Ar(p) => {
+                let stats = std::mem::take(&mut p.stats);
+                a.outbox.finish(FinishReason::StopString, stats);
+            }
+            Program::Diffusion(p) => p.finish(&mut a.outbox, FinishReason::StopString),
+        }
     }
 }
 

@@ -479,3 +479,32 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
 fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
     crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }
+
+/// A transport's stop (a stop string) finishes AR and diffusion-forcing requests with their
+/// statistics so far (recurrence steps; the sampler's frozen positions).
+#[test]
+fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
+    let served = fixture_served(2)?;
+    crate::test_support::assert_stop_finishes_with_stats(
+        served.as_ref(),
+        spec(prompt(5, 0), 12, 1, ar_static(4, "full")),
+        |st| {
+            ensure!(st.recurrence_steps == 4 * st.forward_passes && st.forward_passes > 0);
+            Ok(())
+        },
+    )?;
+    crate::test_support::assert_stop_finishes_with_stats(
+        served.as_ref(),
+        spec(
+            prompt(10, 6),
+            12,
+            7,
+            SchemeParams::DiffusionForcing(diffusion(8, FreezeTest::Aligned)),
+        ),
+        |st| {
+            ensure!(st.counters.contains_key("frozen_positions") && st.forward_passes > 0);
+            Ok(())
+        },
+    )?;
+    Ok(())
+}

@@ -16,7 +16,7 @@
 //! alone or batched.
 
 use candle_core::{DType, Tensor};
-use wavefront_engine::{Active, Family};
+use wavefront_engine::{Active, Family, FinishReason};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
 use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
 
@@ -306,6 +306,10 @@ impl Family for RecurrentMemoryFamily {
 
     fn release(&mut self, program: &mut Active<ArmtProgram>) {
         program.program.release();
+    }
+
+    fn stop(&mut self, a: &mut Active<ArmtProgram>) {
+        a.program.finish(FinishReason::StopString, &mut a.outbox);
     }
 
     fn last_tick_rows(&self) -> Option<usize> {

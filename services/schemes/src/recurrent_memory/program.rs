@@ -147,6 +147,17 @@ impl ArmtProgram {
         (first..=last).rev().map(|s| (s, i - s)).collect()
     }
 
+    /// Ends the request with its statistics and lets go of its memories.
+    pub(crate) fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
+        self.phase = Phase::Done;
+        self.release();
+        let stats = std::mem::take(&mut self.stats);
+        if let Some(r) = &mut self.record {
+            r.finish = Some((reason, stats.clone()));
+        }
+        outbox.finish(reason, stats);
+    }
+
     /// Takes a token the model chose: streams it and finishes or moves on to decoding it.
     pub(crate) fn commit(&mut self, token: u32, outbox: &mut Outbox) {
         self.generated += 1;
@@ -162,13 +173,7 @@ impl ArmtProgram {
             None
         };
         if let Some(reason) = reason {
-            self.phase = Phase::Done;
-            self.release();
-            let stats = std::mem::take(&mut self.stats);
-            if let Some(r) = &mut self.record {
-                r.finish = Some((reason, stats.clone()));
-            }
-            outbox.finish(reason, stats);
+            self.finish(reason, outbox);
             return;
         }
         if self.phase == Phase::Prefill {

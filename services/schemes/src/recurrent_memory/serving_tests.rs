@@ -331,3 +331,22 @@ fn recurrent_depth_models_refuse_an_execution_mode() -> Result<()> {
 fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
     crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }
+
+/// A transport's stop (a stop string) finishes a request with its statistics so far (the
+/// segments of its prompt), and its memories leave the pool.
+#[test]
+fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
+    let served = serve(fixture_files()?, "armt-fixture", 2)?;
+    for execution in [Execution::Sequential, Execution::Diagonal] {
+        crate::test_support::assert_stop_finishes_with_stats(
+            served.as_ref(),
+            spec(prompt(80, 3), 12, execution),
+            |st| {
+                // 80 prompt tokens in the fixture's 8-token segments.
+                ensure!(st.forward_passes > 0 && st.counters["segments"] == 10);
+                Ok(())
+            },
+        )?;
+    }
+    Ok(())
+}

@@ -11,7 +11,7 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family};
+use wavefront_engine::{Active, Family, FinishReason};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
@@ -128,5 +128,10 @@ impl Family for SlotDiffusionFamily {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    fn stop(&mut self, a: &mut Active<SdProgram>) {
+        let stats = std::mem::take(&mut a.program.stats);
+        a.outbox.finish(FinishReason::StopString, stats);
     }
 }

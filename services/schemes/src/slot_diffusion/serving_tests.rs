@@ -488,3 +488,20 @@ fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
     ensure!(slots(1)? == 2 * slots(4)?);
     Ok(())
 }
+
+/// A transport's stop (a stop string) finishes plan-infill and ar requests with their
+/// statistics so far.
+#[test]
+fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
+    let served = fixture_served(2)?;
+    for s in [
+        spec(prompt(5, 0), 32, plan_infill(4, 4, 0.8, 0.2)),
+        spec(prompt(9, 5), 24, ar()),
+    ] {
+        crate::test_support::assert_stop_finishes_with_stats(served.as_ref(), s, |st| {
+            ensure!(st.forward_passes > 0);
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
