@@ -14,9 +14,9 @@
 //!   distribution. Lock (SureLock), exit and draft (WINO, ReFusion) decisions then copy a few
 //!   numbers per row to the host instead of whole logit rows.
 //!
-//! Layouts are row-major and documented on each entry point; the CPU functions take slices so
-//! the tests can compare them with independent compositions of candle ops, and the CUDA
-//! launchers (`cuda` module) take device slices with the same layouts.
+//! Layouts (head-major for attention, row-major elsewhere) are documented on each entry point;
+//! the CPU functions take slices so the tests can compare them with independent compositions of
+//! candle ops, and the CUDA launchers (`cuda` module) take device slices with the same layouts.
 
 pub mod attention;
 pub mod grouped;
