@@ -12,15 +12,19 @@
 #
 # Each step's output goes to RESULTS/<step>.log (RESULTS: $OUT when the device tool sets it,
 # else gpu-results/), and one line per step with its exit status and seconds to
-# RESULTS/summary.txt. RUNNER (default shared/gpu/run-on-gpu.sh) starts a binary with the
-# machine's CUDA 13 and NCCL libraries on LD_LIBRARY_PATH. STEP_LIMIT bounds each step
-# (seconds, default 900).
+# RESULTS/summary.txt. RUNNER starts a binary with the machine's CUDA 13 and NCCL libraries on
+# LD_LIBRARY_PATH: default BIN/run-on-gpu.sh (the shared GPU recipe's launcher, carried in BIN
+# next to the binaries), else shared/gpu/run-on-gpu.sh. STEP_LIMIT bounds each step (seconds,
+# default 900).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
 BIN=${BIN:-.gpu}
 RESULTS=${OUT:-gpu-results}
-RUNNER=${RUNNER:-shared/gpu/run-on-gpu.sh}
+if [ -z "${RUNNER:-}" ]; then
+  RUNNER=$BIN/run-on-gpu.sh
+  [ -x "$RUNNER" ] || RUNNER=shared/gpu/run-on-gpu.sh
+fi
 LIMIT=${STEP_LIMIT:-900}
 mkdir -p "$RESULTS"
 : >"$RESULTS/summary.txt"
