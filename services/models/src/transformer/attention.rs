@@ -547,13 +547,8 @@ pub(crate) fn attend_packed(
     for (s, seq) in layout.seqs.iter().zip(seqs.iter_mut()) {
         let parts = assemble_keys(s, seq, rows(k, s)?, rows(v, s)?, layer)?;
         if layout.ragged.is_some() {
-            all_keys.push(match <[_; 1]>::try_from(parts) {
-                Ok([kv]) => kv,
-                Err(parts) => {
-                    let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
-                    (Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?)
-                }
-            });
+            // Concatenated once, with every other sequence's, by the ragged operation.
+            all_keys.extend(parts);
         } else {
             let parts: Vec<(&Tensor, &Tensor)> = parts.iter().map(|(k, v)| (k, v)).collect();
             outs.push(sdpa(&rows(q, s)?, &parts, s.mask.as_ref(), scale)?);

@@ -158,8 +158,9 @@ impl RaggedPlan {
     }
 
     /// Attention of every sequence over its own keys in one operation: `q` `[H, N, D]`,
-    /// `keys` the sequences' keys and values `[H_kv, T_s, D]` in plan order (keys after RoPE);
-    /// returns `[H, N, D]`.
+    /// `keys` the sequences' keys and values (after RoPE) as parts `[H_kv, T_i, D]` that
+    /// concatenate, in plan order, to every sequence's keys (a sequence may bring several, e.g.
+    /// a shared prefix and its own suffix); returns `[H, N, D]`.
     pub(crate) fn attend(
         self: &Arc<Self>,
         q: &Tensor,
