@@ -205,11 +205,8 @@ fn main() -> Result<()> {
     eprintln!("device {:?}, dtype {:?}", opts.device, opts.dtype);
     let (model_cfg, seed) = (cfg.clone(), args.seed);
     eprintln!("building the synthetic model ({shape:?})");
-    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype)
-            .map_err(|e| format!("{e:#}"))
-            .and_then(|m| run::attending(m, attention))
+        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| format!("{e:#}"))
     })?;
     eprintln!(
         "model ready after {:.1}s; warming up",

@@ -12,7 +12,6 @@ use rand::{Rng, SeedableRng};
 use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::device::{parse_device, parse_dtype};
-use wavefront_models::transformer::{AttentionKernel, SelectAttention};
 use wavefront_models::ModelError;
 use wavefront_schemes::{GenerateSpec, LoadOptions, SchemeParams, ServedModel};
 
@@ -164,19 +163,10 @@ impl Target {
     }
 }
 
-/// `model`, attending with `kernel` (the load options' `attention`): what a bench's
-/// engine-thread constructor returns.
-pub fn attending<M: SelectAttention>(
-    mut model: M,
-    kernel: AttentionKernel,
-) -> std::result::Result<M, String> {
-    model.select_attention(kernel).map_err(|e| e.to_string())?;
-    Ok(model)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use wavefront_models::transformer::AttentionKernel;
 
     #[test]
     fn random_prompts_are_reproducible_per_request_and_stay_in_range() {

@@ -274,7 +274,7 @@ where
 /// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights
 /// of `files` (in the engine's device and dtype) with `load_parallel`, split over
 /// `opts.tensor_parallel` ranks joined by `opts.collective` (made on the engine thread, which
-/// drives every rank), attending with `opts.attention`.
+/// drives every rank).
 pub(crate) fn checkpoint_loader<C, M>(
     files: ModelFiles,
     cfg: C,
@@ -283,44 +283,47 @@ pub(crate) fn checkpoint_loader<C, M>(
 ) -> impl FnOnce(&Device, DType) -> Result<M, String> + Send + 'static
 where
     C: Send + 'static,
-    M: SelectAttention + 'static,
+    M: 'static,
 {
-    let (world, kind, attention) = (opts.tensor_parallel, opts.collective, opts.attention);
+    let (world, kind) = (opts.tensor_parallel, opts.collective);
     move |device, dtype| {
         let tp = TensorParallel::for_device(kind, world, device).map_err(|e| e.to_string())?;
         let vb = files
             .var_builder(dtype, device)
             .map_err(|e| e.to_string())?;
-        let mut model = load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())?;
-        model
-            .select_attention(attention)
-            .map_err(|e| e.to_string())?;
-        Ok(model)
+        load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())
     }
 }
 
-/// The engine-thread constructor of a family wrapping one model: runs `load`, refuses a model
-/// whose config (`config_of`) is not `cfg`, the config requests are planned with, and wraps
-/// the model with `wrap`. Hand the result to [`start_served`].
+/// The engine-thread constructor of a family wrapping one model: runs `load` (a checkpoint, or
+/// a bench's synthetic weights), refuses a model whose config (`config_of`) is not `cfg`, the
+/// config requests are planned with, sets its attention path to `opts.attention` (a model that
+/// cannot take it refuses to start), and wraps the model with `wrap`. Hand the result to
+/// [`start_served`].
 pub(crate) fn checked_family<C, M, F, L>(
     cfg: C,
+    opts: &LoadOptions,
     load: L,
     config_of: fn(&M) -> &C,
     wrap: fn(M) -> F,
 ) -> impl FnOnce(&Device, DType) -> Result<F, String> + Send + 'static
 where
     C: PartialEq + Send + 'static,
-    M: 'static,
+    M: SelectAttention + 'static,
     F: 'static,
     L: FnOnce(&Device, DType) -> Result<M, String> + Send + 'static,
 {
+    let attention = opts.attention;
     move |device, dtype| {
-        let model = load(device, dtype)?;
+        let mut model = load(device, dtype)?;
         if config_of(&model) != &cfg {
             return Err(
                 "the loaded model's config differs from the one requests are planned with".into(),
             );
         }
+        model
+            .select_attention(attention)
+            .map_err(|e| e.to_string())?;
         Ok(wrap(model))
     }
 }

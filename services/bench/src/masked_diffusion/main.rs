@@ -152,11 +152,9 @@ fn main() -> Result<()> {
     };
     let (seed, qk, head) = (a.seed, a.qk_scale, a.head_scale);
     let model_cfg = cfg.clone();
-    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
         synthetic::random_model(&model_cfg, seed, qk, head, device, dtype)
             .map_err(|e| e.to_string())
-            .and_then(|m| run::attending(m, attention))
     })?;
 
     // Warm up (kernels, allocator) with one short request.

@@ -106,11 +106,8 @@ fn main() -> Result<()> {
     };
     let (model_cfg, seed) = (cfg.clone(), a.seed);
     eprintln!("building the synthetic model ({shape:?})");
-    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype)
-            .map_err(|e| e.to_string())
-            .and_then(|m| run::attending(m, attention))
+        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| e.to_string())
     })?;
 
     // Warm up both paths (allocator, thread pool) with a short context.

@@ -128,11 +128,9 @@ fn main() -> Result<()> {
     };
     let (seed, qk, head, consensus) = (a.seed, a.qk_scale, a.head_scale, a.consensus);
     let model_cfg = cfg.clone();
-    let attention = opts.attention;
     let served = serve_model(cfg, None, opts, move |device, dtype| {
         synthetic::random_model(&model_cfg, seed, qk, head, consensus, device, dtype)
             .map_err(|e| e.to_string())
-            .and_then(|m| run::attending(m, attention))
     })?;
 
     // Warm up (allocator, kernels) with one short request of each scheme.

@@ -346,6 +346,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    let make = checked_family(cfg, load, Llada::config, MaskedDiffusionFamily::new);
+    let make = checked_family(cfg, &opts, load, Llada::config, MaskedDiffusionFamily::new);
     start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

@@ -332,7 +332,7 @@ pub fn serve_model<L>(
 where
     L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
 {
-    let make = checked_family(cfg.clone(), load, Huginn::config, HuginnFamily::new);
+    let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
     serve_family(cfg, tokenizer, opts, make)
 }
 

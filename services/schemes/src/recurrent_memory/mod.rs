@@ -260,6 +260,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    let make = checked_family(cfg, load, Armt::config, RecurrentMemoryFamily::new);
+    let make = checked_family(cfg, &opts, load, Armt::config, RecurrentMemoryFamily::new);
     start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }

@@ -302,6 +302,6 @@ where
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
-    let make = checked_family(cfg, load, Qwen3::config, SlotDiffusionFamily::new);
+    let make = checked_family(cfg, &opts, load, Qwen3::config, SlotDiffusionFamily::new);
     start_served(planner, tokenizer, &opts, bytes_per_slot, make)
 }
