@@ -150,3 +150,61 @@ async fn a_dead_worker_is_routed_around_and_readded_when_it_returns() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Short deadlines that fire at the worker (its transport answers CANCELLED "Timeout expired")
+/// end those calls with DEADLINE_EXCEEDED and leave the worker in rotation: with a refresh far
+/// beyond the test, a worker marked down would refuse every later call with UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
+    let worker = spawn_worker("huginn", &[]);
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &worker.addr.to_string(),
+        "--refresh-ms",
+        "600000",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let chan = channel(router.addr).await;
+    let start = Instant::now();
+    // The first poll runs at start-up; wait for it to see the worker.
+    while GenerationClient::new(chan.clone())
+        .generate(long_request(1))
+        .await
+        .is_err()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "worker never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let calls = (0..24u64).map(|i| {
+        let mut client = GenerationClient::new(chan.clone());
+        async move {
+            let mut req = tonic::Request::new(long_request(40));
+            req.set_timeout(Duration::from_millis(5 + 5 * (i % 6)));
+            client.generate(req).await
+        }
+    });
+    for r in futures::future::join_all(calls).await {
+        let e = r.expect_err("no request can finish 40 tokens in 30 ms");
+        assert!(
+            matches!(
+                e.code(),
+                tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+            ),
+            "{e:?}"
+        );
+        assert!(!e.message().contains("no worker"), "{e:?}");
+    }
+    // No poll has run since: the worker must still be in rotation.
+    let r = GenerationClient::new(chan)
+        .generate(long_request(2))
+        .await
+        .expect("the worker is still routed to");
+    assert_eq!(r.into_inner().token_ids.len(), 2);
+}

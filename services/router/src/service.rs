@@ -136,39 +136,72 @@ impl RouterService {
                     }));
                     return Ok(wavefront_proto::timeout::with_deadline(relayed, deadline));
                 }
-                // Full (RESOURCE_EXHAUSTED), draining or unreachable (UNAVAILABLE), or
-                // a connection that broke before the worker answered (CANCELLED or
-                // UNKNOWN from the transport: the router sets no client-side timer and
-                // its caller is still here): nothing ran there, so another worker may
-                // take it.
-                Err(s)
-                    if matches!(
-                        s.code(),
-                        Code::ResourceExhausted
-                            | Code::Unavailable
-                            | Code::Cancelled
-                            | Code::Unknown
-                    ) =>
-                {
-                    tracing::warn!(parent: &span, worker = %w.addr, error = %s, "worker declined or unreachable; trying another");
-                    if s.code() != Code::ResourceExhausted {
-                        self.discovery.mark_down(w.addr);
+                Err(s) => match classify(&s, deadline, Instant::now()) {
+                    Failure::Retry { mark_down } => {
+                        tracing::warn!(parent: &span, worker = %w.addr, error = %s, mark_down, "worker declined or unreachable; trying another");
+                        if mark_down {
+                            self.discovery.mark_down(w.addr);
+                        }
+                        last_err = Some(match s.code() {
+                            Code::Cancelled | Code::Unknown => Status::unavailable(format!(
+                                "connection to worker {} failed before it answered: {}",
+                                w.addr,
+                                s.message()
+                            )),
+                            _ => s,
+                        });
                     }
-                    last_err = Some(match s.code() {
-                        Code::Cancelled | Code::Unknown => Status::unavailable(format!(
-                            "connection to worker {} failed before it answered: {}",
-                            w.addr,
-                            s.message()
-                        )),
-                        _ => s,
-                    });
-                }
-                Err(s) => return Err(s),
+                    Failure::DeadlineExceeded => {
+                        return Err(Status::deadline_exceeded(
+                            "deadline passed before the worker answered",
+                        ))
+                    }
+                    Failure::Final => return Err(s),
+                },
             }
         }
         Err(last_err.unwrap_or_else(|| Status::unavailable("no worker could take the request")))
     }
 }
+
+/// What a failed worker call means for the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// Nothing ran on the worker: try another one. `mark_down` when the worker itself is the
+    /// problem (the connection failed, or it says it is draining), so no other call picks it
+    /// before its next good poll.
+    Retry { mark_down: bool },
+    /// The caller's own deadline ended the call: the worker is healthy.
+    DeadlineExceeded,
+    /// The worker answered with a status of its own: relay it.
+    Final,
+}
+
+/// Classifies a status from a worker call made with `deadline` at `now`.
+///
+/// A status that carries a source error was made by this process's transport (connect
+/// refused, connection reset, stream broken): the worker is unreachable. A status without one
+/// is the worker's own answer, and only UNAVAILABLE (draining) or RESOURCE_EXHAUSTED (full)
+/// say another worker should take the request. CANCELLED / UNKNOWN answered by the worker, or
+/// any failure once the caller's deadline has passed, is the caller's deadline firing there
+/// ("Timeout expired"), never a reason to take the worker out of rotation: a client sending
+/// short deadlines would otherwise empty the routing table for everyone.
+fn classify(s: &Status, deadline: Option<Instant>, now: Instant) -> Failure {
+    use std::error::Error as _;
+    let transport = s.source().is_some();
+    let past_deadline = deadline.is_some_and(|d| d <= now + DEADLINE_SLACK);
+    match s.code() {
+        Code::ResourceExhausted => Failure::Retry { mark_down: false },
+        _ if past_deadline => Failure::DeadlineExceeded,
+        Code::Unavailable => Failure::Retry { mark_down: true },
+        Code::Cancelled | Code::Unknown if transport => Failure::Retry { mark_down: true },
+        _ => Failure::Final,
+    }
+}
+
+/// How close to its deadline a failed call counts as having run out of time (the worker
+/// enforces a slightly earlier deadline than the caller's, `wavefront_proto::timeout`).
+const DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// One call's outcome at the router; a call dropped before it ended (the
 /// client went away) counts as CANCELLED.
@@ -278,4 +311,60 @@ pub async fn serve(
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn transport(code_of: tonic::ConnectError) -> Status {
+        Status::from_error(Box::new(code_of))
+    }
+
+    #[test]
+    fn the_callers_deadline_firing_at_the_worker_keeps_the_worker_in_rotation() {
+        let now = Instant::now();
+        // What a worker's transport answers when the grpc-timeout it was given runs out.
+        let timeout = Status::cancelled("Timeout expired");
+        assert_eq!(
+            classify(&timeout, Some(now), now),
+            Failure::DeadlineExceeded
+        );
+        assert_eq!(
+            classify(&Status::deadline_exceeded("late"), Some(now), now),
+            Failure::DeadlineExceeded
+        );
+        // A worker's own CANCELLED or UNKNOWN with time left is relayed, not held against it.
+        let later = Some(now + Duration::from_secs(5));
+        assert_eq!(classify(&timeout, later, now), Failure::Final);
+        assert_eq!(classify(&Status::unknown("x"), None, now), Failure::Final);
+    }
+
+    #[test]
+    fn an_unreachable_or_draining_worker_is_marked_down_and_a_full_one_is_not() {
+        let now = Instant::now();
+        let later = Some(now + Duration::from_secs(5));
+        let refused = transport(tonic::ConnectError("connection refused".into()));
+        assert_eq!(refused.code(), Code::Unavailable);
+        assert_eq!(
+            classify(&refused, later, now),
+            Failure::Retry { mark_down: true }
+        );
+        let draining = Status::unavailable("worker is draining");
+        assert_eq!(
+            classify(&draining, None, now),
+            Failure::Retry { mark_down: true }
+        );
+        let full = Status::resource_exhausted("queue full");
+        assert_eq!(
+            classify(&full, Some(now), now),
+            Failure::Retry { mark_down: false }
+        );
+        // Invalid input is the caller's to fix: relayed as is.
+        assert_eq!(
+            classify(&Status::invalid_argument("bad"), None, now),
+            Failure::Final
+        );
+    }
 }
