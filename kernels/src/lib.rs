@@ -19,6 +19,7 @@
 //! candle ops, and the CUDA launchers (`cuda` module) take device slices with the same layouts.
 
 pub mod attention;
+pub mod cpu;
 pub mod grouped;
 pub mod softmax_stats;
 

@@ -185,6 +185,7 @@ impl Workload {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    args.target.init_threads()?;
     let total = Instant::now();
     let shape = synthetic::Shape {
         n_embd: args.n_embd,

@@ -11,7 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
-use wavefront_models::device::{parse_device, parse_dtype};
+use wavefront_models::device::{check_weight_dtype, parse_device, parse_dtype, parse_weight_dtype};
 use wavefront_models::ModelError;
 use wavefront_schemes::{GenerateSpec, LoadOptions, SchemeParams, ServedModel};
 
@@ -141,13 +141,31 @@ pub struct Target {
     /// over every sequence; not for the recurrent-depth model).
     #[arg(long, default_value = "sdpa")]
     pub attention: String,
+    /// How CPU weights are stored: `f32`, or `bf16` (float32 arithmetic).
+    #[arg(long, default_value = "f32")]
+    pub weight_dtype: String,
+    /// Threads of the CPU kernels (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
 }
 
 impl Target {
+    /// Sizes the CPU kernels' thread pool (`--threads`; call once, first).
+    pub fn init_threads(&self) -> Result<()> {
+        let n = match self.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        wavefront_models::init_cpu_threads(n).map_err(|e| anyhow!(e))
+    }
+
     /// Load options of the synthetic model `name` on the flags' device, dtype and attention,
     /// queueing 64 requests at most; each bench sets its memory budget and concurrency.
     pub fn load_options(&self, name: &str) -> Result<LoadOptions> {
         let (device, dtype) = device_and_dtype(&self.device, &self.dtype)?;
+        let flag = |e: ModelError| anyhow!("--{e}");
+        let weight_dtype = parse_weight_dtype(&self.weight_dtype).map_err(flag)?;
+        check_weight_dtype(weight_dtype, &device, dtype).map_err(flag)?;
         let attention = self
             .attention
             .parse()
@@ -158,6 +176,7 @@ impl Target {
             dtype,
             queue_capacity: 64,
             attention,
+            weight_dtype,
             ..LoadOptions::default()
         })
     }
@@ -183,6 +202,8 @@ mod tests {
             device: "cpu".into(),
             dtype: "bf16".into(),
             attention: "ragged".into(),
+            weight_dtype: "f32".into(),
+            threads: 0,
         };
         let opts = target.load_options("synthetic").unwrap();
         assert_eq!(opts.attention, AttentionKernel::Ragged);

@@ -40,6 +40,9 @@ struct Cli {
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090); unset disables.
     #[arg(long, global = true, env = "WAVEFRONT_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Threads the CPU kernels split each forward over (0: one per core of the machine).
+    #[arg(long, global = true, env = "WAVEFRONT_THREADS", default_value_t = 0)]
+    threads: usize,
     /// Fraction of new traces sampled.
     #[arg(
         long,
@@ -88,6 +91,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(_) => "wavefront-client",
         Command::Run(_) => "wavefront-run",
     };
+    let threads = match cli.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    wavefront_models::init_cpu_threads(threads).map_err(anyhow::Error::msg)?;
     let telemetry = TelemetryConfig {
         service_name: service_name.into(),
         log_filter: cli.log_filter.clone(),

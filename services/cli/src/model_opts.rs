@@ -58,6 +58,10 @@ pub struct ModelArgs {
     /// GPU, its CPU reference on the CPU). ragged serves llada, armt and refusion models.
     #[arg(long, env = "WAVEFRONT_ATTENTION", default_value = "sdpa")]
     pub attention: String,
+    /// How CPU weights are stored: f32, or bf16 (half the bytes each forward reads, arithmetic
+    /// still in float32; weights rounded once at load). CPU with --dtype f32 only.
+    #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE", default_value = "f32")]
+    pub weight_dtype: String,
 }
 
 impl ModelArgs {
@@ -120,6 +124,10 @@ impl ModelArgs {
                 self.occupancy_multiplier
             );
         }
+        let weight_dtype = wavefront_models::device::parse_weight_dtype(&self.weight_dtype)
+            .map_err(|e| anyhow::anyhow!("--{e}"))?;
+        wavefront_models::device::check_weight_dtype(weight_dtype, &device, dtype)
+            .map_err(|e| anyhow::anyhow!("--{e}"))?;
         if self.max_context_tokens.is_some_and(|n| n < 2) {
             bail!("--max-context-tokens must be at least 2");
         }
@@ -135,10 +143,48 @@ impl ModelArgs {
             tensor_parallel: self.tensor_parallel,
             collective,
             attention,
+            weight_dtype,
         })
     }
 }
 
 fn parse_device(s: &str) -> Result<Device> {
     wavefront_models::device::parse_device(s).map_err(|e| anyhow::anyhow!("--{e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use wavefront_models::transformer::WeightDtype;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    fn options(flags: &[&str]) -> Result<LoadOptions> {
+        let cli = Cli::try_parse_from(["wavefront"].iter().chain(flags))?;
+        cli.model.load_options("m".into())
+    }
+
+    #[test]
+    fn weight_dtype_is_parsed_and_refused_where_it_cannot_apply() -> Result<()> {
+        assert_eq!(options(&[])?.weight_dtype, WeightDtype::F32);
+        assert_eq!(
+            options(&["--weight-dtype", "bf16"])?.weight_dtype,
+            WeightDtype::Bf16
+        );
+        let err = options(&["--weight-dtype", "f16"]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--weight-dtype must be f32 or bf16"),
+            "{err}"
+        );
+        let err = options(&["--weight-dtype", "bf16", "--dtype", "bf16"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs --device cpu and --dtype f32"), "{err}");
+        Ok(())
+    }
 }

@@ -39,6 +39,36 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
+/// How CPU weights are stored, from the name `--weight-dtype` takes (`f32` or `bf16`).
+pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
+    use crate::transformer::WeightDtype;
+    match s {
+        "f32" => Ok(WeightDtype::F32),
+        "bf16" => Ok(WeightDtype::Bf16),
+        _ => Err(ModelError::Device(format!(
+            "weight-dtype must be f32 or bf16, got {s:?}"
+        ))),
+    }
+}
+
+/// Refuses a weight storage that the device and compute dtype cannot use: bf16 storage is for
+/// float32 arithmetic on the CPU.
+pub fn check_weight_dtype(
+    weights: crate::transformer::WeightDtype,
+    device: &Device,
+    dtype: DType,
+) -> Result<()> {
+    if weights == crate::transformer::WeightDtype::Bf16 && (!device.is_cpu() || dtype != DType::F32)
+    {
+        return Err(ModelError::Device(
+            "weight-dtype bf16 stores CPU weights for float32 arithmetic; it needs --device cpu \
+             and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The device the golden tests run on: `WAVEFRONT_TEST_DEVICE` (default `cpu`).
 ///
 /// # Panics

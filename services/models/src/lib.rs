@@ -39,6 +39,12 @@ pub use llada::{Llada, LladaConfig};
 pub use qwen3::{Qwen3, Qwen3Config};
 pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 
+/// The CPU kernels' thread pool: [`init_cpu_threads`] sizes it once at start-up (`--threads`),
+/// [`cpu_threads`] says its size; [`cpu_isa`] names the vector instructions they use.
+pub use wavefront_kernels::cpu::{
+    init_threads as init_cpu_threads, isa as cpu_isa, threads as cpu_threads,
+};
+
 /// Re-exported so downstream crates name the same candle types.
 pub use candle_core;
 pub use candle_nn;

@@ -15,7 +15,7 @@ use wavefront_engine::{
 };
 use wavefront_models::candle_nn::VarBuilder;
 use wavefront_models::transformer::{
-    AttentionKernel, CollectiveKind, SelectAttention, TensorParallel,
+    AttentionKernel, CollectiveKind, SelectAttention, StoreWeights, TensorParallel, WeightDtype,
 };
 use wavefront_models::{ChatMessage, ModelError, ModelFamily, ModelFiles, TextTokenizer};
 
@@ -171,6 +171,8 @@ pub struct LoadOptions {
     /// How packed calls attend (per-sequence candle ops, or one ragged operation); a family
     /// that cannot honour it refuses to load.
     pub attention: AttentionKernel,
+    /// How CPU float32 weights are stored (bf16: half the bytes, float32 arithmetic).
+    pub weight_dtype: WeightDtype,
 }
 
 impl Default for LoadOptions {
@@ -187,6 +189,7 @@ impl Default for LoadOptions {
             tensor_parallel: 1,
             collective: CollectiveKind::Auto,
             attention: AttentionKernel::Sdpa,
+            weight_dtype: WeightDtype::F32,
         }
     }
 }
@@ -298,7 +301,8 @@ where
 /// The engine-thread constructor of a family wrapping one model: runs `load` (a checkpoint, or
 /// a bench's synthetic weights), refuses a model whose config (`config_of`) is not `cfg`, the
 /// config requests are planned with, sets its attention path to `opts.attention` (a model that
-/// cannot take it refuses to start), and wraps the model with `wrap`. Hand the result to
+/// cannot take it refuses to start) and its CPU weights' storage to `opts.weight_dtype`, and
+/// wraps the model with `wrap`. Hand the result to
 /// [`start_served`].
 pub(crate) fn checked_family<C, M, F, L>(
     cfg: C,
@@ -309,11 +313,11 @@ pub(crate) fn checked_family<C, M, F, L>(
 ) -> impl FnOnce(&Device, DType) -> Result<F, String> + Send + 'static
 where
     C: PartialEq + Send + 'static,
-    M: SelectAttention + 'static,
+    M: SelectAttention + StoreWeights + 'static,
     F: 'static,
     L: FnOnce(&Device, DType) -> Result<M, String> + Send + 'static,
 {
-    let attention = opts.attention;
+    let (attention, weight_dtype) = (opts.attention, opts.weight_dtype);
     move |device, dtype| {
         let mut model = load(device, dtype)?;
         if config_of(&model) != &cfg {
@@ -323,6 +327,9 @@ where
         }
         model
             .select_attention(attention)
+            .map_err(|e| e.to_string())?;
+        model
+            .store_weights(weight_dtype)
             .map_err(|e| e.to_string())?;
         Ok(wrap(model))
     }

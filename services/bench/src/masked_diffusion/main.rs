@@ -135,6 +135,7 @@ impl Workload {
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    a.target.init_threads()?;
     let shape = synthetic::Shape {
         d_model: a.d_model,
         n_heads: a.n_heads,

@@ -78,6 +78,7 @@ fn request(a: &Args, len: usize, execution: Execution, i: u64) -> GenerateSpec {
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    a.target.init_threads()?;
     let shape = synthetic::Shape {
         hidden_size: a.hidden_size,
         layers: a.layers,

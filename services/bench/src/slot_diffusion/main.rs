@@ -108,6 +108,7 @@ impl Workload {
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    a.target.init_threads()?;
     let shape = synthetic::Shape {
         hidden_size: a.hidden_size,
         num_attention_heads: a.num_attention_heads,

@@ -45,7 +45,6 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::Linear;
 
 use super::memory::{
     dpfp, read_term, updates, write_delta, LayerMemory, MemoryUpdate, WriteInputs,
@@ -53,7 +52,7 @@ use super::memory::{
 use super::ArmtConfig;
 use crate::error::{ModelError, Result};
 use crate::transformer::parallel::{on_rank, reduce, slice, Collective};
-use crate::transformer::{GatedMlp, RopeTable, ShardRange, ShardWeights};
+use crate::transformer::{GatedMlp, LinearStack, RopeTable, ShardRange, ShardWeights};
 
 /// Per-layer weights stacked along a leading layer axis, in the checkpoint's `[out, in]` layout.
 /// The decoder layers' linears are stacked once per tensor-parallel rank (its slice of every
@@ -65,9 +64,9 @@ pub(crate) struct Stacked {
     /// `post_attention_layernorm` `[L, d]`.
     pub ff_norm: Tensor,
     /// `W_mq` `[L, d_mem, d]`.
-    pub mq: Tensor,
+    pub mq: LinearStack,
     /// `W_mk`, `W_mv`, `W_mb` stacked on the output axis, `[L, d_mem + d + 1, d]`.
-    pub mkvb: Tensor,
+    pub mkvb: LinearStack,
     /// `W_mb.bias` `[L, 1]`.
     pub mb_bias: Tensor,
     /// Ones `[d]`: the weight of the weightless RMSNorm.
@@ -98,16 +97,16 @@ pub(crate) struct Linears {
 pub(crate) struct RankStack {
     /// The rank's rows of `q_proj`, `k_proj`, `v_proj`, stacked on the output axis,
     /// `[L, (h_r + 2 h_kv_r) · hd, d]`.
-    pub qkv: Tensor,
+    pub qkv: LinearStack,
     /// Its columns of `o_proj` `[L, d, h_r · hd]` (row-parallel).
-    pub o: Tensor,
+    pub o: LinearStack,
     /// Its rows of `gate_proj` `[L, I_r, d]` (kept apart from `up_proj` so both products are
     /// contiguous for the elementwise SiLU gate).
-    pub gate: Tensor,
+    pub gate: LinearStack,
     /// Its rows of `up_proj` `[L, I_r, d]`.
-    pub up: Tensor,
+    pub up: LinearStack,
     /// Its columns of `down_proj` `[L, d, I_r]` (row-parallel).
-    pub down: Tensor,
+    pub down: LinearStack,
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
@@ -128,11 +127,11 @@ impl Linears {
             1,
         )?;
         Ok(RankStack {
-            qkv,
-            o: slice(&self.o, 2, &r.heads, hd)?,
-            gate: slice(&self.gate, 1, &r.columns, 1)?,
-            up: slice(&self.up, 1, &r.columns, 1)?,
-            down: slice(&self.down, 2, &r.columns, 1)?,
+            qkv: LinearStack::new(qkv)?,
+            o: LinearStack::new(slice(&self.o, 2, &r.heads, hd)?)?,
+            gate: LinearStack::new(slice(&self.gate, 1, &r.columns, 1)?)?,
+            up: LinearStack::new(slice(&self.up, 1, &r.columns, 1)?)?,
+            down: LinearStack::new(slice(&self.down, 2, &r.columns, 1)?)?,
             n_heads: r.heads.len(),
             n_kv_heads: r.kv_heads.len(),
             head_dim,
@@ -153,22 +152,32 @@ impl RankStack {
         })
     }
 
-    /// Layer `l`'s shard of the shared block (the sequential path): views into the stacks.
+    /// Layer `l`'s shard of the shared block (the sequential path): the stacks' own layers
+    /// (shared, not copied).
     pub(crate) fn layer(&self, l: usize) -> Result<ShardWeights> {
-        let (h, hkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let qkv = self.qkv.get(l)?;
-        let linear = |w: Tensor| Linear::new(w, None);
         Ok(ShardWeights {
-            q: linear(qkv.narrow(0, 0, h * hd)?),
-            k: linear(qkv.narrow(0, h * hd, hkv * hd)?),
-            v: linear(qkv.narrow(0, (h + hkv) * hd, hkv * hd)?),
-            o: linear(self.o.get(l)?),
+            qkv: self.qkv.layer(l)?.clone(),
+            o: self.o.layer(l)?.clone(),
             mlp: GatedMlp {
-                gate: linear(self.gate.get(l)?),
-                up: linear(self.up.get(l)?),
-                down: linear(self.down.get(l)?),
+                gate: self.gate.layer(l)?.clone(),
+                up: self.up.layer(l)?.clone(),
+                down: self.down.layer(l)?.clone(),
             },
         })
+    }
+
+    /// Stores every packed layer as `dtype`.
+    pub(crate) fn store_as(&mut self, dtype: crate::transformer::WeightDtype) -> Result<()> {
+        for s in [
+            &mut self.qkv,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ] {
+            s.store_as(dtype)?;
+        }
+        Ok(())
     }
 
     /// The rank's heads of a grouped step's attention over `hn` `[G, K·P, d]` (blocks of
@@ -250,10 +259,9 @@ pub struct StepShape {
     pub cells: usize,
 }
 
-/// `x` `[G, R, in]` times layers `lo..lo + G` of `w` `[L, out, in]`: one batched matmul.
-fn grouped_linear(x: &Tensor, w: &Tensor, lo: usize) -> Result<Tensor> {
-    let g = x.dim(0)?;
-    Ok(x.matmul(&w.narrow(0, lo, g)?.t()?)?)
+/// `x` `[G, R, in]` times layers `lo..lo + G` of `w`.
+fn grouped_linear(x: &Tensor, w: &LinearStack, lo: usize) -> Result<Tensor> {
+    w.grouped(x, lo)
 }
 
 /// RMSNorm of `x` `[G, R, d]` with layer `lo + g`'s weight on group row g; the statistic in
@@ -563,7 +571,9 @@ mod tests {
         let x = det(groups * rows * inp, 1.5);
         let wt = Tensor::from_vec(w.clone(), (layers, out, inp), &Device::Cpu)?;
         let xt = Tensor::from_vec(x.clone(), (groups, rows, inp), &Device::Cpu)?;
-        let got: Vec<f32> = grouped_linear(&xt, &wt, lo)?.flatten_all()?.to_vec1()?;
+        let got: Vec<f32> = grouped_linear(&xt, &LinearStack::new(wt)?, lo)?
+            .flatten_all()?
+            .to_vec1()?;
         let spec: Vec<Group> = (0..groups)
             .map(|g| Group {
                 rows: (g * rows) as u32..((g + 1) * rows) as u32,

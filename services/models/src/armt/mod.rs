@@ -52,8 +52,9 @@ use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
 pub use self::memory::{LayerMemory, MemoryUpdate};
 use crate::error::{ModelError, Result};
 use crate::transformer::{
-    commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, KvCache, MaskRule,
-    PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput, TensorParallel,
+    commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, EmbedHead, KvCache,
+    LinearStack, MaskRule, PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput,
+    StoreWeights, TensorParallel, WeightDtype,
 };
 
 /// One sequence's memories in a [`Armt::forward_layers`] call.
@@ -79,12 +80,12 @@ pub struct ForwardOutput {
 /// A loaded ARMT.
 pub struct Armt {
     cfg: ArmtConfig,
-    embed: Tensor,
+    /// `embed_tokens` and `lm_head` (one weight when tied).
+    io: EmbedHead,
     memory_tokens: Tensor,
     blocks: Vec<Block>,
     stacked: Stacked,
     norm: RmsNorm,
-    lm_head: Tensor,
     rope: RopeTable,
     empty: LayerMemory,
     attention: AttentionKernel,
@@ -103,6 +104,22 @@ impl SelectAttention for Armt {
     fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
         self.attention = kernel;
         Ok(())
+    }
+}
+
+impl StoreWeights for Armt {
+    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
+        for r in &mut self.stacked.ranks {
+            r.store_as(dtype)?;
+        }
+        self.stacked.mq.store_as(dtype)?;
+        self.stacked.mkvb.store_as(dtype)?;
+        // The blocks share the stacks' layers: rebuilt so nothing keeps the old weights.
+        let block_cfg = self.cfg.block_config();
+        self.blocks = (0..self.cfg.n_layers())
+            .map(|l| layer_block(&self.stacked, &block_cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        self.io.store_as(dtype)
     }
 }
 
@@ -225,8 +242,8 @@ impl Armt {
         let stacked = Stacked {
             attn_norm: stack("attn_norm")?,
             ff_norm: stack("ff_norm")?,
-            mq: stack("mq")?,
-            mkvb: stack("mkvb")?,
+            mq: LinearStack::new(stack("mq")?)?,
+            mkvb: LinearStack::new(stack("mkvb")?)?,
             mb_bias: stack("mb_bias")?,
             ones: Tensor::ones(d, vb.dtype(), vb.device())?,
             ranks,
@@ -246,25 +263,25 @@ impl Armt {
             } else {
                 get(&model.pp(head_name), &[v, d], "weight")?
             };
-            (t.clone(), t)
+            (t, None)
         } else {
             (
                 get(&model.pp(embed_name), &[v, d], "weight")?,
-                get(&model.pp(head_name), &[v, d], "weight")?,
+                Some((get(&model.pp(head_name), &[v, d], "weight")?, None)),
             )
         };
+        let io = EmbedHead::new(embed, lm_head)?;
         let memory_tokens = get(&root, &[cfg.num_mem_tokens(), d], "memory")?;
         let norm = RmsNorm::load(model.pp("model.norm"), d, cfg.llama.rms_norm_eps)?;
         let rope = cfg.rope_table(vb.device())?;
         let empty = LayerMemory::zeros(cfg.d_key(), d, vb.device())?;
         Ok(Self {
             cfg,
-            embed,
+            io,
             memory_tokens,
             blocks,
             stacked,
             norm,
-            lm_head,
             rope,
             empty,
             attention: AttentionKernel::default(),
@@ -276,12 +293,12 @@ impl Armt {
     }
 
     pub fn device(&self) -> &Device {
-        self.embed.device()
+        self.io.device()
     }
 
     /// Compute dtype of the weights and hidden rows (memories are float32).
     pub fn dtype(&self) -> DType {
-        self.embed.dtype()
+        self.io.dtype()
     }
 
     /// Fresh (never written) memories of every layer.
@@ -299,8 +316,7 @@ impl Armt {
                 "token id {bad} outside the vocabulary of {v}"
             )));
         }
-        let idx = Tensor::new(ids, self.device())?;
-        Ok(self.embed.index_select(&idx, 0)?)
+        self.io.embed(ids)
     }
 
     /// A segment's backbone input: its embeddings, followed by the memory tokens P when
@@ -376,9 +392,7 @@ impl Armt {
         if !mems.iter().any(|m| m.layers[l].is_written()) {
             return Ok(x.clone());
         }
-        let q = x
-            .matmul(&self.stacked.mq.get(l)?.t()?)?
-            .to_dtype(DType::F32)?;
+        let q = self.stacked.mq.layer(l)?.forward(x)?.to_dtype(DType::F32)?;
         let q = dpfp(&q, self.cfg.nu)?;
         let mut pieces = Vec::with_capacity(rows.len());
         let mut offset = 0;
@@ -413,8 +427,11 @@ impl Armt {
         if !memory.is_written() {
             return Ok(Tensor::zeros((n, d), DType::F32, self.device())?);
         }
-        let q = hidden
-            .matmul(&self.stacked.mq.get(layer)?.t()?)?
+        let q = self
+            .stacked
+            .mq
+            .layer(layer)?
+            .forward(hidden)?
             .to_dtype(DType::F32)?;
         let t = read_term(
             &dpfp(&q, self.cfg.nu)?.unsqueeze(0)?,
@@ -448,8 +465,11 @@ impl Armt {
             .map(|&i| x.narrow(0, offsets[i] + rows[i] - m, m))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let c = writers.len();
-        let proj = Tensor::cat(&o, 0)?
-            .matmul(&self.stacked.mkvb.get(l)?.t()?)?
+        let proj = self
+            .stacked
+            .mkvb
+            .layer(l)?
+            .forward(&Tensor::cat(&o, 0)?)?
             .to_dtype(DType::F32)?
             .reshape((c, m, dm + d + 1))?;
         let bias = self.stacked.mb_bias.get(l)?.to_dtype(DType::F32)?;
@@ -542,7 +562,7 @@ impl Armt {
     /// Logits `[n, V]` (float32) of last-layer rows: the final RMSNorm and `lm_head`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let h = self.norm.forward(hidden)?;
-        Ok(h.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?)
+        self.io.logits(&h)
     }
 
     /// The reference forward of upstream's `AssociativeRecurrentWrapper.forward`: every segment

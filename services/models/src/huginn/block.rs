@@ -9,8 +9,8 @@
 //! and the MLP run once over all rows; attention is split per sequence and reads that
 //! sequence's own KV cache (see [`RowLayout`]).
 
-use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_nn::VarBuilder;
 
 use std::sync::Arc;
 
@@ -21,7 +21,7 @@ use crate::error::{ModelError, Result};
 use crate::transformer::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
-pub(crate) use crate::transformer::{get, linear, RmsNorm};
+pub(crate) use crate::transformer::{get, linear, Linear, RmsNorm};
 
 /// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`; under tensor parallelism one per rank
 /// over its columns (its rows of `g` and of `u`, its columns of `proj`).
@@ -35,30 +35,29 @@ struct GatedMlp {
 impl GatedMlp {
     fn load(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Vec<Self>> {
         let (e, i) = (cfg.n_embd, cfg.intermediate_size);
-        let fc = linear(&vb.pp("fc"), e, 2 * i, false)?;
-        let proj = linear(&vb.pp("proj"), i, e, false)?;
+        let fc = get(&vb.pp("fc"), &[2 * i, e], "weight")?;
+        let proj = get(&vb.pp("proj"), &[e, i], "weight")?;
         if tp.is_single() {
             return Ok(vec![Self {
-                fc,
-                proj,
+                fc: Linear::new(fc, None)?,
+                proj: Linear::new(proj, None)?,
                 hidden: i,
             }]);
         }
         (0..tp.world)
             .map(|rank| {
                 let c = column_range(i, tp.world, rank)?;
-                let w = fc.weight();
                 let rows = Tensor::cat(
                     &[
-                        w.narrow(0, c.start, c.len())?,
-                        w.narrow(0, i + c.start, c.len())?,
+                        fc.narrow(0, c.start, c.len())?,
+                        fc.narrow(0, i + c.start, c.len())?,
                     ],
                     0,
                 )?;
-                let proj = slice(proj.weight(), 1, &c, 1)?;
+                let proj = slice(&proj, 1, &c, 1)?;
                 Ok(Self {
-                    fc: Linear::new(on_rank(tp.comm.as_ref(), rank, &rows)?, None),
-                    proj: Linear::new(on_rank(tp.comm.as_ref(), rank, &proj)?, None),
+                    fc: Linear::new(on_rank(tp.comm.as_ref(), rank, &rows)?, None)?,
+                    proj: Linear::new(on_rank(tp.comm.as_ref(), rank, &proj)?, None)?,
                     hidden: c.len(),
                 })
             })
@@ -70,7 +69,7 @@ impl GatedMlp {
         let g = gu.narrow(D::Minus1, 0, self.hidden)?;
         let u = gu.narrow(D::Minus1, self.hidden, self.hidden)?;
         let h = (g.silu()? * u)?;
-        Ok(self.proj.forward(&h)?)
+        self.proj.forward(&h)
     }
 }
 
@@ -217,12 +216,12 @@ impl Attention {
         } else {
             None
         };
-        let wqkv = linear(&vb.pp("Wqkv"), e, 3 * e, false)?;
-        let proj = linear(&vb.pp("proj"), e, e, false)?;
+        let wqkv = get(&vb.pp("Wqkv"), &[3 * e, e], "weight")?;
+        let proj = get(&vb.pp("proj"), &[e, e], "weight")?;
         let shards = if tp.is_single() {
             vec![AttnShard {
-                wqkv,
-                proj,
+                wqkv: Linear::new(wqkv, None)?,
+                proj: Linear::new(proj, None)?,
                 qk_bias,
                 n_heads: h,
             }]
@@ -231,19 +230,18 @@ impl Attention {
                 .map(|rank| {
                     let (r, _) = head_ranges(h, h, tp.world, rank)?;
                     let (start, len) = (r.start * d, r.len() * d);
-                    let w = wqkv.weight();
                     let rows: Vec<Tensor> = (0..3)
-                        .map(|part| w.narrow(0, part * e + start, len))
+                        .map(|part| wqkv.narrow(0, part * e + start, len))
                         .collect::<candle_core::Result<_>>()?;
                     let bias = match &qk_bias {
                         Some((q, k)) => Some((slice(q, 0, &r, 1)?, slice(k, 0, &r, 1)?)),
                         None => None,
                     };
                     let comm = tp.comm.as_ref();
-                    let proj = slice(proj.weight(), 1, &r, d)?;
+                    let proj = slice(&proj, 1, &r, d)?;
                     Ok(AttnShard {
-                        wqkv: Linear::new(on_rank(comm, rank, &Tensor::cat(&rows, 0)?)?, None),
-                        proj: Linear::new(on_rank(comm, rank, &proj)?, None),
+                        wqkv: Linear::new(on_rank(comm, rank, &Tensor::cat(&rows, 0)?)?, None)?,
+                        proj: Linear::new(on_rank(comm, rank, &proj)?, None)?,
                         qk_bias: bias,
                         n_heads: r.len(),
                     })
@@ -390,6 +388,20 @@ pub(crate) struct SandwichBlock {
     comm: Arc<dyn Collective>,
     norm_3: RmsNorm,
     norm_4: RmsNorm,
+}
+
+impl crate::transformer::StoreWeights for SandwichBlock {
+    fn store_weights(&mut self, dtype: crate::transformer::WeightDtype) -> Result<()> {
+        for s in &mut self.attn.shards {
+            s.wqkv.store_as(dtype)?;
+            s.proj.store_as(dtype)?;
+        }
+        for m in &mut self.mlp {
+            m.fc.store_as(dtype)?;
+            m.proj.store_as(dtype)?;
+        }
+        Ok(())
+    }
 }
 
 impl SandwichBlock {

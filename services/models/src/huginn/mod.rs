@@ -21,14 +21,16 @@ mod block;
 mod cache;
 mod config;
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
 
-use self::block::{get, linear, RmsNorm, RopeTable, RowLayout, SandwichBlock};
+use self::block::{get, linear, Linear, RmsNorm, RopeTable, RowLayout, SandwichBlock};
 pub use self::cache::{CacheSlot, CacheStrategy, HuginnCache};
 pub use self::config::{HuginnConfig, InitValues};
 use crate::error::{ModelError, Result};
-use crate::transformer::{AttentionKernel, SelectAttention, TensorParallel};
+use crate::transformer::{
+    AttentionKernel, EmbedHead, SelectAttention, StoreWeights, TensorParallel, WeightDtype,
+};
 
 /// The rows one sequence contributes to a packed call.
 #[derive(Debug)]
@@ -65,8 +67,8 @@ impl<'a> SeqRows<'a> {
 #[derive(Debug, Clone)]
 pub struct Huginn {
     cfg: HuginnConfig,
-    wte: Tensor,
-    lm_head: Tensor,
+    /// `transformer.wte` and `lm_head` (tied unless the config says otherwise).
+    io: EmbedHead,
     prelude: Vec<SandwichBlock>,
     adapter: Linear,
     core_block: Vec<SandwichBlock>,
@@ -90,6 +92,21 @@ impl SelectAttention for Huginn {
     }
 }
 
+impl StoreWeights for Huginn {
+    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
+        for b in self
+            .prelude
+            .iter_mut()
+            .chain(&mut self.core_block)
+            .chain(&mut self.coda)
+        {
+            b.store_weights(dtype)?;
+        }
+        self.adapter.store_as(dtype)?;
+        self.io.store_as(dtype)
+    }
+}
+
 impl Huginn {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `transformer.*`).
     /// The `VarBuilder`'s dtype and device are the model's.
@@ -105,10 +122,11 @@ impl Huginn {
         let t = vb.pp("transformer");
         let wte = get(&t.pp("wte"), &[v, e], "weight")?;
         let lm_head = if cfg.tie_embeddings {
-            wte.clone()
+            None
         } else {
-            get(&vb.pp("lm_head"), &[v, e], "weight")?
+            Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
         };
+        let io = EmbedHead::new(wte, lm_head)?;
         let blocks = |name: &str, n: usize| -> Result<Vec<SandwichBlock>> {
             (0..n)
                 .map(|i| SandwichBlock::load(t.pp(name).pp(i), &cfg, tp))
@@ -122,8 +140,7 @@ impl Huginn {
         let rope = RopeTable::new(&cfg, vb.device())?;
         Ok(Self {
             cfg,
-            wte,
-            lm_head,
+            io,
             prelude,
             adapter,
             core_block,
@@ -140,12 +157,12 @@ impl Huginn {
 
     /// Device of the weights.
     pub fn device(&self) -> &Device {
-        self.wte.device()
+        self.io.device()
     }
 
     /// Compute dtype of the weights (and of states, embeddings and caches).
     pub fn dtype(&self) -> DType {
-        self.wte.dtype()
+        self.io.dtype()
     }
 
     /// Token embeddings `[N, E]`, scaled by the embedding scale (`sqrt(n_embd)`).
@@ -156,11 +173,7 @@ impl Huginn {
                 "token id {bad} outside the vocabulary of {vocab}"
             )));
         }
-        let idx = Tensor::new(ids, self.device())?;
-        Ok(self
-            .wte
-            .index_select(&idx, 0)?
-            .affine(self.cfg.embed_scale(), 0.0)?)
+        Ok(self.io.embed(ids)?.affine(self.cfg.embed_scale(), 0.0)?)
     }
 
     /// Prelude over packed embeddings: returns `e'` `[N, E]` and writes the prelude KV slots.
@@ -220,7 +233,7 @@ impl Huginn {
     /// Logits `[N, V]` (float32) of hidden rows from [`Huginn::coda`]. Select rows first to
     /// avoid computing logits nobody reads.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?)
+        self.io.logits(hidden)
     }
 
     /// `ln_f -> coda -> ln_f -> lm_head` on raw states: logits `[N, V]` (float32); writes the

@@ -26,19 +26,18 @@ use candle_nn::VarBuilder;
 pub use self::config::LladaConfig;
 use crate::error::Result;
 use crate::transformer::{
-    embed_tokens, forward_stack, get, AttentionKernel, Block, BlockNames, PackedLayout, RmsNorm,
-    RopeTable, SelectAttention, SeqInput, TensorParallel,
+    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, PackedLayout, RmsNorm,
+    RopeTable, SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
 };
 
 /// A loaded LLaDA model.
 #[derive(Debug, Clone)]
 pub struct Llada {
     cfg: LladaConfig,
-    wte: Tensor,
+    /// `wte` and the head (`ff_out`, or `wte` under weight tying).
+    io: EmbedHead,
     blocks: Vec<Block>,
     ln_f: RmsNorm,
-    head: Tensor,
-    head_bias: Option<Tensor>,
     rope: RopeTable,
     attention: AttentionKernel,
 }
@@ -47,6 +46,15 @@ impl SelectAttention for Llada {
     fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
         self.attention = kernel;
         Ok(())
+    }
+}
+
+impl StoreWeights for Llada {
+    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
+        for b in &mut self.blocks {
+            b.store_weights(dtype)?;
+        }
+        self.io.store_as(dtype)
     }
 }
 
@@ -71,16 +79,17 @@ impl Llada {
             })
             .collect::<Result<Vec<_>>>()?;
         let ln_f = RmsNorm::load(t.pp("ln_f"), e, cfg.rms_norm_eps)?;
-        let (head, head_bias) = if cfg.weight_tying {
-            (wte.clone(), None)
+        let head = if cfg.weight_tying {
+            None
         } else {
             let bias = if cfg.include_bias {
                 Some(get(&t.pp("ff_out"), &[v], "bias")?)
             } else {
                 None
             };
-            (get(&t.pp("ff_out"), &[v, e], "weight")?, bias)
+            Some((get(&t.pp("ff_out"), &[v, e], "weight")?, bias))
         };
+        let io = EmbedHead::new(wte, head)?;
         let rope = RopeTable::new(
             cfg.head_dim(),
             cfg.rope_theta,
@@ -89,11 +98,9 @@ impl Llada {
         )?;
         Ok(Self {
             cfg,
-            wte,
+            io,
             blocks,
             ln_f,
-            head,
-            head_bias,
             rope,
             attention: AttentionKernel::default(),
         })
@@ -104,17 +111,17 @@ impl Llada {
     }
 
     pub fn device(&self) -> &Device {
-        self.wte.device()
+        self.io.device()
     }
 
     /// Compute dtype of the weights (and of hidden rows and caches).
     pub fn dtype(&self) -> DType {
-        self.wte.dtype()
+        self.io.dtype()
     }
 
     /// Token embeddings `[N, E]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        embed_tokens(&self.wte, ids)
+        self.io.embed(ids)
     }
 
     /// All blocks and `ln_f` over packed token rows: the hidden rows `[N, E]` fed to the head.
@@ -147,11 +154,7 @@ impl Llada {
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Llada::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let mut logits = hidden.matmul(&self.head.t()?)?;
-        if let Some(b) = &self.head_bias {
-            logits = logits.broadcast_add(b)?;
-        }
-        let logits = logits.to_dtype(DType::F32)?;
+        let logits = self.io.logits(hidden)?;
         if self.cfg.scale_logits {
             return Ok((logits * (1.0 / (self.cfg.d_model as f64).sqrt()))?);
         }

@@ -32,18 +32,18 @@ pub use self::config::Qwen3Config;
 pub use crate::config::TokenIds;
 use crate::error::Result;
 use crate::transformer::{
-    embed_tokens, forward_stack, get, AttentionKernel, Block, BlockNames, RmsNorm, RopeTable,
-    SelectAttention, SeqInput, TensorParallel,
+    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, RmsNorm, RopeTable,
+    SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
 };
 
 /// A loaded Qwen3 / ReFusion model.
 #[derive(Debug, Clone)]
 pub struct Qwen3 {
     cfg: Qwen3Config,
-    embed: Tensor,
+    /// `model.embed_tokens` and `lm_head` (tied under `tie_word_embeddings`).
+    io: EmbedHead,
     blocks: Vec<Block>,
     norm: RmsNorm,
-    head: Tensor,
     rope: RopeTable,
     attention: AttentionKernel,
 }
@@ -52,6 +52,15 @@ impl SelectAttention for Qwen3 {
     fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
         self.attention = kernel;
         Ok(())
+    }
+}
+
+impl StoreWeights for Qwen3 {
+    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
+        for b in &mut self.blocks {
+            b.store_weights(dtype)?;
+        }
+        self.io.store_as(dtype)
     }
 }
 
@@ -79,10 +88,11 @@ impl Qwen3 {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(m.pp("norm"), e, cfg.rms_norm_eps)?;
         let head = if cfg.tie_word_embeddings {
-            embed.clone()
+            None
         } else {
-            get(&vb.pp("lm_head"), &[v, e], "weight")?
+            Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
         };
+        let io = EmbedHead::new(embed, head)?;
         let rope = RopeTable::new(
             cfg.head_dim(),
             cfg.rope_theta,
@@ -91,10 +101,9 @@ impl Qwen3 {
         )?;
         Ok(Self {
             cfg,
-            embed,
+            io,
             blocks,
             norm,
-            head,
             rope,
             attention: AttentionKernel::default(),
         })
@@ -105,17 +114,17 @@ impl Qwen3 {
     }
 
     pub fn device(&self) -> &Device {
-        self.embed.device()
+        self.io.device()
     }
 
     /// Compute dtype of the weights (and of hidden rows and caches).
     pub fn dtype(&self) -> DType {
-        self.embed.dtype()
+        self.io.dtype()
     }
 
     /// Token embeddings `[N, E]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        embed_tokens(&self.embed, ids)
+        self.io.embed(ids)
     }
 
     /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
@@ -133,6 +142,6 @@ impl Qwen3 {
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Qwen3::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.head.t()?)?.to_dtype(DType::F32)?)
+        self.io.logits(hidden)
     }
 }

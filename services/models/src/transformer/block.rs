@@ -4,17 +4,21 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{Module, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
 
 use super::attention::{attend_packed, commit_buffers, PackedLayout, SeqInput};
-use super::layers::{apply_rope, linear, linear_to_device, GatedMlp, RmsNorm, RopeTable};
+use super::layers::{apply_rope, get, linear_to_device, GatedMlp, RmsNorm, RopeTable};
+use super::linear::Linear;
 use super::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
 use super::ragged::AttentionKernel;
 use crate::config::bad;
 use crate::error::{ModelError, Result};
+
+/// A projection's `[out, in]` weight and optional `[out]` bias as the checkpoint holds them.
+type Raw = (Tensor, Option<Tensor>);
 
 /// Sizes and options of one block.
 #[derive(Debug, Clone, PartialEq)]
@@ -204,9 +208,8 @@ impl BlockConfig {
 /// row-parallel (its input columns, no bias: the block adds the biases once after the sum).
 #[derive(Debug, Clone)]
 pub(crate) struct ShardWeights {
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// q, k and v fused on the output axis (`[(h_r + 2 h_kv_r) · head_dim, in]`): one product.
+    pub qkv: Linear,
     pub o: Linear,
     pub mlp: GatedMlp,
 }
@@ -215,9 +218,7 @@ impl ShardWeights {
     /// The shard with every weight on `device` (no copy of what is already there).
     pub(crate) fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
         Ok(Self {
-            q: linear_to_device(&self.q, device)?,
-            k: linear_to_device(&self.k, device)?,
-            v: linear_to_device(&self.v, device)?,
+            qkv: linear_to_device(&self.qkv, device)?,
             o: linear_to_device(&self.o, device)?,
             mlp: self.mlp.to_device(device)?,
         })
@@ -292,7 +293,16 @@ impl Block {
         let (e, h, hkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let i = cfg.intermediate_size;
         let eps = cfg.norm_eps;
-        let full = |name: &str, in_dim, out_dim, bias| linear(&vb.pp(name), in_dim, out_dim, bias);
+        // The checkpoint's `[out, in]` weight and optional bias of one projection.
+        let full = |name: &str, in_dim: usize, out_dim: usize, bias: bool| -> Result<Raw> {
+            let vb = vb.pp(name);
+            let b = if bias {
+                Some(get(&vb, &[out_dim], "bias")?)
+            } else {
+                None
+            };
+            Ok((get(&vb, &[out_dim, in_dim], "weight")?, b))
+        };
         let (q, k, v) = (
             full(names.q, e, h * d, cfg.qkv_bias)?,
             full(names.k, e, hkv * d, cfg.qkv_bias)?,
@@ -313,20 +323,43 @@ impl Block {
             None
         };
         // Column-parallel: rows of the weight (and the bias); row-parallel: columns, no bias.
-        let column = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
-            let b = l.bias().map(|b| slice(b, 0, r, unit)).transpose()?;
-            Ok(Linear::new(slice(l.weight(), 0, r, unit)?, b))
+        let single = tp.is_single();
+        let column_raw = |(w, b): &Raw, r: &Range<usize>, unit: usize| -> Result<Raw> {
+            if single {
+                return Ok((w.clone(), b.clone()));
+            }
+            let b = b.as_ref().map(|b| slice(b, 0, r, unit)).transpose()?;
+            Ok((slice(w, 0, r, unit)?, b))
         };
-        let row = |l: &Linear, r: &Range<usize>, unit: usize| -> Result<Linear> {
-            Ok(Linear::new(slice(l.weight(), 1, r, unit)?, None))
+        let column = |raw: &Raw, r: &Range<usize>, unit: usize| -> Result<Linear> {
+            let (w, b) = column_raw(raw, r, unit)?;
+            Linear::new(w, b)
+        };
+        // The rank's rows of q, k and v, fused into one product.
+        let qkv = |r: &ShardRange| -> Result<Linear> {
+            let parts = [
+                column_raw(&q, &r.heads, d)?,
+                column_raw(&k, &r.kv_heads, d)?,
+                column_raw(&v, &r.kv_heads, d)?,
+            ];
+            let w = Tensor::cat(&[&parts[0].0, &parts[1].0, &parts[2].0], 0)?;
+            let b = match (&parts[0].1, &parts[1].1, &parts[2].1) {
+                (Some(a), Some(b), Some(c)) => Some(Tensor::cat(&[a, b, c], 0)?),
+                _ => None,
+            };
+            Linear::new(w, b)
+        };
+        let row = |(w, _): &Raw, r: &Range<usize>, unit: usize| -> Result<Linear> {
+            if single {
+                return Linear::new(w.clone(), None);
+            }
+            Linear::new(slice(w, 1, r, unit)?, None)
         };
         let shards = ranges
             .iter()
             .map(|r| {
                 Ok(ShardWeights {
-                    q: column(&q, &r.heads, d)?,
-                    k: column(&k, &r.kv_heads, d)?,
-                    v: column(&v, &r.kv_heads, d)?,
+                    qkv: qkv(r)?,
                     o: row(&o, &r.heads, d)?,
                     mlp: GatedMlp {
                         gate: column(&gate, &r.columns, 1)?,
@@ -340,8 +373,8 @@ impl Block {
             attn_norm: RmsNorm::load(vb.pp(names.attn_norm), e, eps)?,
             ff_norm: RmsNorm::load(vb.pp(names.ff_norm), e, eps)?,
             qk_norm,
-            o_bias: o.bias().cloned(),
-            down_bias: down.bias().cloned(),
+            o_bias: o.1,
+            down_bias: down.1,
             shards,
         };
         Self::from_weights(weights, cfg, layer, tp.comm.clone())
@@ -447,6 +480,23 @@ impl Block {
     }
 }
 
+impl super::StoreWeights for Block {
+    fn store_weights(&mut self, dtype: super::WeightDtype) -> Result<()> {
+        for s in &mut self.shards {
+            for l in [
+                &mut s.w.qkv,
+                &mut s.w.o,
+                &mut s.w.mlp.gate,
+                &mut s.w.mlp.up,
+                &mut s.w.mlp.down,
+            ] {
+                l.store_as(dtype)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Shard {
     /// This rank's heads of the attention, through its slice of the output projection.
     fn attention(
@@ -457,9 +507,12 @@ impl Shard {
     ) -> Result<Tensor> {
         let n = h.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let mut q = self.w.q.forward(h)?.reshape((n, nh, d))?;
-        let mut k = self.w.k.forward(h)?.reshape((n, nkv, d))?;
-        let v = self.w.v.forward(h)?.reshape((n, nkv, d))?;
+        let qkv = self.w.qkv.forward(h)?;
+        let mut q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
+        let mut k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;
+        let v = qkv
+            .narrow(1, (nh + nkv) * d, nkv * d)?
+            .reshape((n, nkv, d))?;
         if let Some((qn, kn)) = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -469,6 +522,6 @@ impl Shard {
         let v = v.transpose(0, 1)?.contiguous()?;
         let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;
         let y = y.transpose(0, 1)?.contiguous()?.reshape((n, nh * d))?;
-        Ok(self.w.o.forward(&y)?)
+        self.w.o.forward(&y)
     }
 }

@@ -1,8 +1,10 @@
 //! Building blocks of the shared transformer: checked tensor loading, RMSNorm, the gated SiLU MLP
 //! and a rotary-embedding table in the GPT-NeoX "half" layout (Su et al., 2021, RoFormer).
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+
+use super::linear::Linear;
 
 use crate::error::{ModelError, Result};
 
@@ -28,7 +30,7 @@ pub fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Res
     } else {
         None
     };
-    Ok(Linear::new(w, b))
+    Linear::new(w, b)
 }
 
 /// RMSNorm over the last dim: `weight · cast(x · rsqrt(mean(x²) + eps))`, the statistic in float32
@@ -82,8 +84,7 @@ pub(crate) struct GatedMlp {
 
 /// `l` with its weight and bias on `device` (no copy of what is already there).
 pub(crate) fn linear_to_device(l: &Linear, device: &Device) -> Result<Linear> {
-    let b = l.bias().map(|b| b.to_device(device)).transpose()?;
-    Ok(Linear::new(l.weight().to_device(device)?, b))
+    l.to_device(device)
 }
 
 impl GatedMlp {
@@ -99,7 +100,7 @@ impl GatedMlp {
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = self.gate.forward(x)?.silu()?;
         let u = self.up.forward(x)?;
-        Ok(self.down.forward(&(g * u)?)?)
+        self.down.forward(&(g * u)?)
     }
 }
 

@@ -26,6 +26,7 @@
 mod attention;
 mod block;
 mod layers;
+mod linear;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod parallel;
@@ -37,5 +38,7 @@ pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, Sh
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
+pub(crate) use linear::{EmbedHead, LinearStack};
+pub use linear::{Linear, StoreWeights, WeightDtype};
 pub use parallel::{cached_kv_heads, Collective, CollectiveKind, LocalCollective, TensorParallel};
 pub use ragged::{AttentionKernel, SelectAttention};

@@ -1,0 +1,410 @@
+//! Attention of packed query rows over keys read where they live, on the CPU.
+//!
+//! `out[h, r] = Σ_t softmax_t(scale · q[h, r] · k[g, t]) v[g, t]` over the keys `t` of row
+//! `r`'s sequence that its [`Mask`] allows, `g` the key/value head of query head `h`
+//! (grouped-query attention). Queries and outputs are head-major `[H, N, D]`, the layout of the
+//! model crate's activations. A sequence's keys are a list of [`KvBlock`]s in key order, each a
+//! run of keys inside some buffer (a cache, a page, a shared prefix, the call's own rows) with
+//! its own head stride, so nothing is concatenated or gathered to attend.
+//!
+//! Work: one task per (sequence, key/value head, run of rows), spread over the pool. A task
+//! streams its keys and values once for all the query heads of its group and all its rows:
+//! scores for every query, a softmax per query (maximum, `exp`, sum, in float32, as the
+//! reference implementations do it), then the weighted sum of the values.
+//!
+//! Reductions have one order on every instruction set (see [`super::simd`]), so results do not
+//! depend on the machine's vector width or on the other sequences of the call.
+
+use std::ops::Range;
+
+use crate::attention::Mask;
+use crate::{check, ShapeError};
+
+use super::simd::{self, Isa};
+use super::SendPtr;
+
+/// A run of `len` consecutive keys: key `t` of head `g` starts at `k[g·head_stride + t·D]`
+/// (values alike).
+#[derive(Debug, Clone, Copy)]
+pub struct KvBlock<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub len: usize,
+    pub head_stride: usize,
+}
+
+/// One sequence of a call: its query rows, their buffer indices, its keys in order with their
+/// buffer indices (`None`: key `t` is buffer index `t`) and its mask rule.
+#[derive(Debug, Clone)]
+pub struct SeqAttention<'a> {
+    pub rows: Range<usize>,
+    pub row_index: &'a [u32],
+    pub blocks: Vec<KvBlock<'a>>,
+    pub key_index: Option<&'a [u32]>,
+    pub mask: Mask,
+}
+
+impl SeqAttention<'_> {
+    fn keys(&self) -> usize {
+        self.blocks.iter().map(|b| b.len).sum()
+    }
+
+    fn key_at(&self, t: usize) -> u32 {
+        self.key_index.map_or(t as u32, |ix| ix[t])
+    }
+}
+
+/// Shapes of a call.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// Query rows per task, at most.
+const ROWS_PER_TASK: usize = 16;
+
+/// Attention of every sequence; `q` and `out` are `[H, rows, D]` with `rows` the call's rows.
+pub fn attention(
+    heads: Heads,
+    q: &[f32],
+    rows: usize,
+    seqs: &[SeqAttention],
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    attention_with(Isa::get(), super::threads(), heads, q, rows, seqs, out)
+}
+
+/// [`attention`] on a given instruction set and thread count.
+pub fn attention_with(
+    isa: Isa,
+    threads: usize,
+    heads: Heads,
+    q: &[f32],
+    rows: usize,
+    seqs: &[SeqAttention],
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let Heads {
+        n_heads: h,
+        n_kv_heads: hkv,
+        head_dim: d,
+        ..
+    } = heads;
+    check(hkv > 0 && h.is_multiple_of(hkv), || {
+        format!("{hkv} kv heads do not divide {h} heads")
+    })?;
+    check(q.len() == h * rows * d && out.len() == q.len(), || {
+        format!(
+            "q/out have {}/{} values, want {h}x{rows}x{d}",
+            q.len(),
+            out.len()
+        )
+    })?;
+    for (i, s) in seqs.iter().enumerate() {
+        check(
+            s.rows.end <= rows && s.row_index.len() == s.rows.len(),
+            || {
+                format!(
+                    "sequence {i}: rows {:?} of {rows}, {} indices",
+                    s.rows,
+                    s.row_index.len()
+                )
+            },
+        )?;
+        if let Some(ix) = s.key_index {
+            check(ix.len() == s.keys(), || {
+                format!(
+                    "sequence {i}: {} key indices for {} keys",
+                    ix.len(),
+                    s.keys()
+                )
+            })?;
+        }
+        for b in &s.blocks {
+            let need = if b.len == 0 {
+                0
+            } else {
+                (hkv - 1) * b.head_stride + b.len * d
+            };
+            check(b.k.len() >= need && b.v.len() >= need, || {
+                format!("sequence {i}: a key block needs {need} values")
+            })?;
+        }
+    }
+    let mut tasks = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        for g in 0..hkv {
+            let mut r = s.rows.start;
+            while r < s.rows.end {
+                let end = (r + ROWS_PER_TASK).min(s.rows.end);
+                tasks.push((si, g, r..end));
+                r = end;
+            }
+        }
+    }
+    let op = SendPtr(out.as_mut_ptr());
+    let run = |&(si, g, ref r): &(usize, usize, Range<usize>)| {
+        // SAFETY: a task writes the rows `r` of its group's query heads only.
+        unsafe { task(isa, heads, q, rows, &seqs[si], g, r.clone(), op) }
+    };
+    let work: usize = seqs.iter().map(|s| s.rows.len() * s.keys()).sum::<usize>() * h * d;
+    if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
+        tasks.iter().for_each(run);
+    } else {
+        use rayon::prelude::*;
+        tasks.par_iter().with_max_len(1).for_each(run);
+    }
+    Ok(())
+}
+
+/// One (sequence, kv head, rows) task.
+///
+/// # Safety
+/// `out` points to `[H, rows, D]` floats and no other task writes these rows of these heads.
+#[allow(clippy::too_many_arguments)]
+unsafe fn task(
+    isa: Isa,
+    heads: Heads,
+    q: &[f32],
+    rows: usize,
+    s: &SeqAttention,
+    g: usize,
+    r: Range<usize>,
+    out: SendPtr<f32>,
+) {
+    let (h, hkv, d) = (heads.n_heads, heads.n_kv_heads, heads.head_dim);
+    let rep = h / hkv;
+    let t_all = s.keys();
+    // Queries of the task: (query head, row), and for each its visible key range or mask.
+    let queries: Vec<(usize, usize)> = (g * rep..(g + 1) * rep)
+        .flat_map(|hh| r.clone().map(move |row| (hh, row)))
+        .collect();
+    let nq = queries.len();
+    // Scores [nq][t_all]; masked keys get -inf.
+    let mut scores = vec![0f32; nq * t_all];
+    let mut t0 = 0;
+    for b in &s.blocks {
+        let kb = &b.k[g * b.head_stride..];
+        for t in 0..b.len {
+            let kt = &kb[t * d..(t + 1) * d];
+            for (qi, &(hh, row)) in queries.iter().enumerate() {
+                let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
+                scores[qi * t_all + t0 + t] = simd::dot(isa, qv, kt) * heads.scale;
+            }
+        }
+        t0 += b.len;
+    }
+    // Masks.
+    if s.mask != Mask::Bidirectional {
+        for (qi, &(_, row)) in queries.iter().enumerate() {
+            let qix = s.row_index[row - s.rows.start];
+            let sc = &mut scores[qi * t_all..(qi + 1) * t_all];
+            for (t, v) in sc.iter_mut().enumerate() {
+                if !s.mask.allows(qix, s.key_at(t)) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    // Softmax per query: max, exp, sum, then normalised probabilities.
+    for sc in scores.chunks_mut(t_all.max(1)).take(nq) {
+        let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            sc.iter_mut().for_each(|v| *v = 0.0);
+            continue;
+        }
+        let mut sum = 0f32;
+        for v in sc.iter_mut() {
+            *v = (*v - m).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        sc.iter_mut().for_each(|v| *v *= inv);
+    }
+    // Weighted values.
+    let mut acc = vec![0f32; nq * d];
+    let mut t0 = 0;
+    for b in &s.blocks {
+        let vb = &b.v[g * b.head_stride..];
+        for t in 0..b.len {
+            let vt = &vb[t * d..(t + 1) * d];
+            for qi in 0..nq {
+                let p = scores[qi * t_all + t0 + t];
+                if p != 0.0 {
+                    simd::axpy(isa, p, vt, &mut acc[qi * d..(qi + 1) * d]);
+                }
+            }
+        }
+        t0 += b.len;
+    }
+    for (qi, &(hh, row)) in queries.iter().enumerate() {
+        let dst = out.0.add((hh * rows + row) * d);
+        std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{ragged_attention, RaggedLayout, RaggedSeq};
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Two sequences over blocks cut from one key buffer each, against the ragged reference.
+    #[test]
+    fn blocks_read_in_place_match_the_ragged_reference() {
+        let (h, hkv, d) = (4, 2, 20);
+        let heads = Heads {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            scale: 0.3,
+        };
+        // Sequence 0: 3 rows at buffer 5..8 over 8 causal keys (a cache of 5 + the rows);
+        // sequence 1: 4 rows, WINO shadow mask over 6 keys.
+        let (t0, t1) = (8, 6);
+        let k0 = data(hkv * t0 * d, 1);
+        let v0 = data(hkv * t0 * d, 2);
+        let k1 = data(hkv * t1 * d, 3);
+        let v1 = data(hkv * t1 * d, 4);
+        let rows = 7;
+        let q = data(h * rows * d, 5);
+        let idx0 = [5u32, 6, 7];
+        let idx1 = [0u32, 1, 4, 5];
+        let shadow = Mask::ShadowBlock {
+            main_len: 4,
+            block_start: 2,
+        };
+        let split = |k: &'static [f32], v: &'static [f32], t: usize, at: usize| {
+            vec![
+                KvBlock {
+                    k,
+                    v,
+                    len: at,
+                    head_stride: t * d,
+                },
+                KvBlock {
+                    k: &k[at * d..],
+                    v: &v[at * d..],
+                    len: t - at,
+                    head_stride: t * d,
+                },
+            ]
+        };
+        let (k0, v0, k1, v1): (
+            &'static [f32],
+            &'static [f32],
+            &'static [f32],
+            &'static [f32],
+        ) = (
+            Box::leak(k0.into_boxed_slice()),
+            Box::leak(v0.into_boxed_slice()),
+            Box::leak(k1.into_boxed_slice()),
+            Box::leak(v1.into_boxed_slice()),
+        );
+        let seqs = vec![
+            SeqAttention {
+                rows: 0..3,
+                row_index: &idx0,
+                blocks: split(k0, v0, t0, 5),
+                key_index: None,
+                mask: Mask::Causal,
+            },
+            SeqAttention {
+                rows: 3..7,
+                row_index: &idx1,
+                blocks: split(k1, v1, t1, 2),
+                key_index: None,
+                mask: shadow,
+            },
+        ];
+        // The reference wants every sequence's keys in one head-major buffer.
+        let mut kk = Vec::new();
+        let mut vv = Vec::new();
+        for g in 0..hkv {
+            kk.extend_from_slice(&k0[g * t0 * d..(g + 1) * t0 * d]);
+            kk.extend_from_slice(&k1[g * t1 * d..(g + 1) * t1 * d]);
+            vv.extend_from_slice(&v0[g * t0 * d..(g + 1) * t0 * d]);
+            vv.extend_from_slice(&v1[g * t1 * d..(g + 1) * t1 * d]);
+        }
+        let layout = RaggedLayout {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            scale: 0.3,
+            seqs: vec![
+                RaggedSeq {
+                    rows: 0..3,
+                    keys: 0..8,
+                    mask: Mask::Causal,
+                },
+                RaggedSeq {
+                    rows: 3..7,
+                    keys: 8..14,
+                    mask: shadow,
+                },
+            ],
+            row_index: [&idx0[..], &idx1[..]].concat(),
+            key_index: (0..8).chain(0..6).collect(),
+        };
+        let want = ragged_attention(&layout, &q, &kk, &vv).unwrap();
+        let mut first: Option<Vec<f32>> = None;
+        for isa in Isa::available() {
+            for threads in [1, 2] {
+                let mut out = vec![f32::NAN; q.len()];
+                attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
+                let diff = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff < 1e-5, "{isa:?} x{threads}: {diff}");
+                // The same bits on every instruction set and thread count.
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(&out, f, "{isa:?} x{threads}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_that_sees_no_key_gets_zeros_and_bad_shapes_are_refused() {
+        let heads = Heads {
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            scale: 1.0,
+        };
+        let k = [1.0f32, 2.0];
+        let seqs = vec![SeqAttention {
+            rows: 0..1,
+            row_index: &[0],
+            blocks: vec![KvBlock {
+                k: &k,
+                v: &k,
+                len: 1,
+                head_stride: 2,
+            }],
+            key_index: Some(&[3]),
+            mask: Mask::Causal,
+        }];
+        let mut out = [9f32; 2];
+        attention(heads, &[1.0, 1.0], 1, &seqs, &mut out).unwrap();
+        assert_eq!(out, [0.0, 0.0]);
+        assert!(attention(heads, &[1.0], 1, &seqs, &mut out).is_err());
+    }
+}

@@ -1,0 +1,628 @@
+//! `y = x · Wᵀ (+ b)` for a linear layer whose weight `W` `[n, k]` (the checkpoints' `Linear`
+//! layout) is packed once, at load, into panels of [`NR`] output columns.
+//!
+//! Layout: panel `p` holds weight rows `p·NR .. p·NR + NR` transposed, `[k][NR]` (the last
+//! panel padded with zero rows), so the kernel reads one contiguous stream per panel.
+//!
+//! Kernel: a register tile of `MR` rows of `x` by the `NR` columns of one panel. For every
+//! `kk` in ascending order it loads the panel's `NR` weights of row `kk` and, for each of the
+//! `MR` rows, broadcasts `x[i][kk]` and accumulates with fused multiply-adds. Every output is
+//! therefore one FMA chain over `k` in ascending order, whatever `MR` is: the result of a row
+//! never depends on which rows share its call (see the module doc of [`super`]). A one-row
+//! call (decode) streams each weight once at the memory's pace; a call of many rows reuses
+//! each panel, from the caches, for all of them (compute-bound).
+//!
+//! Weights may be stored as bfloat16 ([`WeightDtype::Bf16`]): half the bytes to stream, widened
+//! to float32 in registers (a bf16 value is the top half of a float32), accumulated in float32.
+//!
+//! Work split: the panels are cut into contiguous runs, one per pool thread (each thread
+//! streams its own part of the weights); with fewer panels than threads the rows are split.
+
+use crate::{check, ShapeError};
+
+use super::simd::Isa;
+use super::{split, SendPtr};
+
+/// Output columns per panel.
+pub const NR: usize = 32;
+/// How far ahead of the panel row being multiplied the kernel asks for the panel.
+const PREFETCH_BYTES: usize = 2048;
+/// Rows per register tile on AVX-512.
+const AVX512_ROWS: usize = 16;
+/// Rows per register tile, the most any instruction set uses.
+const MR_MAX: usize = 16;
+
+/// How packed weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightDtype {
+    #[default]
+    F32,
+    /// bfloat16 (round to nearest even), widened to float32 in registers.
+    Bf16,
+}
+
+#[derive(Debug, Clone)]
+enum Store {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+/// A linear layer's weight `[n, k]`, packed for [`linear`].
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    n: usize,
+    k: usize,
+    store: Store,
+}
+
+/// Rounds to the nearest bfloat16, ties to even (NaN stays NaN).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let round = 0x7FFF + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// The float32 value of a bfloat16.
+pub fn bf16_to_f32(x: u16) -> f32 {
+    f32::from_bits(u32::from(x) << 16)
+}
+
+impl PackedWeight {
+    /// Packs `w` (row-major `[n, k]`).
+    pub fn pack(w: &[f32], n: usize, k: usize, dtype: WeightDtype) -> Result<Self, ShapeError> {
+        check(w.len() == n * k, || {
+            format!("weight has {} values, want {n}x{k}", w.len())
+        })?;
+        let panels = n.div_ceil(NR);
+        let len = panels * k * NR;
+        let at = |p: usize, kk: usize, c: usize| -> f32 {
+            let row = p * NR + c;
+            if row < n {
+                w[row * k + kk]
+            } else {
+                0.0
+            }
+        };
+        let store = match dtype {
+            WeightDtype::F32 => {
+                let mut out = Vec::with_capacity(len);
+                for p in 0..panels {
+                    for kk in 0..k {
+                        out.extend((0..NR).map(|c| at(p, kk, c)));
+                    }
+                }
+                Store::F32(out)
+            }
+            WeightDtype::Bf16 => {
+                let mut out = Vec::with_capacity(len);
+                for p in 0..panels {
+                    for kk in 0..k {
+                        out.extend((0..NR).map(|c| f32_to_bf16(at(p, kk, c))));
+                    }
+                }
+                Store::Bf16(out)
+            }
+        };
+        Ok(Self { n, k, store })
+    }
+
+    /// Output features (`n`).
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// Input features (`k`).
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    pub fn dtype(&self) -> WeightDtype {
+        match self.store {
+            Store::F32(_) => WeightDtype::F32,
+            Store::Bf16(_) => WeightDtype::Bf16,
+        }
+    }
+
+    /// Bytes the packed weight occupies.
+    pub fn bytes(&self) -> usize {
+        match &self.store {
+            Store::F32(v) => v.len() * 4,
+            Store::Bf16(v) => v.len() * 2,
+        }
+    }
+
+    /// Weight row `j` (`k` values, as stored: bf16 weights come back rounded), e.g. an
+    /// embedding row of a head tied to the embeddings.
+    pub fn row_into(&self, j: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+        check(j < self.n, || format!("row {j} of a {}-row weight", self.n))?;
+        check(out.len() == self.k, || {
+            format!("row buffer of {}, want {}", out.len(), self.k)
+        })?;
+        let base = (j / NR) * self.k * NR + j % NR;
+        match &self.store {
+            Store::F32(v) => out
+                .iter_mut()
+                .enumerate()
+                .for_each(|(kk, o)| *o = v[base + kk * NR]),
+            Store::Bf16(v) => out
+                .iter_mut()
+                .enumerate()
+                .for_each(|(kk, o)| *o = bf16_to_f32(v[base + kk * NR])),
+        }
+        Ok(())
+    }
+
+    /// The weight `[n, k]` row-major, as stored.
+    pub fn unpack(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n * self.k];
+        for (j, row) in out.chunks_mut(self.k.max(1)).enumerate().take(self.n) {
+            self.row_into(j, row).expect("in range");
+        }
+        out
+    }
+}
+
+/// `y[i, j] = Σ_kk x[i, kk] · W[j, kk] (+ bias[j])` for `m` rows of `x` (row-major `[m, k]`),
+/// into `y` (row-major `[m, n]`), split over the pool's threads.
+pub fn linear(
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), ShapeError> {
+    linear_with(Isa::get(), super::threads(), x, m, w, bias, y)
+}
+
+/// [`linear`] on a given instruction set and thread count (tests compare them).
+pub fn linear_with(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), ShapeError> {
+    let (n, k) = (w.n, w.k);
+    check(x.len() == m * k, || {
+        format!("x has {} values, want {m}x{k}", x.len())
+    })?;
+    check(y.len() == m * n, || {
+        format!("y has {} values, want {m}x{n}", y.len())
+    })?;
+    if let Some(b) = bias {
+        check(b.len() == n, || {
+            format!("bias has {} values, want {n}", b.len())
+        })?;
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let panels = n.div_ceil(NR);
+    // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
+    // `[k][rows]`, so a kernel broadcasts every row's value of `kk` from one stream.
+    let tile_rows = match isa {
+        Isa::Avx2 => 6,
+        Isa::Avx512 => AVX512_ROWS,
+        Isa::Portable => MR_MAX,
+    };
+    let tiles: Vec<(usize, usize)> = (0..m)
+        .step_by(tile_rows)
+        .map(|i| (i, tile_rows.min(m - i)))
+        .collect();
+    let a = pack_rows(x, k, &tiles);
+    // Below ~64k multiply-adds a second thread costs more than it saves.
+    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let yp = SendPtr(y.as_mut_ptr());
+    let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
+        // SAFETY: every task writes the outputs of its own panels and rows only.
+        unsafe { run_block(isa, &a, k, w, bias, yp, n, panels, tiles) }
+    };
+    if threads <= 1 {
+        run(0..panels, &tiles);
+    } else if panels >= threads {
+        rayon::scope(|s| {
+            for p in split(panels, threads) {
+                let (run, tiles) = (&run, &tiles);
+                s.spawn(move |_| run(p, tiles));
+            }
+        });
+    } else {
+        rayon::scope(|s| {
+            for t in split(tiles.len(), threads) {
+                let (run, tiles) = (&run, &tiles);
+                s.spawn(move |_| run(0..panels, &tiles[t]));
+            }
+        });
+    }
+    Ok(())
+}
+
+/// `x` `[m, k]` repacked tile by tile: tile `(i, mr)` holds rows `i..i + mr` as `[k][mr]`, at
+/// offset `i · k`.
+fn pack_rows(x: &[f32], k: usize, tiles: &[(usize, usize)]) -> Vec<f32> {
+    if let [(_, 1)] = tiles {
+        return x.to_vec();
+    }
+    let mut a = vec![0f32; x.len()];
+    for &(i, mr) in tiles {
+        let dst = &mut a[i * k..(i + mr) * k];
+        for r in 0..mr {
+            let row = &x[(i + r) * k..(i + r + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                dst[kk * mr + r] = v;
+            }
+        }
+    }
+    a
+}
+
+/// Computes outputs of `panels` for the row `tiles`.
+///
+/// # Safety
+/// `y` points to `[m, n]` floats; no other task writes these panels' columns of these rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_block(
+    isa: Isa,
+    a: &[f32],
+    k: usize,
+    w: &PackedWeight,
+    bias: Option<&[f32]>,
+    y: SendPtr<f32>,
+    n: usize,
+    panels: std::ops::Range<usize>,
+    tiles: &[(usize, usize)],
+) {
+    let mut tile = [0f32; MR_MAX * NR];
+    for p in panels {
+        let cols = NR.min(n - p * NR);
+        for &(i, mr) in tiles {
+            let at = &a[i * k..(i + mr) * k];
+            match &w.store {
+                Store::F32(v) => {
+                    tile_dispatch(isa, mr, at, k, &v[p * k * NR..(p + 1) * k * NR], &mut tile)
+                }
+                Store::Bf16(v) => {
+                    tile_dispatch(isa, mr, at, k, &v[p * k * NR..(p + 1) * k * NR], &mut tile)
+                }
+            }
+            for r in 0..mr {
+                let out = y.0.add((i + r) * n + p * NR);
+                for c in 0..cols {
+                    let mut val = tile[r * NR + c];
+                    if let Some(b) = bias {
+                        val += b[p * NR + c];
+                    }
+                    *out.add(c) = val;
+                }
+            }
+        }
+    }
+}
+
+/// Elements a panel may be stored in.
+trait PanelElem: Copy {
+    fn to_f32(self) -> f32;
+    #[cfg(target_arch = "x86_64")]
+    /// 16 consecutive elements as floats.
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    #[cfg(target_arch = "x86_64")]
+    /// 8 consecutive elements as floats.
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl PanelElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl PanelElem for u16 {
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+}
+
+/// One `mr x NR` tile into `tile` (row-major, `NR` per row); `x` is the tile's rows packed
+/// `[k][mr]`.
+fn tile_dispatch<E: PanelElem>(
+    isa: Isa,
+    mr: usize,
+    x: &[f32],
+    k: usize,
+    panel: &[E],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    debug_assert!(x.len() == mr * k && panel.len() == k * NR);
+    macro_rules! by_rows {
+        ($f:ident, $($m:literal)*) => {
+            match mr {
+                $($m => $f::<$m, E>(x, k, panel, tile),)*
+                _ => unreachable!("tile of {mr} rows"),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 if mr <= 8 => unsafe { by_rows!(tile_avx512, 1 2 3 4 5 6 7 8) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { by_rows!(tile_avx512_half, 9 10 11 12 13 14 15 16) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { by_rows!(tile_avx2, 1 2 3 4 5 6) },
+        _ => tile_portable(mr, x, k, panel, tile),
+    }
+}
+
+fn tile_portable<E: PanelElem>(
+    mr: usize,
+    x: &[f32],
+    k: usize,
+    panel: &[E],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    for r in 0..mr {
+        let mut acc = [0f32; NR];
+        for kk in 0..k {
+            let xv = x[kk * mr + r];
+            let wrow = &panel[kk * NR..(kk + 1) * NR];
+            for (a, &wv) in acc.iter_mut().zip(wrow) {
+                *a = xv.mul_add(wv.to_f32(), *a);
+            }
+        }
+        tile[r * NR..(r + 1) * NR].copy_from_slice(&acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
+    x: &[f32],
+    k: usize,
+    panel: &[E],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let xp = x.as_ptr();
+    let bp = panel.as_ptr();
+    for kk in 0..k {
+        // The panel is one stream; ask for it well ahead of the arithmetic.
+        let ahead = (bp.add(kk * NR) as *const i8).add(PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        if size_of::<E>() * NR > 64 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+        }
+        let b0 = E::load16(bp.add(kk * NR));
+        let b1 = E::load16(bp.add(kk * NR + 16));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*xp.add(kk * MR + r));
+            a[0] = _mm512_fmadd_ps(xv, b0, a[0]);
+            a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
+        }
+    }
+    let tp = tile.as_mut_ptr();
+    for (r, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(tp.add(r * NR), a[0]);
+        _mm512_storeu_ps(tp.add(r * NR + 16), a[1]);
+    }
+}
+
+/// Up to 16 rows: the panel's 32 columns in two halves of 16, one register per row each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512_half<const MR: usize, E: PanelElem>(
+    x: &[f32],
+    k: usize,
+    panel: &[E],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    use std::arch::x86_64::*;
+    let xp = x.as_ptr();
+    let bp = panel.as_ptr();
+    let tp = tile.as_mut_ptr();
+    for half in 0..2 {
+        let off = half * 16;
+        let mut acc = [_mm512_setzero_ps(); MR];
+        for kk in 0..k {
+            let ahead = (bp.add(kk * NR) as *const i8).add(PREFETCH_BYTES);
+            _mm_prefetch::<_MM_HINT_T0>(ahead);
+            let b = E::load16(bp.add(kk * NR + off));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(kk * MR + r)), b, *a);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(tp.add(r * NR + off), *a);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
+    x: &[f32],
+    k: usize,
+    panel: &[E],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    use std::arch::x86_64::*;
+    let xp = x.as_ptr();
+    let bp = panel.as_ptr();
+    let tp = tile.as_mut_ptr();
+    // The panel's 32 columns in two halves of 16 (two registers each): 16 registers in all.
+    for half in 0..2 {
+        let off = half * 16;
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        for kk in 0..k {
+            let b0 = E::load8(bp.add(kk * NR + off));
+            let b1 = E::load8(bp.add(kk * NR + off + 8));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_set1_ps(*xp.add(kk * MR + r));
+                a[0] = _mm256_fmadd_ps(xv, b0, a[0]);
+                a[1] = _mm256_fmadd_ps(xv, b1, a[1]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(tp.add(r * NR + off), a[0]);
+            _mm256_storeu_ps(tp.add(r * NR + off + 8), a[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The reference: one FMA chain per output in ascending `k`, then the bias.
+    fn reference(
+        x: &[f32],
+        m: usize,
+        w: &[f32],
+        n: usize,
+        k: usize,
+        b: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for kk in 0..k {
+                    acc = x[i * k + kk].mul_add(w[j * k + kk], acc);
+                }
+                y[i * n + j] = acc + b.map_or(0.0, |b| b[j]);
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn every_instruction_set_and_thread_count_gives_the_reference_bits() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (1, 33, 7),
+            (3, 64, 40),
+            (9, 70, 129),
+            (17, 31, 64),
+        ] {
+            let x = data(m * k, 1);
+            let w = data(n * k, 2);
+            let b = data(n, 3);
+            for bias in [None, Some(&b[..])] {
+                let want = reference(&x, m, &w, n, k, bias);
+                let packed = PackedWeight::pack(&w, n, k, WeightDtype::F32).unwrap();
+                for isa in Isa::available() {
+                    for threads in [1, 2, 3] {
+                        let mut y = vec![f32::NAN; m * n];
+                        linear_with(isa, threads, &x, m, &packed, bias, &mut y).unwrap();
+                        assert_eq!(y, want, "{isa:?} x{threads} m{m} n{n} k{k}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_result_does_not_depend_on_the_rows_beside_it() {
+        let (n, k) = (96, 200);
+        let w = PackedWeight::pack(&data(n * k, 5), n, k, WeightDtype::F32).unwrap();
+        let x = data(13 * k, 6);
+        let mut all = vec![0f32; 13 * n];
+        linear(&x, 13, &w, None, &mut all).unwrap();
+        for i in 0..13 {
+            let mut one = vec![0f32; n];
+            linear(&x[i * k..(i + 1) * k], 1, &w, None, &mut one).unwrap();
+            assert_eq!(one, all[i * n..(i + 1) * n]);
+        }
+    }
+
+    #[test]
+    fn bf16_weights_compute_with_the_rounded_weights_in_f32() {
+        let (m, n, k) = (5, 40, 33);
+        let x = data(m * k, 7);
+        let w = data(n * k, 8);
+        let packed = PackedWeight::pack(&w, n, k, WeightDtype::Bf16).unwrap();
+        let rounded: Vec<f32> = w.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect();
+        assert_eq!(packed.unpack(), rounded);
+        let want = reference(&x, m, &rounded, n, k, None);
+        for isa in Isa::available() {
+            let mut y = vec![0f32; m * n];
+            linear_with(isa, 2, &x, m, &packed, None, &mut y).unwrap();
+            assert_eq!(y, want, "{isa:?}");
+        }
+        assert_eq!(packed.bytes(), 2 * NR * 2 * k);
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3F80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even 1.0.
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3F80);
+        assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3F82);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(bf16_to_f32(f32_to_bf16(-2.5)), -2.5);
+    }
+
+    #[test]
+    fn rows_and_unpack_give_back_the_weight() {
+        let (n, k) = (37, 9);
+        let w = data(n * k, 9);
+        let p = PackedWeight::pack(&w, n, k, WeightDtype::F32).unwrap();
+        assert_eq!(p.unpack(), w);
+        let mut row = vec![0f32; k];
+        p.row_into(36, &mut row).unwrap();
+        assert_eq!(row, w[36 * k..]);
+        assert!(p.row_into(37, &mut row).is_err());
+    }
+
+    #[test]
+    fn shapes_that_do_not_match_are_refused() {
+        let p = PackedWeight::pack(&[0.0; 6], 2, 3, WeightDtype::F32).unwrap();
+        let mut y = [0f32; 2];
+        assert!(linear(&[0.0; 4], 1, &p, None, &mut y).is_err());
+        assert!(linear(&[0.0; 3], 1, &p, Some(&[0.0]), &mut y).is_err());
+        assert!(PackedWeight::pack(&[0.0; 5], 2, 3, WeightDtype::F32).is_err());
+    }
+}

@@ -1,0 +1,80 @@
+//! CPU kernels for the work that dominates a forward on this server's first device, the CPU:
+//! linear layers over weights packed once at load ([`matmul`]) and attention over keys read
+//! where they live ([`attention`]), both spread over the machine's cores.
+//!
+//! Why not candle's CPU matmul: it calls the `gemm` crate, which on stable Rust has no
+//! AVX-512 path and runs a one-row product (decode) on one core, so a decode step used half
+//! the memory bandwidth of PyTorch on the same machine (docs/benchmarks.md has the profile).
+//!
+//! Determinism: every output of [`matmul::linear`] is one fused multiply-add chain over `k`
+//! in ascending order, whatever the number of rows, the thread count or the instruction set
+//! (AVX-512, AVX2 + FMA, or the portable fallback, all with single-rounding FMAs). A request's
+//! logits are therefore bit-identical whether its rows run alone or packed with other
+//! requests' rows: batch invariance holds by construction, not up to summation noise.
+//!
+//! Threads: the work of one call is split over rayon's global pool, whose size is the
+//! `--threads` setting of the binaries (the machine's cores by default). The calling thread
+//! blocks until the call is done, so kernels need no synchronisation with the caller.
+
+pub mod attention;
+pub mod matmul;
+mod simd;
+
+/// Threads a kernel call splits its work over.
+pub fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// Sets the size of the pool the kernels (and candle's own CPU ops) run on. Call once at
+/// start-up, before any kernel runs; `Err` when a pool was already built.
+pub fn init_threads(n: usize) -> Result<(), String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n.max(1))
+        .thread_name(|i| format!("wavefront-cpu-{i}"))
+        .build_global()
+        .map_err(|e| format!("cannot size the CPU thread pool: {e}"))
+}
+
+/// The instruction set the kernels of this process use, decided once.
+pub fn isa() -> &'static str {
+    simd::Isa::get().name()
+}
+
+/// A raw pointer that may cross to pool threads: every user writes a disjoint part of the
+/// buffer it points into, and the call that made it outlives every task.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr<T>(pub *mut T);
+// SAFETY: see the type's doc; tasks write disjoint elements and the owner waits for them.
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// Splits `0..n` into at most `parts` contiguous ranges of near-equal length.
+pub(crate) fn split(n: usize, parts: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let parts = parts.clamp(1, n.max(1));
+    let (base, extra) = (n / parts, n % parts);
+    (0..parts).map(move |p| {
+        let start = p * base + p.min(extra);
+        start..start + base + usize::from(p < extra)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_tiles_the_range_in_order() {
+        for n in 0..20 {
+            for parts in 1..6 {
+                let r: Vec<_> = split(n, parts).collect();
+                assert_eq!(r.first().map_or(0, |r| r.start), 0);
+                assert_eq!(r.last().map_or(0, |r| r.end), n);
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+                let (lo, hi) = r.iter().fold((usize::MAX, 0), |(lo, hi), r| {
+                    (lo.min(r.len()), hi.max(r.len()))
+                });
+                assert!(hi - lo.min(hi) <= 1);
+            }
+        }
+    }
+}
