@@ -584,7 +584,8 @@ async fn batch_invariance_with_requests_joining_at_different_ticks() {
     let reqs: Vec<pb::GenerateRequest> = (0..8u32)
         .map(|i| {
             let prompt: Vec<u32> = (0..(3 + 2 * i)).map(|k| (k * 37 + i * 11) % 480).collect();
-            let mut r = request(ids(prompt), 6 + i, 2 + (i % 3) * 3, 100 + u64::from(i));
+            // Long enough that each request still runs when the next one joins.
+            let mut r = request(ids(prompt), 40 + 4 * i, 2 + (i % 3) * 3, 100 + u64::from(i));
             if i % 4 == 3 {
                 r.scheme = Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
                     num_steps: Some(16),

@@ -20,6 +20,7 @@ use std::ops::Range;
 use crate::attention::Mask;
 use crate::{check, ShapeError};
 
+use super::matmul::{gemm_panels, NR};
 use super::simd::{self, Isa};
 use super::SendPtr;
 
@@ -64,7 +65,9 @@ pub struct Heads {
 }
 
 /// Query rows per task, at most.
-const ROWS_PER_TASK: usize = 16;
+const ROWS_PER_TASK: usize = 64;
+/// Queries of a task from which scores and values go through the product kernel.
+const GEMM_QUERIES: usize = 4;
 
 /// Attention of every sequence; `q` and `out` are `[H, rows, D]` with `rows` the call's rows.
 pub fn attention(
@@ -183,19 +186,43 @@ unsafe fn task(
         .flat_map(|hh| r.clone().map(move |row| (hh, row)))
         .collect();
     let nq = queries.len();
+    // Key t of the group: its key and value rows.
+    let key_rows = || {
+        s.blocks.iter().flat_map(move |b| {
+            (0..b.len).map(move |t| {
+                let at = g * b.head_stride + t * d;
+                (&b.k[at..at + d], &b.v[at..at + d])
+            })
+        })
+    };
+    // Many queries: scores and weighted values as two small products through the linear
+    // kernel (keys and values packed once for all queries); few: dot products over the keys
+    // as they stream by.
+    let gemm = nq >= GEMM_QUERIES;
     // Scores [nq][t_all]; masked keys get -inf.
     let mut scores = vec![0f32; nq * t_all];
-    let mut t0 = 0;
-    for b in &s.blocks {
-        let kb = &b.k[g * b.head_stride..];
-        for t in 0..b.len {
-            let kt = &kb[t * d..(t + 1) * d];
-            for (qi, &(hh, row)) in queries.iter().enumerate() {
-                let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
-                scores[qi * t_all + t0 + t] = simd::dot(isa, qv, kt) * heads.scale;
+    if gemm {
+        let mut a = Vec::with_capacity(nq * d);
+        for &(hh, row) in &queries {
+            a.extend_from_slice(&q[(hh * rows + row) * d..(hh * rows + row + 1) * d]);
+        }
+        // Kᵀ in panels of NR keys: panel p holds `[D][NR]`.
+        let mut kp = vec![0f32; t_all.div_ceil(NR) * d * NR];
+        for (t, (kt, _)) in key_rows().enumerate() {
+            let base = (t / NR) * d * NR + t % NR;
+            for (dd, &x) in kt.iter().enumerate() {
+                kp[base + dd * NR] = x;
             }
         }
-        t0 += b.len;
+        gemm_panels(isa, &a, nq, d, &kp, t_all, &mut scores, t_all);
+        scores.iter_mut().for_each(|v| *v *= heads.scale);
+    } else {
+        for (t, (kt, _)) in key_rows().enumerate() {
+            for (qi, &(hh, row)) in queries.iter().enumerate() {
+                let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
+                scores[qi * t_all + t] = simd::dot(isa, qv, kt) * heads.scale;
+            }
+        }
     }
     // Masks.
     if s.mask != Mask::Bidirectional {
@@ -211,34 +238,29 @@ unsafe fn task(
     }
     // Softmax per query: max, exp, sum, then normalised probabilities.
     for sc in scores.chunks_mut(t_all.max(1)).take(nq) {
-        let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if m == f32::NEG_INFINITY {
-            sc.iter_mut().for_each(|v| *v = 0.0);
-            continue;
-        }
-        let mut sum = 0f32;
-        for v in sc.iter_mut() {
-            *v = (*v - m).exp();
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        sc.iter_mut().for_each(|v| *v *= inv);
+        simd::softmax(isa, sc);
     }
     // Weighted values.
     let mut acc = vec![0f32; nq * d];
-    let mut t0 = 0;
-    for b in &s.blocks {
-        let vb = &b.v[g * b.head_stride..];
-        for t in 0..b.len {
-            let vt = &vb[t * d..(t + 1) * d];
+    if gemm {
+        // V in panels of NR dims: panel p holds `[T][NR]`.
+        let mut vp = vec![0f32; d.div_ceil(NR) * t_all * NR];
+        for (t, (_, vt)) in key_rows().enumerate() {
+            for (p, chunk) in vt.chunks(NR).enumerate() {
+                let at = p * t_all * NR + t * NR;
+                vp[at..at + chunk.len()].copy_from_slice(chunk);
+            }
+        }
+        gemm_panels(isa, &scores, nq, t_all, &vp, d, &mut acc, d);
+    } else {
+        for (t, (_, vt)) in key_rows().enumerate() {
             for qi in 0..nq {
-                let p = scores[qi * t_all + t0 + t];
+                let p = scores[qi * t_all + t];
                 if p != 0.0 {
                     simd::axpy(isa, p, vt, &mut acc[qi * d..(qi + 1) * d]);
                 }
             }
         }
-        t0 += b.len;
     }
     for (qi, &(hh, row)) in queries.iter().enumerate() {
         let dst = out.0.add((hh * rows + row) * d);
@@ -378,6 +400,65 @@ mod tests {
                     Some(f) => assert_eq!(&out, f, "{isa:?} x{threads}"),
                 }
             }
+        }
+    }
+
+    /// One query row per head (decode): the dot-product path, against the reference.
+    #[test]
+    fn single_rows_match_the_ragged_reference() {
+        let (h, d, t) = (3, 24, 37);
+        let k = data(h * t * d, 11);
+        let v = data(h * t * d, 12);
+        let q = data(h * d, 13);
+        let seqs = vec![SeqAttention {
+            rows: 0..1,
+            row_index: &[36],
+            blocks: vec![
+                KvBlock {
+                    k: &k,
+                    v: &v,
+                    len: 30,
+                    head_stride: t * d,
+                },
+                KvBlock {
+                    k: &k[30 * d..],
+                    v: &v[30 * d..],
+                    len: 7,
+                    head_stride: t * d,
+                },
+            ],
+            key_index: None,
+            mask: Mask::Causal,
+        }];
+        let heads = Heads {
+            n_heads: h,
+            n_kv_heads: h,
+            head_dim: d,
+            scale: 0.2,
+        };
+        let layout = RaggedLayout {
+            n_heads: h,
+            n_kv_heads: h,
+            head_dim: d,
+            scale: 0.2,
+            seqs: vec![RaggedSeq {
+                rows: 0..1,
+                keys: 0..t as u32,
+                mask: Mask::Causal,
+            }],
+            row_index: vec![36],
+            key_index: (0..t as u32).collect(),
+        };
+        let want = ragged_attention(&layout, &q, &k, &v).unwrap();
+        for isa in Isa::available() {
+            let mut out = vec![0f32; q.len()];
+            attention_with(isa, 2, heads, &q, 1, &seqs, &mut out).unwrap();
+            let diff = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "{isa:?}: {diff}");
         }
     }
 

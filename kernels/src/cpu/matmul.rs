@@ -27,10 +27,8 @@ use super::{split, SendPtr};
 pub const NR: usize = 32;
 /// How far ahead of the panel row being multiplied the kernel asks for the panel.
 const PREFETCH_BYTES: usize = 2048;
-/// Rows per register tile on AVX-512.
-const AVX512_ROWS: usize = 16;
 /// Rows per register tile, the most any instruction set uses.
-const MR_MAX: usize = 16;
+const MR_MAX: usize = 8;
 
 /// How packed weights are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -205,15 +203,7 @@ pub fn linear_with(
     let panels = n.div_ceil(NR);
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
     // `[k][rows]`, so a kernel broadcasts every row's value of `kk` from one stream.
-    let tile_rows = match isa {
-        Isa::Avx2 => 6,
-        Isa::Avx512 => AVX512_ROWS,
-        Isa::Portable => MR_MAX,
-    };
-    let tiles: Vec<(usize, usize)> = (0..m)
-        .step_by(tile_rows)
-        .map(|i| (i, tile_rows.min(m - i)))
-        .collect();
+    let tiles = row_tiles(isa, m);
     let a = pack_rows(x, k, &tiles);
     // Below ~64k multiply-adds a second thread costs more than it saves.
     let threads = if m * n * k < 1 << 16 { 1 } else { threads };
@@ -259,6 +249,57 @@ fn pack_rows(x: &[f32], k: usize, tiles: &[(usize, usize)]) -> Vec<f32> {
         }
     }
     a
+}
+
+/// Row tiles of `m` rows for `isa`'s register tile.
+fn row_tiles(isa: Isa, m: usize) -> Vec<(usize, usize)> {
+    let tile_rows = match isa {
+        Isa::Avx2 => 6,
+        Isa::Avx512 | Isa::Portable => MR_MAX,
+    };
+    (0..m)
+        .step_by(tile_rows)
+        .map(|i| (i, tile_rows.min(m - i)))
+        .collect()
+}
+
+/// On the calling thread, `c[i][j] = Σ_kk a[i][kk] · B[kk][j]` for `a` row-major `[m, k]` and
+/// `B` `[k, n]` given as [`NR`]-column panels (`panels`, each `[k][NR]`, the last zero-padded),
+/// into `c` with row stride `ldc`: the kernel of [`linear`] for operands built per call (the
+/// scores and weighted values of attention).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_panels(
+    isa: Isa,
+    a: &[f32],
+    m: usize,
+    k: usize,
+    panels: &[f32],
+    n: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
+    let tiles = row_tiles(isa, m);
+    let packed = pack_rows(&a[..m * k], k, &tiles);
+    let mut tile = [0f32; MR_MAX * NR];
+    for p in 0..n.div_ceil(NR) {
+        let cols = NR.min(n - p * NR);
+        for &(i, mr) in &tiles {
+            let at = &packed[i * k..(i + mr) * k];
+            tile_dispatch(
+                isa,
+                mr,
+                at,
+                k,
+                &panels[p * k * NR..(p + 1) * k * NR],
+                &mut tile,
+            );
+            for r in 0..mr {
+                let row = &mut c[(i + r) * ldc + p * NR..];
+                row[..cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+            }
+        }
+    }
 }
 
 /// Computes outputs of `panels` for the row `tiles`.
@@ -373,10 +414,7 @@ fn tile_dispatch<E: PanelElem>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
-        Isa::Avx512 if mr <= 8 => unsafe { by_rows!(tile_avx512, 1 2 3 4 5 6 7 8) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx512 => unsafe { by_rows!(tile_avx512_half, 9 10 11 12 13 14 15 16) },
+        Isa::Avx512 => unsafe { by_rows!(tile_avx512, 1 2 3 4 5 6 7 8) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { by_rows!(tile_avx2, 1 2 3 4 5 6) },
@@ -435,36 +473,6 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     for (r, a) in acc.iter().enumerate() {
         _mm512_storeu_ps(tp.add(r * NR), a[0]);
         _mm512_storeu_ps(tp.add(r * NR + 16), a[1]);
-    }
-}
-
-/// Up to 16 rows: the panel's 32 columns in two halves of 16, one register per row each.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512_half<const MR: usize, E: PanelElem>(
-    x: &[f32],
-    k: usize,
-    panel: &[E],
-    tile: &mut [f32; MR_MAX * NR],
-) {
-    use std::arch::x86_64::*;
-    let xp = x.as_ptr();
-    let bp = panel.as_ptr();
-    let tp = tile.as_mut_ptr();
-    for half in 0..2 {
-        let off = half * 16;
-        let mut acc = [_mm512_setzero_ps(); MR];
-        for kk in 0..k {
-            let ahead = (bp.add(kk * NR) as *const i8).add(PREFETCH_BYTES);
-            _mm_prefetch::<_MM_HINT_T0>(ahead);
-            let b = E::load16(bp.add(kk * NR + off));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(kk * MR + r)), b, *a);
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(tp.add(r * NR + off), *a);
-        }
     }
 }
 

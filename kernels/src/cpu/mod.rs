@@ -17,7 +17,9 @@
 //! blocks until the call is done, so kernels need no synchronisation with the caller.
 
 pub mod attention;
+pub mod elementwise;
 pub mod matmul;
+pub mod peaks;
 mod simd;
 
 /// Threads a kernel call splits its work over.
@@ -47,6 +49,13 @@ pub(crate) struct SendPtr<T>(pub *mut T);
 // SAFETY: see the type's doc; tasks write disjoint elements and the owner waits for them.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer (a method, so closures capture the whole `SendPtr`, not its field).
+    pub(crate) fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
 
 /// Splits `0..n` into at most `parts` contiguous ranges of near-equal length.
 pub(crate) fn split(n: usize, parts: usize) -> impl Iterator<Item = std::ops::Range<usize>> {

@@ -12,7 +12,7 @@
 //!
 //! Prints markdown tables on stdout and progress on stderr.
 
-mod synthetic;
+use wavefront_bench::synthetic::huginn as synthetic;
 
 use std::time::{Duration, Instant};
 

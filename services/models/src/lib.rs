@@ -42,7 +42,7 @@ pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 /// The CPU kernels' thread pool: [`init_cpu_threads`] sizes it once at start-up (`--threads`),
 /// [`cpu_threads`] says its size; [`cpu_isa`] names the vector instructions they use.
 pub use wavefront_kernels::cpu::{
-    init_threads as init_cpu_threads, isa as cpu_isa, threads as cpu_threads,
+    init_threads as init_cpu_threads, isa as cpu_isa, peaks as cpu_peaks, threads as cpu_threads,
 };
 
 /// Re-exported so downstream crates name the same candle types.

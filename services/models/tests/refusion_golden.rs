@@ -122,8 +122,8 @@ fn check_forward(golden: &Golden, model: &Qwen3, label: &str) -> Result<()> {
         let (k, v) = cache.layer_kv(layer)?;
         let want_k = golden.tensor(&format!("fwd.cache.layer{layer}.key"))?;
         let want_v = golden.tensor(&format!("fwd.cache.layer{layer}.value"))?;
-        assert_close(&format!("layer {layer} key"), k, want_k, KV_ATOL)?;
-        assert_close(&format!("layer {layer} value"), v, want_v, KV_ATOL)?;
+        assert_close(&format!("layer {layer} key"), &k, want_k, KV_ATOL)?;
+        assert_close(&format!("layer {layer} value"), &v, want_v, KV_ATOL)?;
     }
 
     // Split over the cache at the README's split point.
@@ -368,7 +368,7 @@ fn a_sequence_computes_the_same_packed_with_others() -> Result<()> {
         ensure!(d <= 1e-5, "packing changed the logits by {d:e}");
         let (k, _) = b.layer_kv(1)?;
         let (k_alone, _) = alone_cache.layer_kv(1)?;
-        ensure!(max_abs_diff(k, k_alone)? <= 1e-6);
+        ensure!(max_abs_diff(&k, &k_alone)? <= 1e-6);
         Ok(())
     })
 }

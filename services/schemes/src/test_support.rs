@@ -258,7 +258,9 @@ pub fn assert_stop_finishes_with_stats(
     check: impl FnOnce(&Stats) -> Result<()>,
 ) -> Result<Outcome> {
     let max = spec.max_new_tokens;
-    let (sink, rx, _) = TestSink::new(1024);
+    // A one-event buffer: the engine pauses the request until the test reads, so it cannot
+    // run to its natural end before the stop is raised, however fast it decodes.
+    let (sink, rx, _) = TestSink::new(1);
     let stop = sink.stop.clone();
     served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
     let first = loop {

@@ -11,7 +11,7 @@
 //!
 //! Prints a markdown table on stdout and progress on stderr.
 
-mod synthetic;
+use wavefront_bench::synthetic::llada as synthetic;
 
 use anyhow::Result;
 use clap::Parser;

@@ -14,7 +14,7 @@
 //!
 //! Prints markdown tables on stdout and progress on stderr.
 
-mod synthetic;
+use wavefront_bench::synthetic::armt as synthetic;
 
 use anyhow::Result;
 use clap::Parser;

@@ -12,7 +12,7 @@
 //!
 //! Prints a markdown table on stdout and progress on stderr.
 
-mod synthetic;
+use wavefront_bench::synthetic::qwen3 as synthetic;
 
 use anyhow::Result;
 use clap::Parser;

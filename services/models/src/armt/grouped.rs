@@ -51,6 +51,7 @@ use super::memory::{
 };
 use super::ArmtConfig;
 use crate::error::{ModelError, Result};
+use crate::transformer::cpu;
 use crate::transformer::parallel::{on_rank, reduce, slice, Collective};
 use crate::transformer::{GatedMlp, LinearStack, RopeTable, ShardRange, ShardWeights};
 
@@ -100,11 +101,10 @@ pub(crate) struct RankStack {
     pub qkv: LinearStack,
     /// Its columns of `o_proj` `[L, d, h_r · hd]` (row-parallel).
     pub o: LinearStack,
-    /// Its rows of `gate_proj` `[L, I_r, d]` (kept apart from `up_proj` so both products are
-    /// contiguous for the elementwise SiLU gate).
-    pub gate: LinearStack,
-    /// Its rows of `up_proj` `[L, I_r, d]`.
-    pub up: LinearStack,
+    /// Its rows of `gate_proj` and of `up_proj`, stacked on the output axis, `[L, 2 I_r, d]`.
+    pub gate_up: LinearStack,
+    /// `I_r`.
+    pub hidden: usize,
     /// Its columns of `down_proj` `[L, d, I_r]` (row-parallel).
     pub down: LinearStack,
     pub n_heads: usize,
@@ -129,8 +129,14 @@ impl Linears {
         Ok(RankStack {
             qkv: LinearStack::new(qkv)?,
             o: LinearStack::new(slice(&self.o, 2, &r.heads, hd)?)?,
-            gate: LinearStack::new(slice(&self.gate, 1, &r.columns, 1)?)?,
-            up: LinearStack::new(slice(&self.up, 1, &r.columns, 1)?)?,
+            gate_up: LinearStack::new(Tensor::cat(
+                &[
+                    slice(&self.gate, 1, &r.columns, 1)?,
+                    slice(&self.up, 1, &r.columns, 1)?,
+                ],
+                1,
+            )?)?,
+            hidden: r.columns.len(),
             down: LinearStack::new(slice(&self.down, 2, &r.columns, 1)?)?,
             n_heads: r.heads.len(),
             n_kv_heads: r.kv_heads.len(),
@@ -145,8 +151,7 @@ impl RankStack {
         Ok(Self {
             qkv: self.qkv.to_device(device)?,
             o: self.o.to_device(device)?,
-            gate: self.gate.to_device(device)?,
-            up: self.up.to_device(device)?,
+            gate_up: self.gate_up.to_device(device)?,
             down: self.down.to_device(device)?,
             ..*self
         })
@@ -159,9 +164,9 @@ impl RankStack {
             qkv: self.qkv.layer(l)?.clone(),
             o: self.o.layer(l)?.clone(),
             mlp: GatedMlp {
-                gate: self.gate.layer(l)?.clone(),
-                up: self.up.layer(l)?.clone(),
+                gate_up: self.gate_up.layer(l)?.clone(),
                 down: self.down.layer(l)?.clone(),
+                hidden: self.hidden,
             },
         })
     }
@@ -171,8 +176,7 @@ impl RankStack {
         for s in [
             &mut self.qkv,
             &mut self.o,
-            &mut self.gate,
-            &mut self.up,
+            &mut self.gate_up,
             &mut self.down,
         ] {
             s.store_as(dtype)?;
@@ -213,9 +217,8 @@ impl RankStack {
 
     /// The rank's columns of a grouped step's MLP over `hn` `[G, R, d]`: its partial output.
     fn mlp(&self, hn: &Tensor, lo: usize) -> Result<Tensor> {
-        let gate = grouped_linear(hn, &self.gate, lo)?;
-        let up = grouped_linear(hn, &self.up, lo)?;
-        let act = (gate.silu()? * up)?;
+        let gu = grouped_linear(hn, &self.gate_up, lo)?;
+        let act = cpu::silu_mul(&gu, self.hidden)?;
         grouped_linear(&act, &self.down, lo)
     }
 }
@@ -533,6 +536,23 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor
     let dtype = q.dtype();
     let (b, h, p, hd) = q.dims4()?;
     let hkv = k.dim(1)?;
+    if cpu::on_cpu_f32(q) {
+        // Every block one causal sequence of the CPU kernel, its keys read in place.
+        let seqs = (0..b)
+            .map(|i| {
+                Ok(cpu::CpuSeq {
+                    rows: i * p..(i + 1) * p,
+                    row_index: (0..p as u32).collect(),
+                    runs: vec![(k.get(i)?, v.get(i)?)],
+                    key_index: None,
+                    mask: wavefront_kernels::attention::Mask::Causal,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let qh = q.transpose(0, 1)?.reshape((h, b * p, hd))?;
+        let y = cpu::attend(&qh, hkv, (1.0 / (hd as f64).sqrt()) as f32, &seqs)?;
+        return Ok(y.reshape((h, b, p, hd))?.transpose(0, 1)?.contiguous()?);
+    }
     let (k, v) = if h == hkv {
         (k.clone(), v.clone())
     } else {

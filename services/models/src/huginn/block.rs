@@ -9,7 +9,7 @@
 //! and the MLP run once over all rows; attention is split per sequence and reads that
 //! sequence's own KV cache (see [`RowLayout`]).
 
-use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
 
 use std::sync::Arc;
@@ -18,10 +18,12 @@ use super::cache::CacheSlot;
 use super::config::HuginnConfig;
 use super::SeqRows;
 use crate::error::{ModelError, Result};
+use crate::transformer::cpu;
 use crate::transformer::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
 pub(crate) use crate::transformer::{get, linear, Linear, RmsNorm};
+use wavefront_kernels::attention::Mask;
 
 /// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`; under tensor parallelism one per rank
 /// over its columns (its rows of `g` and of `u`, its columns of `proj`).
@@ -66,10 +68,7 @@ impl GatedMlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gu = self.fc.forward(x)?;
-        let g = gu.narrow(D::Minus1, 0, self.hidden)?;
-        let u = gu.narrow(D::Minus1, self.hidden, self.hidden)?;
-        let h = (g.silu()? * u)?;
-        self.proj.forward(&h)
+        self.proj.forward(&cpu::silu_mul(&gu, self.hidden)?)
     }
 }
 
@@ -293,6 +292,93 @@ impl Attention {
         let (q, k, v) = (gather(qs)?, gather(ks)?, gather(vs)?);
 
         let scale = 1.0 / (d as f64).sqrt();
+        let y = if cpu::on_cpu_f32(&q) {
+            self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot)?
+        } else {
+            self.attend_sdpa(&q, &k, &v, scale, layout, seqs, slot)?
+        };
+        // Each rank projects its heads; the collective sums the partials.
+        let mut partials = Vec::with_capacity(self.shards.len());
+        let mut head = 0;
+        for (rank, s) in self.shards.iter().enumerate() {
+            let y = if self.shards.len() == 1 {
+                y.clone()
+            } else {
+                y.narrow(0, head, s.n_heads)?
+            };
+            head += s.n_heads;
+            let y = y
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, s.n_heads * d))?;
+            partials.push(s.proj.forward(&on_rank(comm, rank, &y)?)?);
+        }
+        reduce(comm, partials)
+    }
+
+    /// Writes every sequence's keys and values `[H, N, D]` to its cache slot and attends with
+    /// the CPU kernel over the slot's runs, read in place. Query `i` of a sequence whose slot
+    /// yields `t` keys sees keys `0..=t - len + i` (bottom-right causal, as the sdpa path).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_cpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        layout: &RowLayout,
+        seqs: &mut [SeqRows],
+        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+    ) -> Result<Tensor> {
+        let single = seqs.len() == 1;
+        let mut calls = Vec::with_capacity(seqs.len());
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let off = layout.offsets[i];
+            let (ks, vs) = if single {
+                (k.clone(), v.clone())
+            } else {
+                (
+                    k.narrow(1, off, seq.len)?.contiguous()?,
+                    v.narrow(1, off, seq.len)?.contiguous()?,
+                )
+            };
+            let slot = slot(seq);
+            let upto = seq.start + seq.len;
+            seq.cache.write(slot, seq.start, &ks, &vs)?;
+            let runs = seq.cache.read_runs(slot, upto)?;
+            let t: usize = runs
+                .iter()
+                .map(|(k, _)| k.dim(1))
+                .sum::<candle_core::Result<_>>()?;
+            if t < seq.len {
+                return Err(ModelError::Cache(format!(
+                    "{} queries attend to only {t} keys",
+                    seq.len
+                )));
+            }
+            calls.push(cpu::CpuSeq {
+                rows: off..off + seq.len,
+                row_index: (t - seq.len..t).map(|r| r as u32).collect(),
+                runs,
+                key_index: None,
+                mask: Mask::Causal,
+            });
+        }
+        cpu::attend(q, q.dim(0)?, scale as f32, &calls)
+    }
+
+    /// The candle path (GPU, bf16): one attention per sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_sdpa(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        layout: &RowLayout,
+        seqs: &mut [SeqRows],
+        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+    ) -> Result<Tensor> {
         let single = seqs.len() == 1;
         let mut outs = Vec::with_capacity(seqs.len());
         for (i, seq) in seqs.iter_mut().enumerate() {
@@ -319,28 +405,11 @@ impl Attention {
                 upto,
             )?);
         }
-        let y = if single {
+        Ok(if single {
             outs.pop().expect("one sequence")
         } else {
             Tensor::cat(&outs, 1)?
-        };
-        // Each rank projects its heads; the collective sums the partials.
-        let mut partials = Vec::with_capacity(self.shards.len());
-        let mut head = 0;
-        for (rank, s) in self.shards.iter().enumerate() {
-            let y = if self.shards.len() == 1 {
-                y.clone()
-            } else {
-                y.narrow(0, head, s.n_heads)?
-            };
-            head += s.n_heads;
-            let y = y
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((n, s.n_heads * d))?;
-            partials.push(s.proj.forward(&on_rank(comm, rank, &y)?)?);
-        }
-        reduce(comm, partials)
+        })
     }
 
     /// Interleaved RoPE on `[H, N, D]`, computed in float32.

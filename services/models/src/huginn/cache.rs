@@ -378,12 +378,26 @@ impl HuginnCache {
     /// `slot`: positions `0..upto` (T = `upto`), resolved with the lookup strategy. Under `full`,
     /// positions missing from the slot are skipped, so T may be smaller than `upto`.
     pub(crate) fn read(&self, slot: CacheSlot, upto: usize) -> Result<(Tensor, Tensor)> {
+        let mut runs = self.read_runs(slot, upto)?;
+        if runs.len() == 1 {
+            return Ok(runs.pop().expect("one run"));
+        }
+        let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = runs.into_iter().unzip();
+        Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+    }
+
+    /// [`HuginnCache::read`] without concatenating: the keys and values as runs of consecutive
+    /// positions `[H, n_i, D]`, views into the slots' buffers (nothing is copied), in key order.
+    pub(crate) fn read_runs(&self, slot: CacheSlot, upto: usize) -> Result<Vec<(Tensor, Tensor)>> {
         let key = self.resolve(slot)?;
         let store = self
             .store(key)
             .ok_or_else(|| ModelError::Cache(format!("{slot:?} was never written")))?;
         if store.covers(upto) {
-            return Ok((store.k.narrow(1, 0, upto)?, store.v.narrow(1, 0, upto)?));
+            return Ok(vec![(
+                store.k.narrow(1, 0, upto)?,
+                store.v.narrow(1, 0, upto)?,
+            )]);
         }
         // Holes: build runs of consecutive positions read from the same store.
         let fallback = match key {
@@ -420,14 +434,12 @@ impl HuginnCache {
                 "{slot:?} has no entries below {upto}"
             )));
         }
-        let mut ks = Vec::with_capacity(runs.len());
-        let mut vs = Vec::with_capacity(runs.len());
-        for (source, start, n) in runs {
-            let s = self.store(source).expect("run sources exist");
-            ks.push(s.k.narrow(1, start, n)?);
-            vs.push(s.v.narrow(1, start, n)?);
-        }
-        Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+        runs.into_iter()
+            .map(|(source, start, n)| {
+                let s = self.store(source).expect("run sources exist");
+                Ok((s.k.narrow(1, start, n)?, s.v.narrow(1, start, n)?))
+            })
+            .collect()
     }
 
     /// Device and dtype of the cached tensors, if any slot was written.

@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
+use super::cpu;
+pub use super::kv_cache::KvCache;
 use super::layers::RopeTable;
 use super::ragged::{AttentionKernel, RaggedPlan};
 use crate::error::{ModelError, Result};
@@ -46,136 +48,6 @@ impl MaskRule {
                 (true, false) => key != block_start + (query - main_len),
             },
         }
-    }
-}
-
-/// One sequence's per-layer keys and values `[n_kv_heads, len, head_dim]` (keys after RoPE) for
-/// buffer indices `0..len`. Every layer holds the same `len`.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    len: usize,
-}
-
-impl KvCache {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Buffer indices held (0 before the first call that writes it).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Keeps buffer indices `0..len` only.
-    pub fn truncate(&mut self, len: usize) -> Result<()> {
-        if len >= self.len {
-            return Ok(());
-        }
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.narrow(1, 0, len)?;
-            *v = v.narrow(1, 0, len)?;
-        }
-        self.len = len;
-        Ok(())
-    }
-
-    /// Drops everything.
-    pub fn clear(&mut self) {
-        self.layers.clear();
-        self.len = 0;
-    }
-
-    /// Stores the keys (after RoPE) and values `[n_kv_heads, len, head_dim]` of buffer indices
-    /// `0..len` at `layer`, computed outside a [`super::Block`] call (ARMT's grouped diagonal
-    /// step runs a segment's layers in different calls); the cache then holds `len` indices.
-    pub(crate) fn store_layer(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<()> {
-        let len = k.dim(1)?;
-        self.set_layer(layer, k, v);
-        self.len = len;
-        Ok(())
-    }
-
-    /// Appends, after its own indices, buffer indices `start..start + len` of each of `parts` in
-    /// order (e.g. the K/V of slots computed in other caches, stitched into this one). Keys keep
-    /// the RoPE of the positions they were computed at. One concatenation per layer; `clone` of
-    /// a cache is cheap (tensors are shared) and copies nothing.
-    pub fn append(&mut self, parts: &[(&KvCache, usize, usize)]) -> Result<()> {
-        let parts: Vec<_> = parts.iter().filter(|p| p.2 > 0).collect();
-        let Some(first) = parts.first() else {
-            return Ok(());
-        };
-        for (c, start, len) in &parts {
-            if start + len > c.len {
-                return Err(ModelError::Cache(format!(
-                    "cannot take indices {start}..{} of a cache holding {}",
-                    start + len,
-                    c.len
-                )));
-            }
-            if c.layers.len() != first.0.layers.len() {
-                return Err(ModelError::Cache(
-                    "caches with different layer counts cannot be stitched".into(),
-                ));
-            }
-        }
-        if self.len > 0 && self.layers.len() != first.0.layers.len() {
-            return Err(ModelError::Cache(
-                "caches with different layer counts cannot be stitched".into(),
-            ));
-        }
-        let n_layers = first.0.layers.len();
-        let mut layers = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            let mut ks = Vec::with_capacity(parts.len() + 1);
-            let mut vs = Vec::with_capacity(parts.len() + 1);
-            if self.len > 0 {
-                let (k, v) = self.layer(l)?;
-                ks.push(k.clone());
-                vs.push(v.clone());
-            }
-            for (c, start, len) in &parts {
-                let (k, v) = c.layer(l)?;
-                ks.push(k.narrow(1, *start, *len)?);
-                vs.push(v.narrow(1, *start, *len)?);
-            }
-            // Stored contiguous: attention reads it in place on every later call.
-            let cat = |xs: Vec<Tensor>| -> Result<Tensor> {
-                Ok(if xs.len() == 1 {
-                    xs.into_iter().next().expect("one part").contiguous()?
-                } else {
-                    Tensor::cat(&xs, 1)?
-                })
-            };
-            layers.push(Some((cat(ks)?, cat(vs)?)));
-        }
-        self.layers = layers;
-        self.len += parts.iter().map(|p| p.2).sum::<usize>();
-        Ok(())
-    }
-
-    /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`.
-    pub fn layer_kv(&self, layer: usize) -> Result<(&Tensor, &Tensor)> {
-        let (k, v) = self.layer(layer)?;
-        Ok((k, v))
-    }
-
-    fn layer(&self, layer: usize) -> Result<&(Tensor, Tensor)> {
-        self.layers
-            .get(layer)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| ModelError::Cache(format!("layer {layer} holds no keys")))
-    }
-
-    fn set_layer(&mut self, layer: usize, k: Tensor, v: Tensor) {
-        if self.layers.len() <= layer {
-            self.layers.resize(layer + 1, None);
-        }
-        self.layers[layer] = Some((k, v));
     }
 }
 
@@ -544,15 +416,29 @@ pub(crate) fn attend_packed(
     };
     let mut outs = Vec::with_capacity(seqs.len());
     let mut all_keys = Vec::with_capacity(seqs.len());
+    // Float32 on the CPU: every sequence in one call of the CPU kernel, keys read in place.
+    let on_cpu = layout.ragged.is_none() && cpu::on_cpu_f32(q);
+    let mut cpu_seqs = Vec::with_capacity(if on_cpu { seqs.len() } else { 0 });
     for (s, seq) in layout.seqs.iter().zip(seqs.iter_mut()) {
         let parts = assemble_keys(s, seq, rows(k, s)?, rows(v, s)?, layer)?;
-        if layout.ragged.is_some() {
+        if on_cpu {
+            cpu_seqs.push(cpu::CpuSeq {
+                rows: s.offset..s.offset + s.len,
+                row_index: seq.index.clone(),
+                runs: parts,
+                key_index: matches!(s.keys, KeySource::Rows).then(|| seq.index.clone()),
+                mask: seq.mask.into(),
+            });
+        } else if layout.ragged.is_some() {
             // Concatenated once, with every other sequence's, by the ragged operation.
             all_keys.extend(parts);
         } else {
             let parts: Vec<(&Tensor, &Tensor)> = parts.iter().map(|(k, v)| (k, v)).collect();
             outs.push(sdpa(&rows(q, s)?, &parts, s.mask.as_ref(), scale)?);
         }
+    }
+    if on_cpu {
+        return cpu::attend(q, k.dim(0)?, scale as f32, &cpu_seqs);
     }
     if let Some(plan) = &layout.ragged {
         return plan.attend(q, &all_keys, scale);
@@ -574,26 +460,36 @@ fn assemble_keys(
     vs: Tensor,
     layer: usize,
 ) -> Result<Vec<(Tensor, Tensor)>> {
-    let cat = |cached: &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
-        Ok((
-            Tensor::cat(&[&cached.0, &ks], 1)?,
-            Tensor::cat(&[&cached.1, &vs], 1)?,
-        ))
-    };
     match (&s.keys, &mut seq.keys) {
         (KeySource::Rows, _) => Ok(vec![(ks, vs)]),
-        (KeySource::Buffer { index, cached }, Keys::Buffer { cache, .. }) => {
-            let (src_k, src_v) = if *cached == 0 {
-                (ks.clone(), vs.clone())
-            } else {
-                cat(cache.layer(layer)?)?
-            };
-            let (ka, va) = match index {
-                None => (src_k, src_v),
-                Some(idx) => (src_k.index_select(idx, 1)?, src_v.index_select(idx, 1)?),
-            };
-            cache.set_layer(layer, ka.clone(), va.clone());
-            Ok(vec![(ka, va)])
+        (KeySource::Buffer { index, cached }, Keys::Buffer { cache, len }) => {
+            match index {
+                // The rows are the indices after the cached ones: one write.
+                None => cache.write_rows(layer, *cached, &ks, &vs)?,
+                // Rows at scattered indices: each run of consecutive indices written in place,
+                // in index order (every index past the cached ones is a row).
+                Some(_) => {
+                    let mut order: Vec<(u32, usize)> = seq.index.iter().copied().zip(0..).collect();
+                    order.sort_unstable();
+                    let mut i = 0;
+                    while i < order.len() {
+                        let (b0, r0) = order[i];
+                        let mut n = 1;
+                        while i + n < order.len() && order[i + n] == (b0 + n as u32, r0 + n) {
+                            n += 1;
+                        }
+                        cache.write_rows(
+                            layer,
+                            b0 as usize,
+                            &ks.narrow(1, r0, n)?,
+                            &vs.narrow(1, r0, n)?,
+                        )?;
+                        i += n;
+                    }
+                }
+            }
+            cache.fit_layer(layer, *len)?;
+            Ok(vec![cache.layer_kv(layer)?])
         }
         (
             KeySource::Shared {
@@ -602,17 +498,13 @@ fn assemble_keys(
             },
             Keys::Shared { prefix, suffix },
         ) => {
-            let (sk, sv) = if *c == 0 {
-                (ks.clone(), vs.clone())
-            } else {
-                cat(suffix.layer(layer)?)?
-            };
-            suffix.set_layer(layer, sk.clone(), sv.clone());
+            suffix.write_rows(layer, *c, &ks, &vs)?;
+            suffix.fit_layer(layer, c + ks.dim(1)?)?;
+            let own = suffix.layer_kv(layer)?;
             if *p == 0 {
-                return Ok(vec![(sk, sv)]);
+                return Ok(vec![own]);
             }
-            let (pk, pv) = prefix.layer(layer)?;
-            Ok(vec![(pk.clone(), pv.clone()), (sk, sv)])
+            Ok(vec![prefix.layer_kv(layer)?, own])
         }
         _ => Err(ModelError::Shape(
             "the sequences changed between layout and call".into(),
@@ -625,8 +517,11 @@ pub(crate) fn commit_buffers(seqs: &mut [SeqInput]) {
     for s in seqs {
         let rows = s.index.len();
         match &mut s.keys {
-            Keys::Buffer { cache, len } => cache.len = *len,
-            Keys::Shared { suffix, .. } => suffix.len += rows,
+            Keys::Buffer { cache, len } => cache.commit(*len),
+            Keys::Shared { suffix, .. } => {
+                let n = suffix.len() + rows;
+                suffix.commit(n);
+            }
             Keys::Rows => {}
         }
     }

@@ -331,10 +331,6 @@ impl Block {
             let b = b.as_ref().map(|b| slice(b, 0, r, unit)).transpose()?;
             Ok((slice(w, 0, r, unit)?, b))
         };
-        let column = |raw: &Raw, r: &Range<usize>, unit: usize| -> Result<Linear> {
-            let (w, b) = column_raw(raw, r, unit)?;
-            Linear::new(w, b)
-        };
         // The rank's rows of q, k and v, fused into one product.
         let qkv = |r: &ShardRange| -> Result<Linear> {
             let parts = [
@@ -361,11 +357,11 @@ impl Block {
                 Ok(ShardWeights {
                     qkv: qkv(r)?,
                     o: row(&o, &r.heads, d)?,
-                    mlp: GatedMlp {
-                        gate: column(&gate, &r.columns, 1)?,
-                        up: column(&up, &r.columns, 1)?,
-                        down: row(&down, &r.columns, 1)?,
-                    },
+                    mlp: GatedMlp::new(
+                        column_raw(&gate, &r.columns, 1)?,
+                        column_raw(&up, &r.columns, 1)?,
+                        row(&down, &r.columns, 1)?,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -486,8 +482,7 @@ impl super::StoreWeights for Block {
             for l in [
                 &mut s.w.qkv,
                 &mut s.w.o,
-                &mut s.w.mlp.gate,
-                &mut s.w.mlp.up,
+                &mut s.w.mlp.gate_up,
                 &mut s.w.mlp.down,
             ] {
                 l.store_as(dtype)?;

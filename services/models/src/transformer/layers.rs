@@ -61,6 +61,9 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if super::cpu::on_cpu_f32(x) && super::cpu::on_cpu_f32(&self.weight) {
+            return super::cpu::rms_norm(x, &self.weight, self.eps as f32);
+        }
         let x = x.contiguous()?;
         if x.dtype() == DType::F32 {
             // Same arithmetic in one fused kernel.
@@ -74,12 +77,13 @@ impl RmsNorm {
     }
 }
 
-/// Gated SiLU MLP: `down(silu(gate(x)) * up(x))`.
+/// Gated SiLU MLP: `down(silu(gate(x)) * up(x))`, with gate and up fused into one product
+/// (`[gate | up]`, `2 · hidden` outputs).
 #[derive(Debug, Clone)]
 pub(crate) struct GatedMlp {
-    pub(crate) gate: Linear,
-    pub(crate) up: Linear,
+    pub(crate) gate_up: Linear,
     pub(crate) down: Linear,
+    pub(crate) hidden: usize,
 }
 
 /// `l` with its weight and bias on `device` (no copy of what is already there).
@@ -88,19 +92,37 @@ pub(crate) fn linear_to_device(l: &Linear, device: &Device) -> Result<Linear> {
 }
 
 impl GatedMlp {
+    /// The MLP of `gate` and `up` (weights `[hidden, in]`, optional biases) and `down`.
+    pub(crate) fn new(
+        gate: (Tensor, Option<Tensor>),
+        up: (Tensor, Option<Tensor>),
+        down: Linear,
+    ) -> Result<Self> {
+        let hidden = gate.0.dim(0)?;
+        let w = Tensor::cat(&[&gate.0, &up.0], 0)?;
+        let b = match (gate.1, up.1) {
+            (Some(g), Some(u)) => Some(Tensor::cat(&[&g, &u], 0)?),
+            _ => None,
+        };
+        Ok(Self {
+            gate_up: Linear::new(w, b)?,
+            down,
+            hidden,
+        })
+    }
+
     /// The MLP with its weights on `device`.
     pub(crate) fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
-            gate: linear_to_device(&self.gate, device)?,
-            up: linear_to_device(&self.up, device)?,
+            gate_up: linear_to_device(&self.gate_up, device)?,
             down: linear_to_device(&self.down, device)?,
+            hidden: self.hidden,
         })
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(x)?.silu()?;
-        let u = self.up.forward(x)?;
-        self.down.forward(&(g * u)?)
+        let gu = self.gate_up.forward(x)?;
+        self.down.forward(&super::cpu::silu_mul(&gu, self.hidden)?)
     }
 }
 

@@ -25,6 +25,8 @@
 
 mod attention;
 mod block;
+pub(crate) mod cpu;
+mod kv_cache;
 mod layers;
 mod linear;
 #[cfg(feature = "cuda")]

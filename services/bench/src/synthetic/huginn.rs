@@ -9,9 +9,9 @@
 //! fixture checkpoint, so adaptive exits and diffusion freezes happen, but how quickly they
 //! happen says nothing about a trained model.
 
+use crate::weights::{uniform_with_std, var_builder};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use wavefront_bench::weights::{uniform_with_std, var_builder};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Huginn, HuginnConfig};
 

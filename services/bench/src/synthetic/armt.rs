@@ -7,9 +7,9 @@
 //! would keep every memory at zero; here it is random like the rest, so reads and writes do
 //! real work. The timings say nothing about a trained model's outputs.
 
+use crate::weights::{uniform, var_builder};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use wavefront_bench::weights::{uniform, var_builder};
 use wavefront_models::armt::{Armt, ArmtConfig};
 use wavefront_models::candle_core::{DType, Device};
 

@@ -9,9 +9,9 @@
 //! SureLock sees posteriors settle. How often either happens with these weights says nothing
 //! about the trained LLaDA-8B.
 
+use crate::weights::{uniform_with_std, var_builder};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use wavefront_bench::weights::{uniform_with_std, var_builder};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Llada, LladaConfig};
 

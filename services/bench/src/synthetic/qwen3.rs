@@ -8,9 +8,9 @@
 //! planning confidences cross the thresholds. How often slots are selected and drafts verified
 //! with these weights says nothing about the trained ReFusion.
 
+use crate::weights::{uniform, uniform_with_std, var_builder};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use wavefront_bench::weights::{uniform, uniform_with_std, var_builder};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Qwen3, Qwen3Config};
 

@@ -1,0 +1,409 @@
+//! `bench-forward`: the operations an engine tick is made of, timed at the mid-size shapes of
+//! docs/benchmarks.md on synthetic weights, against this machine's measured ceilings.
+//!
+//! In one run it measures the machine's peaks (streaming read bandwidth over a buffer far larger
+//! than the last-level cache, and the fused multiply-add rate with operands in registers, both
+//! on every pool thread; plus the rate of a large square product through the same kernel the
+//! models use), then times every shape and prints, per shape, the bytes of weights and cache it
+//! must read and the FLOPs it must do, the rates reached and the fraction of its roofline:
+//! `max(bytes / bandwidth, flops / peak) / time`, i.e. how close the shape runs to the ceiling
+//! that binds it.
+//!
+//! Shapes (mid-size configs; f32 unless `--weight-dtype bf16`):
+//! - `decode-kv{32,512,4096}`: a one-row forward of ReFusion's Qwen3 (hidden 512, 8 layers,
+//!   8/4 heads of 64, MLP 1536, vocab 32768) over a K/V cache of that many positions, head
+//!   included (the step of autoregressive decoding);
+//! - `huginn-core-{1,20}`: one recurrence of Huginn's core (width 1024, 8 heads, MLP 3456, 4
+//!   core blocks and the adapter) over 1 row and over a 20-row wavefront, after a 32-token prompt;
+//! - `llada-{160,288}`: LLaDA's bidirectional stack (d_model 512, 8 layers, 8 heads, MLP 1536)
+//!   over a 160- and a 288-row canvas, without the head;
+//! - `armt-segment-272`: one ARMT segment (Llama 512 x 8 layers, 8/2 heads, MLP 1536, 256 tokens
+//!   + 16 memory tokens) through every layer with memory reads and writes;
+//! - `head-{1,32}`: Huginn's output head (1024 x 32768) over 1 and 32 rows.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use clap::Parser;
+use serde_json::json;
+use wavefront_bench::run::Target;
+use wavefront_bench::synthetic::{armt, huginn, llada, qwen3};
+use wavefront_models::armt::SeqMemory;
+use wavefront_models::candle_core::{DType, Device, Tensor};
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, StoreWeights};
+use wavefront_models::{cpu_peaks, CacheStrategy, HuginnCache, SeqRows};
+
+#[derive(Debug, Parser)]
+#[command(about = "Per-operation forward timings against this machine's roofline")]
+struct Args {
+    #[command(flatten)]
+    target: Target,
+    /// Shapes to time (default: all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Seconds of timed calls per shape (after warm-up).
+    #[arg(long, default_value_t = 1.5)]
+    seconds: f64,
+    /// Buffer streamed for the bandwidth ceiling, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    bandwidth_mib: usize,
+    /// Skip measuring the peaks (fractions are then meaningless): for profiling the shapes.
+    #[arg(long)]
+    no_peaks: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One timed shape.
+struct Shape {
+    name: &'static str,
+    rows: usize,
+    /// Bytes of weights and cache one call must read.
+    bytes: f64,
+    /// Floating-point operations one call must do.
+    flops: f64,
+    run: Box<dyn FnMut() -> Result<()>>,
+}
+
+/// Median seconds of one call over `seconds` of calls, after two warm-up calls.
+fn time(run: &mut dyn FnMut() -> Result<()>, seconds: f64) -> Result<f64> {
+    run()?;
+    run()?;
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs_f64(seconds) || times.len() < 5 {
+        let t = Instant::now();
+        run()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn weight_bytes(params: f64, bf16: bool) -> f64 {
+    params * if bf16 { 2.0 } else { 4.0 }
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    a.target.init_threads()?;
+    let opts = a.target.load_options("forward")?;
+    let (device, dtype, wdt) = (opts.device.clone(), opts.dtype, opts.weight_dtype);
+    let bf16 = wdt == wavefront_models::transformer::WeightDtype::Bf16;
+    // A shape is timed when `--only` names it or a prefix of it; a model is built when any
+    // of its shapes is timed.
+    let want =
+        |name: &str| a.only.is_empty() || a.only.iter().any(|o| name.starts_with(o.as_str()));
+    let want_any = |prefix: &str| {
+        a.only.is_empty()
+            || a.only
+                .iter()
+                .any(|o| o.starts_with(prefix) || prefix.starts_with(o.as_str()))
+    };
+
+    eprintln!(
+        "measuring peaks ({} threads, {})",
+        wavefront_models::cpu_threads(),
+        wavefront_models::cpu_isa()
+    );
+    let (bandwidth, fma, gemm) = if a.no_peaks {
+        (f64::NAN, f64::NAN, f64::NAN)
+    } else {
+        (
+            cpu_peaks::read_bandwidth(a.bandwidth_mib << 20, 5),
+            cpu_peaks::fma_peak(1.0),
+            gemm_rate(2048, a.seconds)?,
+        )
+    };
+    let mut shapes: Vec<Shape> = Vec::new();
+
+    // ReFusion's Qwen3: one-row decode over K/V caches of several lengths.
+    if want_any("decode") {
+        let shape = qwen3::Shape {
+            hidden_size: 512,
+            num_attention_heads: 8,
+            num_key_value_heads: 4,
+            head_dim: 64,
+            num_hidden_layers: 8,
+            intermediate_size: 1536,
+            vocab_size: 32768,
+            max_position_embeddings: 8192,
+        };
+        let cfg = shape.config()?;
+        let mut model = qwen3::random_model(&cfg, 1, 1.0, 1.0, 0.0, &device, dtype)?;
+        model.store_weights(wdt)?;
+        let model = std::sync::Arc::new(model);
+        let (e, l, i, v) = (512.0, 8.0, 1536.0, 32768.0);
+        let kv = 4.0 * 64.0;
+        let params = l * (e * (8.0 * 64.0) * 2.0 + e * kv * 2.0 + 3.0 * e * i) + v * e;
+        for (name, t) in [
+            ("decode-kv32", 32usize),
+            ("decode-kv512", 512),
+            ("decode-kv4096", 4096),
+        ] {
+            if !want(name) {
+                continue;
+            }
+            // Fill the cache with t positions, then time one row at position t (the cache
+            // cut back to t after every call).
+            let mut cache = KvCache::new();
+            let ids: Vec<u32> = (0..t as u32).map(|k| k % 30000).collect();
+            let mut seqs =
+                [SeqInput::dense(t)
+                    .with_mask(MaskRule::Causal)
+                    .with_keys(Keys::Buffer {
+                        cache: &mut cache,
+                        len: t,
+                    })];
+            model.forward(&ids, &mut seqs)?;
+            let m = model.clone();
+            let cache_bytes = 2.0 * l * kv * t as f64 * 4.0;
+            shapes.push(Shape {
+                name,
+                rows: 1,
+                bytes: weight_bytes(params, bf16) + cache_bytes,
+                flops: 2.0 * params + 4.0 * l * 8.0 * 64.0 * t as f64,
+                run: Box::new(move || {
+                    let mut seq = SeqInput {
+                        index: vec![t as u32],
+                        positions: vec![t as u32],
+                        mask: MaskRule::Causal,
+                        keys: Keys::Buffer {
+                            cache: &mut cache,
+                            len: t + 1,
+                        },
+                    };
+                    let h = m.forward(&[7], std::slice::from_mut(&mut seq))?;
+                    m.logits(&h)?;
+                    cache.truncate(t)?;
+                    Ok(())
+                }),
+            });
+        }
+    }
+
+    // Huginn's core: one recurrence over 1 and 20 rows, and its head.
+    if want_any("huginn-core") || want_any("head") {
+        let shape = huginn::Shape {
+            n_embd: 1024,
+            n_heads: 8,
+            intermediate_size: 3456,
+            vocab_size: 32768,
+            prelude: 2,
+            core: 4,
+            coda: 2,
+            mean_recurrence: 32,
+        };
+        let cfg = shape.config()?;
+        let mut model = huginn::random_model(&cfg, 1, &device, dtype)?;
+        model.store_weights(wdt)?;
+        let model = std::sync::Arc::new(model);
+        let (e, i) = (1024.0, 3456.0);
+        let block = 3.0 * e * e + e * e + 2.0 * i * e + i * e;
+        let core_params = 4.0 * block + 2.0 * e * e;
+        let prompt = 32usize;
+        for (name, rows) in [("huginn-core-1", 1usize), ("huginn-core-20", 20)] {
+            if !want(name) {
+                continue;
+            }
+            let mut cache = HuginnCache::new(CacheStrategy::Full);
+            let ids: Vec<u32> = (0..(prompt + rows) as u32).collect();
+            let emb = model.embed(&ids)?;
+            let injected = {
+                let mut seqs = [SeqRows::new(&mut cache, 0, prompt + rows)];
+                model.prelude(&emb, &mut seqs)?
+            };
+            let start = prompt;
+            let inj = injected.narrow(0, start, rows)?;
+            let state = Tensor::randn(0f32, 1.0, (rows, 1024), &device)?.to_dtype(dtype)?;
+            let m = model.clone();
+            let keys = (start + rows) as f64;
+            shapes.push(Shape {
+                name,
+                rows,
+                bytes: weight_bytes(core_params, bf16) + 4.0 * 2.0 * e * keys * 4.0,
+                flops: 2.0 * rows as f64 * core_params + 4.0 * 4.0 * rows as f64 * keys * e,
+                run: Box::new(move || {
+                    let mut seqs = [SeqRows::new(&mut cache, start, rows)];
+                    m.core_step(&state, &inj, &mut seqs)?;
+                    Ok(())
+                }),
+            });
+        }
+        for (name, rows) in [("head-1", 1usize), ("head-32", 32)] {
+            if !want(name) {
+                continue;
+            }
+            let hidden = Tensor::randn(0f32, 1.0, (rows, 1024), &device)?.to_dtype(dtype)?;
+            let m = model.clone();
+            let params = 32768.0 * e;
+            shapes.push(Shape {
+                name,
+                rows,
+                bytes: weight_bytes(params, bf16),
+                flops: 2.0 * rows as f64 * params,
+                run: Box::new(move || {
+                    m.lm_head(&hidden)?;
+                    Ok(())
+                }),
+            });
+        }
+    }
+
+    // LLaDA: the bidirectional stack over whole canvases.
+    if want_any("llada") {
+        let shape = llada::Shape {
+            d_model: 512,
+            n_heads: 8,
+            n_layers: 8,
+            mlp_hidden_size: 1536,
+            vocab_size: 32768,
+            max_sequence_length: 4096,
+        };
+        let cfg = shape.config()?;
+        let mut model = llada::random_model(&cfg, 1, 3.0, 24.0, &device, dtype)?;
+        model.store_weights(wdt)?;
+        let model = std::sync::Arc::new(model);
+        let (e, l, i) = (512.0, 8.0, 1536.0);
+        let params = l * (4.0 * e * e + 3.0 * e * i);
+        for (name, rows) in [("llada-160", 160usize), ("llada-288", 288)] {
+            if !want(name) {
+                continue;
+            }
+            let ids: Vec<u32> = (0..rows as u32).map(|k| k * 7 % 32000).collect();
+            let m = model.clone();
+            shapes.push(Shape {
+                name,
+                rows,
+                bytes: weight_bytes(params, bf16),
+                flops: 2.0 * rows as f64 * params + 4.0 * l * (rows * rows) as f64 * e,
+                run: Box::new(move || {
+                    m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
+                    Ok(())
+                }),
+            });
+        }
+    }
+
+    // ARMT: one 272-row segment through every layer, memories read and written.
+    if want_any("armt") {
+        let shape = armt::Shape {
+            hidden_size: 512,
+            layers: 8,
+            heads: 8,
+            kv_heads: 2,
+            intermediate_size: 1536,
+            vocab_size: 32000,
+            segment_size: 256,
+            num_mem_tokens: 16,
+            d_mem: 64,
+            max_position_embeddings: 4096,
+        };
+        let cfg = shape.config()?;
+        let mut model = armt::random_model(&cfg, 1, &device, dtype)?;
+        model.store_weights(wdt)?;
+        let (e, l, i, kv, dm) = (512.0, 8.0, 1536.0, 2.0 * 64.0, 64.0);
+        let dk = 6.0 * dm;
+        let params = l * (2.0 * e * e + 2.0 * e * kv + 3.0 * e * i + dm * e + (dm + e + 1.0) * e);
+        let ids: Vec<u32> = (0..256u32).map(|k| k * 13 % 32000).collect();
+        let mut memory = model.new_memory()?;
+        // One segment first, so every later segment reads written memories.
+        let step = move |model: &wavefront_models::Armt, memory: &mut Vec<_>| -> Result<()> {
+            let x = model.segment_input(&ids, true)?;
+            let n = x.dim(0)?;
+            let mut seqs = [SeqInput::dense(n).with_mask(MaskRule::Causal)];
+            let mut mems = [SeqMemory {
+                layers: memory,
+                write: true,
+            }];
+            model.forward_layers(&x, &mut seqs, &mut mems)?;
+            Ok(())
+        };
+        step(&model, &mut memory)?;
+        let rows = 272usize;
+        shapes.push(Shape {
+            name: "armt-segment-272",
+            rows,
+            bytes: weight_bytes(params, bf16) + l * (dk * e + dk) * 4.0,
+            flops: 2.0 * rows as f64 * params
+                + 4.0 * l * (rows * rows) as f64 / 2.0 * e
+                + 2.0 * l * rows as f64 * dk * e * 2.0,
+            run: Box::new(move || step(&model, &mut memory)),
+        });
+    }
+
+    let mut results = Vec::new();
+    for mut s in shapes {
+        eprintln!("timing {}", s.name);
+        let secs = time(s.run.as_mut(), a.seconds)?;
+        let roof = (s.bytes / bandwidth).max(s.flops / fma);
+        let bound = if s.bytes / bandwidth >= s.flops / fma {
+            "memory"
+        } else {
+            "compute"
+        };
+        results.push(json!({
+            "shape": s.name,
+            "rows": s.rows,
+            "ms": secs * 1e3,
+            "gb_per_s": s.bytes / secs / 1e9,
+            "gflop_per_s": s.flops / secs / 1e9,
+            "bound": bound,
+            "roofline_fraction": roof / secs,
+        }));
+    }
+    let report = json!({
+        "threads": wavefront_models::cpu_threads(),
+        "isa": wavefront_models::cpu_isa(),
+        "weight_dtype": if bf16 { "bf16" } else { "f32" },
+        "read_bandwidth_gb_per_s": bandwidth / 1e9,
+        "fma_peak_gflop_per_s": fma / 1e9,
+        "gemm_2048_gflop_per_s": gemm / 1e9,
+        "shapes": results,
+    });
+    if a.json {
+        println!("{report}");
+        return Ok(());
+    }
+    println!(
+        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
+        report["threads"],
+        report["isa"].as_str().unwrap_or(""),
+        bandwidth / 1e9,
+        fma / 1e9,
+        gemm / 1e9,
+        100.0 * gemm / fma,
+        report["weight_dtype"].as_str().unwrap_or(""),
+    );
+    println!("| shape | rows | ms | GB/s | GFLOP/s | bound | of roofline |");
+    println!("|---|---:|---:|---:|---:|---|---:|");
+    for r in report["shapes"].as_array().into_iter().flatten() {
+        println!(
+            "| {} | {} | {:.3} | {:.1} | {:.1} | {} | {:.0}% |",
+            r["shape"].as_str().unwrap_or(""),
+            r["rows"],
+            r["ms"].as_f64().unwrap_or(0.0),
+            r["gb_per_s"].as_f64().unwrap_or(0.0),
+            r["gflop_per_s"].as_f64().unwrap_or(0.0),
+            r["bound"].as_str().unwrap_or(""),
+            100.0 * r["roofline_fraction"].as_f64().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}
+
+/// FLOP/s of a `n x n x n` product through the linear layer the models use.
+fn gemm_rate(n: usize, seconds: f64) -> Result<f64> {
+    let w = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let x = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?.to_dtype(DType::F32)?;
+    let layer = wavefront_models::transformer::Linear::new(w, None)?;
+    let secs = time(
+        &mut || {
+            layer.forward(&x)?;
+            Ok(())
+        },
+        seconds,
+    )?;
+    Ok(2.0 * (n * n * n) as f64 / secs)
+}

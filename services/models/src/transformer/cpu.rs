@@ -1,0 +1,196 @@
+//! Attention on the CPU kernel of `wavefront-kernels`: every sequence of a packed call in one
+//! threaded operation, its keys and values read where they live (a cache buffer, a shared
+//! prefix, the call's own rows) through [`KvBlock`]s, nothing concatenated.
+//!
+//! Used for float32 tensors on the CPU; elsewhere the callers keep their candle path.
+
+use std::ops::Deref;
+
+use candle_core::{DType, Device, Layout, Storage, Tensor};
+use wavefront_kernels::attention::Mask;
+use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, SeqAttention};
+
+use crate::error::{ModelError, Result};
+
+/// Whether `t` takes the CPU kernels (float32 on the CPU).
+pub(crate) fn on_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// A read guard on a CPU tensor's storage with its layout.
+pub(crate) struct Borrowed<'a> {
+    guard: Box<dyn Deref<Target = Storage> + 'a>,
+    layout: &'a Layout,
+}
+
+impl<'a> Borrowed<'a> {
+    /// Borrows `t`, which must be float32 on the CPU.
+    pub(crate) fn new(t: &'a Tensor) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        if !matches!(&*guard, Storage::Cpu(_)) || t.dtype() != DType::F32 {
+            return Err(ModelError::Shape(
+                "the CPU kernels take float32 tensors on the CPU".into(),
+            ));
+        }
+        Ok(Self {
+            guard: Box::new(guard),
+            layout,
+        })
+    }
+
+    /// The values from the tensor's first element to the end of its storage.
+    pub(crate) fn tail(&self) -> Result<&[f32]> {
+        let Storage::Cpu(cpu) = &**self.guard else {
+            unreachable!("checked in new");
+        };
+        Ok(&cpu.as_slice::<f32>()?[self.layout.start_offset()..])
+    }
+
+    /// A run of keys of a `[H_kv, n, D]` tensor whose rows are contiguous within a head
+    /// (e.g. a narrow of a contiguous cache buffer).
+    pub(crate) fn block(&'a self, values: &'a Borrowed<'a>) -> Result<KvBlock<'a>> {
+        let dims = self.layout.shape().dims();
+        let [_, n, _] = dims else {
+            return Err(ModelError::Shape(format!("keys of shape {dims:?}")));
+        };
+        let head_stride = self.layout.stride()[0];
+        if !kernel_layout(dims, self.layout.stride(), head_stride)
+            || values.layout.shape().dims() != dims
+            || !kernel_layout(dims, values.layout.stride(), head_stride)
+        {
+            return Err(ModelError::Shape(
+                "keys and values must share a [heads, rows, dim] layout with contiguous rows"
+                    .into(),
+            ));
+        }
+        Ok(KvBlock {
+            k: self.tail()?,
+            v: values.tail()?,
+            len: *n,
+            head_stride,
+        })
+    }
+}
+
+/// Whether a `[H, n, D]` layout with `strides` has contiguous rows of `D` values, `D` apart,
+/// and heads `head_stride` apart (strides of unit dims do not matter).
+fn kernel_layout(dims: &[usize], strides: &[usize], head_stride: usize) -> bool {
+    let [h, n, d] = dims else { return false };
+    (*d <= 1 || strides[2] == 1)
+        && (*n <= 1 || strides[1] == *d)
+        && (*h <= 1 || strides[0] == head_stride)
+}
+
+/// `(k, v)` as they are when the kernel can read them in place, else contiguous copies.
+fn readable(k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    let hs = k.stride()[0];
+    let ok = k.rank() == 3
+        && k.dims() == v.dims()
+        && kernel_layout(k.dims(), k.stride(), hs)
+        && kernel_layout(v.dims(), v.stride(), hs);
+    Ok(if ok {
+        (k.clone(), v.clone())
+    } else {
+        (k.contiguous()?, v.contiguous()?)
+    })
+}
+
+/// One sequence of [`attend`]: its query rows in the call, the buffer index of each, its keys
+/// and values as `[H_kv, n_i, D]` runs in key order with their buffer indices (`None`: key `t`
+/// is buffer index `t`), its mask.
+pub(crate) struct CpuSeq {
+    pub rows: std::ops::Range<usize>,
+    pub row_index: Vec<u32>,
+    pub runs: Vec<(Tensor, Tensor)>,
+    pub key_index: Option<Vec<u32>>,
+    pub mask: Mask,
+}
+
+/// `softmax(q kᵀ · scale + mask) v` for every sequence, `q` `[H, N, D]` float32 on the CPU;
+/// returns `[H, N, D]`.
+pub(crate) fn attend(q: &Tensor, n_kv_heads: usize, scale: f32, seqs: &[CpuSeq]) -> Result<Tensor> {
+    let (h, n, d) = q.dims3()?;
+    let q = q.contiguous()?;
+    let qb = Borrowed::new(&q)?;
+    let runs: Vec<Vec<(Tensor, Tensor)>> = seqs
+        .iter()
+        .map(|s| s.runs.iter().map(|(k, v)| readable(k, v)).collect())
+        .collect::<Result<_>>()?;
+    let held: Vec<Vec<(Borrowed, Borrowed)>> = runs
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|(k, v)| Ok((Borrowed::new(k)?, Borrowed::new(v)?)))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<_>>()?;
+    let calls = seqs
+        .iter()
+        .zip(&held)
+        .map(|(s, runs)| {
+            Ok(SeqAttention {
+                rows: s.rows.clone(),
+                row_index: &s.row_index,
+                blocks: runs
+                    .iter()
+                    .map(|(k, v)| k.block(v))
+                    .collect::<Result<Vec<_>>>()?,
+                key_index: s.key_index.as_deref(),
+                mask: s.mask,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut out = vec![0f32; h * n * d];
+    let heads = Heads {
+        n_heads: h,
+        n_kv_heads,
+        head_dim: d,
+        scale,
+    };
+    attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out)
+        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    Ok(Tensor::from_vec(out, (h, n, d), &Device::Cpu)?)
+}
+
+/// `silu(gu[.., :hidden]) · gu[.., hidden:]` of the fused gate and up products `[.., 2·hidden]`:
+/// the CPU kernel for float32 on the CPU, candle ops elsewhere.
+pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
+    let last = gu.rank() - 1;
+    if !on_cpu_f32(gu) {
+        let g = gu.narrow(last, 0, hidden)?;
+        let u = gu.narrow(last, hidden, hidden)?;
+        return Ok((g.silu()? * u)?);
+    }
+    let gu = gu.contiguous()?;
+    let mut out = vec![0f32; gu.elem_count() / 2];
+    {
+        let b = Borrowed::new(&gu)?;
+        wavefront_kernels::cpu::elementwise::silu_mul(
+            &b.tail()?[..gu.elem_count()],
+            hidden,
+            &mut out,
+        )
+        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    }
+    let mut shape = gu.dims().to_vec();
+    shape[last] = hidden;
+    Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
+}
+
+/// RMSNorm of the rows of `x` `[.., dim]` with `w` `[dim]`, float32 on the CPU.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let mut out = vec![0f32; x.elem_count()];
+    {
+        let (b, wb) = (Borrowed::new(&x)?, Borrowed::new(w)?);
+        let dim = w.elem_count();
+        wavefront_kernels::cpu::elementwise::rms_norm(
+            &b.tail()?[..x.elem_count()],
+            &wb.tail()?[..dim],
+            eps,
+            &mut out,
+        )
+        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    }
+    Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
+}
