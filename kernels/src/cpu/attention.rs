@@ -62,6 +62,9 @@ pub struct Heads {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Write the output row-major `[rows, H, D]` (what the output projection reads) instead of
+    /// head-major `[H, rows, D]`.
+    pub rows_out: bool,
 }
 
 /// Query rows per task, at most.
@@ -69,7 +72,8 @@ const ROWS_PER_TASK: usize = 64;
 /// Queries of a task from which scores and values go through the product kernel.
 const GEMM_QUERIES: usize = 4;
 
-/// Attention of every sequence; `q` and `out` are `[H, rows, D]` with `rows` the call's rows.
+/// Attention of every sequence; `q` is `[H, rows, D]` with `rows` the call's rows, `out` the
+/// same or `[rows, H, D]` ([`Heads::rows_out`]).
 pub fn attention(
     heads: Heads,
     q: &[f32],
@@ -263,7 +267,12 @@ unsafe fn task(
         }
     }
     for (qi, &(hh, row)) in queries.iter().enumerate() {
-        let dst = out.0.add((hh * rows + row) * d);
+        let at = if heads.rows_out {
+            (row * h + hh) * d
+        } else {
+            (hh * rows + row) * d
+        };
+        let dst = out.0.add(at);
         std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
     }
 }
@@ -294,6 +303,7 @@ mod tests {
             n_kv_heads: hkv,
             head_dim: d,
             scale: 0.3,
+            rows_out: false,
         };
         // Sequence 0: 3 rows at buffer 5..8 over 8 causal keys (a cache of 5 + the rows);
         // sequence 1: 4 rows, WINO shadow mask over 6 keys.
@@ -394,6 +404,21 @@ mod tests {
                     .map(|(a, b)| (a - b).abs())
                     .fold(0f32, f32::max);
                 assert!(diff < 1e-5, "{isa:?} x{threads}: {diff}");
+                // Row-major output: the same values, transposed.
+                let mut by_rows = vec![f32::NAN; q.len()];
+                let rheads = Heads {
+                    rows_out: true,
+                    ..heads
+                };
+                attention_with(isa, threads, rheads, &q, rows, &seqs, &mut by_rows).unwrap();
+                for hh in 0..h {
+                    for r in 0..rows {
+                        assert_eq!(
+                            by_rows[(r * h + hh) * d..(r * h + hh + 1) * d],
+                            out[(hh * rows + r) * d..(hh * rows + r + 1) * d]
+                        );
+                    }
+                }
                 // The same bits on every instruction set and thread count.
                 match &first {
                     None => first = Some(out),
@@ -435,6 +460,7 @@ mod tests {
             n_kv_heads: h,
             head_dim: d,
             scale: 0.2,
+            rows_out: false,
         };
         let layout = RaggedLayout {
             n_heads: h,
@@ -469,6 +495,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 2,
             scale: 1.0,
+            rows_out: false,
         };
         let k = [1.0f32, 2.0];
         let seqs = vec![SeqAttention {

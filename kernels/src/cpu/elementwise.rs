@@ -73,6 +73,108 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), S
     Ok(())
 }
 
+/// How [`split_heads`] turns a fused q/k/v product into heads.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadSplit<'a> {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Per-head RMSNorm weights of q and k `[head_dim]` (Qwen3), with their epsilon.
+    pub qk_norm: Option<(&'a [f32], &'a [f32], f32)>,
+    /// RoPE of every row, `[rows, head_dim / 2]` each (GPT-NeoX "half" layout).
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+}
+
+/// Splits `qkv` `[rows, (H + 2 H_kv) · D]` (q, k and v side by side) into head-major q
+/// `[H, rows, D]`, k and v `[H_kv, rows, D]`: q and k normed per head when asked, then rotated;
+/// v copied. One pass over the product instead of a copy per step. RoPE as the reference
+/// computes it: `x1·cos - x2·sin`, `x1·sin + x2·cos`.
+pub fn split_heads(
+    qkv: &[f32],
+    rows: usize,
+    s: &HeadSplit,
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &mut [f32],
+) -> Result<(), ShapeError> {
+    let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let width = (h + 2 * hkv) * d;
+    check(d % 2 == 0 && qkv.len() == rows * width, || {
+        format!("{} values are not {rows} rows of {width}", qkv.len())
+    })?;
+    check(
+        q.len() == h * rows * d && k.len() == hkv * rows * d && v.len() == k.len(),
+        || "q/k/v outputs of the wrong size".into(),
+    )?;
+    check(
+        s.cos.len() >= rows * d / 2 && s.sin.len() >= rows * d / 2,
+        || format!("RoPE rows for {rows} rows of {} dims", d),
+    )?;
+    let isa = Isa::get();
+    let (qp, kp, vp) = (
+        SendPtr(q.as_mut_ptr()),
+        SendPtr(k.as_mut_ptr()),
+        SendPtr(v.as_mut_ptr()),
+    );
+    // Unit u: query head u, key head u - H, value head u - H - H_kv.
+    let units = h + 2 * hkv;
+    let work = |u: usize| {
+        let (dst, col, norm, rotate) = if u < h {
+            (qp.ptr(), u * d, s.qk_norm.map(|(w, _, e)| (w, e)), true)
+        } else if u < h + hkv {
+            (kp.ptr(), u * d, s.qk_norm.map(|(_, w, e)| (w, e)), true)
+        } else {
+            (vp.ptr(), u * d, None, false)
+        };
+        let head = if u < h {
+            u
+        } else if u < h + hkv {
+            u - h
+        } else {
+            u - h - hkv
+        };
+        let mut buf = vec![0f32; d];
+        for r in 0..rows {
+            let src = &qkv[r * width + col..r * width + col + d];
+            // SAFETY: each unit writes its own head's rows.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.add((head * rows + r) * d), d) };
+            let x: &[f32] = match norm {
+                Some((w, eps)) => {
+                    let ms = simd::dot(isa, src, src) / d as f32;
+                    let scale = 1.0 / (ms + eps).sqrt();
+                    for ((b, &x), &w) in buf.iter_mut().zip(src).zip(w) {
+                        *b = w * (x * scale);
+                    }
+                    &buf
+                }
+                None => src,
+            };
+            if rotate {
+                let half = d / 2;
+                let (cos, sin) = (
+                    &s.cos[r * half..(r + 1) * half],
+                    &s.sin[r * half..(r + 1) * half],
+                );
+                for i in 0..half {
+                    let (x1, x2) = (x[i], x[i + half]);
+                    out[i] = x1 * cos[i] - x2 * sin[i];
+                    out[i + half] = x1 * sin[i] + x2 * cos[i];
+                }
+            } else {
+                out.copy_from_slice(x);
+            }
+        }
+    };
+    if threads() <= 1 || qkv.len() < PARALLEL_FROM {
+        (0..units).for_each(work);
+    } else {
+        use rayon::prelude::*;
+        (0..units).into_par_iter().for_each(work);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +200,56 @@ mod tests {
             }
         }
         assert!(silu_mul(&gu, 5, &mut out).is_err());
+    }
+
+    #[test]
+    fn heads_are_split_normed_and_rotated() {
+        let (h, hkv, d, rows) = (2, 1, 4, 3);
+        let width = (h + 2 * hkv) * d;
+        let qkv: Vec<f32> = (0..rows * width).map(|i| (i as f32 * 0.37).sin()).collect();
+        let cos: Vec<f32> = (0..rows * d / 2).map(|i| (i as f32 * 0.2).cos()).collect();
+        let sin: Vec<f32> = (0..rows * d / 2).map(|i| (i as f32 * 0.2).sin()).collect();
+        let wq = [1.0f32, 2.0, 0.5, 1.5];
+        let wk = [0.7f32; 4];
+        let split = HeadSplit {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            qk_norm: Some((&wq, &wk, 1e-6)),
+            cos: &cos,
+            sin: &sin,
+        };
+        let (mut q, mut k, mut v) = (
+            vec![0f32; h * rows * d],
+            vec![0f32; rows * d],
+            vec![0f32; rows * d],
+        );
+        split_heads(&qkv, rows, &split, &mut q, &mut k, &mut v).unwrap();
+        for r in 0..rows {
+            // v: a copy of the last head's slice.
+            assert_eq!(
+                v[r * d..(r + 1) * d],
+                qkv[r * width + 3 * d..r * width + 4 * d]
+            );
+            // q head 1: normed with wq, then rotated with row r's angles.
+            let x = &qkv[r * width + d..r * width + 2 * d];
+            let ms = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let n: Vec<f32> = x
+                .iter()
+                .zip(&wq)
+                .map(|(x, w)| w * (x / (ms + 1e-6).sqrt()))
+                .collect();
+            let (c, s) = (&cos[r * 2..r * 2 + 2], &sin[r * 2..r * 2 + 2]);
+            let want = [
+                n[0] * c[0] - n[2] * s[0],
+                n[1] * c[1] - n[3] * s[1],
+                n[0] * s[0] + n[2] * c[0],
+                n[1] * s[1] + n[3] * c[1],
+            ];
+            for (g, w) in q[(rows + r) * d..(rows + r + 1) * d].iter().zip(want) {
+                assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+            }
+        }
     }
 
     #[test]

@@ -27,6 +27,10 @@ use super::{split, SendPtr};
 pub const NR: usize = 32;
 /// How far ahead of the panel row being multiplied the kernel asks for the panel.
 const PREFETCH_BYTES: usize = 2048;
+/// Panel rows (of `k`) multiplied per pass over a group of row tiles.
+const KC: usize = 256;
+/// Row tiles that share each block of a panel.
+const GROUP_TILES: usize = 8;
 /// Rows per register tile, the most any instruction set uses.
 const MR_MAX: usize = 8;
 
@@ -293,6 +297,7 @@ pub(crate) fn gemm_panels(
                 k,
                 &panels[p * k * NR..(p + 1) * k * NR],
                 &mut tile,
+                true,
             );
             for r in 0..mr {
                 let row = &mut c[(i + r) * ldc + p * NR..];
@@ -318,27 +323,35 @@ unsafe fn run_block(
     panels: std::ops::Range<usize>,
     tiles: &[(usize, usize)],
 ) {
-    let mut tile = [0f32; MR_MAX * NR];
+    let mut accs = [[0f32; MR_MAX * NR]; GROUP_TILES];
     for p in panels {
         let cols = NR.min(n - p * NR);
-        for &(i, mr) in tiles {
-            let at = &a[i * k..(i + mr) * k];
-            match &w.store {
-                Store::F32(v) => {
-                    tile_dispatch(isa, mr, at, k, &v[p * k * NR..(p + 1) * k * NR], &mut tile)
-                }
-                Store::Bf16(v) => {
-                    tile_dispatch(isa, mr, at, k, &v[p * k * NR..(p + 1) * k * NR], &mut tile)
+        for group in tiles.chunks(GROUP_TILES) {
+            // One block of the panel's rows at a time for every tile of the group: the block is
+            // read from memory once and stays in L1 for the other tiles. Each output's chain
+            // carries on across blocks through its accumulator, so its order is unchanged.
+            for k0 in (0..k).step_by(KC) {
+                let kb = KC.min(k - k0);
+                for (&(i, mr), acc) in group.iter().zip(accs.iter_mut()) {
+                    let at = &a[i * k + k0 * mr..i * k + (k0 + kb) * mr];
+                    let start = k0 == 0;
+                    let range = p * k * NR + k0 * NR..p * k * NR + (k0 + kb) * NR;
+                    match &w.store {
+                        Store::F32(v) => tile_dispatch(isa, mr, at, kb, &v[range], acc, start),
+                        Store::Bf16(v) => tile_dispatch(isa, mr, at, kb, &v[range], acc, start),
+                    }
                 }
             }
-            for r in 0..mr {
-                let out = y.0.add((i + r) * n + p * NR);
-                for c in 0..cols {
-                    let mut val = tile[r * NR + c];
-                    if let Some(b) = bias {
-                        val += b[p * NR + c];
+            for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
+                for r in 0..mr {
+                    let out = y.0.add((i + r) * n + p * NR);
+                    for c in 0..cols {
+                        let mut val = acc[r * NR + c];
+                        if let Some(b) = bias {
+                            val += b[p * NR + c];
+                        }
+                        *out.add(c) = val;
                     }
-                    *out.add(c) = val;
                 }
             }
         }
@@ -393,7 +406,7 @@ impl PanelElem for u16 {
 }
 
 /// One `mr x NR` tile into `tile` (row-major, `NR` per row); `x` is the tile's rows packed
-/// `[k][mr]`.
+/// `[k][mr]`. The chains start from zero when `start`, else carry on from the values in `tile`.
 fn tile_dispatch<E: PanelElem>(
     isa: Isa,
     mr: usize,
@@ -401,12 +414,13 @@ fn tile_dispatch<E: PanelElem>(
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
+    start: bool,
 ) {
     debug_assert!(x.len() == mr * k && panel.len() == k * NR);
     macro_rules! by_rows {
         ($f:ident, $($m:literal)*) => {
             match mr {
-                $($m => $f::<$m, E>(x, k, panel, tile),)*
+                $($m => $f::<$m, E>(x, k, panel, tile, start),)*
                 _ => unreachable!("tile of {mr} rows"),
             }
         };
@@ -418,7 +432,7 @@ fn tile_dispatch<E: PanelElem>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { by_rows!(tile_avx2, 1 2 3 4 5 6) },
-        _ => tile_portable(mr, x, k, panel, tile),
+        _ => tile_portable(mr, x, k, panel, tile, start),
     }
 }
 
@@ -428,9 +442,13 @@ fn tile_portable<E: PanelElem>(
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
+    start: bool,
 ) {
     for r in 0..mr {
         let mut acc = [0f32; NR];
+        if !start {
+            acc.copy_from_slice(&tile[r * NR..(r + 1) * NR]);
+        }
         for kk in 0..k {
             let xv = x[kk * mr + r];
             let wrow = &panel[kk * NR..(kk + 1) * NR];
@@ -449,9 +467,16 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
+    start: bool,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if !start {
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm512_loadu_ps(tile.as_ptr().add(r * NR));
+            a[1] = _mm512_loadu_ps(tile.as_ptr().add(r * NR + 16));
+        }
+    }
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
     for kk in 0..k {
@@ -483,6 +508,7 @@ unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
+    start: bool,
 ) {
     use std::arch::x86_64::*;
     let xp = x.as_ptr();
@@ -492,6 +518,12 @@ unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
     for half in 0..2 {
         let off = half * 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        if !start {
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_loadu_ps(tp.add(r * NR + off));
+                a[1] = _mm256_loadu_ps(tp.add(r * NR + off + 8));
+            }
+        }
         for kk in 0..k {
             let b0 = E::load8(bp.add(kk * NR + off));
             let b1 = E::load8(bp.add(kk * NR + off + 8));
@@ -554,6 +586,8 @@ mod tests {
             (3, 64, 40),
             (9, 70, 129),
             (17, 31, 64),
+            // Three of the kernel's k-blocks, and more row tiles than one group holds.
+            (70, 40, 600),
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);

@@ -156,6 +156,10 @@ impl Target {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        // As `wavefront` does: candle's own spinning pool would compete with the kernels'.
+        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
         wavefront_models::init_cpu_threads(n).map_err(|e| anyhow!(e))
     }
 

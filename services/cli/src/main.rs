@@ -95,6 +95,11 @@ fn run(cli: Cli) -> Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    // candle keeps a spinning pool of its own for its elementwise ops; with the kernels' pool
+    // on every core it only competes for them, so candle runs its few remaining ops inline.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     wavefront_models::init_cpu_threads(threads).map_err(anyhow::Error::msg)?;
     let telemetry = TelemetryConfig {
         service_name: service_name.into(),

@@ -15,6 +15,8 @@
 //!   included (the step of autoregressive decoding);
 //! - `huginn-core-{1,20}`: one recurrence of Huginn's core (width 1024, 8 heads, MLP 3456, 4
 //!   core blocks and the adapter) over 1 row and over a 20-row wavefront, after a 32-token prompt;
+//!   `huginn-core-16x1`: the same over one decode row of each of 16 requests (continuous
+//!   batching), each over its own cache;
 //! - `llada-{160,288}`: LLaDA's bidirectional stack (d_model 512, 8 layers, 8 heads, MLP 1536)
 //!   over a 160- and a 288-row canvas, without the head;
 //! - `armt-segment-272`: one ARMT segment (Llama 512 x 8 layers, 8/2 heads, MLP 1536, 256 tokens
@@ -226,6 +228,37 @@ fn main() -> Result<()> {
                 flops: 2.0 * rows as f64 * core_params + 4.0 * 4.0 * rows as f64 * keys * e,
                 run: Box::new(move || {
                     let mut seqs = [SeqRows::new(&mut cache, start, rows)];
+                    m.core_step(&state, &inj, &mut seqs)?;
+                    Ok(())
+                }),
+            });
+        }
+        // Continuous batching: 16 requests' one decode row each, every one over its own cache.
+        if want("huginn-core-16x1") {
+            let n = 16usize;
+            let mut caches: Vec<HuginnCache> = (0..n)
+                .map(|_| HuginnCache::new(CacheStrategy::Full))
+                .collect();
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let ids: Vec<u32> = (0..=prompt as u32).map(|t| t + i as u32).collect();
+                let emb = model.embed(&ids)?;
+                let mut seqs = [SeqRows::new(cache, 0, prompt + 1)];
+                model.prelude(&emb, &mut seqs)?;
+            }
+            let state = Tensor::randn(0f32, 1.0, (n, 1024), &device)?.to_dtype(dtype)?;
+            let inj = Tensor::randn(0f32, 1.0, (n, 1024), &device)?.to_dtype(dtype)?;
+            let m = model.clone();
+            let keys = (prompt + 1) as f64;
+            shapes.push(Shape {
+                name: "huginn-core-16x1",
+                rows: n,
+                bytes: weight_bytes(core_params, bf16) + n as f64 * 4.0 * 2.0 * e * keys * 4.0,
+                flops: 2.0 * n as f64 * core_params + n as f64 * 4.0 * 4.0 * keys * e,
+                run: Box::new(move || {
+                    let mut seqs: Vec<SeqRows> = caches
+                        .iter_mut()
+                        .map(|c| SeqRows::new(c, prompt, 1))
+                        .collect();
                     m.core_step(&state, &inj, &mut seqs)?;
                     Ok(())
                 }),

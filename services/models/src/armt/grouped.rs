@@ -550,7 +550,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor
             })
             .collect::<Result<Vec<_>>>()?;
         let qh = q.transpose(0, 1)?.reshape((h, b * p, hd))?;
-        let y = cpu::attend(&qh, hkv, (1.0 / (hd as f64).sqrt()) as f32, &seqs)?;
+        let y = cpu::attend(&qh, hkv, (1.0 / (hd as f64).sqrt()) as f32, &seqs, false)?;
         return Ok(y.reshape((h, b, p, hd))?.transpose(0, 1)?.contiguous()?);
     }
     let (k, v) = if h == hkv {

@@ -292,8 +292,13 @@ impl Attention {
         let (q, k, v) = (gather(qs)?, gather(ks)?, gather(vs)?);
 
         let scale = 1.0 / (d as f64).sqrt();
+        if cpu::on_cpu_f32(&q) && self.shards.len() == 1 {
+            // The kernel writes the rows the output projection reads.
+            let y = self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot, true)?;
+            return self.shards[0].proj.forward(&y);
+        }
         let y = if cpu::on_cpu_f32(&q) {
-            self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot)?
+            self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot, false)?
         } else {
             self.attend_sdpa(&q, &k, &v, scale, layout, seqs, slot)?
         };
@@ -317,7 +322,8 @@ impl Attention {
     }
 
     /// Writes every sequence's keys and values `[H, N, D]` to its cache slot and attends with
-    /// the CPU kernel over the slot's runs, read in place. Query `i` of a sequence whose slot
+    /// the CPU kernel over the slot's runs, read in place; returns `[H, N, D]`, or `[N, H · D]`
+    /// with `rows_out`. Query `i` of a sequence whose slot
     /// yields `t` keys sees keys `0..=t - len + i` (bottom-right causal, as the sdpa path).
     #[allow(clippy::too_many_arguments)]
     fn attend_cpu(
@@ -329,6 +335,7 @@ impl Attention {
         layout: &RowLayout,
         seqs: &mut [SeqRows],
         slot: &dyn Fn(&SeqRows) -> CacheSlot,
+        rows_out: bool,
     ) -> Result<Tensor> {
         let single = seqs.len() == 1;
         let mut calls = Vec::with_capacity(seqs.len());
@@ -364,7 +371,7 @@ impl Attention {
                 mask: Mask::Causal,
             });
         }
-        cpu::attend(q, q.dim(0)?, scale as f32, &calls)
+        cpu::attend(q, q.dim(0)?, scale as f32, &calls, rows_out)
     }
 
     /// The candle path (GPU, bf16): one attention per sequence.

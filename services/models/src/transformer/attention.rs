@@ -394,7 +394,7 @@ fn build_mask(
 }
 
 /// Attention of every sequence over its own keys. `q` `[H, N, D]`, `k`/`v` `[H_kv, N, D]` (keys
-/// after RoPE); returns `[H, N, D]`. Writes the assembled keys of buffer sequences to their
+/// after RoPE); returns `[N, H · D]`, the rows the output projection reads. Writes the assembled keys of buffer sequences to their
 /// caches at `layer`. With a ragged plan all sequences attend in one operation, else one
 /// [`sdpa`] per sequence.
 pub(crate) fn attend_packed(
@@ -438,16 +438,17 @@ pub(crate) fn attend_packed(
         }
     }
     if on_cpu {
-        return cpu::attend(q, k.dim(0)?, scale as f32, &cpu_seqs);
+        return cpu::attend(q, k.dim(0)?, scale as f32, &cpu_seqs, true);
     }
-    if let Some(plan) = &layout.ragged {
-        return plan.attend(q, &all_keys, scale);
-    }
-    if single {
-        Ok(outs.pop().expect("one sequence"))
+    let y = if let Some(plan) = &layout.ragged {
+        plan.attend(q, &all_keys, scale)?
+    } else if single {
+        outs.pop().expect("one sequence")
     } else {
-        Ok(Tensor::cat(&outs, 1)?)
-    }
+        Tensor::cat(&outs, 1)?
+    };
+    let (h, n, d) = y.dims3()?;
+    Ok(y.transpose(0, 1)?.contiguous()?.reshape((n, h * d))?)
 }
 
 /// One sequence's keys and values `[H_kv, T, D]` at `layer` from its rows' fresh `ks`/`vs`,

@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use super::attention::{attend_packed, commit_buffers, PackedLayout, SeqInput};
+use super::cpu;
 use super::layers::{apply_rope, get, linear_to_device, GatedMlp, RmsNorm, RopeTable};
 use super::linear::Linear;
 use super::parallel::{
@@ -503,20 +504,28 @@ impl Shard {
         let n = h.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let qkv = self.w.qkv.forward(h)?;
-        let mut q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
-        let mut k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;
-        let v = qkv
-            .narrow(1, (nh + nkv) * d, nkv * d)?
-            .reshape((n, nkv, d))?;
-        if let Some((qn, kn)) = &self.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        let q = apply_rope(&q.transpose(0, 1)?, &layout.cos, &layout.sin)?;
-        let k = apply_rope(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
-        let v = v.transpose(0, 1)?.contiguous()?;
+        let (q, k, v) = if cpu::on_cpu_f32(&qkv) && cpu::on_cpu_f32(&layout.cos) {
+            // One pass: split, per-head norm, RoPE and the head-major layout.
+            let norm = self
+                .qk_norm
+                .as_ref()
+                .map(|(qn, kn)| (qn.weight(), kn.weight(), qn.eps() as f32));
+            cpu::split_heads(&qkv, (nh, nkv, d), norm, &layout.cos, &layout.sin)?
+        } else {
+            let mut q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
+            let mut k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;
+            let v = qkv
+                .narrow(1, (nh + nkv) * d, nkv * d)?
+                .reshape((n, nkv, d))?;
+            if let Some((qn, kn)) = &self.qk_norm {
+                q = qn.forward(&q)?;
+                k = kn.forward(&k)?;
+            }
+            let q = apply_rope(&q.transpose(0, 1)?, &layout.cos, &layout.sin)?;
+            let k = apply_rope(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
+            (q, k, v.transpose(0, 1)?.contiguous()?)
+        };
         let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;
-        let y = y.transpose(0, 1)?.contiguous()?.reshape((n, nh * d))?;
         self.w.o.forward(&y)
     }
 }

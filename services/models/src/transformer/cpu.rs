@@ -107,8 +107,14 @@ pub(crate) struct CpuSeq {
 }
 
 /// `softmax(q kᵀ · scale + mask) v` for every sequence, `q` `[H, N, D]` float32 on the CPU;
-/// returns `[H, N, D]`.
-pub(crate) fn attend(q: &Tensor, n_kv_heads: usize, scale: f32, seqs: &[CpuSeq]) -> Result<Tensor> {
+/// returns `[H, N, D]`, or `[N, H · D]` with `rows_out` (what an output projection reads).
+pub(crate) fn attend(
+    q: &Tensor,
+    n_kv_heads: usize,
+    scale: f32,
+    seqs: &[CpuSeq],
+    rows_out: bool,
+) -> Result<Tensor> {
     let (h, n, d) = q.dims3()?;
     let q = q.contiguous()?;
     let qb = Borrowed::new(&q)?;
@@ -146,10 +152,15 @@ pub(crate) fn attend(q: &Tensor, n_kv_heads: usize, scale: f32, seqs: &[CpuSeq])
         n_kv_heads,
         head_dim: d,
         scale,
+        rows_out,
     };
     attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out)
         .map_err(|e| ModelError::Shape(e.to_string()))?;
-    Ok(Tensor::from_vec(out, (h, n, d), &Device::Cpu)?)
+    Ok(if rows_out {
+        Tensor::from_vec(out, (n, h * d), &Device::Cpu)?
+    } else {
+        Tensor::from_vec(out, (h, n, d), &Device::Cpu)?
+    })
 }
 
 /// `silu(gu[.., :hidden]) · gu[.., hidden:]` of the fused gate and up products `[.., 2·hidden]`:
@@ -193,4 +204,58 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
         .map_err(|e| ModelError::Shape(e.to_string()))?;
     }
     Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
+}
+
+/// q `[H, N, D]`, k and v `[H_kv, N, D]` of the fused product `qkv` `[N, (H + 2 H_kv) · D]`,
+/// q and k normed per head by `qk_norm` (weights and epsilon) and rotated by the rows' RoPE
+/// `cos`/`sin` `[N, D / 2]`, in one pass (float32 on the CPU).
+pub(crate) fn split_heads(
+    qkv: &Tensor,
+    (h, hkv, d): (usize, usize, usize),
+    qk_norm: Option<(&Tensor, &Tensor, f32)>,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let n = qkv.dim(0)?;
+    let qkv = qkv.contiguous()?;
+    let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+    let (mut q, mut k, mut v) = (
+        vec![0f32; h * n * d],
+        vec![0f32; hkv * n * d],
+        vec![0f32; hkv * n * d],
+    );
+    {
+        let b = Borrowed::new(&qkv)?;
+        let (cb, sb) = (Borrowed::new(&cos)?, Borrowed::new(&sin)?);
+        let norms = match qk_norm {
+            Some((qw, kw, eps)) => Some((Borrowed::new(qw)?, Borrowed::new(kw)?, eps)),
+            None => None,
+        };
+        let norm_slices = match &norms {
+            Some((qw, kw, eps)) => Some((&qw.tail()?[..d], &kw.tail()?[..d], *eps)),
+            None => None,
+        };
+        let split = wavefront_kernels::cpu::elementwise::HeadSplit {
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            qk_norm: norm_slices,
+            cos: &cb.tail()?[..n * d / 2],
+            sin: &sb.tail()?[..n * d / 2],
+        };
+        wavefront_kernels::cpu::elementwise::split_heads(
+            &b.tail()?[..qkv.elem_count()],
+            n,
+            &split,
+            &mut q,
+            &mut k,
+            &mut v,
+        )
+        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    }
+    Ok((
+        Tensor::from_vec(q, (h, n, d), &Device::Cpu)?,
+        Tensor::from_vec(k, (hkv, n, d), &Device::Cpu)?,
+        Tensor::from_vec(v, (hkv, n, d), &Device::Cpu)?,
+    ))
 }

@@ -55,6 +55,16 @@ impl RmsNorm {
         Self { weight, eps }
     }
 
+    /// The weight `[dim]`.
+    pub(crate) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub(crate) fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// The norm with its weight on `device` (itself when it is there).
     pub(crate) fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self::new(self.weight.to_device(device)?, self.eps))
