@@ -161,8 +161,7 @@ pub fn attention_with(
     if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
         tasks.iter().for_each(run);
     } else {
-        use rayon::prelude::*;
-        tasks.par_iter().with_max_len(1).for_each(run);
+        super::pool::pool().run(tasks.len(), &|i| run(&tasks[i]));
     }
     Ok(())
 }

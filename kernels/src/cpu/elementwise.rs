@@ -15,12 +15,8 @@ fn over_rows(n_rows: usize, elems: usize, f: impl Fn(std::ops::Range<usize>) + S
         f(0..n_rows);
         return;
     }
-    rayon::scope(|s| {
-        for r in split(n_rows, t) {
-            let f = &f;
-            s.spawn(move |_| f(r));
-        }
-    });
+    let parts: Vec<_> = split(n_rows, t).collect();
+    super::pool::pool().run(parts.len(), &|i| f(parts[i].clone()));
 }
 
 /// `out[r][j] = silu(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]` (the gate
@@ -169,8 +165,7 @@ pub fn split_heads(
     if threads() <= 1 || qkv.len() < PARALLEL_FROM {
         (0..units).for_each(work);
     } else {
-        use rayon::prelude::*;
-        (0..units).into_par_iter().for_each(work);
+        super::pool::pool().run(units, &work);
     }
     Ok(())
 }

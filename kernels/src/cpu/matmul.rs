@@ -219,19 +219,11 @@ pub fn linear_with(
     if threads <= 1 {
         run(0..panels, &tiles);
     } else if panels >= threads {
-        rayon::scope(|s| {
-            for p in split(panels, threads) {
-                let (run, tiles) = (&run, &tiles);
-                s.spawn(move |_| run(p, tiles));
-            }
-        });
+        let parts: Vec<_> = split(panels, threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
     } else {
-        rayon::scope(|s| {
-            for t in split(tiles.len(), threads) {
-                let (run, tiles) = (&run, &tiles);
-                s.spawn(move |_| run(0..panels, &tiles[t]));
-            }
-        });
+        let parts: Vec<_> = split(tiles.len(), threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
     }
     Ok(())
 }

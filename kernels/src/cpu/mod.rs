@@ -12,29 +12,27 @@
 //! logits are therefore bit-identical whether its rows run alone or packed with other
 //! requests' rows: batch invariance holds by construction, not up to summation noise.
 //!
-//! Threads: the work of one call is split over rayon's global pool, whose size is the
-//! `--threads` setting of the binaries (the machine's cores by default). The calling thread
-//! blocks until the call is done, so kernels need no synchronisation with the caller.
+//! Threads: the work of one call is split over the kernels' own pool ([`pool`]: the calling
+//! thread and `--threads - 1` workers that spin between calls), the machine's cores by
+//! default. A call returns when its work is done, so kernels need no synchronisation with
+//! the caller.
 
 pub mod attention;
 pub mod elementwise;
 pub mod matmul;
 pub mod peaks;
+pub mod pool;
 mod simd;
 
 /// Threads a kernel call splits its work over.
 pub fn threads() -> usize {
-    rayon::current_num_threads().max(1)
+    pool::pool().threads()
 }
 
-/// Sets the size of the pool the kernels (and candle's own CPU ops) run on. Call once at
-/// start-up, before any kernel runs; `Err` when a pool was already built.
+/// Sets the size of the pool the kernels run on ([`pool`]). Call once at start-up, before any
+/// kernel runs; `Err` when the pool was already started.
 pub fn init_threads(n: usize) -> Result<(), String> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n.max(1))
-        .thread_name(|i| format!("wavefront-cpu-{i}"))
-        .build_global()
-        .map_err(|e| format!("cannot size the CPU thread pool: {e}"))
+    pool::init(n.max(1))
 }
 
 /// The instruction set the kernels of this process use, decided once.

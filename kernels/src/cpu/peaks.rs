@@ -5,6 +5,9 @@
 use std::time::Instant;
 
 use super::simd::Isa;
+use std::sync::Mutex;
+
+use super::pool::pool;
 use super::{split, threads};
 
 /// Bytes per second that the pool's threads read from a `bytes`-byte buffer (best of `reps`
@@ -18,14 +21,14 @@ pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
     for _ in 0..reps.max(1) {
         let start = Instant::now();
         let parts: Vec<_> = split(n, t).collect();
-        let sums: Vec<f32> = {
-            use rayon::prelude::*;
-            parts
-                .into_par_iter()
-                .with_max_len(1)
-                .map(|r| sum(Isa::get(), &buf[r]))
-                .collect()
-        };
+        let sums: Vec<Mutex<f32>> = parts.iter().map(|_| Mutex::new(0.0)).collect();
+        pool().run(parts.len(), &|i| {
+            *sums[i].lock().expect("sum") = sum(Isa::get(), &buf[parts[i].clone()]);
+        });
+        let sums: Vec<f32> = sums
+            .into_iter()
+            .map(|m| m.into_inner().expect("sum"))
+            .collect();
         best = best.min(start.elapsed().as_secs_f64());
         sink += sums.iter().sum::<f32>();
     }
@@ -41,14 +44,14 @@ pub fn fma_peak(seconds: f64) -> f64 {
     let start = Instant::now();
     let mut flops = 0f64;
     while start.elapsed().as_secs_f64() < seconds {
-        let per: Vec<f64> = {
-            use rayon::prelude::*;
-            (0..t)
-                .into_par_iter()
-                .with_max_len(1)
-                .map(|_| fma_loop(Isa::get(), iters))
-                .collect()
-        };
+        let per: Vec<Mutex<f64>> = (0..t).map(|_| Mutex::new(0.0)).collect();
+        pool().run(t, &|i| {
+            *per[i].lock().expect("flops") = fma_loop(Isa::get(), iters);
+        });
+        let per: Vec<f64> = per
+            .into_iter()
+            .map(|m| m.into_inner().expect("flops"))
+            .collect();
         flops += per.iter().sum::<f64>();
     }
     flops / start.elapsed().as_secs_f64()
