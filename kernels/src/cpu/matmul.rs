@@ -111,6 +111,28 @@ impl PackedWeight {
         Ok(Self { n, k, store })
     }
 
+    /// Packs `b` (row-major `[k, n]`, the transposed layout: `y = x · b`) as float32, for a
+    /// product whose right operand is made per call (e.g. a memory matrix).
+    pub fn pack_kn(b: &[f32], k: usize, n: usize) -> Result<Self, ShapeError> {
+        check(b.len() == k * n, || {
+            format!("operand has {} values, want {k}x{n}", b.len())
+        })?;
+        let panels = n.div_ceil(NR);
+        let mut out = vec![0f32; panels * k * NR];
+        for p in 0..panels {
+            let cols = NR.min(n - p * NR);
+            for kk in 0..k {
+                let at = p * k * NR + kk * NR;
+                out[at..at + cols].copy_from_slice(&b[kk * n + p * NR..kk * n + p * NR + cols]);
+            }
+        }
+        Ok(Self {
+            n,
+            k,
+            store: Store::F32(out),
+        })
+    }
+
     /// Output features (`n`).
     pub fn out_features(&self) -> usize {
         self.n
@@ -202,6 +224,16 @@ pub fn linear_with(
         })?;
     }
     if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        // Empty sums: the bias alone.
+        for row in y.chunks_mut(n) {
+            match bias {
+                Some(b) => row.copy_from_slice(b),
+                None => row.fill(0.0),
+            }
+        }
         return Ok(());
     }
     let panels = n.div_ceil(NR);
@@ -573,6 +605,7 @@ mod tests {
     #[test]
     fn every_instruction_set_and_thread_count_gives_the_reference_bits() {
         for &(m, n, k) in &[
+            (2, 3, 0),
             (1, 1, 1),
             (1, 33, 7),
             (3, 64, 40),
@@ -596,6 +629,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_right_operand_packed_as_given_is_its_transpose_packed_as_a_weight() {
+        let (k, n) = (11, 45);
+        let b = data(k * n, 4);
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let x = data(3 * k, 5);
+        let (mut y1, mut y2) = (vec![0f32; 3 * n], vec![0f32; 3 * n]);
+        linear(
+            &x,
+            3,
+            &PackedWeight::pack_kn(&b, k, n).unwrap(),
+            None,
+            &mut y1,
+        )
+        .unwrap();
+        let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
+        linear(&x, 3, &w, None, &mut y2).unwrap();
+        assert_eq!(y1, y2);
     }
 
     #[test]

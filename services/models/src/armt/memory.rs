@@ -22,6 +22,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
+use crate::transformer::cpu::matmul;
 
 /// One layer's associative memory of one request.
 #[derive(Debug, Clone)]
@@ -109,8 +110,8 @@ pub fn dpfp(x: &Tensor, nu: usize) -> Result<Tensor> {
 /// The read term `phi(q) A / (phi(q) · z + eps)` `[C, n, d]` (float32) of keys
 /// `phi_q` `[C, n, d_key]` against memories `a` `[C, d_key, d]` and `z` `[C, d_key]`.
 pub fn read_term(phi_q: &Tensor, a: &Tensor, z: &Tensor, eps: f64) -> Result<Tensor> {
-    let num = phi_q.matmul(a)?;
-    let den = (phi_q.matmul(&z.unsqueeze(D::Minus1)?)? + eps)?;
+    let num = matmul(phi_q, a)?;
+    let den = (matmul(phi_q, &z.unsqueeze(D::Minus1)?)? + eps)?;
     Ok(num.broadcast_div(&den)?)
 }
 
@@ -137,11 +138,12 @@ pub fn write_delta(w: &WriteInputs) -> Result<(Tensor, Tensor)> {
     let first = w.first.reshape((w.first.elem_count(), 1, 1))?;
     let keep = first.affine(-1.0, 1.0)?;
     // den_j = k_j · z + eps; on a first write z = 0 and A = 0, so v_prev = 0 / eps = 0 exactly.
-    let den = (w.k.matmul(&w.z.unsqueeze(D::Minus1)?)? + w.eps)?;
-    let v_prev = w.k.matmul(w.a)?.broadcast_div(&den)?;
-    let delta_a =
-        w.k.transpose(1, 2)?
-            .matmul(&(w.v - v_prev)?.broadcast_mul(&beta)?)?;
+    let den = (matmul(w.k, &w.z.unsqueeze(D::Minus1)?)? + w.eps)?;
+    let v_prev = matmul(w.k, w.a)?.broadcast_div(&den)?;
+    let delta_a = matmul(
+        &w.k.transpose(1, 2)?,
+        &(w.v - v_prev)?.broadcast_mul(&beta)?,
+    )?;
     let k = w.k;
     let delta_z = if w.correction {
         let norm = (k.sqr()?.sum_keepdim(D::Minus1)? + w.eps)?;

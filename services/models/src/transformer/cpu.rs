@@ -12,6 +12,15 @@ use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, SeqAttention}
 
 use crate::error::{ModelError, Result};
 
+/// A buffer of `len` floats for a kernel that writes every one of them (no zeroing pass).
+pub(crate) fn output(len: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(len);
+    // SAFETY: f32 has no invalid bit patterns, and every caller's kernel writes all `len`
+    // values before the buffer is read.
+    unsafe { v.set_len(len) };
+    v
+}
+
 /// Whether `t` takes the CPU kernels (float32 on the CPU).
 pub(crate) fn on_cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
@@ -173,7 +182,7 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
         return Ok((g.silu()? * u)?);
     }
     let gu = gu.contiguous()?;
-    let mut out = vec![0f32; gu.elem_count() / 2];
+    let mut out = output(gu.elem_count() / 2);
     {
         let b = Borrowed::new(&gu)?;
         wavefront_kernels::cpu::elementwise::silu_mul(
@@ -191,7 +200,7 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
 /// RMSNorm of the rows of `x` `[.., dim]` with `w` `[dim]`, float32 on the CPU.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let mut out = vec![0f32; x.elem_count()];
+    let mut out = output(x.elem_count());
     {
         let (b, wb) = (Borrowed::new(&x)?, Borrowed::new(w)?);
         let dim = w.elem_count();
@@ -219,11 +228,7 @@ pub(crate) fn split_heads(
     let n = qkv.dim(0)?;
     let qkv = qkv.contiguous()?;
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    let (mut q, mut k, mut v) = (
-        vec![0f32; h * n * d],
-        vec![0f32; hkv * n * d],
-        vec![0f32; hkv * n * d],
-    );
+    let (mut q, mut k, mut v) = (output(h * n * d), output(hkv * n * d), output(hkv * n * d));
     {
         let b = Borrowed::new(&qkv)?;
         let (cb, sb) = (Borrowed::new(&cos)?, Borrowed::new(&sin)?);
@@ -258,4 +263,43 @@ pub(crate) fn split_heads(
         Tensor::from_vec(k, (hkv, n, d), &Device::Cpu)?,
         Tensor::from_vec(v, (hkv, n, d), &Device::Cpu)?,
     ))
+}
+
+/// `a · b` for `a` `[.., m, k]` and `b` `[.., k, n]` (the same leading dims): the product
+/// kernel for float32 on the CPU (`b` packed per call), candle's matmul elsewhere.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !(on_cpu_f32(a) && on_cpu_f32(b)) || a.rank() < 2 || a.rank() != b.rank() {
+        return Ok(a.matmul(b)?);
+    }
+    let r = a.rank();
+    let (m, k, n) = (a.dim(r - 2)?, a.dim(r - 1)?, b.dim(r - 1)?);
+    let batch: usize = a.dims()[..r - 2].iter().product();
+    if b.dims()[..r - 2] != a.dims()[..r - 2] || b.dim(r - 2)? != k {
+        return Ok(a.matmul(b)?);
+    }
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let mut out = output(batch * m * n);
+    {
+        let (ab, bb) = (Borrowed::new(&a)?, Borrowed::new(&b)?);
+        let (av, bv) = (ab.tail()?, bb.tail()?);
+        for c in 0..batch {
+            let w = wavefront_kernels::cpu::matmul::PackedWeight::pack_kn(
+                &bv[c * k * n..(c + 1) * k * n],
+                k,
+                n,
+            )
+            .map_err(|e| ModelError::Shape(e.to_string()))?;
+            wavefront_kernels::cpu::matmul::linear(
+                &av[c * m * k..(c + 1) * m * k],
+                m,
+                &w,
+                None,
+                &mut out[c * m * n..(c + 1) * m * n],
+            )
+            .map_err(|e| ModelError::Shape(e.to_string()))?;
+        }
+    }
+    let mut shape = a.dims().to_vec();
+    shape[r - 1] = n;
+    Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
 }

@@ -170,7 +170,7 @@ impl Linear {
                     )));
                 }
                 let m = x.elem_count() / k.max(1);
-                let mut y = vec![0f32; m * n];
+                let mut y = super::cpu::output(m * n);
                 let bias = self.bias_f32.as_deref().map(Vec::as_slice);
                 with_cpu_f32(x, |xs| {
                     matmul::linear(xs, m, p, bias, &mut y)
