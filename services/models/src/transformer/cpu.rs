@@ -12,13 +12,10 @@ use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, SeqAttention}
 
 use crate::error::{ModelError, Result};
 
-/// A buffer of `len` floats for a kernel that writes every one of them (no zeroing pass).
+/// A buffer of `len` floats for a kernel's output (zeroed: large ones come from fresh pages,
+/// which the allocator does not clear again).
 pub(crate) fn output(len: usize) -> Vec<f32> {
-    let mut v = Vec::with_capacity(len);
-    // SAFETY: f32 has no invalid bit patterns, and every caller's kernel writes all `len`
-    // values before the buffer is read.
-    unsafe { v.set_len(len) };
-    v
+    vec![0f32; len]
 }
 
 /// Whether `t` takes the CPU kernels (float32 on the CPU).
