@@ -1,0 +1,108 @@
+//! bf16 weight storage (`--weight-dtype bf16`: weights rounded once to bfloat16, arithmetic in
+//! float32) against float32 weights on every family's fixture: the logits' largest difference,
+//! absolute and relative to the largest logit. Run with `--nocapture` to see the figures
+//! (docs/benchmarks.md quotes them).
+
+mod support;
+
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use support::max_abs_diff;
+use wavefront_models::device::test_device;
+use wavefront_models::transformer::{MaskRule, SeqInput, StoreWeights, WeightDtype};
+use wavefront_models::{
+    Armt, ArmtConfig, CacheStrategy, Huginn, HuginnCache, HuginnConfig, Llada, LladaConfig,
+    ModelFiles, Qwen3, Qwen3Config, SeqRows,
+};
+
+/// bf16 keeps 8 bits of mantissa; through the fixtures' few layers the logits move by well
+/// under this fraction of their range.
+const MAX_RELATIVE: f32 = 0.03;
+
+fn files(name: &str) -> Result<ModelFiles> {
+    Ok(ModelFiles::from_dir(wavefront_models::device::test_fixture(
+        name,
+    ))?)
+}
+
+fn compare(family: &str, f32_logits: &Tensor, bf16_logits: &Tensor) -> Result<()> {
+    let diff = max_abs_diff(f32_logits, bf16_logits)?;
+    let scale = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
+    eprintln!(
+        "{family}: logits max |diff| {diff:.3e} (largest |logit| {scale:.3}, relative {:.2e})",
+        diff / scale
+    );
+    anyhow::ensure!(
+        diff <= MAX_RELATIVE * scale,
+        "{family}: bf16 weights moved the logits by {diff} of {scale}"
+    );
+    Ok(())
+}
+
+/// Every family's logits with bf16 weights stay close to float32's.
+#[test]
+fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
+    let device = test_device();
+    if !device.is_cpu() {
+        eprintln!("bf16 weight storage is a CPU option; skipped on {device:?}");
+        return Ok(());
+    }
+    let ids: Vec<u32> = (1..17).collect();
+
+    // Huginn: prelude, 4 recurrences from a zero state, coda and head.
+    let f = files("huginn")?;
+    let cfg = HuginnConfig::from_json(f.config_json())?;
+    let huginn = |dtype: WeightDtype| -> Result<Tensor> {
+        let mut m = Huginn::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+        m.store_weights(dtype)?;
+        let mut cache = HuginnCache::new(CacheStrategy::Full);
+        let n = ids.len();
+        let e = m.prelude(&m.embed(&ids)?, &mut [SeqRows::new(&mut cache, 0, n)])?;
+        let mut s = Tensor::zeros(e.dims(), DType::F32, &device)?;
+        for r in 0..4 {
+            s = m.core_step(&s, &e, &mut [SeqRows::new(&mut cache, 0, n).at_recurrence(r)])?;
+        }
+        Ok(m.predict_from_latents(&s, &mut [SeqRows::new(&mut cache, 0, n)])?)
+    };
+    compare("huginn", &huginn(WeightDtype::F32)?, &huginn(WeightDtype::Bf16)?)?;
+
+    // LLaDA: the bidirectional forward and head.
+    let f = files("llada")?;
+    let cfg = LladaConfig::from_json(f.config_json())?;
+    let llada = |dtype: WeightDtype| -> Result<Tensor> {
+        let mut m = Llada::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+        m.store_weights(dtype)?;
+        let h = m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
+        Ok(m.logits(&h)?)
+    };
+    compare("llada", &llada(WeightDtype::F32)?, &llada(WeightDtype::Bf16)?)?;
+
+    // ReFusion's Qwen3: a causal forward and head.
+    let f = files("refusion")?;
+    let cfg = Qwen3Config::from_json(f.config_json())?;
+    let qwen = |dtype: WeightDtype| -> Result<Tensor> {
+        let mut m = Qwen3::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+        m.store_weights(dtype)?;
+        let h = m.forward(
+            &ids,
+            &mut [SeqInput::dense(ids.len()).with_mask(MaskRule::Causal)],
+        )?;
+        Ok(m.logits(&h)?)
+    };
+    compare("refusion", &qwen(WeightDtype::F32)?, &qwen(WeightDtype::Bf16)?)?;
+
+    // ARMT: several segments with memory, sequentially.
+    let f = files("armt")?;
+    let armt_json = f
+        .armt_config_json()
+        .ok_or_else(|| anyhow::anyhow!("armt_config.json"))?;
+    let cfg = ArmtConfig::from_json(f.config_json(), armt_json)?;
+    let long: Vec<u32> = (0..40).map(|i| 1 + i % 60).collect();
+    let armt = |dtype: WeightDtype| -> Result<Tensor> {
+        let mut m = Armt::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+        m.store_weights(dtype)?;
+        Ok(m.forward_sequential(&long)?.logits)
+    };
+    compare("armt", &armt(WeightDtype::F32)?, &armt(WeightDtype::Bf16)?)?;
+    Ok(())
+}
