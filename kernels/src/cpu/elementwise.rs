@@ -69,6 +69,11 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), S
     Ok(())
 }
 
+/// The softmax of `x` in place, float32, sums in the canonical lane order.
+pub fn softmax(x: &mut [f32]) {
+    simd::softmax(Isa::get(), x);
+}
+
 /// How [`split_heads`] turns a fused q/k/v product into heads.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadSplit<'a> {

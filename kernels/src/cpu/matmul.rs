@@ -7,8 +7,10 @@
 //! Kernel: a register tile of `MR` rows of `x` by the `NR` columns of one panel. For every
 //! `kk` in ascending order it loads the panel's `NR` weights of row `kk` and, for each of the
 //! `MR` rows, broadcasts `x[i][kk]` and accumulates with fused multiply-adds. Every output is
-//! therefore one FMA chain over `k` in ascending order, whatever `MR` is: the result of a row
-//! never depends on which rows share its call (see the module doc of [`super`]). A one-row
+//! the sum, in order, of one FMA chain per block of [`KC`] consecutive `kk` (blocked summation:
+//! the error of a long sum grows with the block, not the whole length), whatever `MR` is: the
+//! result of a row never depends on which rows share its call (see the module doc of
+//! [`super`]). A one-row
 //! call (decode) streams each weight once at the memory's pace; a call of many rows reuses
 //! each panel, from the caches, for all of them (compute-bound).
 //!
@@ -25,10 +27,10 @@ use super::{split, SendPtr};
 
 /// Output columns per panel.
 pub const NR: usize = 32;
+/// Panel rows (of `k`) per block of the blocked sum.
+pub const KC: usize = 256;
 /// How far ahead of the panel row being multiplied the kernel asks for the panel.
 const PREFETCH_BYTES: usize = 2048;
-/// Panel rows (of `k`) multiplied per pass over a group of row tiles.
-const KC: usize = 256;
 /// Row tiles that share each block of a panel.
 const GROUP_TILES: usize = 8;
 /// Rows per register tile, the most any instruction set uses.
@@ -352,8 +354,8 @@ unsafe fn run_block(
         let cols = NR.min(n - p * NR);
         for group in tiles.chunks(GROUP_TILES) {
             // One block of the panel's rows at a time for every tile of the group: the block is
-            // read from memory once and stays in L1 for the other tiles. Each output's chain
-            // carries on across blocks through its accumulator, so its order is unchanged.
+            // read from memory once and stays in L1 for the other tiles. Each block's partial
+            // sum is added to the output's running total, in block order.
             for k0 in (0..k).step_by(KC) {
                 let kb = KC.min(k - k0);
                 for (&(i, mr), acc) in group.iter().zip(accs.iter_mut()) {
@@ -430,7 +432,9 @@ impl PanelElem for u16 {
 }
 
 /// One `mr x NR` tile into `tile` (row-major, `NR` per row); `x` is the tile's rows packed
-/// `[k][mr]`. The chains start from zero when `start`, else carry on from the values in `tile`.
+/// `[k][mr]`. Every output's chain over these `k` starts from zero; with `start` it is stored,
+/// else added to the value in `tile` (blocked summation: the partial sums of successive
+/// k-blocks are added in order, which keeps the rounding error of long sums down).
 fn tile_dispatch<E: PanelElem>(
     isa: Isa,
     mr: usize,
@@ -470,9 +474,6 @@ fn tile_portable<E: PanelElem>(
 ) {
     for r in 0..mr {
         let mut acc = [0f32; NR];
-        if !start {
-            acc.copy_from_slice(&tile[r * NR..(r + 1) * NR]);
-        }
         for kk in 0..k {
             let xv = x[kk * mr + r];
             let wrow = &panel[kk * NR..(kk + 1) * NR];
@@ -480,7 +481,12 @@ fn tile_portable<E: PanelElem>(
                 *a = xv.mul_add(wv.to_f32(), *a);
             }
         }
-        tile[r * NR..(r + 1) * NR].copy_from_slice(&acc);
+        let t = &mut tile[r * NR..(r + 1) * NR];
+        if start {
+            t.copy_from_slice(&acc);
+        } else {
+            t.iter_mut().zip(&acc).for_each(|(t, a)| *t += a);
+        }
     }
 }
 
@@ -495,12 +501,6 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    if !start {
-        for (r, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm512_loadu_ps(tile.as_ptr().add(r * NR));
-            a[1] = _mm512_loadu_ps(tile.as_ptr().add(r * NR + 16));
-        }
-    }
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
     for kk in 0..k {
@@ -520,8 +520,13 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     }
     let tp = tile.as_mut_ptr();
     for (r, a) in acc.iter().enumerate() {
-        _mm512_storeu_ps(tp.add(r * NR), a[0]);
-        _mm512_storeu_ps(tp.add(r * NR + 16), a[1]);
+        let (mut a0, mut a1) = (a[0], a[1]);
+        if !start {
+            a0 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR)), a0);
+            a1 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR + 16)), a1);
+        }
+        _mm512_storeu_ps(tp.add(r * NR), a0);
+        _mm512_storeu_ps(tp.add(r * NR + 16), a1);
     }
 }
 
@@ -542,12 +547,6 @@ unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
     for half in 0..2 {
         let off = half * 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        if !start {
-            for (r, a) in acc.iter_mut().enumerate() {
-                a[0] = _mm256_loadu_ps(tp.add(r * NR + off));
-                a[1] = _mm256_loadu_ps(tp.add(r * NR + off + 8));
-            }
-        }
         for kk in 0..k {
             let b0 = E::load8(bp.add(kk * NR + off));
             let b1 = E::load8(bp.add(kk * NR + off + 8));
@@ -558,8 +557,13 @@ unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(tp.add(r * NR + off), a[0]);
-            _mm256_storeu_ps(tp.add(r * NR + off + 8), a[1]);
+            let (mut a0, mut a1) = (a[0], a[1]);
+            if !start {
+                a0 = _mm256_add_ps(_mm256_loadu_ps(tp.add(r * NR + off)), a0);
+                a1 = _mm256_add_ps(_mm256_loadu_ps(tp.add(r * NR + off + 8)), a1);
+            }
+            _mm256_storeu_ps(tp.add(r * NR + off), a0);
+            _mm256_storeu_ps(tp.add(r * NR + off + 8), a1);
         }
     }
 }
@@ -580,7 +584,8 @@ mod tests {
             .collect()
     }
 
-    /// The reference: one FMA chain per output in ascending `k`, then the bias.
+    /// The reference: per output, one FMA chain per block of `KC` in ascending `k`, the
+    /// blocks' sums added in order, then the bias.
     fn reference(
         x: &[f32],
         m: usize,
@@ -592,11 +597,15 @@ mod tests {
         let mut y = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
-                let mut acc = 0f32;
-                for kk in 0..k {
-                    acc = x[i * k + kk].mul_add(w[j * k + kk], acc);
+                let mut total = 0f32;
+                for k0 in (0..k).step_by(KC) {
+                    let mut acc = 0f32;
+                    for kk in k0..(k0 + KC).min(k) {
+                        acc = x[i * k + kk].mul_add(w[j * k + kk], acc);
+                    }
+                    total = if k0 == 0 { acc } else { total + acc };
                 }
-                y[i * n + j] = acc + b.map_or(0.0, |b| b[j]);
+                y[i * n + j] = total + b.map_or(0.0, |b| b[j]);
             }
         }
         y

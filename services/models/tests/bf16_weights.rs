@@ -20,9 +20,9 @@ use wavefront_models::{
 const MAX_RELATIVE: f32 = 0.03;
 
 fn files(name: &str) -> Result<ModelFiles> {
-    Ok(ModelFiles::from_dir(wavefront_models::device::test_fixture(
-        name,
-    ))?)
+    Ok(ModelFiles::from_dir(
+        wavefront_models::device::test_fixture(name),
+    )?)
 }
 
 fn compare(family: &str, f32_logits: &Tensor, bf16_logits: &Tensor) -> Result<()> {
@@ -60,11 +60,19 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         let e = m.prelude(&m.embed(&ids)?, &mut [SeqRows::new(&mut cache, 0, n)])?;
         let mut s = Tensor::zeros(e.dims(), DType::F32, &device)?;
         for r in 0..4 {
-            s = m.core_step(&s, &e, &mut [SeqRows::new(&mut cache, 0, n).at_recurrence(r)])?;
+            s = m.core_step(
+                &s,
+                &e,
+                &mut [SeqRows::new(&mut cache, 0, n).at_recurrence(r)],
+            )?;
         }
         Ok(m.predict_from_latents(&s, &mut [SeqRows::new(&mut cache, 0, n)])?)
     };
-    compare("huginn", &huginn(WeightDtype::F32)?, &huginn(WeightDtype::Bf16)?)?;
+    compare(
+        "huginn",
+        &huginn(WeightDtype::F32)?,
+        &huginn(WeightDtype::Bf16)?,
+    )?;
 
     // LLaDA: the bidirectional forward and head.
     let f = files("llada")?;
@@ -75,7 +83,11 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         let h = m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
         Ok(m.logits(&h)?)
     };
-    compare("llada", &llada(WeightDtype::F32)?, &llada(WeightDtype::Bf16)?)?;
+    compare(
+        "llada",
+        &llada(WeightDtype::F32)?,
+        &llada(WeightDtype::Bf16)?,
+    )?;
 
     // ReFusion's Qwen3: a causal forward and head.
     let f = files("refusion")?;
@@ -89,7 +101,11 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         )?;
         Ok(m.logits(&h)?)
     };
-    compare("refusion", &qwen(WeightDtype::F32)?, &qwen(WeightDtype::Bf16)?)?;
+    compare(
+        "refusion",
+        &qwen(WeightDtype::F32)?,
+        &qwen(WeightDtype::Bf16)?,
+    )?;
 
     // ARMT: several segments with memory, sequentially.
     let f = files("armt")?;

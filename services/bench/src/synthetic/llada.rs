@@ -29,7 +29,12 @@ pub struct Shape {
 impl Shape {
     /// The `config.json` a checkpoint of this shape would carry (mask id: the last row).
     pub fn config(&self) -> anyhow::Result<LladaConfig> {
-        let json = serde_json::json!({
+        Ok(LladaConfig::from_json(&self.config_json().to_string())?)
+    }
+
+    /// That `config.json` as JSON.
+    pub fn config_json(&self) -> serde_json::Value {
+        serde_json::json!({
             "model_type": "llada",
             "architectures": ["LLaDAModelLM"],
             "activation_type": "silu",
@@ -64,23 +69,21 @@ impl Shape {
             "scale_logits": false,
             "vocab_size": self.vocab_size,
             "weight_tying": false,
-        });
-        Ok(LladaConfig::from_json(&json.to_string())?)
+        })
     }
 }
 
-/// Builds the model with weights drawn from `seed` on `device` in `dtype`.
-pub fn random_model(
+/// The values of every checkpoint tensor (called in `cfg.checkpoint_tensors()` order), drawn
+/// from `seed`: what [`random_model`] loads.
+pub fn weights(
     cfg: &LladaConfig,
     seed: u64,
     qk_scale: f64,
     head_scale: f64,
-    device: &Device,
-    dtype: DType,
-) -> anyhow::Result<Llada> {
+) -> impl FnMut(&str, &[usize]) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
     let d = cfg.d_model as f64;
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
+    move |name, shape| {
         let n = shape.iter().product();
         if name.ends_with("norm.weight") || name.ends_with("ln_f.weight") {
             vec![1.0; n]
@@ -106,6 +109,23 @@ pub fn random_model(
             };
             uniform_with_std(&mut rng, n, std * scale)
         }
-    })?;
+    }
+}
+
+/// Builds the model with weights drawn from `seed` on `device` in `dtype`.
+pub fn random_model(
+    cfg: &LladaConfig,
+    seed: u64,
+    qk_scale: f64,
+    head_scale: f64,
+    device: &Device,
+    dtype: DType,
+) -> anyhow::Result<Llada> {
+    let vb = var_builder(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        weights(cfg, seed, qk_scale, head_scale),
+    )?;
     Ok(Llada::load(vb, cfg.clone())?)
 }

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::cpu;
 pub use super::kv_cache::KvCache;
@@ -558,7 +558,7 @@ fn sdpa(
         Tensor::cat(&scores, 2)?
     };
     let t: usize = lens.iter().sum();
-    let scores = (scores.to_dtype(DType::F32)? * scale)?;
+    let scores = (scores.to_dtype(super::layers::at_least_f32(dtype))? * scale)?;
     let scores = match mask {
         Some(m) => scores
             .reshape((hkv, rep, l, t))?

@@ -80,10 +80,20 @@ impl RmsNorm {
             return Ok(candle_nn::ops::rms_norm(&x, &self.weight, self.eps as f32)?);
         }
         let dtype = x.dtype();
-        let xf = x.to_dtype(DType::F32)?;
+        let xf = x.to_dtype(at_least_f32(dtype))?;
         let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = xf.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
         Ok(normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?)
+    }
+}
+
+/// The precision statistics and rotations are computed in: float32, or float64 for a float64
+/// model (the reference the numerics are measured against).
+pub(crate) fn at_least_f32(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }
 
@@ -220,7 +230,11 @@ impl RopeTable {
 /// Half-layout RoPE on `[H, N, D]` with per-row `cos`/`sin` `[N, D/2]`, computed in float32.
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+    let x = x
+        .to_dtype(at_least_f32(dtype))?
+        .contiguous()?
+        .unsqueeze(0)?;
+    let (cos, sin) = (&cos.to_dtype(x.dtype())?, &sin.to_dtype(x.dtype())?);
     let y = candle_nn::rotary_emb::rope(&x, cos, sin)?.squeeze(0)?;
     Ok(y.to_dtype(dtype)?)
 }

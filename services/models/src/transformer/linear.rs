@@ -380,9 +380,11 @@ impl EmbedHead {
         }
     }
 
-    /// The head over hidden rows `[N, E]`: logits `[N, V]` in float32.
+    /// The head over hidden rows `[N, E]`: logits `[N, V]` in float32 (float64 for a float64
+    /// model, the numerics reference).
     pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.head.forward(hidden)?.to_dtype(DType::F32)?)
+        let y = self.head.forward(hidden)?;
+        Ok(y.to_dtype(super::layers::at_least_f32(y.dtype()))?)
     }
 
     /// Stores the head (and a tied table with it) as `dtype` when packed.
