@@ -74,6 +74,34 @@ pub fn softmax(x: &mut [f32]) {
     simd::softmax(Isa::get(), x);
 }
 
+/// Per row of `x` `[rows, width]`: the maximum, the first index holding it, and
+/// `Σ exp(x - max)` (canonical lane order): a row's softmax maximum is `1 / sum`, its
+/// log-softmax `x - max - ln(sum)`.
+pub fn row_stats(x: &[f32], width: usize) -> Result<Vec<(f32, usize, f32)>, ShapeError> {
+    check(width > 0 && x.len().is_multiple_of(width), || {
+        format!("{} values are not rows of {width}", x.len())
+    })?;
+    let rows = x.len() / width;
+    let isa = Isa::get();
+    let mut out = vec![(0f32, 0usize, 0f32); rows];
+    let op = SendPtr(out.as_mut_ptr());
+    over_rows(rows, x.len(), |r| {
+        for row in r {
+            let xr = &x[row * width..(row + 1) * width];
+            let (mut m, mut at) = (f32::NEG_INFINITY, 0);
+            for (i, &v) in xr.iter().enumerate() {
+                if v > m {
+                    (m, at) = (v, i);
+                }
+            }
+            let sum = simd::exp_sum(isa, xr, m);
+            // SAFETY: each task writes its own rows.
+            unsafe { *op.ptr().add(row) = (m, at, sum) };
+        }
+    });
+    Ok(out)
+}
+
 /// How [`split_heads`] turns a fused q/k/v product into heads.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadSplit<'a> {

@@ -270,6 +270,46 @@ pub(crate) fn softmax(isa: Isa, x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v /= sum);
 }
 
+/// `Σ exp(x[i] - m)` without writing the exponentials, in the canonical lane order.
+pub(crate) fn exp_sum(isa: Isa, x: &[f32], m: f32) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 => unsafe { exp_sum_ro_avx512(x, m) },
+        _ => {
+            let mut l = [0f32; LANES];
+            for (i, v) in x.iter().enumerate() {
+                l[i % LANES] += exp_scalar(*v - m);
+            }
+            reduce_lanes(l)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sum_ro_avx512(x: &[f32], m: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let p = x.as_ptr();
+    let mv = _mm512_set1_ps(m);
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let v = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), mv);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, exp_avx512(v)));
+        i += LANES;
+    }
+    let mut l = [0f32; LANES];
+    _mm512_storeu_ps(l.as_mut_ptr(), acc);
+    reduce_lanes(l)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_sum_avx512(x: &mut [f32], m: f32) -> f32 {

@@ -300,3 +300,17 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     shape[r - 1] = n;
     Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
 }
+
+/// Per row of `logits` `[rows, V]` (float32 on the CPU): the maximum, its first index and
+/// `Σ exp(x - max)`, threaded over rows; `None` for other tensors (the caller's candle path).
+pub fn row_stats(logits: &Tensor) -> Result<Option<Vec<(f32, usize, f32)>>> {
+    if !on_cpu_f32(logits) || logits.rank() != 2 {
+        return Ok(None);
+    }
+    let l = logits.contiguous()?;
+    let b = Borrowed::new(&l)?;
+    let width = l.dim(1)?;
+    let stats = wavefront_kernels::cpu::elementwise::row_stats(&b.tail()?[..l.elem_count()], width)
+        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    Ok(Some(stats))
+}

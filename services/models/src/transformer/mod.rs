@@ -25,7 +25,7 @@
 
 mod attention;
 mod block;
-pub(crate) mod cpu;
+pub mod cpu;
 mod kv_cache;
 mod layers;
 mod linear;

@@ -25,11 +25,22 @@ pub(crate) fn greedy(
     dtype: DType,
     never: u32,
 ) -> candle_core::Result<(Vec<u32>, Vec<f64>)> {
-    let l = logits.to_dtype(dtype)?;
-    let max = l.max_keepdim(D::Minus1)?;
-    let sum = l.broadcast_sub(&max)?.exp()?.sum(D::Minus1)?;
-    let mut argmax: Vec<u32> = l.argmax(D::Minus1)?.to_vec1()?;
-    let mut conf: Vec<f64> = sum.recip()?.to_dtype(DType::F64)?.to_vec1()?;
+    let (mut argmax, mut conf): (Vec<u32>, Vec<f64>) = match cpu_stats(logits, dtype)? {
+        // Float32 on the CPU: the reductions of one threaded pass over each row.
+        Some(stats) => stats
+            .iter()
+            .map(|&(_, at, sum)| (at as u32, f64::from(1.0 / sum)))
+            .unzip(),
+        None => {
+            let l = logits.to_dtype(dtype)?;
+            let max = l.max_keepdim(D::Minus1)?;
+            let sum = l.broadcast_sub(&max)?.exp()?.sum(D::Minus1)?;
+            (
+                l.argmax(D::Minus1)?.to_vec1()?,
+                sum.recip()?.to_dtype(DType::F64)?.to_vec1()?,
+            )
+        }
+    };
     let bad: Vec<usize> = (0..argmax.len()).filter(|&r| argmax[r] == never).collect();
     if !bad.is_empty() {
         let rows: Vec<u32> = bad.iter().map(|&r| r as u32).collect();
@@ -73,7 +84,27 @@ pub(crate) fn token_probs(
 
 /// Float32 log-softmax of every row.
 pub(crate) fn log_probs(logits: &Tensor) -> candle_core::Result<Tensor> {
-    wavefront_models::candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)
+    let l = logits.to_dtype(DType::F32)?;
+    if let Some(stats) = cpu_stats(&l, DType::F32)? {
+        // `x - max - ln(Σ exp(x - max))`, the statistics from one threaded pass.
+        let column = |f: fn(&(f32, usize, f32)) -> f32| {
+            let v: Vec<f32> = stats.iter().map(f).collect();
+            Tensor::from_vec(v, (stats.len(), 1), l.device())
+        };
+        let (max, ln_sum) = (column(|s| s.0)?, column(|s| s.2.ln())?);
+        return l.broadcast_sub(&max)?.broadcast_sub(&ln_sum);
+    }
+    wavefront_models::candle_nn::ops::log_softmax(&l, D::Minus1)
+}
+
+/// The CPU kernel's row statistics of float32 `logits` on the CPU when reductions run in
+/// float32; `None` otherwise (candle's ops).
+fn cpu_stats(logits: &Tensor, dtype: DType) -> candle_core::Result<Option<Vec<(f32, usize, f32)>>> {
+    if dtype != DType::F32 || logits.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    wavefront_models::transformer::cpu::row_stats(logits)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
 }
 
 /// `x0` and `softmax(logits)[x0]` of the given rows of `logits`: the argmax (temperature 0,
