@@ -25,6 +25,10 @@ PyTorch shapes (what each wavefront shape does, in stock layers):
   ARMT's associative-memory read and write per layer (DPFP-3 features of a 64-dim projection,
   `A` 384 x 512, `z` 384) around each decoder layer;
 - head-{1,32}: `nn.Linear(1024, 32768)` over 1 and 32 rows.
+
+End to end (`--generate`): stock `Qwen3ForCausalLM.generate` (greedy, 128 new tokens after a
+32-token prompt, no end-of-sequence token) against wavefront's `ar` scheme on the same shape
+served through the engine (`bench-slot-diffusion --gen-length 128`, its `ar (baseline)` row).
 """
 
 import argparse
@@ -203,6 +207,8 @@ def main():
     ap.add_argument("--weight-dtype", default="f32", choices=["f32", "bf16"],
                     help="wavefront's weight storage (PyTorch stays float32)")
     ap.add_argument("--binary", default="target/release/bench-forward")
+    ap.add_argument("--generate", action="store_true",
+                    help="also time 128-token greedy generation end to end")
     a = ap.parse_args()
 
     import torch
@@ -233,6 +239,43 @@ def main():
             continue
         p, w = statistics.median(tt[name]), statistics.median(wt[name])
         print(f"| {name} | {p:.3f} | {w:.3f} | {p / w:.2f} | {100 * roof[name]:.0f}% |")
+    if a.generate:
+        generate(torch, a)
+
+
+def generate(torch, a):
+    """Stock `generate` against wavefront's `ar` scheme, 128 greedy tokens, alternating."""
+    import re
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, intermediate_size=1536, vocab_size=32768, max_position_embeddings=8192,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 32000, (1, 32))
+    bench = a.binary.replace("bench-forward", "bench-slot-diffusion")
+    tt, wt = [], []
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        for r in range(a.rounds):
+            print(f"generate round {r + 1}/{a.rounds}", file=sys.stderr)
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False)
+            tt.append(time.perf_counter() - t)
+            out = subprocess.run(
+                [bench, "--gen-length", "128", "--concurrency", "1", "--threads", str(a.threads),
+                 "--weight-dtype", a.weight_dtype],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            row = next(l for l in out.splitlines() if l.startswith("| ar (baseline)"))
+            wt.append(float(re.split(r"\s*\|\s*", row)[4]))
+    p, w = statistics.median(tt), statistics.median(wt)
+    print("\n| end to end | PyTorch s | wavefront s | ratio |")
+    print("|---|---:|---:|---:|")
+    print(f"| Qwen3 greedy, 32-token prompt + 128 new (`generate` / `ar` scheme) | {p:.2f} | {w:.2f} | {p / w:.2f} |")
 
 
 if __name__ == "__main__":
