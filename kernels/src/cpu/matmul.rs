@@ -324,6 +324,7 @@ pub(crate) fn gemm_panels(
                 &panels[p * k * NR..(p + 1) * k * NR],
                 &mut tile,
                 true,
+                PREFETCH_BYTES,
             );
             for r in 0..mr {
                 let row = &mut c[(i + r) * ldc + p * NR..];
@@ -358,13 +359,27 @@ unsafe fn run_block(
             // sum is added to the output's running total, in block order.
             for k0 in (0..k).step_by(KC) {
                 let kb = KC.min(k - k0);
-                for (&(i, mr), acc) in group.iter().zip(accs.iter_mut()) {
+                for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
                     let at = &a[i * k + k0 * mr..i * k + (k0 + kb) * mr];
                     let start = k0 == 0;
                     let range = p * k * NR + k0 * NR..p * k * NR + (k0 + kb) * NR;
+                    // The first tile streams the block from memory, prefetching just ahead;
+                    // the others find it in L1 and prefetch the next block meanwhile, so
+                    // memory keeps streaming while they compute.
+                    let ahead = |elem: usize| {
+                        if t == 0 {
+                            PREFETCH_BYTES
+                        } else {
+                            KC * NR * elem
+                        }
+                    };
                     match &w.store {
-                        Store::F32(v) => tile_dispatch(isa, mr, at, kb, &v[range], acc, start),
-                        Store::Bf16(v) => tile_dispatch(isa, mr, at, kb, &v[range], acc, start),
+                        Store::F32(v) => {
+                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(4))
+                        }
+                        Store::Bf16(v) => {
+                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(2))
+                        }
                     }
                 }
             }
@@ -443,12 +458,13 @@ fn tile_dispatch<E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
+    ahead: usize,
 ) {
     debug_assert!(x.len() == mr * k && panel.len() == k * NR);
     macro_rules! by_rows {
         ($f:ident, $($m:literal)*) => {
             match mr {
-                $($m => $f::<$m, E>(x, k, panel, tile, start),)*
+                $($m => $f::<$m, E>(x, k, panel, tile, start, ahead),)*
                 _ => unreachable!("tile of {mr} rows"),
             }
         };
@@ -459,7 +475,7 @@ fn tile_dispatch<E: PanelElem>(
         Isa::Avx512 => unsafe { by_rows!(tile_avx512, 1 2 3 4 5 6 7 8) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { by_rows!(tile_avx2, 1 2 3 4 5 6) },
+        Isa::Avx2 => unsafe { by_rows!(tile_avx2_rows, 1 2 3 4 5 6) },
         _ => tile_portable(mr, x, k, panel, tile, start),
     }
 }
@@ -492,23 +508,26 @@ fn tile_portable<E: PanelElem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     x: &[f32],
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
     for kk in 0..k {
-        // The panel is one stream; ask for it well ahead of the arithmetic.
-        let ahead = (bp.add(kk * NR) as *const i8).add(PREFETCH_BYTES);
-        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        // Ask for the panel `ahead` bytes past the row being multiplied (a prefetch of an
+        // address past the panel is a no-op; the address is never dereferenced).
+        let next = (bp.wrapping_add(kk * NR) as *const i8).wrapping_add(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(next);
         if size_of::<E>() * NR > 64 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
         }
         let b0 = E::load16(bp.add(kk * NR));
         let b1 = E::load16(bp.add(kk * NR + 16));
@@ -532,12 +551,13 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2<const MR: usize, E: PanelElem>(
+unsafe fn tile_avx2_rows<const MR: usize, E: PanelElem>(
     x: &[f32],
     k: usize,
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
+    _ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let xp = x.as_ptr();

@@ -3,8 +3,9 @@
 //!
 //! In one run it measures the machine's peaks (streaming read bandwidth over a buffer far larger
 //! than the last-level cache, and the fused multiply-add rate with operands in registers, both
-//! on every pool thread; plus the rate of a large square product through the same kernel the
-//! models use), then times every shape and prints, per shape, the bytes of weights and cache it
+//! on every pool thread, three times before and three times after the shapes, medians kept;
+//! plus the rate of a large square product through the same kernel the models use), times
+//! every shape and prints, per shape, the bytes of weights and cache it
 //! must read and the FLOPs it must do, the rates reached and the fraction of its roofline:
 //! `max(bytes / bandwidth, flops / peak) / time`, i.e. how close the shape runs to the ceiling
 //! that binds it.
@@ -47,7 +48,7 @@ struct Args {
     #[arg(long, default_value_t = 1.5)]
     seconds: f64,
     /// Buffer streamed for the bandwidth ceiling, in MiB.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 512)]
     bandwidth_mib: usize,
     /// Skip measuring the peaks (fractions are then meaningless): for profiling the shapes.
     #[arg(long)]
@@ -109,14 +110,24 @@ fn main() -> Result<()> {
         wavefront_models::cpu_threads(),
         wavefront_models::cpu_isa()
     );
-    let (bandwidth, fma, gemm) = if a.no_peaks {
-        (f64::NAN, f64::NAN, f64::NAN)
+    // The peaks are measured before and after the shapes, three times each, and the medians
+    // kept: on a shared machine one reading can be far off.
+    let mut peak_runs: Vec<(f64, f64)> = Vec::new();
+    let measure_peaks = |runs: &mut Vec<(f64, f64)>| {
+        if !a.no_peaks {
+            for _ in 0..3 {
+                runs.push((
+                    cpu_peaks::read_bandwidth(a.bandwidth_mib << 20, 3),
+                    cpu_peaks::fma_peak(0.5),
+                ));
+            }
+        }
+    };
+    measure_peaks(&mut peak_runs);
+    let gemm = if a.no_peaks {
+        f64::NAN
     } else {
-        (
-            cpu_peaks::read_bandwidth(a.bandwidth_mib << 20, 5),
-            cpu_peaks::fma_peak(1.0),
-            gemm_rate(2048, a.seconds)?,
-        )
+        gemm_rate(2048, a.seconds)?
     };
     let mut shapes: Vec<Shape> = Vec::new();
 
@@ -366,10 +377,24 @@ fn main() -> Result<()> {
         });
     }
 
-    let mut results = Vec::new();
+    let mut timed = Vec::new();
     for mut s in shapes {
         eprintln!("timing {}", s.name);
         let secs = time(s.run.as_mut(), a.seconds)?;
+        timed.push((s, secs));
+    }
+    measure_peaks(&mut peak_runs);
+    let median = |mut v: Vec<f64>| -> f64 {
+        if v.is_empty() {
+            return f64::NAN;
+        }
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let bandwidth = median(peak_runs.iter().map(|p| p.0).collect());
+    let fma = median(peak_runs.iter().map(|p| p.1).collect());
+    let mut results = Vec::new();
+    for (s, secs) in timed {
         let roof = (s.bytes / bandwidth).max(s.flops / fma);
         let bound = if s.bytes / bandwidth >= s.flops / fma {
             "memory"
