@@ -450,6 +450,7 @@ impl PanelElem for u16 {
 /// `[k][mr]`. Every output's chain over these `k` starts from zero; with `start` it is stored,
 /// else added to the value in `tile` (blocked summation: the partial sums of successive
 /// k-blocks are added in order, which keeps the rounding error of long sums down).
+#[allow(clippy::too_many_arguments)]
 fn tile_dispatch<E: PanelElem>(
     isa: Isa,
     mr: usize,
