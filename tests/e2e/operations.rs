@@ -208,3 +208,67 @@ async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
         .expect("the worker is still routed to");
     assert_eq!(r.into_inner().token_ids.len(), 2);
 }
+
+/// Hostile sizes: a 3 MB text prompt is refused from its size alone (INVALID_ARGUMENT, no
+/// tokenizing on the request path), a 5 MB message with RESOURCE_EXHAUSTED naming the limit
+/// (not the transport's OUT_OF_RANGE), and neither takes the worker out of rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_prompts_and_messages_get_documented_codes_and_keep_the_worker_in_rotation() {
+    let worker = spawn_worker("huginn", &[]);
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &worker.addr.to_string(),
+        "--refresh-ms",
+        "600000",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let chan = channel(router.addr).await;
+    let start = Instant::now();
+    while GenerationClient::new(chan.clone())
+        .generate(long_request(1))
+        .await
+        .is_err()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "worker never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = |bytes: usize| pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Text(
+            "lorem ipsum ".repeat(bytes / 12),
+        )),
+        max_new_tokens: 2,
+        ..Default::default()
+    };
+    let mut client = GenerationClient::new(chan.clone()).max_encoding_message_size(64 << 20);
+    let t = Instant::now();
+    let err = client
+        .generate(text(3 << 20))
+        .await
+        .expect_err("3 MB prompt");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("this model accepts"), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "refused in {:?}",
+        t.elapsed()
+    );
+    let err = client
+        .generate(text(5 << 20))
+        .await
+        .expect_err("5 MB message");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("--max-message-bytes"), "{err:?}");
+    // No poll has run since: the worker must still be routed to.
+    let r = GenerationClient::new(chan)
+        .generate(long_request(2))
+        .await
+        .expect("the worker is still routed to");
+    assert_eq!(r.into_inner().token_ids.len(), 2);
+}

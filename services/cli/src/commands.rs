@@ -26,6 +26,10 @@ pub struct ServeArgs {
     pub listen: String,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Largest request message the server decodes, in bytes; larger ones get
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
 }
 
 #[derive(Debug, Args)]
@@ -44,6 +48,10 @@ pub struct RouterArgs {
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
+    /// Largest request message the server decodes, in bytes; larger ones get
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
 }
 
 #[derive(Debug, Args)]
@@ -56,6 +64,10 @@ pub struct WorkerArgs {
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Largest request message the server decodes, in bytes; larger ones get
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
 }
 
 #[derive(Debug, Args)]
@@ -142,6 +154,7 @@ pub async fn worker(a: WorkerArgs) -> Result<()> {
     announce("worker", addr);
     let cfg = WorkerConfig {
         drain_timeout: Duration::from_secs(a.drain_timeout_s),
+        max_message_bytes: a.max_message_bytes,
     };
     wavefront_worker::serve(service, listener, cfg, shutdown_signal()).await
 }
@@ -161,7 +174,8 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     discovery.refresh(&cfg).await;
     tokio::spawn(discovery.clone().run(cfg));
     announce("router", listener.local_addr()?);
-    wavefront_router::serve(RouterService::new(discovery), listener, shutdown_signal()).await
+    let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
+    wavefront_router::serve(service, listener, shutdown_signal()).await
 }
 
 pub async fn serve(a: ServeArgs) -> Result<()> {
@@ -181,7 +195,10 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         tokio::spawn(wavefront_worker::serve(
             service,
             worker_listener,
-            WorkerConfig::default(),
+            WorkerConfig {
+                max_message_bytes: a.max_message_bytes,
+                ..WorkerConfig::default()
+            },
             async move {
                 let _ = rx.changed().await;
             },
@@ -207,7 +224,8 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     tracing::info!(model = %name, %addr, %worker_addr, "serving");
     announce("router", addr);
     let mut rx = stop_rx;
-    let router = wavefront_router::serve(RouterService::new(discovery), listener, async move {
+    let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
+    let router = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });
     let signal = async move {

@@ -8,7 +8,7 @@
 
 use crate::family::{Event, Family, Prepared};
 use crate::ids::RequestId;
-use crate::scheduler::{Scheduler, Waiting};
+use crate::scheduler::{Scheduler, SharedQueue, Waiting};
 use crate::EngineError;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
@@ -87,18 +87,13 @@ pub struct EngineLoad {
     pub ticks: u64,
 }
 
-/// The engine's load as handles see it. One mutex (held for a few stores,
-/// never across a wait) keeps it consistent: a request moving from "sent"
-/// to "queued" to "running" is visible at every instant, which separate
-/// atomics cannot promise to a reader.
+/// The engine's load as handles see it (what the engine thread publishes after each step; the
+/// queue's length is read from the shared queue itself).
 #[derive(Default)]
 struct LoadState {
     free_slots: usize,
-    queued: usize,
     active: usize,
     ticks: u64,
-    /// Submissions sent but not yet seen by the engine thread.
-    in_flight: usize,
 }
 
 #[derive(Default)]
@@ -116,14 +111,16 @@ impl LoadCounters {
     }
 }
 
-enum Command<P> {
-    Submit(RequestId, Submission<P>, Instant),
+enum Command {
+    /// A submission was queued: look at the queue (the engine may be waiting for work).
+    Wake,
     Shutdown,
 }
 
 /// Cheap, cloneable access to a running engine.
 pub struct EngineHandle<P> {
-    tx: SyncSender<Command<P>>,
+    tx: SyncSender<Command>,
+    queue: Arc<SharedQueue<P>>,
     load: Arc<LoadCounters>,
     next_id: Arc<AtomicU64>,
     config: EngineConfig,
@@ -134,6 +131,7 @@ impl<P> Clone for EngineHandle<P> {
     fn clone(&self) -> Self {
         Self {
             tx: self.tx.clone(),
+            queue: self.queue.clone(),
             load: self.load.clone(),
             next_id: self.next_id.clone(),
             config: self.config.clone(),
@@ -144,48 +142,41 @@ impl<P> Clone for EngineHandle<P> {
 
 impl<P: Send + 'static> EngineHandle<P> {
     /// Submits a prepared request. Fails at once when the request can never
-    /// fit or when the admission queue is full.
+    /// fit or when the admission queue is full (waiting requests whose caller
+    /// is gone or whose deadline passed do not count: they are dropped first).
     pub fn submit(&self, sub: Submission<P>) -> Result<RequestId, EngineError> {
         if self.load.stopped.load(Ordering::Acquire) {
             return Err(EngineError::ShutDown);
         }
-        let needed = sub.prepared.slots;
-        if needed > self.config.total_slots {
-            return Err(EngineError::TooLarge {
-                needed,
-                total: self.config.total_slots,
-            });
-        }
-        // Reserve a queue place up front so a burst cannot overrun the bound.
-        let capacity = self.config.queue_capacity;
-        {
-            let mut l = self.load.lock();
-            if l.queued + l.in_flight >= capacity {
-                return Err(EngineError::QueueFull { capacity });
-            }
-            l.in_flight += 1;
-        }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        match self.tx.try_send(Command::Submit(id, sub, Instant::now())) {
-            Ok(()) => Ok(id),
-            Err(TrySendError::Full(_)) => {
-                self.load.lock().in_flight -= 1;
-                Err(EngineError::QueueFull { capacity })
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                self.load.lock().in_flight -= 1;
-                Err(EngineError::ShutDown)
-            }
+        let now = Instant::now();
+        let w = Waiting {
+            id,
+            prepared: sub.prepared,
+            sink: sub.sink,
+            deadline: sub.deadline,
+            submitted_at: now,
+            span: sub.span,
+        };
+        self.queue.push(w, now).map_err(|(_, e)| e)?;
+        // A full channel already holds a wake-up; a closed one means the engine stopped, and
+        // its shutdown fails whatever is queued.
+        match self.tx.try_send(Command::Wake) {
+            Ok(()) | Err(TrySendError::Full(_)) => Ok(id),
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::ShutDown),
         }
     }
 
     pub fn load(&self) -> EngineLoad {
+        // The load lock first, then the queue's (the engine publishes in the same order), so a
+        // request is always counted: waiting, taken and not yet published, or running.
         let l = self.load.lock();
+        let (queued, taken) = self.queue.counts();
         EngineLoad {
             total_slots: self.config.total_slots,
             free_slots: l.free_slots,
-            queued: l.queued + l.in_flight,
-            active: l.active,
+            queued,
+            active: l.active + taken,
             queue_capacity: self.config.queue_capacity,
             ticks: l.ticks,
         }
@@ -234,12 +225,17 @@ impl Engine {
         M: FnOnce() -> Result<F, String> + Send + 'static,
     {
         let label = label.to_owned();
-        let channel_bound = config.queue_capacity.max(1) + 1;
-        let (tx, rx) = mpsc::sync_channel::<Command<F::Program>>(channel_bound);
+        let (tx, rx) = mpsc::sync_channel::<Command>(2);
+        let sched = Scheduler::<F::Program>::new(
+            config.total_slots,
+            config.queue_capacity,
+            config.max_active,
+        )
+        .with_label(&label);
+        let queue = sched.shared_queue();
         let load = Arc::new(LoadCounters::default());
         load.lock().free_slots = config.total_slots;
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
-        let cfg = config.clone();
         let thread_load = load.clone();
         let thread = std::thread::Builder::new()
             .name("wavefront-engine".into())
@@ -255,7 +251,7 @@ impl Engine {
                         return;
                     }
                 };
-                run_loop(family, cfg, label, rx, &thread_load);
+                run_loop(family, sched, rx, &thread_load);
                 thread_load.stopped.store(true, Ordering::Release);
             })
             .map_err(|e| format!("cannot spawn engine thread: {e}"))?;
@@ -266,6 +262,7 @@ impl Engine {
         }
         Ok(EngineHandle {
             tx,
+            queue,
             load,
             next_id: Arc::new(AtomicU64::new(1)),
             config,
@@ -276,20 +273,16 @@ impl Engine {
 
 fn run_loop<F: Family>(
     mut family: F,
-    cfg: EngineConfig,
-    label: String,
-    rx: Receiver<Command<F::Program>>,
+    mut sched: Scheduler<F::Program>,
+    rx: Receiver<Command>,
     load: &LoadCounters,
 ) {
-    let mut sched =
-        Scheduler::<F::Program>::new(cfg.total_slots, cfg.queue_capacity, cfg.max_active)
-            .with_label(&label);
     // While nothing can run (clients not reading, queue head not fitting),
     // wait this long for a command instead of spinning.
     const IDLE_POLL: Duration = Duration::from_millis(2);
     let mut wait: Option<Duration> = None;
     loop {
-        // Block only when there is nothing to do; otherwise drain what is pending.
+        // Block only when there is nothing to do; otherwise take what is pending.
         let first = if sched.is_idle() {
             rx.recv().map_err(|_| ())
         } else if let Some(timeout) = wait {
@@ -306,7 +299,8 @@ fn run_loop<F: Family>(
             break; // every handle is gone
         }
         while let Some(cmd) = next.take() {
-            if !accept(&mut sched, &mut family, load, cmd) {
+            if let Command::Shutdown = cmd {
+                sched.abort_all(&mut family);
                 publish(&sched, load);
                 return;
             }
@@ -324,46 +318,13 @@ fn run_loop<F: Family>(
     publish(&sched, load);
 }
 
-/// Applies one command; `false` means stop the loop.
-fn accept<F: Family>(
-    sched: &mut Scheduler<F::Program>,
-    family: &mut F,
-    load: &LoadCounters,
-    cmd: Command<F::Program>,
-) -> bool {
-    match cmd {
-        Command::Submit(id, sub, submitted_at) => {
-            let w = Waiting {
-                id,
-                prepared: sub.prepared,
-                sink: sub.sink,
-                deadline: sub.deadline,
-                submitted_at,
-                span: sub.span,
-            };
-            if let Err((mut w, err)) = sched.enqueue(w) {
-                let _ = w.sink.try_send(Event::Failed(err));
-            }
-            // The request moves from in flight to queued in one step.
-            let mut l = load.lock();
-            l.queued = sched.queued();
-            l.in_flight -= 1;
-            true
-        }
-        Command::Shutdown => {
-            sched.abort_all(family);
-            false
-        }
-    }
-}
-
 fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
     {
         let mut l = load.lock();
         l.free_slots = sched.pool().free();
-        l.queued = sched.queued();
         l.active = sched.running();
         l.ticks = sched.ticks();
+        sched.shared_queue().settled();
     }
     sched.publish_gauges();
 }

@@ -15,6 +15,7 @@ use crate::queue::AdmissionQueue;
 use crate::slots::SlotPool;
 use crate::EngineError;
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// A request waiting for admission.
@@ -41,6 +42,125 @@ struct Running<P> {
     span: tracing::Span,
 }
 
+/// The admission queue, shared by the engine thread and every handle: a submission is pushed
+/// under the lock by the caller's thread, the engine pops. When the queue is full, waiting
+/// requests whose caller has gone or whose deadline has passed are dropped before the new one
+/// is refused, so a place is never held by nobody (the engine may be in the middle of a long
+/// tick and reap them only later).
+pub struct SharedQueue<P> {
+    inner: Mutex<QueueState<P>>,
+    total_slots: usize,
+}
+
+struct QueueState<P> {
+    queue: AdmissionQueue<Waiting<P>>,
+    /// Requests the engine took from the queue since it last published its load: not waiting
+    /// any more, not yet counted as running by readers of the load.
+    taken: usize,
+}
+
+impl<P> SharedQueue<P> {
+    pub fn new(capacity: usize, total_slots: usize) -> Self {
+        Self {
+            inner: Mutex::new(QueueState {
+                queue: AdmissionQueue::new(capacity),
+                taken: 0,
+            }),
+            total_slots,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, QueueState<P>> {
+        // A panic while holding it leaves a consistent queue (every operation is one call).
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock(&self) -> QueueGuard<'_, P> {
+        QueueGuard(self.state())
+    }
+
+    /// Requests waiting.
+    pub fn len(&self) -> usize {
+        self.state().queue.len()
+    }
+
+    /// `(waiting, taken by the engine since it last published its load)`.
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let s = self.state();
+        (s.queue.len(), s.taken)
+    }
+
+    /// The engine published a load that counts every request it took.
+    pub(crate) fn settled(&self) {
+        self.state().taken = 0;
+    }
+
+    /// Pops the head if `fits` accepts it (the engine admitting a request).
+    fn pop_if(&self, fits: impl FnOnce(&Waiting<P>) -> bool) -> Option<Waiting<P>> {
+        let mut s = self.state();
+        let w = s.queue.pop_if(fits);
+        if w.is_some() {
+            s.taken += 1;
+        }
+        w
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.lock().capacity()
+    }
+
+    /// Queues `w` at `now`; a request that can never fit, or a full queue once the gone and
+    /// expired waiting requests are dropped, hands it back with the error to send.
+    pub fn push(&self, w: Waiting<P>, now: Instant) -> Result<(), (Waiting<P>, EngineError)> {
+        if w.prepared.slots > self.total_slots {
+            let err = EngineError::TooLarge {
+                needed: w.prepared.slots,
+                total: self.total_slots,
+            };
+            return Err((w, err));
+        }
+        let mut q = self.lock();
+        if q.len() >= q.capacity() {
+            for mut gone in
+                q.drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now))
+            {
+                if !gone.sink.is_closed() {
+                    let _ = gone
+                        .sink
+                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                            generated: 0,
+                        }));
+                }
+            }
+        }
+        let capacity = q.capacity();
+        q.push(w)
+            .map_err(|w| (w, EngineError::QueueFull { capacity }))
+    }
+}
+
+/// The queue under its lock.
+struct QueueGuard<'a, P>(MutexGuard<'a, QueueState<P>>);
+
+impl<P> std::ops::Deref for QueueGuard<'_, P> {
+    type Target = AdmissionQueue<Waiting<P>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0.queue
+    }
+}
+
+impl<P> std::ops::DerefMut for QueueGuard<'_, P> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0.queue
+    }
+}
+
 /// Counts of what one [`Scheduler::step`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StepReport {
@@ -53,7 +173,7 @@ pub struct StepReport {
 }
 
 pub struct Scheduler<P> {
-    queue: AdmissionQueue<Waiting<P>>,
+    queue: Arc<SharedQueue<P>>,
     pool: SlotPool,
     running: Vec<Running<P>>,
     max_active: usize,
@@ -64,7 +184,7 @@ pub struct Scheduler<P> {
 impl<P: Send + 'static> Scheduler<P> {
     pub fn new(total_slots: usize, queue_capacity: usize, max_active: usize) -> Self {
         Self {
-            queue: AdmissionQueue::new(queue_capacity),
+            queue: Arc::new(SharedQueue::new(queue_capacity, total_slots)),
             pool: SlotPool::new(total_slots),
             running: Vec::new(),
             max_active: max_active.max(1),
@@ -95,6 +215,11 @@ impl<P: Send + 'static> Scheduler<P> {
         self.queue.len()
     }
 
+    /// The admission queue, for handles that submit from other threads.
+    pub fn shared_queue(&self) -> Arc<SharedQueue<P>> {
+        self.queue.clone()
+    }
+
     pub fn running(&self) -> usize {
         self.running.len()
     }
@@ -109,17 +234,7 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Queues a request; a full queue hands it back with the error to send.
     pub fn enqueue(&mut self, w: Waiting<P>) -> Result<(), (Waiting<P>, EngineError)> {
-        if w.prepared.slots > self.pool.total() {
-            let err = EngineError::TooLarge {
-                needed: w.prepared.slots,
-                total: self.pool.total(),
-            };
-            return Err((w, err));
-        }
-        let capacity = self.queue.capacity();
-        self.queue
-            .push(w)
-            .map_err(|w| (w, EngineError::QueueFull { capacity }))
+        self.queue.push(w, Instant::now())
     }
 
     /// One engine iteration: reap, admit, tick, deliver.
@@ -141,6 +256,7 @@ impl<P: Send + 'static> Scheduler<P> {
         // Waiting requests whose client left or whose deadline passed.
         let gone = self
             .queue
+            .lock()
             .drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now));
         for mut w in gone {
             if w.sink.is_closed() {
@@ -328,7 +444,8 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Fails everything (engine shutting down).
     pub fn abort_all<F: Family<Program = P>>(&mut self, family: &mut F) {
-        for mut w in self.queue.drain_where(|_| true) {
+        let waiting = self.queue.lock().drain_where(|_| true);
+        for mut w in waiting {
             let _ = w.sink.try_send(Event::Failed(EngineError::ShutDown));
         }
         while let Some(mut r) = self.running.pop() {

@@ -256,6 +256,45 @@ fn a_full_queue_is_an_error_not_growth() {
 }
 
 #[test]
+fn a_full_queue_first_drops_waiting_requests_whose_caller_left_or_whose_deadline_passed() {
+    // One slot, held by a long request: everything else waits.
+    let mut sched = Scheduler::<Countdown>::new(1, 2, 1);
+    let mut fam = FakeFamily::default();
+    assert!(sched
+        .enqueue(waiting(1, countdown(1000, 1), sink(4).0))
+        .is_ok());
+    sched.step(&mut fam, Instant::now());
+    let (gone, _gone_rx, gone_closed) = sink(4);
+    let (late, late_rx, _late_closed) = sink(4);
+    assert!(sched.enqueue(waiting(2, countdown(1, 1), gone)).is_ok());
+    let mut expiring = waiting(3, countdown(1, 1), late);
+    expiring.deadline = Some(Instant::now());
+    assert!(sched.enqueue(expiring).is_ok());
+    assert_eq!(sched.queued(), 2);
+    // The queue is full, but its caller left request 2 and request 3's deadline passed.
+    gone_closed.store(true, Ordering::Release);
+    assert!(sched
+        .enqueue(waiting(4, countdown(1, 1), sink(4).0))
+        .is_ok());
+    assert_eq!(sched.queued(), 1);
+    assert!(matches!(
+        late_rx.try_recv(),
+        Ok(Event::Failed(EngineError::DeadlineExceeded {
+            generated: 0
+        }))
+    ));
+    // Live waiting requests still fill the queue.
+    assert!(sched
+        .enqueue(waiting(5, countdown(1, 1), sink(4).0))
+        .is_ok());
+    let err = sched.enqueue(waiting(6, countdown(1, 1), sink(4).0)).err();
+    assert!(matches!(
+        err,
+        Some((_, EngineError::QueueFull { capacity: 2 }))
+    ));
+}
+
+#[test]
 fn a_slow_reader_pauses_only_itself() {
     let mut sched = Scheduler::<Countdown>::new(4, 4, 4);
     let mut fam = FakeFamily::default();
@@ -447,5 +486,70 @@ fn load_never_hides_a_submitted_request() {
             }
         }
     }
+    handle.shutdown();
+}
+
+/// A family whose ticks wait for the test to let them go: an engine busy with a long tick.
+struct GatedFamily {
+    entered: mpsc::SyncSender<()>,
+    go: mpsc::Receiver<()>,
+}
+
+impl Family for GatedFamily {
+    type Program = Countdown;
+    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), String> {
+        let _ = self.entered.try_send(());
+        let _ = self.go.recv();
+        for a in batch.iter_mut() {
+            a.outbox.finish(FinishReason::Length, Stats::default());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn callers_that_left_do_not_hold_queue_places_while_the_engine_is_busy() {
+    let cfg = EngineConfig {
+        total_slots: 1,
+        queue_capacity: 2,
+        max_active: 1,
+    };
+    let (entered_tx, entered) = mpsc::sync_channel(8);
+    let (go, go_rx) = mpsc::sync_channel(8);
+    let handle = Engine::start(cfg, move || {
+        Ok(GatedFamily {
+            entered: entered_tx,
+            go: go_rx,
+        })
+    })
+    .expect("engine starts");
+    let (s, _rx, _c) = sink(8);
+    handle.submit(submission(countdown(1, 1), s, None)).unwrap();
+    entered.recv().unwrap(); // the engine is inside a tick and will not reap for now
+    let mut gone = Vec::new();
+    for _ in 0..2 {
+        let (s, _rx, closed) = sink(8);
+        handle.submit(submission(countdown(1, 1), s, None)).unwrap();
+        gone.push(closed);
+    }
+    let (s, _rx, _c) = sink(8);
+    let refused = handle.submit(submission(countdown(1, 1), s, None));
+    assert_eq!(refused.err(), Some(EngineError::QueueFull { capacity: 2 }));
+    // Both waiting callers leave: their places are free at once, tick or not.
+    for c in &gone {
+        c.store(true, Ordering::Release);
+    }
+    let (s, rx, _c) = sink(8);
+    handle
+        .submit(submission(countdown(1, 1), s, None))
+        .expect("the places of callers that left are free");
+    assert_eq!(handle.load().queued, 1);
+    for _ in 0..4 {
+        let _ = go.send(());
+    }
+    let done = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the new request runs");
+    assert!(matches!(done, Event::Finished { .. }), "{done:?}");
     handle.shutdown();
 }

@@ -19,6 +19,9 @@ use crate::error::{ModelError, Result};
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     chat: Option<Arc<ChatTemplate>>,
+    /// The longest vocabulary entry in UTF-8 bytes: no token covers more bytes of text (byte
+    /// and sentencepiece alphabets spell a byte with at least one byte).
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -37,10 +40,26 @@ fn tok_err(e: tokenizers::Error) -> ModelError {
 impl TextTokenizer {
     /// Parses the bytes of a `tokenizer.json`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Self {
-            inner: tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?,
+            inner,
             chat: None,
+            max_token_bytes,
         })
+    }
+
+    /// The fewest tokens `text_bytes` bytes of text can become (each token covers at most the
+    /// longest vocabulary entry): a bound checked before tokenizing, so an oversized prompt is
+    /// refused without the work proportional to its size.
+    pub fn min_tokens(&self, text_bytes: usize) -> usize {
+        text_bytes.div_ceil(self.max_token_bytes)
     }
 
     /// Attaches a chat template.

@@ -19,6 +19,148 @@ pub mod worker {
 /// Encoded `FileDescriptorSet` of every proto file, for tonic-reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("wavefront_descriptor");
 
+/// Request size limits of the servers.
+pub mod limits {
+    /// Default largest request message a server decodes, in bytes.
+    pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
+
+    /// gRPC status codes (the wire values) this module reads and writes.
+    const OUT_OF_RANGE: &str = "11";
+    const RESOURCE_EXHAUSTED: &str = "8";
+
+    /// Whether `headers` (a response's, or its trailers) carry the transport's refusal of an
+    /// oversized message; if so they are rewritten to RESOURCE_EXHAUSTED with a message naming
+    /// the limit and how to change it.
+    fn remap(headers: &mut http::HeaderMap) {
+        if headers.get("grpc-status").is_none_or(|v| v != OUT_OF_RANGE) {
+            return;
+        }
+        let detail = headers
+            .get("grpc-message")
+            .and_then(|v| v.to_str().ok())
+            .map(percent_decode)
+            .unwrap_or_default();
+        if !detail.contains("message length too large") {
+            return;
+        }
+        let message = format!(
+            "request message too large ({detail}); send a smaller request, or raise the \
+             server's --max-message-bytes"
+        )
+        .replace('%', "%25");
+        headers.insert(
+            "grpc-status",
+            http::HeaderValue::from_static(RESOURCE_EXHAUSTED),
+        );
+        if let Ok(v) = http::HeaderValue::from_str(&message) {
+            headers.insert("grpc-message", v);
+        }
+    }
+
+    /// The text of a percent-encoded `grpc-message`.
+    fn percent_decode(m: &str) -> String {
+        let b = m.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            let hex = |c: u8| (c as char).to_digit(16);
+            match (
+                b[i],
+                b.get(i + 1).copied().and_then(hex),
+                b.get(i + 2).copied().and_then(hex),
+            ) {
+                (b'%', Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                }
+                (c, _, _) => {
+                    out.push(c);
+                    i += 1;
+                }
+            }
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Maps a server's response: the transport refuses a request message over the decoding
+    /// limit with OUT_OF_RANGE, which is not among the codes the API documents; it becomes
+    /// RESOURCE_EXHAUSTED with a message naming the limit (in the headers of a trailers-only
+    /// response, or in the trailers). Every other response passes unchanged.
+    pub fn oversize_as_resource_exhausted(
+        mut resp: http::Response<tonic::body::Body>,
+    ) -> http::Response<tonic::body::Body> {
+        remap(resp.headers_mut());
+        resp.map(|b| tonic::body::Body::new(Remapped(b)))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn only_the_oversize_refusal_becomes_resource_exhausted() {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-status", http::HeaderValue::from_static("11"));
+            h.insert(
+                "grpc-message",
+                http::HeaderValue::from_static(
+                    "Error,%20decoded%20message%20length%20too%20large:%20found%209%20bytes",
+                ),
+            );
+            remap(&mut h);
+            assert_eq!(h["grpc-status"], "8");
+            let m = percent_decode(h["grpc-message"].to_str().unwrap());
+            assert!(
+                m.contains("found 9 bytes") && m.contains("--max-message-bytes"),
+                "{m}"
+            );
+            // Another OUT_OF_RANGE, or another code, passes as it is.
+            let mut other = http::HeaderMap::new();
+            other.insert("grpc-status", http::HeaderValue::from_static("11"));
+            other.insert(
+                "grpc-message",
+                http::HeaderValue::from_static("index%20past%20end"),
+            );
+            remap(&mut other);
+            assert_eq!(other["grpc-status"], "11");
+        }
+    }
+
+    /// A response body whose trailers go through [`remap`].
+    struct Remapped(tonic::body::Body);
+
+    impl http_body::Body for Remapped {
+        type Data = tonic::codegen::Bytes;
+        type Error = tonic::Status;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            let inner = std::pin::Pin::new(&mut self.get_mut().0);
+            inner.poll_frame(cx).map(|f| {
+                f.map(|r| {
+                    r.map(|frame| match frame.into_trailers() {
+                        Ok(mut trailers) => {
+                            remap(&mut trailers);
+                            http_body::Frame::trailers(trailers)
+                        }
+                        Err(frame) => frame,
+                    })
+                })
+            })
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0.is_end_stream()
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.0.size_hint()
+        }
+    }
+}
+
 /// The standard `grpc-timeout` header (deadline propagation).
 pub mod timeout {
     use std::time::{Duration, Instant};

@@ -30,11 +30,21 @@ const MAX_ATTEMPTS: usize = 3;
 #[derive(Clone)]
 pub struct RouterService {
     discovery: Discovery,
+    max_message_bytes: usize,
 }
 
 impl RouterService {
     pub fn new(discovery: Discovery) -> Self {
-        Self { discovery }
+        Self {
+            discovery,
+            max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+
+    /// Sets the largest request message decoded (larger: RESOURCE_EXHAUSTED).
+    pub fn with_max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
+        self
     }
 
     fn no_worker(e: NoWorker) -> Status {
@@ -304,10 +314,14 @@ pub async fn serve(
             .set_not_serving::<GenerationServer<RouterService>>()
             .await;
     };
+    let limit = service.max_message_bytes;
     tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            wavefront_proto::limits::oversize_as_resource_exhausted,
+        ))
         .add_service(health)
         .add_service(reflection)
-        .add_service(GenerationServer::new(service))
+        .add_service(GenerationServer::new(service).max_decoding_message_size(limit))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;
     Ok(())

@@ -74,6 +74,19 @@ pub trait ServedModel: Send + Sync {
     fn shutdown(&self);
 }
 
+/// Refuses, before tokenizing, a text of `bytes` bytes that must become more tokens than a
+/// context of `max_context` holds.
+fn too_long(tok: &TextTokenizer, bytes: usize, max_context: usize) -> Result<(), String> {
+    let at_least = tok.min_tokens(bytes);
+    if at_least > max_context {
+        return Err(format!(
+            "the prompt's {bytes} bytes make at least {at_least} tokens, more than the \
+             {max_context} this model accepts (prompt plus max_new_tokens); shorten it"
+        ));
+    }
+    Ok(())
+}
+
 /// The generic [`ServedModel`]: a planner plus the engine running its family.
 pub struct Served<P: Planner> {
     planner: Arc<P>,
@@ -109,7 +122,18 @@ impl<P: Planner> ServedModel for Served<P> {
             .tokenizer
             .as_ref()
             .ok_or("this model has no tokenizer; send token ids")?;
+        too_long(tok, text.len(), self.info().max_context)?;
         self.planner.encode_prompt(tok, text)
+    }
+
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        let tok = self
+            .tokenizer
+            .as_ref()
+            .ok_or("this model has no tokenizer; send token ids")?;
+        let bytes = messages.iter().map(|m| m.content.len()).sum();
+        too_long(tok, bytes, self.info().max_context)?;
+        tok.encode_chat(messages).map_err(|e| e.to_string())
     }
 
     fn decode(&self, ids: &[u32]) -> String {

@@ -23,12 +23,15 @@ use crate::service::WorkerService;
 pub struct WorkerConfig {
     /// How long in-flight requests may run after shutdown begins.
     pub drain_timeout: Duration,
+    /// Largest request message decoded; a larger one is refused with RESOURCE_EXHAUSTED.
+    pub max_message_bytes: usize,
 }
 
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
             drain_timeout: Duration::from_secs(30),
+            max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -84,11 +87,15 @@ pub async fn serve(
             }
         }
     };
+    let limit = config.max_message_bytes;
     tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            wavefront_proto::limits::oversize_as_resource_exhausted,
+        ))
         .add_service(health)
         .add_service(reflection)
-        .add_service(GenerationServer::new(service.clone()))
-        .add_service(WorkerServer::new(service))
+        .add_service(GenerationServer::new(service.clone()).max_decoding_message_size(limit))
+        .add_service(WorkerServer::new(service).max_decoding_message_size(limit))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;
     Ok(())

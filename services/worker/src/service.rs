@@ -140,7 +140,7 @@ impl WorkerService {
     /// Validates and submits; returns the response stream. Rejections are
     /// counted in the request metrics here; outcomes of admitted requests
     /// are counted when their stream ends.
-    fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+    async fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
         // A request without a scheme runs the model's first one.
         let default_scheme = self
             .pick(&request.get_ref().model)
@@ -150,13 +150,16 @@ impl WorkerService {
             request.get_ref().model.clone(),
             scheme_label(request.get_ref(), default_scheme),
         );
-        self.start_inner(request).inspect_err(|s| {
+        self.start_inner(request).await.inspect_err(|s| {
             let (model, scheme) = labels;
             record_outcome(&model, scheme, s.code(), None);
         })
     }
 
-    fn start_inner(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+    async fn start_inner(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<EventStream, Status> {
         if !self.is_ready() {
             return Err(Status::unavailable(
                 "worker is draining; retry on another worker",
@@ -175,7 +178,18 @@ impl WorkerService {
         wavefront_telemetry::extract_parent(&span, request.metadata());
         let req = request.into_inner();
         let model = self.pick(&req.model)?;
-        let spec = convert::spec_from_proto(&req, model.as_ref())?;
+        // Tokenizing and template rendering take time in proportion to the prompt: off the
+        // runtime's threads, so no request stalls the others or the load reports.
+        let (spec, req) = {
+            let model = model.clone();
+            tokio::task::spawn_blocking(move || {
+                let spec = convert::spec_from_proto(&req, model.as_ref());
+                (spec, req)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("request conversion failed: {e}")))?
+        };
+        let spec = spec?;
         span.record("model", model.info().name.as_str());
         span.record("scheme", spec.scheme.name());
         span.record("prompt_tokens", spec.prompt_ids.len());
@@ -417,7 +431,7 @@ impl pb::generation_server::Generation for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let stream = self.start(request)?;
+        let stream = self.start(request).await?;
         collect(stream).await.map(Response::new)
     }
 
@@ -427,7 +441,7 @@ impl pb::generation_server::Generation for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        self.start(request).map(Response::new)
+        self.start(request).await.map(Response::new)
     }
 
     async fn list_models(
@@ -481,7 +495,7 @@ impl wpb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.start(request).map(Response::new)
+        self.start(request).await.map(Response::new)
     }
 
     async fn get_load(
