@@ -8,7 +8,7 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 
 use crate::harness::{channel, spawn, spawn_worker, wait_serving};
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -16,7 +16,7 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn scrape(port: u16) -> String {
+pub(crate) fn scrape(port: u16) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .unwrap();
@@ -27,7 +27,7 @@ fn scrape(port: u16) -> String {
 }
 
 /// The value of the first sample whose line starts with `prefix`.
-fn sample(body: &str, prefix: &str) -> Option<f64> {
+pub(crate) fn sample(body: &str, prefix: &str) -> Option<f64> {
     body.lines()
         .find(|l| l.starts_with(prefix))
         .and_then(|l| l.rsplit(' ').next())

@@ -13,7 +13,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_router::{Discovery, DiscoveryConfig, RouterService};
 use wavefront_schemes::{ReplayDraws, ServedModel};
-use wavefront_worker::{WorkerConfig, WorkerService};
+use wavefront_worker::{RequestLimits, WorkerConfig, WorkerService};
 
 use crate::args::{parse_listen, GenerationArgs, PromptArgs};
 use crate::json::{canvas_json, response_json};
@@ -26,10 +26,43 @@ pub struct ServeArgs {
     pub listen: String,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
+}
+
+/// What one request may ask of a worker; beyond it, INVALID_ARGUMENT with a message.
+#[derive(Debug, Clone, Args)]
+pub struct LimitArgs {
+    /// Longest prompt in tokens (default: the model's context limit).
+    #[arg(long, env = "WAVEFRONT_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
+    /// Largest max_new_tokens a request may ask for.
+    #[arg(long, env = "WAVEFRONT_MAX_NEW_TOKENS_LIMIT", default_value_t = wavefront_worker::limits::DEFAULT_MAX_NEW_TOKENS)]
+    pub max_new_tokens_limit: usize,
+    /// Most stop strings, and most stop token ids, in one request.
+    #[arg(long, env = "WAVEFRONT_MAX_STOP_SEQUENCES", default_value_t = wavefront_worker::limits::DEFAULT_MAX_STOP_SEQUENCES)]
+    pub max_stop_sequences: usize,
+    /// Longest stop string, in bytes.
+    #[arg(long, env = "WAVEFRONT_MAX_STOP_STRING_BYTES", default_value_t = wavefront_worker::limits::DEFAULT_MAX_STOP_STRING_BYTES)]
+    pub max_stop_string_bytes: usize,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> Result<RequestLimits> {
+        if self.max_prompt_tokens == Some(0) || self.max_new_tokens_limit == 0 {
+            bail!("--max-prompt-tokens and --max-new-tokens-limit must be at least 1");
+        }
+        Ok(RequestLimits {
+            max_prompt_tokens: self.max_prompt_tokens,
+            max_new_tokens: self.max_new_tokens_limit,
+            max_stop_sequences: self.max_stop_sequences,
+            max_stop_string_bytes: self.max_stop_string_bytes,
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -61,6 +94,8 @@ pub struct WorkerArgs {
     pub listen: String,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
@@ -143,6 +178,7 @@ async fn bind(listen: &str) -> Result<TcpListener> {
 }
 
 pub async fn worker(a: WorkerArgs) -> Result<()> {
+    let limits = a.limits.limits()?;
     let listener = bind(&a.listen).await?;
     let model = tokio::task::spawn_blocking({
         let m = a.model.clone();
@@ -150,7 +186,7 @@ pub async fn worker(a: WorkerArgs) -> Result<()> {
     })
     .await??;
     let addr = listener.local_addr()?;
-    let service = WorkerService::new(vec![model], addr.to_string());
+    let service = WorkerService::new(vec![model], addr.to_string()).with_limits(limits);
     announce("worker", addr);
     let cfg = WorkerConfig {
         drain_timeout: Duration::from_secs(a.drain_timeout_s),
@@ -179,6 +215,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
 }
 
 pub async fn serve(a: ServeArgs) -> Result<()> {
+    let limits = a.limits.limits()?;
     let listener = bind(&a.listen).await?;
     let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
     let worker_addr = worker_listener.local_addr()?;
@@ -188,7 +225,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     })
     .await??;
     let name = model.info().name.clone();
-    let service = WorkerService::new(vec![model], worker_addr.to_string());
+    let service = WorkerService::new(vec![model], worker_addr.to_string()).with_limits(limits);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let worker_task = {
         let mut rx = stop_rx.clone();

@@ -133,16 +133,38 @@ impl RouterService {
             span.record("worker", w.addr.to_string().as_str());
             wavefront_telemetry::inject_current(&span, req.metadata_mut());
             let mut client = w.client.clone();
-            match client.generate(req).await {
+            // The caller's deadline bounds the wait for the worker's answer too: a worker that
+            // hangs (stopped, deadlocked) before answering must not hold the call past it.
+            let answer = match deadline {
+                Some(d) => match tokio::time::timeout_at(d.into(), client.generate(req)).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        tracing::warn!(parent: &span, worker = %w.addr, "worker did not answer before the deadline");
+                        return Err(Status::deadline_exceeded(format!(
+                            "deadline passed before worker {} answered",
+                            w.addr
+                        )));
+                    }
+                },
+                None => client.generate(req).await,
+            };
+            match answer {
                 Ok(resp) => {
                     tracing::debug!(parent: &span, worker = %w.addr, "forwarded");
                     let stream = resp.into_inner();
                     let span2 = span.clone();
+                    let (discovery, addr) = (self.discovery.clone(), w.addr);
                     let relayed: EventStream = Box::pin(stream.map(move |item| {
-                        if let Err(s) = &item {
-                            tracing::info!(parent: &span2, code = ?s.code(), "worker stream ended with error");
-                        }
-                        item
+                        item.map_err(|s| {
+                            tracing::info!(parent: &span2, code = ?s.code(), error = %s, "worker stream ended with error");
+                            match mid_stream(s, addr) {
+                                MidStream::Lost(s) => {
+                                    discovery.mark_down(addr);
+                                    s
+                                }
+                                MidStream::Relay(s) => s,
+                            }
+                        })
                     }));
                     return Ok(wavefront_proto::timeout::with_deadline(relayed, deadline));
                 }
@@ -207,6 +229,30 @@ fn classify(s: &Status, deadline: Option<Instant>, now: Instant) -> Failure {
         Code::Cancelled | Code::Unknown if transport => Failure::Retry { mark_down: true },
         _ => Failure::Final,
     }
+}
+
+/// A failed message of a stream the worker had already answered.
+enum MidStream {
+    /// The connection to the worker broke (the worker died or the network failed): the
+    /// response is incomplete and the worker is out of rotation until it answers a poll.
+    Lost(Status),
+    /// The worker's own status (a deadline, an engine failure): relayed as is.
+    Relay(Status),
+}
+
+/// Tells a broken connection (a status this process's transport made, with its source error)
+/// from the worker's own answer, and words the first as UNAVAILABLE: a client sees that the
+/// worker was lost, not the transport's UNKNOWN "error reading a body from connection".
+fn mid_stream(s: Status, addr: SocketAddr) -> MidStream {
+    use std::error::Error as _;
+    if s.source().is_none() {
+        return MidStream::Relay(s);
+    }
+    MidStream::Lost(Status::unavailable(format!(
+        "lost the connection to worker {addr} during the response ({}); the output is incomplete: \
+         retry the request",
+        s.message()
+    )))
 }
 
 /// How close to its deadline a failed call counts as having run out of time (the worker
@@ -353,6 +399,23 @@ mod tests {
         let later = Some(now + Duration::from_secs(5));
         assert_eq!(classify(&timeout, later, now), Failure::Final);
         assert_eq!(classify(&Status::unknown("x"), None, now), Failure::Final);
+    }
+
+    #[test]
+    fn a_broken_connection_mid_stream_is_unavailable_and_a_workers_own_status_is_relayed() {
+        let addr: SocketAddr = "127.0.0.1:7".parse().unwrap();
+        let broken = transport(tonic::ConnectError("connection reset".into()));
+        match mid_stream(broken, addr) {
+            MidStream::Lost(s) => {
+                assert_eq!(s.code(), Code::Unavailable);
+                assert!(s.message().contains("127.0.0.1:7"), "{}", s.message());
+            }
+            MidStream::Relay(s) => panic!("relayed {s:?}"),
+        }
+        match mid_stream(Status::deadline_exceeded("late"), addr) {
+            MidStream::Relay(s) => assert_eq!(s.code(), Code::DeadlineExceeded),
+            MidStream::Lost(s) => panic!("lost {s:?}"),
+        }
     }
 
     #[test]

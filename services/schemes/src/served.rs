@@ -59,6 +59,11 @@ pub trait ServedModel: Send + Sync {
             .encode_chat(messages)
             .map_err(|e| e.to_string())
     }
+    /// The fewest tokens a text prompt of `text_bytes` bytes can become, known without
+    /// tokenizing it (0 without a tokenizer).
+    fn min_prompt_tokens(&self, text_bytes: usize) -> usize {
+        self.tokenizer().map_or(0, |t| t.min_tokens(text_bytes))
+    }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
     /// Validates and queues a request; events arrive through `sink`.

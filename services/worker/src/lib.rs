@@ -15,11 +15,13 @@
 //! `wavefront run` command.
 
 pub mod convert;
+pub mod limits;
 pub mod output;
 pub mod server;
 pub mod service;
 pub mod status;
 
+pub use limits::RequestLimits;
 pub use output::{generate_blocking, Finished, OutputAssembler};
 pub use server::{serve, WorkerConfig};
 pub use service::WorkerService;

@@ -25,6 +25,7 @@ use wavefront_proto::worker::v1 as wpb;
 use wavefront_schemes::ServedModel;
 
 use crate::convert;
+use crate::limits::RequestLimits;
 use crate::output::{decoder, OutputAssembler};
 use crate::status::from_engine_error;
 
@@ -65,6 +66,7 @@ struct Inner {
     models: Vec<Arc<dyn ServedModel>>,
     worker_id: String,
     ready: AtomicBool,
+    limits: RequestLimits,
 }
 
 impl WorkerService {
@@ -74,8 +76,17 @@ impl WorkerService {
                 models,
                 worker_id,
                 ready: AtomicBool::new(true),
+                limits: RequestLimits::default(),
             }),
         }
+    }
+
+    /// Sets the per-request limits (before the service is shared).
+    pub fn with_limits(mut self, limits: RequestLimits) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("limits are set before the service is cloned")
+            .limits = limits;
+        self
     }
 
     /// Marks the worker as draining: load reports say not ready and new
@@ -178,6 +189,8 @@ impl WorkerService {
         wavefront_telemetry::extract_parent(&span, request.metadata());
         let req = request.into_inner();
         let model = self.pick(&req.model)?;
+        let limits = self.inner.limits;
+        limits.check_fields(&req, model.as_ref())?;
         // Tokenizing and template rendering take time in proportion to the prompt: off the
         // runtime's threads, so no request stalls the others or the load reports.
         let (spec, req) = {
@@ -190,6 +203,7 @@ impl WorkerService {
             .map_err(|e| Status::internal(format!("request conversion failed: {e}")))?
         };
         let spec = spec?;
+        limits.check_prompt(spec.prompt_ids.len())?;
         span.record("model", model.info().name.as_str());
         span.record("scheme", spec.scheme.name());
         span.record("prompt_tokens", spec.prompt_ids.len());

@@ -1,0 +1,119 @@
+//! Per-request limits a worker enforces before it does work proportional to a request.
+//!
+//! The message size is the transport's (`WorkerConfig::max_message_bytes`); these bound what a
+//! message may ask for. Everything here is checked on the request's fields alone, before
+//! tokenizing or rendering a template (the prompt-token bound of a text prompt uses the
+//! tokenizer's cheap lower bound, [`ServedModel::min_prompt_tokens`]); the exact prompt length is
+//! checked again once the prompt is tokenized. Each refusal is INVALID_ARGUMENT and names the
+//! field, the limit and the flag that sets it.
+
+use tonic::Status;
+use wavefront_proto::v1 as pb;
+use wavefront_schemes::ServedModel;
+
+/// Default of `--max-new-tokens-limit`.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 4096;
+/// Default of `--max-stop-sequences` (stop strings and stop token ids, each).
+pub const DEFAULT_MAX_STOP_SEQUENCES: usize = 16;
+/// Default of `--max-stop-string-bytes`.
+pub const DEFAULT_MAX_STOP_STRING_BYTES: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Longest prompt in tokens; `None`: the model's context limit.
+    pub max_prompt_tokens: Option<usize>,
+    /// Largest `max_new_tokens` a request may ask for.
+    pub max_new_tokens: usize,
+    /// Most `stop_strings`, and most `stop_token_ids`, in one request.
+    pub max_stop_sequences: usize,
+    /// Longest stop string in bytes.
+    pub max_stop_string_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_prompt_tokens: None,
+            max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
+            max_stop_sequences: DEFAULT_MAX_STOP_SEQUENCES,
+            max_stop_string_bytes: DEFAULT_MAX_STOP_STRING_BYTES,
+        }
+    }
+}
+
+impl RequestLimits {
+    /// The checks that need no tokenizer: counts and sizes of the request's fields.
+    pub fn check_fields(
+        &self,
+        req: &pb::GenerateRequest,
+        model: &dyn ServedModel,
+    ) -> Result<(), Status> {
+        let bad = |m: String| Err(Status::invalid_argument(m));
+        if req.max_new_tokens as usize > self.max_new_tokens {
+            return bad(format!(
+                "max_new_tokens {} is above this worker's limit of {} (--max-new-tokens-limit); \
+                 ask for fewer",
+                req.max_new_tokens, self.max_new_tokens
+            ));
+        }
+        if req.stop_strings.len() > self.max_stop_sequences {
+            return bad(format!(
+                "{} stop_strings are more than the {} allowed (--max-stop-sequences)",
+                req.stop_strings.len(),
+                self.max_stop_sequences
+            ));
+        }
+        if req.stop_token_ids.len() > self.max_stop_sequences {
+            return bad(format!(
+                "{} stop_token_ids are more than the {} allowed (--max-stop-sequences)",
+                req.stop_token_ids.len(),
+                self.max_stop_sequences
+            ));
+        }
+        if let Some((i, s)) = req
+            .stop_strings
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.len() > self.max_stop_string_bytes)
+        {
+            return bad(format!(
+                "stop_strings[{i}] is {} bytes, more than the {} allowed (--max-stop-string-bytes)",
+                s.len(),
+                self.max_stop_string_bytes
+            ));
+        }
+        if let Some(i) = req.stop_strings.iter().position(String::is_empty) {
+            return bad(format!("stop_strings[{i}] is empty"));
+        }
+        let Some(limit) = self.max_prompt_tokens else {
+            return Ok(());
+        };
+        use pb::generate_request::Prompt;
+        let at_least = match &req.prompt {
+            Some(Prompt::TokenIds(ids)) => ids.ids.len(),
+            Some(Prompt::Text(t)) => model.min_prompt_tokens(t.len()),
+            Some(Prompt::Chat(c)) => {
+                model.min_prompt_tokens(c.messages.iter().map(|m| m.content.len()).sum())
+            }
+            None => 0,
+        };
+        if at_least > limit {
+            return bad(format!(
+                "the prompt is at least {at_least} tokens, more than this worker's limit of \
+                 {limit} (--max-prompt-tokens); shorten it"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The exact prompt length, once tokenized.
+    pub fn check_prompt(&self, prompt_tokens: usize) -> Result<(), Status> {
+        match self.max_prompt_tokens {
+            Some(limit) if prompt_tokens > limit => Err(Status::invalid_argument(format!(
+                "the prompt is {prompt_tokens} tokens, more than this worker's limit of {limit} \
+                 (--max-prompt-tokens); shorten it"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
