@@ -33,7 +33,10 @@ pub enum ModelError {
     Config { key: String, reason: String },
 
     /// The checkpoint lacks a tensor the architecture needs.
-    #[error("checkpoint has no tensor `{name}`")]
+    #[error(
+        "checkpoint has no tensor `{name}`: the safetensors weights are not those of the \
+         architecture config.json describes (or are incomplete)"
+    )]
     MissingTensor { name: String },
 
     /// Tensor shapes or row counts do not fit together.

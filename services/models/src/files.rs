@@ -143,9 +143,23 @@ impl ModelFiles {
     /// is an ARMT ([`ModelFamily::RecurrentMemory`]).
     pub fn family(&self) -> Result<ModelFamily> {
         let config = self.config_value()?;
+        if !config.is_object() {
+            return Err(ModelError::Config {
+                key: CONFIG.to_owned(),
+                reason: "must be a JSON object of model settings (it names the model family \
+                         with `model_type` or `architectures`)"
+                    .to_owned(),
+            });
+        }
         let model_type = config.get("model_type").and_then(|v| v.as_str());
-        if self.armt_config_json.is_some() && model_type == Some("llama") {
-            return Ok(ModelFamily::RecurrentMemory);
+        if model_type == Some("llama") {
+            if self.armt_config_json.is_some() {
+                return Ok(ModelFamily::RecurrentMemory);
+            }
+            return Err(ModelError::Unsupported(format!(
+                "a Llama {CONFIG} is served as an ARMT only with its {ARMT_CONFIG} beside it, \
+                 and the directory has none"
+            )));
         }
         detect_family(&config)
     }
@@ -168,7 +182,12 @@ impl ModelFiles {
                 "the model directory has no {TOKENIZER}"
             )));
         };
-        let tok = TextTokenizer::from_bytes(bytes)?;
+        let tok = TextTokenizer::from_bytes(bytes).map_err(|e| match e {
+            ModelError::Tokenizer(m) => ModelError::Tokenizer(format!(
+                "{TOKENIZER}: {m} (the file is truncated or not a Hugging Face tokenizer.json)"
+            )),
+            other => other,
+        })?;
         let template = match self.tokenizer_config_json.as_deref() {
             None => None,
             Some(json) => ChatTemplate::from_tokenizer_config(json).unwrap_or_else(|e| {
@@ -193,12 +212,90 @@ impl ModelFiles {
             // SAFETY: the mapped files must not be modified while the model is alive; model
             // directories are treated as read-only for the life of the process.
             Weights::Files(files) => unsafe {
-                VarBuilder::from_mmaped_safetensors(files, dtype, device)?
+                VarBuilder::from_mmaped_safetensors(files, dtype, device)
+                    .map_err(safetensors_error)?
             },
             Weights::Embedded(bytes) => VarBuilder::from_slice_safetensors(bytes, dtype, device)?,
         };
         Ok(vb)
     }
+}
+
+/// A safetensors file that does not open or whose header does not hold (a length prefix
+/// beyond the file, offsets out of range or overlapping, shapes that do not fit their bytes, an
+/// unknown dtype), as an error naming the file.
+fn safetensors_error(e: candle_core::Error) -> ModelError {
+    let candle_core::Error::WithPath { inner, path } = e else {
+        return ModelError::Candle(e);
+    };
+    let source = match *inner {
+        candle_core::Error::Io(source) => source,
+        inner => {
+            let blame = inconsistent_tensor(&path)
+                .map(|t| format!(" {t};"))
+                .unwrap_or_default();
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "not a valid safetensors file ({inner}):{blame} it is truncated or corrupt; \
+                     download or export it again"
+                ),
+            )
+        }
+    };
+    ModelError::Io { path, source }
+}
+
+/// The first tensor of the safetensors file at `path` whose dtype and shape do not fill its
+/// data offsets, described (safetensors' own error does not name it). Reads only the header,
+/// and only one the file can hold; `None` when it cannot say.
+fn inconsistent_tensor(path: &Path) -> Option<String> {
+    use std::io::Read;
+    /// safetensors' own limit on the header.
+    const MAX_HEADER: u64 = 100_000_000;
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).ok()?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER || n > len.saturating_sub(8) {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).ok()?;
+    header.iter().find_map(|(name, t)| {
+        if name == "__metadata__" {
+            return None;
+        }
+        let dtype = t.get("dtype")?.as_str()?;
+        let bits: u64 = match dtype {
+            "F4" => 4,
+            "F6_E2M3" | "F6_E3M2" => 6,
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ"
+            | "F8_E5M2FNUZ" => 8,
+            "I16" | "U16" | "F16" | "BF16" => 16,
+            "I32" | "U32" | "F32" => 32,
+            "I64" | "U64" | "F64" | "C64" => 64,
+            _ => return None,
+        };
+        let shape: Vec<u64> = serde_json::from_value(t.get("shape")?.clone()).ok()?;
+        let [start, end]: [u64; 2] = serde_json::from_value(t.get("data_offsets")?.clone()).ok()?;
+        let bytes = shape
+            .iter()
+            .try_fold(bits, |acc, &d| acc.checked_mul(d))
+            .map(|b| b.div_ceil(8));
+        let stored = end.checked_sub(start);
+        (bytes != stored || end > len).then(|| {
+            let needs = bytes.map_or("more than 2^64".to_owned(), |b| b.to_string());
+            format!(
+                "tensor `{name}` ({dtype} {shape:?}) needs {needs} bytes but its data_offsets \
+                 [{start}, {end}] hold {} in a file of {len} bytes",
+                stored.map_or("a negative count of".to_owned(), |s| s.to_string())
+            )
+        })
+    })
 }
 
 fn read_string(path: &Path) -> Result<String> {
@@ -298,6 +395,8 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         }
     }
     Err(ModelError::Unsupported(format!(
-        "unknown model family (model_type `{model_type}`, architectures {architectures:?})"
+        "unknown model family in {CONFIG} (model_type `{model_type}`, architectures \
+         {architectures:?}); served: huginn_raven, llada, qwen3 with a mask_token_id (ReFusion), \
+         llama with an {ARMT_CONFIG} (ARMT)"
     )))
 }

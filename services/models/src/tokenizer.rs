@@ -40,6 +40,10 @@ fn tok_err(e: tokenizers::Error) -> ModelError {
 impl TextTokenizer {
     /// Parses the bytes of a `tokenizer.json`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        // The document must be well-formed JSON before `tokenizers` reads it: its decoder
+        // deserializer panics (`expect("Helper")`) on a syntax error, e.g. a truncated file.
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
+            .map_err(|e| ModelError::Tokenizer(format!("not valid JSON: {e}")))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
         let max_token_bytes = inner
             .get_vocab(true)

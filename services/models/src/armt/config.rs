@@ -13,7 +13,10 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config::{bad, parse_json, TokenIds};
+use crate::config::{
+    bad, check_llama_sizes, check_rope, check_size, in_file, parse_json, LlamaSizes, TokenIds,
+    MAX_POSITIONS, MAX_WIDTH,
+};
 use crate::error::{ModelError, Result};
 use crate::transformer::{BlockConfig, BlockNames, RopeTable};
 
@@ -112,20 +115,50 @@ impl ArmtConfig {
     pub fn from_json(config_json: &str, armt_json: &str) -> Result<Self> {
         let llama: LlamaConfig = parse_json("config.json", config_json)?;
         let armt: ArmtSettings = parse_json(crate::files::ARMT_CONFIG, armt_json)?;
-        let (nu, mem_eps) = hardcoded(armt.hardcoded.as_ref())?;
+        let (nu, mem_eps) =
+            hardcoded(armt.hardcoded.as_ref()).map_err(in_file(crate::files::ARMT_CONFIG))?;
         let cfg = Self {
             llama,
             armt,
             nu,
             mem_eps,
         };
-        cfg.validate()?;
+        cfg.validate().map_err(|e| {
+            // Name the file the blamed key lives in.
+            let armt_key = matches!(&e, ModelError::Config { key, .. }
+                if ARMT_KEYS.contains(&key.as_str()) || key.starts_with("_hardcoded"));
+            in_file(if armt_key {
+                crate::files::ARMT_CONFIG
+            } else {
+                "config.json"
+            })(e)
+        })?;
         Ok(cfg)
     }
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
         let l = &self.llama;
+        // Sizes first, so nothing below is computed from (or allocated for) a lying value.
+        check_llama_sizes(
+            "config.json",
+            LlamaSizes {
+                vocab_size: l.vocab_size,
+                hidden_size: l.hidden_size,
+                intermediate_size: l.intermediate_size,
+                num_hidden_layers: l.num_hidden_layers,
+                num_attention_heads: l.num_attention_heads,
+                num_key_value_heads: l.num_key_value_heads,
+                head_dim: l.head_dim,
+                rms_norm_eps: l.rms_norm_eps,
+                rope_theta: l.rope_theta,
+            },
+        )?;
+        let a = &self.armt;
+        let file = crate::files::ARMT_CONFIG;
+        check_size(file, "segment_size", a.segment_size, 1, MAX_POSITIONS)?;
+        check_size(file, "num_mem_tokens", a.num_mem_tokens, 1, MAX_POSITIONS)?;
+        check_size(file, "d_mem", a.d_mem, 1, MAX_WIDTH)?;
         if let Some(t) = l.model_type.as_deref() {
             if t != "llama" {
                 return bad(
@@ -133,12 +166,6 @@ impl ArmtConfig {
                     format!("the ARMT backbone must be `llama`, got `{t}`"),
                 );
             }
-        }
-        if l.num_attention_heads == 0 || l.hidden_size == 0 || l.num_hidden_layers == 0 {
-            return bad(
-                "num_attention_heads",
-                "heads, width and layers must be positive".into(),
-            );
         }
         if l.head_dim.is_none() && !l.hidden_size.is_multiple_of(l.num_attention_heads) {
             return bad(
@@ -162,21 +189,14 @@ impl ArmtConfig {
             return bad("mlp_bias", "a biased MLP is not implemented".into());
         }
         self.block_config().validate()?;
+        check_rope(
+            "config.json",
+            "max_position_embeddings",
+            l.max_position_embeddings,
+            self.head_dim(),
+        )?;
         // Fails on an unknown rope_scaling.
         self.inv_freq()?;
-        let a = &self.armt;
-        if a.segment_size == 0 {
-            return bad("segment_size", "must be at least 1".into());
-        }
-        if a.num_mem_tokens == 0 {
-            return bad(
-                "num_mem_tokens",
-                "must be at least 1: memory is written from the memory tokens".into(),
-            );
-        }
-        if a.d_mem == 0 {
-            return bad("d_mem", "must be at least 1".into());
-        }
         if a.wrap_pos {
             return bad(
                 "wrap_pos",
@@ -355,6 +375,18 @@ impl ArmtConfig {
     }
 }
 
+/// The keys of `armt_config.json` [`ArmtConfig::validate`] may blame.
+const ARMT_KEYS: [&str; 5] = [
+    "segment_size",
+    "num_mem_tokens",
+    "d_mem",
+    "wrap_pos",
+    "segment_alignment",
+];
+
+/// The largest DPFP `nu` accepted: the memory is `2 · nu · d_mem` rows per layer.
+const MAX_NU: u64 = 64;
+
 /// `nu` and eps from `_hardcoded`, checking the constants this implementation relies on.
 fn hardcoded(h: Option<&Value>) -> Result<(usize, f64)> {
     let Some(h) = h else {
@@ -384,15 +416,20 @@ fn hardcoded(h: Option<&Value>) -> Result<(usize, f64)> {
         None => 3,
         Some(v) => v
             .as_u64()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| bad("nu", "must be a positive integer"))? as usize,
+            .filter(|n| (1..=MAX_NU).contains(n))
+            .ok_or_else(|| {
+                bad(
+                    "nu",
+                    &format!("must be an integer in 1..={MAX_NU}, got {v}"),
+                )
+            })? as usize,
     };
     let eps = match h.get("eps") {
         None => 1e-5,
         Some(v) => v
             .as_f64()
-            .filter(|e| *e > 0.0)
-            .ok_or_else(|| bad("eps", "must be a positive number"))?,
+            .filter(|e| *e > 0.0 && (*e as f32).is_finite())
+            .ok_or_else(|| bad("eps", &format!("must be a positive number, got {v}")))?,
     };
     Ok((nu, eps))
 }

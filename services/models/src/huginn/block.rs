@@ -165,8 +165,9 @@ impl RopeTable {
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
             .collect();
-        let mut cos = Vec::with_capacity(n * half);
-        let mut sin = Vec::with_capacity(n * half);
+        let entries = crate::transformer::rope_entries(n, half)?;
+        let mut cos = Vec::with_capacity(entries);
+        let mut sin = Vec::with_capacity(entries);
         for p in 0..n {
             for &f in &inv_freq {
                 let angle = p as f32 * f;

@@ -8,8 +8,14 @@
 
 use serde::Deserialize;
 
-use crate::config::{invalid, parse_json};
+use crate::config::{
+    check_opt_size, check_positive, check_rope, check_size, in_file, invalid, parse_json,
+    MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+};
 use crate::error::Result;
+
+/// The most recurrences a config may ask for by default (`mean_recurrence`).
+const MAX_RECURRENCE: usize = 1 << 16;
 
 /// Initial-value block of the config (`init_values`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -75,16 +81,11 @@ pub struct HuginnConfig {
     pub test_time_noise: f64,
 }
 
-/// `x > 0` and not NaN.
-fn positive(x: f64) -> bool {
-    x > 0.0
-}
-
 impl HuginnConfig {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
         let cfg: Self = parse_json("config.json", json)?;
-        cfg.validate()?;
+        cfg.validate().map_err(in_file("config.json"))?;
         Ok(cfg)
     }
 
@@ -98,6 +99,54 @@ impl HuginnConfig {
                 ));
             }
         }
+        // Sizes first, so nothing below is computed from (or allocated for) a lying value.
+        let file = "config.json";
+        check_size(file, "n_embd", self.n_embd, 1, MAX_WIDTH)?;
+        check_size(file, "n_heads", self.n_heads, 1, MAX_WIDTH)?;
+        check_opt_size(
+            file,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            1,
+            MAX_WIDTH,
+        )?;
+        check_opt_size(file, "head_dim", self.head_dim, 1, MAX_WIDTH)?;
+        check_size(
+            file,
+            "intermediate_size",
+            self.intermediate_size,
+            1,
+            MAX_WIDTH,
+        )?;
+        check_size(file, "vocab_size", self.vocab_size, 1, MAX_VOCAB)?;
+        check_opt_size(
+            file,
+            "padded_vocab_size",
+            self.padded_vocab_size,
+            1,
+            MAX_VOCAB,
+        )?;
+        // At least one prelude layer: its slot 0 advances the KV cache.
+        for (key, n, min) in [
+            ("n_layers_in_prelude", self.n_layers_in_prelude, 1),
+            (
+                "n_layers_in_recurrent_block",
+                self.n_layers_in_recurrent_block,
+                1,
+            ),
+            ("n_layers_in_coda", self.n_layers_in_coda, 0),
+        ] {
+            check_size(file, key, n, min, MAX_LAYERS)?;
+        }
+        check_size(
+            file,
+            "mean_recurrence",
+            self.mean_recurrence,
+            1,
+            MAX_RECURRENCE,
+        )?;
+        check_positive(file, "norm_eps", self.norm_eps)?;
+        check_positive(file, "rope_base", self.rope_base)?;
         if self.n_embd.checked_rem(self.n_heads) != Some(0) {
             return Err(invalid(
                 "n_heads",
@@ -127,40 +176,22 @@ impl HuginnConfig {
                 ));
             }
         }
-        if self.intermediate_size == 0 {
-            return Err(invalid("intermediate_size", "must be positive"));
-        }
         if self.padded_vocab() < self.vocab_size || self.vocab_size == 0 {
             return Err(invalid(
                 "padded_vocab_size",
                 "must be at least vocab_size > 0",
             ));
         }
-        if self.n_layers_in_prelude == 0 {
+        check_rope(file, "block_size", self.block_size, head_dim)?;
+        let std = self.init_values.std;
+        if std.is_nan() || std < 0.0 || !(std as f32).is_finite() {
             return Err(invalid(
-                "n_layers_in_prelude",
-                "must be positive (slot 0 advances the KV cache)",
+                "init_values.std",
+                "must be a non-negative number that float32 holds",
             ));
         }
-        if self.n_layers_in_recurrent_block == 0 {
-            return Err(invalid("n_layers_in_recurrent_block", "must be positive"));
-        }
-        if !positive(self.norm_eps) {
-            return Err(invalid("norm_eps", "must be positive"));
-        }
-        if !positive(self.rope_base) {
-            return Err(invalid("rope_base", "must be positive"));
-        }
-        if self.block_size == 0 {
-            return Err(invalid("block_size", "must be positive"));
-        }
-        if self.init_values.std.is_nan() || self.init_values.std < 0.0 {
-            return Err(invalid("init_values.std", "must be non-negative"));
-        }
         if let Some(s) = self.init_values.embed_scale {
-            if !positive(s) {
-                return Err(invalid("init_values.embed_scale", "must be positive"));
-            }
+            check_positive(file, "init_values.embed_scale", s)?;
         }
         if self.test_time_noise != 0.0 {
             return Err(invalid(

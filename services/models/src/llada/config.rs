@@ -7,7 +7,10 @@
 
 use serde::Deserialize;
 
-use crate::config::{bad, parse_json};
+use crate::config::{
+    bad, check_opt_size, check_positive, check_rope, check_size, in_file, parse_json,
+    product_within, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+};
 use crate::error::Result;
 use crate::transformer::{BlockConfig, BlockNames};
 
@@ -115,12 +118,36 @@ impl LladaConfig {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
         let cfg: Self = parse_json("config.json", json)?;
-        cfg.validate()?;
+        cfg.validate().map_err(in_file("config.json"))?;
         Ok(cfg)
     }
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
+        // Sizes first, so nothing below is computed from (or allocated for) a lying value.
+        let file = "config.json";
+        check_size(file, "d_model", self.d_model, 1, MAX_WIDTH)?;
+        check_size(file, "n_heads", self.n_heads, 1, MAX_WIDTH)?;
+        check_opt_size(file, "n_kv_heads", self.n_kv_heads, 1, MAX_WIDTH)?;
+        check_size(file, "n_layers", self.n_layers, 1, MAX_LAYERS)?;
+        check_opt_size(file, "mlp_hidden_size", self.mlp_hidden_size, 1, MAX_WIDTH)?;
+        check_size(file, "mlp_ratio", self.mlp_ratio, 1, MAX_WIDTH)?;
+        if self.mlp_hidden_size.is_none()
+            && product_within(self.mlp_ratio, self.d_model, MAX_WIDTH).is_none_or(|w| w == 0)
+        {
+            return bad(
+                "mlp_ratio",
+                format!(
+                    "mlp_ratio {} times d_model {} must be an MLP width in 1..={MAX_WIDTH}; fix \
+                     `mlp_ratio` (or set `mlp_hidden_size`) in {file}",
+                    self.mlp_ratio, self.d_model
+                ),
+            );
+        }
+        check_size(file, "vocab_size", self.vocab_size, 1, MAX_VOCAB)?;
+        check_opt_size(file, "embedding_size", self.embedding_size, 1, MAX_VOCAB)?;
+        check_positive(file, "rms_norm_eps", self.rms_norm_eps)?;
+        check_positive(file, "rope_theta", self.rope_theta)?;
         if self.d_model == 0 || self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
             return bad(
                 "n_heads",
@@ -201,9 +228,21 @@ impl LladaConfig {
                 return bad(key, why.into());
             }
         }
-        if self.max_sequence_length == 0 {
-            return bad("max_sequence_length", "must be positive".into());
+        if !self.head_dim().is_multiple_of(2) {
+            return bad(
+                "n_heads",
+                format!(
+                    "the head width d_model / n_heads = {} must be even for RoPE",
+                    self.head_dim()
+                ),
+            );
         }
+        check_rope(
+            file,
+            "max_sequence_length",
+            self.max_sequence_length,
+            self.head_dim(),
+        )?;
         Ok(())
     }
 
@@ -228,7 +267,7 @@ impl LladaConfig {
     /// Hidden width of the gated MLP.
     pub fn mlp_hidden(&self) -> usize {
         self.mlp_hidden_size
-            .unwrap_or(self.mlp_ratio * self.d_model)
+            .unwrap_or(self.mlp_ratio.saturating_mul(self.d_model))
     }
 
     /// The shared block's config.

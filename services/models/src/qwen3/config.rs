@@ -12,7 +12,9 @@
 
 use serde::Deserialize;
 
-use crate::config::{bad, parse_json, TokenIds};
+use crate::config::{
+    bad, check_llama_sizes, check_rope, in_file, parse_json, LlamaSizes, TokenIds,
+};
 use crate::error::Result;
 use crate::transformer::{BlockConfig, BlockNames};
 
@@ -73,18 +75,28 @@ impl Qwen3Config {
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
         let cfg: Self = parse_json("config.json", json)?;
-        cfg.validate()?;
+        cfg.validate().map_err(in_file("config.json"))?;
         Ok(cfg)
     }
 
     /// Rejects option values this implementation does not compute.
     pub fn validate(&self) -> Result<()> {
-        if self.hidden_size == 0 || self.num_attention_heads == 0 || self.num_hidden_layers == 0 {
-            return bad(
-                "num_attention_heads",
-                "hidden_size, heads and layers must be positive".into(),
-            );
-        }
+        // Sizes first, so nothing below is computed from (or allocated for) a lying value.
+        let file = "config.json";
+        check_llama_sizes(
+            file,
+            LlamaSizes {
+                vocab_size: self.vocab_size,
+                hidden_size: self.hidden_size,
+                intermediate_size: self.intermediate_size,
+                num_hidden_layers: self.num_hidden_layers,
+                num_attention_heads: self.num_attention_heads,
+                num_key_value_heads: self.num_key_value_heads,
+                head_dim: self.head_dim,
+                rms_norm_eps: self.rms_norm_eps,
+                rope_theta: self.rope_theta,
+            },
+        )?;
         if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return bad(
                 "head_dim",
@@ -109,9 +121,13 @@ impl Qwen3Config {
                 "sliding-window attention is not implemented".into(),
             );
         }
-        if self.max_position_embeddings == 0 {
-            return bad("max_position_embeddings", "must be positive".into());
-        }
+        self.block_config().validate()?;
+        check_rope(
+            file,
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            self.head_dim(),
+        )?;
         if let Some(m) = self.mask_token_id {
             if m as usize >= self.vocab_size {
                 return bad(
@@ -120,7 +136,7 @@ impl Qwen3Config {
                 );
             }
         }
-        self.block_config().validate()
+        Ok(())
     }
 
     pub fn kv_heads(&self) -> usize {

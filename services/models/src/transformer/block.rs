@@ -57,6 +57,25 @@ impl BlockConfig {
         if !self.head_dim.is_multiple_of(2) {
             return bad("head_dim", format!("must be even, got {}", self.head_dim));
         }
+        // The projections' widths are products of these: checked before any is computed.
+        let max = crate::config::MAX_WIDTH;
+        for (what, n) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+        ] {
+            if n == 0 || n > max {
+                return bad(what, format!("{n} is out of range 1..={max}"));
+            }
+        }
+        if crate::config::product_within(self.n_heads, self.head_dim, max).is_none() {
+            return bad(
+                "n_heads",
+                format!(
+                    "{} heads of width {} exceed a projection width of {max}",
+                    self.n_heads, self.head_dim
+                ),
+            );
+        }
         Ok(())
     }
 }

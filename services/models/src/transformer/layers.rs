@@ -8,18 +8,39 @@ use super::linear::Linear;
 
 use crate::error::{ModelError, Result};
 
-/// Loads a tensor, reporting a missing one by its full checkpoint name.
+/// Loads a tensor, reporting a missing one by its full checkpoint name, and one whose shape is
+/// not the config's with both shapes. The tensor is read at the size the checkpoint stores
+/// (checked against the file's length when it was opened), never at the config's size.
 pub fn get(vb: &VarBuilder, shape: &[usize], name: &str) -> Result<Tensor> {
-    if !vb.contains_tensor(name) {
+    let full = || {
         let prefix = vb.prefix();
-        let full = if prefix.is_empty() {
+        if prefix.is_empty() {
             name.to_owned()
         } else {
             format!("{prefix}.{name}")
-        };
-        return Err(ModelError::MissingTensor { name: full });
+        }
+    };
+    if !vb.contains_tensor(name) {
+        return Err(ModelError::MissingTensor { name: full() });
     }
-    Ok(vb.get(shape, name)?)
+    vb.get(shape, name).map_err(|e| match unexpected_shape(&e) {
+        Some(got) => ModelError::Shape(format!(
+            "checkpoint tensor `{}` is {got:?} in the safetensors weights but config.json \
+             implies {shape:?}: the weights and config.json disagree (use the config.json the \
+             weights were exported with)",
+            full()
+        )),
+        None => ModelError::Candle(e.context(format!("checkpoint tensor `{}`", full()))),
+    })
+}
+
+/// The shape the checkpoint has, when `e` is candle's shape-mismatch error.
+fn unexpected_shape(e: &candle_core::Error) -> Option<Vec<usize>> {
+    match e {
+        candle_core::Error::UnexpectedShape { got, .. } => Some(got.dims().to_vec()),
+        candle_core::Error::WithBacktrace { inner, .. } => unexpected_shape(inner),
+        _ => None,
+    }
 }
 
 /// `nn.Linear` with weight `[out, in]` and an optional bias `[out]`.
@@ -174,10 +195,12 @@ impl RopeTable {
     }
 
     /// A table from explicit inverse frequencies (for scaled-RoPE variants).
+    /// A table of more than 2^30 entries is refused before anything is allocated.
     pub fn from_inv_freq(inv_freq: &[f32], max_positions: usize, device: &Device) -> Result<Self> {
         let half = inv_freq.len();
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
+        let entries = rope_entries(max_positions, half)?;
+        let mut cos = Vec::with_capacity(entries);
+        let mut sin = Vec::with_capacity(entries);
         for p in 0..max_positions {
             for &f in inv_freq {
                 let angle = p as f32 * f;
@@ -225,6 +248,22 @@ impl RopeTable {
             self.sin.index_select(&idx, 0)?,
         ))
     }
+}
+
+/// The entries of a RoPE table of `positions` rows of `half` frequencies, refused (naming the
+/// config bound) above `config::MAX_ROPE_ENTRIES`.
+pub(crate) fn rope_entries(positions: usize, half: usize) -> Result<usize> {
+    let max = crate::config::MAX_ROPE_ENTRIES;
+    positions
+        .checked_mul(half)
+        .filter(|&n| n <= max)
+        .ok_or_else(|| ModelError::Config {
+            key: "max_position_embeddings".into(),
+            reason: format!(
+                "a RoPE table of {positions} positions by {half} frequencies exceeds {max} \
+                 entries; lower the context length in config.json"
+            ),
+        })
 }
 
 /// Half-layout RoPE on `[H, N, D]` with per-row `cos`/`sin` `[N, D/2]`, computed in float32.

@@ -38,6 +38,7 @@ pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
 pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
+pub(crate) use layers::rope_entries;
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub(crate) use linear::{EmbedHead, LinearStack};
