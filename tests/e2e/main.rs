@@ -7,6 +7,7 @@ mod metrics;
 mod operations;
 mod recurrent_memory;
 mod slot_diffusion;
+mod soak;
 mod tracing;
 
 use std::time::{Duration, Instant};

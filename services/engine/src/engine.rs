@@ -167,6 +167,18 @@ impl<P: Send + 'static> EngineHandle<P> {
         }
     }
 
+    /// Whether a submission now would find a place in the admission queue (see
+    /// [`SharedQueue::has_room`]); `Err(QueueFull)` when it would not.
+    pub fn check_room(&self) -> Result<(), EngineError> {
+        if self.queue.has_room(Instant::now()) {
+            Ok(())
+        } else {
+            Err(EngineError::QueueFull {
+                capacity: self.config.queue_capacity,
+            })
+        }
+    }
+
     pub fn load(&self) -> EngineLoad {
         // The load lock first, then the queue's (the engine publishes in the same order), so a
         // request is always counted: waiting, taken and not yet published, or running.
@@ -324,7 +336,11 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
         l.free_slots = sched.pool().free();
         l.active = sched.running();
         l.ticks = sched.ticks();
-        sched.shared_queue().settled();
+        let free_places = sched
+            .max_active()
+            .saturating_sub(sched.running())
+            .min(sched.pool().free());
+        sched.shared_queue().settled(free_places);
     }
     sched.publish_gauges();
 }

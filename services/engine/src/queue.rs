@@ -36,7 +36,13 @@ impl<T> AdmissionQueue<T> {
 
     /// Appends `item`, or returns it when the queue is full.
     pub fn push(&mut self, item: T) -> Result<(), T> {
-        if self.items.len() >= self.capacity {
+        self.push_within(item, self.capacity)
+    }
+
+    /// Appends `item` unless the queue already holds `limit` items (a limit above the capacity
+    /// counts items that start at once, never waiting).
+    pub fn push_within(&mut self, item: T, limit: usize) -> Result<(), T> {
+        if self.items.len() >= limit {
             return Err(item);
         }
         self.items.push_back(item);

@@ -57,6 +57,18 @@ struct QueueState<P> {
     /// Requests the engine took from the queue since it last published its load: not waiting
     /// any more, not yet counted as running by readers of the load.
     taken: usize,
+    /// Places free for running requests when the engine last published (`max_active` less
+    /// those running, at most the free slots): requests queued into them start at the next
+    /// tick, so they are not counted as waiting against the queue's capacity.
+    free_places: usize,
+}
+
+impl<P> QueueState<P> {
+    /// Requests the queue holds before it is full: its capacity, plus the free places the
+    /// engine has not taken yet.
+    fn limit(&self) -> usize {
+        self.queue.capacity() + self.free_places.saturating_sub(self.taken)
+    }
 }
 
 impl<P> SharedQueue<P> {
@@ -65,6 +77,7 @@ impl<P> SharedQueue<P> {
             inner: Mutex::new(QueueState {
                 queue: AdmissionQueue::new(capacity),
                 taken: 0,
+                free_places: 0,
             }),
             total_slots,
         }
@@ -92,9 +105,12 @@ impl<P> SharedQueue<P> {
         (s.queue.len(), s.taken)
     }
 
-    /// The engine published a load that counts every request it took.
-    pub(crate) fn settled(&self) {
-        self.state().taken = 0;
+    /// The engine published a load that counts every request it took, with `free_places`
+    /// places for more.
+    pub(crate) fn settled(&self, free_places: usize) {
+        let mut s = self.state();
+        s.taken = 0;
+        s.free_places = free_places;
     }
 
     /// Pops the head if `fits` accepts it (the engine admitting a request).
@@ -125,23 +141,39 @@ impl<P> SharedQueue<P> {
             };
             return Err((w, err));
         }
-        let mut q = self.lock();
-        if q.len() >= q.capacity() {
-            for mut gone in
-                q.drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now))
-            {
-                if !gone.sink.is_closed() {
-                    let _ = gone
-                        .sink
-                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
-                            generated: 0,
-                        }));
-                }
+        let mut s = self.state();
+        Self::reap_if_full(&mut s, now);
+        let (limit, capacity) = (s.limit(), s.queue.capacity());
+        s.queue
+            .push_within(w, limit)
+            .map_err(|w| (w, EngineError::QueueFull { capacity }))
+    }
+
+    /// Whether a push at `now` would find a place (after dropping gone and expired waiting
+    /// requests, as a push does): a cheap test before the work of preparing a request, so a
+    /// flood beyond the queue is refused before it costs tokenizing.
+    pub fn has_room(&self, now: Instant) -> bool {
+        let mut s = self.state();
+        Self::reap_if_full(&mut s, now);
+        s.queue.len() < s.limit()
+    }
+
+    fn reap_if_full(s: &mut QueueState<P>, now: Instant) {
+        if s.queue.len() < s.limit() {
+            return;
+        }
+        for mut gone in s
+            .queue
+            .drain_where(|w| w.sink.is_closed() || w.deadline.is_some_and(|d| d <= now))
+        {
+            if !gone.sink.is_closed() {
+                let _ = gone
+                    .sink
+                    .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                        generated: 0,
+                    }));
             }
         }
-        let capacity = q.capacity();
-        q.push(w)
-            .map_err(|w| (w, EngineError::QueueFull { capacity }))
     }
 }
 
@@ -184,7 +216,12 @@ pub struct Scheduler<P> {
 impl<P: Send + 'static> Scheduler<P> {
     pub fn new(total_slots: usize, queue_capacity: usize, max_active: usize) -> Self {
         Self {
-            queue: Arc::new(SharedQueue::new(queue_capacity, total_slots)),
+            queue: Arc::new({
+                let q = SharedQueue::new(queue_capacity, total_slots);
+                // Every place is free before the first tick.
+                q.settled(max_active.max(1).min(total_slots));
+                q
+            }),
             pool: SlotPool::new(total_slots),
             running: Vec::new(),
             max_active: max_active.max(1),
@@ -218,6 +255,11 @@ impl<P: Send + 'static> Scheduler<P> {
     /// The admission queue, for handles that submit from other threads.
     pub fn shared_queue(&self) -> Arc<SharedQueue<P>> {
         self.queue.clone()
+    }
+
+    /// Requests run together at most.
+    pub fn max_active(&self) -> usize {
+        self.max_active
     }
 
     pub fn running(&self) -> usize {

@@ -250,8 +250,11 @@ proptest! {
 fn a_full_queue_is_an_error_not_growth() {
     let mut sched = Scheduler::<Countdown>::new(1, 1, 1);
     let mk = |i| waiting(i, countdown(1, 1), sink(4).0);
+    // The first takes the free place (it starts at the next tick, never waiting), the second
+    // the queue's one place; the third finds the queue full.
     assert!(sched.enqueue(mk(1)).is_ok());
-    let err = sched.enqueue(mk(2)).err().map(|(_, e)| e);
+    assert!(sched.enqueue(mk(2)).is_ok());
+    let err = sched.enqueue(mk(3)).err().map(|(_, e)| e);
     assert_eq!(err, Some(EngineError::QueueFull { capacity: 1 }));
 }
 

@@ -170,9 +170,13 @@ impl RouterService {
                 }
                 Err(s) => match classify(&s, deadline, Instant::now()) {
                     Failure::Retry { mark_down } => {
-                        tracing::warn!(parent: &span, worker = %w.addr, error = %s, mark_down, "worker declined or unreachable; trying another");
                         if mark_down {
+                            tracing::warn!(parent: &span, worker = %w.addr, error = %s, "worker unreachable or draining; trying another");
                             self.discovery.mark_down(w.addr);
+                        } else {
+                            // A full worker is routine under load: one line per shed request
+                            // at warn would cost a flood more than the shedding itself.
+                            tracing::debug!(parent: &span, worker = %w.addr, error = %s, "worker full; trying another");
                         }
                         last_err = Some(match s.code() {
                             Code::Cancelled | Code::Unknown => Status::unavailable(format!(

@@ -75,6 +75,11 @@ pub trait ServedModel: Send + Sync {
         span: tracing::Span,
     ) -> Result<RequestId, EngineError>;
     fn load(&self) -> EngineLoad;
+    /// Whether the admission queue has a place now (`Err(QueueFull)` if not): checked before a
+    /// request is converted, so shedding a flood costs no tokenizing.
+    fn check_room(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
     /// Fails everything in flight and stops the engine thread.
     fn shutdown(&self);
 }
@@ -166,6 +171,10 @@ impl<P: Planner> ServedModel for Served<P> {
 
     fn load(&self) -> EngineLoad {
         self.handle.load()
+    }
+
+    fn check_room(&self) -> Result<(), EngineError> {
+        self.handle.check_room()
     }
 
     fn shutdown(&self) {

@@ -191,6 +191,8 @@ impl WorkerService {
         let model = self.pick(&req.model)?;
         let limits = self.inner.limits;
         limits.check_fields(&req, model.as_ref())?;
+        // A full queue sheds the request before any work proportional to it.
+        model.check_room().map_err(|e| from_engine_error(&e))?;
         // Tokenizing and template rendering take time in proportion to the prompt: off the
         // runtime's threads, so no request stalls the others or the load reports.
         let (spec, req) = {

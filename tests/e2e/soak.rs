@@ -1,0 +1,771 @@
+//! The soak harness and the overload test: real processes on loopback, a router in front of one
+//! worker per family, and clients that behave the way real ones do.
+//!
+//! The soak sends `WAVEFRONT_SOAK_REQUESTS` requests (default 600, the CI run) over every
+//! scheme of the four families from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
+//! random client cancellations, deadlines from 10 ms to 10 s, slow readers, stop strings and 10%
+//! invalid requests, within `WAVEFRONT_SOAK_SECONDS` (default 100; past it no new request is
+//! sent). It then checks that no process exited, every response was well formed (a finish
+//! reason, or a documented status code), the invalid ones were refused as invalid, every
+//! worker's slots and queue are back to empty (load reports and Prometheus gauges), and that
+//! resident memory grew less than 10% between the first and last tenth of the requests (at most
+//! a thousand each). It prints p50/p99 latency and throughput as one JSON line
+//! (`WAVEFRONT_SOAK_REPORT=FILE` writes it there too). `scripts/soak.sh` runs the full 10,000.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+use tonic::Code;
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_client::GenerationClient;
+use wavefront_proto::worker::v1::worker_client::WorkerClient;
+use wavefront_proto::worker::v1::LoadRequest;
+
+use crate::harness::{channel, spawn, spawn_worker, wait_serving, Proc};
+use crate::metrics::{free_port, sample, scrape};
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A worker process with its metrics port.
+struct Served {
+    family: &'static str,
+    proc: Proc,
+    metrics_port: u16,
+}
+
+fn worker(fixture: &'static str, family: &'static str) -> Served {
+    let metrics_port = free_port();
+    let proc = spawn_worker(
+        fixture,
+        &[
+            "--served-name",
+            family,
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+        ],
+    );
+    Served {
+        family,
+        proc,
+        metrics_port,
+    }
+}
+
+/// Resident set size of a process, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// What a request was made to test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Valid,
+    /// Must be refused with INVALID_ARGUMENT or NOT_FOUND.
+    Invalid,
+}
+
+/// How the client reads the answer.
+#[derive(Debug, Clone, Copy)]
+enum Reader {
+    Unary,
+    Stream,
+    /// Sleeps between messages.
+    Slow(Duration),
+    /// Drops the call after this long.
+    Cancel(Duration),
+}
+
+fn text(s: &str) -> Option<pb::generate_request::Prompt> {
+    Some(pb::generate_request::Prompt::Text(s.into()))
+}
+
+const PROMPTS: [&str; 4] = [
+    "You may copy and distribute",
+    "The quick brown fox",
+    "Once upon a time,",
+    "In the beginning",
+];
+
+/// A valid request for one of the four families, over every scheme each serves.
+fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
+    use pb::generate_request::Scheme;
+    let prompt = text(PROMPTS[rng.random_range(0..PROMPTS.len())]);
+    let seed = Some(rng.random_range(0..1000));
+    let sampling = |t: f32| {
+        Some(pb::SamplingParams {
+            temperature: t,
+            seed,
+            ..Default::default()
+        })
+    };
+    let stop_strings = if rng.random_bool(0.2) {
+        vec!["e".into(), "th".into()]
+    } else {
+        Vec::new()
+    };
+    let temperature = if rng.random_bool(0.5) { 0.0 } else { 0.8 };
+    let mut req = match rng.random_range(0..10) {
+        0 => pb::GenerateRequest {
+            model: "huginn".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..24),
+            scheme: Some(Scheme::Ar(pb::ArScheme {
+                num_steps: Some(rng.random_range(1..16)),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        1 => pb::GenerateRequest {
+            model: "huginn".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..24),
+            scheme: Some(Scheme::Ar(pb::ArScheme {
+                num_steps: Some(16),
+                exit_threshold: Some(5e-4),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        2 => pb::GenerateRequest {
+            model: "huginn".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..16),
+            scheme: Some(Scheme::DiffusionForcing(pb::DiffusionForcingScheme {
+                num_steps: Some(8),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        3 => pb::GenerateRequest {
+            model: "llada".into(),
+            prompt,
+            max_new_tokens: 16,
+            scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
+                block_length: Some(8),
+                steps: Some(8),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        4 => pb::GenerateRequest {
+            model: "llada".into(),
+            prompt,
+            max_new_tokens: 16,
+            scheme: Some(Scheme::Wino(pb::WinoScheme {
+                block_length: Some(8),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        5 => pb::GenerateRequest {
+            model: "llada".into(),
+            prompt,
+            max_new_tokens: 16,
+            scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
+                block_length: Some(16),
+                steps: Some(16),
+                surelock_eps: Some(1e-3),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        6 | 7 => pb::GenerateRequest {
+            model: "armt".into(),
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
+                ids: (0..rng.random_range(1..120))
+                    .map(|_| rng.random_range(3..500))
+                    .collect(),
+            })),
+            max_new_tokens: rng.random_range(1..16),
+            scheme: Some(Scheme::Ar(pb::ArScheme {
+                execution: ["sequential", "diagonal", "auto"][rng.random_range(0..3)].into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        8 => pb::GenerateRequest {
+            model: "refusion".into(),
+            prompt,
+            max_new_tokens: 32,
+            scheme: Some(Scheme::PlanInfill(pb::PlanInfillScheme {
+                slot_size: Some(4),
+                serial_num_blocks: Some(rng.random_range(1..=2)),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        _ => pb::GenerateRequest {
+            model: "refusion".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..24),
+            scheme: Some(Scheme::Ar(pb::ArScheme::default())),
+            ..Default::default()
+        },
+    };
+    // Plan-infill refuses sampling filters but takes a temperature; every scheme takes a seed.
+    req.sampling = sampling(temperature);
+    req.stop_strings = stop_strings;
+    req
+}
+
+/// A request each worker must refuse as invalid.
+fn invalid(rng: &mut StdRng) -> pb::GenerateRequest {
+    use pb::generate_request::Scheme;
+    let base = pb::GenerateRequest {
+        model: "huginn".into(),
+        prompt: text("hello"),
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    match rng.random_range(0..7) {
+        0 => pb::GenerateRequest {
+            model: "no-such-model".into(),
+            ..base
+        },
+        1 => pb::GenerateRequest {
+            prompt: None,
+            ..base
+        },
+        2 => pb::GenerateRequest {
+            max_new_tokens: 0,
+            ..base
+        },
+        3 => pb::GenerateRequest {
+            sampling: Some(pb::SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }),
+            ..base
+        },
+        4 => pb::GenerateRequest {
+            model: "llada".into(),
+            max_new_tokens: 10,
+            scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
+                block_length: Some(3),
+                ..Default::default()
+            })),
+            ..base
+        },
+        5 => pb::GenerateRequest {
+            model: "armt".into(),
+            scheme: Some(Scheme::Ar(pb::ArScheme {
+                execution: "pipelined".into(),
+                ..Default::default()
+            })),
+            ..base
+        },
+        _ => pb::GenerateRequest {
+            stop_strings: vec!["x".into(); 100],
+            ..base
+        },
+    }
+}
+
+/// One request's outcome as the client saw it.
+#[derive(Debug, Clone)]
+struct Outcome {
+    /// `ok`, `cancelled by client`, or the status code's name.
+    result: String,
+    latency: Duration,
+    tokens: usize,
+    /// What was wrong with the answer, if anything.
+    malformed: Option<String>,
+}
+
+/// Sends one request and reads it the way `reader` says.
+async fn one(
+    client: &mut GenerationClient<Channel>,
+    req: pb::GenerateRequest,
+    kind: Kind,
+    reader: Reader,
+    deadline: Duration,
+) -> Outcome {
+    let start = Instant::now();
+    let mut request = tonic::Request::new(req.clone());
+    request.set_timeout(deadline);
+    let mut out = Outcome {
+        result: String::new(),
+        latency: Duration::ZERO,
+        tokens: 0,
+        malformed: None,
+    };
+    let done = match reader {
+        Reader::Unary => match client.generate(request).await {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s) => Err(s),
+        },
+        Reader::Stream | Reader::Slow(_) | Reader::Cancel(_) => {
+            let cancel_at = match reader {
+                Reader::Cancel(d) => Some(start + d),
+                _ => None,
+            };
+            let read = async {
+                let mut stream = client.generate_stream(request).await?.into_inner();
+                let mut streamed = Vec::new();
+                loop {
+                    match stream.message().await? {
+                        None => {
+                            return Err(tonic::Status::unknown(
+                                "stream ended without a final message",
+                            ))
+                        }
+                        Some(m) => match m.event {
+                            Some(pb::generate_stream_response::Event::Tokens(t)) => {
+                                streamed.extend(t.token_ids)
+                            }
+                            Some(pb::generate_stream_response::Event::Done(d)) => {
+                                if d.token_ids != streamed {
+                                    return Err(tonic::Status::unknown(
+                                        "streamed tokens differ from the final message's",
+                                    ));
+                                }
+                                return Ok(d);
+                            }
+                            Some(pb::generate_stream_response::Event::Canvas(_)) => {}
+                            None => return Err(tonic::Status::unknown("empty stream message")),
+                        },
+                    }
+                    if let Reader::Slow(d) = reader {
+                        tokio::time::sleep(d).await;
+                    }
+                }
+            };
+            match cancel_at {
+                Some(at) => match tokio::time::timeout_at(at.into(), read).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        out.result = "cancelled by client".into();
+                        out.latency = start.elapsed();
+                        return out;
+                    }
+                },
+                None => read.await,
+            }
+        }
+    };
+    out.latency = start.elapsed();
+    match done {
+        Ok(d) => {
+            out.result = "ok".into();
+            out.tokens = d.token_ids.len();
+            let reason = pb::FinishReason::try_from(d.finish_reason);
+            if !matches!(
+                reason,
+                Ok(pb::FinishReason::Length
+                    | pb::FinishReason::StopToken
+                    | pb::FinishReason::StopString
+                    | pb::FinishReason::ContextLimit)
+            ) {
+                out.malformed = Some(format!("finish reason {:?}", d.finish_reason));
+            } else if d.stats.is_none() {
+                out.malformed = Some("no statistics".into());
+            } else if d.token_ids.len() > req.max_new_tokens as usize {
+                out.malformed = Some(format!(
+                    "{} tokens for max_new_tokens {}",
+                    d.token_ids.len(),
+                    req.max_new_tokens
+                ));
+            }
+            if kind == Kind::Invalid {
+                out.malformed = Some("an invalid request was served".into());
+            }
+        }
+        Err(s) => {
+            out.result = format!("{:?}", s.code());
+            let documented = matches!(
+                s.code(),
+                Code::InvalidArgument
+                    | Code::NotFound
+                    | Code::ResourceExhausted
+                    | Code::DeadlineExceeded
+                    | Code::Cancelled
+            );
+            if !documented || s.message().is_empty() {
+                out.malformed = Some(format!("status {:?}: {}", s.code(), s.message()));
+            } else if kind == Kind::Invalid
+                && !matches!(
+                    s.code(),
+                    Code::InvalidArgument | Code::NotFound | Code::DeadlineExceeded
+                )
+                // The client's own timer (tonic answers CANCELLED "Timeout expired") can fire
+                // before the refusal arrives when the deadline is a few milliseconds.
+                && !(s.code() == Code::Cancelled && out.latency >= deadline)
+            {
+                out.malformed = Some(format!(
+                    "invalid request answered {:?}: {}",
+                    s.code(),
+                    s.message()
+                ));
+            } else if kind == Kind::Valid
+                && matches!(s.code(), Code::InvalidArgument | Code::NotFound)
+            {
+                out.malformed = Some(format!(
+                    "valid request refused {:?}: {}",
+                    s.code(),
+                    s.message()
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
+    let total = env_or("WAVEFRONT_SOAK_REQUESTS", 600) as usize;
+    let concurrency = env_or("WAVEFRONT_SOAK_CONCURRENCY", 64) as usize;
+    let budget = Duration::from_secs(env_or("WAVEFRONT_SOAK_SECONDS", 100));
+    let seed = env_or("WAVEFRONT_SOAK_SEED", 7);
+
+    let workers = vec![
+        worker("huginn", "huginn"),
+        worker("llada", "llada"),
+        worker("armt", "armt"),
+        worker("refusion", "refusion"),
+    ];
+    for w in &workers {
+        wait_serving(w.proc.addr, "wavefront.worker.v1.Worker").await;
+    }
+    let targets: Vec<String> = workers.iter().map(|w| w.proc.addr.to_string()).collect();
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &targets.join(","),
+        "--refresh-ms",
+        "200",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let mut pids: Vec<u32> = workers.iter().map(|w| w.proc.child.id()).collect();
+    pids.push(router.child.id());
+
+    let window = (total / 10).clamp(1, 1000);
+    let next = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let outcomes = Arc::new(Mutex::new(Vec::with_capacity(total)));
+    let rss_first = Arc::new(Mutex::new(None::<Vec<u64>>));
+    let rss_mid = Arc::new(Mutex::new(None::<Vec<u64>>));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for task in 0..concurrency {
+        // One connection per client task.
+        let ch = channel(router.addr).await;
+        let (next, finished, outcomes) = (next.clone(), finished.clone(), outcomes.clone());
+        let (rss_first, rss_mid, pids) = (rss_first.clone(), rss_mid.clone(), pids.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut client = GenerationClient::new(ch);
+            let mut rng = StdRng::seed_from_u64(seed * 1000 + task as u64);
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total || start.elapsed() > budget {
+                    return;
+                }
+                let (req, kind) = if rng.random_bool(0.1) {
+                    (invalid(&mut rng), Kind::Invalid)
+                } else {
+                    (valid(&mut rng), Kind::Valid)
+                };
+                let reader = match rng.random_range(0..10) {
+                    0..=2 => Reader::Unary,
+                    3..=5 => Reader::Stream,
+                    6 | 7 => Reader::Slow(Duration::from_millis(rng.random_range(1..30))),
+                    _ => Reader::Cancel(Duration::from_millis(rng.random_range(1..500))),
+                };
+                // Log-uniform between 10 ms and 10 s.
+                let deadline = Duration::from_secs_f64(10f64.powf(rng.random_range(-2.0..1.0)));
+                let o = one(&mut client, req, kind, reader, deadline).await;
+                outcomes.lock().unwrap().push(o);
+                let n = finished.fetch_add(1, Ordering::Relaxed) + 1;
+                if n == window {
+                    *rss_first.lock().unwrap() = Some(pids.iter().map(|&p| rss_kib(p)).collect());
+                }
+                if n == total / 2 {
+                    *rss_mid.lock().unwrap() = Some(pids.iter().map(|&p| rss_kib(p)).collect());
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let elapsed = start.elapsed();
+    let rss_last: Vec<u64> = pids.iter().map(|&p| rss_kib(p)).collect();
+
+    // No process exited.
+    for w in workers.iter() {
+        let mut child = std::process::Command::new("kill");
+        let alive = child
+            .args(["-0", &w.proc.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(alive, "the {} worker exited", w.family);
+    }
+    // Nothing held: load reports and gauges back to empty on every worker.
+    for w in &workers {
+        let start = Instant::now();
+        loop {
+            let mut c = WorkerClient::new(channel(w.proc.addr).await);
+            let m = c
+                .get_load(LoadRequest { interval_ms: 0 })
+                .await
+                .expect("load report")
+                .into_inner()
+                .models
+                .remove(0);
+            let body = scrape(w.metrics_port);
+            let used = sample(&body, "wavefront_slots_used{");
+            let queued = sample(&body, "wavefront_queue_depth{");
+            let active = sample(&body, "wavefront_active_requests{");
+            if m.free_slots == m.total_slots
+                && m.active_requests == 0
+                && m.queued_requests == 0
+                && used == Some(0.0)
+                && queued == Some(0.0)
+                && active == Some(0.0)
+            {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "{} leaks: {m:?}, gauges used {used:?} queued {queued:?} active {active:?}",
+                w.family
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    let outcomes = outcomes.lock().unwrap().clone();
+    let malformed: Vec<&Outcome> = outcomes.iter().filter(|o| o.malformed.is_some()).collect();
+    let mut by_result: BTreeMap<String, usize> = BTreeMap::new();
+    for o in &outcomes {
+        *by_result.entry(o.result.clone()).or_default() += 1;
+    }
+    let mut ok: Vec<Duration> = outcomes
+        .iter()
+        .filter(|o| o.result == "ok")
+        .map(|o| o.latency)
+        .collect();
+    ok.sort();
+    let tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
+    let first = rss_first.lock().unwrap().clone().unwrap_or_default();
+    let growth: Vec<f64> = first
+        .iter()
+        .zip(&rss_last)
+        .map(|(&a, &b)| b as f64 / a.max(1) as f64 - 1.0)
+        .collect();
+    let report = serde_json::json!({
+        "requests": outcomes.len(),
+        "concurrency": concurrency,
+        "seconds": elapsed.as_secs_f64(),
+        "requests_per_second": outcomes.len() as f64 / elapsed.as_secs_f64(),
+        "tokens_per_second": tokens as f64 / elapsed.as_secs_f64(),
+        "latency_ms_ok": {"p50": percentile(&ok, 0.5), "p99": percentile(&ok, 0.99)},
+        "results": by_result,
+        "malformed": malformed.len(),
+        "rss_kib_first_window": first,
+        "rss_kib_middle": rss_mid.lock().unwrap().clone(),
+        "rss_kib_end": rss_last,
+        "rss_growth": growth,
+        "processes": ["huginn", "llada", "armt", "refusion", "router"],
+        "window": window,
+    });
+    println!("soak: {report}");
+    if let Ok(path) = std::env::var("WAVEFRONT_SOAK_REPORT") {
+        std::fs::write(path, report.to_string()).expect("write the soak report");
+    }
+    assert!(
+        malformed.is_empty(),
+        "{} malformed answers, e.g. {:?}",
+        malformed.len(),
+        &malformed[..malformed.len().min(5)]
+    );
+    assert!(
+        outcomes.len() == total || elapsed >= budget,
+        "only {} of {total} requests ran",
+        outcomes.len()
+    );
+    assert!(
+        ok.len() * 4 >= outcomes.len(),
+        "too few requests served: {by_result:?}"
+    );
+    // Resident memory: a short run (CI) measures mostly warm-up (allocator high-water marks,
+    // buffers sized to the largest message seen), so the bound holds from 10,000 requests on.
+    // The workers hold it from the first thousand; the router's connection buffers reach their
+    // high-water mark later (about +2 MB over its first 12,000 requests, then flat; see
+    // docs/reliability.md), so for the router the bound is on the second half of the run.
+    if total >= 10_000 && outcomes.len() == total {
+        let names = ["huginn", "llada", "armt", "refusion"];
+        for (g, name) in growth.iter().zip(names) {
+            assert!(
+                *g < 0.10,
+                "{name}'s resident memory grew {:.1}% between the first and last {window} requests",
+                g * 100.0
+            );
+        }
+        let mid = rss_mid.lock().unwrap().clone().unwrap_or_default();
+        let router_second_half = rss_last[4] as f64 / mid[4].max(1) as f64 - 1.0;
+        assert!(
+            router_second_half < 0.10,
+            "the router's resident memory grew {:.1}% over the second half of the run",
+            router_second_half * 100.0
+        );
+    }
+}
+
+/// How long a flooding client waits after a refusal before it sends again.
+const FLOOD_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Latencies of `clients` clients sending `req` in a loop for `run`, plus `flood` clients that
+/// send the same as fast as they are answered: (admitted latencies, shed count).
+async fn load_phase(
+    addr: SocketAddr,
+    req: &pb::GenerateRequest,
+    clients: usize,
+    flood: usize,
+    run: Duration,
+) -> (Vec<Duration>, usize) {
+    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let shed = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..clients + flood {
+        let ch = channel(addr).await;
+        let (admitted, shed, req) = (admitted.clone(), shed.clone(), req.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut client = GenerationClient::new(ch);
+            while start.elapsed() < run {
+                let t = Instant::now();
+                match client.generate(req.clone()).await {
+                    Ok(_) => admitted.lock().unwrap().push(t.elapsed()),
+                    Err(s) if s.code() == Code::ResourceExhausted => {
+                        shed.fetch_add(1, Ordering::Relaxed);
+                        // Retried after a short backoff (gRPC's retry policies start at
+                        // 100 ms or more).
+                        tokio::time::sleep(FLOOD_BACKOFF).await;
+                    }
+                    Err(s) => panic!("unexpected status under load: {s:?}"),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let mut v = admitted.lock().unwrap().clone();
+    v.sort();
+    (v, shed.load(Ordering::Relaxed))
+}
+
+/// A flood far beyond the queue is shed with RESOURCE_EXHAUSTED, and what is admitted keeps the
+/// latency it has at the worker's capacity without the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_is_shed_and_admitted_requests_keep_their_latency() {
+    let worker = spawn_worker("huginn", &["--max-active", "4", "--queue-capacity", "1"]);
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let router = spawn(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        &worker.addr.to_string(),
+        "--refresh-ms",
+        "200",
+    ]);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let req = pb::GenerateRequest {
+        prompt: text("You may copy"),
+        max_new_tokens: 16,
+        scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+            num_steps: Some(16),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    // Phases alternate (capacity, flood, capacity, ...) so that whatever else the machine runs
+    // meanwhile weighs on both sides alike.
+    let run = Duration::from_secs(env_or("WAVEFRONT_OVERLOAD_SECONDS", 5));
+    let (mut base, mut base_shed, mut loaded, mut shed) = (Vec::new(), 0, Vec::new(), 0);
+    for _ in 0..3 {
+        // At capacity: as many clients as the worker batches, nothing shed.
+        let (b, s) = load_phase(router.addr, &req, 4, 0, run).await;
+        base.extend(b);
+        base_shed += s;
+        // The same clients and a flood of 128 more.
+        let (l, s) = load_phase(router.addr, &req, 4, 128, run).await;
+        loaded.extend(l);
+        shed += s;
+    }
+    base.sort();
+    loaded.sort();
+    let (b50, b99) = (percentile(&base, 0.5), percentile(&base, 0.99));
+    let (l50, l99) = (percentile(&loaded, 0.5), percentile(&loaded, 0.99));
+    let report = serde_json::json!({
+        "capacity": {"served": base.len(), "shed": base_shed, "p50_ms": b50, "p99_ms": b99},
+        "flood": {"served": loaded.len(), "shed": shed, "p50_ms": l50, "p99_ms": l99},
+        "p99_ratio": l99 / b99,
+    });
+    println!("overload: {report}");
+    assert_eq!(base_shed, 0, "nothing is shed at capacity");
+    assert!(
+        shed > loaded.len(),
+        "the flood was mostly shed: {shed} shed, {} served",
+        loaded.len()
+    );
+    // The bound is 2x, which `scripts/soak.sh` asserts on a release build running
+    // alone; `cargo test` runs this beside the other end-to-end tests on the same cores, so it
+    // holds a looser bound that still fails if admitted requests queue behind the flood.
+    let max_ratio = std::env::var("WAVEFRONT_OVERLOAD_MAX_RATIO")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4.0);
+    assert!(
+        l99 <= max_ratio * b99,
+        "admitted p99 {l99:.1} ms against {b99:.1} ms at capacity (bound {max_ratio}x)"
+    );
+    // Nothing held afterwards.
+    let mut c = WorkerClient::new(channel(worker.addr).await);
+    let start = Instant::now();
+    loop {
+        let m = c
+            .get_load(LoadRequest { interval_ms: 0 })
+            .await
+            .unwrap()
+            .into_inner()
+            .models
+            .remove(0);
+        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "held: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
