@@ -357,13 +357,22 @@ async fn bad_input_gets_a_clear_status_and_leaks_nothing() {
             "max_new_tokens",
         ),
         (
-            "beyond the limit",
+            "beyond the context",
+            pb::GenerateRequest {
+                max_new_tokens: 1_000,
+                ..base()
+            },
+            Code::InvalidArgument,
+            "context limit",
+        ),
+        (
+            "beyond the worker's limit",
             pb::GenerateRequest {
                 max_new_tokens: 100_000,
                 ..base()
             },
             Code::InvalidArgument,
-            "context limit",
+            "--max-new-tokens-limit",
         ),
         (
             "temperature",
