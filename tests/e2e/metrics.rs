@@ -68,6 +68,21 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         ..req.clone()
     };
     assert!(client.generate(bad).await.is_err());
+    // Names nobody serves are counted under `unknown`, never as series of their own.
+    let stranger = pb::GenerateRequest {
+        model: "no-such-model-4711".into(),
+        ..req.clone()
+    };
+    let err = client
+        .generate(stranger.clone())
+        .await
+        .expect_err("unknown");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let err = GenerationClient::new(channel(worker.addr).await)
+        .generate(stranger)
+        .await
+        .expect_err("unknown");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
     // A deadline that expires mid-generation, straight to the worker: its timer cuts the stream,
     // and the worker counts DEADLINE_EXCEEDED, not a cancellation.
     let mut direct = GenerationClient::new(channel(worker.addr).await);
@@ -108,10 +123,19 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     assert_eq!(
         sample(
             &body,
-            "wavefront_requests_total{model=\"\",scheme=\"ar\",status=\"INVALID_ARGUMENT\"}"
+            "wavefront_requests_total{model=\"tiny\",scheme=\"ar\",status=\"INVALID_ARGUMENT\"}"
         ),
         Some(1.0)
     );
+    assert_eq!(
+        sample(
+            &body,
+            "wavefront_requests_total{model=\"unknown\",scheme=\"unspecified\",status=\"NOT_FOUND\"}"
+        ),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(!body.contains("no-such-model-4711"), "{body}");
     assert_eq!(
         sample(
             &body,
@@ -159,6 +183,11 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         body.contains("wavefront_router_requests_total{model=\"\",status=\"INVALID_ARGUMENT\"} 1"),
         "{body}"
     );
+    assert!(
+        body.contains("wavefront_router_requests_total{model=\"unknown\",status=\"NOT_FOUND\"} 1"),
+        "{body}"
+    );
+    assert!(!body.contains("no-such-model-4711"), "{body}");
     assert!(
         body.contains("wavefront_router_workers{state=\"up\"} 1"),
         "{body}"

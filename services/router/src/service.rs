@@ -63,8 +63,16 @@ impl RouterService {
 
     /// Forwards and counts the outcome (metrics) once the call ends.
     async fn forward(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+        // The `model` label is a served model's name (or empty: the only one), else `unknown`:
+        // a client's arbitrary names never become series.
+        let name = &request.get_ref().model;
+        let known = name.is_empty() || served_models(&self.discovery.snapshot()).contains(name);
         let mut outcome = Outcome {
-            model: request.get_ref().model.clone(),
+            model: if known {
+                name.clone()
+            } else {
+                "unknown".to_owned()
+            },
             started: Instant::now(),
             done: false,
         };

@@ -31,6 +31,9 @@ use crate::status::from_engine_error;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
+/// The `model` label of requests for a model this worker does not serve.
+const UNKNOWN_MODEL: &str = "unknown";
+
 /// Events buffered per request before the engine pauses it.
 const EVENT_BUFFER: usize = 64;
 
@@ -152,13 +155,14 @@ impl WorkerService {
     /// counted in the request metrics here; outcomes of admitted requests
     /// are counted when their stream ends.
     async fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
-        // A request without a scheme runs the model's first one.
-        let default_scheme = self
-            .pick(&request.get_ref().model)
-            .ok()
+        // A request without a scheme runs the model's first one. The `model` label is a served
+        // model's name, or `unknown`: a client's arbitrary names never become series.
+        let picked = self.pick(&request.get_ref().model).ok();
+        let default_scheme = picked
+            .as_ref()
             .and_then(|m| m.info().schemes.first().copied());
         let labels = (
-            request.get_ref().model.clone(),
+            picked.map_or_else(|| UNKNOWN_MODEL.to_owned(), |m| m.info().name.clone()),
             scheme_label(request.get_ref(), default_scheme),
         );
         self.start_inner(request).await.inspect_err(|s| {
