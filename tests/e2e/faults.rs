@@ -13,7 +13,7 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 use wavefront_proto::worker::v1::{LoadRequest, ModelLoad};
 
-use crate::harness::{channel, spawn, spawn_worker, wait_serving, Proc};
+use crate::harness::{channel, spawn, spawn_router, spawn_worker, wait_serving, Proc};
 
 /// Router refresh in these tests; the load poll's timeout is the same (its floor is 200 ms).
 const REFRESH_MS: u64 = 200;
@@ -50,15 +50,25 @@ fn router(workers: &str) -> Proc {
 }
 
 fn router_on(listen: &str, workers: &str) -> Proc {
-    spawn(&[
-        "router",
-        "--listen",
-        listen,
-        "--workers",
-        workers,
-        "--refresh-ms",
-        &REFRESH_MS.to_string(),
-    ])
+    spawn_router(listen, workers, REFRESH_MS, &[])
+}
+
+/// Opens `n` long Huginn streams and reads each one's first tokens.
+async fn open_streams(
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    n: usize,
+) -> Vec<tonic::Streaming<pb::GenerateStreamResponse>> {
+    let mut streams = Vec::new();
+    for _ in 0..n {
+        let mut s = client
+            .generate_stream(huginn(200, 32))
+            .await
+            .expect("admitted")
+            .into_inner();
+        first_tokens(&mut s).await;
+        streams.push(s);
+    }
+    streams
 }
 
 async fn load(worker: SocketAddr) -> ModelLoad {
@@ -138,16 +148,7 @@ async fn a_worker_killed_mid_stream_ends_its_streams_unavailable_and_is_readded_
     let router = router(&addr.to_string());
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(router.addr).await);
-    let mut streams = Vec::new();
-    for _ in 0..3 {
-        let mut s = client
-            .generate_stream(huginn(200, 32))
-            .await
-            .expect("admitted")
-            .into_inner();
-        first_tokens(&mut s).await;
-        streams.push(s);
-    }
+    let streams = open_streams(&mut client, 3).await;
     drop(worker); // SIGKILL
     let killed = Instant::now();
     for s in streams {
@@ -209,17 +210,12 @@ async fn a_hung_worker_is_routed_around_within_a_refresh_and_a_poll_timeout() {
     wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
     wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
     let mport = crate::metrics::free_port();
-    let router = spawn(&[
-        "router",
-        "--listen",
+    let router = spawn_router(
         "127.0.0.1:0",
-        "--workers",
         &format!("{},{}", a.addr, b.addr),
-        "--refresh-ms",
-        &REFRESH_MS.to_string(),
-        "--metrics-listen",
-        &format!("127.0.0.1:{mport}"),
-    ]);
+        REFRESH_MS,
+        &["--metrics-listen", &format!("127.0.0.1:{mport}")],
+    );
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let down = || {
         crate::metrics::sample(
@@ -318,16 +314,7 @@ async fn the_router_restarted_under_running_workers_serves_again_and_leaks_nothi
     wait_serving(first.addr, "wavefront.v1.Generation").await;
     let addr = first.addr;
     let mut client = GenerationClient::new(channel(addr).await);
-    let mut streams = Vec::new();
-    for _ in 0..2 {
-        let mut s = client
-            .generate_stream(huginn(200, 32))
-            .await
-            .expect("admitted")
-            .into_inner();
-        first_tokens(&mut s).await;
-        streams.push(s);
-    }
+    let streams = open_streams(&mut client, 2).await;
     drop(first); // SIGKILL
     for s in streams {
         let status = drain(s).await.expect("the cut call ends with a status");

@@ -135,6 +135,23 @@ pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     Proc { child, addr }
 }
 
+/// Starts `wavefront router --listen LISTEN --workers WORKERS --refresh-ms REFRESH_MS EXTRA`
+/// and waits for its "listening on ADDR" line.
+pub fn spawn_router(listen: &str, workers: &str, refresh_ms: u64, extra: &[&str]) -> Proc {
+    let refresh = refresh_ms.to_string();
+    let mut args = vec![
+        "router",
+        "--listen",
+        listen,
+        "--workers",
+        workers,
+        "--refresh-ms",
+        &refresh,
+    ];
+    args.extend_from_slice(extra);
+    spawn(&args)
+}
+
 /// Starts `wavefront worker --listen 127.0.0.1:0 --model tests/fixtures/FIXTURE ARGS` and waits
 /// for its "listening on ADDR" line.
 pub fn spawn_worker(fixture_name: &str, args: &[&str]) -> Proc {

@@ -9,7 +9,7 @@ use tonic_health::pb::HealthCheckRequest;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, spawn, spawn_worker, wait_serving};
+use crate::harness::{channel, fixture, spawn, spawn_router, spawn_worker, wait_serving};
 
 fn long_request(max_new_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
@@ -158,15 +158,7 @@ async fn a_dead_worker_is_routed_around_and_readded_when_it_returns() {
 async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
     let worker = spawn_worker("huginn", &[]);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
-    let router = spawn(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        &worker.addr.to_string(),
-        "--refresh-ms",
-        "600000",
-    ]);
+    let router = spawn_router("127.0.0.1:0", &worker.addr.to_string(), 600_000, &[]);
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let chan = channel(router.addr).await;
     let start = Instant::now();
@@ -216,15 +208,7 @@ async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
 async fn oversized_prompts_and_messages_get_documented_codes_and_keep_the_worker_in_rotation() {
     let worker = spawn_worker("huginn", &[]);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
-    let router = spawn(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        &worker.addr.to_string(),
-        "--refresh-ms",
-        "600000",
-    ]);
+    let router = spawn_router("127.0.0.1:0", &worker.addr.to_string(), 600_000, &[]);
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let chan = channel(router.addr).await;
     let start = Instant::now();

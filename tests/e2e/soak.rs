@@ -27,7 +27,7 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 use wavefront_proto::worker::v1::LoadRequest;
 
-use crate::harness::{channel, spawn, spawn_worker, wait_serving, Proc};
+use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, Proc};
 use crate::metrics::{free_port, sample, scrape};
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -454,15 +454,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         wait_serving(w.proc.addr, "wavefront.worker.v1.Worker").await;
     }
     let targets: Vec<String> = workers.iter().map(|w| w.proc.addr.to_string()).collect();
-    let router = spawn(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        &targets.join(","),
-        "--refresh-ms",
-        "200",
-    ]);
+    let router = spawn_router("127.0.0.1:0", &targets.join(","), 200, &[]);
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let mut pids: Vec<u32> = workers.iter().map(|w| w.proc.child.id()).collect();
     pids.push(router.child.id());
@@ -691,15 +683,7 @@ async fn load_phase(
 async fn a_flood_is_shed_and_admitted_requests_keep_their_latency() {
     let worker = spawn_worker("huginn", &["--max-active", "4", "--queue-capacity", "1"]);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
-    let router = spawn(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        &worker.addr.to_string(),
-        "--refresh-ms",
-        "200",
-    ]);
+    let router = spawn_router("127.0.0.1:0", &worker.addr.to_string(), 200, &[]);
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let req = pb::GenerateRequest {
         prompt: text("You may copy"),
