@@ -3,6 +3,7 @@
 
 mod faults;
 mod harness;
+mod http;
 mod metrics;
 mod operations;
 mod recurrent_memory;

@@ -163,6 +163,8 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
     for family in [
         "wavefront_request_duration_seconds_bucket",
         "wavefront_time_to_first_token_seconds_bucket",
+        "wavefront_inter_token_latency_seconds_bucket{model=\"tiny\"",
+        "wavefront_cache_usage_ratio{model=\"tiny\"} 0",
         "wavefront_engine_tick_duration_seconds_bucket{model=\"tiny\"",
         "wavefront_engine_tick_requests_bucket{model=\"tiny\"",
         "wavefront_slots_total{model=\"tiny\"}",

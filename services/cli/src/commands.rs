@@ -24,6 +24,10 @@ pub struct ServeArgs {
     /// Address the router listens on.
     #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
+    /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /// /v1/models, /health) on this address; port 0 picks a free port (printed).
+    #[arg(long, env = "WAVEFRONT_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -78,6 +82,10 @@ pub struct RouterArgs {
         required = true
     )]
     pub workers: Vec<String>,
+    /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /// /v1/models, /health) on this address; port 0 picks a free port (printed).
+    #[arg(long, env = "WAVEFRONT_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
@@ -207,16 +215,62 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         poll_timeout: Duration::from_millis(a.refresh_ms.clamp(200, 2000)),
         forget_after: Duration::from_millis(a.refresh_ms * 10),
     };
+    let http = match &a.http_listen {
+        Some(l) => Some(bind(l).await?),
+        None => None,
+    };
     discovery.refresh(&cfg).await;
     tokio::spawn(discovery.clone().run(cfg));
     announce("router", listener.local_addr()?);
     let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
-    wavefront_router::serve(service, listener, shutdown_signal()).await
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http_task = spawn_http(http, &service, &stop_rx)?;
+    let signal = async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    };
+    let mut rx = stop_rx;
+    let grpc = wavefront_router::serve(service, listener, async move {
+        let _ = rx.changed().await;
+    });
+    let (r, _) = tokio::join!(grpc, signal);
+    r?;
+    if let Some(t) = http_task {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Starts the OpenAI-compatible HTTP front on `listener` (when given) over `service`, until
+/// `stop` changes; announces its address.
+fn spawn_http(
+    listener: Option<TcpListener>,
+    service: &RouterService,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> Result<Option<tokio::task::JoinHandle<Result<()>>>> {
+    let Some(listener) = listener else {
+        return Ok(None);
+    };
+    announce("router http", listener.local_addr()?);
+    let mut rx = stop.clone();
+    let max = service.max_message_bytes();
+    Ok(Some(tokio::spawn(wavefront_router::serve_http(
+        service.clone(),
+        listener,
+        max,
+        async move {
+            let _ = rx.changed().await;
+        },
+    ))))
 }
 
 pub async fn serve(a: ServeArgs) -> Result<()> {
     let limits = a.limits.limits()?;
     let listener = bind(&a.listen).await?;
+    let http = match &a.http_listen {
+        Some(l) => Some(bind(l).await?),
+        None => None,
+    };
     let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
     let worker_addr = worker_listener.local_addr()?;
     let model = tokio::task::spawn_blocking({
@@ -260,8 +314,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(model = %name, %addr, %worker_addr, "serving");
     announce("router", addr);
-    let mut rx = stop_rx;
     let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
+    let http_task = spawn_http(http, &service, &stop_rx)?;
+    let mut rx = stop_rx;
     let router = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });
@@ -272,6 +327,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     let (r, _) = tokio::join!(router, signal);
     r?;
     worker_task.await??;
+    if let Some(t) = http_task {
+        t.await??;
+    }
     Ok(())
 }
 

@@ -12,6 +12,7 @@ pub const QUEUE_DEPTH: &str = "wavefront_queue_depth";
 pub const ACTIVE_REQUESTS: &str = "wavefront_active_requests";
 pub const SLOTS_TOTAL: &str = "wavefront_slots_total";
 pub const SLOTS_USED: &str = "wavefront_slots_used";
+pub const CACHE_USAGE: &str = "wavefront_cache_usage_ratio";
 
 /// One engine's series, labelled with its model. Handles taken before a
 /// recorder is installed record nothing, so binaries install theirs first.
@@ -25,6 +26,7 @@ pub(crate) struct EngineMetrics {
     pub active: Gauge,
     pub slots_total: Gauge,
     pub slots_used: Gauge,
+    pub cache_usage: Gauge,
 }
 
 impl EngineMetrics {
@@ -38,7 +40,8 @@ impl EngineMetrics {
             queue_depth: metrics::gauge!(QUEUE_DEPTH, "model" => m.clone()),
             active: metrics::gauge!(ACTIVE_REQUESTS, "model" => m.clone()),
             slots_total: metrics::gauge!(SLOTS_TOTAL, "model" => m.clone()),
-            slots_used: metrics::gauge!(SLOTS_USED, "model" => m),
+            slots_used: metrics::gauge!(SLOTS_USED, "model" => m.clone()),
+            cache_usage: metrics::gauge!(CACHE_USAGE, "model" => m),
         }
     }
 }

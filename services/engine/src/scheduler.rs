@@ -240,6 +240,9 @@ impl<P: Send + 'static> Scheduler<P> {
     pub fn publish_gauges(&self) {
         self.metrics.slots_total.set(self.pool.total() as f64);
         self.metrics.slots_used.set(self.pool.used() as f64);
+        self.metrics
+            .cache_usage
+            .set(self.pool.used() as f64 / self.pool.total().max(1) as f64);
         self.metrics.queue_depth.set(self.queue.len() as f64);
         self.metrics.active.set(self.running.len() as f64);
     }

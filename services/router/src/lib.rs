@@ -7,11 +7,14 @@
 //! every refresh interval ([`discovery`]). A request goes to the least-loaded
 //! ready worker serving its model ([`pick`]); the router forwards the call
 //! with the caller's deadline and trace context, and dropping the client's
-//! stream cancels the worker's call, which frees the request's slots.
+//! stream cancels the worker's call, which frees the request's slots. [`openai`] serves the
+//! same routing over OpenAI-compatible HTTP.
 
 pub mod discovery;
+pub mod openai;
 pub mod pick;
 pub mod service;
 
 pub use discovery::{Discovery, DiscoveryConfig, WorkerEntry};
+pub use openai::serve_http;
 pub use service::{serve, RouterService};

@@ -47,6 +47,25 @@ impl RouterService {
         self
     }
 
+    /// The worker table this router routes over.
+    pub fn discovery(&self) -> &Discovery {
+        &self.discovery
+    }
+
+    /// Largest request message decoded.
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
+    }
+
+    /// Routes `request` and returns the worker's event stream: the one path of gRPC and HTTP
+    /// calls (the outcome is counted in the router's metrics when the call ends).
+    pub async fn stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<EventStream, Status> {
+        self.forward(request).await
+    }
+
     fn no_worker(e: NoWorker) -> Status {
         match e {
             NoWorker::UnknownModel { model, served } => {
@@ -358,10 +377,18 @@ pub async fn serve(
     reporter
         .set_serving::<GenerationServer<RouterService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection lists the public APIs only (the descriptor set also holds the worker API),
+    // in both protocol versions: v1, and v1alpha for older grpcurl and Python's
+    // grpcio-reflection.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("wavefront.v1.Generation")
+            .with_service_name("grpc.health.v1.Health")
+    };
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+    let reflection = reflection().build_v1()?;
     // Liveness is "" (SERVING while the process runs); readiness is the API
     // service, NOT_SERVING once shutdown starts. tonic then stops accepting
     // and lets in-flight calls finish.
@@ -379,6 +406,7 @@ pub async fn serve(
         ))
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(GenerationServer::new(service).max_decoding_message_size(limit))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;

@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 
 pub use wavefront_engine::metrics::{
-    ACTIVE_REQUESTS, QUEUE_DEPTH, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
+    ACTIVE_REQUESTS, CACHE_USAGE, QUEUE_DEPTH, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
     TICK_REQUESTS, TICK_ROWS,
 };
 
@@ -18,6 +18,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 pub const REQUESTS_TOTAL: &str = "wavefront_requests_total";
 pub const REQUEST_DURATION: &str = "wavefront_request_duration_seconds";
 pub const TIME_TO_FIRST_TOKEN: &str = "wavefront_time_to_first_token_seconds";
+pub const INTER_TOKEN_LATENCY: &str = "wavefront_inter_token_latency_seconds";
 pub const GENERATED_TOKENS_TOTAL: &str = "wavefront_generated_tokens_total";
 pub const PROMPT_TOKENS_TOTAL: &str = "wavefront_prompt_tokens_total";
 pub const FORWARD_PASSES_TOTAL: &str = "wavefront_forward_passes_total";
@@ -58,6 +59,16 @@ fn describe() {
     describe_gauge!(ACTIVE_REQUESTS, "Requests admitted and running.");
     describe_gauge!(SLOTS_TOTAL, "Slots in the pool.");
     describe_gauge!(SLOTS_USED, "Slots held by running requests.");
+    describe_gauge!(
+        CACHE_USAGE,
+        "Fraction of the slot pool (K/V cache and latent states) held by running requests."
+    );
+    describe_histogram!(
+        INTER_TOKEN_LATENCY,
+        Unit::Seconds,
+        "Time between streamed tokens of a request (an update of several tokens counts each at \
+         its share of the interval)."
+    );
     describe_histogram!(
         TICK_DURATION,
         Unit::Seconds,

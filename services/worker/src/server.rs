@@ -57,10 +57,13 @@ pub async fn serve(
             .set_service_status(name, ServingStatus::Serving)
             .await;
     }
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(wavefront_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+    let reflection = reflection().build_v1()?;
     let drain = {
         let service = service.clone();
         async move {
@@ -94,6 +97,7 @@ pub async fn serve(
         ))
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(GenerationServer::new(service.clone()).max_decoding_message_size(limit))
         .add_service(WorkerServer::new(service).max_decoding_message_size(limit))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)

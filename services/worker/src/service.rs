@@ -238,6 +238,7 @@ impl WorkerService {
             started: Instant::now(),
             deadline,
             first_token: false,
+            last_tokens: Instant::now(),
             recorded: false,
             span,
         };
@@ -261,6 +262,8 @@ struct StreamState {
     /// The request's deadline: the timer around the stream drops it when this passes.
     deadline: Option<Instant>,
     first_token: bool,
+    /// When the last tokens were streamed (inter-token latency).
+    last_tokens: Instant,
     /// The outcome was counted (a stream dropped before that was cancelled or timed out).
     recorded: bool,
     span: tracing::Span,
@@ -341,11 +344,20 @@ impl StreamState {
             // Tokens and frames the engine made before it saw the stop are not the response's.
             Some(Event::Tokens(_) | Event::Canvas(_)) if self.out.is_stopped() => {}
             Some(Event::Tokens(ids)) => {
+                let now = Instant::now();
                 if !self.first_token {
                     self.first_token = true;
                     metrics::histogram!(m::TIME_TO_FIRST_TOKEN, "model" => model.info().name.clone(), "scheme" => self.scheme)
                         .record(self.started.elapsed().as_secs_f64());
+                } else if !ids.is_empty() {
+                    let share =
+                        now.duration_since(self.last_tokens).as_secs_f64() / ids.len() as f64;
+                    let itl = metrics::histogram!(m::INTER_TOKEN_LATENCY, "model" => model.info().name.clone(), "scheme" => self.scheme);
+                    for _ in &ids {
+                        itl.record(share);
+                    }
                 }
+                self.last_tokens = now;
                 let delta = self.out.push(&ids, &decode);
                 self.pending
                     .push_back(Ok(chunk(delta.token_ids, delta.text)));

@@ -1,0 +1,926 @@
+//! The OpenAI-compatible HTTP front of the router: `POST /v1/completions`,
+//! `POST /v1/chat/completions` (both unary and server-sent events), `GET /v1/models` and
+//! `GET /health`.
+//!
+//! An HTTP request becomes the same `GenerateRequest` a gRPC client sends and takes the same
+//! path ([`RouterService::stream`]): ranking, deadlines, retries and cancellation are the
+//! router's. OpenAI's parameters map onto the proto's (`max_tokens` / `max_completion_tokens`,
+//! `temperature`, `top_p`, `seed`, `stop`); each family's scheme and its parameters are
+//! extension fields with the proto's names (`"low_confidence": {"block_length": 32}`, what the
+//! OpenAI client sends through `extra_body`), as are `top_k`, `stop_token_ids` and
+//! `stream_canvas` (canvas events arrive as SSE events named `canvas`). Errors are OpenAI error
+//! objects with the HTTP status of the gRPC code. A client that closes the connection drops
+//! the call, which frees the request's slots on the worker.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tonic::{Code, Status};
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generate_request::{Prompt, Scheme};
+use wavefront_proto::v1::generate_stream_response::Event as PbEvent;
+
+use crate::pick::served_models;
+use crate::service::RouterService;
+
+/// `max_tokens` when a completion request sets none (OpenAI's default for completions).
+const DEFAULT_COMPLETION_TOKENS: u32 = 16;
+/// `max_tokens` when a chat request sets none.
+const DEFAULT_CHAT_TOKENS: u32 = 128;
+
+/// The HTTP application over `router`; bodies over `max_body_bytes` get 413.
+pub fn app(router: RouterService, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(router)
+}
+
+/// Serves the HTTP front on `listener` until `shutdown` resolves (in-flight responses finish).
+pub async fn serve_http(
+    router: RouterService,
+    listener: tokio::net::TcpListener,
+    max_body_bytes: usize,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, app(router, max_body_bytes))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}
+
+/// An OpenAI error object with its HTTP status.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    param: Option<&'static str>,
+    message: String,
+}
+
+impl ApiError {
+    fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            param: Some(param),
+            message: message.into(),
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16().to_string(),
+        }})
+    }
+}
+
+impl From<Status> for ApiError {
+    fn from(s: Status) -> Self {
+        let (status, kind) = match s.code() {
+            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error")
+            }
+            Code::NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
+            Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "authentication_error"),
+            Code::PermissionDenied => (StatusCode::FORBIDDEN, "permission_error"),
+            Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
+            Code::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable"),
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+            Code::Cancelled => (StatusCode::from_u16(499).unwrap(), "cancelled"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+        };
+        Self {
+            status,
+            kind,
+            param: None,
+            message: s.message().to_owned(),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = r.status();
+        Self {
+            status: if status == StatusCode::PAYLOAD_TOO_LARGE {
+                status
+            } else {
+                StatusCode::BAD_REQUEST
+            },
+            kind: "invalid_request_error",
+            param: None,
+            message: format!("the request body is not a valid request: {}", r.body_text()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+async fn health(State(router): State<RouterService>) -> Response {
+    let workers = router.discovery().snapshot();
+    if workers.iter().any(|w| w.up) {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable", "message": "no worker is reachable"})),
+        )
+            .into_response()
+    }
+}
+
+async fn models(State(router): State<RouterService>) -> Json<Value> {
+    let workers = router.discovery().snapshot();
+    let data: Vec<Value> = served_models(&workers)
+        .into_iter()
+        .filter_map(|name| {
+            workers
+                .iter()
+                .filter(|w| w.up)
+                .filter_map(|w| w.report.as_ref())
+                .flat_map(|r| r.models.iter())
+                .filter_map(|m| m.model.clone())
+                .find(|i| i.name == name)
+        })
+        .map(|i| {
+            json!({
+                "id": i.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "wavefront",
+                "family": i.family,
+                "schemes": i.schemes,
+                "max_context": i.max_context,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// `ar` (the proto's `ArScheme`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ArJson {
+    num_steps: Option<u32>,
+    #[serde(default)]
+    cache_lookup_strategy: String,
+    init_scale: Option<f32>,
+    exit_threshold: Option<f32>,
+    #[serde(default)]
+    continuous_compute: bool,
+    #[serde(default)]
+    execution: String,
+}
+
+/// `diffusion_forcing` (the proto's `DiffusionForcingScheme`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiffusionForcingJson {
+    num_steps: Option<u32>,
+    inner_recurrence: Option<u32>,
+    exit_t: Option<f32>,
+    ema_embeds: Option<f32>,
+    state_noise_mixing: Option<f32>,
+    headway: Option<u32>,
+    max_wavefront: Option<u32>,
+    init_scale: Option<f32>,
+    #[serde(default)]
+    cache_lookup_strategy: String,
+    #[serde(default)]
+    freeze_test: String,
+    #[serde(default)]
+    continuous_compute: bool,
+}
+
+/// `low_confidence` (the proto's `LowConfidenceScheme`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LowConfidenceJson {
+    block_length: Option<u32>,
+    steps: Option<u32>,
+    #[serde(default)]
+    remasking: String,
+    #[serde(default)]
+    cfg_scale: f32,
+    surelock_eps: Option<f32>,
+    surelock_percentile: Option<f32>,
+}
+
+/// `wino` (the proto's `WinoScheme`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WinoJson {
+    block_length: Option<u32>,
+    threshold: Option<f32>,
+    threshold_back: Option<f32>,
+    surelock_eps: Option<f32>,
+    surelock_percentile: Option<f32>,
+}
+
+/// `plan_infill` (the proto's `PlanInfillScheme`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanInfillJson {
+    slot_size: Option<u32>,
+    serial_num_blocks: Option<u32>,
+    slot_threshold: Option<f32>,
+    token_threshold: Option<f32>,
+}
+
+/// What completions and chat completions share: OpenAI's parameters and the extensions.
+#[derive(Debug, Deserialize)]
+struct Common {
+    #[serde(default)]
+    model: String,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+    n: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    // Parameters OpenAI defines that change the answer and are not served: refused by name.
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    echo: Option<bool>,
+    best_of: Option<u32>,
+    suffix: Option<String>,
+    logit_bias: Option<Value>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    tools: Option<Value>,
+    response_format: Option<Value>,
+    // Extensions, named as in the proto.
+    top_k: Option<u32>,
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    stream_canvas: bool,
+    ar: Option<ArJson>,
+    diffusion_forcing: Option<DiffusionForcingJson>,
+    low_confidence: Option<LowConfidenceJson>,
+    wino: Option<WinoJson>,
+    plan_infill: Option<PlanInfillJson>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Option<Value>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Option<Vec<ChatMessageJson>>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessageJson {
+    role: String,
+    content: Option<Value>,
+}
+
+impl Common {
+    /// Refuses what is not served, and builds the request around `prompt`.
+    fn request(self, prompt: Prompt, default_tokens: u32) -> Result<pb::GenerateRequest, ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid(
+                "n",
+                format!("n must be 1 (one completion per request), got {n}"),
+            ));
+        }
+        let unsupported: [(&'static str, bool); 10] = [
+            (
+                "logprobs",
+                self.logprobs
+                    .as_ref()
+                    .is_some_and(|v| !v.is_null() && v != &json!(false)),
+            ),
+            (
+                "top_logprobs",
+                self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()),
+            ),
+            ("echo", self.echo == Some(true)),
+            ("best_of", self.best_of.is_some_and(|b| b != 1)),
+            (
+                "suffix",
+                self.suffix.as_ref().is_some_and(|s| !s.is_empty()),
+            ),
+            (
+                "logit_bias",
+                self.logit_bias
+                    .as_ref()
+                    .is_some_and(|v| !v.is_null() && v != &json!({})),
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty.is_some_and(|p| p != 0.0),
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty.is_some_and(|p| p != 0.0),
+            ),
+            ("tools", self.tools.as_ref().is_some_and(|v| !v.is_null())),
+            (
+                "response_format",
+                self.response_format.as_ref().is_some_and(|v| {
+                    !v.is_null() && v.get("type").and_then(Value::as_str) != Some("text")
+                }),
+            ),
+        ];
+        if let Some((name, _)) = unsupported.iter().find(|(_, set)| *set) {
+            return Err(ApiError::invalid(
+                name,
+                format!("`{name}` is not supported by this server; leave it unset"),
+            ));
+        }
+        let max_new_tokens = self
+            .max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(default_tokens);
+        let seed = match self.seed {
+            Some(s) if s < 0 => {
+                return Err(ApiError::invalid(
+                    "seed",
+                    format!("seed must be a non-negative integer, got {s}"),
+                ))
+            }
+            s => s.map(|s| s as u64),
+        };
+        let stop_strings = match self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        let mut schemes = Vec::new();
+        if let Some(a) = self.ar {
+            schemes.push(Scheme::Ar(pb::ArScheme {
+                num_steps: a.num_steps,
+                cache_lookup_strategy: a.cache_lookup_strategy,
+                init_scale: a.init_scale,
+                exit_threshold: a.exit_threshold,
+                continuous_compute: a.continuous_compute,
+                execution: a.execution,
+            }));
+        }
+        if let Some(d) = self.diffusion_forcing {
+            schemes.push(Scheme::DiffusionForcing(pb::DiffusionForcingScheme {
+                num_steps: d.num_steps,
+                inner_recurrence: d.inner_recurrence,
+                exit_t: d.exit_t,
+                ema_embeds: d.ema_embeds,
+                state_noise_mixing: d.state_noise_mixing,
+                headway: d.headway,
+                max_wavefront: d.max_wavefront,
+                init_scale: d.init_scale,
+                cache_lookup_strategy: d.cache_lookup_strategy,
+                freeze_test: d.freeze_test,
+                continuous_compute: d.continuous_compute,
+            }));
+        }
+        if let Some(l) = self.low_confidence {
+            schemes.push(Scheme::LowConfidence(pb::LowConfidenceScheme {
+                block_length: l.block_length,
+                steps: l.steps,
+                remasking: l.remasking,
+                cfg_scale: l.cfg_scale,
+                surelock_eps: l.surelock_eps,
+                surelock_percentile: l.surelock_percentile,
+            }));
+        }
+        if let Some(w) = self.wino {
+            schemes.push(Scheme::Wino(pb::WinoScheme {
+                block_length: w.block_length,
+                threshold: w.threshold,
+                threshold_back: w.threshold_back,
+                surelock_eps: w.surelock_eps,
+                surelock_percentile: w.surelock_percentile,
+            }));
+        }
+        if let Some(p) = self.plan_infill {
+            schemes.push(Scheme::PlanInfill(pb::PlanInfillScheme {
+                slot_size: p.slot_size,
+                serial_num_blocks: p.serial_num_blocks,
+                slot_threshold: p.slot_threshold,
+                token_threshold: p.token_threshold,
+            }));
+        }
+        if schemes.len() > 1 {
+            return Err(ApiError::invalid(
+                "scheme",
+                "set at most one scheme object (ar, diffusion_forcing, low_confidence, wino, \
+                 plan_infill)",
+            ));
+        }
+        Ok(pb::GenerateRequest {
+            model: self.model,
+            prompt: Some(prompt),
+            max_new_tokens,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+            stop_strings,
+            sampling: Some(pb::SamplingParams {
+                // OpenAI's defaults: temperature 1, top_p 1 (no filter).
+                temperature: self.temperature.unwrap_or(1.0),
+                top_k: self.top_k.unwrap_or(0),
+                top_p: self.top_p.unwrap_or(1.0),
+                seed,
+            }),
+            stream_canvas: self.stream_canvas,
+            scheme: schemes.pop(),
+        })
+    }
+}
+
+/// The prompt of a completion request: a string, one string in a list, or token ids.
+fn completion_prompt(prompt: Option<Value>) -> Result<Prompt, ApiError> {
+    let bad = |m: &str| Err(ApiError::invalid("prompt", m.to_owned()));
+    match prompt {
+        None | Some(Value::Null) => bad("prompt is missing"),
+        Some(Value::String(s)) => Ok(Prompt::Text(s)),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return bad("prompt is an empty list");
+            }
+            if items.iter().all(Value::is_u64) {
+                let ids: Option<Vec<u32>> = items
+                    .iter()
+                    .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+                    .collect();
+                return match ids {
+                    Some(ids) => Ok(Prompt::TokenIds(pb::TokenIds { ids })),
+                    None => bad("a token id does not fit in 32 bits"),
+                };
+            }
+            match items.as_slice() {
+                [Value::String(s)] => Ok(Prompt::Text(s.clone())),
+                [Value::Array(_)] => completion_prompt(items.into_iter().next()),
+                _ => bad("one prompt per request: send a string, a list of one string, or a list of token ids"),
+            }
+        }
+        Some(_) => bad("prompt must be a string or a list of token ids"),
+    }
+}
+
+/// A chat message's text: a string, or the text parts of a list of parts.
+fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(
+                            "messages",
+                            format!(
+                                "messages[{i}] has a content part of type {:?}; only text parts are served",
+                                kind.unwrap_or("?")
+                            ),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(ApiError::invalid(
+            "messages",
+            format!("messages[{i}].content must be a string or a list of text parts"),
+        )),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn new_id(prefix: &str) -> String {
+    format!(
+        "{prefix}-{:016x}{:016x}",
+        rand::random::<u64>(),
+        rand::random::<u64>()
+    )
+}
+
+fn finish_reason(r: i32) -> &'static str {
+    match pb::FinishReason::try_from(r) {
+        Ok(pb::FinishReason::StopToken | pb::FinishReason::StopString) => "stop",
+        _ => "length",
+    }
+}
+
+fn usage(stats: Option<&pb::GenerationStats>) -> Value {
+    let (p, c) = stats.map_or((0, 0), |s| (s.prompt_tokens, s.generated_tokens));
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+}
+
+/// The two response shapes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(
+    State(router): State<RouterService>,
+    headers: HeaderMap,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(body) = body?;
+    let prompt = completion_prompt(body.prompt)?;
+    let stream = body.common.stream;
+    let include_usage = body
+        .common
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    let req = body.common.request(prompt, DEFAULT_COMPLETION_TOKENS)?;
+    respond(
+        router,
+        headers,
+        req,
+        Kind::Completion,
+        stream,
+        include_usage,
+    )
+    .await
+}
+
+async fn chat_completions(
+    State(router): State<RouterService>,
+    headers: HeaderMap,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(body) = body?;
+    let Some(messages) = body.messages.filter(|m| !m.is_empty()) else {
+        return Err(ApiError::invalid(
+            "messages",
+            "messages is missing or empty",
+        ));
+    };
+    let messages = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            Ok(pb::ChatMessage {
+                role: m.role,
+                content: message_text(m.content, i)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let stream = body.common.stream;
+    let include_usage = body
+        .common
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    let req = body.common.request(
+        Prompt::Chat(pb::ChatMessages { messages }),
+        DEFAULT_CHAT_TOKENS,
+    )?;
+    respond(router, headers, req, Kind::Chat, stream, include_usage).await
+}
+
+/// Sends `req` through the router and answers in `kind`'s shape.
+async fn respond(
+    router: RouterService,
+    headers: HeaderMap,
+    req: pb::GenerateRequest,
+    kind: Kind,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let mut request = tonic::Request::new(req);
+    // W3C trace context: the HTTP request's span parents the router's.
+    for name in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
+            if let Ok(v) = v.parse() {
+                request.metadata_mut().insert(name, v);
+            }
+        }
+    }
+    // Chunks before the final message name the model asked for, or the only one served.
+    let model = match request.get_ref().model.as_str() {
+        "" => served_models(&router.discovery().snapshot())
+            .pop()
+            .unwrap_or_default(),
+        name => name.to_owned(),
+    };
+    let events = router.stream(request).await?;
+    let (id, created) = match kind {
+        Kind::Completion => (new_id("cmpl"), unix_now()),
+        Kind::Chat => (new_id("chatcmpl"), unix_now()),
+    };
+    if stream {
+        let sse = sse_events(events, kind, id, created, include_usage, model);
+        return Ok(Sse::new(sse)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let done = collect_done(events).await?;
+    let reason = finish_reason(done.finish_reason);
+    let choice = match kind {
+        Kind::Completion => json!({
+            "index": 0, "text": done.text, "finish_reason": reason, "logprobs": null,
+        }),
+        Kind::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": done.text},
+            "finish_reason": reason,
+            "logprobs": null,
+        }),
+    };
+    let object = match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion",
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": done.model,
+        "choices": [choice],
+        "usage": usage(done.stats.as_ref()),
+        "wavefront": {"token_ids": done.token_ids, "stats": stats_json(done.stats.as_ref())},
+    }))
+    .into_response())
+}
+
+/// The engine's statistics, as an extension object.
+fn stats_json(s: Option<&pb::GenerationStats>) -> Value {
+    let Some(s) = s else { return Value::Null };
+    json!({
+        "forward_passes": s.forward_passes,
+        "recurrence_steps": s.recurrence_steps,
+        "ticks": s.ticks,
+        "queue_time_ms": s.queue_time_ms,
+        "compute_time_ms": s.compute_time_ms,
+        "tokens_per_second": s.tokens_per_second,
+        "seed": s.seed,
+        "counters": s.counters,
+    })
+}
+
+type Events =
+    std::pin::Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+
+async fn collect_done(mut events: Events) -> Result<pb::GenerateResponse, ApiError> {
+    while let Some(item) = events.next().await {
+        if let Some(PbEvent::Done(d)) = item?.event {
+            return Ok(d);
+        }
+    }
+    Err(Status::unavailable("the worker's stream ended without a final message").into())
+}
+
+/// One SSE data event holding `v`.
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// The router's event stream as OpenAI's chunks: text deltas, then a chunk with the finish
+/// reason, the usage chunk when asked, and `[DONE]`; canvas events as SSE events named
+/// `canvas`; a failure as an error object, then `[DONE]`.
+fn sse_events(
+    events: Events,
+    kind: Kind,
+    id: String,
+    created: u64,
+    include_usage: bool,
+    mut model: String,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+    let object = match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion.chunk",
+    };
+    let chunk = move |model: &str, choice: Value, usage: Option<Value>| {
+        let mut v = json!({
+            "id": id, "object": object, "created": created, "model": model, "choices": [choice],
+        });
+        if include_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        v
+    };
+    let delta = move |text: &str, first: bool, reason: Option<&str>| match kind {
+        Kind::Completion => {
+            json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null})
+        }
+        Kind::Chat => {
+            let mut d = json!({"content": text});
+            if first {
+                d["role"] = json!("assistant");
+            }
+            json!({"index": 0, "delta": d, "finish_reason": reason, "logprobs": null})
+        }
+    };
+    let mut first = true;
+    events
+        .map(Some)
+        .chain(futures::stream::once(async { None }))
+        .flat_map(move |item| {
+            let out: Vec<Event> = match item {
+                Some(Ok(pb::GenerateStreamResponse {
+                    event: Some(PbEvent::Tokens(t)),
+                })) => {
+                    if t.text.is_empty() && !first {
+                        Vec::new()
+                    } else {
+                        let c = chunk(&model, delta(&t.text, first, None), None);
+                        first = false;
+                        vec![data(&c)]
+                    }
+                }
+                Some(Ok(pb::GenerateStreamResponse {
+                    event: Some(PbEvent::Canvas(c)),
+                })) => {
+                    let v = json!({
+                        "step": c.step, "full": c.full, "positions": c.positions,
+                        "token_ids": c.token_ids, "states": c.states,
+                    });
+                    vec![Event::default().event("canvas").data(v.to_string())]
+                }
+                Some(Ok(pb::GenerateStreamResponse {
+                    event: Some(PbEvent::Done(d)),
+                })) => {
+                    model = d.model.clone();
+                    let mut out = vec![data(&chunk(
+                        &d.model,
+                        delta("", first, Some(finish_reason(d.finish_reason))),
+                        None,
+                    ))];
+                    if include_usage {
+                        let mut u = chunk(&d.model, Value::Null, Some(usage(d.stats.as_ref())));
+                        u["choices"] = json!([]);
+                        out.push(data(&u));
+                    }
+                    out.push(Event::default().data("[DONE]"));
+                    out
+                }
+                Some(Ok(pb::GenerateStreamResponse { event: None })) => Vec::new(),
+                Some(Err(s)) => {
+                    let e = ApiError::from(s);
+                    vec![data(&e.body()), Event::default().data("[DONE]")]
+                }
+                // The stream ended: after a final message or an error nothing more is sent.
+                None => Vec::new(),
+            };
+            futures::stream::iter(out.into_iter().map(Ok))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn common(v: Value) -> Common {
+        serde_json::from_value(v).expect("parses")
+    }
+
+    #[test]
+    fn openai_parameters_and_extensions_map_onto_the_proto() {
+        let req = common(json!({
+            "model": "m", "max_tokens": 7, "temperature": 0.0, "seed": 3, "stop": ["a", "b"],
+            "top_k": 5, "stop_token_ids": [2], "stream_canvas": true,
+            "low_confidence": {"block_length": 8, "steps": 4, "surelock_eps": 0.01},
+        }))
+        .request(Prompt::Text("x".into()), 16)
+        .unwrap();
+        assert_eq!(req.max_new_tokens, 7);
+        assert_eq!(req.stop_strings, ["a", "b"]);
+        assert_eq!(req.stop_token_ids, [2]);
+        let s = req.sampling.unwrap();
+        assert_eq!(
+            (s.temperature, s.top_k, s.top_p, s.seed),
+            (0.0, 5, 1.0, Some(3))
+        );
+        assert!(req.stream_canvas);
+        match req.scheme {
+            Some(Scheme::LowConfidence(l)) => {
+                assert_eq!(
+                    (l.block_length, l.steps, l.surelock_eps),
+                    (Some(8), Some(4), Some(0.01))
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        // max_completion_tokens wins; OpenAI's default temperature is 1.
+        let req = common(json!({"max_tokens": 7, "max_completion_tokens": 9}))
+            .request(Prompt::Text("x".into()), 16)
+            .unwrap();
+        assert_eq!(req.max_new_tokens, 9);
+        assert_eq!(req.sampling.unwrap().temperature, 1.0);
+    }
+
+    #[test]
+    fn what_is_not_served_is_refused_by_name() {
+        for (body, param) in [
+            (json!({"n": 2}), "n"),
+            (json!({"logprobs": 2}), "logprobs"),
+            (json!({"presence_penalty": 0.5}), "presence_penalty"),
+            (json!({"echo": true}), "echo"),
+            (json!({"ar": {}, "wino": {}}), "scheme"),
+            (json!({"seed": -1}), "seed"),
+        ] {
+            let e = common(body)
+                .request(Prompt::Text("x".into()), 16)
+                .unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.param, Some(param), "{}", e.message);
+        }
+        // Unknown fields inside a scheme object are refused by the parser.
+        assert!(serde_json::from_value::<Common>(json!({"ar": {"num_stepz": 3}})).is_err());
+    }
+
+    #[test]
+    fn prompts_as_strings_lists_and_token_ids() {
+        assert_eq!(
+            completion_prompt(Some(json!("hi"))).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            completion_prompt(Some(json!(["hi"]))).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            completion_prompt(Some(json!([1, 2]))).unwrap(),
+            Prompt::TokenIds(pb::TokenIds { ids: vec![1, 2] })
+        );
+        assert_eq!(
+            completion_prompt(Some(json!([[1, 2]]))).unwrap(),
+            Prompt::TokenIds(pb::TokenIds { ids: vec![1, 2] })
+        );
+        assert!(completion_prompt(Some(json!(["a", "b"]))).is_err());
+        assert!(completion_prompt(None).is_err());
+        assert!(completion_prompt(Some(json!([1u64 << 40]))).is_err());
+        assert_eq!(
+            message_text(
+                Some(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])),
+                0
+            )
+            .unwrap(),
+            "ab"
+        );
+        assert!(message_text(Some(json!([{"type": "image_url"}])), 0).is_err());
+    }
+
+    #[test]
+    fn grpc_codes_become_the_matching_http_statuses() {
+        for (code, status) in [
+            (Code::InvalidArgument, 400),
+            (Code::Unauthenticated, 401),
+            (Code::NotFound, 404),
+            (Code::ResourceExhausted, 429),
+            (Code::Unavailable, 503),
+            (Code::DeadlineExceeded, 504),
+        ] {
+            assert_eq!(
+                ApiError::from(Status::new(code, "m")).status.as_u16(),
+                status
+            );
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The OpenAI-compatible HTTP front on a real router (`--http-listen`), over plain HTTP/1.1:
+//! the same tokens as the gRPC API, server-sent events ending in `[DONE]`, OpenAI error
+//! objects with their statuses, reflection in both versions, and a client that closes its
+//! connection frees the request's slots.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use wavefront_proto::v1 as pb;
+use wavefront_proto::v1::generation_client::GenerationClient;
+use wavefront_proto::worker::v1::worker_client::WorkerClient;
+use wavefront_proto::worker::v1::LoadRequest;
+
+use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, Proc};
+use crate::metrics::free_port;
+
+/// `POST path` with a JSON body; the status and the whole body (the server closes).
+fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("http port");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    read_response(s)
+}
+
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("http port");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    read_response(s)
+}
+
+fn read_response(mut s: TcpStream) -> (u16, String) {
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let status = raw[9..12].parse().expect("status line");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("head and body");
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    (status, body)
+}
+
+/// The payload of a chunked body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).expect("chunk size");
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = &rest[n + 2..];
+    }
+    out
+}
+
+/// The `data:` payloads of an SSE body, and the names of other events.
+fn sse(body: &str) -> (Vec<String>, Vec<String>) {
+    let (mut data, mut events) = (Vec::new(), Vec::new());
+    for block in body.split("\n\n") {
+        for line in block.lines() {
+            if let Some(d) = line.strip_prefix("data: ") {
+                data.push(d.to_owned());
+            } else if let Some(e) = line.strip_prefix("event: ") {
+                events.push(e.to_owned());
+            }
+        }
+    }
+    (data, events)
+}
+
+struct HttpStack {
+    worker: Proc,
+    _router: Proc,
+    grpc: SocketAddr,
+    http: SocketAddr,
+}
+
+async fn http_stack(fixture: &str, name: &str) -> HttpStack {
+    let worker = spawn_worker(fixture, &["--served-name", name]);
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let router = spawn_router(
+        "127.0.0.1:0",
+        &worker.addr.to_string(),
+        200,
+        &["--http-listen", &http.to_string()],
+    );
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    HttpStack {
+        grpc: router.addr,
+        worker,
+        _router: router,
+        http,
+    }
+}
+
+async fn wait_whole(worker: SocketAddr) {
+    let mut w = WorkerClient::new(channel(worker).await);
+    let start = Instant::now();
+    loop {
+        let m = w
+            .get_load(LoadRequest { interval_ms: 0 })
+            .await
+            .unwrap()
+            .into_inner()
+            .models
+            .remove(0);
+        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "held: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_match_the_grpc_api_unary_and_streamed() {
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let http = s.http;
+    let (status, body) = tokio::task::spawn_blocking(move || get(http, "/health"))
+        .await
+        .unwrap();
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, body) = tokio::task::spawn_blocking(move || get(http, "/v1/models"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "huginn-tiny");
+    assert_eq!(models["data"][0]["family"], "recurrent_depth");
+
+    // The same request through gRPC.
+    let grpc = GenerationClient::new(channel(s.grpc).await)
+        .generate(pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+            max_new_tokens: 8,
+            sampling: Some(pb::SamplingParams {
+                seed: Some(5),
+                ..Default::default()
+            }),
+            scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+                num_steps: Some(4),
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let body = json!({
+        "model": "huginn-tiny", "prompt": "You may copy", "max_tokens": 8, "temperature": 0,
+        "seed": 5, "ar": {"num_steps": 4},
+    })
+    .to_string();
+    let b = body.clone();
+    let (status, unary) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{unary}");
+    let unary: Value = serde_json::from_str(&unary).unwrap();
+    assert_eq!(unary["object"], "text_completion");
+    assert_eq!(unary["choices"][0]["text"], grpc.text.as_str());
+    assert_eq!(unary["choices"][0]["finish_reason"], "length");
+    assert_eq!(unary["usage"]["completion_tokens"], 8);
+    assert_eq!(
+        unary["usage"]["total_tokens"],
+        unary["usage"]["prompt_tokens"].as_u64().unwrap() + 8
+    );
+    let ids: Vec<u32> = serde_json::from_value(unary["wavefront"]["token_ids"].clone()).unwrap();
+    assert_eq!(ids, grpc.token_ids);
+
+    // Streamed: deltas add up to the same text; the finish reason, then usage, then [DONE].
+    let mut streamed: Value = serde_json::from_str(&body).unwrap();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let b = streamed.to_string();
+    let (status, events) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let (data, _) = sse(&events);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{events}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, grpc.text);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 8);
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert!(chunks.iter().all(|c| c["model"] == "huginn-tiny"));
+    wait_whole(s.worker.addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
+    let s = http_stack("llada", "llada").await;
+    let http = s.http;
+    let chat = json!({
+        "model": "llada",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+        "max_tokens": 16, "temperature": 0, "stream": true, "stream_canvas": true,
+        "wino": {"block_length": 8},
+    })
+    .to_string();
+    let (status, events) =
+        tokio::task::spawn_blocking(move || post(http, "/v1/chat/completions", &chat))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{events}");
+    let (data, names) = sse(&events);
+    assert!(
+        names.iter().any(|n| n == "canvas"),
+        "canvas events: {events}"
+    );
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let first: Value = serde_json::from_str(
+        data.iter()
+            .find(|d| d.contains("chat.completion.chunk"))
+            .expect("a chunk"),
+    )
+    .unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+
+    // Errors: OpenAI's error object, the matching status, a message that says what to fix.
+    let cases = [
+        (json!({"model": "llada", "prompt": "x", "n": 2}), 400, "n"),
+        (json!({"model": "nope", "prompt": "x"}), 404, "not served"),
+        (
+            json!({"model": "llada", "prompt": "x", "max_tokens": 10, "low_confidence": {"block_length": 3}}),
+            400,
+            "block_length",
+        ),
+        (
+            json!({"model": "llada", "prompt": "x", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (json!({"model": "llada"}), 400, "prompt"),
+    ];
+    for (body, want, needle) in cases {
+        let b = body.to_string();
+        let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            .await
+            .unwrap();
+        assert_eq!(status, want, "{body}: {text}");
+        let err: Value = serde_json::from_str(&text).unwrap();
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{body}: {message}");
+    }
+    let (status, _) = tokio::task::spawn_blocking(move || {
+        post(
+            http,
+            "/v1/completions",
+            &format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20)),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 413);
+    wait_whole(s.worker.addr).await;
+}
+
+/// A client that closes its connection mid-stream cancels the request: its slots come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_the_connection_cancels_the_request_and_frees_its_slots() {
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let http = s.http;
+    let body = json!({
+        "prompt": "You may copy", "max_tokens": 240, "stream": true, "ar": {"num_steps": 32},
+    })
+    .to_string();
+    let mut conn = TcpStream::connect(http).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    let n = conn.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let mut w = WorkerClient::new(channel(s.worker.addr).await);
+    let load = w
+        .get_load(LoadRequest { interval_ms: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        load.models[0].active_requests, 1,
+        "running while the client reads"
+    );
+    drop(conn);
+    wait_whole(s.worker.addr).await;
+}
+
+/// Reflection answers in v1 and v1alpha, and the router lists only its public APIs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_v1alpha_lists_the_public_apis_only() {
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+    let s = http_stack("huginn", "huginn-tiny").await;
+    for (addr, worker_api) in [(s.grpc, false), (s.worker.addr, true)] {
+        let mut client = ServerReflectionClient::new(channel(addr).await);
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = client
+            .server_reflection_info(futures::stream::iter(vec![req]))
+            .await
+            .expect("v1alpha")
+            .into_inner();
+        let names: Vec<String> = match resp.message().await.unwrap().unwrap().message_response {
+            Some(MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            names.contains(&"wavefront.v1.Generation".to_owned()),
+            "{names:?}"
+        );
+        assert_eq!(
+            names.contains(&"wavefront.worker.v1.Worker".to_owned()),
+            worker_api,
+            "{addr}: {names:?}"
+        );
+    }
+}

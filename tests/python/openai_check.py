@@ -1,0 +1,101 @@
+"""The official `openai` package against wavefront's OpenAI-compatible HTTP front, and Python's
+grpcio-reflection (reflection v1alpha) against its gRPC port.
+
+Usage: python openai_check.py HTTP_ADDR GRPC_ADDR METRICS_ADDR
+A `wavefront serve --model tests/fixtures/llada` (chat template, masked diffusion) runs there.
+Exits non-zero on any mismatch.
+"""
+import sys
+import time
+import urllib.request
+
+import grpc
+import openai
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+http_addr, grpc_addr, metrics_addr = sys.argv[1:4]
+client = openai.OpenAI(base_url=f"http://{http_addr}/v1", api_key="unused", max_retries=0)
+passed = 0
+
+models = [m.id for m in client.models.list()]
+assert models == ["llada"], models
+
+# Completions, unary, with a scheme through extra_body.
+scheme = {"low_confidence": {"block_length": 8, "steps": 8}}
+c = client.completions.create(model="llada", prompt="You may copy", max_tokens=16, temperature=0,
+                              extra_body=scheme)
+assert c.object == "text_completion", c
+assert c.choices[0].finish_reason in ("length", "stop"), c
+assert c.usage.completion_tokens <= 16 and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens, c
+passed += 1
+
+# Completions, streamed: the deltas add up to the unary text (greedy), usage at the end.
+chunks = list(client.completions.create(model="llada", prompt="You may copy", max_tokens=16,
+                                        temperature=0, extra_body=scheme, stream=True,
+                                        stream_options={"include_usage": True}))
+text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+assert text == c.choices[0].text, (text, c.choices[0].text)
+assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == c.usage.completion_tokens, chunks[-1]
+passed += 1
+
+# Chat, unary and streamed (the checkpoint's chat template), WINO through extra_body.
+msgs = [{"role": "user", "content": "Hello there"}]
+wino = {"wino": {"block_length": 8}}
+r = client.chat.completions.create(model="llada", messages=msgs, max_tokens=16, temperature=0,
+                                   extra_body=wino)
+assert r.object == "chat.completion" and r.choices[0].message.role == "assistant", r
+stream = client.chat.completions.create(model="llada", messages=msgs, max_tokens=16, temperature=0,
+                                        extra_body=wino, stream=True)
+deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+assert deltas[0].role == "assistant", deltas[0]
+assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+passed += 1
+
+# An invalid parameter: a 400 with OpenAI's error object and a message naming it.
+try:
+    client.completions.create(model="llada", prompt="x", max_tokens=10,
+                              extra_body={"low_confidence": {"block_length": 3}})
+    raise SystemExit("a block length that does not divide max_tokens was accepted")
+except openai.BadRequestError as e:
+    assert "block_length" in e.message, e.message
+try:
+    client.completions.create(model="llada", prompt="x", n=2)
+    raise SystemExit("n=2 was accepted")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "n", e.body
+try:
+    client.completions.create(model="nope", prompt="x")
+    raise SystemExit("an unknown model was accepted")
+except openai.NotFoundError:
+    pass
+passed += 1
+
+
+def gauge(name):
+    body = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+# A cancelled stream frees its slots: read one chunk of a long request, close the stream.
+stream = client.completions.create(model="llada", prompt="You may copy", max_tokens=256,
+                                   extra_body={"low_confidence": {"block_length": 8}}, stream=True)
+next(iter(stream))
+stream.close()
+deadline = time.time() + 20
+while not (gauge("wavefront_slots_used") == 0 and gauge("wavefront_active_requests") == 0):
+    assert time.time() < deadline, (gauge("wavefront_slots_used"), gauge("wavefront_active_requests"))
+    time.sleep(0.05)
+passed += 1
+
+# Reflection v1alpha, as grpcio-reflection and older grpcurl ask for it.
+stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(grpc_addr))
+reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                       timeout=30))
+names = [s.name for s in reply.list_services_response.service]
+assert "wavefront.v1.Generation" in names and "wavefront.worker.v1.Worker" not in names, names
+passed += 1
+
+print(f"openai client and reflection: {passed} passed, 0 failed")
