@@ -354,3 +354,123 @@ async fn reflection_v1alpha_lists_the_public_apis_only() {
         );
     }
 }
+
+/// `POST path` with an `Authorization: Bearer` header when `key` is given.
+fn post_with_key(addr: SocketAddr, path: &str, body: &str, key: Option<&str>) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("http port");
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{auth}\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    read_response(s)
+}
+
+/// API keys on the router's public gRPC and HTTP endpoints, a token on router-to-worker calls;
+/// health stays open; a router without the worker's token cannot use it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let worker = spawn_worker(
+        "huginn",
+        &["--served-name", "huginn-tiny", "--worker-token", "w0rker"],
+    );
+    // Health needs no token (probes).
+    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
+    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let router = spawn_router(
+        "127.0.0.1:0",
+        &worker.addr.to_string(),
+        200,
+        &[
+            "--http-listen",
+            &http.to_string(),
+            "--api-key",
+            "key-one,key-two",
+            "--worker-token",
+            "w0rker",
+        ],
+    );
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let req = || pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+        max_new_tokens: 2,
+        ..Default::default()
+    };
+    let with_key = |key: &str| {
+        let mut r = tonic::Request::new(req());
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {key}").parse().unwrap());
+        r
+    };
+    let mut client = GenerationClient::new(channel(router.addr).await);
+    let err = client.generate(req()).await.expect_err("no key");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    assert!(err.message().contains("API key"), "{err:?}");
+    let err = client
+        .generate(with_key("key-three"))
+        .await
+        .expect_err("wrong key");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    // The second key works, through the worker's token.
+    let ok = client
+        .generate(with_key("key-two"))
+        .await
+        .expect("a good key");
+    assert_eq!(ok.into_inner().token_ids.len(), 2);
+    let mut h = HealthClient::new(channel(router.addr).await);
+    h.check(HealthCheckRequest {
+        service: String::new(),
+    })
+    .await
+    .expect("health needs no key");
+
+    // HTTP: 401 with OpenAI's error object, 200 with a key; /health open.
+    let body = r#"{"prompt": "You may copy", "max_tokens": 2}"#;
+    let (status, text) =
+        tokio::task::spawn_blocking(move || post_with_key(http, "/v1/completions", body, None))
+            .await
+            .unwrap();
+    assert_eq!(status, 401, "{text}");
+    let err: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(err["error"]["type"], "authentication_error");
+    let (status, text) = tokio::task::spawn_blocking(move || {
+        post_with_key(http, "/v1/completions", body, Some("key-one"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let (status, _) = tokio::task::spawn_blocking(move || get(http, "/health"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+
+    // The worker refuses calls without its token, on both of its APIs.
+    let err = GenerationClient::new(channel(worker.addr).await)
+        .generate(req())
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    let err = WorkerClient::new(channel(worker.addr).await)
+        .get_load(LoadRequest { interval_ms: 0 })
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    // A router with the wrong token never sees the worker up.
+    let stranger = spawn_router(
+        "127.0.0.1:0",
+        &worker.addr.to_string(),
+        200,
+        &["--worker-token", "guess"],
+    );
+    wait_serving(stranger.addr, "").await;
+    let err = GenerationClient::new(channel(stranger.addr).await)
+        .generate(req())
+        .await
+        .expect_err("worker unreachable without its token");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+}

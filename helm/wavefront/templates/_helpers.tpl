@@ -135,6 +135,29 @@ WAVEFRONT_METRICS_LISTEN: {{ printf "%s:%d" .Values.listenHost (int .Values.metr
 WAVEFRONT_LISTEN: {{ printf "%s:%d" .Values.listenHost (int .Values.router.grpcPort) | quote }}
 WAVEFRONT_WORKERS: {{ include "wavefront.router.workers" . | quote }}
 WAVEFRONT_REFRESH_MS: {{ .Values.router.refreshMs | int64 | toString | quote }}
+{{- if .Values.router.httpPort }}
+WAVEFRONT_HTTP_LISTEN: {{ printf "%s:%d" .Values.listenHost (int .Values.router.httpPort) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Credentials from Secrets, as env entries. Call with (dict "root" $ "apiKeys" BOOL): the
+router takes the API keys and the worker token, workers the worker token only. */}}
+{{- define "wavefront.auth.env" -}}
+{{- $a := .root.Values.auth -}}
+{{- if and .apiKeys $a.apiKeySecret.name }}
+- name: WAVEFRONT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $a.apiKeySecret.name | quote }}
+      key: {{ $a.apiKeySecret.key | quote }}
+{{- end }}
+{{- if $a.workerTokenSecret.name }}
+- name: WAVEFRONT_WORKER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $a.workerTokenSecret.name | quote }}
+      key: {{ $a.workerTokenSecret.key | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* One worker set's settings (ConfigMap data). Call with (dict "root" $ "w" $effective). */}}

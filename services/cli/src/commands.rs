@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tokio::net::TcpListener;
+use wavefront_proto::auth::Secrets;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_router::{Discovery, DiscoveryConfig, RouterService};
@@ -29,6 +30,8 @@ pub struct ServeArgs {
     #[arg(long, env = "WAVEFRONT_HTTP_LISTEN")]
     pub http_listen: Option<String>,
     #[command(flatten)]
+    pub auth: ApiKeyArgs,
+    #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
@@ -36,6 +39,76 @@ pub struct ServeArgs {
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
+}
+
+/// API keys of the router's public endpoints (gRPC and HTTP; health stays open).
+#[derive(Clone, Args)]
+pub struct ApiKeyArgs {
+    /// API keys the public endpoints require (`authorization: Bearer <key>`), comma
+    /// separated; none: open.
+    #[arg(
+        long = "api-key",
+        env = "WAVEFRONT_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (`#` comments), read at start-up.
+    #[arg(long, env = "WAVEFRONT_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ApiKeyArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKeyArgs")
+            .field(
+                "api_keys",
+                &format_args!("{} redacted", self.api_keys.len()),
+            )
+            .field("api_key_file", &self.api_key_file)
+            .finish()
+    }
+}
+
+impl ApiKeyArgs {
+    fn secrets(&self) -> Result<Secrets> {
+        let file = match &self.api_key_file {
+            Some(p) => Some(
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read --api-key-file {}", p.display()))?,
+            ),
+            None => None,
+        };
+        Secrets::parse(&self.api_keys, file.as_deref())
+            .map_err(|e| anyhow::anyhow!("--api-key: {e}"))
+    }
+}
+
+/// The credential of router-to-worker calls.
+#[derive(Clone, Args)]
+pub struct WorkerTokenArg {
+    /// Token the router sends on every worker call and the worker requires on every call but
+    /// health (`authorization: Bearer <token>`); none: open.
+    #[arg(long, env = "WAVEFRONT_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
+}
+
+impl std::fmt::Debug for WorkerTokenArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = if self.worker_token.is_some() {
+            "redacted"
+        } else {
+            "none"
+        };
+        write!(f, "WorkerTokenArg({set})")
+    }
+}
+
+impl WorkerTokenArg {
+    fn secrets(&self) -> Result<Secrets> {
+        Secrets::parse(self.worker_token.as_slice(), None)
+            .map_err(|e| anyhow::anyhow!("--worker-token: {e}"))
+    }
 }
 
 /// What one request may ask of a worker; beyond it, INVALID_ARGUMENT with a message.
@@ -86,6 +159,10 @@ pub struct RouterArgs {
     /// /v1/models, /health) on this address; port 0 picks a free port (printed).
     #[arg(long, env = "WAVEFRONT_HTTP_LISTEN")]
     pub http_listen: Option<String>,
+    #[command(flatten)]
+    pub auth: ApiKeyArgs,
+    #[command(flatten)]
+    pub worker_token: WorkerTokenArg,
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
@@ -104,6 +181,8 @@ pub struct WorkerArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub worker_token: WorkerTokenArg,
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
@@ -199,6 +278,7 @@ pub async fn worker(a: WorkerArgs) -> Result<()> {
     let cfg = WorkerConfig {
         drain_timeout: Duration::from_secs(a.drain_timeout_s),
         max_message_bytes: a.max_message_bytes,
+        token: a.worker_token.secrets()?,
     };
     wavefront_worker::serve(service, listener, cfg, shutdown_signal()).await
 }
@@ -207,6 +287,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     if a.refresh_ms == 0 {
         bail!("--refresh-ms must be at least 1");
     }
+    let api_keys = a.auth.secrets()?;
     let listener = bind(&a.listen).await?;
     let discovery = Discovery::default();
     let cfg = DiscoveryConfig {
@@ -214,6 +295,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         refresh: Duration::from_millis(a.refresh_ms),
         poll_timeout: Duration::from_millis(a.refresh_ms.clamp(200, 2000)),
         forget_after: Duration::from_millis(a.refresh_ms * 10),
+        worker_token: a.worker_token.secrets()?,
     };
     let http = match &a.http_listen {
         Some(l) => Some(bind(l).await?),
@@ -222,7 +304,9 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     discovery.refresh(&cfg).await;
     tokio::spawn(discovery.clone().run(cfg));
     announce("router", listener.local_addr()?);
-    let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
+    let service = RouterService::new(discovery)
+        .with_max_message_bytes(a.max_message_bytes)
+        .with_api_keys(api_keys);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_task = spawn_http(http, &service, &stop_rx)?;
     let signal = async move {
@@ -266,6 +350,15 @@ fn spawn_http(
 
 pub async fn serve(a: ServeArgs) -> Result<()> {
     let limits = a.limits.limits()?;
+    let api_keys = a.auth.secrets()?;
+    // The in-process worker listens on loopback: a random token keeps other local users out
+    // when the public endpoints need a key.
+    let worker_token = if api_keys.is_empty() {
+        Secrets::default()
+    } else {
+        let token = format!("{:032x}", rand::random::<u128>());
+        Secrets::parse(&[token], None).map_err(anyhow::Error::msg)?
+    };
     let listener = bind(&a.listen).await?;
     let http = match &a.http_listen {
         Some(l) => Some(bind(l).await?),
@@ -288,6 +381,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             worker_listener,
             WorkerConfig {
                 max_message_bytes: a.max_message_bytes,
+                token: worker_token.clone(),
                 ..WorkerConfig::default()
             },
             async move {
@@ -301,6 +395,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         refresh: Duration::from_millis(500),
         poll_timeout: Duration::from_millis(1000),
         forget_after: Duration::from_secs(10),
+        worker_token,
     };
     // Ready only once the router sees the worker.
     for _ in 0..100 {
@@ -314,7 +409,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(model = %name, %addr, %worker_addr, "serving");
     announce("router", addr);
-    let service = RouterService::new(discovery).with_max_message_bytes(a.max_message_bytes);
+    let service = RouterService::new(discovery)
+        .with_max_message_bytes(a.max_message_bytes)
+        .with_api_keys(api_keys);
     let http_task = spawn_http(http, &service, &stop_rx)?;
     let mut rx = stop_rx;
     let router = wavefront_router::serve(service, listener, async move {

@@ -4,6 +4,7 @@
 
 #![allow(clippy::all, clippy::pedantic)]
 
+pub mod auth;
 pub mod codec;
 
 pub mod v1 {

@@ -11,7 +11,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+use wavefront_proto::auth::{AttachSecret, Secrets};
 use wavefront_proto::worker::v1 as wpb;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 
@@ -24,13 +26,15 @@ pub struct DiscoveryConfig {
     pub poll_timeout: Duration,
     /// A worker silent this long is dropped from the table.
     pub forget_after: Duration,
+    /// The credential every call to a worker carries (`--worker-token`; none when empty).
+    pub worker_token: Secrets,
 }
 
 /// One known worker.
 #[derive(Debug, Clone)]
 pub struct WorkerEntry {
     pub addr: SocketAddr,
-    pub client: WorkerClient<Channel>,
+    pub client: WorkerClient<InterceptedService<Channel, AttachSecret>>,
     /// Last report; `None` until the first successful poll.
     pub report: Option<wpb::LoadReport>,
     /// Answered the last poll.
@@ -85,7 +89,10 @@ impl Discovery {
                         *addr,
                         WorkerEntry {
                             addr: *addr,
-                            client: WorkerClient::new(channel),
+                            client: WorkerClient::with_interceptor(
+                                channel,
+                                AttachSecret::new(&cfg.worker_token),
+                            ),
                             report: None,
                             up: false,
                             last_seen: None,
@@ -192,6 +199,7 @@ mod tests {
             refresh: Duration::from_millis(100),
             poll_timeout: Duration::from_millis(100),
             forget_after: Duration::from_secs(1),
+            worker_token: Secrets::default(),
         };
         let d = Discovery::default();
         d.refresh(&cfg).await;

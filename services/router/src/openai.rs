@@ -40,13 +40,45 @@ const DEFAULT_CHAT_TOKENS: u32 = 128;
 
 /// The HTTP application over `router`; bodies over `max_body_bytes` get 413.
 pub fn app(router: RouterService, max_body_bytes: usize) -> Router {
-    Router::new()
-        .route("/health", get(health))
+    let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            router.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .merge(api)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(router)
+}
+
+/// 401 unless the request carries one of the router's API keys (`Authorization: Bearer`, as
+/// the OpenAI clients send it); open when the router has none. `/health` stays open.
+async fn require_api_key(
+    State(router): State<RouterService>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let keys = router.api_keys();
+    let presented = wavefront_proto::auth::bearer_secret(
+        request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+    );
+    if keys.is_empty() || presented.is_some_and(|p| keys.accepts(p)) {
+        return next.run(request).await;
+    }
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        kind: "authentication_error",
+        param: None,
+        message: "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
+    }
+    .into_response()
 }
 
 /// Serves the HTTP front on `listener` until `shutdown` resolves (in-flight responses finish).

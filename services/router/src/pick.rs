@@ -104,7 +104,7 @@ mod tests {
         let ch = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
         WorkerEntry {
             addr,
-            client: WorkerClient::new(ch),
+            client: WorkerClient::with_interceptor(ch, Default::default()),
             up,
             last_seen: None,
             report: Some(LoadReport {

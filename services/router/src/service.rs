@@ -17,6 +17,8 @@ use tonic_health::ServingStatus;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_server::GenerationServer;
 
+use tonic::service::interceptor::InterceptedService;
+use wavefront_proto::auth::{RequireSecret, Secrets};
 use wavefront_telemetry::metrics as m;
 
 use crate::discovery::Discovery;
@@ -31,6 +33,7 @@ const MAX_ATTEMPTS: usize = 3;
 pub struct RouterService {
     discovery: Discovery,
     max_message_bytes: usize,
+    api_keys: Secrets,
 }
 
 impl RouterService {
@@ -38,7 +41,20 @@ impl RouterService {
         Self {
             discovery,
             max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
+            api_keys: Secrets::default(),
         }
+    }
+
+    /// Requires one of `keys` on the public API, gRPC and HTTP (health, reflection and the
+    /// HTTP `/health` stay open for probes).
+    pub fn with_api_keys(mut self, keys: Secrets) -> Self {
+        self.api_keys = keys;
+        self
+    }
+
+    /// The API keys the public endpoints require (none when empty).
+    pub fn api_keys(&self) -> &Secrets {
+        &self.api_keys
     }
 
     /// Sets the largest request message decoded (larger: RESOURCE_EXHAUSTED).
@@ -400,6 +416,7 @@ pub async fn serve(
             .await;
     };
     let limit = service.max_message_bytes;
+    let require = RequireSecret::new(service.api_keys.clone(), "an API key");
     tonic::transport::Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             wavefront_proto::limits::oversize_as_resource_exhausted,
@@ -407,7 +424,10 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
-        .add_service(GenerationServer::new(service).max_decoding_message_size(limit))
+        .add_service(InterceptedService::new(
+            GenerationServer::new(service).max_decoding_message_size(limit),
+            require,
+        ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;
     Ok(())

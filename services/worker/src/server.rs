@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
+use wavefront_proto::auth::RequireSecret;
 use wavefront_proto::v1::generation_server::GenerationServer;
 use wavefront_proto::worker::v1::worker_server::WorkerServer;
 
@@ -25,6 +27,9 @@ pub struct WorkerConfig {
     pub drain_timeout: Duration,
     /// Largest request message decoded; a larger one is refused with RESOURCE_EXHAUSTED.
     pub max_message_bytes: usize,
+    /// When set, every call but health needs one of these (`authorization: Bearer <token>`):
+    /// the router's credential (`--worker-token`).
+    pub token: wavefront_proto::auth::Secrets,
 }
 
 impl Default for WorkerConfig {
@@ -32,6 +37,7 @@ impl Default for WorkerConfig {
         Self {
             drain_timeout: Duration::from_secs(30),
             max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
+            token: Default::default(),
         }
     }
 }
@@ -91,6 +97,7 @@ pub async fn serve(
         }
     };
     let limit = config.max_message_bytes;
+    let require = RequireSecret::new(config.token.clone(), "the worker token");
     tonic::transport::Server::builder()
         .layer(tower::util::MapResponseLayer::new(
             wavefront_proto::limits::oversize_as_resource_exhausted,
@@ -98,8 +105,14 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
-        .add_service(GenerationServer::new(service.clone()).max_decoding_message_size(limit))
-        .add_service(WorkerServer::new(service).max_decoding_message_size(limit))
+        .add_service(InterceptedService::new(
+            GenerationServer::new(service.clone()).max_decoding_message_size(limit),
+            require.clone(),
+        ))
+        .add_service(InterceptedService::new(
+            WorkerServer::new(service).max_decoding_message_size(limit),
+            require,
+        ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
         .await?;
     Ok(())
