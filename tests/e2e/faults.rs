@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
-use wavefront_proto::worker::v1::worker_client::WorkerClient;
-use wavefront_proto::worker::v1::{LoadRequest, ModelLoad};
+use wavefront_proto::worker::v1::ModelLoad;
 
-use crate::harness::{channel, spawn, spawn_router, spawn_worker, wait_serving, Proc};
+use crate::harness::{
+    channel, load, spawn, spawn_router, spawn_worker, wait_serving, wait_whole, Proc,
+};
 
 /// Router refresh in these tests; the load poll's timeout is the same (its floor is 200 ms).
 const REFRESH_MS: u64 = 200;
@@ -69,32 +70,6 @@ async fn open_streams(
         streams.push(s);
     }
     streams
-}
-
-async fn load(worker: SocketAddr) -> ModelLoad {
-    let mut w = WorkerClient::new(channel(worker).await);
-    w.get_load(LoadRequest { interval_ms: 0 })
-        .await
-        .expect("load report")
-        .into_inner()
-        .models
-        .remove(0)
-}
-
-/// Waits until the worker holds nothing: every slot free, nothing active or queued.
-async fn wait_whole(worker: SocketAddr, within: Duration) -> Duration {
-    let start = Instant::now();
-    loop {
-        let m = load(worker).await;
-        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < within,
-            "the worker still holds work: {m:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Waits until `f` says so about the worker's load.

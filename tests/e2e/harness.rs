@@ -14,6 +14,8 @@ use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
+use wavefront_proto::worker::v1::worker_client::WorkerClient;
+use wavefront_proto::worker::v1::{LoadRequest, ModelLoad};
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_wavefront")
@@ -236,4 +238,32 @@ pub async fn stack(worker_args: &[&str]) -> Stack {
     ]);
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     Stack { worker, router }
+}
+
+/// The load report of a worker's (only) model.
+pub async fn load(worker: SocketAddr) -> ModelLoad {
+    let mut w = WorkerClient::new(channel(worker).await);
+    w.get_load(LoadRequest { interval_ms: 0 })
+        .await
+        .expect("load report")
+        .into_inner()
+        .models
+        .remove(0)
+}
+
+/// Waits until the worker holds nothing (every slot free, nothing active or queued), for at
+/// most `within`; how long it took.
+pub async fn wait_whole(worker: SocketAddr, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let m = load(worker).await;
+        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "the worker still holds work: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use wavefront_proto::v1 as pb;
@@ -13,7 +13,7 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 use wavefront_proto::worker::v1::LoadRequest;
 
-use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, Proc};
+use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, wait_whole, Proc};
 use crate::metrics::free_port;
 
 /// `POST path` with a JSON body; the status and the whole body (the server closes).
@@ -111,25 +111,6 @@ async fn http_stack(fixture: &str, name: &str) -> HttpStack {
     }
 }
 
-async fn wait_whole(worker: SocketAddr) {
-    let mut w = WorkerClient::new(channel(worker).await);
-    let start = Instant::now();
-    loop {
-        let m = w
-            .get_load(LoadRequest { interval_ms: 0 })
-            .await
-            .unwrap()
-            .into_inner()
-            .models
-            .remove(0);
-        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
-            return;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "held: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_match_the_grpc_api_unary_and_streamed() {
     let s = http_stack("huginn", "huginn-tiny").await;
@@ -212,7 +193,7 @@ async fn completions_match_the_grpc_api_unary_and_streamed() {
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["finish_reason"], "length");
     assert!(chunks.iter().all(|c| c["model"] == "huginn-tiny"));
-    wait_whole(s.worker.addr).await;
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -281,7 +262,7 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
     .await
     .unwrap();
     assert_eq!(status, 413);
-    wait_whole(s.worker.addr).await;
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
 /// A client that closes its connection mid-stream cancels the request: its slots come back.
@@ -315,7 +296,7 @@ async fn closing_the_connection_cancels_the_request_and_frees_its_slots() {
         "running while the client reads"
     );
     drop(conn);
-    wait_whole(s.worker.addr).await;
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
 /// Reflection answers in v1 and v1alpha, and the router lists only its public APIs.

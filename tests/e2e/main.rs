@@ -11,7 +11,7 @@ mod slot_diffusion;
 mod soak;
 mod tracing;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::{
     channel, fixture, json_lines, json_result, spawn, spawn_worker, stack, wait_serving,
@@ -68,24 +68,7 @@ fn offline_run(args: &[&str]) -> serde_json::Value {
 }
 
 async fn wait_pool_full(worker: std::net::SocketAddr) {
-    let mut w = WorkerClient::new(channel(worker).await);
-    let start = Instant::now();
-    loop {
-        let r = w
-            .get_load(LoadRequest { interval_ms: 0 })
-            .await
-            .unwrap()
-            .into_inner();
-        let m = &r.models[0];
-        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "slots not returned: {m:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    harness::wait_whole(worker, Duration::from_secs(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,7 +27,7 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 use wavefront_proto::worker::v1::LoadRequest;
 
-use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, Proc};
+use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, wait_whole, Proc};
 use crate::metrics::{free_port, sample, scrape};
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -741,20 +741,5 @@ async fn a_flood_is_shed_and_admitted_requests_keep_their_latency() {
         "admitted p99 {l99:.1} ms against {b99:.1} ms at capacity (bound {max_ratio}x)"
     );
     // Nothing held afterwards.
-    let mut c = WorkerClient::new(channel(worker.addr).await);
-    let start = Instant::now();
-    loop {
-        let m = c
-            .get_load(LoadRequest { interval_ms: 0 })
-            .await
-            .unwrap()
-            .into_inner()
-            .models
-            .remove(0);
-        if m.free_slots == m.total_slots && m.active_requests == 0 && m.queued_requests == 0 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "held: {m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_whole(worker.addr, Duration::from_secs(10)).await;
 }

@@ -30,7 +30,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generate_request::{Prompt, Scheme};
 use wavefront_proto::v1::generate_stream_response::Event as PbEvent;
 
-use crate::pick::served_models;
+use crate::pick::{served_model_infos, served_models};
 use crate::service::RouterService;
 
 /// `max_tokens` when a completion request sets none (OpenAI's default for completions).
@@ -183,18 +183,8 @@ async fn health(State(router): State<RouterService>) -> Response {
 }
 
 async fn models(State(router): State<RouterService>) -> Json<Value> {
-    let workers = router.discovery().snapshot();
-    let data: Vec<Value> = served_models(&workers)
+    let data: Vec<Value> = served_model_infos(&router.discovery().snapshot())
         .into_iter()
-        .filter_map(|name| {
-            workers
-                .iter()
-                .filter(|w| w.up)
-                .filter_map(|w| w.report.as_ref())
-                .flat_map(|r| r.models.iter())
-                .filter_map(|m| m.model.clone())
-                .find(|i| i.name == name)
-        })
         .map(|i| {
             json!({
                 "id": i.name,

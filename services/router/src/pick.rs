@@ -14,6 +14,22 @@ pub enum NoWorker {
     Ambiguous { served: Vec<String> },
 }
 
+/// What the reachable workers report of each model they serve, by name (sorted, one each).
+pub fn served_model_infos(workers: &[WorkerEntry]) -> Vec<wavefront_proto::v1::ModelInfo> {
+    served_models(workers)
+        .iter()
+        .filter_map(|n| {
+            workers
+                .iter()
+                .filter(|w| w.up)
+                .filter_map(|w| w.report.as_ref())
+                .flat_map(|r| r.models.iter())
+                .filter_map(|m| m.model.clone())
+                .find(|i| &i.name == n)
+        })
+        .collect()
+}
+
 /// Models served by the reachable workers, sorted and deduplicated.
 pub fn served_models(workers: &[WorkerEntry]) -> Vec<String> {
     let mut names: Vec<String> = workers

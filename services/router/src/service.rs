@@ -22,7 +22,7 @@ use wavefront_proto::auth::{RequireSecret, Secrets};
 use wavefront_telemetry::metrics as m;
 
 use crate::discovery::Discovery;
-use crate::pick::{rank, served_models, NoWorker};
+use crate::pick::{rank, served_model_infos, served_models, NoWorker};
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
@@ -362,20 +362,7 @@ impl pb::generation_server::Generation for RouterService {
         &self,
         _request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        let workers = self.discovery.snapshot();
-        let names = served_models(&workers);
-        let models = names
-            .iter()
-            .filter_map(|n| {
-                workers
-                    .iter()
-                    .filter(|w| w.up)
-                    .filter_map(|w| w.report.as_ref())
-                    .flat_map(|r| r.models.iter())
-                    .filter_map(|m| m.model.clone())
-                    .find(|i| &i.name == n)
-            })
-            .collect();
+        let models = served_model_infos(&self.discovery.snapshot());
         Ok(Response::new(pb::ListModelsResponse { models }))
     }
 }
