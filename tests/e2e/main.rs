@@ -9,6 +9,7 @@ mod operations;
 mod recurrent_memory;
 mod slot_diffusion;
 mod soak;
+mod tls;
 mod tracing;
 
 use std::time::Duration;

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use wavefront_proto::auth::Secrets;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
-use wavefront_router::{Discovery, DiscoveryConfig, RouterService};
+use wavefront_router::{Discovery, DiscoveryConfig, RouterService, ServerTls, WorkerTls};
 use wavefront_schemes::{ReplayDraws, ServedModel};
 use wavefront_worker::{RequestLimits, WorkerConfig, WorkerService};
 
@@ -31,6 +31,8 @@ pub struct ServeArgs {
     pub http_listen: Option<String>,
     #[command(flatten)]
     pub auth: ApiKeyArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -111,6 +113,78 @@ impl WorkerTokenArg {
     }
 }
 
+/// TLS of a server's endpoints.
+#[derive(Debug, Clone, Args)]
+pub struct TlsArgs {
+    /// PEM certificate chain: serve over TLS (with --tls-key).
+    #[arg(long, env = "WAVEFRONT_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "WAVEFRONT_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+fn read_pem(flag: &str, path: &std::path::Path) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read {flag} {}", path.display()))
+}
+
+impl TlsArgs {
+    /// The server TLS of these flags (clients must hold a certificate `client_ca` signed, when
+    /// given).
+    fn server(&self, client_ca: Option<&std::path::Path>) -> Result<Option<ServerTls>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            if client_ca.is_some() {
+                bail!("--tls-client-ca needs --tls-cert and --tls-key");
+            }
+            return Ok(None);
+        };
+        let ca = client_ca
+            .map(|p| read_pem("--tls-client-ca", p))
+            .transpose()?;
+        ServerTls::from_pem(
+            read_pem("--tls-cert", cert)?,
+            read_pem("--tls-key", key)?,
+            ca,
+        )
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("--tls-cert / --tls-key: {e}"))
+    }
+}
+
+/// How the router reaches workers over TLS.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerTlsArgs {
+    /// PEM CA the workers' certificates are verified by: call workers over TLS. A worker's
+    /// certificate must name the host of its --workers target (DNS name or IP address).
+    #[arg(long, env = "WAVEFRONT_WORKER_TLS_CA")]
+    pub worker_tls_ca: Option<PathBuf>,
+    /// PEM client certificate the router presents to workers (mTLS; with --worker-tls-key).
+    #[arg(long, env = "WAVEFRONT_WORKER_TLS_CERT", requires_all = ["worker_tls_key", "worker_tls_ca"])]
+    pub worker_tls_cert: Option<PathBuf>,
+    /// PEM private key of --worker-tls-cert.
+    #[arg(long, env = "WAVEFRONT_WORKER_TLS_KEY", requires = "worker_tls_cert")]
+    pub worker_tls_key: Option<PathBuf>,
+}
+
+impl WorkerTlsArgs {
+    fn config(&self) -> Result<Option<WorkerTls>> {
+        let Some(ca) = &self.worker_tls_ca else {
+            return Ok(None);
+        };
+        let identity = match (&self.worker_tls_cert, &self.worker_tls_key) {
+            (Some(c), Some(k)) => Some((
+                read_pem("--worker-tls-cert", c)?,
+                read_pem("--worker-tls-key", k)?,
+            )),
+            _ => None,
+        };
+        Ok(Some(WorkerTls::new(
+            read_pem("--worker-tls-ca", ca)?,
+            identity,
+        )))
+    }
+}
+
 /// What one request may ask of a worker; beyond it, INVALID_ARGUMENT with a message.
 #[derive(Debug, Clone, Args)]
 pub struct LimitArgs {
@@ -163,6 +237,10 @@ pub struct RouterArgs {
     pub auth: ApiKeyArgs,
     #[command(flatten)]
     pub worker_token: WorkerTokenArg,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
+    pub worker_tls: WorkerTlsArgs,
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
@@ -183,6 +261,11 @@ pub struct WorkerArgs {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub worker_token: WorkerTokenArg,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    /// PEM CA that clients' certificates must be signed by (mTLS; with --tls-cert).
+    #[arg(long, env = "WAVEFRONT_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
@@ -279,6 +362,7 @@ pub async fn worker(a: WorkerArgs) -> Result<()> {
         drain_timeout: Duration::from_secs(a.drain_timeout_s),
         max_message_bytes: a.max_message_bytes,
         token: a.worker_token.secrets()?,
+        tls: a.tls.server(a.tls_client_ca.as_deref())?.map(|t| t.grpc()),
     };
     wavefront_worker::serve(service, listener, cfg, shutdown_signal()).await
 }
@@ -288,6 +372,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         bail!("--refresh-ms must be at least 1");
     }
     let api_keys = a.auth.secrets()?;
+    let tls = a.tls.server(None)?;
     let listener = bind(&a.listen).await?;
     let discovery = Discovery::default();
     let cfg = DiscoveryConfig {
@@ -296,6 +381,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         poll_timeout: Duration::from_millis(a.refresh_ms.clamp(200, 2000)),
         forget_after: Duration::from_millis(a.refresh_ms * 10),
         worker_token: a.worker_token.secrets()?,
+        worker_tls: a.worker_tls.config()?,
     };
     let http = match &a.http_listen {
         Some(l) => Some(bind(l).await?),
@@ -304,9 +390,12 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     discovery.refresh(&cfg).await;
     tokio::spawn(discovery.clone().run(cfg));
     announce("router", listener.local_addr()?);
-    let service = RouterService::new(discovery)
+    let mut service = RouterService::new(discovery)
         .with_max_message_bytes(a.max_message_bytes)
         .with_api_keys(api_keys);
+    if let Some(tls) = tls {
+        service = service.with_tls(tls);
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_task = spawn_http(http, &service, &stop_rx)?;
     let signal = async move {
@@ -351,6 +440,7 @@ fn spawn_http(
 pub async fn serve(a: ServeArgs) -> Result<()> {
     let limits = a.limits.limits()?;
     let api_keys = a.auth.secrets()?;
+    let tls = a.tls.server(None)?;
     // The in-process worker listens on loopback: a random token keeps other local users out
     // when the public endpoints need a key.
     let worker_token = if api_keys.is_empty() {
@@ -396,6 +486,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         poll_timeout: Duration::from_millis(1000),
         forget_after: Duration::from_secs(10),
         worker_token,
+        worker_tls: None,
     };
     // Ready only once the router sees the worker.
     for _ in 0..100 {
@@ -409,9 +500,12 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(model = %name, %addr, %worker_addr, "serving");
     announce("router", addr);
-    let service = RouterService::new(discovery)
+    let mut service = RouterService::new(discovery)
         .with_max_message_bytes(a.max_message_bytes)
         .with_api_keys(api_keys);
+    if let Some(tls) = tls {
+        service = service.with_tls(tls);
+    }
     let http_task = spawn_http(http, &service, &stop_rx)?;
     let mut rx = stop_rx;
     let router = wavefront_router::serve(service, listener, async move {

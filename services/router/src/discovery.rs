@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use wavefront_proto::auth::{AttachSecret, Secrets};
+
+use crate::tls::WorkerTls;
 use wavefront_proto::worker::v1 as wpb;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 
@@ -28,6 +30,8 @@ pub struct DiscoveryConfig {
     pub forget_after: Duration,
     /// The credential every call to a worker carries (`--worker-token`; none when empty).
     pub worker_token: Secrets,
+    /// Reach workers over TLS (verified by a CA; with a client identity for mTLS).
+    pub worker_tls: Option<WorkerTls>,
 }
 
 /// One known worker.
@@ -63,24 +67,44 @@ impl Discovery {
 
     /// Runs one discovery round: resolve, add, poll, drop.
     pub async fn refresh(&self, cfg: &DiscoveryConfig) {
-        let mut resolved = Vec::new();
+        // Each address with the host it was found under (the name a worker's certificate
+        // carries when workers speak TLS).
+        let mut found: Vec<(SocketAddr, &str)> = Vec::new();
         for t in &cfg.targets {
             match tokio::net::lookup_host(t.as_str()).await {
-                Ok(addrs) => resolved.extend(addrs),
+                Ok(addrs) => {
+                    let host = t.rsplit_once(':').map_or(t.as_str(), |(h, _)| h);
+                    found.extend(addrs.map(|a| (a, host)));
+                }
                 Err(e) => {
                     tracing::debug!(target = %t, error = %e, "worker target does not resolve")
                 }
             }
         }
-        resolved.sort();
-        resolved.dedup();
+        found.sort();
+        found.dedup_by_key(|(a, _)| *a);
+        let resolved: Vec<SocketAddr> = found.iter().map(|(a, _)| *a).collect();
         {
             let mut table = self.table.write().expect("worker table lock");
-            for addr in &resolved {
+            for (addr, host) in &found {
                 if !table.contains_key(addr) {
-                    let Ok(ep) = Endpoint::from_shared(format!("http://{addr}")) else {
+                    let scheme = if cfg.worker_tls.is_some() {
+                        "https"
+                    } else {
+                        "http"
+                    };
+                    let Ok(mut ep) = Endpoint::from_shared(format!("{scheme}://{addr}")) else {
                         continue;
                     };
+                    if let Some(tls) = &cfg.worker_tls {
+                        ep = match ep.tls_config(tls.client(host)) {
+                            Ok(ep) => ep,
+                            Err(e) => {
+                                tracing::warn!(worker = %addr, error = %e, "cannot set up TLS to the worker");
+                                continue;
+                            }
+                        };
+                    }
                     let channel = ep
                         .connect_timeout(cfg.poll_timeout)
                         .tcp_nodelay(true)
@@ -200,6 +224,7 @@ mod tests {
             poll_timeout: Duration::from_millis(100),
             forget_after: Duration::from_secs(1),
             worker_token: Secrets::default(),
+            worker_tls: None,
         };
         let d = Discovery::default();
         d.refresh(&cfg).await;

@@ -14,7 +14,9 @@ pub mod discovery;
 pub mod openai;
 pub mod pick;
 pub mod service;
+pub mod tls;
 
 pub use discovery::{Discovery, DiscoveryConfig, WorkerEntry};
 pub use openai::serve_http;
 pub use service::{serve, RouterService};
+pub use tls::{ServerTls, WorkerTls};

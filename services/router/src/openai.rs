@@ -88,10 +88,59 @@ pub async fn serve_http(
     max_body_bytes: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    axum::serve(listener, app(router, max_body_bytes))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let tls = router.tls().map(|t| t.http());
+    let app = app(router, max_body_bytes);
+    match tls {
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await?
+        }
+        Some(config) => serve_https(listener, app, config, shutdown).await,
+    }
     Ok(())
+}
+
+/// The HTTP front over TLS: each accepted connection's handshake and requests on a task of its
+/// own (a slow handshake holds nobody else); no new connection once `shutdown` resolves.
+async fn serve_https(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    config: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    continue;
+                }
+            },
+            () = &mut shutdown => return,
+        };
+        let (acceptor, app) = (acceptor.clone(), app.clone());
+        tokio::spawn(async move {
+            let tls = match acceptor.accept(tcp).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let served =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            if let Err(e) = served {
+                tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
 }
 
 /// An OpenAI error object with its HTTP status.

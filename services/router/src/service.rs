@@ -23,6 +23,7 @@ use wavefront_telemetry::metrics as m;
 
 use crate::discovery::Discovery;
 use crate::pick::{rank, served_model_infos, served_models, NoWorker};
+use crate::tls::ServerTls;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
@@ -34,6 +35,7 @@ pub struct RouterService {
     discovery: Discovery,
     max_message_bytes: usize,
     api_keys: Secrets,
+    tls: Option<ServerTls>,
 }
 
 impl RouterService {
@@ -42,7 +44,19 @@ impl RouterService {
             discovery,
             max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
             api_keys: Secrets::default(),
+            tls: None,
         }
+    }
+
+    /// Serves the public gRPC and HTTP endpoints over TLS.
+    pub fn with_tls(mut self, tls: ServerTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The public endpoints' TLS, if any.
+    pub fn tls(&self) -> Option<&ServerTls> {
+        self.tls.as_ref()
     }
 
     /// Requires one of `keys` on the public API, gRPC and HTTP (health, reflection and the
@@ -404,7 +418,11 @@ pub async fn serve(
     };
     let limit = service.max_message_bytes;
     let require = RequireSecret::new(service.api_keys.clone(), "an API key");
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &service.tls {
+        builder = builder.tls_config(tls.grpc())?;
+    }
+    builder
         .layer(tower::util::MapResponseLayer::new(
             wavefront_proto::limits::oversize_as_resource_exhausted,
         ))

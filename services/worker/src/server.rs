@@ -30,6 +30,8 @@ pub struct WorkerConfig {
     /// When set, every call but health needs one of these (`authorization: Bearer <token>`):
     /// the router's credential (`--worker-token`).
     pub token: wavefront_proto::auth::Secrets,
+    /// Serve over TLS (with a client CA: only clients holding a certificate it signed, mTLS).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 impl Default for WorkerConfig {
@@ -38,6 +40,7 @@ impl Default for WorkerConfig {
             drain_timeout: Duration::from_secs(30),
             max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
             token: Default::default(),
+            tls: None,
         }
     }
 }
@@ -98,7 +101,11 @@ pub async fn serve(
     };
     let limit = config.max_message_bytes;
     let require = RequireSecret::new(config.token.clone(), "the worker token");
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = config.tls.clone() {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .layer(tower::util::MapResponseLayer::new(
             wavefront_proto::limits::oversize_as_resource_exhausted,
         ))
