@@ -132,6 +132,8 @@ bad_values = {
     "duplicate worker names": {"workers": [{"name": "a"}, {"name": "a"}]},
     "grace period not above drain timeout": {
         "workers": [{"name": "a", "drainTimeoutS": 60, "terminationGracePeriodSeconds": 60}]},
+    "router TLS without the HTTP port": {
+        "tls": {"routerSecret": "s"}, "router": {"httpPort": 0}},
     "pvc and hostPath together": {
         "workers": [{"name": "a", "model": {"path": "/models/x", "pvc": {"claimName": "c"},
                                             "hostPath": {"path": "/x"}}}]},
@@ -306,15 +308,28 @@ def pod_checks(label, wl):
         if not res.get("requests") or not res.get("limits"):
             errs.append(f"{c['name']}: resources requests and limits")
         ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        # Over TLS (a TLS Secret mounted) gRPC probes cannot work: a TCP check of the gRPC
+        # port, or HTTPS GET /health on the http port.
+        tls = any(m["name"].startswith("tls-") for m in c.get("volumeMounts", []))
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            g = c.get(probe, {}).get("grpc")
-            if not g:
+            p = c.get(probe, {})
+            g, t, h = p.get("grpc"), p.get("tcpSocket"), p.get("httpGet")
+            if g and not tls:
+                if g["port"] != ports.get("grpc"):
+                    errs.append(f"{c['name']}: {probe} port {g['port']} != grpc port {ports.get('grpc')}")
+            elif tls and t:
+                if t["port"] != ports.get("grpc"):
+                    errs.append(f"{c['name']}: {probe} TCP port {t['port']} != grpc port {ports.get('grpc')}")
+            elif tls and h:
+                if (h.get("scheme"), h.get("path"), h.get("port")) != ("HTTPS", "/health", "http") or "http" not in ports:
+                    errs.append(f"{c['name']}: {probe} is not HTTPS GET /health on the http port")
+            elif tls:
+                errs.append(f"{c['name']}: {probe} over TLS is neither a TCP check nor HTTPS /health")
+            else:
                 errs.append(f"{c['name']}: {probe} is not a grpc probe")
-            elif g["port"] != ports.get("grpc"):
-                errs.append(f"{c['name']}: {probe} port {g['port']} != grpc port {ports.get('grpc')}")
         if not any(m["mountPath"] == "/tmp" for m in c.get("volumeMounts", [])):
             errs.append(f"{c['name']}: /tmp emptyDir (read-only root)")
-    check(f"{label}: {name} security context, resources, grpc probes", not errs, ", ".join(errs))
+    check(f"{label}: {name} security context, resources, probes", not errs, ", ".join(errs))
 
 
 for label, objs in rendered.items():

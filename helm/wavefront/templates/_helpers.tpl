@@ -138,6 +138,15 @@ WAVEFRONT_REFRESH_MS: {{ .Values.router.refreshMs | int64 | toString | quote }}
 {{- if .Values.router.httpPort }}
 WAVEFRONT_HTTP_LISTEN: {{ printf "%s:%d" .Values.listenHost (int .Values.router.httpPort) | quote }}
 {{- end }}
+{{- if .Values.tls.routerSecret }}
+WAVEFRONT_TLS_CERT: "/etc/wavefront/tls/public/tls.crt"
+WAVEFRONT_TLS_KEY: "/etc/wavefront/tls/public/tls.key"
+{{- end }}
+{{- if .Values.tls.workerSecret }}
+WAVEFRONT_WORKER_TLS_CA: "/etc/wavefront/tls/workers/ca.crt"
+WAVEFRONT_WORKER_TLS_CERT: "/etc/wavefront/tls/workers/tls.crt"
+WAVEFRONT_WORKER_TLS_KEY: "/etc/wavefront/tls/workers/tls.key"
+{{- end }}
 {{- end -}}
 
 {{/* Credentials from Secrets, as env entries. Call with (dict "root" $ "apiKeys" BOOL): the
@@ -178,6 +187,11 @@ WAVEFRONT_MEMORY_BUDGET_MB: {{ $w.memoryBudgetMb | int64 | toString | quote }}
 WAVEFRONT_QUEUE_CAPACITY: {{ $w.queueCapacity | int64 | toString | quote }}
 WAVEFRONT_MAX_ACTIVE: {{ $w.maxActive | int64 | toString | quote }}
 WAVEFRONT_DRAIN_TIMEOUT_S: {{ $w.drainTimeoutS | int64 | toString | quote }}
+{{- if .root.Values.tls.workerSecret }}
+WAVEFRONT_TLS_CERT: "/etc/wavefront/tls/workers/tls.crt"
+WAVEFRONT_TLS_KEY: "/etc/wavefront/tls/workers/tls.key"
+WAVEFRONT_TLS_CLIENT_CA: "/etc/wavefront/tls/workers/ca.crt"
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -190,6 +204,30 @@ grpc:
 {{- with .timing }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* A probe that works whether the port speaks TLS or not: the gRPC health probe on a
+plaintext port; over TLS (Kubernetes' gRPC probes cannot do TLS) an HTTPS GET when `https`
+names a port serving /health, else a TCP check. Call with (dict "tls" BOOL "port" N "service"
+S "https" PORTNAME-or-"" "timing" T). */}}
+{{- define "wavefront.probe" -}}
+{{- if not .tls -}}
+{{ include "wavefront.grpcProbe" . }}
+{{- else if .https -}}
+httpGet:
+  path: /health
+  port: {{ .https }}
+  scheme: HTTPS
+{{- with .timing }}
+{{ toYaml . }}
+{{- end }}
+{{- else -}}
+tcpSocket:
+  port: {{ int .port }}
+{{- with .timing }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
 {{- end -}}
 
 {{/* preStop hook: a short sleep so endpoints drop the pod before SIGTERM. */}}
