@@ -18,15 +18,21 @@ use crate::metrics::free_port;
 
 /// `POST path` with a JSON body; the status and the whole body (the server closes).
 fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("http port");
-    write!(
-        s,
+    let s = TcpStream::connect(addr).expect("http port");
+    // Written on a thread of its own while this one reads: a server may answer (413) and
+    // close before it has read the whole body, and the answer must not be lost to the reset.
+    let mut w = s.try_clone().unwrap();
+    let request = format!(
         "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )
-    .unwrap();
-    read_response(s)
+    );
+    let writer = std::thread::spawn(move || {
+        let _ = w.write_all(request.as_bytes());
+    });
+    let response = read_response(s);
+    let _ = writer.join();
+    response
 }
 
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -41,7 +47,8 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 fn read_response(mut s: TcpStream) -> (u16, String) {
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
+    // A reset after the answer (the server closed on an unread body) ends the read.
+    let _ = s.read_to_end(&mut raw);
     let raw = String::from_utf8_lossy(&raw).into_owned();
     let status = raw[9..12].parse().expect("status line");
     let (head, body) = raw.split_once("\r\n\r\n").expect("head and body");
