@@ -620,19 +620,25 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         ok.len() * 4 >= outcomes.len(),
         "too few requests served: {by_result:?}"
     );
-    // Memory: what a process holds grows to the high-water mark of what it held at once (the
-    // allocator keeps freed memory), and the largest bursts of this mix come at random times, so
-    // growth from the first thousand requests measures warm-up as well as leaks (reported, see
-    // docs/reliability.md). A leak grows with the requests served: in a run of 10,000 or more
-    // every process must hold its memory over the second half.
+    // Memory, from 10,000 requests on (a short run, as in CI, measures warm-up; it is reported
+    // only): every process's resident memory within 10% of what it was after the first
+    // thousand requests, and within 10% over the second half (a leak grows with the requests
+    // served). The servers return freed heap to the system every few seconds
+    // (`services/cli/src/memory.rs`), so resident memory follows what they hold, not the
+    // largest burst of the run.
     if total >= 10_000 && outcomes.len() == total {
         let names = ["huginn", "llada", "armt", "refusion", "router"];
-        for ((name, m), end) in names.iter().zip(&mid).zip(&rss_last) {
-            let g = end.0 as f64 / m.0.max(1) as f64 - 1.0;
+        for (((name, g), m), end) in names.iter().zip(&rss_growth).zip(&mid).zip(&rss_last) {
             assert!(
-                g < 0.10,
-                "{name}'s resident memory grew {:.1}% over the second half of the run",
+                *g < 0.10,
+                "{name}'s resident memory grew {:.1}% between the first and last {window} requests",
                 g * 100.0
+            );
+            let second_half = end.0 as f64 / m.0.max(1) as f64 - 1.0;
+            assert!(
+                second_half < 0.10,
+                "{name}'s resident memory grew {:.1}% over the second half of the run",
+                second_half * 100.0
             );
         }
     }

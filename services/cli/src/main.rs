@@ -8,6 +8,7 @@ mod args;
 mod commands;
 mod embedded;
 mod json;
+mod memory;
 mod model_opts;
 
 use anyhow::Result;
@@ -117,6 +118,12 @@ fn run(cli: Cli) -> Result<()> {
             let addr =
                 args::parse_listen(addr).map_err(|e| anyhow::anyhow!("--metrics-listen: {e}"))?;
             wavefront_telemetry::metrics::install_prometheus(addr).map_err(anyhow::Error::msg)?;
+        }
+        if matches!(
+            cli.command,
+            Command::Serve(_) | Command::Router(_) | Command::Worker(_)
+        ) {
+            memory::spawn_heap_trimmer();
         }
         match cli.command {
             Command::Serve(a) => commands::serve(a).await,
