@@ -1,6 +1,6 @@
 //! Errors of the engine core.
 
-use crate::family::RequestError;
+use crate::family::{FamilyError, RequestError};
 
 /// Everything the engine can answer instead of a result. Transports map each
 /// variant to their own status codes (the worker maps them to gRPC codes).
@@ -20,7 +20,7 @@ pub enum EngineError {
     DeadlineExceeded { generated: usize },
     /// The family failed while computing a tick this request took part in.
     #[error("model step failed: {0}")]
-    StepFailed(String),
+    StepFailed(FamilyError),
     /// The engine thread is gone (shutting down or crashed).
     #[error("engine is shut down")]
     ShutDown,

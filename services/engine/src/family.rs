@@ -27,6 +27,36 @@ pub enum RequestError {
 }
 
 /// Why a request finished normally.
+/// Why a family could not complete a tick, or one request's part of it: the one error type at
+/// the engine/family seam (a failed tick fails the requests it names, or the whole batch).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FamilyError {
+    /// A model operation failed: a forward, a kernel, device memory.
+    #[error("{0}")]
+    Forward(String),
+    /// A request's program could not apply its outputs of the tick.
+    #[error("{scheme} step failed: {message}")]
+    Commit {
+        scheme: &'static str,
+        message: String,
+    },
+}
+
+impl FamilyError {
+    /// A failed model operation, from its error.
+    pub fn forward(e: impl std::fmt::Display) -> Self {
+        Self::Forward(e.to_string())
+    }
+
+    /// A program that could not apply its outputs.
+    pub fn commit(scheme: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Commit {
+            scheme,
+            message: e.to_string(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// `max_new_tokens` reached.
@@ -125,10 +155,10 @@ impl Outbox {
     }
 
     /// Ends the request with an error that concerns only this request.
-    pub fn fail(&mut self, message: impl Into<String>) {
+    pub fn fail(&mut self, error: FamilyError) {
         if !self.done {
             self.events
-                .push(Event::Failed(EngineError::StepFailed(message.into())));
+                .push(Event::Failed(EngineError::StepFailed(error)));
             self.done = true;
         }
     }
@@ -167,7 +197,7 @@ pub trait Family: Send + 'static {
     /// family packs them into batched forwards, and each program commits its
     /// results through its [`Outbox`]. An `Err` fails every program of the
     /// batch; a program-specific problem goes to that program's outbox.
-    fn tick(&mut self, batch: &mut [&mut Active<Self::Program>]) -> Result<(), String>;
+    fn tick(&mut self, batch: &mut [&mut Active<Self::Program>]) -> Result<(), FamilyError>;
 
     /// Called once when a program leaves (finished, failed, cancelled,
     /// expired) so the family can drop any device state it keyed by slot.

@@ -417,10 +417,10 @@ impl<P: Send + 'static> Scheduler<P> {
         if let Some(rows) = family.last_tick_rows() {
             self.metrics.tick_rows.record(rows as f64);
         }
-        if let Err(msg) = result {
-            tracing::warn!(error = %msg, requests = batch.len(), "tick failed; failing its requests");
+        if let Err(error) = result {
+            tracing::warn!(%error, requests = batch.len(), "tick failed; failing its requests");
             for a in batch {
-                a.outbox.fail(msg.clone());
+                a.outbox.fail(error.clone());
             }
         }
     }

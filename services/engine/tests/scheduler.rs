@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FinishReason, Prepared,
-    RequestId, SinkError, Stats, Submission,
+    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FamilyError, FinishReason,
+    Prepared, RequestId, SinkError, Stats, Submission,
 };
 
 /// Emits one token per tick until `len` tokens, or fails at tick `fail_at`.
@@ -30,7 +30,7 @@ struct FakeFamily {
 
 impl Family for FakeFamily {
     type Program = Countdown;
-    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), FamilyError> {
         self.ticks += 1;
         self.max_batch = self.max_batch.max(batch.len());
         let mut seen = HashSet::new();
@@ -43,12 +43,13 @@ impl Family for FakeFamily {
             }
         }
         if self.fail_whole_tick_at == Some(self.ticks) {
-            return Err("injected device failure".into());
+            return Err(FamilyError::Forward("injected device failure".into()));
         }
         for a in batch.iter_mut() {
             let p = &mut a.program;
             if p.fail_at == Some(p.emitted) {
-                a.outbox.fail("injected program failure");
+                a.outbox
+                    .fail(FamilyError::commit("countdown", "injected program failure"));
                 continue;
             }
             a.outbox.tokens(vec![p.emitted as u32]);
@@ -500,7 +501,7 @@ struct GatedFamily {
 
 impl Family for GatedFamily {
     type Program = Countdown;
-    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), FamilyError> {
         let _ = self.entered.try_send(());
         let _ = self.go.recv();
         for a in batch.iter_mut() {

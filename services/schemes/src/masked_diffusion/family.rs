@@ -8,7 +8,7 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FinishReason};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason};
 use wavefront_models::transformer::{Keys, SeqInput};
 use wavefront_models::Llada;
 
@@ -106,8 +106,7 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
             )?,
         };
         if let Err(err) = e.program.commit(p, &mine, e.outbox) {
-            e.outbox
-                .fail(format!("masked-diffusion step failed: {err}"));
+            e.outbox.fail(FamilyError::commit("masked-diffusion", err));
         }
     }
     Ok(ids.len())
@@ -131,9 +130,9 @@ impl MaskedDiffusionFamily {
 impl Family for MaskedDiffusionFamily {
     type Program = MdProgram;
 
-    fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), FamilyError> {
         let mut entries = entries(batch, |_| true);
-        let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
     }

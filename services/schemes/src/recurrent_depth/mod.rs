@@ -62,7 +62,7 @@ pub(crate) mod test_support;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use wavefront_engine::{Active, Family, FinishReason, Prepared, RequestError, Stats};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Prepared, RequestError, Stats};
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
@@ -254,6 +254,9 @@ pub struct HuginnFamily {
     model: Huginn,
     /// Positions the last tick ran through the model (metrics).
     last_rows: Option<usize>,
+    /// Tests: the scheme group whose next forward fails.
+    #[cfg(test)]
+    pub(crate) fail_next: Option<&'static str>,
 }
 
 impl HuginnFamily {
@@ -261,14 +264,29 @@ impl HuginnFamily {
         Self {
             model,
             last_rows: None,
+            #[cfg(test)]
+            fail_next: None,
         }
+    }
+
+    /// A fault injected by a test into `group`'s next forward.
+    fn injected(&mut self, group: &'static str) -> candle_core::Result<()> {
+        #[cfg(test)]
+        if self.fail_next == Some(group) {
+            self.fail_next = None;
+            return Err(candle_core::Error::Msg(format!(
+                "injected failure of the {group} forward"
+            )));
+        }
+        let _ = group;
+        Ok(())
     }
 }
 
 impl Family for HuginnFamily {
     type Program = Program;
 
-    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
         // Group the batch by scheme; each group runs its packed calls.
         let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
         let mut diffusion_group: Vec<diffusion::Entry<'_>> = Vec::new();
@@ -289,11 +307,31 @@ impl Family for HuginnFamily {
             }
         }
         self.last_rows = Some(rows);
+        // Each scheme's packed calls are a forward of their own: one that fails fails only the
+        // requests in it, and the other group still runs.
         if !ar_group.is_empty() {
-            ar::tick(&self.model, &mut ar_group).map_err(|e| e.to_string())?;
+            let ran = self
+                .injected("ar")
+                .and_then(|()| ar::tick(&self.model, &mut ar_group));
+            if let Err(e) = ran {
+                let error = FamilyError::forward(e);
+                tracing::warn!(%error, requests = ar_group.len(), "ar forward failed; failing its requests");
+                for entry in &mut ar_group {
+                    entry.outbox.fail(error.clone());
+                }
+            }
         }
         if !diffusion_group.is_empty() {
-            diffusion::tick(&self.model, &mut diffusion_group).map_err(|e| e.to_string())?;
+            let ran = self
+                .injected("diffusion-forcing")
+                .and_then(|()| diffusion::tick(&self.model, &mut diffusion_group));
+            if let Err(e) = ran {
+                let error = FamilyError::forward(e);
+                tracing::warn!(%error, requests = diffusion_group.len(), "diffusion-forcing forward failed; failing its requests");
+                for entry in &mut diffusion_group {
+                    entry.outbox.fail(error.clone());
+                }
+            }
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
-use wavefront_engine::{Active, EngineError, Event, Family, RequestId, SlotId};
+use wavefront_engine::{Active, EngineError, Event, Family, FamilyError, RequestId, SlotId};
 use wavefront_models::Huginn;
 
 use super::test_support::*;
@@ -19,7 +19,7 @@ use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
 };
 use crate::served::{load_model, LoadOptions, Planner, ServedModel};
-use crate::test_support::{assert_joining_requests_match_alone, refusal, serve, submit};
+use crate::test_support::{assert_joining_requests_match_alone, collect, refusal, serve, submit};
 use crate::SchemeError;
 
 /// Sixteen requests covering both schemes and their options, with different prompt lengths.
@@ -150,7 +150,7 @@ struct Audited {
 impl Family for Audited {
     type Program = Program;
 
-    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
         {
             let mut l = self.ledger.lock().expect("ledger");
             for a in batch.iter() {
@@ -506,5 +506,81 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
             Ok(())
         },
     )?;
+    Ok(())
+}
+
+/// A forward that fails fails only the requests in it: with a static-AR and a diffusion-forcing
+/// request in the same ticks, a failure of the diffusion group's forward fails that request
+/// (a typed `FamilyError::Forward`), and the AR request produces what it produces alone.
+#[test]
+fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
+    let ar_spec = spec(prompt(5, 0), 24, 1, ar_static(4, "full"));
+    let df_spec = spec(
+        prompt(6, 7),
+        12,
+        8,
+        SchemeParams::DiffusionForcing(diffusion(8, FreezeTest::Aligned)),
+    );
+    let alone = {
+        let served = fixture_served(4)?;
+        let rx = submit(served.as_ref(), ar_spec.clone())?;
+        let out = collect(&rx, Vec::new())?;
+        served.shutdown();
+        out.tokens
+    };
+    let files = fixture_files()?;
+    let cfg = fixture_config()?;
+    let model_cfg = cfg.clone();
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        max_active: 4,
+        ..LoadOptions::default()
+    };
+    let served = serve_family(cfg, None, opts, move |device, dtype| {
+        let vb = files
+            .var_builder(dtype, device)
+            .map_err(|e| e.to_string())?;
+        let model = Huginn::load(vb, model_cfg).map_err(|e| e.to_string())?;
+        let mut family = HuginnFamily::new(model);
+        family.fail_next = Some("diffusion-forcing");
+        Ok(family)
+    })?;
+    // The AR request first: it is still decoding (24 tokens) when the diffusion request joins,
+    // so the failing forward runs in a tick the AR request shares.
+    let ar_rx = submit(served.as_ref(), ar_spec)?;
+    let df_rx = submit(served.as_ref(), df_spec)?;
+    let failed = loop {
+        match df_rx.recv_timeout(Duration::from_secs(60))? {
+            Event::Failed(e) => break e,
+            Event::Finished { .. } => {
+                bail!("the diffusion request finished despite its failed forward")
+            }
+            Event::Tokens(_) | Event::Canvas(_) => {}
+        }
+    };
+    match &failed {
+        EngineError::StepFailed(FamilyError::Forward(m)) => {
+            ensure!(
+                m.contains("injected failure of the diffusion-forcing forward"),
+                "{m}"
+            )
+        }
+        other => bail!("unexpected failure {other:?}"),
+    }
+    let ar = collect(&ar_rx, Vec::new())?;
+    ensure!(ar.tokens == alone, "{:?} != {alone:?}", ar.tokens);
+    let start = Instant::now();
+    loop {
+        let load = served.load();
+        if load.active == 0 && load.free_slots == load.total_slots {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(20),
+            "slots not returned: {load:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    served.shutdown();
     Ok(())
 }

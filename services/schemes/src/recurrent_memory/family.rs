@@ -16,7 +16,7 @@
 //! alone or batched.
 
 use candle_core::{DType, Tensor};
-use wavefront_engine::{Active, Family, FinishReason};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
 use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
 
@@ -297,9 +297,9 @@ impl RecurrentMemoryFamily {
 impl Family for RecurrentMemoryFamily {
     type Program = ArmtProgram;
 
-    fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), FamilyError> {
         let mut entries = entries(batch, |_| true);
-        let report = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        let report = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(report.rows);
         Ok(())
     }

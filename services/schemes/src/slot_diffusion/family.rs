@@ -11,7 +11,7 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FinishReason};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
@@ -94,7 +94,7 @@ pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
             outs.push(mine);
         }
         if let Err(err) = e.program.commit(c, &outs, e.outbox) {
-            e.outbox.fail(format!("slot-diffusion step failed: {err}"));
+            e.outbox.fail(FamilyError::commit("slot-diffusion", err));
         }
     }
     debug_assert_eq!(at, calls.iter().map(Call::reads).sum::<usize>());
@@ -119,9 +119,9 @@ impl SlotDiffusionFamily {
 impl Family for SlotDiffusionFamily {
     type Program = SdProgram;
 
-    fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), String> {
+    fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), FamilyError> {
         let mut entries = entries(batch, |p| !p.is_done());
-        let rows = tick(&self.model, &mut entries).map_err(|e| e.to_string())?;
+        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
     }
