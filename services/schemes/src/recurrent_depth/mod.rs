@@ -283,6 +283,21 @@ impl HuginnFamily {
     }
 }
 
+/// Fails every request of a scheme group whose forward returned an error (the other groups of
+/// the tick are not affected).
+fn fail_group_on_error<P>(
+    scheme: &'static str,
+    ran: candle_core::Result<()>,
+    group: &mut [crate::tick::Entry<'_, P>],
+) {
+    let Err(e) = ran else { return };
+    let error = FamilyError::forward(e);
+    tracing::warn!(%error, scheme, requests = group.len(), "forward failed; failing its requests");
+    for entry in group {
+        entry.outbox.fail(error.clone());
+    }
+}
+
 impl Family for HuginnFamily {
     type Program = Program;
 
@@ -313,25 +328,13 @@ impl Family for HuginnFamily {
             let ran = self
                 .injected("ar")
                 .and_then(|()| ar::tick(&self.model, &mut ar_group));
-            if let Err(e) = ran {
-                let error = FamilyError::forward(e);
-                tracing::warn!(%error, requests = ar_group.len(), "ar forward failed; failing its requests");
-                for entry in &mut ar_group {
-                    entry.outbox.fail(error.clone());
-                }
-            }
+            fail_group_on_error("ar", ran, &mut ar_group);
         }
         if !diffusion_group.is_empty() {
             let ran = self
                 .injected("diffusion-forcing")
                 .and_then(|()| diffusion::tick(&self.model, &mut diffusion_group));
-            if let Err(e) = ran {
-                let error = FamilyError::forward(e);
-                tracing::warn!(%error, requests = diffusion_group.len(), "diffusion-forcing forward failed; failing its requests");
-                for entry in &mut diffusion_group {
-                    entry.outbox.fail(error.clone());
-                }
-            }
+            fail_group_on_error("diffusion-forcing", ran, &mut diffusion_group);
         }
         Ok(())
     }
