@@ -183,6 +183,19 @@ impl Discovery {
         });
     }
 
+    /// Whether a reachable worker serves `model` (under the table's read lock, nothing cloned:
+    /// asked once per call).
+    pub fn serves(&self, model: &str) -> bool {
+        self.table
+            .read()
+            .expect("worker table lock")
+            .values()
+            .filter(|w| w.up)
+            .filter_map(|w| w.report.as_ref())
+            .flat_map(|r| r.models.iter())
+            .any(|m| m.model.as_ref().is_some_and(|i| i.name == model))
+    }
+
     /// Marks a worker down after a failed call (until its next good poll).
     pub fn mark_down(&self, addr: SocketAddr) {
         if let Some(w) = self

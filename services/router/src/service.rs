@@ -22,7 +22,7 @@ use wavefront_proto::auth::{RequireSecret, Secrets};
 use wavefront_telemetry::metrics as m;
 
 use crate::discovery::Discovery;
-use crate::pick::{rank, served_model_infos, served_models, NoWorker};
+use crate::pick::{rank, served_model_infos, NoWorker};
 use crate::tls::ServerTls;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
@@ -115,7 +115,7 @@ impl RouterService {
         // The `model` label is a served model's name (or empty: the only one), else `unknown`:
         // a client's arbitrary names never become series.
         let name = &request.get_ref().model;
-        let known = name.is_empty() || served_models(&self.discovery.snapshot()).contains(name);
+        let known = name.is_empty() || self.discovery.serves(name);
         let mut outcome = Outcome {
             model: if known {
                 name.clone()
