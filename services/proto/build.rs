@@ -18,8 +18,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    tonic_prost_build::configure()
-        .codec_path("crate::codec::StrictCodec")
+    let mut config = tonic_prost_build::configure().codec_path("crate::codec::StrictCodec");
+    // The scheme messages also read from JSON under their proto field names (the HTTP API's
+    // extension objects): unset fields keep their defaults, unknown ones are refused.
+    for scheme in [
+        "ArScheme",
+        "DiffusionForcingScheme",
+        "LowConfidenceScheme",
+        "WinoScheme",
+        "PlanInfillScheme",
+    ] {
+        config = config.type_attribute(
+            format!(".wavefront.v1.{scheme}"),
+            "#[derive(serde::Deserialize)] #[serde(default, deny_unknown_fields)]",
+        );
+    }
+    config
         .file_descriptor_set_path(out.join("wavefront_descriptor.bin"))
         .compile_protos(&protos, &[root])?;
     Ok(())

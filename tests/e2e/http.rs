@@ -224,6 +224,22 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
         names.iter().any(|n| n == "canvas"),
         "canvas events: {events}"
     );
+    // Shaped as `run --stream-canvas` prints them: states by name.
+    let canvas: Value = serde_json::from_str(
+        data.iter()
+            .find(|d| d.contains("\"states\""))
+            .expect("a canvas payload"),
+    )
+    .unwrap();
+    let states = canvas["states"].as_array().expect("states");
+    assert!(!states.is_empty());
+    assert!(
+        states.iter().all(|s| matches!(
+            s.as_str(),
+            Some("masked" | "drafted" | "committed" | "locked")
+        )),
+        "{canvas}"
+    );
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
     let first: Value = serde_json::from_str(
         data.iter()

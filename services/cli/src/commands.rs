@@ -17,8 +17,8 @@ use wavefront_schemes::{ReplayDraws, ServedModel};
 use wavefront_worker::{RequestLimits, WorkerConfig, WorkerService};
 
 use crate::args::{parse_listen, GenerationArgs, PromptArgs};
-use crate::json::{canvas_json, response_json};
 use crate::model_opts::ModelArgs;
+use wavefront_router::json::{canvas_json, response_json};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {

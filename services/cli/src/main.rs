@@ -7,7 +7,6 @@
 mod args;
 mod commands;
 mod embedded;
-mod json;
 mod memory;
 mod model_opts;
 

@@ -1,6 +1,7 @@
-//! The one JSON shape printed by `run --json` and `generate --json`:
-//! `{"token_ids": [...], "text": "...", "finish_reason": "...", "stats": {...}}`
-//! (generated ids only, not the prompt).
+//! The one JSON shape of a response: printed by `run --json` and `generate --json`
+//! (`{"token_ids": [...], "text": "...", "finish_reason": "...", "stats": {...}}`, generated ids
+//! only, not the prompt) and carried by the HTTP API's `wavefront` extension object; and of a
+//! canvas event (`run --stream-canvas` lines, the HTTP API's `canvas` events).
 
 use serde_json::{json, Map, Value};
 use wavefront_proto::v1 as pb;

@@ -11,6 +11,7 @@
 //! same routing over OpenAI-compatible HTTP.
 
 pub mod discovery;
+pub mod json;
 pub mod openai;
 pub mod pick;
 pub mod service;

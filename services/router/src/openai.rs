@@ -263,76 +263,6 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-/// `ar` (the proto's `ArScheme`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ArJson {
-    num_steps: Option<u32>,
-    #[serde(default)]
-    cache_lookup_strategy: String,
-    init_scale: Option<f32>,
-    exit_threshold: Option<f32>,
-    #[serde(default)]
-    continuous_compute: bool,
-    #[serde(default)]
-    execution: String,
-}
-
-/// `diffusion_forcing` (the proto's `DiffusionForcingScheme`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DiffusionForcingJson {
-    num_steps: Option<u32>,
-    inner_recurrence: Option<u32>,
-    exit_t: Option<f32>,
-    ema_embeds: Option<f32>,
-    state_noise_mixing: Option<f32>,
-    headway: Option<u32>,
-    max_wavefront: Option<u32>,
-    init_scale: Option<f32>,
-    #[serde(default)]
-    cache_lookup_strategy: String,
-    #[serde(default)]
-    freeze_test: String,
-    #[serde(default)]
-    continuous_compute: bool,
-}
-
-/// `low_confidence` (the proto's `LowConfidenceScheme`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LowConfidenceJson {
-    block_length: Option<u32>,
-    steps: Option<u32>,
-    #[serde(default)]
-    remasking: String,
-    #[serde(default)]
-    cfg_scale: f32,
-    surelock_eps: Option<f32>,
-    surelock_percentile: Option<f32>,
-}
-
-/// `wino` (the proto's `WinoScheme`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct WinoJson {
-    block_length: Option<u32>,
-    threshold: Option<f32>,
-    threshold_back: Option<f32>,
-    surelock_eps: Option<f32>,
-    surelock_percentile: Option<f32>,
-}
-
-/// `plan_infill` (the proto's `PlanInfillScheme`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PlanInfillJson {
-    slot_size: Option<u32>,
-    serial_num_blocks: Option<u32>,
-    slot_threshold: Option<f32>,
-    token_threshold: Option<f32>,
-}
-
 /// What completions and chat completions share: OpenAI's parameters and the extensions.
 #[derive(Debug, Deserialize)]
 struct Common {
@@ -364,11 +294,11 @@ struct Common {
     stop_token_ids: Option<Vec<u32>>,
     #[serde(default)]
     stream_canvas: bool,
-    ar: Option<ArJson>,
-    diffusion_forcing: Option<DiffusionForcingJson>,
-    low_confidence: Option<LowConfidenceJson>,
-    wino: Option<WinoJson>,
-    plan_infill: Option<PlanInfillJson>,
+    ar: Option<pb::ArScheme>,
+    diffusion_forcing: Option<pb::DiffusionForcingScheme>,
+    low_confidence: Option<pb::LowConfidenceScheme>,
+    wino: Option<pb::WinoScheme>,
+    plan_infill: Option<pb::PlanInfillScheme>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -463,59 +393,17 @@ impl Common {
             Some(Stop::One(s)) => vec![s],
             Some(Stop::Many(v)) => v,
         };
-        let mut schemes = Vec::new();
-        if let Some(a) = self.ar {
-            schemes.push(Scheme::Ar(pb::ArScheme {
-                num_steps: a.num_steps,
-                cache_lookup_strategy: a.cache_lookup_strategy,
-                init_scale: a.init_scale,
-                exit_threshold: a.exit_threshold,
-                continuous_compute: a.continuous_compute,
-                execution: a.execution,
-            }));
-        }
-        if let Some(d) = self.diffusion_forcing {
-            schemes.push(Scheme::DiffusionForcing(pb::DiffusionForcingScheme {
-                num_steps: d.num_steps,
-                inner_recurrence: d.inner_recurrence,
-                exit_t: d.exit_t,
-                ema_embeds: d.ema_embeds,
-                state_noise_mixing: d.state_noise_mixing,
-                headway: d.headway,
-                max_wavefront: d.max_wavefront,
-                init_scale: d.init_scale,
-                cache_lookup_strategy: d.cache_lookup_strategy,
-                freeze_test: d.freeze_test,
-                continuous_compute: d.continuous_compute,
-            }));
-        }
-        if let Some(l) = self.low_confidence {
-            schemes.push(Scheme::LowConfidence(pb::LowConfidenceScheme {
-                block_length: l.block_length,
-                steps: l.steps,
-                remasking: l.remasking,
-                cfg_scale: l.cfg_scale,
-                surelock_eps: l.surelock_eps,
-                surelock_percentile: l.surelock_percentile,
-            }));
-        }
-        if let Some(w) = self.wino {
-            schemes.push(Scheme::Wino(pb::WinoScheme {
-                block_length: w.block_length,
-                threshold: w.threshold,
-                threshold_back: w.threshold_back,
-                surelock_eps: w.surelock_eps,
-                surelock_percentile: w.surelock_percentile,
-            }));
-        }
-        if let Some(p) = self.plan_infill {
-            schemes.push(Scheme::PlanInfill(pb::PlanInfillScheme {
-                slot_size: p.slot_size,
-                serial_num_blocks: p.serial_num_blocks,
-                slot_threshold: p.slot_threshold,
-                token_threshold: p.token_threshold,
-            }));
-        }
+        // The proto's own messages, read from JSON under their field names.
+        let mut schemes: Vec<Scheme> = [
+            self.ar.map(Scheme::Ar),
+            self.diffusion_forcing.map(Scheme::DiffusionForcing),
+            self.low_confidence.map(Scheme::LowConfidence),
+            self.wino.map(Scheme::Wino),
+            self.plan_infill.map(Scheme::PlanInfill),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         if schemes.len() > 1 {
             return Err(ApiError::invalid(
                 "scheme",
@@ -755,24 +643,19 @@ async fn respond(
         "model": done.model,
         "choices": [choice],
         "usage": usage(done.stats.as_ref()),
-        "wavefront": {"token_ids": done.token_ids, "stats": stats_json(done.stats.as_ref())},
+        "wavefront": wavefront_extension(&done),
     }))
     .into_response())
 }
 
-/// The engine's statistics, as an extension object.
-fn stats_json(s: Option<&pb::GenerationStats>) -> Value {
-    let Some(s) = s else { return Value::Null };
-    json!({
-        "forward_passes": s.forward_passes,
-        "recurrence_steps": s.recurrence_steps,
-        "ticks": s.ticks,
-        "queue_time_ms": s.queue_time_ms,
-        "compute_time_ms": s.compute_time_ms,
-        "tokens_per_second": s.tokens_per_second,
-        "seed": s.seed,
-        "counters": s.counters,
-    })
+/// The `wavefront` extension object: the response as `run --json` prints it, less the text the
+/// choice already holds.
+fn wavefront_extension(done: &pb::GenerateResponse) -> Value {
+    let mut v = crate::json::response_json(done);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("text");
+    }
+    v
 }
 
 type Events =
@@ -848,10 +731,8 @@ fn sse_events(
                 Some(Ok(pb::GenerateStreamResponse {
                     event: Some(PbEvent::Canvas(c)),
                 })) => {
-                    let v = json!({
-                        "step": c.step, "full": c.full, "positions": c.positions,
-                        "token_ids": c.token_ids, "states": c.states,
-                    });
+                    // As `run --stream-canvas` prints it (states by name).
+                    let v = &crate::json::canvas_json(&c)["canvas"];
                     vec![Event::default().event("canvas").data(v.to_string())]
                 }
                 Some(Ok(pb::GenerateStreamResponse {
