@@ -9,7 +9,7 @@ use tonic_health::pb::HealthCheckRequest;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, spawn, spawn_router, spawn_worker, wait_serving};
+use crate::harness::{channel, fixture, spawn, spawn_router, spawn_worker, wait_serving, Proc};
 
 fn long_request(max_new_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
@@ -151,11 +151,9 @@ async fn a_dead_worker_is_routed_around_and_readded_when_it_returns() {
     }
 }
 
-/// Short deadlines that fire at the worker (its transport answers CANCELLED "Timeout expired")
-/// end those calls with DEADLINE_EXCEEDED and leave the worker in rotation: with a refresh far
-/// beyond the test, a worker marked down would refuse every later call with UNAVAILABLE.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
+/// A worker behind a router whose refresh is far beyond any test (only its start-up poll runs),
+/// once a call has gone through: a worker marked down would stay down.
+async fn router_that_never_polls_again() -> (Proc, Proc, tonic::transport::Channel) {
     let worker = spawn_worker("huginn", &[]);
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
     let router = spawn_router("127.0.0.1:0", &worker.addr.to_string(), 600_000, &[]);
@@ -174,6 +172,15 @@ async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    (worker, router, chan)
+}
+
+/// Short deadlines that fire at the worker (its transport answers CANCELLED "Timeout expired")
+/// end those calls with DEADLINE_EXCEEDED and leave the worker in rotation: with a refresh far
+/// beyond the test, a worker marked down would refuse every later call with UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
+    let (_worker, _router, chan) = router_that_never_polls_again().await;
     let calls = (0..24u64).map(|i| {
         let mut client = GenerationClient::new(chan.clone());
         async move {
@@ -206,23 +213,7 @@ async fn callers_deadlines_do_not_take_a_healthy_worker_out_of_rotation() {
 /// (not the transport's OUT_OF_RANGE), and neither takes the worker out of rotation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_prompts_and_messages_get_documented_codes_and_keep_the_worker_in_rotation() {
-    let worker = spawn_worker("huginn", &[]);
-    wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
-    let router = spawn_router("127.0.0.1:0", &worker.addr.to_string(), 600_000, &[]);
-    wait_serving(router.addr, "wavefront.v1.Generation").await;
-    let chan = channel(router.addr).await;
-    let start = Instant::now();
-    while GenerationClient::new(chan.clone())
-        .generate(long_request(1))
-        .await
-        .is_err()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "worker never seen"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (_worker, _router, chan) = router_that_never_polls_again().await;
     let text = |bytes: usize| pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Text(
             "lorem ipsum ".repeat(bytes / 12),

@@ -13,7 +13,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{fixture, spawn};
+use crate::harness::{fixture, spawn, spawn_router};
 use crate::metrics::free_port;
 
 /// A CA, and PEM files it signed, in a directory of their own.
@@ -197,27 +197,25 @@ async fn public_endpoints_over_tls_and_mtls_between_router_and_worker() {
     // The router: TLS on its public gRPC and HTTP endpoints, mTLS to the worker.
     let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let workers = format!("127.0.0.1:{}", worker.addr.port());
-    let router = spawn(&[
-        "router",
-        "--listen",
+    let router = spawn_router(
         "127.0.0.1:0",
-        "--workers",
         &workers,
-        "--refresh-ms",
-        "200",
-        "--http-listen",
-        &http.to_string(),
-        "--tls-cert",
-        s(&router_cert),
-        "--tls-key",
-        s(&router_key),
-        "--worker-tls-ca",
-        s(&pki.ca()),
-        "--worker-tls-cert",
-        s(&client_cert),
-        "--worker-tls-key",
-        s(&client_key),
-    ]);
+        200,
+        &[
+            "--http-listen",
+            &http.to_string(),
+            "--tls-cert",
+            s(&router_cert),
+            "--tls-key",
+            s(&router_key),
+            "--worker-tls-ca",
+            s(&pki.ca()),
+            "--worker-tls-cert",
+            s(&client_cert),
+            "--worker-tls-key",
+            s(&client_key),
+        ],
+    );
     let ch = tls_channel(router.addr, &pki.ca_pem, None).await;
     let r = generate_when_ready(ch)
         .await
@@ -247,17 +245,12 @@ async fn public_endpoints_over_tls_and_mtls_between_router_and_worker() {
     assert!(body.contains("text_completion"), "{body}");
 
     // A router without a client certificate cannot use the worker.
-    let stranger = spawn(&[
-        "router",
-        "--listen",
+    let stranger = spawn_router(
         "127.0.0.1:0",
-        "--workers",
         &workers,
-        "--refresh-ms",
-        "200",
-        "--worker-tls-ca",
-        s(&pki.ca()),
-    ]);
+        200,
+        &["--worker-tls-ca", s(&pki.ca())],
+    );
     let err = GenerationClient::new(crate::harness::channel(stranger.addr).await)
         .generate(request())
         .await
