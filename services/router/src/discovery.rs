@@ -196,6 +196,20 @@ impl Discovery {
             .any(|m| m.model.as_ref().is_some_and(|i| i.name == model))
     }
 
+    /// The model the reachable workers serve when they serve exactly one (what a request that
+    /// names none gets).
+    pub fn sole_model(&self) -> Option<String> {
+        let table = self.table.read().expect("worker table lock");
+        let mut names = table
+            .values()
+            .filter(|w| w.up)
+            .filter_map(|w| w.report.as_ref())
+            .flat_map(|r| r.models.iter())
+            .filter_map(|m| m.model.as_ref().map(|i| i.name.as_str()));
+        let first = names.next()?;
+        names.all(|n| n == first).then(|| first.to_owned())
+    }
+
     /// Marks a worker down after a failed call (until its next good poll).
     pub fn mark_down(&self, addr: SocketAddr) {
         if let Some(w) = self

@@ -30,7 +30,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generate_request::{Prompt, Scheme};
 use wavefront_proto::v1::generate_stream_response::Event as PbEvent;
 
-use crate::pick::{served_model_infos, served_models};
+use crate::pick::served_model_infos;
 use crate::service::RouterService;
 
 /// `max_tokens` when a completion request sets none (OpenAI's default for completions).
@@ -601,19 +601,19 @@ async fn respond(
             }
         }
     }
-    // Chunks before the final message name the model asked for, or the only one served.
-    let model = match request.get_ref().model.as_str() {
-        "" => served_models(&router.discovery().snapshot())
-            .pop()
-            .unwrap_or_default(),
-        name => name.to_owned(),
-    };
+    let asked = request.get_ref().model.clone();
     let events = router.stream(request).await?;
     let (id, created) = match kind {
         Kind::Completion => (new_id("cmpl"), unix_now()),
         Kind::Chat => (new_id("chatcmpl"), unix_now()),
     };
     if stream {
+        // Chunks before the final message name the model asked for, or the only one served.
+        let model = if asked.is_empty() {
+            router.discovery().sole_model().unwrap_or_default()
+        } else {
+            asked
+        };
         let sse = sse_events(events, kind, id, created, include_usage, model);
         return Ok(Sse::new(sse)
             .keep_alive(KeepAlive::default())
