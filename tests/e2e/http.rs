@@ -386,6 +386,9 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
     // Health needs no token (probes).
     wait_serving(worker.addr, "wavefront.worker.v1.Worker").await;
     let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    // One key on the command line, one from a file of keys.
+    let keys_file = std::env::temp_dir().join(format!("wavefront-keys-{}", std::process::id()));
+    std::fs::write(&keys_file, "# keys\nkey-two\n").unwrap();
     let router = spawn_router(
         "127.0.0.1:0",
         &worker.addr.to_string(),
@@ -394,7 +397,9 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
             "--http-listen",
             &http.to_string(),
             "--api-key",
-            "key-one,key-two",
+            "key-one",
+            "--api-key-file",
+            keys_file.to_str().unwrap(),
             "--worker-token",
             "w0rker",
         ],
@@ -420,7 +425,7 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
         .await
         .expect_err("wrong key");
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
-    // The second key works, through the worker's token.
+    // The key from the file works, through the worker's token.
     let ok = client
         .generate(with_key("key-two"))
         .await
