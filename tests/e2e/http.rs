@@ -405,6 +405,7 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
         ],
     );
     wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let _ = std::fs::remove_file(&keys_file); // read at start-up
     let req = || pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
         max_new_tokens: 2,
