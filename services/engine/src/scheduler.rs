@@ -105,6 +105,13 @@ impl<P> SharedQueue<P> {
         (s.queue.len(), s.taken)
     }
 
+    /// A running request ended (its final event is about to go out): one more place until the
+    /// engine next publishes its load.
+    pub(crate) fn place_freed(&self) {
+        let mut s = self.state();
+        s.free_places = s.free_places.saturating_add(1);
+    }
+
     /// The engine published a load that counts every request it took, with `free_places`
     /// places for more.
     pub(crate) fn settled(&self, free_places: usize) {
@@ -444,10 +451,15 @@ impl<P: Send + 'static> Scheduler<P> {
                         stats.prompt_tokens = r.prompt_tokens;
                         stats.generated_tokens = u32::try_from(r.generated).unwrap_or(u32::MAX);
                         r.outcome = Some(true);
+                        // The place is free before the caller can hear of it: a caller that
+                        // sends its next request on this answer finds the place, not a queue
+                        // still counting the request that just ended (published after the step).
+                        self.queue.place_freed();
                         Event::Finished { reason, stats }
                     }
                     Event::Failed(e) => {
                         r.outcome = Some(false);
+                        self.queue.place_freed();
                         Event::Failed(e)
                     }
                 };

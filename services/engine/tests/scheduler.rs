@@ -259,6 +259,30 @@ fn a_full_queue_is_an_error_not_growth() {
     assert_eq!(err, Some(EngineError::QueueFull { capacity: 1 }));
 }
 
+/// A caller that sends its next request as soon as the last one's final event arrives finds
+/// the place that request left, before the engine publishes its load after the step.
+#[test]
+fn a_place_is_free_before_the_final_event_is_sent() {
+    let mut sched = Scheduler::<Countdown>::new(1, 1, 1);
+    let mut fam = FakeFamily::default();
+    let mk = |i, len| waiting(i, countdown(len, 1), sink(64).0);
+    assert!(sched.enqueue(mk(1, 1)).is_ok());
+    assert!(sched.enqueue(mk(2, 1)).is_ok());
+    assert!(
+        sched.enqueue(mk(3, 1)).is_err(),
+        "full: one running, one waiting"
+    );
+    // One step: request 1 runs its only token, ends, and its final event goes out; nothing
+    // publishes the engine's load here (the engine thread does that after the step).
+    sched.step(&mut fam, Instant::now());
+    assert!(
+        sched.enqueue(mk(3, 1)).is_ok(),
+        "the place request 1 left takes the next request at once"
+    );
+    let err = sched.enqueue(mk(4, 1)).err().map(|(_, e)| e);
+    assert_eq!(err, Some(EngineError::QueueFull { capacity: 1 }));
+}
+
 #[test]
 fn a_full_queue_first_drops_waiting_requests_whose_caller_left_or_whose_deadline_passed() {
     // One slot, held by a long request: everything else waits.
