@@ -433,8 +433,9 @@ pub(crate) fn attend_packed(
             // Concatenated once, with every other sequence's, by the ragged operation.
             all_keys.extend(parts);
         } else {
-            let parts: Vec<(&Tensor, &Tensor)> = parts.iter().map(|(k, v)| (k, v)).collect();
-            outs.push(sdpa(&rows(q, s)?, &parts, s.mask.as_ref(), scale)?);
+            // One product over the sequence's keys (its pages merged), as before paging.
+            let (k, v) = super::kv_cache::merge_runs(&parts)?;
+            outs.push(sdpa(&rows(q, s)?, &[(&k, &v)], s.mask.as_ref(), scale)?);
         }
     }
     if on_cpu {
@@ -452,8 +453,8 @@ pub(crate) fn attend_packed(
 }
 
 /// One sequence's keys and values `[H_kv, T, D]` at `layer` from its rows' fresh `ks`/`vs`,
-/// in parts that concatenate along the key axis (a shared prefix is read in place, not copied
-/// next to the suffix); a buffer sequence's cache (or a shared sequence's suffix) is updated.
+/// in runs that concatenate along the key axis (a cache's pages, a shared prefix's pages, read
+/// in place); a buffer sequence's cache (or a shared sequence's suffix) is updated.
 fn assemble_keys(
     s: &SeqLayout,
     seq: &mut SeqInput,
@@ -490,7 +491,7 @@ fn assemble_keys(
                 }
             }
             cache.fit_layer(layer, *len)?;
-            Ok(vec![cache.layer_kv(layer)?])
+            cache.layer_runs(layer)
         }
         (
             KeySource::Shared {
@@ -501,11 +502,13 @@ fn assemble_keys(
         ) => {
             suffix.write_rows(layer, *c, &ks, &vs)?;
             suffix.fit_layer(layer, c + ks.dim(1)?)?;
-            let own = suffix.layer_kv(layer)?;
+            let own = suffix.layer_runs(layer)?;
             if *p == 0 {
-                return Ok(vec![own]);
+                return Ok(own);
             }
-            Ok(vec![prefix.layer_kv(layer)?, own])
+            let mut runs = prefix.layer_runs(layer)?;
+            runs.extend(own);
+            Ok(runs)
         }
         _ => Err(ModelError::Shape(
             "the sequences changed between layout and call".into(),

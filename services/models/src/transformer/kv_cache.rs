@@ -1,89 +1,211 @@
-//! One sequence's keys and values per layer, for buffer indices `0..len`, in buffers with
-//! room to grow: a call's new rows are written in place (no copy of what is cached), and
-//! attention reads a view of the buffer.
+//! One sequence's keys and values per layer, in pages.
 //!
-//! Buffers are `[n_kv_heads, capacity, head_dim]`, grown by doubling. A clone of a cache shares
-//! its buffers and copies nothing; the first write to a shared buffer copies it first (copy on
-//! write), so a clone never sees the other's later writes. Views handed out by
-//! [`KvCache::layer_kv`] read the buffer as it is: they are for use before the next write.
+//! A *page* holds the keys and values of [`KvPool::page_size`] consecutive buffer indices of one
+//! layer: two `[n_kv_heads, page_size, head_dim]` tensors. A [`KvCache`] is a page table per
+//! layer (page ids in buffer order) over a [`KvPool`]: a call's new rows are written in place
+//! into the pages that hold their indices, and attention reads the pages where they are
+//! ([`KvCache::layer_runs`]: one run of keys per page, which the CPU kernel reads in place).
+//! Nothing is concatenated or copied as the sequence grows.
+//!
+//! Two kinds of pool:
+//! - a *shared* pool ([`KvPool::shared`]), one per model, owned by its family on the engine
+//!   thread. Its page ids are the engine's slot ids: the scheduler hands a request slots
+//!   ([`KvCache::grant`]) as its next step needs them, and the cache takes pages only from what it
+//!   was granted (running out is an error value, never an allocation past the budget). A
+//!   request that is preempted moves its pages to host memory ([`KvCache::swap_out`]) and gets
+//!   them back, at any free ids, when it resumes ([`KvCache::swap_in`]);
+//! - a *private* pool, one per [`KvCache::new`]: pages made as the cache grows, for caches
+//!   that live within one tick (a ReFusion slot's scratch copy), tests and tools.
+//!
+//! A page's storage is made on first use and kept for the next owner of its id, so a pool's
+//! memory is the most pages it ever held at once, never more than the budget it was sized for.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// Rows of capacity a buffer starts with, at least.
-const MIN_CAPACITY: usize = 16;
+/// Buffer indices a page holds, unless a pool says otherwise.
+pub const PAGE_SIZE: usize = 16;
 
-/// One layer's buffers.
 #[derive(Debug, Clone)]
-struct LayerKv {
+struct Page {
     k: Tensor,
     v: Tensor,
-    /// Valid rows (a layer runs ahead of `KvCache::len` during a forward).
-    len: usize,
-    /// Shared with every clone holding the same buffers: one owner may write in place.
-    owner: Arc<()>,
 }
 
-impl LayerKv {
-    fn capacity(&self) -> usize {
-        self.k.dims()[1]
+#[derive(Debug)]
+struct PoolInner {
+    page_size: usize,
+    /// Whether page ids are granted from outside (the engine's slots) rather than made here.
+    shared: bool,
+    pages: Mutex<Vec<Option<Page>>>,
+}
+
+/// Storage of K/V pages addressed by page id (see the module doc).
+#[derive(Debug, Clone)]
+pub struct KvPool {
+    inner: Arc<PoolInner>,
+}
+
+impl KvPool {
+    /// A model's pool, whose page ids are granted by the engine (its slot ids).
+    pub fn shared(page_size: usize) -> Self {
+        Self::make(page_size, true)
     }
 
-    fn view(&self) -> Result<(Tensor, Tensor)> {
-        Ok((
-            self.k.narrow(1, 0, self.len)?,
-            self.v.narrow(1, 0, self.len)?,
-        ))
+    fn private(page_size: usize) -> Self {
+        Self::make(page_size, false)
     }
 
-    /// Makes the buffers this layer's own with room for `rows` rows, keeping the valid ones.
-    fn reserve(&mut self, rows: usize) -> Result<()> {
-        let shared = Arc::strong_count(&self.owner) > 1;
-        if !shared && self.capacity() >= rows {
-            return Ok(());
+    fn make(page_size: usize, shared: bool) -> Self {
+        assert!(page_size > 0, "a page holds at least one index");
+        Self {
+            inner: Arc::new(PoolInner {
+                page_size,
+                shared,
+                pages: Mutex::new(Vec::new()),
+            }),
         }
-        let cap = if self.capacity() >= rows {
-            self.capacity()
-        } else {
-            rows.max(2 * self.capacity()).max(MIN_CAPACITY)
+    }
+
+    /// Buffer indices a page holds.
+    pub fn page_size(&self) -> usize {
+        self.inner.page_size
+    }
+
+    /// Whether this is a model's shared pool.
+    pub fn is_shared(&self) -> bool {
+        self.inner.shared
+    }
+
+    fn pages(&self) -> MutexGuard<'_, Vec<Option<Page>>> {
+        // Every operation under the lock is one push or one clone: a panic leaves it consistent.
+        self.inner
+            .pages
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A fresh id of a private pool.
+    fn make_id(&self) -> u32 {
+        let mut pages = self.pages();
+        pages.push(None);
+        u32::try_from(pages.len() - 1).expect("fewer than 2^32 pages")
+    }
+
+    /// Page `id`, its storage made like `like` (`[H, n, D]`) on first use.
+    fn page(&self, id: u32, like: &Tensor) -> Result<Page> {
+        let mut pages = self.pages();
+        let i = id as usize;
+        if pages.len() <= i {
+            pages.resize(i + 1, None);
+        }
+        if let Some(p) = &pages[i] {
+            let (h, d) = (like.dim(0)?, like.dim(2)?);
+            if p.k.dims() != [h, self.inner.page_size, d] || p.k.dtype() != like.dtype() {
+                return Err(ModelError::Cache(format!(
+                    "page {id} holds {:?} {:?} keys, not [{h}, {}, {d}] {:?}",
+                    p.k.dims(),
+                    p.k.dtype(),
+                    self.inner.page_size,
+                    like.dtype()
+                )));
+            }
+            return Ok(p.clone());
+        }
+        let shape = (like.dim(0)?, self.inner.page_size, like.dim(2)?);
+        let page = Page {
+            k: Tensor::zeros(shape, like.dtype(), like.device())?,
+            v: Tensor::zeros(shape, like.dtype(), like.device())?,
         };
-        let (h, _, d) = self.k.dims3()?;
-        let k = Tensor::zeros((h, cap, d), self.k.dtype(), self.k.device())?;
-        let v = Tensor::zeros((h, cap, d), self.v.dtype(), self.v.device())?;
-        if self.len > 0 {
-            k.slice_set(&self.k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-            v.slice_set(&self.v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-        }
-        self.k = k;
-        self.v = v;
-        self.owner = Arc::new(());
-        Ok(())
+        pages[i] = Some(page.clone());
+        Ok(page)
     }
 
-    /// Writes `k`/`v` `[H, n, D]` at rows `at..at + n`.
-    fn write(&mut self, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let n = k.dim(1)?;
-        self.reserve(at + n)?;
-        self.k.slice_set(&k.contiguous()?, 1, at)?;
-        self.v.slice_set(&v.contiguous()?, 1, at)?;
-        Ok(())
+    /// Page `id`, which must have been written.
+    fn get(&self, id: u32) -> Result<Page> {
+        self.pages()
+            .get(id as usize)
+            .and_then(Clone::clone)
+            .ok_or_else(|| ModelError::Cache(format!("page {id} was never written")))
     }
+}
+
+/// A cache's pages while it is swapped out: each layer's pages, copied to host memory.
+#[derive(Debug, Clone)]
+struct Swapped {
+    layers: Vec<Vec<Page>>,
+    device: Device,
 }
 
 /// One sequence's per-layer keys and values `[n_kv_heads, len, head_dim]` (keys after RoPE)
-/// for buffer indices `0..len`. Every layer holds the same `len` between calls.
-#[derive(Debug, Clone, Default)]
+/// for buffer indices `0..len`, in pages. Every layer holds the same `len` between calls.
+///
+/// A clone is a private copy (its own pages, written once); clones are for caches that live
+/// within a tick.
+#[derive(Debug)]
 pub struct KvCache {
-    layers: Vec<Option<LayerKv>>,
+    pool: KvPool,
+    /// Per layer: page ids in buffer order.
+    tables: Vec<Vec<u32>>,
+    /// Per layer: valid indices (a layer runs ahead of `len` during a forward).
+    layer_lens: Vec<usize>,
     len: usize,
+    /// Pages this cache may take (granted and not in a table).
+    spare: Vec<u32>,
+    /// Bytes of one page (both tensors), once a page was written.
+    page_bytes: usize,
+    swapped: Option<Swapped>,
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let mut c = Self::new_private(self.pool.page_size());
+        for l in 0..self.tables.len() {
+            let n = self.layer_lens[l];
+            if n == 0 {
+                continue;
+            }
+            let copied = self
+                .layer_kv(l)
+                .and_then(|(k, v)| c.write_rows(l, 0, &k, &v));
+            copied.expect("copying a cache's own valid rows");
+        }
+        c.len = self.len;
+        c.swapped = self.swapped.clone();
+        c
+    }
 }
 
 impl KvCache {
+    /// An empty cache over a private pool.
     pub fn new() -> Self {
-        Self::default()
+        Self::new_private(PAGE_SIZE)
+    }
+
+    fn new_private(page_size: usize) -> Self {
+        Self::in_pool(KvPool::private(page_size))
+    }
+
+    /// An empty cache over `pool`; over a shared pool it takes only pages it was granted.
+    pub fn in_pool(pool: KvPool) -> Self {
+        Self {
+            pool,
+            tables: Vec::new(),
+            layer_lens: Vec::new(),
+            len: 0,
+            spare: Vec::new(),
+            page_bytes: 0,
+            swapped: None,
+        }
     }
 
     /// Buffer indices held (0 before the first call that writes it).
@@ -95,31 +217,80 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Keeps buffer indices `0..len` only (the buffers keep their room).
+    /// Buffer indices a page holds.
+    pub fn page_size(&self) -> usize {
+        self.pool.page_size()
+    }
+
+    /// Pages `layers` layers of `len` indices take.
+    pub fn pages_for(&self, layers: usize, len: usize) -> usize {
+        layers * len.div_ceil(self.page_size())
+    }
+
+    /// Pages in the page tables.
+    pub fn pages_used(&self) -> usize {
+        self.tables.iter().map(Vec::len).sum()
+    }
+
+    /// Pages held: in the tables, and granted but not used yet.
+    pub fn pages_held(&self) -> usize {
+        self.pages_used() + self.spare.len()
+    }
+
+    /// Gives this cache pages (slot ids of the engine) to take as it grows.
+    pub fn grant(&mut self, pages: impl IntoIterator<Item = u32>) {
+        self.spare.extend(pages);
+    }
+
+    /// Keeps buffer indices `0..len` only; pages past them go back to the cache's spare ones.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len >= self.len {
             return Ok(());
         }
-        for l in self.layers.iter_mut().flatten() {
-            l.len = l.len.min(len);
+        for l in 0..self.tables.len() {
+            self.layer_lens[l] = self.layer_lens[l].min(len);
+            self.release_past(l, len);
         }
         self.len = len;
         Ok(())
     }
 
-    /// Drops everything.
+    /// Drops everything (the pages stay this cache's to reuse).
     pub fn clear(&mut self) {
-        self.layers.clear();
+        for l in 0..self.tables.len() {
+            self.release_past(l, 0);
+        }
+        self.tables.clear();
+        self.layer_lens.clear();
         self.len = 0;
     }
 
-    /// Bytes of the buffers this cache holds (room included).
+    /// Pages of layer `l` past the first `len` indices go back to the spare ones.
+    fn release_past(&mut self, l: usize, len: usize) {
+        let keep = len.div_ceil(self.page_size());
+        if self.tables[l].len() > keep {
+            let freed = self.tables[l].split_off(keep);
+            self.spare.extend(freed.into_iter().rev());
+        }
+    }
+
+    /// Bytes of the pages this cache's tables hold.
     pub fn allocated_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|l| 2 * l.k.elem_count() * l.k.dtype().size_in_bytes())
-            .sum()
+        self.pages_used() * self.page_bytes
+    }
+
+    /// A page for the next index of a table: a spare one, or (private pool) a new one.
+    fn take_page(&mut self) -> Result<u32> {
+        if let Some(id) = self.spare.pop() {
+            return Ok(id);
+        }
+        if self.pool.is_shared() {
+            return Err(ModelError::Cache(format!(
+                "out of K/V pages: the cache holds {} and was granted no more",
+                self.pages_used()
+            )));
+        }
+        Ok(self.pool.make_id())
     }
 
     /// Stores the keys (after RoPE) and values `[n_kv_heads, len, head_dim]` of buffer indices
@@ -140,7 +311,7 @@ impl KvCache {
         let Some(first) = parts.first() else {
             return Ok(());
         };
-        let n_layers = first.0.layers.len();
+        let n_layers = first.0.tables.len();
         for (c, start, len) in &parts {
             if start + len > c.len {
                 return Err(ModelError::Cache(format!(
@@ -149,13 +320,13 @@ impl KvCache {
                     c.len
                 )));
             }
-            if c.layers.len() != n_layers {
+            if c.tables.len() != n_layers {
                 return Err(ModelError::Cache(
                     "caches with different layer counts cannot be stitched".into(),
                 ));
             }
         }
-        if self.len > 0 && self.layers.len() != n_layers {
+        if self.len > 0 && self.tables.len() != n_layers {
             return Err(ModelError::Cache(
                 "caches with different layer counts cannot be stitched".into(),
             ));
@@ -164,56 +335,82 @@ impl KvCache {
         for l in 0..n_layers {
             let mut at = self.len;
             for (c, start, len) in &parts {
-                let (k, v) = c.layer_kv(l)?;
-                let (k, v) = (k.narrow(1, *start, *len)?, v.narrow(1, *start, *len)?);
+                let (k, v) = c.rows(l, *start, *len)?;
                 self.write_rows(l, at, &k, &v)?;
                 at += len;
             }
         }
         self.len += total;
-        for layer in self.layers.iter_mut().flatten() {
-            layer.len = self.len;
+        for n in &mut self.layer_lens {
+            *n = self.len;
         }
         Ok(())
     }
 
-    /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`: views of its buffers.
-    pub fn layer_kv(&self, layer: usize) -> Result<(Tensor, Tensor)> {
-        self.layer(layer)?.view()
+    /// Keys and values `[n_kv_heads, n, head_dim]` of indices `start..start + n` of `layer`,
+    /// contiguous (a view when they lie in one page).
+    fn rows(&self, layer: usize, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
+        let p = self.page_size();
+        let table = self.table(layer)?;
+        if n > 0 && start / p == (start + n - 1) / p {
+            let page = self.pool.get(table[start / p])?;
+            return Ok((
+                page.k.narrow(1, start % p, n)?,
+                page.v.narrow(1, start % p, n)?,
+            ));
+        }
+        let (k, v) = self.layer_kv(layer)?;
+        Ok((k.narrow(1, start, n)?, v.narrow(1, start, n)?))
     }
 
-    fn layer(&self, layer: usize) -> Result<&LayerKv> {
-        self.layers
+    fn table(&self, layer: usize) -> Result<&Vec<u32>> {
+        self.tables
             .get(layer)
-            .and_then(Option::as_ref)
+            .filter(|_| self.layer_lens[layer] > 0)
             .ok_or_else(|| ModelError::Cache(format!("layer {layer} holds no keys")))
+    }
+
+    /// Keys and values of layer `layer` as runs `[n_kv_heads, n_i, head_dim]` in buffer order,
+    /// one per page, read in place (each is valid until the next write).
+    pub fn layer_runs(&self, layer: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        let p = self.page_size();
+        let len = self.layer_lens.get(layer).copied().unwrap_or(0);
+        let table = self.table(layer)?;
+        let mut runs = Vec::with_capacity(len.div_ceil(p));
+        for (i, &id) in table.iter().enumerate().take(len.div_ceil(p)) {
+            let n = (len - i * p).min(p);
+            let page = self.pool.get(id)?;
+            runs.push((page.k.narrow(1, 0, n)?, page.v.narrow(1, 0, n)?));
+        }
+        Ok(runs)
+    }
+
+    /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`, contiguous: a view when
+    /// they fit in one page, else a copy (for checks and the non-kernel attention paths).
+    pub fn layer_kv(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        let runs = self.layer_runs(layer)?;
+        merge_runs(&runs)
     }
 
     /// Rows of `layer` valid now (the cache's length, or more once a forward wrote the layer).
     pub(crate) fn layer_len(&self, layer: usize) -> usize {
-        self.layers
-            .get(layer)
-            .and_then(Option::as_ref)
-            .map_or(0, |l| l.len)
+        self.layer_lens.get(layer).copied().unwrap_or(0)
     }
 
     /// Replaces `layer` with `k`/`v` (their rows are its valid rows).
     pub(crate) fn set_layer(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<()> {
-        let len = k.dim(1)?;
-        if self.layers.len() <= layer {
-            self.layers.resize(layer + 1, None);
+        let n = k.dim(1)?;
+        if layer < self.tables.len() {
+            self.layer_lens[layer] = 0;
+            self.release_past(layer, n);
         }
-        self.layers[layer] = Some(LayerKv {
-            k: k.contiguous()?,
-            v: v.contiguous()?,
-            len,
-            owner: Arc::new(()),
-        });
+        self.write_rows(layer, 0, &k, &v)?;
+        self.layer_lens[layer] = n;
         Ok(())
     }
 
-    /// Writes `k`/`v` `[H, n, D]` at buffer indices `at..at + n` of `layer` (in place when
-    /// the buffers are this cache's own and have room); the layer's valid rows extend to
+    /// Writes `k`/`v` `[H, n, D]` at buffer indices `at..at + n` of `layer`, in place in its
+    /// pages (taking pages for indices past the last one); the layer's valid rows extend to
     /// cover them.
     pub(crate) fn write_rows(
         &mut self,
@@ -223,39 +420,39 @@ impl KvCache {
         v: &Tensor,
     ) -> Result<()> {
         let n = k.dim(1)?;
-        match self.layers.get_mut(layer).and_then(Option::as_mut) {
-            Some(l) => {
-                if at > l.len {
-                    return Err(ModelError::Cache(format!(
-                        "rows written at {at} would leave a gap after the {} held",
-                        l.len
-                    )));
-                }
-                l.write(at, k, v)?;
-                l.len = l.len.max(at + n);
-                Ok(())
-            }
-            None if at == 0 => {
-                let (h, _, d) = k.dims3()?;
-                let cap = n.max(MIN_CAPACITY);
-                let mut l = LayerKv {
-                    k: Tensor::zeros((h, cap, d), k.dtype(), k.device())?,
-                    v: Tensor::zeros((h, cap, d), v.dtype(), v.device())?,
-                    len: 0,
-                    owner: Arc::new(()),
-                };
-                l.write(0, k, v)?;
-                l.len = n;
-                if self.layers.len() <= layer {
-                    self.layers.resize(layer + 1, None);
-                }
-                self.layers[layer] = Some(l);
-                Ok(())
-            }
-            None => Err(ModelError::Cache(format!(
-                "layer {layer} holds no keys to write rows at {at} after"
-            ))),
+        if self.tables.len() <= layer {
+            self.tables.resize(layer + 1, Vec::new());
+            self.layer_lens.resize(layer + 1, 0);
         }
+        let held = self.layer_lens[layer];
+        if at > held {
+            return Err(ModelError::Cache(if held == 0 {
+                format!("layer {layer} holds no keys to write rows at {at} after")
+            } else {
+                format!("rows written at {at} would leave a gap after the {held} held")
+            }));
+        }
+        let p = self.page_size();
+        let mut done = 0;
+        while done < n {
+            let index = at + done;
+            let (pi, off) = (index / p, index % p);
+            let take = (p - off).min(n - done);
+            if pi == self.tables[layer].len() {
+                let id = self.take_page()?;
+                self.tables[layer].push(id);
+            }
+            let page = self.pool.page(self.tables[layer][pi], k)?;
+            if self.page_bytes == 0 {
+                self.page_bytes = 2 * page.k.elem_count() * page.k.dtype().size_in_bytes();
+            }
+            let (ks, vs) = (k.narrow(1, done, take)?, v.narrow(1, done, take)?);
+            page.k.slice_set(&ks.contiguous()?, 1, off)?;
+            page.v.slice_set(&vs.contiguous()?, 1, off)?;
+            done += take;
+        }
+        self.layer_lens[layer] = held.max(at + n);
+        Ok(())
     }
 
     /// Makes `layer` hold exactly `len` rows: the rows a call just wrote end there, and rows
@@ -267,8 +464,9 @@ impl KvCache {
                 "layer {layer} holds {held} rows where the call needs {len}: an index is neither cached nor a row"
             )));
         }
-        if let Some(l) = self.layers.get_mut(layer).and_then(Option::as_mut) {
-            l.len = len;
+        if layer < self.tables.len() {
+            self.layer_lens[layer] = len;
+            self.release_past(layer, len);
         }
         Ok(())
     }
@@ -276,6 +474,97 @@ impl KvCache {
     /// Sets the length every layer holds after a forward wrote `len` indices.
     pub(crate) fn commit(&mut self, len: usize) {
         self.len = len;
+    }
+
+    /// Whether the cache's pages are in host memory ([`Self::swap_out`]).
+    pub fn is_swapped(&self) -> bool {
+        self.swapped.is_some()
+    }
+
+    /// Moves every page to host memory and gives up every page id (tables and spare ones: the
+    /// caller hands them back to the engine). Returns the bytes moved.
+    pub fn swap_out(&mut self) -> Result<usize> {
+        if self.swapped.is_some() {
+            return Err(ModelError::Cache("the cache is already swapped out".into()));
+        }
+        let mut layers = Vec::with_capacity(self.tables.len());
+        let mut bytes = 0;
+        let mut device = Device::Cpu;
+        for table in &self.tables {
+            let mut pages = Vec::with_capacity(table.len());
+            for &id in table {
+                let page = self.pool.get(id)?;
+                device = page.k.device().clone();
+                // A copy, not a view: the page's storage goes to its next owner.
+                let host = Page {
+                    k: page.k.to_device(&Device::Cpu)?.copy()?,
+                    v: page.v.to_device(&Device::Cpu)?.copy()?,
+                };
+                bytes += 2 * host.k.elem_count() * host.k.dtype().size_in_bytes();
+                pages.push(host);
+            }
+            layers.push(pages);
+        }
+        for t in &mut self.tables {
+            t.clear();
+        }
+        self.spare.clear();
+        self.swapped = Some(Swapped { layers, device });
+        Ok(bytes)
+    }
+
+    /// Pages [`Self::swap_in`] needs granted first.
+    pub fn swapped_pages(&self) -> usize {
+        self.swapped
+            .as_ref()
+            .map_or(0, |s| s.layers.iter().map(Vec::len).sum())
+    }
+
+    /// Moves the pages back from host memory into granted pages (any ids). Returns the bytes
+    /// moved.
+    pub fn swap_in(&mut self) -> Result<usize> {
+        let Some(swapped) = self.swapped.take() else {
+            return Ok(0);
+        };
+        if self.spare.len() < self.swapped_pages_of(&swapped) {
+            let need = self.swapped_pages_of(&swapped);
+            let have = self.spare.len();
+            self.swapped = Some(swapped);
+            return Err(ModelError::Cache(format!(
+                "swapping in needs {need} pages; {have} were granted"
+            )));
+        }
+        let mut bytes = 0;
+        for (l, pages) in swapped.layers.iter().enumerate() {
+            for host in pages {
+                let id = self.take_page()?;
+                let k = host.k.to_device(&swapped.device)?;
+                let v = host.v.to_device(&swapped.device)?;
+                let page = self.pool.page(id, &k)?;
+                page.k.slice_set(&k, 1, 0)?;
+                page.v.slice_set(&v, 1, 0)?;
+                bytes += 2 * k.elem_count() * k.dtype().size_in_bytes();
+                self.tables[l].push(id);
+            }
+        }
+        Ok(bytes)
+    }
+
+    fn swapped_pages_of(&self, s: &Swapped) -> usize {
+        s.layers.iter().map(Vec::len).sum()
+    }
+}
+
+/// Runs `[H, n_i, D]` concatenated along the index axis (the run itself when there is one).
+pub(crate) fn merge_runs(runs: &[(Tensor, Tensor)]) -> Result<(Tensor, Tensor)> {
+    match runs {
+        [] => Err(ModelError::Cache("no keys to merge".into())),
+        [one] => Ok(one.clone()),
+        _ => {
+            let ks: Vec<&Tensor> = runs.iter().map(|r| &r.0).collect();
+            let vs: Vec<&Tensor> = runs.iter().map(|r| &r.1).collect();
+            Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+        }
     }
 }
 
@@ -299,14 +588,14 @@ mod tests {
     }
 
     #[test]
-    fn appends_grow_in_place_and_a_clone_keeps_its_own_rows() -> Result<()> {
+    fn rows_land_in_pages_and_a_clone_keeps_its_own_rows() -> Result<()> {
         let mut c = KvCache::new();
         c.write_rows(0, 0, &rows(0, 3)?, &rows(0, 3)?)?;
         c.commit(3);
         let before = c.allocated_bytes();
         c.write_rows(0, 3, &rows(3, 2)?, &rows(3, 2)?)?;
         c.commit(5);
-        // Room for 16 rows from the first write: no new buffer.
+        // Room for 16 rows in the first page: no new page.
         assert_eq!(c.allocated_bytes(), before);
         assert_eq!(values(&c)?, [0.0, 1.0, 2.0, 3.0, 4.0]);
         let snapshot = c.clone();
@@ -314,14 +603,28 @@ mod tests {
         c.write_rows(0, 2, &rows(9, 2)?, &rows(9, 2)?)?;
         c.commit(4);
         assert_eq!(values(&c)?, [0.0, 1.0, 9.0, 10.0]);
-        // Copy on write: the clone still reads what it held.
+        // The clone is a copy: it still reads what it held.
         assert_eq!(values(&snapshot)?, [0.0, 1.0, 2.0, 3.0, 4.0]);
-        // Growth past the room doubles it and keeps the rows.
-        c.write_rows(0, 4, &rows(4, 20)?, &rows(4, 20)?)?;
-        c.commit(24);
-        assert_eq!(values(&c)?.len(), 24);
-        assert_eq!(values(&c)?[..4], [0.0, 1.0, 9.0, 10.0]);
-        assert!(c.write_rows(0, 30, &rows(0, 1)?, &rows(0, 1)?).is_err());
+        // Growth past a page takes pages and keeps the rows; the runs are one per page.
+        c.write_rows(0, 4, &rows(4, 36)?, &rows(4, 36)?)?;
+        c.commit(40);
+        assert_eq!(c.pages_used(), 3);
+        assert_eq!(
+            c.layer_runs(0)?
+                .iter()
+                .map(|r| r.0.dim(1))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            [16, 16, 8]
+        );
+        assert_eq!(values(&c)?.len(), 40);
+        assert_eq!(values(&c)?[..6], [0.0, 1.0, 9.0, 10.0, 4.0, 5.0]);
+        assert!(c.write_rows(0, 50, &rows(0, 1)?, &rows(0, 1)?).is_err());
+        // Truncation returns pages, and they are reused.
+        c.truncate(10)?;
+        assert_eq!(c.pages_used(), 1);
+        assert_eq!(c.pages_held(), 3);
+        c.write_rows(0, 10, &rows(10, 20)?, &rows(10, 20)?)?;
+        assert_eq!(c.pages_held(), 3);
         Ok(())
     }
 
@@ -331,12 +634,50 @@ mod tests {
         a.write_rows(0, 0, &rows(0, 2)?, &rows(0, 2)?)?;
         a.commit(2);
         let mut b = KvCache::new();
-        b.write_rows(0, 0, &rows(5, 3)?, &rows(5, 3)?)?;
+        b.write_rows(0, 0, &rows(5, 20)?, &rows(5, 20)?)?;
+        b.commit(20);
+        a.append(&[(&b, 1, 2), (&b, 14, 4)])?;
+        assert_eq!(a.len(), 8);
+        assert_eq!(values(&a)?, [0.0, 1.0, 6.0, 7.0, 19.0, 20.0, 21.0, 22.0]);
+        assert!(a.append(&[(&b, 19, 2)]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_shared_pool_cache_takes_only_granted_pages_and_swaps_bit_exactly() -> Result<()> {
+        let pool = KvPool::shared(4);
+        let mut a = KvCache::in_pool(pool.clone());
+        let mut b = KvCache::in_pool(pool.clone());
+        a.grant([0, 1]);
+        b.grant([2]);
+        a.write_rows(0, 0, &rows(0, 6)?, &rows(0, 6)?)?;
+        a.commit(6);
+        b.write_rows(0, 0, &rows(100, 3)?, &rows(100, 3)?)?;
         b.commit(3);
-        a.append(&[(&b, 1, 2)])?;
-        assert_eq!(a.len(), 4);
-        assert_eq!(values(&a)?, [0.0, 1.0, 6.0, 7.0]);
-        assert!(a.append(&[(&b, 2, 2)]).is_err());
+        // Past its grant: an error, nothing written.
+        let err = a.write_rows(0, 6, &rows(6, 4)?, &rows(6, 4)?);
+        assert!(matches!(err, Err(ModelError::Cache(m)) if m.contains("out of K/V pages")));
+        let want = a.layer_kv(0)?;
+        assert_eq!(a.swap_out()?, 2 * 2 * (2 * 4 * 3 * 4));
+        assert!(a.is_swapped() && a.pages_held() == 0);
+        // Its pages go to b, which overwrites them.
+        b.grant([1, 0]);
+        b.write_rows(0, 3, &rows(103, 9)?, &rows(103, 9)?)?;
+        b.commit(12);
+        // a resumes in other pages with the same keys, bit for bit.
+        assert!(a.swap_in().is_err());
+        a.grant([7, 5]);
+        a.swap_in()?;
+        let got = a.layer_kv(0)?;
+        assert_eq!(
+            got.0.flatten_all()?.to_vec1::<f32>()?,
+            want.0.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert_eq!(
+            got.1.flatten_all()?.to_vec1::<f32>()?,
+            want.1.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert_eq!(values(&b)?, (100..112).map(|x| x as f32).collect::<Vec<_>>());
         Ok(())
     }
 }
