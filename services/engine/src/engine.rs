@@ -65,6 +65,9 @@ pub struct EngineConfig {
     pub queue_capacity: usize,
     /// Requests ticked together at most.
     pub max_active: usize,
+    /// Slots admission leaves free for running requests to grow into (families whose programs
+    /// take slots as they go; 0 for those that reserve at admission).
+    pub watermark_slots: usize,
 }
 
 /// A request handed to the engine.
@@ -85,6 +88,10 @@ pub struct EngineLoad {
     pub active: usize,
     pub queue_capacity: usize,
     pub ticks: u64,
+    /// Requests preempted and waiting to resume (counted in `active` too).
+    pub preempted: usize,
+    /// Preemptions since the engine started.
+    pub preemptions: u64,
 }
 
 /// The engine's load as handles see it (what the engine thread publishes after each step; the
@@ -94,6 +101,8 @@ struct LoadState {
     free_slots: usize,
     active: usize,
     ticks: u64,
+    preempted: usize,
+    preemptions: u64,
 }
 
 #[derive(Default)]
@@ -191,6 +200,8 @@ impl<P: Send + 'static> EngineHandle<P> {
             active: l.active + taken,
             queue_capacity: self.config.queue_capacity,
             ticks: l.ticks,
+            preempted: l.preempted,
+            preemptions: l.preemptions,
         }
     }
 
@@ -243,6 +254,7 @@ impl Engine {
             config.queue_capacity,
             config.max_active,
         )
+        .with_watermark(config.watermark_slots)
         .with_label(&label);
         let queue = sched.shared_queue();
         let load = Arc::new(LoadCounters::default());
@@ -336,6 +348,8 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
         l.free_slots = sched.pool().free();
         l.active = sched.running();
         l.ticks = sched.ticks();
+        l.preempted = sched.preempted();
+        l.preemptions = sched.preemptions();
         let free_places = sched
             .max_active()
             .saturating_sub(sched.running())

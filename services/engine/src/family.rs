@@ -172,9 +172,25 @@ impl Outbox {
 #[derive(Debug)]
 pub struct Prepared<P> {
     pub program: P,
-    /// Slots reserved at admission and held until the request ends.
+    /// Slots taken at admission: the first tick's needs. A family that reserves the worst case
+    /// asks for `max_slots`; one whose programs grow ([`Family::slots_needed`]) asks for less.
     pub slots: usize,
+    /// The most slots the request can ever hold: a request whose most exceeds the pool is
+    /// refused at submission, since it could never finish.
+    pub max_slots: usize,
     pub prompt_tokens: usize,
+}
+
+impl<P> Prepared<P> {
+    /// A request that takes its whole reservation, `slots`, at admission.
+    pub fn reserved(program: P, slots: usize, prompt_tokens: usize) -> Self {
+        Self {
+            program,
+            slots,
+            max_slots: slots,
+            prompt_tokens,
+        }
+    }
 }
 
 /// An admitted program with the slots it holds.
@@ -182,10 +198,32 @@ pub struct Prepared<P> {
 pub struct Active<P> {
     pub id: RequestId,
     pub program: P,
+    /// Every slot the request holds, in the order they were granted.
     pub slots: Vec<SlotId>,
+    /// Slots granted since the family last took them ([`Active::take_new_slots`]): at
+    /// admission, as the program grows, and when a preempted request resumes.
+    pub new_slots: Vec<SlotId>,
     pub outbox: Outbox,
     pub admitted_at: Instant,
     pub ticks: u64,
+    /// Admission order (preemption takes the most recently admitted first).
+    pub seq: u64,
+}
+
+impl<P> Active<P> {
+    /// The slots granted since the last call, for the family to hand to the program's state.
+    pub fn take_new_slots(&mut self) -> Vec<SlotId> {
+        std::mem::take(&mut self.new_slots)
+    }
+}
+
+/// What a preemption or a resumption moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Moved {
+    /// Bytes copied between the slots and host memory.
+    pub bytes: u64,
+    /// Rows that will be (or were) computed again instead of moved.
+    pub recomputed_rows: u64,
 }
 
 /// A model family: owns the weights and the per-slot device state, and
@@ -210,6 +248,30 @@ pub trait Family: Send + 'static {
         active
             .outbox
             .finish(FinishReason::StopString, Stats::default());
+    }
+
+    /// Slots `active` must hold for its next tick: all its state after that tick. The default,
+    /// what it holds, is a family that reserves at admission; a family whose programs grow
+    /// asks for more as they do (the scheduler grants them before the tick, in
+    /// [`Active::new_slots`], preempting other requests when the pool is short), and for a
+    /// preempted program, what resuming and its next tick take.
+    fn slots_needed(&self, active: &Active<Self::Program>) -> usize {
+        active.slots.len()
+    }
+
+    /// Moves `active`'s state out of its slots (to host memory, or dropped to be recomputed),
+    /// so the scheduler can give them to other requests; the request resumes later
+    /// ([`Family::resume`]) in whatever slots are free then, and its tokens and statistics do
+    /// not change. A family that cannot preempt says so with an error (the request then fails).
+    fn preempt(&mut self, _active: &mut Active<Self::Program>) -> Result<Moved, FamilyError> {
+        Err(FamilyError::Forward(
+            "this model family cannot preempt a request".into(),
+        ))
+    }
+
+    /// Brings a preempted request's state back into the slots it holds now.
+    fn resume(&mut self, _active: &mut Active<Self::Program>) -> Result<Moved, FamilyError> {
+        Ok(Moved::default())
     }
 
     /// Rows (positions, states, cells) the last tick computed, for metrics.

@@ -38,8 +38,8 @@ pub use engine::{
 };
 pub use error::EngineError;
 pub use family::{
-    Active, CanvasFrame, CellState, Event, Family, FamilyError, FinishReason, Outbox, Prepared,
-    RequestError,
+    Active, CanvasFrame, CellState, Event, Family, FamilyError, FinishReason, Moved, Outbox,
+    Prepared, RequestError,
 };
 pub use ids::{RequestId, SlotId};
 pub use queue::AdmissionQueue;

@@ -13,6 +13,11 @@ pub const ACTIVE_REQUESTS: &str = "wavefront_active_requests";
 pub const SLOTS_TOTAL: &str = "wavefront_slots_total";
 pub const SLOTS_USED: &str = "wavefront_slots_used";
 pub const CACHE_USAGE: &str = "wavefront_cache_usage_ratio";
+pub const PREEMPTIONS_TOTAL: &str = "wavefront_engine_preemptions_total";
+pub const PREEMPTED_REQUESTS: &str = "wavefront_preempted_requests";
+pub const PREEMPT_BYTES_TO_HOST: &str = "wavefront_engine_preempt_bytes_to_host_total";
+pub const PREEMPT_BYTES_FROM_HOST: &str = "wavefront_engine_preempt_bytes_from_host_total";
+pub const RECOMPUTED_ROWS_TOTAL: &str = "wavefront_engine_recomputed_rows_total";
 
 /// One engine's series, labelled with its model. Handles taken before a
 /// recorder is installed record nothing, so binaries install theirs first.
@@ -27,6 +32,11 @@ pub(crate) struct EngineMetrics {
     pub slots_total: Gauge,
     pub slots_used: Gauge,
     pub cache_usage: Gauge,
+    pub preemptions: Counter,
+    pub preempted: Gauge,
+    pub bytes_to_host: Counter,
+    pub bytes_from_host: Counter,
+    pub recomputed_rows: Counter,
 }
 
 impl EngineMetrics {
@@ -41,7 +51,12 @@ impl EngineMetrics {
             active: metrics::gauge!(ACTIVE_REQUESTS, "model" => m.clone()),
             slots_total: metrics::gauge!(SLOTS_TOTAL, "model" => m.clone()),
             slots_used: metrics::gauge!(SLOTS_USED, "model" => m.clone()),
-            cache_usage: metrics::gauge!(CACHE_USAGE, "model" => m),
+            cache_usage: metrics::gauge!(CACHE_USAGE, "model" => m.clone()),
+            preemptions: metrics::counter!(PREEMPTIONS_TOTAL, "model" => m.clone()),
+            preempted: metrics::gauge!(PREEMPTED_REQUESTS, "model" => m.clone()),
+            bytes_to_host: metrics::counter!(PREEMPT_BYTES_TO_HOST, "model" => m.clone()),
+            bytes_from_host: metrics::counter!(PREEMPT_BYTES_FROM_HOST, "model" => m.clone()),
+            recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m),
         }
     }
 }

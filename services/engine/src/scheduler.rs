@@ -5,10 +5,18 @@
 //! request, and a request that leaves for any reason (finished, failed,
 //! cancelled by its client, expired) gives all its slots back in the same
 //! [`Scheduler::step`] that notices it. Admission is FIFO from a bounded queue
-//! and happens only when the head's whole slot reservation fits.
+//! and happens when the head's first step fits, with a watermark of slots kept
+//! free for the running requests to grow into.
+//!
+//! Slots are granted as work needs them: before each tick, every program that
+//! will run gets what [`Family::slots_needed`] says its next step takes, oldest
+//! request first. When the pool is short, the most recently admitted running
+//! request is preempted ([`Family::preempt`]: its state moves to host memory
+//! and its slots return to the pool); preempted requests resume, oldest first,
+//! ahead of every new arrival, so nobody starves.
 
 use crate::engine::{EventSink, SinkError};
-use crate::family::{Active, Event, Family, Outbox, Prepared};
+use crate::family::{Active, Event, Family, FamilyError, Outbox, Prepared};
 use crate::ids::RequestId;
 use crate::metrics::EngineMetrics;
 use crate::queue::AdmissionQueue;
@@ -141,9 +149,10 @@ impl<P> SharedQueue<P> {
     /// Queues `w` at `now`; a request that can never fit, or a full queue once the gone and
     /// expired waiting requests are dropped, hands it back with the error to send.
     pub fn push(&self, w: Waiting<P>, now: Instant) -> Result<(), (Waiting<P>, EngineError)> {
-        if w.prepared.slots > self.total_slots {
+        let most = w.prepared.slots.max(w.prepared.max_slots);
+        if most > self.total_slots {
             let err = EngineError::TooLarge {
-                needed: w.prepared.slots,
+                needed: most,
                 total: self.total_slots,
             };
             return Err((w, err));
@@ -209,13 +218,22 @@ pub struct StepReport {
     pub cancelled: usize,
     pub expired: usize,
     pub failed: usize,
+    pub preempted: usize,
+    pub resumed: usize,
 }
 
 pub struct Scheduler<P> {
     queue: Arc<SharedQueue<P>>,
     pool: SlotPool,
     running: Vec<Running<P>>,
+    /// Preempted requests, holding no slots, in admission order: they resume before any new
+    /// arrival is admitted.
+    preempted: Vec<Running<P>>,
     max_active: usize,
+    /// Slots admission leaves free for running requests to grow into.
+    watermark: usize,
+    next_seq: u64,
+    preemptions: u64,
     ticks: u64,
     metrics: EngineMetrics,
 }
@@ -231,10 +249,21 @@ impl<P: Send + 'static> Scheduler<P> {
             }),
             pool: SlotPool::new(total_slots),
             running: Vec::new(),
+            preempted: Vec::new(),
             max_active: max_active.max(1),
+            watermark: 0,
+            next_seq: 0,
+            preemptions: 0,
             ticks: 0,
             metrics: EngineMetrics::new(""),
         }
+    }
+
+    /// Keeps `slots` free at admission for the running requests to grow into (a new request is
+    /// admitted alone whatever the watermark, so one always runs).
+    pub fn with_watermark(mut self, slots: usize) -> Self {
+        self.watermark = slots;
+        self
     }
 
     /// Names the model in this scheduler's metrics.
@@ -251,7 +280,8 @@ impl<P: Send + 'static> Scheduler<P> {
             .cache_usage
             .set(self.pool.used() as f64 / self.pool.total().max(1) as f64);
         self.metrics.queue_depth.set(self.queue.len() as f64);
-        self.metrics.active.set(self.running.len() as f64);
+        self.metrics.active.set(self.running() as f64);
+        self.metrics.preempted.set(self.preempted.len() as f64);
     }
 
     pub fn pool(&self) -> &SlotPool {
@@ -272,12 +302,23 @@ impl<P: Send + 'static> Scheduler<P> {
         self.max_active
     }
 
+    /// Requests admitted and not finished: running, or preempted and waiting to resume.
     pub fn running(&self) -> usize {
-        self.running.len()
+        self.running.len() + self.preempted.len()
+    }
+
+    /// Preempted requests waiting to resume.
+    pub fn preempted(&self) -> usize {
+        self.preempted.len()
+    }
+
+    /// Preemptions since the start.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
     pub fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.running.is_empty()
+        self.queue.is_empty() && self.running.is_empty() && self.preempted.is_empty()
     }
 
     pub fn ticks(&self) -> u64 {
@@ -293,7 +334,8 @@ impl<P: Send + 'static> Scheduler<P> {
     pub fn step<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant) -> StepReport {
         let mut report = StepReport::default();
         self.reap(family, now, &mut report);
-        self.admit(now, &mut report);
+        self.admit(family, now, &mut report);
+        self.grow(family, &mut report);
         self.tick(family, &mut report);
         self.deliver(family, &mut report);
         report
@@ -320,6 +362,37 @@ impl<P: Send + 'static> Scheduler<P> {
                     .try_send(Event::Failed(EngineError::DeadlineExceeded {
                         generated: 0,
                     }));
+            }
+        }
+        // Preempted requests: cancelled or expired ones leave; stopped ones go back to the
+        // running ones (holding no slots) to deliver their Finished event.
+        let mut i = 0;
+        while i < self.preempted.len() {
+            let r = &mut self.preempted[i];
+            let closed = r.sink.is_closed();
+            let expired = r.deadline.is_some_and(|d| d <= now);
+            let stopped = !closed && !expired && r.sink.stop_requested();
+            if closed || expired || stopped {
+                let mut r = self.preempted.remove(i);
+                if stopped {
+                    family.stop(&mut r.active);
+                    self.running.push(r);
+                    continue;
+                }
+                if closed {
+                    report.cancelled += 1;
+                } else {
+                    report.expired += 1;
+                    r.backlog.clear();
+                    let _ = r
+                        .sink
+                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                            generated: r.generated,
+                        }));
+                }
+                self.retire(family, r);
+            } else {
+                i += 1;
             }
         }
         // Running requests: cancelled or expired ones leave now; stopped ones finish (their
@@ -354,10 +427,57 @@ impl<P: Send + 'static> Scheduler<P> {
         }
     }
 
-    fn admit(&mut self, now: Instant, report: &mut StepReport) {
+    /// Slots free for a request that needs `need` now, keeping the watermark unless nothing runs.
+    fn fits(&self, need: usize) -> bool {
+        let reserve = if self.running.is_empty() {
+            0
+        } else {
+            self.watermark
+        };
+        need + reserve <= self.pool.free()
+    }
+
+    fn admit<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        now: Instant,
+        report: &mut StepReport,
+    ) {
+        // Preempted requests first, oldest first; while one waits, no new request starts.
+        while !self.preempted.is_empty() && self.running.len() < self.max_active {
+            let need = family.slots_needed(&self.preempted[0].active);
+            if !self.fits(need) {
+                return;
+            }
+            let mut r = self.preempted.remove(0);
+            let slots = self.pool.alloc(need).expect("checked free slots above");
+            r.active.slots.extend(&slots);
+            r.active.new_slots.extend(slots);
+            match family.resume(&mut r.active) {
+                Ok(moved) => {
+                    self.metrics.bytes_from_host.increment(moved.bytes);
+                    self.metrics.recomputed_rows.increment(moved.recomputed_rows);
+                    tracing::debug!(parent: &r.span, request = %r.active.id, bytes = moved.bytes, "resumed");
+                }
+                Err(e) => r.active.outbox.fail(e),
+            }
+            report.resumed += 1;
+            self.running.push(r);
+        }
+        if !self.preempted.is_empty() {
+            return;
+        }
         while self.running.len() < self.max_active {
+            let reserve = if self.running.is_empty() {
+                0
+            } else {
+                self.watermark
+            };
             let free = self.pool.free();
-            let Some(w) = self.queue.pop_if(|w| w.prepared.slots <= free) else {
+            let Some(w) = self
+                .queue
+                .pop_if(|w| w.prepared.slots + reserve <= free)
+            else {
                 break;
             };
             let slots = self
@@ -366,14 +486,17 @@ impl<P: Send + 'static> Scheduler<P> {
                 .expect("checked free slots above");
             let queue_time = now.saturating_duration_since(w.submitted_at);
             tracing::debug!(parent: &w.span, request = %w.id, slots = slots.len(), ?queue_time, "admitted");
+            self.next_seq += 1;
             self.running.push(Running {
                 active: Active {
                     id: w.id,
                     program: w.prepared.program,
+                    new_slots: slots.clone(),
                     slots,
                     outbox: Outbox::default(),
                     admitted_at: now,
                     ticks: 0,
+                    seq: self.next_seq,
                 },
                 sink: w.sink,
                 deadline: w.deadline,
@@ -388,10 +511,93 @@ impl<P: Send + 'static> Scheduler<P> {
         }
     }
 
-    fn tick<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
-        let ready: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done)
+    /// Whether the running request at `i` ticks this step.
+    fn ready(&self, i: usize) -> bool {
+        self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done
+    }
+
+    /// Grants every request that ticks this step the slots its next step needs, oldest first,
+    /// preempting the most recently admitted ones while the pool is short.
+    fn grow<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+        let mut order: Vec<(u64, RequestId)> = (0..self.running.len())
+            .filter(|&i| self.ready(i))
+            .map(|i| (self.running[i].active.seq, self.running[i].active.id))
             .collect();
+        order.sort_unstable();
+        for (_, id) in order {
+            loop {
+                let Some(i) = self.running.iter().position(|r| r.active.id == id) else {
+                    break; // preempted for an older request
+                };
+                let need = family.slots_needed(&self.running[i].active);
+                let held = self.running[i].active.slots.len();
+                if need <= held {
+                    break;
+                }
+                if let Some(slots) = self.pool.alloc(need - held) {
+                    let a = &mut self.running[i].active;
+                    a.slots.extend(&slots);
+                    a.new_slots.extend(slots);
+                    break;
+                }
+                // The newest request that can give its slots back: possibly this one.
+                let victim = (0..self.running.len())
+                    .filter(|&j| !self.running[j].active.outbox.done)
+                    .max_by_key(|&j| self.running[j].active.seq)
+                    .expect("the growing request is a candidate");
+                if victim == i && self.running.len() == 1 + self.done_count() {
+                    let total = self.pool.total();
+                    self.running[i].active.outbox.fail(FamilyError::Forward(format!(
+                        "the next step needs {need} slots and the pool holds {total}"
+                    )));
+                    break;
+                }
+                self.preempt(family, victim, report);
+            }
+        }
+    }
+
+    /// Running requests whose program has ended (their last events still going out).
+    fn done_count(&self) -> usize {
+        self.running
+            .iter()
+            .filter(|r| r.active.outbox.done)
+            .count()
+    }
+
+    /// Preempts the running request at `i`: the family moves its state out, its slots go back
+    /// to the pool, and it waits to resume ahead of new arrivals.
+    fn preempt<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        i: usize,
+        report: &mut StepReport,
+    ) {
+        let r = &mut self.running[i];
+        match family.preempt(&mut r.active) {
+            Ok(moved) => {
+                let mut r = self.running.swap_remove(i);
+                tracing::debug!(parent: &r.span, request = %r.active.id, bytes = moved.bytes, slots = r.active.slots.len(), "preempted");
+                self.pool.release(std::mem::take(&mut r.active.slots));
+                r.active.new_slots.clear();
+                self.metrics.preemptions.increment(1);
+                self.preemptions += 1;
+                self.metrics.bytes_to_host.increment(moved.bytes);
+                report.preempted += 1;
+                let at = self
+                    .preempted
+                    .partition_point(|p| p.active.seq < r.active.seq);
+                self.preempted.insert(at, r);
+            }
+            Err(e) => {
+                tracing::warn!(parent: &r.span, request = %r.active.id, error = %e, "cannot preempt; failing the request");
+                r.active.outbox.fail(e);
+            }
+        }
+    }
+
+    fn tick<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+        let ready: Vec<usize> = (0..self.running.len()).filter(|&i| self.ready(i)).collect();
         if ready.is_empty() {
             return;
         }
@@ -505,7 +711,7 @@ impl<P: Send + 'static> Scheduler<P> {
         for mut w in waiting {
             let _ = w.sink.try_send(Event::Failed(EngineError::ShutDown));
         }
-        while let Some(mut r) = self.running.pop() {
+        while let Some(mut r) = self.running.pop().or_else(|| self.preempted.pop()) {
             let _ = r.sink.try_send(Event::Failed(EngineError::ShutDown));
             self.retire(family, r);
         }

@@ -128,6 +128,7 @@ fn countdown(len: usize, slots: usize) -> Prepared<Countdown> {
             fail_at: None,
         },
         slots,
+        max_slots: slots,
         prompt_tokens: 1,
     }
 }
@@ -211,7 +212,7 @@ proptest! {
                     let (s, rx, closed) = sink(64);
                     let w = Waiting {
                         id: RequestId(i as u64),
-                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, prompt_tokens: 1 },
+                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, max_slots: r.slots, prompt_tokens: 1 },
                         sink: s,
                         deadline: r.deadline_ticks.map(|d| now + Duration::from_millis(u64::from(d) * 10)),
                         submitted_at: now,
@@ -405,6 +406,7 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
         total_slots: 8,
         queue_capacity: 4,
         max_active: 8,
+        watermark_slots: 0,
     };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(64);
@@ -463,6 +465,7 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
         total_slots: 4,
         queue_capacity: 4,
         max_active: 4,
+        watermark_slots: 0,
     };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     let (s, rx, _closed) = sink(1_000_000);
@@ -492,6 +495,7 @@ fn load_never_hides_a_submitted_request() {
         total_slots: 4,
         queue_capacity: 64,
         max_active: 1,
+        watermark_slots: 0,
     };
     let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
     for round in 0..200u32 {
@@ -541,6 +545,7 @@ fn callers_that_left_do_not_hold_queue_places_while_the_engine_is_busy() {
         total_slots: 1,
         queue_capacity: 2,
         max_active: 1,
+        watermark_slots: 0,
     };
     let (entered_tx, entered) = mpsc::sync_channel(8);
     let (go, go_rx) = mpsc::sync_channel(8);

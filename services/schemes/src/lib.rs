@@ -35,4 +35,4 @@ pub use request::{
     LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
     SureLockParams, WinoParams,
 };
-pub use served::{load_model, LoadOptions, ModelInfo, Planner, Served, ServedModel};
+pub use served::{load_model, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -211,6 +211,19 @@ pub struct LoadOptions {
     pub attention: AttentionKernel,
     /// How CPU float32 weights are stored (bf16: half the bytes, float32 arithmetic).
     pub weight_dtype: WeightDtype,
+    /// How requests of a paged family take their K/V pages.
+    pub kv_reserve: KvReserve,
+}
+
+/// How a request of a family with paged K/V takes its pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvReserve {
+    /// Its first step's pages at admission, more as it grows, preempted when the pool is short.
+    #[default]
+    OnDemand,
+    /// Its worst case (prompt and every token it may generate) at admission: no growth and no
+    /// preemption, fewer requests at once (the comparison point of the benchmarks).
+    WorstCase,
 }
 
 impl Default for LoadOptions {
@@ -228,6 +241,7 @@ impl Default for LoadOptions {
             collective: CollectiveKind::Auto,
             attention: AttentionKernel::Sdpa,
             weight_dtype: WeightDtype::F32,
+            kv_reserve: KvReserve::OnDemand,
         }
     }
 }
@@ -271,12 +285,15 @@ pub(crate) fn optional_tokenizer(files: &ModelFiles) -> Option<TextTokenizer> {
 
 /// Sizes the slot pool from the memory budget (`bytes_per_slot` each) and
 /// starts the engine of `planner`'s model; the family is built by `make` on
-/// the engine thread.
+/// the engine thread. Admission keeps `watermark_permille` thousandths of the
+/// pool free for running requests to grow into (0 for families that reserve
+/// a request's slots at admission).
 pub(crate) fn start_served<P, F, M>(
     planner: Arc<P>,
     tokenizer: Option<TextTokenizer>,
     opts: &LoadOptions,
     bytes_per_slot: usize,
+    watermark_permille: usize,
     make: M,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
@@ -297,6 +314,7 @@ where
         total_slots,
         queue_capacity: opts.queue_capacity,
         max_active: opts.max_active,
+        watermark_slots: total_slots * watermark_permille / 1000,
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);
     tracing::info!(

@@ -371,3 +371,44 @@ pub fn assert_tensor_parallel_decodes_match(
     }
     Ok(())
 }
+
+/// Serves `specs` all at once from a pool of `memory_budget_bytes` (a few pages: requests are
+/// preempted and resumed), and checks that every request's [`Outcome::work`] (tokens, finish
+/// reason, every statistic but timing) is what `served` alone, with room to spare, produces.
+/// Returns the preemptions the tight engine made.
+pub fn assert_preempted_requests_match_alone(
+    files: ModelFiles,
+    served: &dyn ServedModel,
+    memory_budget_bytes: u64,
+    specs: &[GenerateSpec],
+) -> Result<u64> {
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served, s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    let opts = LoadOptions {
+        memory_budget_bytes,
+        max_active: specs.len(),
+        ..LoadOptions::default()
+    };
+    let tight = load_model(files, opts)?;
+    let receivers = specs
+        .iter()
+        .map(|s| submit(tight.as_ref(), s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    for (i, (rx, want)) in receivers.iter().zip(&alone).enumerate() {
+        let got = collect(rx, Vec::new())?;
+        ensure!(
+            got.work() == want.work(),
+            "request {i} ({}) under pressure: {:?}, alone {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    wait_for_free_slots(tight.as_ref(), Duration::from_secs(10))?;
+    let load = tight.load();
+    tight.shutdown();
+    ensure!(load.preempted == 0 && load.active == 0);
+    Ok(load.preemptions)
+}

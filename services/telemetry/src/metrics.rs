@@ -8,8 +8,9 @@
 use std::net::SocketAddr;
 
 pub use wavefront_engine::metrics::{
-    ACTIVE_REQUESTS, CACHE_USAGE, QUEUE_DEPTH, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
-    TICK_REQUESTS, TICK_ROWS,
+    ACTIVE_REQUESTS, CACHE_USAGE, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL, PREEMPT_BYTES_FROM_HOST,
+    PREEMPT_BYTES_TO_HOST, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL, SLOTS_TOTAL, SLOTS_USED,
+    TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS, TICK_ROWS,
 };
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -57,8 +58,33 @@ fn describe() {
     );
     describe_gauge!(QUEUE_DEPTH, "Requests waiting for admission.");
     describe_gauge!(ACTIVE_REQUESTS, "Requests admitted and running.");
-    describe_gauge!(SLOTS_TOTAL, "Slots in the pool.");
-    describe_gauge!(SLOTS_USED, "Slots held by running requests.");
+    describe_gauge!(
+        SLOTS_TOTAL,
+        "Slots in the pool (for paged K/V families, pages: 16 positions of one layer)."
+    );
+    describe_gauge!(SLOTS_USED, "Slots (pages) held by running requests.");
+    describe_counter!(
+        PREEMPTIONS_TOTAL,
+        "Running requests preempted because another's next step could not get its slots."
+    );
+    describe_gauge!(
+        PREEMPTED_REQUESTS,
+        "Preempted requests waiting to resume (ahead of new arrivals)."
+    );
+    describe_counter!(
+        PREEMPT_BYTES_TO_HOST,
+        Unit::Bytes,
+        "Bytes of state moved from the slot pool to host memory by preemptions."
+    );
+    describe_counter!(
+        PREEMPT_BYTES_FROM_HOST,
+        Unit::Bytes,
+        "Bytes of state moved back from host memory when preempted requests resumed."
+    );
+    describe_counter!(
+        RECOMPUTED_ROWS_TOTAL,
+        "Rows dropped by preemption and computed again on resumption."
+    );
     describe_gauge!(
         CACHE_USAGE,
         "Fraction of the slot pool (K/V cache and latent states) held by running requests."

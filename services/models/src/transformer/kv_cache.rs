@@ -80,6 +80,11 @@ impl KvPool {
         self.inner.shared
     }
 
+    /// Pages whose storage exists (the most ever held at once, for a shared pool).
+    pub fn pages_made(&self) -> usize {
+        self.pages().iter().flatten().count()
+    }
+
     fn pages(&self) -> MutexGuard<'_, Vec<Option<Page>>> {
         // Every operation under the lock is one push or one clone: a panic leaves it consistent.
         self.inner
@@ -102,20 +107,17 @@ impl KvPool {
         if pages.len() <= i {
             pages.resize(i + 1, None);
         }
-        if let Some(p) = &pages[i] {
-            let (h, d) = (like.dim(0)?, like.dim(2)?);
-            if p.k.dims() != [h, self.inner.page_size, d] || p.k.dtype() != like.dtype() {
-                return Err(ModelError::Cache(format!(
-                    "page {id} holds {:?} {:?} keys, not [{h}, {}, {d}] {:?}",
-                    p.k.dims(),
-                    p.k.dtype(),
-                    self.inner.page_size,
-                    like.dtype()
-                )));
-            }
-            return Ok(p.clone());
-        }
         let shape = (like.dim(0)?, self.inner.page_size, like.dim(2)?);
+        if let Some(p) = &pages[i] {
+            // Pages are fungible across a model's caches; a page last used by a cache of
+            // another shape or device (a tensor-parallel rank on its own GPU) is made anew.
+            if p.k.dims3()? == shape
+                && p.k.dtype() == like.dtype()
+                && p.k.device().same_device(like.device())
+            {
+                return Ok(p.clone());
+            }
+        }
         let page = Page {
             k: Tensor::zeros(shape, like.dtype(), like.device())?,
             v: Tensor::zeros(shape, like.dtype(), like.device())?,
@@ -220,6 +222,11 @@ impl KvCache {
     /// Buffer indices a page holds.
     pub fn page_size(&self) -> usize {
         self.pool.page_size()
+    }
+
+    /// The pool the cache's pages come from.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
     }
 
     /// Pages `layers` layers of `len` indices take.

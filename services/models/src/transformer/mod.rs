@@ -36,6 +36,7 @@ mod ragged;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
+pub use kv_cache::{KvPool, PAGE_SIZE};
 pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use layers::rope_entries;

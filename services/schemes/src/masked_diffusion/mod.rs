@@ -242,6 +242,7 @@ impl LladaPlanner {
         Ok(Prepared {
             program,
             slots,
+            max_slots: slots,
             prompt_tokens,
         })
     }
@@ -347,5 +348,5 @@ where
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada::config, MaskedDiffusionFamily::new);
-    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }

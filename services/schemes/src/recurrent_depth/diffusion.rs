@@ -731,6 +731,7 @@ impl super::HuginnPlanner {
         Ok(wavefront_engine::Prepared {
             program: super::Program::Diffusion(program),
             slots,
+            max_slots: slots,
             prompt_tokens,
         })
     }

@@ -213,6 +213,7 @@ impl HuginnPlanner {
         Ok(Prepared {
             program: Program::Ar(program),
             slots,
+            max_slots: slots,
             prompt_tokens,
         })
     }
@@ -400,5 +401,5 @@ where
             .with_occupancy_multiplier(m),
     );
     let bytes_per_slot = 2 * cfg.n_embd * opts.dtype.size_in_bytes();
-    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }

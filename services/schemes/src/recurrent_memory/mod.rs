@@ -194,6 +194,7 @@ impl ArmtPlanner {
         Ok(Prepared {
             program,
             slots,
+            max_slots: slots,
             prompt_tokens,
         })
     }
@@ -261,5 +262,5 @@ where
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Armt::config, RecurrentMemoryFamily::new);
-    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }

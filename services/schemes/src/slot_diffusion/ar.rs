@@ -45,6 +45,11 @@ impl ArDecode {
         self.done
     }
 
+    /// Buffer indices the cache holds after the next call.
+    pub(crate) fn rows_after_next_call(&self) -> usize {
+        self.cache.len() + self.pending.len()
+    }
+
     pub(crate) fn next_call(&mut self) -> Call {
         let start = self.cache.len() as u32;
         let n = self.pending.len();

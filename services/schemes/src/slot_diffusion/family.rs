@@ -11,7 +11,8 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
+use wavefront_models::transformer::{KvCache, KvPool, PAGE_SIZE};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
@@ -101,9 +102,11 @@ pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
     Ok(ids.len())
 }
 
-/// The family: owns the model on the engine thread.
+/// The family: owns the model and the page pool of its requests' committed caches on the
+/// engine thread. Slot ids granted by the engine are page ids of the pool.
 pub struct SlotDiffusionFamily {
     model: Qwen3,
+    pool: KvPool,
     last_rows: Option<usize>,
 }
 
@@ -111,8 +114,20 @@ impl SlotDiffusionFamily {
     pub fn new(model: Qwen3) -> Self {
         Self {
             model,
+            pool: KvPool::shared(PAGE_SIZE),
             last_rows: None,
         }
+    }
+
+    /// Hands the slots granted to `a` since the last look to its state cache (moved into the
+    /// pool on first sight: programs are built outside the engine thread).
+    fn bind(&self, a: &mut Active<SdProgram>) {
+        let new = a.take_new_slots();
+        let cache = a.program.state_cache();
+        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
+            *cache = KvCache::in_pool(self.pool.clone());
+        }
+        cache.grant(new.into_iter().map(|s| s.0));
     }
 }
 
@@ -120,6 +135,9 @@ impl Family for SlotDiffusionFamily {
     type Program = SdProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), FamilyError> {
+        for a in batch.iter_mut() {
+            self.bind(a);
+        }
         let mut entries = entries(batch, |p| !p.is_done());
         let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
@@ -128,6 +146,40 @@ impl Family for SlotDiffusionFamily {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    fn slots_needed(&self, a: &Active<SdProgram>) -> usize {
+        if a.program.is_done() {
+            return a.slots.len();
+        }
+        a.program.pages_needed(PAGE_SIZE).max(a.slots.len())
+    }
+
+    fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
+        // A request preempted before its first tick moves its (empty) cache into the pool.
+        self.bind(a);
+        let bytes = a
+            .program
+            .state_cache()
+            .swap_out()
+            .map_err(|e| FamilyError::commit("slot-diffusion", e))?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
+    }
+
+    fn resume(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let bytes = a
+            .program
+            .state_cache()
+            .swap_in()
+            .map_err(|e| FamilyError::commit("slot-diffusion", e))?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
     }
 
     fn stop(&mut self, a: &mut Active<SdProgram>) {

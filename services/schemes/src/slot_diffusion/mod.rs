@@ -83,6 +83,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
+use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -95,8 +96,8 @@ use crate::kv_slot::KvSlot;
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
-    Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
+    ModelInfo, Planner, ServedModel,
 };
 use crate::SchemeError;
 
@@ -105,8 +106,11 @@ pub struct RefusionPlanner {
     cfg: Qwen3Config,
     mask_id: u32,
     info: ModelInfo,
-    /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
+    /// One position's K/V in one layer, over all tensor-parallel ranks.
     kv: KvSlot,
+    /// Tensor-parallel ranks: each layer's cache is one page table per rank.
+    world: usize,
+    reserve: KvReserve,
 }
 
 impl RefusionPlanner {
@@ -130,24 +134,56 @@ impl RefusionPlanner {
             cfg,
             mask_id,
             info,
+            world: 1,
+            reserve: KvReserve::OnDemand,
         })
     }
 
-    /// Bytes of one slot: one buffer row's K and V in one layer.
+    /// Bytes of one slot: a page of [`PAGE_SIZE`] buffer rows' K and V in one layer of one
+    /// tensor-parallel rank.
     pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes()
+        self.kv.bytes() * PAGE_SIZE / self.world
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
         self.kv = self.kv.with_world(world);
+        self.world = world.max(1);
         self
     }
 
-    /// Slots a request whose caches hold at most `rows` buffer rows reserves.
+    /// Takes each request's worst case at admission instead of pages on demand.
+    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
+        self.reserve = reserve;
+        self
+    }
+
+    /// Page tables of a request's cache: one per layer and rank.
+    fn kv_tables(&self) -> usize {
+        self.cfg.num_hidden_layers * self.world
+    }
+
+    /// Slots (pages) a cache of `rows` buffer rows takes.
     pub fn slots(&self, rows: usize) -> usize {
-        rows * self.cfg.num_hidden_layers
+        self.kv_tables() * rows.div_ceil(PAGE_SIZE)
+    }
+
+    /// The request of `scheme`, its caches at most `max_rows` rows: its first step's pages at
+    /// admission, or its worst case.
+    fn prepared(&self, scheme: Scheme, max_rows: usize, prompt_tokens: usize) -> Prepared<SdProgram> {
+        let max_slots = self.slots(max_rows);
+        let program = SdProgram::new(scheme, self.kv_tables(), max_slots);
+        let slots = match self.reserve {
+            KvReserve::OnDemand => program.pages_needed(PAGE_SIZE),
+            KvReserve::WorstCase => max_slots,
+        };
+        Prepared {
+            program,
+            slots,
+            max_slots,
+            prompt_tokens,
+        }
     }
 
     fn stop_ids(&self, spec: &GenerateSpec) -> Vec<u32> {
@@ -216,16 +252,16 @@ impl RefusionPlanner {
             eos_rule: p.eos_rule,
         };
         let sampler = (!s.is_greedy()).then(|| TokenSampler::new(*s));
-        let slots = self.slots(spec.prompt_ids.len() + gen + block_length);
+        let max_rows = spec.prompt_ids.len() + gen + block_length;
         let prompt_tokens = spec.prompt_ids.len();
         let stop = self.stop_ids(&spec);
         let mut program = PlanInfill::new(settings, spec.prompt_ids, gen, stop, sampler);
         program.stream_canvas = spec.stream_canvas;
-        Ok(Prepared {
-            program: SdProgram::new(Scheme::PlanInfill(Box::new(program))),
-            slots,
+        Ok(self.prepared(
+            Scheme::PlanInfill(Box::new(program)),
+            max_rows,
             prompt_tokens,
-        })
+        ))
     }
 
     fn prepare_ar(
@@ -241,7 +277,7 @@ impl RefusionPlanner {
                     .into(),
             );
         }
-        let slots = self.slots(spec.prompt_ids.len() + spec.max_new_tokens);
+        let max_rows = spec.prompt_ids.len() + spec.max_new_tokens;
         let prompt_tokens = spec.prompt_ids.len();
         let stop = self.stop_ids(&spec);
         let program = ArDecode::new(
@@ -250,11 +286,7 @@ impl RefusionPlanner {
             stop,
             TokenSampler::new(spec.sampling),
         );
-        Ok(Prepared {
-            program: SdProgram::new(Scheme::Ar(Box::new(program))),
-            slots,
-            prompt_tokens,
-        })
+        Ok(self.prepared(Scheme::Ar(Box::new(program)), max_rows, prompt_tokens))
     }
 }
 
@@ -299,9 +331,11 @@ where
 {
     let planner = Arc::new(
         RefusionPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)?
-            .with_tensor_parallel(opts.tensor_parallel),
+            .with_tensor_parallel(opts.tensor_parallel)
+            .with_reserve(opts.kv_reserve),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Qwen3::config, SlotDiffusionFamily::new);
-    start_served(planner, tokenizer, &opts, bytes_per_slot, make)
+    // 1% of the pool kept free at admission for running requests to grow into.
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

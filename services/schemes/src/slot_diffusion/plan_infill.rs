@@ -174,6 +174,12 @@ pub struct PlanInfill {
 }
 
 impl PlanInfill {
+    /// Buffer indices the committed cache holds after the next call's commit, at most: the
+    /// committed buffer (the prompt, from the first call on) and one block.
+    pub(crate) fn rows_after_next_commit(&self) -> usize {
+        self.buffer_ids.len() + self.s.block_length
+    }
+
     pub(crate) fn new(
         s: Settings,
         prompt: Vec<u32>,

@@ -3,7 +3,7 @@
 //! program's caches), and the commit of the call's results.
 
 use wavefront_engine::{Outbox, Stats};
-use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::ar::ArDecode;
 use super::call::{CacheUse, Call, CallRow, ReadOut};
@@ -20,15 +20,44 @@ pub(crate) enum Scheme {
 pub struct SdProgram {
     pub(crate) scheme: Scheme,
     pub(crate) stats: Stats,
+    /// Page tables of the request's committed cache: one per layer and tensor-parallel rank.
+    kv_tables: usize,
+    /// Slots (pages) the request may hold at most.
+    max_pages: usize,
 }
 
 impl SdProgram {
-    pub(crate) fn new(scheme: Scheme) -> Self {
+    pub(crate) fn new(scheme: Scheme, kv_tables: usize, max_pages: usize) -> Self {
         let mut stats = Stats::default();
         if matches!(scheme, Scheme::PlanInfill(_)) {
             stats.add_counter("blocks", 1);
         }
-        Self { scheme, stats }
+        Self {
+            scheme,
+            stats,
+            kv_tables,
+            max_pages,
+        }
+    }
+
+    /// The cache that holds the request's state between ticks (the committed cache of
+    /// plan-and-infill, the sequence's cache of `ar`): the one in the family's page pool.
+    /// Per-call scratch caches of plan-and-infill live within a tick.
+    pub(crate) fn state_cache(&mut self) -> &mut KvCache {
+        match &mut self.scheme {
+            Scheme::PlanInfill(p) => &mut p.main,
+            Scheme::Ar(a) => &mut a.cache,
+        }
+    }
+
+    /// Pages the state cache holds after the next call at most: `ar` writes its pending
+    /// tokens; a plan-and-infill commit appends at most one block (the first, the prompt too).
+    pub(crate) fn pages_needed(&self, page_size: usize) -> usize {
+        let rows = match &self.scheme {
+            Scheme::PlanInfill(p) => p.rows_after_next_commit(),
+            Scheme::Ar(a) => a.rows_after_next_call(),
+        };
+        (self.kv_tables * rows.div_ceil(page_size)).min(self.max_pages)
     }
 
     /// Keeps a record of every iteration and model call (plan-and-infill).

@@ -18,7 +18,8 @@ use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, S
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
     assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
-    refused_as_too_large, serve, submit, wait_for_free_slots,
+    assert_preempted_requests_match_alone, refused_as_too_large, serve, submit,
+    wait_for_free_slots,
 };
 
 const EOS: u32 = 486;
@@ -112,6 +113,28 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     // Every slot came back.
     wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
     served.shutdown();
+    Ok(())
+}
+
+/// Sixteen requests of both schemes, greedy and seeded, at once on a pool of 12 pages (the
+/// largest request needs 8 over its life): pages are taken as the caches grow, requests are
+/// preempted (their committed caches moved to host memory) and resumed in other pages, and
+/// every request produces exactly what it produces alone with room to spare.
+#[test]
+fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
+    let mut specs = mixed_requests();
+    specs.push(spec(prompt(20, 11), 40, ar()));
+    specs.push(sampled(spec(prompt(3, 12), 30, ar()), 0.7, 9));
+    specs.push(sampled(spec(prompt(5, 13), 32, plan_infill(4, 2, 0.8, 0.2)), 1.0, 5));
+    specs.push(spec(prompt(14, 14), 24, plan_infill(2, 3, 0.9, 0.3)));
+    assert_eq!(specs.len(), 16);
+    let roomy = fixture_served(16)?;
+    let page = roomy.load().total_slots;
+    let page_bytes = (256 << 20) / page as u64;
+    let preemptions =
+        assert_preempted_requests_match_alone(fixture_files()?, roomy.as_ref(), 12 * page_bytes, &specs)?;
+    ensure!(preemptions > 0, "a pool of 12 pages for 16 requests must preempt");
+    roomy.shutdown();
     Ok(())
 }
 
@@ -355,13 +378,16 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     ensure!(planner
         .prepare(spec(prompt(4, 0), 32, pi(PlanInfillParams::default())))
         .is_ok());
-    // Slots: the committed cache plus one block of appended K/V, per layer; ar its cache.
-    let slots = |s| planner.prepare(s).map(|p| p.slots);
-    ensure!(slots(base())? == (4 + 16 + 8) * 2);
-    ensure!(slots(with(ar()))? == (4 + 16) * 2);
-    // A request larger than the pool is refused at once (slot: 2 · 2 heads · 16 · 4 bytes).
-    let (needed, total) = refused_as_too_large(fixture_files()?, 256 * 50, base())?;
-    ensure!((needed, total) == (56, 50), "{needed} of {total} slots");
+    // Slots are pages of 16 rows per layer. Admission takes the first step's: the committed
+    // cache after the first commit (the prompt and one block); at most, the prompt, every
+    // generated token and one block. `ar`: the prompt, then the prompt and every token.
+    let slots = |s| planner.prepare(s).map(|p| (p.slots, p.max_slots));
+    ensure!(slots(base())? == ((4 + 8_usize).div_ceil(16) * 2, (4 + 16 + 8_usize).div_ceil(16) * 2));
+    ensure!(slots(with(ar()))? == (4_usize.div_ceil(16) * 2, (4 + 16_usize).div_ceil(16) * 2));
+    // A request whose worst case exceeds the pool is refused at once (slot: 16 rows of
+    // 2 · 2 heads · 16 · 4 bytes).
+    let (needed, total) = refused_as_too_large(fixture_files()?, 16 * 256 * 3, base())?;
+    ensure!((needed, total) == (4, 3), "{needed} of {total} slots");
     Ok(())
 }
 
@@ -467,13 +493,16 @@ fn slot_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<
 /// holds half the slots.
 #[test]
 fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
+    // A slot is a page: 16 rows of one layer of one rank. The fixture's 2 kv heads are split
+    // over 2 ranks, and replicated over 4 (each rank keeps one).
     let (_, planner) = fixture()?;
-    ensure!(planner.slot_bytes() == 2 * 2 * 16 * 4);
+    ensure!(planner.slot_bytes() == 16 * 2 * 2 * 16 * 4);
     let (_, planner) = fixture()?;
-    ensure!(planner.with_tensor_parallel(2).slot_bytes() == 2 * 2 * 16 * 4);
+    ensure!(planner.with_tensor_parallel(2).slot_bytes() == 16 * 2 * 16 * 4);
     let (_, planner) = fixture()?;
-    ensure!(planner.with_tensor_parallel(4).slot_bytes() == 2 * 4 * 16 * 4);
-    let slots = |world| -> Result<usize> {
+    ensure!(planner.with_tensor_parallel(4).slot_bytes() == 16 * 2 * 16 * 4);
+    // Rows of K/V the pool holds: the same split over 2 ranks, half replicated over 4.
+    let rows = |world: usize| -> Result<usize> {
         let served = crate::served::load_model(
             fixture_files()?,
             crate::served::LoadOptions {
@@ -483,9 +512,10 @@ fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
         )?;
         let total = served.load().total_slots;
         served.shutdown();
-        Ok(total)
+        Ok(total / world * 16)
     };
-    ensure!(slots(1)? == 2 * slots(4)?);
+    ensure!(rows(1)? == rows(2)?);
+    ensure!(rows(1)? == 2 * rows(4)?);
     Ok(())
 }
 

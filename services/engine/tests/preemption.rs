@@ -1,0 +1,302 @@
+//! Slots granted as programs grow, and preemption when the pool is short, with a fake family
+//! whose state really lives in the slots: a program's output depends on every value it stored,
+//! so a slot lost, shared or mixed up in a move changes its tokens.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use proptest::prelude::*;
+use wavefront_engine::scheduler::{Scheduler, Waiting};
+use wavefront_engine::{
+    Active, Event, EventSink, Family, FamilyError, FinishReason, Moved, Prepared, RequestId,
+    SinkError, SlotId, Stats,
+};
+
+/// Values per slot (a page).
+const PAGE: usize = 2;
+
+/// Stores one value per tick; emits a token that hashes everything stored so far.
+#[derive(Debug)]
+struct Grower {
+    seed: u64,
+    len: usize,
+    /// Slots the program writes, in order (its page table).
+    table: Vec<SlotId>,
+    spare: Vec<SlotId>,
+    stored: usize,
+    /// Values moved out while preempted.
+    host: Option<Vec<u64>>,
+}
+
+impl Grower {
+    fn need(&self) -> usize {
+        (self.stored + 1).div_ceil(PAGE)
+    }
+}
+
+#[derive(Default)]
+struct PagedFamily {
+    storage: HashMap<(SlotId, usize), u64>,
+    preemptions: usize,
+}
+
+impl PagedFamily {
+    fn take_new(a: &mut Active<Grower>) {
+        let new = a.take_new_slots();
+        a.program.spare.extend(new);
+    }
+}
+
+impl Family for PagedFamily {
+    type Program = Grower;
+
+    fn tick(&mut self, batch: &mut [&mut Active<Grower>]) -> Result<(), FamilyError> {
+        let mut owners = HashMap::new();
+        for a in batch.iter_mut() {
+            Self::take_new(a);
+            let p = &mut a.program;
+            assert!(p.host.is_none(), "a swapped-out program ticked");
+            if p.stored.is_multiple_of(PAGE) {
+                let s = p.spare.pop().expect("the scheduler granted the next page");
+                p.table.push(s);
+            }
+            for s in &a.slots {
+                assert!(owners.insert(*s, a.id).is_none(), "slot {s} held twice");
+            }
+        }
+        for a in batch.iter_mut() {
+            let p = &mut a.program;
+            let value = p.seed.wrapping_mul(31).wrapping_add(p.stored as u64);
+            let slot = p.table[p.stored / PAGE];
+            self.storage.insert((slot, p.stored % PAGE), value);
+            p.stored += 1;
+            let mut h = 0u64;
+            for i in 0..p.stored {
+                let v = self.storage[&(p.table[i / PAGE], i % PAGE)];
+                h = h.wrapping_mul(1_000_003).wrapping_add(v);
+            }
+            a.outbox.tokens(vec![(h % 50_000) as u32]);
+            if p.stored >= p.len {
+                let mut stats = Stats::default();
+                stats.add_counter("stored", p.stored as u64);
+                a.outbox.finish(FinishReason::Length, stats);
+            }
+        }
+        Ok(())
+    }
+
+    fn slots_needed(&self, a: &Active<Grower>) -> usize {
+        a.program.need()
+    }
+
+    fn preempt(&mut self, a: &mut Active<Grower>) -> Result<Moved, FamilyError> {
+        let p = &mut a.program;
+        let values: Vec<u64> = (0..p.stored)
+            .map(|i| {
+                self.storage
+                    .remove(&(p.table[i / PAGE], i % PAGE))
+                    .expect("stored")
+            })
+            .collect();
+        let bytes = 8 * values.len() as u64;
+        p.host = Some(values);
+        p.table.clear();
+        p.spare.clear();
+        self.preemptions += 1;
+        Ok(Moved {
+            bytes,
+            recomputed_rows: 0,
+        })
+    }
+
+    fn resume(&mut self, a: &mut Active<Grower>) -> Result<Moved, FamilyError> {
+        Self::take_new(a);
+        let p = &mut a.program;
+        let values = p.host.take().expect("swapped out");
+        for (i, v) in values.iter().enumerate() {
+            if i % PAGE == 0 {
+                p.table.push(p.spare.pop().expect("granted"));
+            }
+            self.storage.insert((p.table[i / PAGE], i % PAGE), *v);
+        }
+        Ok(Moved {
+            bytes: 8 * values.len() as u64,
+            recomputed_rows: 0,
+        })
+    }
+}
+
+struct Sink(mpsc::SyncSender<Event>);
+
+impl EventSink for Sink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        self.0.try_send(event).map_err(|e| match e {
+            mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
+            mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+fn grower(seed: u64, len: usize) -> Prepared<Grower> {
+    Prepared {
+        program: Grower {
+            seed,
+            len,
+            table: Vec::new(),
+            spare: Vec::new(),
+            stored: 0,
+            host: None,
+        },
+        slots: 1,
+        max_slots: len.div_ceil(PAGE),
+        prompt_tokens: 1,
+    }
+}
+
+/// What a request received: its tokens, and how it ended.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    /// The reason and the statistics that do not measure time.
+    end: Result<(FinishReason, Stats), String>,
+}
+
+/// Runs `reqs` (seed, length, arrival step) on a pool of `total` slots; returns each request's
+/// outcome, the family's preemptions and the steps taken.
+fn run(total: usize, watermark: usize, reqs: &[(u64, usize, u64)]) -> (Vec<Outcome>, usize, u64) {
+    let mut sched: Scheduler<Grower> = Scheduler::new(total, 64, 64).with_watermark(watermark);
+    let mut family = PagedFamily::default();
+    let mut rxs = Vec::new();
+    let mut step = 0u64;
+    loop {
+        for (i, &(seed, len, at)) in reqs.iter().enumerate() {
+            if at == step {
+                let (tx, rx) = mpsc::sync_channel(4096);
+                let w = Waiting {
+                    id: RequestId(i as u64),
+                    prepared: grower(seed, len),
+                    sink: Box::new(Sink(tx)),
+                    deadline: None,
+                    submitted_at: Instant::now(),
+                    span: tracing::Span::none(),
+                };
+                assert!(sched.enqueue(w).is_ok());
+                rxs.push(rx);
+            }
+        }
+        sched.step(&mut family, Instant::now());
+        assert!(sched.pool().used() <= total);
+        step += 1;
+        if step > reqs.iter().map(|r| r.2).max().unwrap_or(0) && sched.is_idle() {
+            break;
+        }
+        assert!(step < 100_000, "no progress");
+    }
+    assert_eq!(sched.pool().free(), total, "every slot came back");
+    assert!(family.storage.is_empty() || family.storage.len() <= total * PAGE);
+    let outcomes = rxs
+        .iter()
+        .map(|rx| {
+            let mut tokens = Vec::new();
+            let mut end = Err("no final event".to_string());
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    Event::Tokens(t) => tokens.extend(t),
+                    Event::Finished { reason, mut stats } => {
+                        stats.queue_time = Default::default();
+                        stats.compute_time = Default::default();
+                        end = Ok((reason, stats));
+                    }
+                    Event::Failed(e) => end = Err(e.to_string()),
+                    Event::Canvas(_) => {}
+                }
+            }
+            Outcome { tokens, end }
+        })
+        .collect();
+    (outcomes, family.preemptions, step)
+}
+
+#[test]
+fn sixteen_requests_on_a_few_pages_preempt_and_finish_with_the_tokens_of_a_roomy_pool() {
+    let reqs: Vec<(u64, usize, u64)> = (0..16)
+        .map(|i| (i * 7 + 1, 3 + (i as usize * 5) % 11, i % 3))
+        .collect();
+    let (roomy, none, _) = run(1000, 0, &reqs);
+    assert_eq!(none, 0, "a roomy pool never preempts");
+    let (tight, preemptions, _) = run(8, 1, &reqs);
+    assert!(preemptions > 0, "eight slots for sixteen growing requests must preempt");
+    assert_eq!(tight, roomy);
+    for o in &tight {
+        assert!(matches!(o.end, Ok((FinishReason::Length, _))), "{o:?}");
+    }
+}
+
+#[test]
+fn admission_takes_the_first_step_not_the_worst_case() {
+    let mut sched: Scheduler<Grower> = Scheduler::new(10, 64, 64);
+    let mut family = PagedFamily::default();
+    let mut keep = Vec::new();
+    for i in 0..10 {
+        let (tx, rx) = mpsc::sync_channel(4096);
+        keep.push(rx);
+        let w = Waiting {
+            id: RequestId(i),
+            // Worst case 10 slots each: a worst-case reservation would admit one.
+            prepared: grower(i, 20),
+            sink: Box::new(Sink(tx)),
+            deadline: None,
+            submitted_at: Instant::now(),
+            span: tracing::Span::none(),
+        };
+        assert!(sched.enqueue(w).is_ok());
+    }
+    let report = sched.step(&mut family, Instant::now());
+    assert_eq!(report.admitted, 10);
+    assert_eq!(report.ticked, 10);
+    assert_eq!(sched.pool().used(), 10);
+}
+
+#[test]
+fn a_request_larger_than_the_pool_is_refused_at_submission() {
+    let sched: Scheduler<Grower> = Scheduler::new(4, 8, 8);
+    let (tx, _rx) = mpsc::sync_channel(4);
+    let w = Waiting {
+        id: RequestId(0),
+        prepared: grower(1, 9),
+        sink: Box::new(Sink(tx)),
+        deadline: None,
+        submitted_at: Instant::now(),
+        span: tracing::Span::none(),
+    };
+    let err = sched.shared_queue().push(w, Instant::now()).err().map(|e| e.1);
+    assert!(
+        matches!(err, Some(wavefront_engine::EngineError::TooLarge { needed: 5, total: 4 })),
+        "{err:?}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Whatever the pool size, arrivals and lengths: every request finishes with the tokens and
+    /// statistics of a run without pressure, and every slot comes back.
+    #[test]
+    fn preemption_never_changes_what_a_request_produces(
+        total in 3usize..12,
+        watermark in 0usize..2,
+        reqs in proptest::collection::vec((0u64..1000, 1usize..6, 0u64..10), 1..20),
+    ) {
+        let reqs: Vec<(u64, usize, u64)> = reqs
+            .into_iter()
+            .map(|(seed, len, at)| (seed, len.min(total * PAGE), at))
+            .collect();
+        let (roomy, _, _) = run(1000, 0, &reqs);
+        let (tight, _, _) = run(total, watermark, &reqs);
+        prop_assert_eq!(tight, roomy);
+    }
+}
