@@ -18,10 +18,14 @@
 //!   exits need. Upstream hardcodes C = 4 and the first core slot 2 here; the flat core index
 //!   used in this module makes both follow the model's config (identical for the real model).
 //!
-//! Storage: one contiguous `[H, capacity, D]` key and value buffer per slot, grown by doubling,
-//! written in place, plus a host-side bitmap of the positions present. Attention over a fully
-//! populated slot reads one narrow view (no copy); holes are resolved by concatenating runs of
-//! positions from their source slots. The cache never reads device memory back to the host.
+//! Storage: per slot, a page table over positions (pages of [`PAGE_SIZE`] positions from a
+//! [`KvPool`]: the model's shared pool when the engine grants the pages, else a private one)
+//! and a host-side bitmap of the positions present. A page is taken when a position in it is
+//! first written, so a slot that only some positions reach (a deep recurrence under adaptive
+//! exits) holds only the pages of those positions. Attention reads runs of positions in place,
+//! one per page (holes resolved per position from their source slots); nothing is
+//! concatenated as the sequence grows, and the cache never reads device memory back to the
+//! host.
 
 use std::fmt;
 use std::str::FromStr;
@@ -29,6 +33,8 @@ use std::str::FromStr;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::transformer::kv_cache::{HostPage, PageSupply};
+use crate::transformer::{KvPool, PAGE_SIZE};
 
 /// How core-block cache slots are stored and looked up (upstream `cache_lookup_strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -118,18 +124,16 @@ enum StoreKey {
     Coda(usize),
 }
 
-/// Keys and values of one slot: `[H, capacity, D]` buffers and the positions written.
+/// Keys and values of one slot: a page table over positions (a page holds
+/// [`KvPool::page_size`] consecutive positions; pages no position of which was written are
+/// absent) and the positions written.
+#[derive(Debug, Clone, Default)]
 struct KvStore {
-    k: Tensor,
-    v: Tensor,
+    pages: Vec<Option<u32>>,
     present: Vec<bool>,
 }
 
 impl KvStore {
-    fn capacity(&self) -> usize {
-        self.k.dims()[1]
-    }
-
     fn has(&self, pos: usize) -> bool {
         self.present.get(pos).copied().unwrap_or(false)
     }
@@ -138,20 +142,24 @@ impl KvStore {
         self.present.len() >= upto && self.present[..upto].iter().all(|&p| p)
     }
 
-    fn bytes(&self) -> usize {
-        2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
+    fn pages_used(&self) -> usize {
+        self.pages.iter().flatten().count()
     }
 }
+
+/// A store key with its pages copied to host memory (a swapped-out cache).
+type SwappedStore = (StoreKey, Vec<Option<HostPage>>);
 
 /// Per-sequence KV cache of a Huginn model.
 pub struct HuginnCache {
     strategy: CacheStrategy,
     len: usize,
-    min_capacity: usize,
     core_layers: Option<usize>,
     prelude: Vec<Option<KvStore>>,
     core: Vec<Option<KvStore>>,
     coda: Vec<Option<KvStore>>,
+    supply: PageSupply,
+    swapped: Option<Vec<SwappedStore>>,
 }
 
 impl fmt::Debug for HuginnCache {
@@ -163,30 +171,28 @@ impl fmt::Debug for HuginnCache {
                 "core_slots",
                 &self.core.iter().filter(|s| s.is_some()).count(),
             )
-            .field("bytes", &self.allocated_bytes())
+            .field("pages", &self.pages_used())
             .finish()
     }
 }
 
-/// Initial capacity granularity of a slot buffer (positions).
-const CAPACITY_QUANTUM: usize = 16;
-
 impl HuginnCache {
-    /// An empty cache.
+    /// An empty cache over a private pool of pages.
     pub fn new(strategy: CacheStrategy) -> Self {
-        Self::with_capacity(strategy, 0)
+        Self::in_pool(strategy, KvPool::private(PAGE_SIZE))
     }
 
-    /// An empty cache whose slot buffers start with room for `positions` entries.
-    pub fn with_capacity(strategy: CacheStrategy, positions: usize) -> Self {
+    /// An empty cache over `pool`; over a shared pool it takes only pages it was granted.
+    pub fn in_pool(strategy: CacheStrategy, pool: KvPool) -> Self {
         Self {
             strategy,
             len: 0,
-            min_capacity: positions,
             core_layers: None,
             prelude: Vec::new(),
             core: Vec::new(),
             coda: Vec::new(),
+            supply: PageSupply::new(pool),
+            swapped: None,
         }
     }
 
@@ -205,26 +211,89 @@ impl HuginnCache {
         self.len == 0
     }
 
-    /// Drops every slot's entries at positions `>= len` (upstream `clear_last_k_entries`).
-    /// Buffers keep their capacity.
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-        for store in self.stores_mut() {
-            store.present.truncate(len);
-        }
+    /// The pool the cache's pages come from.
+    pub fn pool(&self) -> &KvPool {
+        self.supply.pool()
     }
 
-    /// Drops every entry and frees the buffers.
+    /// Positions a page holds.
+    pub fn page_size(&self) -> usize {
+        self.supply.page_size()
+    }
+
+    /// Gives this cache pages (slot ids of the engine) to take as it grows.
+    pub fn grant(&mut self, pages: impl IntoIterator<Item = u32>) {
+        self.supply.grant(pages);
+    }
+
+    /// Pages in the page tables.
+    pub fn pages_used(&self) -> usize {
+        self.stores().map(KvStore::pages_used).sum()
+    }
+
+    /// Pages held: in the tables, and granted but not used yet.
+    pub fn pages_held(&self) -> usize {
+        self.pages_used() + self.supply.spare()
+    }
+
+    /// Pages the cache holds once positions `rows` are written to `core_stores` core slots as
+    /// well as every prelude and coda slot (`prelude` and `coda` layers), at most: the pages it
+    /// holds, plus a page for every slot whose page of a new position is not there yet (or was
+    /// swapped out).
+    pub fn pages_after(
+        &self,
+        rows: std::ops::Range<usize>,
+        prelude: usize,
+        core_stores: usize,
+        coda: usize,
+    ) -> usize {
+        let p = self.page_size();
+        let new_pages = || (rows.start / p)..rows.end.div_ceil(p);
+        let missing = |store: Option<&KvStore>| {
+            new_pages()
+                .filter(|&i| store.is_none_or(|s| s.pages.get(i).copied().flatten().is_none()))
+                .count()
+        };
+        let lists = [
+            (&self.prelude, prelude),
+            (&self.core, core_stores),
+            (&self.coda, coda),
+        ];
+        let mut total = self.pages_used() + self.swapped_pages();
+        for (list, n) in lists {
+            for i in 0..n.max(list.len()) {
+                total += missing(list.get(i).and_then(Option::as_ref));
+            }
+        }
+        total
+    }
+
+    /// Drops every slot's entries at positions `>= len` (upstream `clear_last_k_entries`);
+    /// pages wholly past them go back to the cache's spare ones.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+        let keep = len.div_ceil(self.page_size());
+        let mut freed = Vec::new();
+        for store in self.stores_mut() {
+            store.present.truncate(len);
+            if store.pages.len() > keep {
+                freed.extend(store.pages.split_off(keep).into_iter().flatten());
+            }
+        }
+        self.supply.give(freed);
+    }
+
+    /// Drops every entry (the pages stay this cache's to reuse).
     pub fn clear(&mut self) {
-        self.len = 0;
+        self.truncate(0);
         self.prelude.clear();
         self.core.clear();
         self.coda.clear();
     }
 
-    /// Device bytes held by key and value buffers.
+    /// Bytes of the pages the cache's tables hold.
     pub fn allocated_bytes(&self) -> usize {
-        self.stores().map(KvStore::bytes).sum()
+        self.pages_used() * self.supply.page_bytes()
     }
 
     /// Whether position `pos` has an entry in `slot` (after remapping, without fallback).
@@ -314,7 +383,7 @@ impl HuginnCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let (h, n, d) = k.dims3()?;
+        let (_, n, _) = k.dims3()?;
         if v.dims() != k.dims() {
             return Err(ModelError::Shape(format!(
                 "cache keys {:?} and values {:?} differ",
@@ -322,55 +391,61 @@ impl HuginnCache {
                 v.dims()
             )));
         }
-        if slot == CacheSlot::Prelude(0) {
+        if self.swapped.is_some() {
+            return Err(ModelError::Cache("the cache is swapped out".into()));
+        }
+        let new_len = if slot == CacheSlot::Prelude(0) {
             if start != self.len {
                 return Err(ModelError::Cache(format!(
                     "rows start at position {start} but the cache holds {} positions",
                     self.len
                 )));
             }
-            self.len = start + n;
+            start + n
         } else if start + n > self.len {
             return Err(ModelError::Cache(format!(
                 "{slot:?}: positions {start}..{} beyond the cached length {}",
                 start + n,
                 self.len
             )));
-        }
+        } else {
+            self.len
+        };
         let key = self.resolve(slot)?;
-        let min_capacity = self.min_capacity;
-        let entry = self.store_slot_mut(key);
-        let needed = start + n;
-        match entry {
-            Some(store) if store.capacity() >= needed => {}
-            _ => {
-                let old_cap = entry.as_ref().map_or(0, KvStore::capacity);
-                let cap = grown_capacity(old_cap, needed, min_capacity);
-                let fresh_k = Tensor::zeros((h, cap, d), k.dtype(), k.device())?;
-                let fresh_v = Tensor::zeros((h, cap, d), v.dtype(), v.device())?;
-                let present = match entry.take() {
-                    Some(old) => {
-                        fresh_k.slice_set(&old.k, 1, 0)?;
-                        fresh_v.slice_set(&old.v, 1, 0)?;
-                        old.present
+        let used = self.pages_used();
+        let p = self.page_size();
+        let mut store = self.store_slot_mut(key).take().unwrap_or_default();
+        let mut done = 0;
+        let written = (|| {
+            while done < n {
+                let pos = start + done;
+                let (pi, off) = (pos / p, pos % p);
+                let take = (p - off).min(n - done);
+                if store.pages.len() <= pi {
+                    store.pages.resize(pi + 1, None);
+                }
+                let id = match store.pages[pi] {
+                    Some(id) => id,
+                    None => {
+                        let id = self.supply.take(used + store.pages_used())?;
+                        store.pages[pi] = Some(id);
+                        id
                     }
-                    None => Vec::new(),
                 };
-                *entry = Some(KvStore {
-                    k: fresh_k,
-                    v: fresh_v,
-                    present,
-                });
+                let (ks, vs) = (k.narrow(1, done, take)?, v.narrow(1, done, take)?);
+                self.supply.write(id, off, &ks, &vs)?;
+                done += take;
             }
-        }
-        let store = entry.as_mut().expect("slot store was just ensured");
-        check_layout(&store.k, k)?;
-        store.k.slice_set(k, 1, start)?;
-        store.v.slice_set(v, 1, start)?;
+            Ok::<(), ModelError>(())
+        })();
+        let needed = start + done;
         if store.present.len() < needed {
             store.present.resize(needed, false);
         }
         store.present[start..needed].fill(true);
+        *self.store_slot_mut(key) = Some(store);
+        written?;
+        self.len = new_len;
         Ok(())
     }
 
@@ -378,28 +453,49 @@ impl HuginnCache {
     /// `slot`: positions `0..upto` (T = `upto`), resolved with the lookup strategy. Under `full`,
     /// positions missing from the slot are skipped, so T may be smaller than `upto`.
     pub(crate) fn read(&self, slot: CacheSlot, upto: usize) -> Result<(Tensor, Tensor)> {
-        let mut runs = self.read_runs(slot, upto)?;
-        if runs.len() == 1 {
-            return Ok(runs.pop().expect("one run"));
-        }
-        let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = runs.into_iter().unzip();
-        Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+        crate::transformer::merge_runs(&self.read_runs(slot, upto)?)
     }
 
     /// [`HuginnCache::read`] without concatenating: the keys and values as runs of consecutive
-    /// positions `[H, n_i, D]`, views into the slots' buffers (nothing is copied), in key order.
+    /// positions `[H, n_i, D]` within one page each, views into the pages (nothing is copied),
+    /// in key order.
     pub(crate) fn read_runs(&self, slot: CacheSlot, upto: usize) -> Result<Vec<(Tensor, Tensor)>> {
         let key = self.resolve(slot)?;
         let store = self
             .store(key)
             .ok_or_else(|| ModelError::Cache(format!("{slot:?} was never written")))?;
-        if store.covers(upto) {
-            return Ok(vec![(
-                store.k.narrow(1, 0, upto)?,
-                store.v.narrow(1, 0, upto)?,
-            )]);
+        let runs: Vec<(StoreKey, usize, usize)> = if store.covers(upto) {
+            vec![(key, 0, upto)]
+        } else {
+            self.hole_runs(slot, key, store, upto)?
+        };
+        let p = self.page_size();
+        let mut out = Vec::with_capacity(runs.len() + upto / p);
+        for (source, start, n) in runs {
+            let s = self.store(source).expect("run sources exist");
+            let mut pos = start;
+            while pos < start + n {
+                let (pi, off) = (pos / p, pos % p);
+                let take = (p - off).min(start + n - pos);
+                let id = s.pages.get(pi).copied().flatten().ok_or_else(|| {
+                    ModelError::Cache(format!("{slot:?}: no page holds position {pos}"))
+                })?;
+                out.push(self.supply.view(id, off, take)?);
+                pos += take;
+            }
         }
-        // Holes: build runs of consecutive positions read from the same store.
+        Ok(out)
+    }
+
+    /// Runs `(source store, start, n)` of consecutive positions below `upto` read from the same
+    /// store, for a store with holes.
+    fn hole_runs(
+        &self,
+        slot: CacheSlot,
+        key: StoreKey,
+        store: &KvStore,
+        upto: usize,
+    ) -> Result<Vec<(StoreKey, usize, usize)>> {
         let fallback = match key {
             StoreKey::Core(f) if self.strategy.falls_back() => Some((f, self.core_layers()?)),
             _ => None,
@@ -434,40 +530,99 @@ impl HuginnCache {
                 "{slot:?} has no entries below {upto}"
             )));
         }
-        runs.into_iter()
-            .map(|(source, start, n)| {
-                let s = self.store(source).expect("run sources exist");
-                Ok((s.k.narrow(1, start, n)?, s.v.narrow(1, start, n)?))
-            })
-            .collect()
+        Ok(runs)
     }
 
     /// Device and dtype of the cached tensors, if any slot was written.
     pub fn device_dtype(&self) -> Option<(Device, DType)> {
-        self.stores()
-            .next()
-            .map(|s| (s.k.device().clone(), s.k.dtype()))
+        let id = self.stores().flat_map(|s| s.pages.iter().flatten()).next()?;
+        let (k, _) = self.supply.view(*id, 0, 1).ok()?;
+        Some((k.device().clone(), k.dtype()))
     }
-}
 
-fn grown_capacity(old: usize, needed: usize, min_capacity: usize) -> usize {
-    let cap = needed.max(old * 2).max(min_capacity);
-    cap.div_ceil(CAPACITY_QUANTUM) * CAPACITY_QUANTUM
-}
-
-fn check_layout(buffer: &Tensor, block: &Tensor) -> Result<()> {
-    let (bh, _, bd) = buffer.dims3()?;
-    let (h, _, d) = block.dims3()?;
-    if (bh, bd) != (h, d) || buffer.dtype() != block.dtype() {
-        return Err(ModelError::Shape(format!(
-            "cache block {:?} {:?} does not fit buffer {:?} {:?}",
-            block.dims(),
-            block.dtype(),
-            buffer.dims(),
-            buffer.dtype()
-        )));
+    /// Whether the cache's pages are in host memory ([`Self::swap_out`]).
+    pub fn is_swapped(&self) -> bool {
+        self.swapped.is_some()
     }
-    Ok(())
+
+    /// Pages [`Self::swap_in`] needs granted first.
+    pub fn swapped_pages(&self) -> usize {
+        self.swapped.as_ref().map_or(0, |s| {
+            s.iter().map(|(_, p)| p.iter().flatten().count()).sum()
+        })
+    }
+
+    /// Moves every page to host memory and gives up every page id (tables and spare ones: the
+    /// caller hands them back to the engine). Returns the bytes moved.
+    pub fn swap_out(&mut self) -> Result<usize> {
+        if self.swapped.is_some() {
+            return Err(ModelError::Cache("the cache is already swapped out".into()));
+        }
+        let keys: Vec<StoreKey> = [
+            (&self.prelude, StoreKey::Prelude as fn(usize) -> StoreKey),
+            (&self.core, StoreKey::Core),
+            (&self.coda, StoreKey::Coda),
+        ]
+        .into_iter()
+        .flat_map(|(list, make)| {
+            list.iter()
+                .enumerate()
+                .filter(|(_, s)| s.is_some())
+                .map(move |(i, _)| make(i))
+        })
+        .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut bytes = 0;
+        for key in keys {
+            let pages = std::mem::take(
+                &mut self
+                    .store_slot_mut(key)
+                    .as_mut()
+                    .expect("listed above")
+                    .pages,
+            );
+            let host = pages
+                .iter()
+                .map(|id| id.map(|id| self.supply.copy_out(id)).transpose())
+                .collect::<Result<Vec<_>>>()?;
+            bytes += host.iter().flatten().map(HostPage::bytes).sum::<usize>();
+            out.push((key, host));
+        }
+        self.supply.drop_spare();
+        self.swapped = Some(out);
+        Ok(bytes)
+    }
+
+    /// Moves the pages back from host memory into granted pages (any ids). Returns the bytes
+    /// moved.
+    pub fn swap_in(&mut self) -> Result<usize> {
+        let (need, have) = (self.swapped_pages(), self.supply.spare());
+        if need > have {
+            return Err(ModelError::Cache(format!(
+                "swapping in needs {need} pages; {have} were granted"
+            )));
+        }
+        let Some(stores) = self.swapped.take() else {
+            return Ok(0);
+        };
+        let mut bytes = 0;
+        for (key, host) in stores {
+            let mut pages = Vec::with_capacity(host.len());
+            for h in &host {
+                pages.push(match h {
+                    Some(h) => {
+                        bytes += h.bytes();
+                        Some(self.supply.copy_in(h, 0)?)
+                    }
+                    None => None,
+                });
+            }
+            if let Some(store) = self.store_slot_mut(key).as_mut() {
+                store.pages = pages;
+            }
+        }
+        Ok(bytes)
+    }
 }
 
 #[cfg(test)]

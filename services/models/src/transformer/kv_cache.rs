@@ -35,6 +35,12 @@ struct Page {
     v: Tensor,
 }
 
+impl Page {
+    fn bytes(&self) -> usize {
+        2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
+    }
+}
+
 #[derive(Debug)]
 struct PoolInner {
     page_size: usize,
@@ -55,7 +61,7 @@ impl KvPool {
         Self::make(page_size, true)
     }
 
-    fn private(page_size: usize) -> Self {
+    pub(crate) fn private(page_size: usize) -> Self {
         Self::make(page_size, false)
     }
 
@@ -135,11 +141,119 @@ impl KvPool {
     }
 }
 
-/// A cache's pages while it is swapped out: each layer's pages, copied to host memory.
+/// The pages one cache may write: a pool, and (shared pool) the page ids granted to the cache
+/// and not in use. Shared by every paged cache ([`KvCache`], Huginn's per-recurrence cache).
+#[derive(Debug)]
+pub(crate) struct PageSupply {
+    pool: KvPool,
+    spare: Vec<u32>,
+    /// Bytes of one page (both tensors), once a page was written.
+    page_bytes: usize,
+}
+
+impl PageSupply {
+    pub(crate) fn new(pool: KvPool) -> Self {
+        Self {
+            pool,
+            spare: Vec::new(),
+            page_bytes: 0,
+        }
+    }
+
+    pub(crate) fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    pub(crate) fn page_size(&self) -> usize {
+        self.pool.page_size()
+    }
+
+    pub(crate) fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Granted pages not in use.
+    pub(crate) fn spare(&self) -> usize {
+        self.spare.len()
+    }
+
+    pub(crate) fn grant(&mut self, pages: impl IntoIterator<Item = u32>) {
+        self.spare.extend(pages);
+    }
+
+    /// A page for new indices: a spare one, or (private pool) a new one. `used` is the pages
+    /// the cache holds, for the message when a shared pool's grant is spent.
+    pub(crate) fn take(&mut self, used: usize) -> Result<u32> {
+        if let Some(id) = self.spare.pop() {
+            return Ok(id);
+        }
+        if self.pool.is_shared() {
+            return Err(ModelError::Cache(format!(
+                "out of K/V pages: the cache holds {used} and was granted no more"
+            )));
+        }
+        Ok(self.pool.make_id())
+    }
+
+    /// Gives pages back to the spare ones (the cache keeps them for its next indices).
+    pub(crate) fn give(&mut self, pages: impl IntoIterator<Item = u32>) {
+        self.spare.extend(pages);
+    }
+
+    /// Forgets the spare pages (the engine takes every slot of a preempted request back).
+    pub(crate) fn drop_spare(&mut self) {
+        self.spare.clear();
+    }
+
+    /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`.
+    pub(crate) fn write(&mut self, id: u32, off: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let page = self.pool.page(id, k)?;
+        if self.page_bytes == 0 {
+            self.page_bytes = page.bytes();
+        }
+        page.k.slice_set(&k.contiguous()?, 1, off)?;
+        page.v.slice_set(&v.contiguous()?, 1, off)?;
+        Ok(())
+    }
+
+    /// Indices `off..off + n` of page `id`, in place.
+    pub(crate) fn view(&self, id: u32, off: usize, n: usize) -> Result<(Tensor, Tensor)> {
+        let page = self.pool.get(id)?;
+        Ok((page.k.narrow(1, off, n)?, page.v.narrow(1, off, n)?))
+    }
+
+    /// A host-memory copy of page `id` (its storage goes to the page's next owner).
+    pub(crate) fn copy_out(&self, id: u32) -> Result<HostPage> {
+        let page = self.pool.get(id)?;
+        Ok(HostPage {
+            device: page.k.device().clone(),
+            k: page.k.to_device(&Device::Cpu)?.copy()?,
+            v: page.v.to_device(&Device::Cpu)?.copy()?,
+        })
+    }
+
+    /// Takes a page and fills it with `host`; returns its id.
+    pub(crate) fn copy_in(&mut self, host: &HostPage, used: usize) -> Result<u32> {
+        let id = self.take(used)?;
+        let k = host.k.to_device(&host.device)?;
+        let v = host.v.to_device(&host.device)?;
+        self.write(id, 0, &k, &v)?;
+        Ok(id)
+    }
+}
+
+/// A page copied to host memory, with the device it came from.
 #[derive(Debug, Clone)]
-struct Swapped {
-    layers: Vec<Vec<Page>>,
+pub(crate) struct HostPage {
     device: Device,
+    k: Tensor,
+    v: Tensor,
+}
+
+impl HostPage {
+    pub(crate) fn bytes(&self) -> usize {
+        2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
+    }
 }
 
 /// One sequence's per-layer keys and values `[n_kv_heads, len, head_dim]` (keys after RoPE)
@@ -149,17 +263,14 @@ struct Swapped {
 /// within a tick.
 #[derive(Debug)]
 pub struct KvCache {
-    pool: KvPool,
+    supply: PageSupply,
     /// Per layer: page ids in buffer order.
     tables: Vec<Vec<u32>>,
     /// Per layer: valid indices (a layer runs ahead of `len` during a forward).
     layer_lens: Vec<usize>,
     len: usize,
-    /// Pages this cache may take (granted and not in a table).
-    spare: Vec<u32>,
-    /// Bytes of one page (both tensors), once a page was written.
-    page_bytes: usize,
-    swapped: Option<Swapped>,
+    /// Per layer, the pages moved to host memory while swapped out.
+    swapped: Option<Vec<Vec<HostPage>>>,
 }
 
 impl Default for KvCache {
@@ -170,10 +281,9 @@ impl Default for KvCache {
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        let mut c = Self::new_private(self.pool.page_size());
+        let mut c = Self::in_pool(KvPool::private(self.page_size()));
         for l in 0..self.tables.len() {
-            let n = self.layer_lens[l];
-            if n == 0 {
+            if self.layer_lens[l] == 0 {
                 continue;
             }
             let copied = self
@@ -190,22 +300,16 @@ impl Clone for KvCache {
 impl KvCache {
     /// An empty cache over a private pool.
     pub fn new() -> Self {
-        Self::new_private(PAGE_SIZE)
-    }
-
-    fn new_private(page_size: usize) -> Self {
-        Self::in_pool(KvPool::private(page_size))
+        Self::in_pool(KvPool::private(PAGE_SIZE))
     }
 
     /// An empty cache over `pool`; over a shared pool it takes only pages it was granted.
     pub fn in_pool(pool: KvPool) -> Self {
         Self {
-            pool,
+            supply: PageSupply::new(pool),
             tables: Vec::new(),
             layer_lens: Vec::new(),
             len: 0,
-            spare: Vec::new(),
-            page_bytes: 0,
             swapped: None,
         }
     }
@@ -221,12 +325,12 @@ impl KvCache {
 
     /// Buffer indices a page holds.
     pub fn page_size(&self) -> usize {
-        self.pool.page_size()
+        self.supply.page_size()
     }
 
     /// The pool the cache's pages come from.
     pub fn pool(&self) -> &KvPool {
-        &self.pool
+        self.supply.pool()
     }
 
     /// Pages `layers` layers of `len` indices take.
@@ -241,12 +345,12 @@ impl KvCache {
 
     /// Pages held: in the tables, and granted but not used yet.
     pub fn pages_held(&self) -> usize {
-        self.pages_used() + self.spare.len()
+        self.pages_used() + self.supply.spare()
     }
 
     /// Gives this cache pages (slot ids of the engine) to take as it grows.
     pub fn grant(&mut self, pages: impl IntoIterator<Item = u32>) {
-        self.spare.extend(pages);
+        self.supply.grant(pages);
     }
 
     /// Keeps buffer indices `0..len` only; pages past them go back to the cache's spare ones.
@@ -277,27 +381,13 @@ impl KvCache {
         let keep = len.div_ceil(self.page_size());
         if self.tables[l].len() > keep {
             let freed = self.tables[l].split_off(keep);
-            self.spare.extend(freed.into_iter().rev());
+            self.supply.give(freed.into_iter().rev());
         }
     }
 
     /// Bytes of the pages this cache's tables hold.
     pub fn allocated_bytes(&self) -> usize {
-        self.pages_used() * self.page_bytes
-    }
-
-    /// A page for the next index of a table: a spare one, or (private pool) a new one.
-    fn take_page(&mut self) -> Result<u32> {
-        if let Some(id) = self.spare.pop() {
-            return Ok(id);
-        }
-        if self.pool.is_shared() {
-            return Err(ModelError::Cache(format!(
-                "out of K/V pages: the cache holds {} and was granted no more",
-                self.pages_used()
-            )));
-        }
-        Ok(self.pool.make_id())
+        self.pages_used() * self.supply.page_bytes()
     }
 
     /// Stores the keys (after RoPE) and values `[n_kv_heads, len, head_dim]` of buffer indices
@@ -360,11 +450,7 @@ impl KvCache {
         let p = self.page_size();
         let table = self.table(layer)?;
         if n > 0 && start / p == (start + n - 1) / p {
-            let page = self.pool.get(table[start / p])?;
-            return Ok((
-                page.k.narrow(1, start % p, n)?,
-                page.v.narrow(1, start % p, n)?,
-            ));
+            return self.supply.view(table[start / p], start % p, n);
         }
         let (k, v) = self.layer_kv(layer)?;
         Ok((k.narrow(1, start, n)?, v.narrow(1, start, n)?))
@@ -381,22 +467,17 @@ impl KvCache {
     /// one per page, read in place (each is valid until the next write).
     pub fn layer_runs(&self, layer: usize) -> Result<Vec<(Tensor, Tensor)>> {
         let p = self.page_size();
-        let len = self.layer_lens.get(layer).copied().unwrap_or(0);
+        let len = self.layer_len(layer);
         let table = self.table(layer)?;
-        let mut runs = Vec::with_capacity(len.div_ceil(p));
-        for (i, &id) in table.iter().enumerate().take(len.div_ceil(p)) {
-            let n = (len - i * p).min(p);
-            let page = self.pool.get(id)?;
-            runs.push((page.k.narrow(1, 0, n)?, page.v.narrow(1, 0, n)?));
-        }
-        Ok(runs)
+        (0..len.div_ceil(p))
+            .map(|i| self.supply.view(table[i], 0, (len - i * p).min(p)))
+            .collect()
     }
 
     /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`, contiguous: a view when
     /// they fit in one page, else a copy (for checks and the non-kernel attention paths).
     pub fn layer_kv(&self, layer: usize) -> Result<(Tensor, Tensor)> {
-        let runs = self.layer_runs(layer)?;
-        merge_runs(&runs)
+        merge_runs(&self.layer_runs(layer)?)
     }
 
     /// Rows of `layer` valid now (the cache's length, or more once a forward wrote the layer).
@@ -446,16 +527,11 @@ impl KvCache {
             let (pi, off) = (index / p, index % p);
             let take = (p - off).min(n - done);
             if pi == self.tables[layer].len() {
-                let id = self.take_page()?;
+                let id = self.supply.take(self.pages_used())?;
                 self.tables[layer].push(id);
             }
-            let page = self.pool.page(self.tables[layer][pi], k)?;
-            if self.page_bytes == 0 {
-                self.page_bytes = 2 * page.k.elem_count() * page.k.dtype().size_in_bytes();
-            }
             let (ks, vs) = (k.narrow(1, done, take)?, v.narrow(1, done, take)?);
-            page.k.slice_set(&ks.contiguous()?, 1, off)?;
-            page.v.slice_set(&vs.contiguous()?, 1, off)?;
+            self.supply.write(self.tables[layer][pi], off, &ks, &vs)?;
             done += take;
         }
         self.layer_lens[layer] = held.max(at + n);
@@ -496,27 +572,16 @@ impl KvCache {
         }
         let mut layers = Vec::with_capacity(self.tables.len());
         let mut bytes = 0;
-        let mut device = Device::Cpu;
-        for table in &self.tables {
-            let mut pages = Vec::with_capacity(table.len());
-            for &id in table {
-                let page = self.pool.get(id)?;
-                device = page.k.device().clone();
-                // A copy, not a view: the page's storage goes to its next owner.
-                let host = Page {
-                    k: page.k.to_device(&Device::Cpu)?.copy()?,
-                    v: page.v.to_device(&Device::Cpu)?.copy()?,
-                };
-                bytes += 2 * host.k.elem_count() * host.k.dtype().size_in_bytes();
-                pages.push(host);
-            }
+        for table in &mut self.tables {
+            let pages = table
+                .drain(..)
+                .map(|id| self.supply.copy_out(id))
+                .collect::<Result<Vec<_>>>()?;
+            bytes += pages.iter().map(HostPage::bytes).sum::<usize>();
             layers.push(pages);
         }
-        for t in &mut self.tables {
-            t.clear();
-        }
-        self.spare.clear();
-        self.swapped = Some(Swapped { layers, device });
+        self.supply.drop_spare();
+        self.swapped = Some(layers);
         Ok(bytes)
     }
 
@@ -524,41 +589,30 @@ impl KvCache {
     pub fn swapped_pages(&self) -> usize {
         self.swapped
             .as_ref()
-            .map_or(0, |s| s.layers.iter().map(Vec::len).sum())
+            .map_or(0, |s| s.iter().map(Vec::len).sum())
     }
 
     /// Moves the pages back from host memory into granted pages (any ids). Returns the bytes
     /// moved.
     pub fn swap_in(&mut self) -> Result<usize> {
-        let Some(swapped) = self.swapped.take() else {
-            return Ok(0);
-        };
-        if self.spare.len() < self.swapped_pages_of(&swapped) {
-            let need = self.swapped_pages_of(&swapped);
-            let have = self.spare.len();
-            self.swapped = Some(swapped);
+        let (need, have) = (self.swapped_pages(), self.supply.spare());
+        if need > have {
             return Err(ModelError::Cache(format!(
                 "swapping in needs {need} pages; {have} were granted"
             )));
         }
+        let Some(layers) = self.swapped.take() else {
+            return Ok(0);
+        };
         let mut bytes = 0;
-        for (l, pages) in swapped.layers.iter().enumerate() {
+        for (l, pages) in layers.iter().enumerate() {
             for host in pages {
-                let id = self.take_page()?;
-                let k = host.k.to_device(&swapped.device)?;
-                let v = host.v.to_device(&swapped.device)?;
-                let page = self.pool.page(id, &k)?;
-                page.k.slice_set(&k, 1, 0)?;
-                page.v.slice_set(&v, 1, 0)?;
-                bytes += 2 * k.elem_count() * k.dtype().size_in_bytes();
+                let id = self.supply.copy_in(host, 0)?;
                 self.tables[l].push(id);
+                bytes += host.bytes();
             }
         }
         Ok(bytes)
-    }
-
-    fn swapped_pages_of(&self, s: &Swapped) -> usize {
-        s.layers.iter().map(Vec::len).sum()
     }
 }
 

@@ -26,7 +26,7 @@
 mod attention;
 mod block;
 pub mod cpu;
-mod kv_cache;
+pub(crate) mod kv_cache;
 mod layers;
 mod linear;
 #[cfg(feature = "cuda")]
@@ -36,6 +36,7 @@ mod ragged;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
+pub(crate) use kv_cache::merge_runs;
 pub use kv_cache::{KvPool, PAGE_SIZE};
 pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};

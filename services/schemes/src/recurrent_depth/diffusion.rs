@@ -720,7 +720,7 @@ impl super::HuginnPlanner {
         };
         let program = DiffusionProgram::new(
             spec.prompt_ids,
-            HuginnCache::with_capacity(strategy, positions),
+            HuginnCache::new(strategy),
             settings,
             draws,
             TokenSampler::new(spec.sampling),

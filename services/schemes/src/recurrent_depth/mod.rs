@@ -197,7 +197,7 @@ impl HuginnPlanner {
         let slots = positions * self.cache_layers(strategy, num_steps);
         let prompt_tokens = spec.prompt_ids.len();
         let program = ArProgram {
-            cache: HuginnCache::with_capacity(strategy, positions),
+            cache: HuginnCache::new(strategy),
             pending: spec.prompt_ids,
             num_steps,
             exit_threshold: a.exit_threshold,
