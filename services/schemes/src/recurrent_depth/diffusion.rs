@@ -49,6 +49,7 @@ use candle_core::{DType, Device, Tensor, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
@@ -119,6 +120,8 @@ pub struct DiffusionProgram {
     placeholders: Box<StdRng>,
     sampler_steps: u64,
     pub(crate) stats: Stats,
+    /// Slots (pages of latent states) the wavefront's states take.
+    pub(crate) latent_pages: usize,
 }
 
 impl DiffusionProgram {
@@ -148,7 +151,20 @@ impl DiffusionProgram {
             emitted: 0,
             wave: None,
             stats: Stats::default(),
+            latent_pages: 0,
         }
+    }
+
+    /// Moves the wavefront's states to `device` (host memory while preempted, back on resume).
+    pub(crate) fn move_latents(&mut self, device: &candle_core::Device) -> candle_core::Result<()> {
+        if let Some(w) = &mut self.wave {
+            w.z = w.z.to_device(device)?;
+            w.z_prev = w.z_prev.to_device(device)?;
+            if let Some(e) = &w.e_old {
+                w.e_old = Some(e.to_device(device)?);
+            }
+        }
+        Ok(())
     }
 
     /// Positions the next tick runs: the prompt (prefill), then the wavefront.
@@ -699,12 +715,12 @@ impl super::HuginnPlanner {
                 self.cfg.embed_scale(),
             ),
         };
-        // K/V slots: the wavefront may run up to `max_wavefront` positions past the frozen ones
-        // (never past the context). Latent slots: the wavefront's states (see the module doc).
+        // K/V pages: the wavefront may run up to `max_wavefront` positions past the frozen ones
+        // (never past the context). Latent pages: the wavefront's states (see the module doc).
         let positions = (spec.prompt_ids.len() + spec.max_new_tokens + d.max_wavefront)
             .min(self.cfg.block_size);
-        let slots =
-            positions * self.cache_layers(strategy, num_steps) + self.latent_slots(d.max_wavefront);
+        let latent_pages = self.latent_slots(d.max_wavefront).div_ceil(PAGE_SIZE);
+        let max_slots = self.kv_pages(positions, strategy, num_steps) + latent_pages;
         let prompt_tokens = spec.prompt_ids.len();
         let settings = DiffusionSettings {
             num_steps,
@@ -718,7 +734,7 @@ impl super::HuginnPlanner {
             continuous_compute: d.continuous_compute,
             vocab_size: self.cfg.vocab_size,
         };
-        let program = DiffusionProgram::new(
+        let mut program = DiffusionProgram::new(
             spec.prompt_ids,
             HuginnCache::new(strategy),
             settings,
@@ -728,11 +744,7 @@ impl super::HuginnPlanner {
             spec.max_new_tokens,
             spec.stop_token_ids,
         );
-        Ok(wavefront_engine::Prepared {
-            program: super::Program::Diffusion(program),
-            slots,
-            max_slots: slots,
-            prompt_tokens,
-        })
+        program.latent_pages = latent_pages;
+        Ok(self.prepared(super::Program::Diffusion(program), max_slots, prompt_tokens))
     }
 }

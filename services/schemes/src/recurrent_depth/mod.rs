@@ -21,31 +21,39 @@
 //!
 //! ## Slots
 //!
-//! The slot unit is `2 · n_embd` values of the model dtype; the pool holds
-//! `memory_budget_bytes / (2 · n_embd · dtype size)` of them. A slot holds
-//! either
-//! - one position's key and value in one cache layer (a *K/V slot*), or
-//! - one wavefront position's latent state together with its state after the
-//!   previous sampler step, which the freeze test compares it with (a *latent
-//!   slot*).
+//! The slot unit is a page: [`PAGE_SIZE`] rows of `2 · n_embd` values of the
+//! model dtype; the pool holds `memory_budget_bytes / (16 · 2 · n_embd · dtype
+//! size)` of them. A page holds either
+//! - the keys and values of 16 consecutive positions in one cache slot (a
+//!   prelude or coda layer, or a core layer at one recurrence), or
+//! - 16 wavefront positions' latent states together with their states after
+//!   the previous sampler step, which the freeze test compares them with.
 //!
-//! Every request reserves `positions × cache layers` K/V slots. Cache layers
-//! are the prelude and coda layers plus the core layers its
-//! `cache_lookup_strategy` keeps (every recurrence for `full` and
-//! `latest-m4`, `N` for `compress-sN`); positions are prompt +
-//! `max_new_tokens` for `ar`, and prompt + `max_new_tokens` +
-//! `max_wavefront` (at most the context) for `diffusion-forcing`, whose
-//! wavefront runs ahead of the frozen tokens. A diffusion-forcing request also
-//! reserves `ceil(max_wavefront × occupancy_multiplier)` latent slots
-//! ([`LoadOptions::occupancy_multiplier`]). At 1.0 that is one slot for every
-//! position the wavefront may hold; 1.5 also counts the momentum embeddings
-//! kept when `ema_embeds > 0` (half a slot per position); below 1.0 the pool
-//! over-commits latent memory, betting that wavefronts seldom reach their cap.
-//! `ar` latent states live only within one tick and are not reserved.
+//! The K/V pages are the family's page pool ([`HuginnFamily`]): slot ids are
+//! page ids, and a request's [`HuginnCache`] takes a page when a position in
+//! it is first written to a cache slot. Cache slots are the prelude and coda
+//! layers plus the core layers its `cache_lookup_strategy` keeps (every
+//! recurrence for `full` and `latest-m4`, `N` for `compress-sN`). Before each
+//! tick a request is granted the pages its next positions can reach
+//! ([`Program::pages_needed`]: a page for every cache slot whose page of a new
+//! position it does not hold yet), so an adaptive exit that stops early leaves
+//! the deeper slots' pages untaken; admission takes the first step's pages
+//! (the prompt's), not the worst case. The worst case (prompt +
+//! `max_new_tokens` positions, plus `max_wavefront` for diffusion forcing, in
+//! every cache slot) bounds what a request may ever hold: one larger than the
+//! pool is refused at once.
 //!
-//! Slots are fungible: a request holds a count of slots, not an address range,
-//! so requests of both schemes and any size share one pool, and admission
-//! (FIFO, whole reservation or nothing) bounds the memory all of them can use.
+//! A diffusion-forcing request also holds `ceil(max_wavefront ×
+//! occupancy_multiplier / 16)` latent pages from admission on
+//! ([`LoadOptions::occupancy_multiplier`]). At 1.0 that is one latent state
+//! for every position the wavefront may hold; 1.5 also counts the momentum
+//! embeddings kept when `ema_embeds > 0`; below 1.0 the pool over-commits
+//! latent memory. `ar` latent states live only within one tick.
+//!
+//! When the pool is short the engine preempts the newest request: its pages
+//! are copied to host memory with its latent states and given back, and it
+//! resumes, in whatever pages are free then, ahead of new arrivals, producing
+//! exactly the tokens it would have.
 
 pub mod ar;
 pub mod diffusion;
@@ -62,7 +70,10 @@ pub(crate) mod test_support;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Prepared, RequestError, Stats};
+use wavefront_engine::{
+    Active, Family, FamilyError, FinishReason, Moved, Prepared, RequestError, Stats,
+};
+use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
@@ -70,8 +81,8 @@ use wavefront_models::{
 use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
-    Planner, ServedModel,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
+    ModelInfo, Planner, ServedModel,
 };
 use crate::SchemeError;
 use ar::ArProgram;
@@ -93,6 +104,7 @@ pub struct HuginnPlanner {
     info: ModelInfo,
     end_text_id: Option<u32>,
     occupancy_multiplier: f32,
+    reserve: KvReserve,
 }
 
 impl HuginnPlanner {
@@ -110,6 +122,7 @@ impl HuginnPlanner {
             info,
             end_text_id,
             occupancy_multiplier: 1.0,
+            reserve: KvReserve::OnDemand,
         }
     }
 
@@ -125,14 +138,31 @@ impl HuginnPlanner {
         (max_wavefront as f64 * f64::from(self.occupancy_multiplier)).ceil() as usize
     }
 
-    /// Cache layers one position occupies under `strategy` with `steps` recurrences.
-    fn cache_layers(&self, strategy: CacheStrategy, steps: usize) -> usize {
-        let core = self.cfg.n_layers_in_recurrent_block * steps;
-        let core = match strategy {
-            CacheStrategy::Compress { stride, .. } => core.min(stride),
-            _ => core,
+    /// Takes each request's worst case at admission instead of pages on demand.
+    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
+        self.reserve = reserve;
+        self
+    }
+
+    /// K/V pages `positions` positions take in every cache slot of `strategy` with `steps`
+    /// recurrences.
+    fn kv_pages(&self, positions: usize, strategy: CacheStrategy, steps: usize) -> usize {
+        positions.div_ceil(PAGE_SIZE) * cache_slots(&self.cfg, strategy, steps).total()
+    }
+
+    /// The request running `program`, `max_slots` pages at most: its first step's pages at
+    /// admission, or its worst case.
+    fn prepared(&self, program: Program, max_slots: usize, prompt_tokens: usize) -> Prepared<Program> {
+        let slots = match self.reserve {
+            KvReserve::OnDemand => program.pages_needed(&self.cfg).min(max_slots),
+            KvReserve::WorstCase => max_slots,
         };
-        self.cfg.n_layers_in_prelude + self.cfg.n_layers_in_coda + core
+        Prepared {
+            program,
+            slots,
+            max_slots,
+            prompt_tokens,
+        }
     }
 
     fn prepare_ar(
@@ -194,7 +224,7 @@ impl HuginnPlanner {
                 self.cfg.embed_scale(),
             ),
         };
-        let slots = positions * self.cache_layers(strategy, num_steps);
+        let max_slots = self.kv_pages(positions, strategy, num_steps);
         let prompt_tokens = spec.prompt_ids.len();
         let program = ArProgram {
             cache: HuginnCache::new(strategy),
@@ -210,12 +240,64 @@ impl HuginnPlanner {
             generated: 0,
             stats: Stats::default(),
         };
-        Ok(Prepared {
-            program: Program::Ar(program),
-            slots,
-            max_slots: slots,
-            prompt_tokens,
-        })
+        Ok(self.prepared(Program::Ar(program), max_slots, prompt_tokens))
+    }
+}
+
+/// Cache slots (K/V stores) of one position: prelude, core and coda layers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CacheSlots {
+    prelude: usize,
+    core: usize,
+    coda: usize,
+}
+
+impl CacheSlots {
+    fn total(self) -> usize {
+        self.prelude + self.core + self.coda
+    }
+}
+
+/// The cache slots one position occupies under `strategy` with `steps` recurrences: every
+/// prelude and coda layer, and the core layers at every recurrence (`full`, `latest-m4`) or
+/// shared across recurrences (`compress-sN`: N).
+pub(crate) fn cache_slots(cfg: &HuginnConfig, strategy: CacheStrategy, steps: usize) -> CacheSlots {
+    let core = cfg.n_layers_in_recurrent_block * steps;
+    CacheSlots {
+        prelude: cfg.n_layers_in_prelude,
+        core: match strategy {
+            CacheStrategy::Compress { stride, .. } => core.min(stride),
+            _ => core,
+        },
+        coda: cfg.n_layers_in_coda,
+    }
+}
+
+impl Program {
+    /// The cache that holds the request's K/V between ticks (in the family's page pool).
+    pub(crate) fn state_cache(&mut self) -> &mut HuginnCache {
+        match self {
+            Program::Ar(p) => &mut p.cache,
+            Program::Diffusion(p) => &mut p.cache,
+        }
+    }
+
+    /// Slots (pages) the request holds after its next tick at most: its cache's pages plus a
+    /// page for every cache slot the next positions reach in a page not held yet, and (diffusion
+    /// forcing) the wavefront's latent pages.
+    pub(crate) fn pages_needed(&self, cfg: &HuginnConfig) -> usize {
+        let (cache, steps, rows, latent) = match self {
+            Program::Ar(p) => (&p.cache, p.num_steps, p.pending.len(), 0),
+            Program::Diffusion(p) => (
+                &p.cache,
+                p.settings.num_steps,
+                p.next_rows(),
+                p.latent_pages,
+            ),
+        };
+        let s = cache_slots(cfg, cache.strategy(), steps);
+        let start = cache.len();
+        cache.pages_after(start..start + rows, s.prelude, s.core, s.coda) + latent
     }
 }
 
@@ -250,9 +332,12 @@ impl Planner for HuginnPlanner {
     }
 }
 
-/// The family: owns the model on the engine thread.
+/// The family: owns the model and the page pool of its requests' caches on the engine thread.
+/// Slot ids granted by the engine are page ids of the pool (a diffusion-forcing request's latent
+/// pages are counted, its wavefront states are its own tensors).
 pub struct HuginnFamily {
     model: Huginn,
+    pool: KvPool,
     /// Positions the last tick ran through the model (metrics).
     last_rows: Option<usize>,
     /// Tests: the scheme group whose next forward fails.
@@ -264,10 +349,36 @@ impl HuginnFamily {
     pub fn new(model: Huginn) -> Self {
         Self {
             model,
+            pool: KvPool::shared(PAGE_SIZE),
             last_rows: None,
             #[cfg(test)]
             fail_next: None,
         }
+    }
+
+    /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
+    /// first sight: programs are built outside the engine thread).
+    fn bind(&self, a: &mut Active<Program>) {
+        let new = a.take_new_slots();
+        let cache = a.program.state_cache();
+        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
+            *cache = HuginnCache::in_pool(cache.strategy(), self.pool.clone());
+        }
+        cache.grant(new.into_iter().map(|s| s.0));
+    }
+
+    /// Moves a preempted request's latent states to host memory, or back to the model's device.
+    fn move_latents(&self, a: &mut Active<Program>, device: &Device) -> Result<(), FamilyError> {
+        let moved = match &mut a.program {
+            Program::Ar(p) => p
+                .warm_state
+                .as_mut()
+                .map(|w| w.to_device(device).map(|t| *w = t))
+                .transpose()
+                .map(|_| ()),
+            Program::Diffusion(p) => p.move_latents(device),
+        };
+        moved.map_err(|e| FamilyError::commit("recurrent-depth", e))
     }
 
     /// A fault injected by a test into `group`'s next forward.
@@ -303,6 +414,9 @@ impl Family for HuginnFamily {
     type Program = Program;
 
     fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
+        for a in batch.iter_mut() {
+            self.bind(a);
+        }
         // Group the batch by scheme; each group runs its packed calls.
         let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
         let mut diffusion_group: Vec<diffusion::Entry<'_>> = Vec::new();
@@ -342,6 +456,42 @@ impl Family for HuginnFamily {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    fn slots_needed(&self, a: &Active<Program>) -> usize {
+        a.program
+            .pages_needed(self.model.config())
+            .max(a.slots.len())
+    }
+
+    fn preempt(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
+        // A request preempted before its first tick moves its (empty) cache into the pool.
+        self.bind(a);
+        let bytes = a
+            .program
+            .state_cache()
+            .swap_out()
+            .map_err(|e| FamilyError::commit("recurrent-depth", e))?;
+        self.move_latents(a, &Device::Cpu)?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
+    }
+
+    fn resume(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let bytes = a
+            .program
+            .state_cache()
+            .swap_in()
+            .map_err(|e| FamilyError::commit("recurrent-depth", e))?;
+        let device = self.model.device().clone();
+        self.move_latents(a, &device)?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
     }
 
     fn stop(&mut self, a: &mut Active<Program>) {
@@ -398,8 +548,10 @@ where
     }
     let planner = Arc::new(
         HuginnPlanner::new(cfg.clone(), opts.name.clone(), tokenizer.as_ref())
-            .with_occupancy_multiplier(m),
+            .with_occupancy_multiplier(m)
+            .with_reserve(opts.kv_reserve),
     );
-    let bytes_per_slot = 2 * cfg.n_embd * opts.dtype.size_in_bytes();
-    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
+    let bytes_per_slot = PAGE_SIZE * 2 * cfg.n_embd * opts.dtype.size_in_bytes();
+    // 1% of the pool kept free at admission for running requests to grow into.
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

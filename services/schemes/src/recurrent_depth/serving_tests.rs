@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
-use wavefront_engine::{Active, EngineError, Event, Family, FamilyError, RequestId, SlotId};
+use wavefront_engine::{
+    Active, EngineError, Event, Family, FamilyError, Moved, RequestId, SlotId,
+};
+use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::Huginn;
 
 use super::test_support::*;
@@ -132,16 +135,48 @@ fn requests_arriving_at_different_ticks_produce_what_they_produce_alone() -> Res
     Ok(())
 }
 
+/// The sixteen mixed requests (every scheme and cache strategy, greedy and seeded) at once on a
+/// pool a little larger than the largest request's worst case: pages are taken as caches grow,
+/// requests are preempted (pages and latent states to host memory) and resumed in other pages,
+/// and each produces exactly what it produces alone with room to spare.
+#[test]
+fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let (_, planner) = fixture_model_and_planner()?;
+    let largest = specs
+        .iter()
+        .map(|s| planner.prepare(s.clone()).map(|p| p.max_slots))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+    let cfg = fixture_config()?;
+    let page_bytes = (PAGE_SIZE * 2 * cfg.n_embd * 4) as u64;
+    let roomy = fixture_served(specs.len())?;
+    let preemptions = crate::test_support::assert_preempted_requests_match_alone(
+        fixture_files()?,
+        roomy.as_ref(),
+        (largest as u64 + 16) * page_bytes,
+        &specs,
+    )?;
+    ensure!(preemptions > 0, "16 requests on {} pages must preempt", largest + 16);
+    roomy.shutdown();
+    Ok(())
+}
+
 /// Which slots each live request holds, as the family sees them at every tick.
 #[derive(Default)]
 struct Ledger {
     live: HashMap<RequestId, Vec<SlotId>>,
+    /// The most slots each request held.
     reserved: HashMap<RequestId, usize>,
     released: HashSet<RequestId>,
     violations: Vec<String>,
 }
 
-/// The Huginn family, auditing slot ownership before every tick and at every release.
+/// The Huginn family, auditing slot ownership before every tick and at every release: a
+/// running request's slots only grow (it gives them up only when preempted), and no slot is
+/// held by two requests.
 struct Audited {
     inner: HuginnFamily,
     ledger: Arc<Mutex<Ledger>>,
@@ -154,29 +189,26 @@ impl Family for Audited {
         {
             let mut l = self.ledger.lock().expect("ledger");
             for a in batch.iter() {
-                match l.live.get(&a.id) {
-                    Some(held) if *held != a.slots => {
-                        let msg = format!("{} changed its slots", a.id);
-                        l.violations.push(msg);
-                    }
-                    Some(_) => {}
-                    None => {
-                        let mine: HashSet<SlotId> = a.slots.iter().copied().collect();
-                        if mine.len() != a.slots.len() {
-                            let msg = format!("{} holds a slot twice", a.id);
-                            l.violations.push(msg);
-                        }
-                        let clash: Vec<String> = l
-                            .live
-                            .iter()
-                            .filter(|(_, s)| s.iter().any(|x| mine.contains(x)))
-                            .map(|(other, _)| format!("{} shares a slot with {other}", a.id))
-                            .collect();
-                        l.violations.extend(clash);
-                        l.live.insert(a.id, a.slots.clone());
-                        l.reserved.insert(a.id, a.slots.len());
-                    }
+                let held = l.live.get(&a.id).cloned().unwrap_or_default();
+                if !a.slots.starts_with(&held) {
+                    let msg = format!("{} lost slots while running", a.id);
+                    l.violations.push(msg);
                 }
+                let mine: HashSet<SlotId> = a.slots.iter().copied().collect();
+                if mine.len() != a.slots.len() {
+                    let msg = format!("{} holds a slot twice", a.id);
+                    l.violations.push(msg);
+                }
+                let clash: Vec<String> = l
+                    .live
+                    .iter()
+                    .filter(|(other, s)| **other != a.id && s.iter().any(|x| mine.contains(x)))
+                    .map(|(other, _)| format!("{} shares a slot with {other}", a.id))
+                    .collect();
+                l.violations.extend(clash);
+                l.live.insert(a.id, a.slots.clone());
+                let most = l.reserved.entry(a.id).or_default();
+                *most = (*most).max(a.slots.len());
             }
         }
         self.inner.tick(batch)
@@ -195,6 +227,19 @@ impl Family for Audited {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.inner.last_tick_rows()
+    }
+
+    fn slots_needed(&self, a: &Active<Program>) -> usize {
+        self.inner.slots_needed(a)
+    }
+
+    fn preempt(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
+        self.ledger.lock().expect("ledger").live.remove(&a.id);
+        self.inner.preempt(a)
+    }
+
+    fn resume(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
+        self.inner.resume(a)
     }
 }
 
@@ -305,12 +350,12 @@ fn run_mix(
     let planner = super::HuginnPlanner::new(cfg.clone(), "fixture".into(), None);
     let largest = requests
         .iter()
-        .map(|(s, _, _)| planner.prepare(s.clone()).map(|p| p.slots))
+        .map(|(s, _, _)| planner.prepare(s.clone()).map(|p| p.max_slots))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .max()
         .unwrap_or(1);
-    let bytes_per_slot = 2 * cfg.n_embd * 4;
+    let bytes_per_slot = PAGE_SIZE * 2 * cfg.n_embd * 4;
     let opts = LoadOptions {
         name: "fixture".into(),
         memory_budget_bytes: (largest * pool_requests * bytes_per_slot) as u64,
@@ -337,7 +382,7 @@ fn run_mix(
     let mut clients = Vec::new();
     for (spec, cancel, capacity) in requests {
         let (sink, rx, closed) = TestSink::new(capacity);
-        let slots = planner.prepare(spec.clone())?.slots;
+        let slots = planner.prepare(spec.clone())?.max_slots;
         let id = served.submit(spec, Box::new(sink), None, tracing::Span::none())?;
         expected.insert(id, slots);
         let mut c = Client {
@@ -393,8 +438,8 @@ fn run_mix(
     ensure!(l.live.is_empty(), "never released: {:?}", l.live.keys());
     for (id, n) in &l.reserved {
         ensure!(
-            expected.get(id) == Some(n),
-            "{id} held {n} slots, reserved {:?}",
+            expected.get(id).is_some_and(|most| n <= most),
+            "{id} held {n} slots, at most {:?}",
             expected.get(id)
         );
         ensure!(l.released.contains(id), "{id} not released");
@@ -426,27 +471,33 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
         1,
         SchemeParams::DiffusionForcing(diffusion(w, FreezeTest::Aligned)),
     );
+    // Slots are pages of 16 positions of one cache slot (or 16 latent states).
     // compress-s4: prelude 2 + coda 2 + 4 shared core layers.
-    let kv = (prompt_len + max_new + w) * 8;
-    for (m, latent) in [(1.0f32, 12), (1.5, 18), (0.25, 3), (0.3, 4)] {
+    let kv = (prompt_len + max_new + w).div_ceil(PAGE_SIZE) * 8;
+    for (m, latent) in [(1.0f32, 12_usize), (1.5, 18), (0.25, 3), (0.3, 4)] {
         let planner =
             super::HuginnPlanner::new(cfg.clone(), "f".into(), None).with_occupancy_multiplier(m);
-        let got = planner.prepare(df.clone())?.slots;
+        let p = planner.prepare(df.clone())?;
+        let latent = latent.div_ceil(PAGE_SIZE);
         ensure!(
-            got == kv + latent,
-            "multiplier {m}: {got} slots, want {kv} + {latent}"
+            p.max_slots == kv + latent,
+            "multiplier {m}: {} slots at most, want {kv} + {latent}",
+            p.max_slots
         );
+        // Admission takes the prefill's: the prompt's pages and the latent pages.
+        ensure!(p.slots == prompt_len.div_ceil(PAGE_SIZE) * 8 + latent);
         // AR requests hold no latent slots: full cache, 4 steps = 2 + 2 + 16 layers.
-        let ar = spec(prompt(prompt_len, 0), max_new, 1, ar_static(4, "full"));
-        ensure!(planner.prepare(ar)?.slots == (prompt_len + max_new) * 20);
+        let ar = planner.prepare(spec(prompt(prompt_len, 0), max_new, 1, ar_static(4, "full")))?;
+        ensure!(ar.max_slots == (prompt_len + max_new).div_ceil(PAGE_SIZE) * 20);
+        ensure!(ar.slots == prompt_len.div_ceil(PAGE_SIZE) * 20);
     }
 
     // Served: the pool comes from the memory budget; a request fits exactly with multiplier 1
     // and is refused at once when the multiplier makes it larger than the pool.
-    let budget_slots = kv + w;
+    let budget_slots = kv + w.div_ceil(PAGE_SIZE);
     let opts = |m: f32| LoadOptions {
         name: "fixture".into(),
-        memory_budget_bytes: (budget_slots * 2 * cfg.n_embd * 4) as u64,
+        memory_budget_bytes: (budget_slots * PAGE_SIZE * 2 * cfg.n_embd * 4) as u64,
         occupancy_multiplier: m,
         ..LoadOptions::default()
     };
@@ -458,7 +509,7 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
     let served = load_model(fixture_files()?, opts(2.0))?;
     match refusal(served.as_ref(), df)? {
         EngineError::TooLarge { needed, total } => {
-            ensure!((needed, total) == (kv + 2 * w, budget_slots));
+            ensure!((needed, total) == (kv + (2 * w).div_ceil(PAGE_SIZE), budget_slots));
         }
         other => bail!("expected TooLarge, got {other:?}"),
     }
