@@ -49,6 +49,20 @@ impl LayerMemory {
         })
     }
 
+    /// Bytes of `A` and `z`.
+    pub fn bytes(&self) -> usize {
+        (self.a.elem_count() + self.z.elem_count()) * self.a.dtype().size_in_bytes()
+    }
+
+    /// The same memory on `device` (host memory while its request is preempted).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            a: self.a.to_device(device)?,
+            z: self.z.to_device(device)?,
+            written: self.written,
+        })
+    }
+
     /// A memory with the given state (e.g. upstream's `W_mem[l]`, `z[l]`), marked written.
     pub fn from_state(a: Tensor, z: Tensor) -> Result<Self> {
         Ok(Self {

@@ -285,7 +285,7 @@ impl Program {
     /// Slots (pages) the request holds after its next tick at most: its cache's pages plus a
     /// page for every cache slot the next positions reach in a page not held yet, and (diffusion
     /// forcing) the wavefront's latent pages.
-    pub(crate) fn pages_needed(&self, cfg: &HuginnConfig) -> usize {
+    pub fn pages_needed(&self, cfg: &HuginnConfig) -> usize {
         let (cache, steps, rows, latent) = match self {
             Program::Ar(p) => (&p.cache, p.num_steps, p.pending.len(), 0),
             Program::Diffusion(p) => (

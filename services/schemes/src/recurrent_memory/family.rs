@@ -15,10 +15,10 @@
 //! mix (attention is per cell or per sequence, memories per request), so its tokens are the same
 //! alone or batched.
 
-use candle_core::{DType, Tensor};
-use wavefront_engine::{Active, Family, FamilyError, FinishReason};
+use candle_core::{DType, Device, Tensor};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
-use wavefront_models::transformer::{Keys, MaskRule, SeqInput};
+use wavefront_models::transformer::{Keys, KvCache, KvPool, MaskRule, SeqInput, PAGE_SIZE};
 
 use super::program::{ArmtProgram, Phase};
 use crate::tick::{entries, to_candle};
@@ -279,9 +279,12 @@ fn layer_pass(
     Ok(())
 }
 
-/// The family: owns the model on the engine thread.
+/// The family: owns the model and the page pool of its requests' caches on the engine thread.
+/// Slot ids granted by the engine are page ids of the pool (memories and residual streams are
+/// counted in slots; they are the request's own tensors).
 pub struct RecurrentMemoryFamily {
     model: Armt,
+    pool: KvPool,
     last_rows: Option<usize>,
 }
 
@@ -289,8 +292,21 @@ impl RecurrentMemoryFamily {
     pub fn new(model: Armt) -> Self {
         Self {
             model,
+            pool: KvPool::shared(PAGE_SIZE),
             last_rows: None,
         }
+    }
+
+    /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
+    /// first sight: programs are built outside the engine thread). Slots beyond the cache's
+    /// pages stand for the memories; the cache may hold them as spare pages.
+    fn bind(&self, a: &mut Active<ArmtProgram>) {
+        let new = a.take_new_slots();
+        let cache = &mut a.program.cache;
+        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
+            *cache = KvCache::in_pool(self.pool.clone());
+        }
+        cache.grant(new.into_iter().map(|s| s.0));
     }
 }
 
@@ -298,6 +314,9 @@ impl Family for RecurrentMemoryFamily {
     type Program = ArmtProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), FamilyError> {
+        for a in batch.iter_mut() {
+            self.bind(a);
+        }
         let mut entries = entries(batch, |_| true);
         let report = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(report.rows);
@@ -314,5 +333,38 @@ impl Family for RecurrentMemoryFamily {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    fn slots_needed(&self, a: &Active<ArmtProgram>) -> usize {
+        a.program.pages_needed().max(a.slots.len())
+    }
+
+    fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let fail = |e: String| FamilyError::commit("recurrent-memory", e);
+        let mut bytes = a.program.cache.swap_out().map_err(|e| fail(e.to_string()))?;
+        bytes += a.program.state_bytes();
+        a.program
+            .move_state(&Device::Cpu)
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
+    }
+
+    fn resume(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let fail = |e: String| FamilyError::commit("recurrent-memory", e);
+        let mut bytes = a.program.cache.swap_in().map_err(|e| fail(e.to_string()))?;
+        bytes += a.program.state_bytes();
+        let device = self.model.device().clone();
+        a.program
+            .move_state(&device)
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(Moved {
+            bytes: bytes as u64,
+            recomputed_rows: 0,
+        })
     }
 }

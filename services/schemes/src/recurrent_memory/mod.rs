@@ -33,19 +33,23 @@
 //!
 //! ## Slots
 //!
-//! The slot unit is one position's key and value in one layer: `2 · n_kv_heads · head_dim`
-//! values of the model dtype. A request reserves, for the whole of its life:
-//! - its memories: `n_layers × ceil(4 · (d_key · d + d_key) / slot bytes)` (one layer's float32
-//!   `A` and `z`, per layer);
-//! - its generation cache: `(prompt segment + max_new_tokens) × n_layers`;
-//! - with diagonal execution, the residual streams of the segments between layers:
-//!   `min(n_layers, segments) × (segment_size + num_mem_tokens) × ceil(d · dtype / slot bytes)`.
+//! The slot unit is a page: [`PAGE_SIZE`] positions' key and value in one layer of one
+//! tensor-parallel rank (`16 · 2 · n_kv_heads · head_dim` values of the model dtype). Cache
+//! pages come from the family's page pool (slot ids are page ids). A request holds:
+//! - from admission to its end, its memories, `n_layers × ceil(4 · (d_key · d + d_key) / slot
+//!   bytes)` (one layer's float32 `A` and `z`), and with diagonal execution the residual
+//!   streams of the segments between layers, `ceil(min(n_layers, segments) × (segment_size +
+//!   num_mem_tokens) × d · dtype / slot bytes)`;
+//! - its cache's pages as it needs them: one segment's cell while the prompt runs (a consumed
+//!   segment's pages are reused by the next), then the prompt segment and the generated tokens,
+//!   a page per layer every 16 tokens.
 //!
-//! None of it grows with the prompt: a 64k-token context reserves what a 2k one does, and the
+//! None of it grows with the prompt: a 64k-token context holds what a 2k one does, and the
 //! transient activations of a tick are bounded by the cells of one diagonal (at most
 //! `n_layers` segments per request). The prompt ids themselves are the only per-token state.
 //! A request that finishes, fails or is cancelled drops its memories and cache when the engine
-//! retires it, before the next tick, and its slots return to the pool.
+//! retires it, before the next tick, and its slots return to the pool. A preempted request's
+//! cache pages, memories and residual streams move to host memory until it resumes.
 
 pub mod family;
 pub mod program;
@@ -62,15 +66,18 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
+use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
 pub use self::program::ArmtProgram;
+use self::program::Paging;
 use crate::kv_slot::KvSlot;
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
+    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
+    ModelInfo,
     Planner, ServedModel,
 };
 use crate::SchemeError;
@@ -85,6 +92,9 @@ pub struct ArmtPlanner {
     info: ModelInfo,
     /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
     kv: KvSlot,
+    /// Tensor-parallel ranks: each layer's cache is one page table per rank.
+    world: usize,
+    reserve: KvReserve,
 }
 
 impl ArmtPlanner {
@@ -102,22 +112,53 @@ impl ArmtPlanner {
             kv: KvSlot::new(&cfg.block_config(), dtype),
             cfg,
             info,
+            world: 1,
+            reserve: KvReserve::OnDemand,
         }
     }
 
-    /// Bytes of one slot: one position's K and V in one layer.
+    /// Bytes of one slot: a page of [`PAGE_SIZE`] positions' K and V in one layer of one
+    /// tensor-parallel rank.
     pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes()
+        self.kv.bytes() * PAGE_SIZE / self.world
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
         self.kv = self.kv.with_world(world);
+        self.world = world.max(1);
         self
     }
 
-    /// Slots a request reserves (see the module doc).
+    /// Takes each request's worst case at admission instead of pages on demand.
+    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
+        self.reserve = reserve;
+        self
+    }
+
+    /// Page tables of a request's cache: one per layer and rank.
+    fn kv_tables(&self) -> usize {
+        self.cfg.n_layers() * self.world
+    }
+
+    /// Slots a request holds from admission to its end whatever it does: its memories and,
+    /// with diagonal execution, the residual streams between layers (see the module doc).
+    pub fn fixed_slots(&self, segments: usize, diagonal: bool) -> usize {
+        let unit = self.slot_bytes();
+        let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
+        let memory = layers * (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
+        let inflight = if diagonal {
+            (layers.min(segments) * self.cfg.cell_rows() * d * self.kv.dtype_size())
+                .div_ceil(unit)
+        } else {
+            0
+        };
+        memory + inflight
+    }
+
+    /// Slots a request holds at most: the fixed ones and a cache of one segment's cell or of
+    /// the prompt segment and every generated token, whichever is longer.
     pub fn slots(
         &self,
         segments: usize,
@@ -125,15 +166,8 @@ impl ArmtPlanner {
         max_new: usize,
         diagonal: bool,
     ) -> usize {
-        let unit = self.slot_bytes();
-        let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
-        let memory = (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
-        let mut slots = layers * memory + (prompt_segment + max_new) * layers;
-        if diagonal {
-            let row = (d * self.kv.dtype_size()).div_ceil(unit);
-            slots += layers.min(segments) * self.cfg.cell_rows() * row;
-        }
-        slots
+        let rows = self.cfg.cell_rows().max(prompt_segment + max_new);
+        self.fixed_slots(segments, diagonal) + self.kv_tables() * rows.div_ceil(PAGE_SIZE)
     }
 
     fn prepare_ar(
@@ -177,12 +211,12 @@ impl ArmtPlanner {
             Execution::Diagonal => true,
             Execution::Auto => segments >= 2,
         };
-        let slots = self.slots(segments, prompt_segment, spec.max_new_tokens, diagonal);
+        let max_slots = self.slots(segments, prompt_segment, spec.max_new_tokens, diagonal);
         let mut stats = Stats::default();
         stats.add_counter("segments", segments as u64);
         stats.add_counter("grouped_steps", 0);
         let prompt_tokens = t;
-        let program = ArmtProgram::new(
+        let mut program = ArmtProgram::new(
             spec.prompt_ids,
             s,
             diagonal,
@@ -191,10 +225,20 @@ impl ArmtPlanner {
             spec.stop_token_ids,
             stats,
         );
+        program.paging = Paging {
+            fixed: self.fixed_slots(segments, diagonal),
+            tables: self.kv_tables(),
+            cell_rows: self.cfg.cell_rows(),
+            max: max_slots,
+        };
+        let slots = match self.reserve {
+            KvReserve::OnDemand => program.pages_needed(),
+            KvReserve::WorstCase => max_slots,
+        };
         Ok(Prepared {
             program,
             slots,
-            max_slots: slots,
+            max_slots,
             prompt_tokens,
         })
     }
@@ -258,9 +302,11 @@ where
     }
     let planner = Arc::new(
         ArmtPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype, max_context)
-            .with_tensor_parallel(opts.tensor_parallel),
+            .with_tensor_parallel(opts.tensor_parallel)
+            .with_reserve(opts.kv_reserve),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Armt::config, RecurrentMemoryFamily::new);
-    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
+    // 1% of the pool kept free at admission for running requests to grow into.
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::armt::LayerMemory;
-use wavefront_models::transformer::KvCache;
+use wavefront_models::transformer::{KvCache, PAGE_SIZE};
 
 use crate::sampling::TokenSampler;
 
@@ -48,6 +48,22 @@ pub struct ArmtProgram {
     generated: usize,
     pub(crate) stats: Stats,
     record: Option<Record>,
+    /// How the request's slots grow (set by the planner).
+    pub(crate) paging: Paging,
+}
+
+/// The slots of an ARMT request: the fixed ones (memories, diagonal residual streams) and the
+/// pages of its cache, which holds one segment's cell while the prompt runs and the prompt
+/// segment and the generated tokens after.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Paging {
+    pub fixed: usize,
+    /// Page tables of the cache: one per layer and tensor-parallel rank.
+    pub tables: usize,
+    /// Rows of one segment's cell (segment and memory tokens).
+    pub cell_rows: usize,
+    /// The most slots the request may hold.
+    pub max: usize,
 }
 
 /// What a program produced, kept when [`ArmtProgram::record`] asked for it (tests, checks).
@@ -89,7 +105,45 @@ impl ArmtProgram {
             generated: 0,
             stats,
             record: None,
+            paging: Paging::default(),
         }
+    }
+
+    /// Slots the request holds after its next tick at most: the fixed ones and the cache's
+    /// pages (a segment's cell while the prompt runs; one more row per decoding step).
+    pub(crate) fn pages_needed(&self) -> usize {
+        let p = self.paging;
+        let rows = match self.phase {
+            Phase::Prefill => p.cell_rows.max(self.cache.len()),
+            Phase::Decode => self.cache.len() + 1,
+            Phase::Done => self.cache.len(),
+        };
+        (p.fixed + p.tables * rows.div_ceil(PAGE_SIZE)).min(p.max.max(p.fixed))
+    }
+
+    /// Bytes of the memories and the in-flight residual streams.
+    pub(crate) fn state_bytes(&self) -> usize {
+        let memory: usize = self.memory.iter().flatten().map(LayerMemory::bytes).sum();
+        let inflight: usize = self
+            .inflight
+            .values()
+            .map(|x| x.elem_count() * x.dtype().size_in_bytes())
+            .sum();
+        memory + inflight
+    }
+
+    /// Moves the memories and the in-flight residual streams to `device` (host memory while
+    /// the request is preempted, back on resume).
+    pub(crate) fn move_state(&mut self, device: &candle_core::Device) -> candle_core::Result<()> {
+        if let Some(memory) = &mut self.memory {
+            for m in memory.iter_mut() {
+                *m = m.to_device(device).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            }
+        }
+        for x in self.inflight.values_mut() {
+            *x = x.to_device(device)?;
+        }
+        Ok(())
     }
 
     /// Keeps every token, the logits that chose it and the final stats (one host copy of a

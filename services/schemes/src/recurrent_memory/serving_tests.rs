@@ -231,6 +231,39 @@ fn prompts_longer_than_the_backbone_context_run_and_cancelling_one_frees_its_slo
     Ok(())
 }
 
+/// Sixteen requests (every execution, one to sixteen segments, greedy, seeded and stopped) at
+/// once on a pool of 64 pages (a request holds 24 to 33 over its life, its cache growing a page
+/// per layer every 16 generated tokens): requests are preempted
+/// (cache pages, memories and residual streams to host memory) and resumed in other pages, and
+/// each produces exactly what it produces alone with room to spare.
+#[test]
+fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
+    let mut specs = mixed_requests();
+    for (k, e) in [Execution::Auto, Execution::Sequential, Execution::Diagonal]
+        .into_iter()
+        .cycle()
+        .take(8)
+        .enumerate()
+    {
+        let mut s = spec(prompt(5 + 17 * k, 20 + k as u32), 20 + 6 * k, e);
+        if k % 3 == 1 {
+            s.sampling.temperature = 0.9;
+            s.sampling.seed = k as u64;
+        }
+        specs.push(s);
+    }
+    let roomy = serve(fixture_files()?, "armt-fixture", specs.len())?;
+    let preemptions = crate::test_support::assert_preempted_requests_match_alone(
+        fixture_files()?,
+        roomy.as_ref(),
+        64 * 4096,
+        &specs,
+    )?;
+    ensure!(preemptions > 0, "16 requests on 64 pages must preempt");
+    roomy.shutdown();
+    Ok(())
+}
+
 #[test]
 fn requests_are_validated_and_reserve_flat_slots() -> Result<()> {
     let (_, planner) = fixture()?;
@@ -288,17 +321,23 @@ fn requests_are_validated_and_reserve_flat_slots() -> Result<()> {
     ensure!(!program(&planner, spec(prompt(8, 0), 2, Execution::Auto))?.is_diagonal());
     ensure!(program(&planner, spec(prompt(9, 0), 2, Execution::Auto))?.is_diagonal());
     ensure!(!program(&planner, spec(prompt(90, 0), 2, Execution::Sequential))?.is_diagonal());
-    // Slots: one unit is a position's K/V in one layer (2 · 2 · 16 · 4 bytes = 256). Memories
-    // 3 × ceil(4 · (96 · 64 + 96) / 256) = 294; cache (4 + 8) × 3 = 36; diagonal in-flight
-    // streams 3 × 12 × 1 = 36. None of it depends on the prompt's length.
-    ensure!(planner.slot_bytes() == 256);
-    let slots = |len: usize, e| planner.prepare(spec(prompt(len, 0), 8, e)).map(|p| p.slots);
-    ensure!(slots(44, Execution::Sequential)? == 294 + 36);
-    ensure!(slots(44, Execution::Diagonal)? == 294 + 36 + 36);
+    // Slots: one unit is a page, 16 positions' K/V in one layer (16 · 2 · 2 · 16 · 4 bytes =
+    // 4096). Memories 3 × ceil(4 · (96 · 64 + 96) / 4096) = 21; cache: a segment's cell of
+    // 8 + 4 rows, or the prompt segment and max_new_tokens (4 + 8), one page per layer: 3;
+    // diagonal in-flight streams ceil(3 × 12 × 64 · 4 / 4096) = 3. None of it depends on the
+    // prompt's length, and the first step already takes all of it.
+    ensure!(planner.slot_bytes() == 4096);
+    let slots = |len: usize, e| {
+        planner
+            .prepare(spec(prompt(len, 0), 8, e))
+            .map(|p| (p.slots, p.max_slots))
+    };
+    ensure!(slots(44, Execution::Sequential)? == (21 + 3, 21 + 3));
+    ensure!(slots(44, Execution::Diagonal)? == (21 + 3 + 3, 21 + 3 + 3));
     ensure!(slots(44 + 8 * 1000, Execution::Diagonal)? == slots(44, Execution::Diagonal)?);
     // A pool smaller than one request refuses it at once.
-    let (needed, total) = refused_as_too_large(fixture_files()?, 256 * 100, base())?;
-    ensure!((needed, total) == (366, 100), "{needed} of {total}");
+    let (needed, total) = refused_as_too_large(fixture_files()?, 4096 * 20, base())?;
+    ensure!((needed, total) == (27, 20), "{needed} of {total}");
     Ok(())
 }
 
