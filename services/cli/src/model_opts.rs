@@ -7,7 +7,7 @@ use clap::Args;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::transformer::CollectiveKind;
 use wavefront_models::ModelFiles;
-use wavefront_schemes::LoadOptions;
+use wavefront_schemes::{KvReserve, LoadOptions};
 
 use crate::embedded;
 
@@ -62,6 +62,12 @@ pub struct ModelArgs {
     /// still in float32; weights rounded once at load). CPU with --dtype f32 only.
     #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE", default_value = "f32")]
     pub weight_dtype: String,
+    /// How a request takes its K/V pages: on-demand (its first step's at admission, more as it
+    /// grows, the newest request preempted to host memory when the pool is short) or
+    /// worst-case (prompt and every token it may generate at admission; no preemption, fewer
+    /// requests at once). Masked-diffusion requests take their whole canvas either way.
+    #[arg(long, env = "WAVEFRONT_KV_RESERVE", default_value = "on-demand")]
+    pub kv_reserve: String,
 }
 
 impl ModelArgs {
@@ -131,6 +137,11 @@ impl ModelArgs {
         if self.max_context_tokens.is_some_and(|n| n < 2) {
             bail!("--max-context-tokens must be at least 2");
         }
+        let kv_reserve = match self.kv_reserve.as_str() {
+            "on-demand" => KvReserve::OnDemand,
+            "worst-case" => KvReserve::WorstCase,
+            other => bail!("--kv-reserve must be on-demand or worst-case, got {other:?}"),
+        };
         Ok(LoadOptions {
             name,
             device,
@@ -144,6 +155,7 @@ impl ModelArgs {
             collective,
             attention,
             weight_dtype,
+            kv_reserve,
         })
     }
 }

@@ -456,7 +456,9 @@ impl<P: Send + 'static> Scheduler<P> {
             match family.resume(&mut r.active) {
                 Ok(moved) => {
                     self.metrics.bytes_from_host.increment(moved.bytes);
-                    self.metrics.recomputed_rows.increment(moved.recomputed_rows);
+                    self.metrics
+                        .recomputed_rows
+                        .increment(moved.recomputed_rows);
                     tracing::debug!(parent: &r.span, request = %r.active.id, bytes = moved.bytes, "resumed");
                 }
                 Err(e) => r.active.outbox.fail(e),
@@ -474,10 +476,7 @@ impl<P: Send + 'static> Scheduler<P> {
                 self.watermark
             };
             let free = self.pool.free();
-            let Some(w) = self
-                .queue
-                .pop_if(|w| w.prepared.slots + reserve <= free)
-            else {
+            let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
                 break;
             };
             let slots = self
@@ -525,10 +524,8 @@ impl<P: Send + 'static> Scheduler<P> {
             .collect();
         order.sort_unstable();
         for (_, id) in order {
-            loop {
-                let Some(i) = self.running.iter().position(|r| r.active.id == id) else {
-                    break; // preempted for an older request
-                };
+            // Until granted, or preempted (for an older request, or itself as the newest).
+            while let Some(i) = self.running.iter().position(|r| r.active.id == id) {
                 let need = family.slots_needed(&self.running[i].active);
                 let held = self.running[i].active.slots.len();
                 if need <= held {
@@ -547,9 +544,12 @@ impl<P: Send + 'static> Scheduler<P> {
                     .expect("the growing request is a candidate");
                 if victim == i && self.running.len() == 1 + self.done_count() {
                     let total = self.pool.total();
-                    self.running[i].active.outbox.fail(FamilyError::Forward(format!(
-                        "the next step needs {need} slots and the pool holds {total}"
-                    )));
+                    self.running[i]
+                        .active
+                        .outbox
+                        .fail(FamilyError::Forward(format!(
+                            "the next step needs {need} slots and the pool holds {total}"
+                        )));
                     break;
                 }
                 self.preempt(family, victim, report);
@@ -559,10 +559,7 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Running requests whose program has ended (their last events still going out).
     fn done_count(&self) -> usize {
-        self.running
-            .iter()
-            .filter(|r| r.active.outbox.done)
-            .count()
+        self.running.iter().filter(|r| r.active.outbox.done).count()
     }
 
     /// Preempts the running request at `i`: the family moves its state out, its slots go back

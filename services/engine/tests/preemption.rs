@@ -229,7 +229,10 @@ fn sixteen_requests_on_a_few_pages_preempt_and_finish_with_the_tokens_of_a_roomy
     let (roomy, none, _) = run(1000, 0, &reqs);
     assert_eq!(none, 0, "a roomy pool never preempts");
     let (tight, preemptions, _) = run(8, 1, &reqs);
-    assert!(preemptions > 0, "eight slots for sixteen growing requests must preempt");
+    assert!(
+        preemptions > 0,
+        "eight slots for sixteen growing requests must preempt"
+    );
     assert_eq!(tight, roomy);
     for o in &tight {
         assert!(matches!(o.end, Ok((FinishReason::Length, _))), "{o:?}");
@@ -273,9 +276,19 @@ fn a_request_larger_than_the_pool_is_refused_at_submission() {
         submitted_at: Instant::now(),
         span: tracing::Span::none(),
     };
-    let err = sched.shared_queue().push(w, Instant::now()).err().map(|e| e.1);
+    let err = sched
+        .shared_queue()
+        .push(w, Instant::now())
+        .err()
+        .map(|e| e.1);
     assert!(
-        matches!(err, Some(wavefront_engine::EngineError::TooLarge { needed: 5, total: 4 })),
+        matches!(
+            err,
+            Some(wavefront_engine::EngineError::TooLarge {
+                needed: 5,
+                total: 4
+            })
+        ),
         "{err:?}"
     );
 }

@@ -535,7 +535,10 @@ impl HuginnCache {
 
     /// Device and dtype of the cached tensors, if any slot was written.
     pub fn device_dtype(&self) -> Option<(Device, DType)> {
-        let id = self.stores().flat_map(|s| s.pages.iter().flatten()).next()?;
+        let id = self
+            .stores()
+            .flat_map(|s| s.pages.iter().flatten())
+            .next()?;
         let (k, _) = self.supply.view(*id, 0, 1).ok()?;
         Some((k.device().clone(), k.dtype()))
     }

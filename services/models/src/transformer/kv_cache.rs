@@ -738,7 +738,10 @@ mod tests {
             got.1.flatten_all()?.to_vec1::<f32>()?,
             want.1.flatten_all()?.to_vec1::<f32>()?
         );
-        assert_eq!(values(&b)?, (100..112).map(|x| x as f32).collect::<Vec<_>>());
+        assert_eq!(
+            values(&b)?,
+            (100..112).map(|x| x as f32).collect::<Vec<_>>()
+        );
         Ok(())
     }
 }

@@ -152,7 +152,12 @@ impl HuginnPlanner {
 
     /// The request running `program`, `max_slots` pages at most: its first step's pages at
     /// admission, or its worst case.
-    fn prepared(&self, program: Program, max_slots: usize, prompt_tokens: usize) -> Prepared<Program> {
+    fn prepared(
+        &self,
+        program: Program,
+        max_slots: usize,
+        prompt_tokens: usize,
+    ) -> Prepared<Program> {
         let slots = match self.reserve {
             KvReserve::OnDemand => program.pages_needed(&self.cfg).min(max_slots),
             KvReserve::WorstCase => max_slots,

@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
-use wavefront_engine::{
-    Active, EngineError, Event, Family, FamilyError, Moved, RequestId, SlotId,
-};
+use wavefront_engine::{Active, EngineError, Event, Family, FamilyError, Moved, RequestId, SlotId};
 use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::Huginn;
 
@@ -159,7 +157,11 @@ fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> 
         (largest as u64 + 16) * page_bytes,
         &specs,
     )?;
-    ensure!(preemptions > 0, "16 requests on {} pages must preempt", largest + 16);
+    ensure!(
+        preemptions > 0,
+        "16 requests on {} pages must preempt",
+        largest + 16
+    );
     roomy.shutdown();
     Ok(())
 }
@@ -487,7 +489,12 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
         // Admission takes the prefill's: the prompt's pages and the latent pages.
         ensure!(p.slots == prompt_len.div_ceil(PAGE_SIZE) * 8 + latent);
         // AR requests hold no latent slots: full cache, 4 steps = 2 + 2 + 16 layers.
-        let ar = planner.prepare(spec(prompt(prompt_len, 0), max_new, 1, ar_static(4, "full")))?;
+        let ar = planner.prepare(spec(
+            prompt(prompt_len, 0),
+            max_new,
+            1,
+            ar_static(4, "full"),
+        ))?;
         ensure!(ar.max_slots == (prompt_len + max_new).div_ceil(PAGE_SIZE) * 20);
         ensure!(ar.slots == prompt_len.div_ceil(PAGE_SIZE) * 20);
     }

@@ -342,7 +342,11 @@ impl Family for RecurrentMemoryFamily {
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
         let fail = |e: String| FamilyError::commit("recurrent-memory", e);
-        let mut bytes = a.program.cache.swap_out().map_err(|e| fail(e.to_string()))?;
+        let mut bytes = a
+            .program
+            .cache
+            .swap_out()
+            .map_err(|e| fail(e.to_string()))?;
         bytes += a.program.state_bytes();
         a.program
             .move_state(&Device::Cpu)

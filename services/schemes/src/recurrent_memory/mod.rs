@@ -77,8 +77,7 @@ use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
     checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
-    ModelInfo,
-    Planner, ServedModel,
+    ModelInfo, Planner, ServedModel,
 };
 use crate::SchemeError;
 
@@ -149,8 +148,7 @@ impl ArmtPlanner {
         let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
         let memory = layers * (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
         let inflight = if diagonal {
-            (layers.min(segments) * self.cfg.cell_rows() * d * self.kv.dtype_size())
-                .div_ceil(unit)
+            (layers.min(segments) * self.cfg.cell_rows() * d * self.kv.dtype_size()).div_ceil(unit)
         } else {
             0
         };

@@ -137,7 +137,9 @@ impl ArmtProgram {
     pub(crate) fn move_state(&mut self, device: &candle_core::Device) -> candle_core::Result<()> {
         if let Some(memory) = &mut self.memory {
             for m in memory.iter_mut() {
-                *m = m.to_device(device).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                *m = m
+                    .to_device(device)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             }
         }
         for x in self.inflight.values_mut() {

@@ -171,7 +171,12 @@ impl RefusionPlanner {
 
     /// The request of `scheme`, its caches at most `max_rows` rows: its first step's pages at
     /// admission, or its worst case.
-    fn prepared(&self, scheme: Scheme, max_rows: usize, prompt_tokens: usize) -> Prepared<SdProgram> {
+    fn prepared(
+        &self,
+        scheme: Scheme,
+        max_rows: usize,
+        prompt_tokens: usize,
+    ) -> Prepared<SdProgram> {
         let max_slots = self.slots(max_rows);
         let program = SdProgram::new(scheme, self.kv_tables(), max_slots);
         let slots = match self.reserve {

@@ -125,15 +125,26 @@ fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> 
     let mut specs = mixed_requests();
     specs.push(spec(prompt(20, 11), 40, ar()));
     specs.push(sampled(spec(prompt(3, 12), 30, ar()), 0.7, 9));
-    specs.push(sampled(spec(prompt(5, 13), 32, plan_infill(4, 2, 0.8, 0.2)), 1.0, 5));
+    specs.push(sampled(
+        spec(prompt(5, 13), 32, plan_infill(4, 2, 0.8, 0.2)),
+        1.0,
+        5,
+    ));
     specs.push(spec(prompt(14, 14), 24, plan_infill(2, 3, 0.9, 0.3)));
     assert_eq!(specs.len(), 16);
     let roomy = fixture_served(16)?;
     let page = roomy.load().total_slots;
     let page_bytes = (256 << 20) / page as u64;
-    let preemptions =
-        assert_preempted_requests_match_alone(fixture_files()?, roomy.as_ref(), 12 * page_bytes, &specs)?;
-    ensure!(preemptions > 0, "a pool of 12 pages for 16 requests must preempt");
+    let preemptions = assert_preempted_requests_match_alone(
+        fixture_files()?,
+        roomy.as_ref(),
+        12 * page_bytes,
+        &specs,
+    )?;
+    ensure!(
+        preemptions > 0,
+        "a pool of 12 pages for 16 requests must preempt"
+    );
     roomy.shutdown();
     Ok(())
 }
@@ -382,7 +393,13 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     // cache after the first commit (the prompt and one block); at most, the prompt, every
     // generated token and one block. `ar`: the prompt, then the prompt and every token.
     let slots = |s| planner.prepare(s).map(|p| (p.slots, p.max_slots));
-    ensure!(slots(base())? == ((4 + 8_usize).div_ceil(16) * 2, (4 + 16 + 8_usize).div_ceil(16) * 2));
+    ensure!(
+        slots(base())?
+            == (
+                (4 + 8_usize).div_ceil(16) * 2,
+                (4 + 16 + 8_usize).div_ceil(16) * 2
+            )
+    );
     ensure!(slots(with(ar()))? == (4_usize.div_ceil(16) * 2, (4 + 16_usize).div_ceil(16) * 2));
     // A request whose worst case exceeds the pool is refused at once (slot: 16 rows of
     // 2 · 2 heads · 16 · 4 bytes).
