@@ -213,6 +213,11 @@ pub struct LoadOptions {
     pub weight_dtype: WeightDtype,
     /// How requests of a paged family take their K/V pages.
     pub kv_reserve: KvReserve,
+    /// Rows one tick computes at most: autoregressive prefills (Huginn static `ar`, ReFusion
+    /// `ar`) run in chunks of what the rest of the tick leaves, so a long prompt does not stall
+    /// the decoding of the others. Work that runs whole (decoding steps, canvases, segments,
+    /// wavefronts, plan-and-infill calls) counts against it. `None`: no cap.
+    pub max_batch_rows: Option<usize>,
 }
 
 /// How a request of a family with paged K/V takes its pages.
@@ -242,6 +247,7 @@ impl Default for LoadOptions {
             attention: AttentionKernel::Sdpa,
             weight_dtype: WeightDtype::F32,
             kv_reserve: KvReserve::OnDemand,
+            max_batch_rows: None,
         }
     }
 }

@@ -412,3 +412,88 @@ pub fn assert_preempted_requests_match_alone(
     ensure!(load.preempted == 0 && load.active == 0);
     Ok(load.preemptions)
 }
+
+/// [`Outcome::work`] without what chunking a prefill changes: the number of forward passes and
+/// the per-call series named in `per_call`.
+fn work_but_calls(o: &Outcome, per_call: &[&str]) -> (Vec<u32>, FinishReason, Stats) {
+    let (tokens, reason, mut stats) = o.work();
+    stats.forward_passes = 0;
+    for name in per_call {
+        stats.series.remove(*name);
+    }
+    (tokens, reason, stats)
+}
+
+/// With a row budget of `rows` per tick: every request of `specs` served at once produces what
+/// it produces on `roomy` (no budget), forward passes and the series in `per_call` aside; and
+/// `short`, decoding when `long` (a prompt of many budgets) arrives, keeps streaming tokens
+/// while `long`'s prefill runs in chunks (at least `min_tokens` of them before `long`'s first).
+pub fn assert_chunked_prefill_matches(
+    files: ModelFiles,
+    roomy: &dyn ServedModel,
+    rows: usize,
+    specs: &[GenerateSpec],
+    (long, short, min_tokens): (GenerateSpec, GenerateSpec, usize),
+    per_call: &[&str],
+) -> Result<()> {
+    let opts = LoadOptions {
+        max_active: specs.len() + 2,
+        max_batch_rows: Some(rows),
+        ..LoadOptions::default()
+    };
+    let chunked = load_model(files, opts)?;
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(roomy, s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    let receivers = specs
+        .iter()
+        .map(|s| submit(chunked.as_ref(), s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    for (i, (rx, want)) in receivers.iter().zip(&alone).enumerate() {
+        let got = collect(rx, Vec::new())?;
+        ensure!(
+            work_but_calls(&got, per_call) == work_but_calls(want, per_call),
+            "request {i} ({}) with {rows} rows a tick: {:?}, without: {:?}",
+            specs[i].scheme.name(),
+            got.work(),
+            want.work()
+        );
+    }
+    // The short request decodes; the long one arrives; count the short one's tokens until the
+    // long one's first.
+    let short_rx = submit(chunked.as_ref(), short)?;
+    let mut before = Vec::new();
+    while !matches!(before.last(), Some(Event::Tokens(_))) {
+        before.push(short_rx.recv_timeout(Duration::from_secs(60))?);
+    }
+    let long_rx = submit(chunked.as_ref(), long)?;
+    let mut long_events = Vec::new();
+    loop {
+        let ev = long_rx.recv_timeout(Duration::from_secs(60))?;
+        let first = matches!(ev, Event::Tokens(_) | Event::Finished { .. } | Event::Failed(_));
+        long_events.push(ev);
+        if first {
+            break;
+        }
+    }
+    let mut during = 0;
+    while let Ok(ev) = short_rx.try_recv() {
+        if let Event::Tokens(t) = &ev {
+            during += t.len();
+        }
+        before.push(ev);
+    }
+    let short_out = collect(&short_rx, before)?;
+    ensure!(
+        during >= min_tokens,
+        "the decoding request streamed {during} tokens during the long prefill, want {min_tokens} \
+         (it made {:?}, {:?})",
+        short_out.tokens,
+        short_out.reason
+    );
+    collect(&long_rx, long_events)?;
+    wait_for_free_slots(chunked.as_ref(), Duration::from_secs(10))?;
+    chunked.shutdown();
+    Ok(())
+}

@@ -46,3 +46,41 @@ pub(crate) fn head_rows(
 pub(crate) fn to_candle(e: ModelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
+
+/// Rows each prefill may run this tick under a row budget (`--max-batch-rows`): `fixed` rows
+/// of the tick are spoken for (decoding steps, canvases, segments, wavefronts: work that runs
+/// whole), and each prefill in `wants` gets what is left, in order, at most what it wants.
+/// Without a budget every prefill runs whole. A prefill may get 0 (it waits for a later tick),
+/// except that when nothing else runs the first one always gets at least one row.
+pub(crate) fn prefill_rows(budget: Option<usize>, fixed: usize, wants: &[usize]) -> Vec<usize> {
+    let Some(budget) = budget else {
+        return wants.to_vec();
+    };
+    let mut left = budget.saturating_sub(fixed);
+    let mut out = Vec::with_capacity(wants.len());
+    for &want in wants {
+        let mut take = want.min(left);
+        if take == 0 && fixed == 0 && out.iter().all(|&t| t == 0) && want > 0 {
+            take = 1;
+        }
+        left -= take.min(left);
+        out.push(take);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_rows;
+
+    #[test]
+    fn prefills_share_what_the_fixed_rows_leave() {
+        assert_eq!(prefill_rows(None, 5, &[100, 3]), [100, 3]);
+        assert_eq!(prefill_rows(Some(64), 4, &[100, 3]), [60, 0]);
+        assert_eq!(prefill_rows(Some(64), 4, &[10, 100]), [10, 50]);
+        // Decoding alone over the budget: prefills wait.
+        assert_eq!(prefill_rows(Some(8), 9, &[100]), [0]);
+        // Nothing else runs: a prefill always moves.
+        assert_eq!(prefill_rows(Some(0), 0, &[100]), [1]);
+    }
+}

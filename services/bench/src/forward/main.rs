@@ -13,11 +13,13 @@
 //! Shapes (mid-size configs; f32 unless `--weight-dtype bf16`):
 //! - `decode-kv{32,512,4096}`: a one-row forward of ReFusion's Qwen3 (hidden 512, 8 layers,
 //!   8/4 heads of 64, MLP 1536, vocab 32768) over a K/V cache of that many positions, head
-//!   included (the step of autoregressive decoding);
+//!   included (the step of autoregressive decoding), its cache in pages of 16 positions;
+//!   `decode-kv*-contiguous`: the same over one contiguous buffer per layer (before paging);
 //! - `huginn-core-{1,20}`: one recurrence of Huginn's core (width 1024, 8 heads, MLP 3456, 4
 //!   core blocks and the adapter) over 1 row and over a 20-row wavefront, after a 32-token prompt;
 //!   `huginn-core-16x1`: the same over one decode row of each of 16 requests (continuous
-//!   batching), each over its own cache;
+//!   batching), each over its own cache; `huginn-core-1-kv{32,512,4096}` (and `-contiguous`):
+//!   one recurrence over one decode row whose core slots hold that many positions;
 //! - `llada-{160,288}`: LLaDA's bidirectional stack (d_model 512, 8 layers, 8 heads, MLP 1536)
 //!   over a 160- and a 288-row canvas, without the head;
 //! - `armt-segment-272`: one ARMT segment (Llama 512 x 8 layers, 8/2 heads, MLP 1536, 256 tokens
@@ -33,8 +35,14 @@ use wavefront_bench::run::Target;
 use wavefront_bench::synthetic::{armt, huginn, llada, qwen3};
 use wavefront_models::armt::SeqMemory;
 use wavefront_models::candle_core::{DType, Device, Tensor};
-use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, StoreWeights};
+use wavefront_models::transformer::{
+    Keys, KvCache, MaskRule, SeqInput, StoreWeights, PAGE_SIZE,
+};
 use wavefront_models::{cpu_peaks, CacheStrategy, HuginnCache, SeqRows};
+
+/// A page longer than any cache of the bench: one contiguous buffer per layer (slot), how the
+/// caches were stored before paging.
+const CONTIGUOUS: usize = 8192;
 
 #[derive(Debug, Parser)]
 #[command(about = "Per-operation forward timings against this machine's roofline")]
@@ -150,17 +158,20 @@ fn main() -> Result<()> {
         let (e, l, i, v) = (512.0, 8.0, 1536.0, 32768.0);
         let kv = 4.0 * 64.0;
         let params = l * (e * (8.0 * 64.0) * 2.0 + e * kv * 2.0 + 3.0 * e * i) + v * e;
-        for (name, t) in [
-            ("decode-kv32", 32usize),
-            ("decode-kv512", 512),
-            ("decode-kv4096", 4096),
+        for (name, t, page) in [
+            ("decode-kv32", 32usize, PAGE_SIZE),
+            ("decode-kv512", 512, PAGE_SIZE),
+            ("decode-kv4096", 4096, PAGE_SIZE),
+            ("decode-kv32-contiguous", 32, CONTIGUOUS),
+            ("decode-kv512-contiguous", 512, CONTIGUOUS),
+            ("decode-kv4096-contiguous", 4096, CONTIGUOUS),
         ] {
             if !want(name) {
                 continue;
             }
             // Fill the cache with t positions, then time one row at position t (the cache
             // cut back to t after every call).
-            let mut cache = KvCache::new();
+            let mut cache = KvCache::with_page_size(page);
             let ids: Vec<u32> = (0..t as u32).map(|k| k % 30000).collect();
             let mut seqs =
                 [SeqInput::dense(t)
@@ -239,6 +250,49 @@ fn main() -> Result<()> {
                 flops: 2.0 * rows as f64 * core_params + 4.0 * 4.0 * rows as f64 * keys * e,
                 run: Box::new(move || {
                     let mut seqs = [SeqRows::new(&mut cache, start, rows)];
+                    m.core_step(&state, &inj, &mut seqs)?;
+                    Ok(())
+                }),
+            });
+        }
+        // One decode row of one request at recurrence 0 over a core cache of t positions, in
+        // pages and in one contiguous buffer per slot.
+        for (name, t, page) in [
+            ("huginn-core-1-kv32", 32usize, PAGE_SIZE),
+            ("huginn-core-1-kv512", 512, PAGE_SIZE),
+            ("huginn-core-1-kv4096", 4096, PAGE_SIZE),
+            ("huginn-core-1-kv32-contiguous", 32, CONTIGUOUS),
+            ("huginn-core-1-kv512-contiguous", 512, CONTIGUOUS),
+            ("huginn-core-1-kv4096-contiguous", 4096, CONTIGUOUS),
+        ] {
+            if !want(name) {
+                continue;
+            }
+            let mut cache = HuginnCache::with_page_size(CacheStrategy::Full, page);
+            let ids: Vec<u32> = (0..=t as u32).map(|k| k * 7 % 32000).collect();
+            let emb = model.embed(&ids)?;
+            let injected = {
+                let mut seqs = [SeqRows::new(&mut cache, 0, t + 1)];
+                model.prelude(&emb, &mut seqs)?
+            };
+            // The core slots of recurrence 0 hold positions 0..t.
+            let warm = Tensor::randn(0f32, 1.0, (t, 1024), &device)?.to_dtype(dtype)?;
+            model.core_step(
+                &warm,
+                &injected.narrow(0, 0, t)?,
+                &mut [SeqRows::new(&mut cache, 0, t)],
+            )?;
+            let inj = injected.narrow(0, t, 1)?;
+            let state = Tensor::randn(0f32, 1.0, (1, 1024), &device)?.to_dtype(dtype)?;
+            let m = model.clone();
+            let keys = (t + 1) as f64;
+            shapes.push(Shape {
+                name,
+                rows: 1,
+                bytes: weight_bytes(core_params, bf16) + 4.0 * 2.0 * e * keys * 4.0,
+                flops: 2.0 * core_params + 4.0 * 4.0 * keys * e,
+                run: Box::new(move || {
+                    let mut seqs = [SeqRows::new(&mut cache, t, 1)];
                     m.core_step(&state, &inj, &mut seqs)?;
                     Ok(())
                 }),

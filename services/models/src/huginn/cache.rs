@@ -182,6 +182,13 @@ impl HuginnCache {
         Self::in_pool(strategy, KvPool::private(PAGE_SIZE))
     }
 
+    /// An empty cache over a private pool of pages of `page_size` positions (one page as long
+    /// as the sequence is one contiguous buffer per slot, as before paging: benchmarks compare
+    /// the two).
+    pub fn with_page_size(strategy: CacheStrategy, page_size: usize) -> Self {
+        Self::in_pool(strategy, KvPool::private(page_size))
+    }
+
     /// An empty cache over `pool`; over a shared pool it takes only pages it was granted.
     pub fn in_pool(strategy: CacheStrategy, pool: KvPool) -> Self {
         Self {

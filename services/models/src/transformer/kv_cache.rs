@@ -303,6 +303,12 @@ impl KvCache {
         Self::in_pool(KvPool::private(PAGE_SIZE))
     }
 
+    /// An empty cache over a private pool of pages of `page_size` indices (one page as long as
+    /// the sequence is one contiguous buffer, as before paging: benchmarks compare the two).
+    pub fn with_page_size(page_size: usize) -> Self {
+        Self::in_pool(KvPool::private(page_size))
+    }
+
     /// An empty cache over `pool`; over a shared pool it takes only pages it was granted.
     pub fn in_pool(pool: KvPool) -> Self {
         Self {

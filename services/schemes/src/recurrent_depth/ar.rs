@@ -59,16 +59,36 @@ pub type Entry<'a> = crate::tick::Entry<'a, ArProgram>;
 
 /// Runs one token for every program in `batch` through `model` in packed calls.
 pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
+    let rows: Vec<usize> = batch.iter().map(|a| a.program.pending.len()).collect();
+    tick_rows(model, batch, &rows)
+}
+
+/// Whether `p`'s next call may run in chunks: a prefill at a static recurrence (an adaptive
+/// exit averages the latent change over the positions of the call, so it runs whole).
+pub(crate) fn chunkable(p: &ArProgram) -> bool {
+    p.pending.len() > 1 && p.exit_threshold.is_none()
+}
+
+/// [`tick`] over the first `rows[i]` pending positions of program `i` (a chunk of a static
+/// prefill when fewer than it has: its K/V are cached, no token is chosen, and the rest runs
+/// at a later tick; positions, draws and states are those of the whole prefill).
+pub fn tick_rows(model: &Huginn, batch: &mut [Entry<'_>], rows: &[usize]) -> candle_core::Result<()> {
     if batch.is_empty() {
         return Ok(());
     }
     let device = model.device().clone();
     let dtype = model.dtype();
     let dim = model.config().n_embd;
-    let lens: Vec<usize> = batch.iter().map(|a| a.program.pending.len()).collect();
+    let lens: Vec<usize> = rows.to_vec();
+    let partial: Vec<bool> = batch
+        .iter()
+        .zip(&lens)
+        .map(|(a, &n)| n < a.program.pending.len())
+        .collect();
     let ids: Vec<u32> = batch
         .iter()
-        .flat_map(|a| a.program.pending.iter().copied())
+        .zip(&lens)
+        .flat_map(|(a, &n)| a.program.pending[..n].iter().copied())
         .collect();
     // Absolute position of each request's first pending row (the prelude
     // write advances the cache length, so capture it first).
@@ -202,8 +222,8 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
     }
 
     // Continuous compute: the next position starts where this request's last one ended.
-    for (a, (s, &n)) in batch.iter_mut().zip(states.iter().zip(&lens)) {
-        if a.program.continuous_compute {
+    for ((a, (s, &n)), &part) in batch.iter_mut().zip(states.iter().zip(&lens)).zip(&partial) {
+        if a.program.continuous_compute && !part {
             a.program.warm_state = Some(s.narrow(0, n - 1, 1)?);
         }
     }
@@ -214,31 +234,40 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
         let mut seqs = seq_rows(batch, &starts, &lens);
         model.coda(&final_state, &mut seqs).map_err(to_candle)?
     };
-    let last_rows: Vec<u32> = offsets
+    // The head over the last row of every request that ran all its pending positions.
+    let whole: Vec<usize> = (0..batch.len()).filter(|&i| !partial[i]).collect();
+    let last_rows: Vec<u32> = whole
         .iter()
-        .zip(&lens)
-        .map(|(&o, &n)| (o + n - 1) as u32)
+        .map(|&i| (offsets[i] + lens[i] - 1) as u32)
         .collect();
-    let last = hidden.index_select(&Tensor::new(last_rows.as_slice(), &device)?, 0)?;
-    let logits = model.lm_head(&last).map_err(to_candle)?;
-    let next_tokens: Vec<u32> = if batch.iter().all(|a| a.program.sampler.is_greedy()) {
-        logits
-            .argmax(candle_core::D::Minus1)?
-            .to_dtype(DType::U32)?
-            .to_vec1::<u32>()?
-    } else {
-        let rows = logits.to_vec2::<f32>()?;
-        batch
-            .iter_mut()
-            .zip(rows)
-            .map(|(a, r)| a.program.sampler.sample(&r))
-            .collect()
-    };
+    let mut next_tokens: Vec<Option<u32>> = vec![None; batch.len()];
+    if !whole.is_empty() {
+        let last = hidden.index_select(&Tensor::new(last_rows.as_slice(), &device)?, 0)?;
+        let logits = model.lm_head(&last).map_err(to_candle)?;
+        if whole.iter().all(|&i| batch[i].program.sampler.is_greedy()) {
+            let ids = logits
+                .argmax(candle_core::D::Minus1)?
+                .to_dtype(DType::U32)?
+                .to_vec1::<u32>()?;
+            for (&i, t) in whole.iter().zip(ids) {
+                next_tokens[i] = Some(t);
+            }
+        } else {
+            for (&i, r) in whole.iter().zip(logits.to_vec2::<f32>()?) {
+                next_tokens[i] = Some(batch[i].program.sampler.sample(&r));
+            }
+        }
+    }
 
     // Commit: advance each cache, stream the token, decide whether to stop.
-    for ((a, tok), steps) in batch.iter_mut().zip(next_tokens).zip(steps_run) {
+    for (((a, tok), steps), &n) in batch.iter_mut().zip(next_tokens).zip(steps_run).zip(&lens) {
         let p = &mut a.program;
         p.stats.forward_passes += 1;
+        let Some(tok) = tok else {
+            // A chunk of the prefill: its positions are cached, the rest runs next.
+            p.pending.drain(..n);
+            continue;
+        };
         p.stats.recurrence_steps += steps as u64;
         p.stats.push_series("steps_per_token", steps as u32);
         p.generated += 1;

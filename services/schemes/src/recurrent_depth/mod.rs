@@ -343,6 +343,7 @@ impl Planner for HuginnPlanner {
 pub struct HuginnFamily {
     model: Huginn,
     pool: KvPool,
+    max_batch_rows: Option<usize>,
     /// Positions the last tick ran through the model (metrics).
     last_rows: Option<usize>,
     /// Tests: the scheme group whose next forward fails.
@@ -355,10 +356,17 @@ impl HuginnFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
+            max_batch_rows: None,
             last_rows: None,
             #[cfg(test)]
             fail_next: None,
         }
+    }
+
+    /// Caps the rows of a tick: static `ar` prefills run in chunks of what the rest leaves.
+    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
+        self.max_batch_rows = rows;
+        self
     }
 
     /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
@@ -441,13 +449,44 @@ impl Family for HuginnFamily {
                 }
             }
         }
-        self.last_rows = Some(rows);
+        // A row budget: static prefills run in chunks of what the rest of the tick leaves
+        // (the decoding steps, adaptive prefills and wavefronts run whole).
+        let chunked: Vec<usize> = (0..ar_group.len())
+            .filter(|&i| ar::chunkable(ar_group[i].program))
+            .collect();
+        let fixed = rows
+            - chunked
+                .iter()
+                .map(|&i| ar_group[i].program.pending.len())
+                .sum::<usize>();
+        let wants: Vec<usize> = chunked
+            .iter()
+            .map(|&i| ar_group[i].program.pending.len())
+            .collect();
+        let mut take: Vec<usize> = ar_group.iter().map(|e| e.program.pending.len()).collect();
+        for (&i, t) in chunked
+            .iter()
+            .zip(crate::tick::prefill_rows(self.max_batch_rows, fixed, &wants))
+        {
+            take[i] = t;
+        }
+        let mut ar_rows = Vec::with_capacity(ar_group.len());
+        let mut ar_group: Vec<ar::Entry<'_>> = ar_group
+            .into_iter()
+            .zip(&take)
+            .filter(|(_, &t)| t > 0)
+            .map(|(e, &t)| {
+                ar_rows.push(t);
+                e
+            })
+            .collect();
+        self.last_rows = Some(fixed + chunked.iter().map(|&i| take[i]).sum::<usize>());
         // Each scheme's packed calls are a forward of their own: one that fails fails only the
         // requests in it, and the other group still runs.
         if !ar_group.is_empty() {
             let ran = self
                 .injected("ar")
-                .and_then(|()| ar::tick(&self.model, &mut ar_group));
+                .and_then(|()| ar::tick_rows(&self.model, &mut ar_group, &ar_rows));
             fail_group_on_error("ar", ran, &mut ar_group);
         }
         if !diffusion_group.is_empty() {
@@ -530,6 +569,10 @@ where
     L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
 {
     let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
+    let rows = opts.max_batch_rows;
+    let make = move |device: &Device, dtype| {
+        make(device, dtype).map(|f| f.with_max_batch_rows(rows))
+    };
     serve_family(cfg, tokenizer, opts, make)
 }
 

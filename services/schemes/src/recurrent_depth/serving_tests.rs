@@ -166,6 +166,51 @@ fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> 
     Ok(())
 }
 
+/// A row budget of 16 per tick: static prefills of 30 to 60 positions run in chunks, with
+/// continuous compute, shared caches and sampling, beside adaptive prefills and wavefronts that
+/// run whole; each request produces what it produces without a budget. A request decoding
+/// when a 120-position prompt arrives keeps streaming through that prompt's chunks.
+#[test]
+fn long_prefills_run_in_chunks_without_changing_tokens_or_stalling_decodes() -> Result<()> {
+    let cc = SchemeParams::Ar(ArParams {
+        num_steps: Some(4),
+        cache_lookup_strategy: Some("latest-m4".into()),
+        continuous_compute: true,
+        ..ArParams::default()
+    });
+    let mut sampled = spec(prompt(45, 3), 8, 21, ar_static(4, "full"));
+    sampled.sampling.temperature = 0.8;
+    let specs = vec![
+        spec(prompt(40, 0), 8, 1, ar_static(4, "full")),
+        spec(prompt(60, 1), 6, 2, ar_static(3, "latest-m4-compress-s4")),
+        spec(prompt(33, 2), 8, 3, cc),
+        sampled,
+        spec(prompt(50, 4), 6, 5, ar_adaptive(8, "latest-m4", 0.05)),
+        spec(
+            prompt(30, 5),
+            8,
+            6,
+            SchemeParams::DiffusionForcing(diffusion(8, FreezeTest::Aligned)),
+        ),
+        spec(prompt(3, 6), 10, 7, ar_static(2, "full")),
+    ];
+    let roomy = fixture_served(specs.len())?;
+    crate::test_support::assert_chunked_prefill_matches(
+        fixture_files()?,
+        roomy.as_ref(),
+        16,
+        &specs,
+        (
+            spec(prompt(120, 7), 4, 8, ar_static(2, "full")),
+            spec(prompt(4, 8), 64, 9, ar_static(2, "full")),
+            5,
+        ),
+        &[],
+    )?;
+    roomy.shutdown();
+    Ok(())
+}
+
 /// Which slots each live request holds, as the family sees them at every tick.
 #[derive(Default)]
 struct Ledger {

@@ -50,28 +50,47 @@ impl ArDecode {
         self.cache.len() + self.pending.len()
     }
 
-    pub(crate) fn next_call(&mut self) -> Call {
+    /// Tokens not yet run: the prompt (or what is left of it), then the last generated token.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The next call: the first `rows` pending tokens (all by default). A call that leaves
+    /// some of the prompt for later (a chunk of a long prefill) reads no logits.
+    pub(crate) fn next_call(&mut self, rows: Option<usize>) -> Call {
         let start = self.cache.len() as u32;
-        let n = self.pending.len();
+        let n = rows.map_or(self.pending.len(), |r| r.min(self.pending.len()));
+        let last = n == self.pending.len();
         Call {
             rows: vec![CallRow {
-                ids: self.pending.clone(),
+                ids: self.pending[..n].to_vec(),
                 positions: (start..start + n as u32).collect(),
                 cache: CacheUse::Own,
-                reads: vec![RowRead {
-                    full: !self.sampler.is_greedy(),
-                    ..RowRead::top1(n - 1)
-                }],
+                reads: if last {
+                    vec![RowRead {
+                        full: !self.sampler.is_greedy(),
+                        ..RowRead::top1(n - 1)
+                    }]
+                } else {
+                    Vec::new()
+                },
             }],
         }
     }
 
     pub(crate) fn commit(
         &mut self,
+        call: &Call,
         outs: &[Vec<ReadOut>],
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), String> {
+        let ran = call.rows.first().map_or(0, |r| r.ids.len());
+        if ran < self.pending.len() {
+            // A chunk of the prompt: its K/V are cached; the rest runs next.
+            self.pending.drain(..ran);
+            return Ok(());
+        }
         let o = outs
             .first()
             .and_then(|r| r.first())

@@ -24,9 +24,41 @@ pub type Entry<'a> = crate::tick::Entry<'a, SdProgram>;
 
 /// Runs the next call of every program in `batch` through `model` in one packed forward;
 /// returns the rows computed. A failure of the forward fails the tick; a program's own failure
-/// goes to its outbox.
-pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
-    let calls: Vec<Call> = batch.iter_mut().map(|e| e.program.next_call()).collect();
+/// goes to its outbox. With a row budget (`max_batch_rows`), `ar` prefills run in chunks of
+/// what the other calls leave, and one that gets no row waits for the next tick.
+pub fn tick(
+    model: &Qwen3,
+    batch: &mut [Entry<'_>],
+    max_batch_rows: Option<usize>,
+) -> candle_core::Result<usize> {
+    let prefills: Vec<(usize, usize)> = batch
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| e.program.prefill_rows().map(|n| (i, n)))
+        .collect();
+    let mut calls: Vec<Option<Call>> = batch
+        .iter_mut()
+        .map(|e| {
+            (e.program.prefill_rows().is_none()).then(|| e.program.next_call(None))
+        })
+        .collect();
+    let fixed: usize = calls.iter().flatten().map(Call::tokens).sum();
+    let wants: Vec<usize> = prefills.iter().map(|p| p.1).collect();
+    for (&(i, _), take) in prefills
+        .iter()
+        .zip(crate::tick::prefill_rows(max_batch_rows, fixed, &wants))
+    {
+        if take > 0 {
+            calls[i] = Some(batch[i].program.next_call(Some(take)));
+        }
+    }
+    let mut batch: Vec<&mut Entry<'_>> = batch
+        .iter_mut()
+        .zip(&calls)
+        .filter(|(_, c)| c.is_some())
+        .map(|(e, _)| e)
+        .collect();
+    let calls: Vec<Call> = calls.into_iter().flatten().collect();
     let ids: Vec<u32> = calls
         .iter()
         .flat_map(|c| c.rows.iter().flat_map(|r| r.ids.iter().copied()))
@@ -107,6 +139,7 @@ pub fn tick(model: &Qwen3, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
 pub struct SlotDiffusionFamily {
     model: Qwen3,
     pool: KvPool,
+    max_batch_rows: Option<usize>,
     last_rows: Option<usize>,
 }
 
@@ -115,8 +148,15 @@ impl SlotDiffusionFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
+            max_batch_rows: None,
             last_rows: None,
         }
+    }
+
+    /// Caps the rows of a tick: `ar` prefills run in chunks of what the rest leaves.
+    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
+        self.max_batch_rows = rows;
+        self
     }
 
     /// Hands the slots granted to `a` since the last look to its state cache (moved into the
@@ -139,7 +179,8 @@ impl Family for SlotDiffusionFamily {
             self.bind(a);
         }
         let mut entries = entries(batch, |p| !p.is_done());
-        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
+        let rows = tick(&self.model, &mut entries, self.max_batch_rows)
+            .map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
     }

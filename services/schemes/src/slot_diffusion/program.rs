@@ -98,10 +98,20 @@ impl SdProgram {
         }
     }
 
-    pub(crate) fn next_call(&mut self) -> Call {
+    /// Prompt tokens an `ar` request has still to run (a prefill that may go in chunks);
+    /// `None` for every other call (decoding steps and plan-and-infill calls run whole).
+    pub(crate) fn prefill_rows(&self) -> Option<usize> {
+        match &self.scheme {
+            Scheme::Ar(a) if a.pending() > 1 => Some(a.pending()),
+            _ => None,
+        }
+    }
+
+    /// The next model call; `rows` caps an `ar` prefill's (a chunk of its prompt).
+    pub(crate) fn next_call(&mut self, rows: Option<usize>) -> Call {
         let call = match &mut self.scheme {
             Scheme::PlanInfill(p) => p.next_call(),
-            Scheme::Ar(a) => a.next_call(),
+            Scheme::Ar(a) => a.next_call(rows),
         };
         self.stats.forward_passes += 1;
         self.stats
@@ -159,7 +169,7 @@ impl SdProgram {
     ) -> Result<(), String> {
         match &mut self.scheme {
             Scheme::PlanInfill(p) => p.commit(call, outs, &mut self.stats, outbox),
-            Scheme::Ar(a) => a.commit(outs, &mut self.stats, outbox),
+            Scheme::Ar(a) => a.commit(call, outs, &mut self.stats, outbox),
         }
     }
 }

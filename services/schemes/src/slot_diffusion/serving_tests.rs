@@ -149,6 +149,35 @@ fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> 
     Ok(())
 }
 
+/// A row budget of 16 per tick: `ar` prefills of 30 to 60 tokens run in chunks beside
+/// plan-and-infill calls that run whole; each request produces what it produces without a
+/// budget (forward passes and rows per call aside). A request decoding when a 200-token prompt
+/// arrives keeps streaming through that prompt's chunks.
+#[test]
+fn long_prefills_run_in_chunks_without_changing_tokens_or_stalling_decodes() -> Result<()> {
+    let specs = vec![
+        spec(prompt(40, 0), 12, ar()),
+        sampled(spec(prompt(60, 1), 10, ar()), 0.8, 4),
+        spec(prompt(33, 2), 16, plan_infill(4, 2, 0.8, 0.2)),
+        spec(prompt(3, 3), 12, ar()),
+    ];
+    let roomy = fixture_served(specs.len())?;
+    crate::test_support::assert_chunked_prefill_matches(
+        fixture_files()?,
+        roomy.as_ref(),
+        16,
+        &specs,
+        (
+            spec(prompt(200, 4), 4, ar()),
+            sampled(spec(prompt(20, 11), 64, ar()), 1.0, 3),
+            8,
+        ),
+        &["rows_per_call"],
+    )?;
+    roomy.shutdown();
+    Ok(())
+}
+
 /// The request of a golden run: its prompt and `generate_refusion()` settings.
 fn golden_spec(run: &Value) -> Result<GenerateSpec> {
     let a = &run["args"];

@@ -75,7 +75,7 @@ pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgra
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
 pub fn run(model: &Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
-    tick_until_done(programs, |batch| tick(model, batch).map(drop))
+    tick_until_done(programs, |batch| tick(model, batch, None).map(drop))
 }
 
 pub use crate::test_support::collect;
