@@ -67,6 +67,8 @@ pub struct Heads {
     pub rows_out: bool,
 }
 
+/// Keys ahead of the one in use whose rows are prefetched (few queries: the keys stream by).
+const PREFETCH_AHEAD: usize = 16;
 /// Query rows per task, at most.
 const ROWS_PER_TASK: usize = 64;
 /// Queries of a task from which scores and values go through the product kernel.
@@ -220,7 +222,11 @@ unsafe fn task(
         gemm_panels(isa, &a, nq, d, &kp, t_all, &mut scores, t_all);
         scores.iter_mut().for_each(|v| *v *= heads.scale);
     } else {
-        for (t, (kt, _)) in key_rows().enumerate() {
+        let keys: Vec<&[f32]> = key_rows().map(|(k, _)| k).collect();
+        for (t, kt) in keys.iter().enumerate() {
+            if let Some(ahead) = keys.get(t + PREFETCH_AHEAD) {
+                simd::prefetch(ahead);
+            }
             for (qi, &(hh, row)) in queries.iter().enumerate() {
                 let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
                 scores[qi * t_all + t] = simd::dot(isa, qv, kt) * heads.scale;
@@ -256,7 +262,11 @@ unsafe fn task(
         }
         gemm_panels(isa, &scores, nq, t_all, &vp, d, &mut acc, d);
     } else {
-        for (t, (_, vt)) in key_rows().enumerate() {
+        let values: Vec<&[f32]> = key_rows().map(|(_, v)| v).collect();
+        for (t, vt) in values.iter().enumerate() {
+            if let Some(ahead) = values.get(t + PREFETCH_AHEAD) {
+                simd::prefetch(ahead);
+            }
             for qi in 0..nq {
                 let p = scores[qi * t_all + t];
                 if p != 0.0 {

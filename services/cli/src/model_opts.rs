@@ -68,6 +68,12 @@ pub struct ModelArgs {
     /// requests at once). Masked-diffusion requests take their whole canvas either way.
     #[arg(long, env = "WAVEFRONT_KV_RESERVE", default_value = "on-demand")]
     pub kv_reserve: String,
+    /// Rows one engine tick computes at most (0: no cap). Autoregressive prefills (Huginn
+    /// static ar, ReFusion ar) run in chunks of what the tick's other work leaves, so a long
+    /// prompt does not stall the others' decoding; decoding steps, canvases, segments,
+    /// wavefronts and plan-and-infill calls run whole and count against it.
+    #[arg(long, env = "WAVEFRONT_MAX_BATCH_ROWS", default_value_t = 2048)]
+    pub max_batch_rows: usize,
 }
 
 impl ModelArgs {
@@ -156,6 +162,7 @@ impl ModelArgs {
             attention,
             weight_dtype,
             kv_reserve,
+            max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
         })
     }
 }

@@ -471,7 +471,10 @@ pub fn assert_chunked_prefill_matches(
     let mut long_events = Vec::new();
     loop {
         let ev = long_rx.recv_timeout(Duration::from_secs(60))?;
-        let first = matches!(ev, Event::Tokens(_) | Event::Finished { .. } | Event::Failed(_));
+        let first = matches!(
+            ev,
+            Event::Tokens(_) | Event::Finished { .. } | Event::Failed(_)
+        );
         long_events.push(ev);
         if first {
             break;

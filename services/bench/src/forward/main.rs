@@ -15,6 +15,8 @@
 //!   8/4 heads of 64, MLP 1536, vocab 32768) over a K/V cache of that many positions, head
 //!   included (the step of autoregressive decoding), its cache in pages of 16 positions;
 //!   `decode-kv*-contiguous`: the same over one contiguous buffer per layer (before paging);
+//!   `decode-kv4096-interleaved`: pages whose ids interleave the layers (no two pages of a
+//!   layer adjacent, as a served request's cache grows);
 //! - `huginn-core-{1,20}`: one recurrence of Huginn's core (width 1024, 8 heads, MLP 3456, 4
 //!   core blocks and the adapter) over 1 row and over a 20-row wavefront, after a 32-token prompt;
 //!   `huginn-core-16x1`: the same over one decode row of each of 16 requests (continuous
@@ -36,13 +38,30 @@ use wavefront_bench::synthetic::{armt, huginn, llada, qwen3};
 use wavefront_models::armt::SeqMemory;
 use wavefront_models::candle_core::{DType, Device, Tensor};
 use wavefront_models::transformer::{
-    Keys, KvCache, MaskRule, SeqInput, StoreWeights, PAGE_SIZE,
+    Keys, KvCache, KvPool, MaskRule, SeqInput, StoreWeights, PAGE_SIZE,
 };
 use wavefront_models::{cpu_peaks, CacheStrategy, HuginnCache, SeqRows};
 
 /// A page longer than any cache of the bench: one contiguous buffer per layer (slot), how the
 /// caches were stored before paging.
 const CONTIGUOUS: usize = 8192;
+/// Pages of 16 whose ids interleave the layers (page i of layer l is id `i · layers + l`), as a
+/// served request's pages are when it grows one page per layer at a time.
+const INTERLEAVED: usize = 0;
+
+/// A cache over a shared pool of pages granted so that each layer's pages interleave with the
+/// other layers' (the worst layout a served request's cache has: no two pages of a layer
+/// adjacent).
+fn interleaved_cache(layers: usize, positions: usize) -> KvCache {
+    let mut cache = KvCache::in_pool(KvPool::shared(PAGE_SIZE));
+    let pages = positions.div_ceil(PAGE_SIZE);
+    let order: Vec<u32> = (0..layers)
+        .flat_map(|l| (0..pages).map(move |i| (i * layers + l) as u32))
+        .collect();
+    // Taken from the end of the grant: hand it in reverse.
+    cache.grant(order.into_iter().rev());
+    cache
+}
 
 #[derive(Debug, Parser)]
 #[command(about = "Per-operation forward timings against this machine's roofline")]
@@ -160,18 +179,23 @@ fn main() -> Result<()> {
         let params = l * (e * (8.0 * 64.0) * 2.0 + e * kv * 2.0 + 3.0 * e * i) + v * e;
         for (name, t, page) in [
             ("decode-kv32", 32usize, PAGE_SIZE),
-            ("decode-kv512", 512, PAGE_SIZE),
-            ("decode-kv4096", 4096, PAGE_SIZE),
             ("decode-kv32-contiguous", 32, CONTIGUOUS),
+            ("decode-kv512", 512, PAGE_SIZE),
             ("decode-kv512-contiguous", 512, CONTIGUOUS),
+            ("decode-kv4096", 4096, PAGE_SIZE),
             ("decode-kv4096-contiguous", 4096, CONTIGUOUS),
+            ("decode-kv4096-interleaved", 4096, INTERLEAVED),
         ] {
             if !want(name) {
                 continue;
             }
             // Fill the cache with t positions, then time one row at position t (the cache
             // cut back to t after every call).
-            let mut cache = KvCache::with_page_size(page);
+            let mut cache = if page == INTERLEAVED {
+                interleaved_cache(8, t + 1)
+            } else {
+                KvCache::with_page_size(page)
+            };
             let ids: Vec<u32> = (0..t as u32).map(|k| k % 30000).collect();
             let mut seqs =
                 [SeqInput::dense(t)
@@ -259,10 +283,10 @@ fn main() -> Result<()> {
         // pages and in one contiguous buffer per slot.
         for (name, t, page) in [
             ("huginn-core-1-kv32", 32usize, PAGE_SIZE),
-            ("huginn-core-1-kv512", 512, PAGE_SIZE),
-            ("huginn-core-1-kv4096", 4096, PAGE_SIZE),
             ("huginn-core-1-kv32-contiguous", 32, CONTIGUOUS),
+            ("huginn-core-1-kv512", 512, PAGE_SIZE),
             ("huginn-core-1-kv512-contiguous", 512, CONTIGUOUS),
+            ("huginn-core-1-kv4096", 4096, PAGE_SIZE),
             ("huginn-core-1-kv4096-contiguous", 4096, CONTIGUOUS),
         ] {
             if !want(name) {

@@ -46,7 +46,7 @@ impl Shape {
             "n_layers_in_coda": self.coda,
             "norm_eps": 1e-6,
             "rope_base": 50000.0,
-            "block_size": 4096,
+            "block_size": 8192,
             "tie_embeddings": true,
             "qk_bias": true,
             "bias": false,

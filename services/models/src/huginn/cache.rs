@@ -464,8 +464,8 @@ impl HuginnCache {
     }
 
     /// [`HuginnCache::read`] without concatenating: the keys and values as runs of consecutive
-    /// positions `[H, n_i, D]` within one page each, views into the pages (nothing is copied),
-    /// in key order.
+    /// positions `[H, n_i, D]` (one per page, or per run of pages with consecutive ids), views
+    /// into the pool (nothing is copied), in key order.
     pub(crate) fn read_runs(&self, slot: CacheSlot, upto: usize) -> Result<Vec<(Tensor, Tensor)>> {
         let key = self.resolve(slot)?;
         let store = self
@@ -477,7 +477,7 @@ impl HuginnCache {
             self.hole_runs(slot, key, store, upto)?
         };
         let p = self.page_size();
-        let mut out = Vec::with_capacity(runs.len() + upto / p);
+        let mut pieces = Vec::with_capacity(runs.len() + upto / p);
         for (source, start, n) in runs {
             let s = self.store(source).expect("run sources exist");
             let mut pos = start;
@@ -487,11 +487,11 @@ impl HuginnCache {
                 let id = s.pages.get(pi).copied().flatten().ok_or_else(|| {
                     ModelError::Cache(format!("{slot:?}: no page holds position {pos}"))
                 })?;
-                out.push(self.supply.view(id, off, take)?);
+                pieces.push((id, off, take));
                 pos += take;
             }
         }
-        Ok(out)
+        self.supply.views(&pieces)
     }
 
     /// Runs `(source store, start, n)` of consecutive positions below `upto` read from the same

@@ -29,16 +29,28 @@ use crate::error::{ModelError, Result};
 /// Buffer indices a page holds, unless a pool says otherwise.
 pub const PAGE_SIZE: usize = 16;
 
+/// Pages an arena holds.
+const ARENA_PAGES: usize = 256;
+
+/// The storage of [`ARENA_PAGES`] consecutive page ids on one device: keys and values
+/// `[H, ARENA_PAGES · page_size, D]`, page `id` at rows `(id mod ARENA_PAGES) · page_size ..`.
+/// Consecutive pages are adjacent within each head, so a cache whose pages are consecutive
+/// ids (the common case: the engine hands out slots in order) reads them as one run, as fast
+/// as one buffer.
 #[derive(Debug, Clone)]
-struct Page {
+struct Arena {
     k: Tensor,
     v: Tensor,
 }
 
-impl Page {
-    fn bytes(&self) -> usize {
-        2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
-    }
+#[derive(Debug, Default)]
+struct PoolState {
+    /// Per device, its arenas by index (`id / ARENA_PAGES`), made on first use.
+    devices: Vec<(Device, Vec<Option<Arena>>)>,
+    /// Per page id, the device (index into `devices`) whose arena holds its rows, once written.
+    written: Vec<Option<u8>>,
+    /// Private pools: ids made so far.
+    made: u32,
 }
 
 #[derive(Debug)]
@@ -46,7 +58,7 @@ struct PoolInner {
     page_size: usize,
     /// Whether page ids are granted from outside (the engine's slots) rather than made here.
     shared: bool,
-    pages: Mutex<Vec<Option<Page>>>,
+    state: Mutex<PoolState>,
 }
 
 /// Storage of K/V pages addressed by page id (see the module doc).
@@ -71,7 +83,7 @@ impl KvPool {
             inner: Arc::new(PoolInner {
                 page_size,
                 shared,
-                pages: Mutex::new(Vec::new()),
+                state: Mutex::new(PoolState::default()),
             }),
         }
     }
@@ -86,58 +98,93 @@ impl KvPool {
         self.inner.shared
     }
 
-    /// Pages whose storage exists (the most ever held at once, for a shared pool).
+    /// Pages ever written (the most held at once, for a shared pool).
     pub fn pages_made(&self) -> usize {
-        self.pages().iter().flatten().count()
+        self.state().written.iter().flatten().count()
     }
 
-    fn pages(&self) -> MutexGuard<'_, Vec<Option<Page>>> {
-        // Every operation under the lock is one push or one clone: a panic leaves it consistent.
+    fn state(&self) -> MutexGuard<'_, PoolState> {
+        // Every operation under the lock completes or changes nothing: a panic leaves it
+        // consistent.
         self.inner
-            .pages
+            .state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A fresh id of a private pool.
     fn make_id(&self) -> u32 {
-        let mut pages = self.pages();
-        pages.push(None);
-        u32::try_from(pages.len() - 1).expect("fewer than 2^32 pages")
+        let mut st = self.state();
+        st.made += 1;
+        st.made - 1
     }
 
-    /// Page `id`, its storage made like `like` (`[H, n, D]`) on first use.
-    fn page(&self, id: u32, like: &Tensor) -> Result<Page> {
-        let mut pages = self.pages();
-        let i = id as usize;
-        if pages.len() <= i {
-            pages.resize(i + 1, None);
-        }
-        let shape = (like.dim(0)?, self.inner.page_size, like.dim(2)?);
-        if let Some(p) = &pages[i] {
-            // Pages are fungible across a model's caches; a page last used by a cache of
-            // another shape or device (a tensor-parallel rank on its own GPU) is made anew.
-            if p.k.dims3()? == shape
-                && p.k.dtype() == like.dtype()
-                && p.k.device().same_device(like.device())
-            {
-                return Ok(p.clone());
+    /// The arena holding page `id` for rows like `like` (`[H, n, D]`, on its device), made on
+    /// first use, and the page's first row in it; the page counts as written.
+    fn arena_for_write(&self, id: u32, like: &Tensor) -> Result<(Arena, usize)> {
+        let p = self.inner.page_size;
+        let (a, slot) = (id as usize / ARENA_PAGES, id as usize % ARENA_PAGES);
+        let mut st = self.state();
+        let d = match st
+            .devices
+            .iter()
+            .position(|(dev, _)| dev.same_device(like.device()))
+        {
+            Some(d) => d,
+            None => {
+                st.devices.push((like.device().clone(), Vec::new()));
+                st.devices.len() - 1
             }
-        }
-        let page = Page {
-            k: Tensor::zeros(shape, like.dtype(), like.device())?,
-            v: Tensor::zeros(shape, like.dtype(), like.device())?,
         };
-        pages[i] = Some(page.clone());
-        Ok(page)
+        let arenas = &mut st.devices[d].1;
+        if arenas.len() <= a {
+            arenas.resize(a + 1, None);
+        }
+        let shape = (like.dim(0)?, ARENA_PAGES * p, like.dim(2)?);
+        let arena = match &arenas[a] {
+            Some(arena) => {
+                if arena.k.dims3()? != shape || arena.k.dtype() != like.dtype() {
+                    return Err(ModelError::Cache(format!(
+                        "page {id} takes [{}, {p}, {}] {:?} rows; its pool holds {:?} {:?}",
+                        shape.0,
+                        shape.2,
+                        like.dtype(),
+                        arena.k.dims(),
+                        arena.k.dtype()
+                    )));
+                }
+                arena.clone()
+            }
+            None => {
+                let arena = Arena {
+                    k: Tensor::zeros(shape, like.dtype(), like.device())?,
+                    v: Tensor::zeros(shape, like.dtype(), like.device())?,
+                };
+                arenas[a] = Some(arena.clone());
+                arena
+            }
+        };
+        if st.written.len() <= id as usize {
+            st.written.resize(id as usize + 1, None);
+        }
+        st.written[id as usize] = Some(u8::try_from(d).expect("fewer than 256 devices"));
+        Ok((arena, slot * p))
     }
 
-    /// Page `id`, which must have been written.
-    fn get(&self, id: u32) -> Result<Page> {
-        self.pages()
+    /// The arena holding page `id`, which must have been written, and its first row in it.
+    fn arena_for_read(&self, id: u32) -> Result<(Arena, usize, u8)> {
+        let st = self.state();
+        let never = || ModelError::Cache(format!("page {id} was never written"));
+        let d = st
+            .written
             .get(id as usize)
-            .and_then(Clone::clone)
-            .ok_or_else(|| ModelError::Cache(format!("page {id} was never written")))
+            .copied()
+            .flatten()
+            .ok_or_else(never)?;
+        let arena = st.devices[d as usize].1[id as usize / ARENA_PAGES]
+            .clone()
+            .ok_or_else(never)?;
+        Ok((arena, (id as usize % ARENA_PAGES) * self.inner.page_size, d))
     }
 }
 
@@ -207,28 +254,66 @@ impl PageSupply {
 
     /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`.
     pub(crate) fn write(&mut self, id: u32, off: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let page = self.pool.page(id, k)?;
+        let (arena, base) = self.pool.arena_for_write(id, k)?;
         if self.page_bytes == 0 {
-            self.page_bytes = page.bytes();
+            let (h, _, d) = k.dims3()?;
+            self.page_bytes = 2 * h * self.page_size() * d * k.dtype().size_in_bytes();
         }
-        page.k.slice_set(&k.contiguous()?, 1, off)?;
-        page.v.slice_set(&v.contiguous()?, 1, off)?;
+        arena.k.slice_set(&k.contiguous()?, 1, base + off)?;
+        arena.v.slice_set(&v.contiguous()?, 1, base + off)?;
         Ok(())
     }
 
     /// Indices `off..off + n` of page `id`, in place.
     pub(crate) fn view(&self, id: u32, off: usize, n: usize) -> Result<(Tensor, Tensor)> {
-        let page = self.pool.get(id)?;
-        Ok((page.k.narrow(1, off, n)?, page.v.narrow(1, off, n)?))
+        let (arena, base, _) = self.pool.arena_for_read(id)?;
+        Ok((
+            arena.k.narrow(1, base + off, n)?,
+            arena.v.narrow(1, base + off, n)?,
+        ))
     }
 
-    /// A host-memory copy of page `id` (its storage goes to the page's next owner).
+    /// The keys and values of `(page id, first index, indices)` pieces in order, read in place
+    /// as runs: pieces that continue each other in one arena (a page read to its end, then the
+    /// next id from its start) are one run.
+    pub(crate) fn views(&self, pieces: &[(u32, usize, usize)]) -> Result<Vec<(Tensor, Tensor)>> {
+        let p = self.page_size();
+        let mut runs: Vec<(Arena, usize, usize, u32, u8)> = Vec::with_capacity(pieces.len());
+        for &(id, off, n) in pieces {
+            let (arena, base, dev) = self.pool.arena_for_read(id)?;
+            if let Some(last) = runs.last_mut() {
+                let (_, start, len, last_id, last_dev) = last;
+                let continues = id == *last_id + 1
+                    && id as usize % ARENA_PAGES != 0
+                    && dev == *last_dev
+                    && off == 0
+                    && (*start + *len).is_multiple_of(p);
+                if continues {
+                    *len += n;
+                    *last_id = id;
+                    continue;
+                }
+            }
+            runs.push((arena, base + off, n, id, dev));
+        }
+        runs.into_iter()
+            .map(|(a, start, n, _, _)| Ok((a.k.narrow(1, start, n)?, a.v.narrow(1, start, n)?)))
+            .collect()
+    }
+
+    /// A host-memory copy of page `id` (its rows go to the page's next owner).
     pub(crate) fn copy_out(&self, id: u32) -> Result<HostPage> {
-        let page = self.pool.get(id)?;
+        let (k, v) = self.view(id, 0, self.page_size())?;
+        let host = |t: &Tensor| -> Result<Tensor> {
+            // A fresh buffer, never a view of the arena.
+            let out = Tensor::zeros(t.dims3()?, t.dtype(), &Device::Cpu)?;
+            out.slice_set(&t.to_device(&Device::Cpu)?.contiguous()?, 1, 0)?;
+            Ok(out)
+        };
         Ok(HostPage {
-            device: page.k.device().clone(),
-            k: page.k.to_device(&Device::Cpu)?.copy()?,
-            v: page.v.to_device(&Device::Cpu)?.copy()?,
+            device: k.device().clone(),
+            k: host(&k)?,
+            v: host(&v)?,
         })
     }
 
@@ -470,14 +555,16 @@ impl KvCache {
     }
 
     /// Keys and values of layer `layer` as runs `[n_kv_heads, n_i, head_dim]` in buffer order,
-    /// one per page, read in place (each is valid until the next write).
+    /// read in place (each is valid until the next write): one per page, or per run of pages
+    /// with consecutive ids.
     pub fn layer_runs(&self, layer: usize) -> Result<Vec<(Tensor, Tensor)>> {
         let p = self.page_size();
         let len = self.layer_len(layer);
         let table = self.table(layer)?;
-        (0..len.div_ceil(p))
-            .map(|i| self.supply.view(table[i], 0, (len - i * p).min(p)))
-            .collect()
+        let pieces: Vec<(u32, usize, usize)> = (0..len.div_ceil(p))
+            .map(|i| (table[i], 0, (len - i * p).min(p)))
+            .collect();
+        self.supply.views(&pieces)
     }
 
     /// Keys and values `[n_kv_heads, len, head_dim]` of layer `layer`, contiguous: a view when
@@ -649,6 +736,13 @@ mod tests {
         )
     }
 
+    fn run_lens(c: &KvCache) -> Result<Vec<usize>> {
+        Ok(c.layer_runs(0)?
+            .iter()
+            .map(|r| r.0.dim(1))
+            .collect::<candle_core::Result<Vec<_>>>()?)
+    }
+
     fn values(c: &KvCache) -> Result<Vec<f32>> {
         let (k, _) = c.layer_kv(0)?;
         Ok(k.get(1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?)
@@ -672,17 +766,12 @@ mod tests {
         assert_eq!(values(&c)?, [0.0, 1.0, 9.0, 10.0]);
         // The clone is a copy: it still reads what it held.
         assert_eq!(values(&snapshot)?, [0.0, 1.0, 2.0, 3.0, 4.0]);
-        // Growth past a page takes pages and keeps the rows; the runs are one per page.
+        // Growth past a page takes pages and keeps the rows; pages of consecutive ids are read
+        // as one run.
         c.write_rows(0, 4, &rows(4, 36)?, &rows(4, 36)?)?;
         c.commit(40);
         assert_eq!(c.pages_used(), 3);
-        assert_eq!(
-            c.layer_runs(0)?
-                .iter()
-                .map(|r| r.0.dim(1))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            [16, 16, 8]
-        );
+        assert_eq!(run_lens(&c)?, [40]);
         assert_eq!(values(&c)?.len(), 40);
         assert_eq!(values(&c)?[..6], [0.0, 1.0, 9.0, 10.0, 4.0, 5.0]);
         assert!(c.write_rows(0, 50, &rows(0, 1)?, &rows(0, 1)?).is_err());
@@ -748,6 +837,10 @@ mod tests {
             values(&b)?,
             (100..112).map(|x| x as f32).collect::<Vec<_>>()
         );
+        // b's pages are 2, 0, 1: the last two continue each other.
+        assert_eq!(run_lens(&b)?, [4, 8]);
+        // a resumed in pages 5 and 7: two runs.
+        assert_eq!(run_lens(&a)?, [4, 2]);
         Ok(())
     }
 }

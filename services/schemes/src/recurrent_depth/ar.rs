@@ -72,7 +72,11 @@ pub(crate) fn chunkable(p: &ArProgram) -> bool {
 /// [`tick`] over the first `rows[i]` pending positions of program `i` (a chunk of a static
 /// prefill when fewer than it has: its K/V are cached, no token is chosen, and the rest runs
 /// at a later tick; positions, draws and states are those of the whole prefill).
-pub fn tick_rows(model: &Huginn, batch: &mut [Entry<'_>], rows: &[usize]) -> candle_core::Result<()> {
+pub fn tick_rows(
+    model: &Huginn,
+    batch: &mut [Entry<'_>],
+    rows: &[usize],
+) -> candle_core::Result<()> {
     if batch.is_empty() {
         return Ok(());
     }

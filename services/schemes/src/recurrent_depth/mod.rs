@@ -464,10 +464,11 @@ impl Family for HuginnFamily {
             .map(|&i| ar_group[i].program.pending.len())
             .collect();
         let mut take: Vec<usize> = ar_group.iter().map(|e| e.program.pending.len()).collect();
-        for (&i, t) in chunked
-            .iter()
-            .zip(crate::tick::prefill_rows(self.max_batch_rows, fixed, &wants))
-        {
+        for (&i, t) in chunked.iter().zip(crate::tick::prefill_rows(
+            self.max_batch_rows,
+            fixed,
+            &wants,
+        )) {
             take[i] = t;
         }
         let mut ar_rows = Vec::with_capacity(ar_group.len());
@@ -570,9 +571,8 @@ where
 {
     let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
     let rows = opts.max_batch_rows;
-    let make = move |device: &Device, dtype| {
-        make(device, dtype).map(|f| f.with_max_batch_rows(rows))
-    };
+    let make =
+        move |device: &Device, dtype| make(device, dtype).map(|f| f.with_max_batch_rows(rows));
     serve_family(cfg, tokenizer, opts, make)
 }
 

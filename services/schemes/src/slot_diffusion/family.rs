@@ -38,15 +38,14 @@ pub fn tick(
         .collect();
     let mut calls: Vec<Option<Call>> = batch
         .iter_mut()
-        .map(|e| {
-            (e.program.prefill_rows().is_none()).then(|| e.program.next_call(None))
-        })
+        .map(|e| (e.program.prefill_rows().is_none()).then(|| e.program.next_call(None)))
         .collect();
     let fixed: usize = calls.iter().flatten().map(Call::tokens).sum();
     let wants: Vec<usize> = prefills.iter().map(|p| p.1).collect();
-    for (&(i, _), take) in prefills
-        .iter()
-        .zip(crate::tick::prefill_rows(max_batch_rows, fixed, &wants))
+    for (&(i, _), take) in
+        prefills
+            .iter()
+            .zip(crate::tick::prefill_rows(max_batch_rows, fixed, &wants))
     {
         if take > 0 {
             calls[i] = Some(batch[i].program.next_call(Some(take)));
@@ -179,8 +178,8 @@ impl Family for SlotDiffusionFamily {
             self.bind(a);
         }
         let mut entries = entries(batch, |p| !p.is_done());
-        let rows = tick(&self.model, &mut entries, self.max_batch_rows)
-            .map_err(FamilyError::forward)?;
+        let rows =
+            tick(&self.model, &mut entries, self.max_batch_rows).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
     }

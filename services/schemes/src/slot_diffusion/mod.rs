@@ -342,9 +342,8 @@ where
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Qwen3::config, SlotDiffusionFamily::new);
     let rows = opts.max_batch_rows;
-    let make = move |device: &Device, dtype| {
-        make(device, dtype).map(|f| f.with_max_batch_rows(rows))
-    };
+    let make =
+        move |device: &Device, dtype| make(device, dtype).map(|f| f.with_max_batch_rows(rows));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }
