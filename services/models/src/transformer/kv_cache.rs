@@ -284,7 +284,7 @@ impl PageSupply {
             if let Some(last) = runs.last_mut() {
                 let (_, start, len, last_id, last_dev) = last;
                 let continues = id == *last_id + 1
-                    && id as usize % ARENA_PAGES != 0
+                    && !(id as usize).is_multiple_of(ARENA_PAGES)
                     && dev == *last_dev
                     && off == 0
                     && (*start + *len).is_multiple_of(p);
