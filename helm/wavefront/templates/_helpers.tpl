@@ -184,6 +184,12 @@ WAVEFRONT_DEVICE: {{ $w.device | quote }}
 WAVEFRONT_DTYPE: {{ $w.dtype | quote }}
 {{- end }}
 WAVEFRONT_MEMORY_BUDGET_MB: {{ $w.memoryBudgetMb | int64 | toString | quote }}
+{{- if $w.kvReserve }}
+WAVEFRONT_KV_RESERVE: {{ $w.kvReserve | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $w.maxBatchRows) }}
+WAVEFRONT_MAX_BATCH_ROWS: {{ $w.maxBatchRows | int64 | toString | quote }}
+{{- end }}
 WAVEFRONT_QUEUE_CAPACITY: {{ $w.queueCapacity | int64 | toString | quote }}
 WAVEFRONT_MAX_ACTIVE: {{ $w.maxActive | int64 | toString | quote }}
 WAVEFRONT_DRAIN_TIMEOUT_S: {{ $w.drainTimeoutS | int64 | toString | quote }}

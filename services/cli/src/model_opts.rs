@@ -68,6 +68,11 @@ pub struct ModelArgs {
     /// requests at once). Masked-diffusion requests take their whole canvas either way.
     #[arg(long, env = "WAVEFRONT_KV_RESERVE", default_value = "on-demand")]
     pub kv_reserve: String,
+    /// Positions a K/V page holds per layer (1..=1024). Smaller pages waste less of each
+    /// request's last page; larger ones are read in longer runs (on the CPU, 64 decodes a
+    /// 4096-token context about as fast as one buffer; see docs/benchmarks.md).
+    #[arg(long, env = "WAVEFRONT_KV_PAGE_SIZE", default_value_t = wavefront_models::transformer::PAGE_SIZE)]
+    pub kv_page_size: usize,
     /// Rows one engine tick computes at most (0: no cap). Autoregressive prefills (Huginn
     /// static ar, ReFusion ar) run in chunks of what the tick's other work leaves, so a long
     /// prompt does not stall the others' decoding; decoding steps, canvases, segments,
@@ -143,6 +148,12 @@ impl ModelArgs {
         if self.max_context_tokens.is_some_and(|n| n < 2) {
             bail!("--max-context-tokens must be at least 2");
         }
+        if !(1..=1024).contains(&self.kv_page_size) {
+            bail!(
+                "--kv-page-size must be in 1..=1024, got {}",
+                self.kv_page_size
+            );
+        }
         let kv_reserve = match self.kv_reserve.as_str() {
             "on-demand" => KvReserve::OnDemand,
             "worst-case" => KvReserve::WorstCase,
@@ -162,6 +173,7 @@ impl ModelArgs {
             attention,
             weight_dtype,
             kv_reserve,
+            kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
         })
     }

@@ -213,6 +213,9 @@ pub struct LoadOptions {
     pub weight_dtype: WeightDtype,
     /// How requests of a paged family take their K/V pages.
     pub kv_reserve: KvReserve,
+    /// Positions a K/V page holds (per layer): smaller pages waste less of a request's last
+    /// page, larger ones are read in longer runs (see docs/benchmarks.md).
+    pub kv_page_size: usize,
     /// Rows one tick computes at most: autoregressive prefills (Huginn static `ar`, ReFusion
     /// `ar`) run in chunks of what the rest of the tick leaves, so a long prompt does not stall
     /// the decoding of the others. Work that runs whole (decoding steps, canvases, segments,
@@ -247,6 +250,7 @@ impl Default for LoadOptions {
             attention: AttentionKernel::Sdpa,
             weight_dtype: WeightDtype::F32,
             kv_reserve: KvReserve::OnDemand,
+            kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,
         }
     }

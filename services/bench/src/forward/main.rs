@@ -52,9 +52,9 @@ const INTERLEAVED: usize = 0;
 /// A cache over a shared pool of pages granted so that each layer's pages interleave with the
 /// other layers' (the worst layout a served request's cache has: no two pages of a layer
 /// adjacent).
-fn interleaved_cache(layers: usize, positions: usize) -> KvCache {
-    let mut cache = KvCache::in_pool(KvPool::shared(PAGE_SIZE));
-    let pages = positions.div_ceil(PAGE_SIZE);
+fn interleaved_cache(layers: usize, positions: usize, page: usize) -> KvCache {
+    let mut cache = KvCache::in_pool(KvPool::shared(page));
+    let pages = positions.div_ceil(page);
     let order: Vec<u32> = (0..layers)
         .flat_map(|l| (0..pages).map(move |i| (i * layers + l) as u32))
         .collect();
@@ -83,6 +83,9 @@ struct Args {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Positions a K/V page holds in the paged shapes.
+    #[arg(long, default_value_t = PAGE_SIZE)]
+    page_size: usize,
 }
 
 /// One timed shape.
@@ -178,11 +181,11 @@ fn main() -> Result<()> {
         let kv = 4.0 * 64.0;
         let params = l * (e * (8.0 * 64.0) * 2.0 + e * kv * 2.0 + 3.0 * e * i) + v * e;
         for (name, t, page) in [
-            ("decode-kv32", 32usize, PAGE_SIZE),
+            ("decode-kv32", 32usize, a.page_size),
             ("decode-kv32-contiguous", 32, CONTIGUOUS),
-            ("decode-kv512", 512, PAGE_SIZE),
+            ("decode-kv512", 512, a.page_size),
             ("decode-kv512-contiguous", 512, CONTIGUOUS),
-            ("decode-kv4096", 4096, PAGE_SIZE),
+            ("decode-kv4096", 4096, a.page_size),
             ("decode-kv4096-contiguous", 4096, CONTIGUOUS),
             ("decode-kv4096-interleaved", 4096, INTERLEAVED),
         ] {
@@ -192,7 +195,7 @@ fn main() -> Result<()> {
             // Fill the cache with t positions, then time one row at position t (the cache
             // cut back to t after every call).
             let mut cache = if page == INTERLEAVED {
-                interleaved_cache(8, t + 1)
+                interleaved_cache(8, t + 1, a.page_size)
             } else {
                 KvCache::with_page_size(page)
             };
@@ -282,11 +285,11 @@ fn main() -> Result<()> {
         // One decode row of one request at recurrence 0 over a core cache of t positions, in
         // pages and in one contiguous buffer per slot.
         for (name, t, page) in [
-            ("huginn-core-1-kv32", 32usize, PAGE_SIZE),
+            ("huginn-core-1-kv32", 32usize, a.page_size),
             ("huginn-core-1-kv32-contiguous", 32, CONTIGUOUS),
-            ("huginn-core-1-kv512", 512, PAGE_SIZE),
+            ("huginn-core-1-kv512", 512, a.page_size),
             ("huginn-core-1-kv512-contiguous", 512, CONTIGUOUS),
-            ("huginn-core-1-kv4096", 4096, PAGE_SIZE),
+            ("huginn-core-1-kv4096", 4096, a.page_size),
             ("huginn-core-1-kv4096-contiguous", 4096, CONTIGUOUS),
         ] {
             if !want(name) {

@@ -53,6 +53,9 @@ struct Args {
     /// Memory budget of the slot pool, MiB, for `huginn`.
     #[arg(long, default_value_t = 512)]
     huginn_budget_mb: u64,
+    /// Positions a K/V page holds.
+    #[arg(long, default_value_t = wavefront_models::transformer::PAGE_SIZE)]
+    page_size: usize,
     /// Huginn: recurrences per token.
     #[arg(long, default_value_t = 4)]
     num_steps: usize,
@@ -183,12 +186,13 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                 max_position_embeddings: 4096,
             };
             let cfg = shape.config()?;
-            let (budget, n, seed) = (a.refusion_budget_mb, a.requests, a.seed);
+            let (budget, n, seed, page) = (a.refusion_budget_mb, a.requests, a.seed, a.page_size);
             let load: Loader = Box::new(move |reserve| {
                 let opts = LoadOptions {
                     memory_budget_bytes: budget << 20,
                     max_active: n,
                     kv_reserve: reserve,
+                    kv_page_size: page,
                     ..target.load_options("synthetic-refusion")?
                 };
                 let c = cfg.clone();
@@ -221,12 +225,13 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                 mean_recurrence: a.num_steps,
             };
             let cfg = shape.config()?;
-            let (budget, n, seed) = (a.huginn_budget_mb, a.requests, a.seed);
+            let (budget, n, seed, page) = (a.huginn_budget_mb, a.requests, a.seed, a.page_size);
             let load: Loader = Box::new(move |reserve| {
                 let opts = LoadOptions {
                     memory_budget_bytes: budget << 20,
                     max_active: n,
                     kv_reserve: reserve,
+                    kv_page_size: page,
                     ..target.load_options("synthetic-huginn")?
                 };
                 let c = cfg.clone();

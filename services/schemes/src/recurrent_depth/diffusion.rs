@@ -49,7 +49,6 @@ use candle_core::{DType, Device, Tensor, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{FinishReason, Outbox, Stats};
-use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
@@ -719,7 +718,7 @@ impl super::HuginnPlanner {
         // (never past the context). Latent pages: the wavefront's states (see the module doc).
         let positions = (spec.prompt_ids.len() + spec.max_new_tokens + d.max_wavefront)
             .min(self.cfg.block_size);
-        let latent_pages = self.latent_slots(d.max_wavefront).div_ceil(PAGE_SIZE);
+        let latent_pages = self.latent_slots(d.max_wavefront).div_ceil(self.page);
         let max_slots = self.kv_pages(positions, strategy, num_steps) + latent_pages;
         let prompt_tokens = spec.prompt_ids.len();
         let settings = DiffusionSettings {
@@ -736,7 +735,7 @@ impl super::HuginnPlanner {
         };
         let mut program = DiffusionProgram::new(
             spec.prompt_ids,
-            HuginnCache::new(strategy),
+            self.cache(strategy),
             settings,
             draws,
             TokenSampler::new(spec.sampling),

@@ -21,7 +21,8 @@
 //!
 //! ## Slots
 //!
-//! The slot unit is a page: [`PAGE_SIZE`] rows of `2 · n_embd` values of the
+//! The slot unit is a page: `--kv-page-size` ([`PAGE_SIZE`] by default) rows of
+//! `2 · n_embd` values of the
 //! model dtype; the pool holds `memory_budget_bytes / (16 · 2 · n_embd · dtype
 //! size)` of them. A page holds either
 //! - the keys and values of 16 consecutive positions in one cache slot (a
@@ -105,6 +106,8 @@ pub struct HuginnPlanner {
     end_text_id: Option<u32>,
     occupancy_multiplier: f32,
     reserve: KvReserve,
+    /// Positions a page holds.
+    pub(crate) page: usize,
 }
 
 impl HuginnPlanner {
@@ -123,6 +126,7 @@ impl HuginnPlanner {
             end_text_id,
             occupancy_multiplier: 1.0,
             reserve: KvReserve::OnDemand,
+            page: PAGE_SIZE,
         }
     }
 
@@ -144,10 +148,22 @@ impl HuginnPlanner {
         self
     }
 
+    /// Positions a page holds (default [`PAGE_SIZE`]).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.page = page.max(1);
+        self
+    }
+
+    /// An empty cache with this planner's pages (moved into the family's pool at its first
+    /// tick).
+    pub(crate) fn cache(&self, strategy: CacheStrategy) -> HuginnCache {
+        HuginnCache::with_page_size(strategy, self.page)
+    }
+
     /// K/V pages `positions` positions take in every cache slot of `strategy` with `steps`
     /// recurrences.
     fn kv_pages(&self, positions: usize, strategy: CacheStrategy, steps: usize) -> usize {
-        positions.div_ceil(PAGE_SIZE) * cache_slots(&self.cfg, strategy, steps).total()
+        positions.div_ceil(self.page) * cache_slots(&self.cfg, strategy, steps).total()
     }
 
     /// The request running `program`, `max_slots` pages at most: its first step's pages at
@@ -232,7 +248,7 @@ impl HuginnPlanner {
         let max_slots = self.kv_pages(positions, strategy, num_steps);
         let prompt_tokens = spec.prompt_ids.len();
         let program = ArProgram {
-            cache: HuginnCache::new(strategy),
+            cache: self.cache(strategy),
             pending: spec.prompt_ids,
             num_steps,
             exit_threshold: a.exit_threshold,
@@ -361,6 +377,12 @@ impl HuginnFamily {
             #[cfg(test)]
             fail_next: None,
         }
+    }
+
+    /// Pages of `page` positions (the planner's page size).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.pool = KvPool::shared(page.max(1));
+        self
     }
 
     /// Caps the rows of a tick: static `ar` prefills run in chunks of what the rest leaves.
@@ -570,9 +592,10 @@ where
     L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
 {
     let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
-    let rows = opts.max_batch_rows;
-    let make =
-        move |device: &Device, dtype| make(device, dtype).map(|f| f.with_max_batch_rows(rows));
+    let (rows, page) = (opts.max_batch_rows, opts.kv_page_size);
+    let make = move |device: &Device, dtype| {
+        make(device, dtype).map(|f| f.with_max_batch_rows(rows).with_page_size(page))
+    };
     serve_family(cfg, tokenizer, opts, make)
 }
 
@@ -597,9 +620,10 @@ where
     let planner = Arc::new(
         HuginnPlanner::new(cfg.clone(), opts.name.clone(), tokenizer.as_ref())
             .with_occupancy_multiplier(m)
-            .with_reserve(opts.kv_reserve),
+            .with_reserve(opts.kv_reserve)
+            .with_page_size(opts.kv_page_size),
     );
-    let bytes_per_slot = PAGE_SIZE * 2 * cfg.n_embd * opts.dtype.size_in_bytes();
+    let bytes_per_slot = opts.kv_page_size * 2 * cfg.n_embd * opts.dtype.size_in_bytes();
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -297,6 +297,12 @@ impl RecurrentMemoryFamily {
         }
     }
 
+    /// Pages of `page` positions (the planner's page size).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.pool = KvPool::shared(page.max(1));
+        self
+    }
+
     /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
     /// first sight: programs are built outside the engine thread). Slots beyond the cache's
     /// pages stand for the memories; the cache may hold them as spare pages.

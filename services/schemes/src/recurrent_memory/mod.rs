@@ -33,7 +33,8 @@
 //!
 //! ## Slots
 //!
-//! The slot unit is a page: [`PAGE_SIZE`] positions' key and value in one layer of one
+//! The slot unit is a page: `--kv-page-size` ([`PAGE_SIZE`] by default) positions' key and
+//! value in one layer of one
 //! tensor-parallel rank (`16 · 2 · n_kv_heads · head_dim` values of the model dtype). Cache
 //! pages come from the family's page pool (slot ids are page ids). A request holds:
 //! - from admission to its end, its memories, `n_layers × ceil(4 · (d_key · d + d_key) / slot
@@ -94,6 +95,8 @@ pub struct ArmtPlanner {
     /// Tensor-parallel ranks: each layer's cache is one page table per rank.
     world: usize,
     reserve: KvReserve,
+    /// Positions a page holds.
+    page: usize,
 }
 
 impl ArmtPlanner {
@@ -113,13 +116,20 @@ impl ArmtPlanner {
             info,
             world: 1,
             reserve: KvReserve::OnDemand,
+            page: PAGE_SIZE,
         }
     }
 
-    /// Bytes of one slot: a page of [`PAGE_SIZE`] positions' K and V in one layer of one
-    /// tensor-parallel rank.
+    /// Bytes of one slot: a page of positions' K and V in one layer of one tensor-parallel
+    /// rank.
     pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes() * PAGE_SIZE / self.world
+        self.kv.bytes() * self.page / self.world
+    }
+
+    /// Positions a page holds (default [`PAGE_SIZE`]).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.page = page.max(1);
+        self
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
@@ -165,7 +175,7 @@ impl ArmtPlanner {
         diagonal: bool,
     ) -> usize {
         let rows = self.cfg.cell_rows().max(prompt_segment + max_new);
-        self.fixed_slots(segments, diagonal) + self.kv_tables() * rows.div_ceil(PAGE_SIZE)
+        self.fixed_slots(segments, diagonal) + self.kv_tables() * rows.div_ceil(self.page)
     }
 
     fn prepare_ar(
@@ -228,6 +238,7 @@ impl ArmtPlanner {
             tables: self.kv_tables(),
             cell_rows: self.cfg.cell_rows(),
             max: max_slots,
+            page: self.page,
         };
         let slots = match self.reserve {
             KvReserve::OnDemand => program.pages_needed(),
@@ -301,10 +312,13 @@ where
     let planner = Arc::new(
         ArmtPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype, max_context)
             .with_tensor_parallel(opts.tensor_parallel)
-            .with_reserve(opts.kv_reserve),
+            .with_reserve(opts.kv_reserve)
+            .with_page_size(opts.kv_page_size),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Armt::config, RecurrentMemoryFamily::new);
+    let page = opts.kv_page_size;
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::armt::LayerMemory;
-use wavefront_models::transformer::{KvCache, PAGE_SIZE};
+use wavefront_models::transformer::KvCache;
 
 use crate::sampling::TokenSampler;
 
@@ -64,6 +64,8 @@ pub(crate) struct Paging {
     pub cell_rows: usize,
     /// The most slots the request may hold.
     pub max: usize,
+    /// Positions a page holds.
+    pub page: usize,
 }
 
 /// What a program produced, kept when [`ArmtProgram::record`] asked for it (tests, checks).
@@ -118,7 +120,7 @@ impl ArmtProgram {
             Phase::Decode => self.cache.len() + 1,
             Phase::Done => self.cache.len(),
         };
-        (p.fixed + p.tables * rows.div_ceil(PAGE_SIZE)).min(p.max.max(p.fixed))
+        (p.fixed + p.tables * rows.div_ceil(p.page.max(1))).min(p.max.max(p.fixed))
     }
 
     /// Bytes of the memories and the in-flight residual streams.

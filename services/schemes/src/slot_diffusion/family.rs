@@ -152,6 +152,12 @@ impl SlotDiffusionFamily {
         }
     }
 
+    /// Pages of `page` buffer rows (the planner's page size).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.pool = KvPool::shared(page.max(1));
+        self
+    }
+
     /// Caps the rows of a tick: `ar` prefills run in chunks of what the rest leaves.
     pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
         self.max_batch_rows = rows;
@@ -192,7 +198,9 @@ impl Family for SlotDiffusionFamily {
         if a.program.is_done() {
             return a.slots.len();
         }
-        a.program.pages_needed(PAGE_SIZE).max(a.slots.len())
+        a.program
+            .pages_needed(self.pool.page_size())
+            .max(a.slots.len())
     }
 
     fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {

@@ -111,6 +111,8 @@ pub struct RefusionPlanner {
     /// Tensor-parallel ranks: each layer's cache is one page table per rank.
     world: usize,
     reserve: KvReserve,
+    /// Buffer rows a page holds.
+    page: usize,
 }
 
 impl RefusionPlanner {
@@ -136,13 +138,20 @@ impl RefusionPlanner {
             info,
             world: 1,
             reserve: KvReserve::OnDemand,
+            page: PAGE_SIZE,
         })
     }
 
-    /// Bytes of one slot: a page of [`PAGE_SIZE`] buffer rows' K and V in one layer of one
-    /// tensor-parallel rank.
+    /// Bytes of one slot: a page of buffer rows' K and V in one layer of one tensor-parallel
+    /// rank.
     pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes() * PAGE_SIZE / self.world
+        self.kv.bytes() * self.page / self.world
+    }
+
+    /// Buffer rows a page holds (default [`PAGE_SIZE`]).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.page = page.max(1);
+        self
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
@@ -166,7 +175,7 @@ impl RefusionPlanner {
 
     /// Slots (pages) a cache of `rows` buffer rows takes.
     pub fn slots(&self, rows: usize) -> usize {
-        self.kv_tables() * rows.div_ceil(PAGE_SIZE)
+        self.kv_tables() * rows.div_ceil(self.page)
     }
 
     /// The request of `scheme`, its caches at most `max_rows` rows: its first step's pages at
@@ -180,7 +189,7 @@ impl RefusionPlanner {
         let max_slots = self.slots(max_rows);
         let program = SdProgram::new(scheme, self.kv_tables(), max_slots);
         let slots = match self.reserve {
-            KvReserve::OnDemand => program.pages_needed(PAGE_SIZE),
+            KvReserve::OnDemand => program.pages_needed(self.page),
             KvReserve::WorstCase => max_slots,
         };
         Prepared {
@@ -337,13 +346,15 @@ where
     let planner = Arc::new(
         RefusionPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)?
             .with_tensor_parallel(opts.tensor_parallel)
-            .with_reserve(opts.kv_reserve),
+            .with_reserve(opts.kv_reserve)
+            .with_page_size(opts.kv_page_size),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Qwen3::config, SlotDiffusionFamily::new);
-    let rows = opts.max_batch_rows;
-    let make =
-        move |device: &Device, dtype| make(device, dtype).map(|f| f.with_max_batch_rows(rows));
+    let (rows, page) = (opts.max_batch_rows, opts.kv_page_size);
+    let make = move |device: &Device, dtype| {
+        make(device, dtype).map(|f| f.with_max_batch_rows(rows).with_page_size(page))
+    };
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }
