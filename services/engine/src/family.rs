@@ -166,6 +166,12 @@ impl Outbox {
     pub fn is_done(&self) -> bool {
         self.done
     }
+
+    /// The events put here since the engine last delivered (what a commit produced: for
+    /// tests of programs on fake outputs).
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
 }
 
 /// A program built and validated outside the engine, waiting for admission.

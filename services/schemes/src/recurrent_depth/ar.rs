@@ -27,7 +27,7 @@
 //! `num_steps` and adaptive requests that exit early pack together.
 
 use candle_core::{DType, Device, Tensor};
-use wavefront_engine::{FinishReason, Stats};
+use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
@@ -57,6 +57,125 @@ pub struct ArProgram {
 /// One active AR request as the tick sees it.
 pub type Entry<'a> = crate::tick::Entry<'a, ArProgram>;
 
+/// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
+/// initial states, recurrences and exit rule, and whether the head reads its last row.
+#[derive(Debug, Clone)]
+pub struct ArPlan {
+    /// Position of the first row (the cache's length).
+    pub start: usize,
+    /// Token ids of the positions run this tick (all pending ones, or a chunk of a prefill).
+    pub ids: Vec<u32>,
+    /// Whether every pending position runs, so a token is chosen from the last row.
+    pub reads: bool,
+    /// Recurrences to run (static), or at most (adaptive exit).
+    pub num_steps: usize,
+    pub exit_threshold: Option<f32>,
+    pub init: ArInit,
+    /// The token comes from the argmax (reduced on the device) rather than the request's
+    /// sampler over the full logits row.
+    pub greedy: bool,
+}
+
+/// Initial states of a plan's positions.
+#[derive(Debug, Clone)]
+pub enum ArInit {
+    /// Fresh draws, `rows × n_embd` host values, each request from its own source.
+    Drawn(Vec<f32>),
+    /// Continuous compute: the final state `[1, E]` of the position before.
+    Warm(Tensor),
+}
+
+/// What the packed forwards produced for one plan ([`ArProgram::commit`] applies it).
+#[derive(Debug, Clone)]
+pub struct ArOutput {
+    /// Recurrences the positions ran.
+    pub steps: usize,
+    /// The head's verdict on the last row (`None` for a chunk of a prefill).
+    pub next: Option<NextToken>,
+    /// The last position's final state `[1, E]` (continuous compute, whole plans only).
+    pub last_state: Option<Tensor>,
+}
+
+/// The head's output for a request's last row.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NextToken {
+    /// The argmax, computed on the device (greedy requests).
+    Argmax(u32),
+    /// The full logits row, for the request's sampler.
+    Logits(Vec<f32>),
+}
+
+impl ArProgram {
+    /// The plan of the next `rows` pending positions (a chunk of a static prefill when fewer
+    /// than it has). Takes the positions' initial states: draws from the request's source, or
+    /// its warm state.
+    pub fn plan(&mut self, rows: usize, dim: usize) -> Result<ArPlan, String> {
+        let n = rows.min(self.pending.len());
+        if n == 0 {
+            return Err("an AR plan of no rows".into());
+        }
+        let init = match self.warm_state.take() {
+            Some(w) if n == 1 => ArInit::Warm(w),
+            Some(_) => return Err("a warm state seeds exactly one new position".into()),
+            None => ArInit::Drawn(self.draws.next(n, dim, false)?),
+        };
+        Ok(ArPlan {
+            start: self.cache.len(),
+            ids: self.pending[..n].to_vec(),
+            reads: n == self.pending.len(),
+            num_steps: self.num_steps,
+            exit_threshold: self.exit_threshold,
+            init,
+            greedy: self.sampler.is_greedy(),
+        })
+    }
+
+    /// Applies what `plan` produced: a chunk of a prefill leaves the rest pending; otherwise
+    /// the token is chosen (the argmax, or a draw of the request's sampler), streamed, and the
+    /// request finishes on a stop token or at `max_new_tokens`.
+    pub fn commit(
+        &mut self,
+        plan: &ArPlan,
+        out: ArOutput,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        self.stats.forward_passes += 1;
+        let Some(next) = out.next else {
+            if plan.reads {
+                return Err("the head read no row of a whole plan".into());
+            }
+            // A chunk of the prefill: its positions are cached, the rest runs next.
+            self.pending.drain(..plan.ids.len());
+            return Ok(());
+        };
+        if self.continuous_compute {
+            self.warm_state = Some(out.last_state.ok_or("no final state to continue from")?);
+        }
+        let tok = match next {
+            NextToken::Argmax(t) => t,
+            NextToken::Logits(row) => self.sampler.sample(&row),
+        };
+        self.stats.recurrence_steps += out.steps as u64;
+        self.stats.push_series("steps_per_token", out.steps as u32);
+        self.generated += 1;
+        self.pending.clear();
+        self.pending.push(tok);
+        outbox.tokens(vec![tok]);
+        let reason = if self.stop_token_ids.contains(&tok) {
+            Some(FinishReason::StopToken)
+        } else if self.generated >= self.max_new_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            let stats = std::mem::take(&mut self.stats);
+            outbox.finish(reason, stats);
+        }
+        Ok(())
+    }
+}
+
 /// Runs one token for every program in `batch` through `model` in packed calls.
 pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
     let rows: Vec<usize> = batch.iter().map(|a| a.program.pending.len()).collect();
@@ -69,9 +188,10 @@ pub(crate) fn chunkable(p: &ArProgram) -> bool {
     p.pending.len() > 1 && p.exit_threshold.is_none()
 }
 
-/// [`tick`] over the first `rows[i]` pending positions of program `i` (a chunk of a static
-/// prefill when fewer than it has: its K/V are cached, no token is chosen, and the rest runs
-/// at a later tick; positions, draws and states are those of the whole prefill).
+/// [`tick`] over the first `rows[i]` pending positions of program `i`: every program plans,
+/// the plans run in packed forwards ([`run`]), and each program commits its output. A chunk of
+/// a static prefill (fewer rows than pending) caches its positions and chooses no token;
+/// positions, draws and states are those of the whole prefill.
 pub fn tick_rows(
     model: &Huginn,
     batch: &mut [Entry<'_>],
@@ -80,58 +200,68 @@ pub fn tick_rows(
     if batch.is_empty() {
         return Ok(());
     }
+    let dim = model.config().n_embd;
+    let plans = batch
+        .iter_mut()
+        .zip(rows)
+        .map(|(a, &n)| a.program.plan(n, dim))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(candle_core::Error::Msg)?;
+    let outputs = {
+        let mut caches: Vec<&mut HuginnCache> =
+            batch.iter_mut().map(|a| &mut a.program.cache).collect();
+        run(model, &plans, &mut caches)?
+    };
+    for ((a, plan), out) in batch.iter_mut().zip(&plans).zip(outputs) {
+        a.program
+            .commit(plan, out, a.outbox)
+            .map_err(candle_core::Error::Msg)?;
+    }
+    Ok(())
+}
+
+/// The packed forwards of `plans` (one per cache of `caches`): one prelude call over every
+/// row, one core call per recurrence over the plans still iterating, one coda call, one head
+/// call over the last rows of whole plans. Writes each plan's K/V into its cache.
+pub fn run(
+    model: &Huginn,
+    plans: &[ArPlan],
+    caches: &mut [&mut HuginnCache],
+) -> candle_core::Result<Vec<ArOutput>> {
     let device = model.device().clone();
     let dtype = model.dtype();
     let dim = model.config().n_embd;
-    let lens: Vec<usize> = rows.to_vec();
-    let partial: Vec<bool> = batch
-        .iter()
-        .zip(&lens)
-        .map(|(a, &n)| n < a.program.pending.len())
-        .collect();
-    let ids: Vec<u32> = batch
-        .iter()
-        .zip(&lens)
-        .flat_map(|(a, &n)| a.program.pending[..n].iter().copied())
-        .collect();
-    // Absolute position of each request's first pending row (the prelude
-    // write advances the cache length, so capture it first).
-    let starts: Vec<usize> = batch.iter().map(|a| a.program.cache.len()).collect();
+    let lens: Vec<usize> = plans.iter().map(|p| p.ids.len()).collect();
+    let starts: Vec<usize> = plans.iter().map(|p| p.start).collect();
+    let ids: Vec<u32> = plans.iter().flat_map(|p| p.ids.iter().copied()).collect();
 
-    // Prelude over every pending row of every request.
+    // Prelude over every row of every plan.
     let emb = model.embed(&ids).map_err(to_candle)?;
     let injected = {
-        let mut seqs = seq_rows(batch, &starts, &lens);
+        let mut seqs = seq_rows(caches, &starts, &lens);
         model.prelude(&emb, &mut seqs).map_err(to_candle)?
     };
 
-    // Initial states: fresh draws, each request from its own source (one host-to-device copy
-    // for all of them), or the warm state of a continuous-compute request.
-    let mut init = Vec::with_capacity(ids.len() * dim);
-    let mut drawn_rows = 0;
-    for (a, &n) in batch.iter_mut().zip(&lens) {
-        if a.program.warm_state.is_some() {
-            continue;
-        }
-        let rows = a
-            .program
-            .draws
-            .next(n, dim, false)
-            .map_err(candle_core::Error::Msg)?;
-        init.extend_from_slice(&rows);
-        drawn_rows += n;
-    }
-    let drawn = if drawn_rows > 0 {
+    // Initial states: the drawn rows of every plan in one host-to-device copy; warm states as
+    // they are.
+    let drawn: Vec<f32> = plans
+        .iter()
+        .flat_map(|p| match &p.init {
+            ArInit::Drawn(v) => v.as_slice(),
+            ArInit::Warm(_) => &[],
+        })
+        .copied()
+        .collect();
+    let drawn = if drawn.is_empty() {
+        None
+    } else {
+        let rows = drawn.len() / dim;
         Some(
-            Tensor::from_vec(init, (drawn_rows, dim), &Device::Cpu)?
+            Tensor::from_vec(drawn, (rows, dim), &Device::Cpu)?
                 .to_device(&device)?
                 .to_dtype(dtype)?,
         )
-    } else {
-        None
     };
-
-    // Core iterations: request i takes part while it is still iterating.
     let offsets: Vec<usize> = lens
         .iter()
         .scan(0, |acc, &n| {
@@ -141,13 +271,12 @@ pub fn tick_rows(
         })
         .collect();
     let mut drawn_offset = 0;
-    let mut states: Vec<Tensor> = Vec::with_capacity(batch.len());
-    for (a, &n) in batch.iter_mut().zip(&lens) {
-        match a.program.warm_state.take() {
-            Some(w) if n == 1 => states.push(w),
-            Some(_) => candle_core::bail!("a warm state seeds exactly one new position"),
-            None => {
-                let drawn = drawn.as_ref().expect("rows were drawn for this request");
+    let mut states: Vec<Tensor> = Vec::with_capacity(plans.len());
+    for (p, &n) in plans.iter().zip(&lens) {
+        match &p.init {
+            ArInit::Warm(w) => states.push(w.clone()),
+            ArInit::Drawn(_) => {
+                let drawn = drawn.as_ref().expect("rows were drawn for this plan");
                 states.push(drawn.narrow(0, drawn_offset, n)?);
                 drawn_offset += n;
             }
@@ -158,11 +287,13 @@ pub fn tick_rows(
         .zip(&lens)
         .map(|(&o, &n)| injected.narrow(0, o, n))
         .collect::<candle_core::Result<_>>()?;
-    let mut steps_run = vec![0usize; batch.len()];
-    let mut iterating: Vec<bool> = batch.iter().map(|a| a.program.num_steps > 0).collect();
-    let max_steps = batch.iter().map(|a| a.program.num_steps).max().unwrap_or(0);
+
+    // Core iterations: plan i takes part while it is still iterating.
+    let mut steps_run = vec![0usize; plans.len()];
+    let mut iterating: Vec<bool> = plans.iter().map(|p| p.num_steps > 0).collect();
+    let max_steps = plans.iter().map(|p| p.num_steps).max().unwrap_or(0);
     for t in 0..max_steps {
-        let members: Vec<usize> = (0..batch.len()).filter(|&i| iterating[i]).collect();
+        let members: Vec<usize> = (0..plans.len()).filter(|&i| iterating[i]).collect();
         if members.is_empty() {
             break;
         }
@@ -173,131 +304,103 @@ pub fn tick_rows(
                 .collect::<Vec<_>>(),
         )?;
         let e = cat_rows(&members.iter().map(|&i| injs[i].clone()).collect::<Vec<_>>())?;
-        let member_lens: Vec<usize> = members.iter().map(|&i| lens[i]).collect();
         let next = {
             let mut seqs: Vec<SeqRows> = Vec::with_capacity(members.len());
-            let mut rest: &mut [Entry<'_>] = batch;
+            let mut rest: &mut [&mut HuginnCache] = caches;
             let mut base = 0;
             for &i in &members {
                 let (_, tail) = rest.split_at_mut(i - base);
                 let (head, tail) = tail.split_at_mut(1);
-                seqs.push(
-                    SeqRows::new(&mut head[0].program.cache, starts[i], lens[i]).at_recurrence(t),
-                );
+                seqs.push(SeqRows::new(&mut *head[0], starts[i], lens[i]).at_recurrence(t));
                 rest = tail;
                 base = i + 1;
             }
             model.core_step(&s, &e, &mut seqs).map_err(to_candle)?
         };
         // Adaptive members need their exit value: one small host copy.
-        let adaptive: Vec<usize> = members
-            .iter()
-            .copied()
-            .filter(|&i| batch[i].program.exit_threshold.is_some())
-            .collect();
-        let change = if adaptive.is_empty() {
-            None
-        } else {
+        let change = if members.iter().any(|&i| plans[i].exit_threshold.is_some()) {
             Some(
                 relative_change(&next, &s)
                     .map_err(to_candle)?
                     .to_vec1::<f32>()?,
             )
+        } else {
+            None
         };
         let mut row = 0;
-        for (k, &i) in members.iter().enumerate() {
-            let n = member_lens[k];
+        for &i in &members {
+            let n = lens[i];
             states[i] = next.narrow(0, row, n)?;
             steps_run[i] += 1;
-            let p = &batch[i].program;
-            let done_static = steps_run[i] >= p.num_steps;
-            let exited = match (p.exit_threshold, &change) {
-                (Some(eps), Some(c)) => {
-                    let v: f32 = c[row..row + n].iter().sum::<f32>() / n as f32;
-                    v < eps
-                }
+            let exited = match (plans[i].exit_threshold, &change) {
+                (Some(eps), Some(c)) => c[row..row + n].iter().sum::<f32>() / (n as f32) < eps,
                 _ => false,
             };
-            if done_static || exited {
+            if steps_run[i] >= plans[i].num_steps || exited {
                 iterating[i] = false;
             }
             row += n;
         }
     }
 
-    // Continuous compute: the next position starts where this request's last one ended.
-    for ((a, (s, &n)), &part) in batch.iter_mut().zip(states.iter().zip(&lens)).zip(&partial) {
-        if a.program.continuous_compute && !part {
-            a.program.warm_state = Some(s.narrow(0, n - 1, 1)?);
-        }
-    }
-
-    // Coda over every row (its K/V is needed later), head on the last rows.
+    // Coda over every row (its K/V is needed later), head on the last rows of whole plans.
     let final_state = cat_rows(&states)?;
     let hidden = {
-        let mut seqs = seq_rows(batch, &starts, &lens);
+        let mut seqs = seq_rows(caches, &starts, &lens);
         model.coda(&final_state, &mut seqs).map_err(to_candle)?
     };
-    // The head over the last row of every request that ran all its pending positions.
-    let whole: Vec<usize> = (0..batch.len()).filter(|&i| !partial[i]).collect();
-    let last_rows: Vec<u32> = whole
-        .iter()
-        .map(|&i| (offsets[i] + lens[i] - 1) as u32)
-        .collect();
-    let mut next_tokens: Vec<Option<u32>> = vec![None; batch.len()];
+    let whole: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].reads).collect();
+    let mut next: Vec<Option<NextToken>> = vec![None; plans.len()];
     if !whole.is_empty() {
+        let last_rows: Vec<u32> = whole
+            .iter()
+            .map(|&i| (offsets[i] + lens[i] - 1) as u32)
+            .collect();
         let last = hidden.index_select(&Tensor::new(last_rows.as_slice(), &device)?, 0)?;
         let logits = model.lm_head(&last).map_err(to_candle)?;
-        if whole.iter().all(|&i| batch[i].program.sampler.is_greedy()) {
+        if whole.iter().all(|&i| plans[i].greedy) {
             let ids = logits
                 .argmax(candle_core::D::Minus1)?
                 .to_dtype(DType::U32)?
                 .to_vec1::<u32>()?;
             for (&i, t) in whole.iter().zip(ids) {
-                next_tokens[i] = Some(t);
+                next[i] = Some(NextToken::Argmax(t));
             }
         } else {
             for (&i, r) in whole.iter().zip(logits.to_vec2::<f32>()?) {
-                next_tokens[i] = Some(batch[i].program.sampler.sample(&r));
+                next[i] = Some(NextToken::Logits(r));
             }
         }
     }
-
-    // Commit: advance each cache, stream the token, decide whether to stop.
-    for (((a, tok), steps), &n) in batch.iter_mut().zip(next_tokens).zip(steps_run).zip(&lens) {
-        let p = &mut a.program;
-        p.stats.forward_passes += 1;
-        let Some(tok) = tok else {
-            // A chunk of the prefill: its positions are cached, the rest runs next.
-            p.pending.drain(..n);
-            continue;
-        };
-        p.stats.recurrence_steps += steps as u64;
-        p.stats.push_series("steps_per_token", steps as u32);
-        p.generated += 1;
-        p.pending.clear();
-        p.pending.push(tok);
-        a.outbox.tokens(vec![tok]);
-        let reason = if p.stop_token_ids.contains(&tok) {
-            Some(FinishReason::StopToken)
-        } else if p.generated >= p.max_new_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        if let Some(reason) = reason {
-            let stats = std::mem::take(&mut p.stats);
-            a.outbox.finish(reason, stats);
-        }
-    }
-    Ok(())
+    plans
+        .iter()
+        .zip(states)
+        .zip(next)
+        .zip(steps_run)
+        .map(|(((p, s), next), steps)| {
+            let n = p.ids.len();
+            Ok(ArOutput {
+                steps,
+                last_state: if p.reads {
+                    Some(s.narrow(0, n - 1, 1)?)
+                } else {
+                    None
+                },
+                next,
+            })
+        })
+        .collect()
 }
 
-fn seq_rows<'a>(batch: &'a mut [Entry<'_>], starts: &[usize], lens: &[usize]) -> Vec<SeqRows<'a>> {
-    batch
+fn seq_rows<'a>(
+    caches: &'a mut [&mut HuginnCache],
+    starts: &[usize],
+    lens: &[usize],
+) -> Vec<SeqRows<'a>> {
+    caches
         .iter_mut()
         .zip(starts.iter().zip(lens))
-        .map(|(a, (&s, &n))| SeqRows::new(&mut a.program.cache, s, n))
+        .map(|(c, (&s, &n))| SeqRows::new(&mut **c, s, n))
         .collect()
 }
 
@@ -306,5 +409,159 @@ fn cat_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
         Ok(parts[0].clone())
     } else {
         Tensor::cat(parts, 0)
+    }
+}
+
+/// Plans and commits on fake outputs: what a program does with each kind of result, with no
+/// model in the loop.
+#[cfg(test)]
+mod commit_tests {
+    use anyhow::{bail, ensure, Result};
+    use candle_core::{Device, Tensor};
+    use wavefront_engine::{Event, FinishReason, Outbox};
+
+    use super::{ArInit, ArOutput, ArProgram, NextToken};
+    use crate::recurrent_depth::test_support::{ar_static, fixture_config, prompt};
+    use crate::recurrent_depth::{HuginnPlanner, Program};
+    use crate::request::{ArParams, GenerateSpec, SchemeParams};
+    use crate::served::Planner;
+
+    fn program(spec: GenerateSpec) -> Result<ArProgram> {
+        let planner = HuginnPlanner::new(fixture_config()?, "f".into(), None);
+        match planner.prepare(spec)?.program {
+            Program::Ar(p) => Ok(p),
+            Program::Diffusion(_) => bail!("not an AR request"),
+        }
+    }
+
+    fn spec(len: usize, max_new: usize, scheme: SchemeParams) -> GenerateSpec {
+        GenerateSpec::greedy(prompt(len, 0), max_new, 3, scheme)
+    }
+
+    fn out(steps: usize, next: Option<NextToken>) -> ArOutput {
+        ArOutput {
+            steps,
+            next,
+            last_state: None,
+        }
+    }
+
+    fn tokens(o: &Outbox) -> Vec<u32> {
+        o.events()
+            .iter()
+            .flat_map(|e| match e {
+                Event::Tokens(t) => t.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    fn finished(o: &Outbox) -> Option<(FinishReason, wavefront_engine::Stats)> {
+        o.events().iter().find_map(|e| match e {
+            Event::Finished { reason, stats } => Some((*reason, stats.clone())),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_whole_plan_streams_its_token_and_a_stop_token_finishes() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut s = spec(5, 10, ar_static(4, "full"));
+        s.stop_token_ids = vec![77];
+        let mut p = program(s)?;
+        let mut outbox = Outbox::default();
+        let plan = p.plan(5, dim).map_err(anyhow::Error::msg)?;
+        ensure!(plan.reads && plan.ids.len() == 5 && plan.start == 0 && plan.num_steps == 4);
+        ensure!(matches!(&plan.init, ArInit::Drawn(v) if v.len() == 5 * dim));
+        p.commit(&plan, out(4, Some(NextToken::Argmax(12))), &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(tokens(&outbox) == [12] && p.pending == [12] && !outbox.is_done());
+        let plan = p.plan(1, dim).map_err(anyhow::Error::msg)?;
+        ensure!(plan.ids == [12]);
+        p.commit(&plan, out(3, Some(NextToken::Argmax(77))), &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        let (reason, stats) = finished(&outbox).ok_or_else(|| anyhow::anyhow!("not finished"))?;
+        ensure!(reason == FinishReason::StopToken && tokens(&outbox) == [12, 77]);
+        ensure!(stats.forward_passes == 2 && stats.recurrence_steps == 7);
+        ensure!(stats.series["steps_per_token"] == [4, 3]);
+        Ok(())
+    }
+
+    #[test]
+    fn max_new_tokens_finishes_with_length() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut p = program(spec(3, 2, ar_static(2, "full")))?;
+        let mut outbox = Outbox::default();
+        for t in [5, 6] {
+            let n = p.pending.len();
+            let plan = p.plan(n, dim).map_err(anyhow::Error::msg)?;
+            p.commit(&plan, out(2, Some(NextToken::Argmax(t))), &mut outbox)
+                .map_err(anyhow::Error::msg)?;
+        }
+        ensure!(matches!(finished(&outbox), Some((FinishReason::Length, _))));
+        ensure!(tokens(&outbox) == [5, 6]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_chunk_of_a_prefill_caches_and_chooses_no_token() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut p = program(spec(5, 4, ar_static(2, "full")))?;
+        let mut outbox = Outbox::default();
+        let plan = p.plan(2, dim).map_err(anyhow::Error::msg)?;
+        ensure!(!plan.reads && plan.ids.len() == 2);
+        p.commit(&plan, out(2, None), &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(outbox.events().is_empty() && p.pending.len() == 3);
+        // The rest of the prompt draws the next rows of the same source.
+        let plan = p.plan(3, dim).map_err(anyhow::Error::msg)?;
+        ensure!(plan.reads && plan.ids == prompt(5, 0)[2..]);
+        // A whole plan must come back with the head's verdict.
+        ensure!(p.commit(&plan, out(2, None), &mut outbox).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_sampled_request_draws_from_the_logits_row() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut s = spec(3, 4, ar_static(2, "full"));
+        s.sampling.temperature = 0.5;
+        let mut p = program(s)?;
+        let plan = p.plan(3, dim).map_err(anyhow::Error::msg)?;
+        ensure!(!plan.greedy);
+        let mut row = vec![0f32; 512];
+        row[301] = 60.0;
+        let mut outbox = Outbox::default();
+        p.commit(&plan, out(2, Some(NextToken::Logits(row))), &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(tokens(&outbox) == [301]);
+        Ok(())
+    }
+
+    #[test]
+    fn continuous_compute_starts_the_next_position_from_the_last_state() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let cc = SchemeParams::Ar(ArParams {
+            num_steps: Some(2),
+            continuous_compute: true,
+            ..ArParams::default()
+        });
+        let mut p = program(spec(3, 4, cc))?;
+        let plan = p.plan(3, dim).map_err(anyhow::Error::msg)?;
+        let last = Tensor::full(0.5f32, (1, dim), &Device::Cpu)?;
+        let mut outbox = Outbox::default();
+        let output = ArOutput {
+            steps: 2,
+            next: Some(NextToken::Argmax(9)),
+            last_state: Some(last),
+        };
+        p.commit(&plan, output, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        let plan = p.plan(1, dim).map_err(anyhow::Error::msg)?;
+        match &plan.init {
+            ArInit::Warm(w) => ensure!(w.flatten_all()?.to_vec1::<f32>()? == vec![0.5; dim]),
+            ArInit::Drawn(_) => bail!("a continuous-compute decode step drew a fresh state"),
+        }
+        Ok(())
     }
 }
