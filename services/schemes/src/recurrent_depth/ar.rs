@@ -400,7 +400,7 @@ fn seq_rows<'a>(
     caches
         .iter_mut()
         .zip(starts.iter().zip(lens))
-        .map(|(c, (&s, &n))| SeqRows::new(&mut **c, s, n))
+        .map(|(c, (&s, &n))| SeqRows::new(c, s, n))
         .collect()
 }
 
