@@ -169,6 +169,9 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         "wavefront_engine_tick_requests_bucket{model=\"tiny\"",
         "wavefront_slots_total{model=\"tiny\"}",
         "wavefront_slots_used{model=\"tiny\"} 0",
+        "wavefront_preempted_requests{model=\"tiny\"} 0",
+        "wavefront_engine_preemptions_total{model=\"tiny\"} 0",
+        "# HELP wavefront_engine_preempt_bytes_to_host_total",
         "wavefront_queue_depth{model=\"tiny\"} 0",
         "# HELP wavefront_requests_total",
     ] {

@@ -218,4 +218,41 @@ mod tests {
         assert!(err.contains("needs --device cpu and --dtype f32"), "{err}");
         Ok(())
     }
+
+    #[test]
+    fn paging_flags_are_parsed_and_bad_values_refused() -> Result<()> {
+        let o = options(&[])?;
+        assert_eq!(o.kv_reserve, KvReserve::OnDemand);
+        assert_eq!(o.kv_page_size, wavefront_models::transformer::PAGE_SIZE);
+        assert_eq!(o.max_batch_rows, Some(2048));
+        let o = options(&[
+            "--kv-reserve",
+            "worst-case",
+            "--kv-page-size",
+            "64",
+            "--max-batch-rows",
+            "0",
+        ])?;
+        assert_eq!(o.kv_reserve, KvReserve::WorstCase);
+        assert_eq!(o.kv_page_size, 64);
+        assert_eq!(o.max_batch_rows, None);
+        for (flags, want) in [
+            (
+                ["--kv-reserve", "lazy"],
+                "--kv-reserve must be on-demand or worst-case",
+            ),
+            (
+                ["--kv-page-size", "0"],
+                "--kv-page-size must be in 1..=1024",
+            ),
+            (
+                ["--kv-page-size", "4096"],
+                "--kv-page-size must be in 1..=1024",
+            ),
+        ] {
+            let err = options(&flags).unwrap_err().to_string();
+            assert!(err.starts_with(want), "{err}");
+        }
+        Ok(())
+    }
 }
