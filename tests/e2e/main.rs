@@ -6,6 +6,7 @@ mod harness;
 mod http;
 mod metrics;
 mod operations;
+mod paging;
 mod recurrent_memory;
 mod slot_diffusion;
 mod soak;
