@@ -379,18 +379,7 @@ impl<P: Send + 'static> Scheduler<P> {
                     self.running.push(r);
                     continue;
                 }
-                if closed {
-                    report.cancelled += 1;
-                } else {
-                    report.expired += 1;
-                    r.backlog.clear();
-                    let _ = r
-                        .sink
-                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
-                            generated: r.generated,
-                        }));
-                }
-                self.retire(family, r);
+                self.leave(family, r, closed, report);
             } else {
                 i += 1;
             }
@@ -407,24 +396,36 @@ impl<P: Send + 'static> Scheduler<P> {
                 family.stop(&mut r.active);
             }
             if closed || expired {
-                let mut r = self.running.swap_remove(i);
-                if closed {
-                    report.cancelled += 1;
-                    tracing::debug!(parent: &r.span, request = %r.active.id, "client went away; freeing slots");
-                } else {
-                    report.expired += 1;
-                    r.backlog.clear();
-                    let _ = r
-                        .sink
-                        .try_send(Event::Failed(EngineError::DeadlineExceeded {
-                            generated: r.generated,
-                        }));
-                }
-                self.retire(family, r);
+                let r = self.running.swap_remove(i);
+                self.leave(family, r, closed, report);
             } else {
                 i += 1;
             }
         }
+    }
+
+    /// A request whose client went away (`closed`) or whose deadline passed leaves, with
+    /// DEADLINE_EXCEEDED for the latter, and its slots return.
+    fn leave<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        mut r: Running<P>,
+        closed: bool,
+        report: &mut StepReport,
+    ) {
+        if closed {
+            report.cancelled += 1;
+            tracing::debug!(parent: &r.span, request = %r.active.id, "client went away; freeing slots");
+        } else {
+            report.expired += 1;
+            r.backlog.clear();
+            let _ = r
+                .sink
+                .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                    generated: r.generated,
+                }));
+        }
+        self.retire(family, r);
     }
 
     /// Slots free for a request that needs `need` now, keeping the watermark unless nothing runs.

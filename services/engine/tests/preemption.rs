@@ -313,3 +313,58 @@ proptest! {
         prop_assert_eq!(tight, roomy);
     }
 }
+
+#[test]
+fn a_preempted_request_whose_deadline_passes_leaves_and_the_other_finishes() {
+    let t0 = Instant::now();
+    let mut sched: Scheduler<Grower> = Scheduler::new(4, 8, 8);
+    let mut family = PagedFamily::default();
+    let mut rxs = Vec::new();
+    for (i, deadline) in [
+        (0u64, None),
+        (1, Some(t0 + std::time::Duration::from_secs(60))),
+    ] {
+        let (tx, rx) = mpsc::sync_channel(64);
+        rxs.push(rx);
+        let w = Waiting {
+            id: RequestId(i),
+            prepared: grower(i, 8),
+            sink: Box::new(Sink(tx)),
+            deadline,
+            submitted_at: t0,
+            span: tracing::Span::none(),
+        };
+        assert!(sched.enqueue(w).is_ok());
+    }
+    // Both grow; four slots hold one of them at its end: the newer one is preempted.
+    let mut steps = 0;
+    while sched.preempted() == 0 {
+        sched.step(&mut family, t0);
+        steps += 1;
+        assert!(steps < 20, "no preemption");
+    }
+    assert_eq!(sched.running(), 2);
+    // Its deadline passes while it waits to resume.
+    let late = t0 + std::time::Duration::from_secs(61);
+    let report = sched.step(&mut family, late);
+    assert_eq!(report.expired, 1);
+    assert_eq!(sched.preempted(), 0);
+    while !sched.is_idle() {
+        sched.step(&mut family, late);
+    }
+    assert_eq!(sched.pool().free(), 4);
+    let events: Vec<Vec<Event>> = rxs.iter().map(|rx| rx.try_iter().collect()).collect();
+    assert!(matches!(
+        events[0].last(),
+        Some(Event::Finished {
+            reason: FinishReason::Length,
+            ..
+        })
+    ));
+    assert!(matches!(
+        events[1].last(),
+        Some(Event::Failed(
+            wavefront_engine::EngineError::DeadlineExceeded { .. }
+        ))
+    ));
+}

@@ -19,6 +19,7 @@
 pub mod error;
 mod kv_slot;
 pub mod masked_diffusion;
+mod paging;
 pub mod recurrent_depth;
 pub mod recurrent_memory;
 pub mod request;

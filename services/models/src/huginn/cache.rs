@@ -34,7 +34,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::transformer::kv_cache::{HostPage, PageSupply};
-use crate::transformer::{KvPool, PAGE_SIZE};
+use crate::transformer::{KvPool, PagedCache, PAGE_SIZE};
 
 /// How core-block cache slots are stored and looked up (upstream `cache_lookup_strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -632,6 +632,30 @@ impl HuginnCache {
             }
         }
         Ok(bytes)
+    }
+}
+
+impl PagedCache for HuginnCache {
+    fn pool(&self) -> &KvPool {
+        HuginnCache::pool(self)
+    }
+    fn is_empty(&self) -> bool {
+        HuginnCache::is_empty(self)
+    }
+    fn is_swapped(&self) -> bool {
+        HuginnCache::is_swapped(self)
+    }
+    fn grant_pages(&mut self, pages: Vec<u32>) {
+        self.grant(pages);
+    }
+    fn swap_out(&mut self) -> Result<usize> {
+        HuginnCache::swap_out(self)
+    }
+    fn swap_in(&mut self) -> Result<usize> {
+        HuginnCache::swap_in(self)
+    }
+    fn empty_in(&self, pool: KvPool) -> Self {
+        HuginnCache::in_pool(self.strategy, pool)
     }
 }
 

@@ -327,6 +327,51 @@ impl PageSupply {
     }
 }
 
+/// A request's cache in pages, as the engine's families hand it slots and move it: a
+/// [`KvCache`] or a Huginn cache.
+pub trait PagedCache {
+    /// The pool the cache's pages come from.
+    fn pool(&self) -> &KvPool;
+    /// Whether it holds no position.
+    fn is_empty(&self) -> bool;
+    /// Whether its pages are in host memory.
+    fn is_swapped(&self) -> bool;
+    /// Gives it pages (slot ids of the engine) to take as it grows.
+    fn grant_pages(&mut self, pages: Vec<u32>);
+    /// Moves every page to host memory and gives up every page id; the bytes moved.
+    fn swap_out(&mut self) -> Result<usize>;
+    /// Moves the pages back into granted pages (any ids); the bytes moved.
+    fn swap_in(&mut self) -> Result<usize>;
+    /// An empty cache like this one (same lookup rules) over `pool`.
+    fn empty_in(&self, pool: KvPool) -> Self
+    where
+        Self: Sized;
+}
+
+impl PagedCache for KvCache {
+    fn pool(&self) -> &KvPool {
+        KvCache::pool(self)
+    }
+    fn is_empty(&self) -> bool {
+        KvCache::is_empty(self)
+    }
+    fn is_swapped(&self) -> bool {
+        KvCache::is_swapped(self)
+    }
+    fn grant_pages(&mut self, pages: Vec<u32>) {
+        self.grant(pages);
+    }
+    fn swap_out(&mut self) -> Result<usize> {
+        KvCache::swap_out(self)
+    }
+    fn swap_in(&mut self) -> Result<usize> {
+        KvCache::swap_in(self)
+    }
+    fn empty_in(&self, pool: KvPool) -> Self {
+        KvCache::in_pool(pool)
+    }
+}
+
 /// A page copied to host memory, with the device it came from.
 #[derive(Debug, Clone)]
 pub(crate) struct HostPage {

@@ -39,7 +39,7 @@ pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
 pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use kv_cache::merge_runs;
-pub use kv_cache::{KvPool, PAGE_SIZE};
+pub use kv_cache::{KvPool, PagedCache, PAGE_SIZE};
 pub(crate) use layers::rope_entries;
 pub(crate) use layers::GatedMlp;
 pub use layers::{get, linear, RmsNorm, RopeTable};

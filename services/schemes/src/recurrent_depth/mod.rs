@@ -79,6 +79,7 @@ use wavefront_models::{
     CacheStrategy, Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer,
 };
 
+use crate::paging;
 use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -395,11 +396,7 @@ impl HuginnFamily {
     /// first sight: programs are built outside the engine thread).
     fn bind(&self, a: &mut Active<Program>) {
         let new = a.take_new_slots();
-        let cache = a.program.state_cache();
-        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
-            *cache = HuginnCache::in_pool(cache.strategy(), self.pool.clone());
-        }
-        cache.grant(new.into_iter().map(|s| s.0));
+        paging::bind(a.program.state_cache(), &self.pool, new);
     }
 
     /// Moves a preempted request's latent states to host memory, or back to the model's device.
@@ -534,31 +531,17 @@ impl Family for HuginnFamily {
     fn preempt(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
         // A request preempted before its first tick moves its (empty) cache into the pool.
         self.bind(a);
-        let bytes = a
-            .program
-            .state_cache()
-            .swap_out()
-            .map_err(|e| FamilyError::commit("recurrent-depth", e))?;
+        let moved = paging::swap_out(a.program.state_cache(), "recurrent-depth")?;
         self.move_latents(a, &Device::Cpu)?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let bytes = a
-            .program
-            .state_cache()
-            .swap_in()
-            .map_err(|e| FamilyError::commit("recurrent-depth", e))?;
+        let moved = paging::swap_in(a.program.state_cache(), "recurrent-depth")?;
         let device = self.model.device().clone();
         self.move_latents(a, &device)?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        Ok(moved)
     }
 
     fn stop(&mut self, a: &mut Active<Program>) {

@@ -18,9 +18,10 @@
 use candle_core::{DType, Device, Tensor};
 use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
-use wavefront_models::transformer::{Keys, KvCache, KvPool, MaskRule, SeqInput, PAGE_SIZE};
+use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
 
 use super::program::{ArmtProgram, Phase};
+use crate::paging;
 use crate::tick::{entries, to_candle};
 
 /// One active program as a tick sees it.
@@ -308,11 +309,21 @@ impl RecurrentMemoryFamily {
     /// pages stand for the memories; the cache may hold them as spare pages.
     fn bind(&self, a: &mut Active<ArmtProgram>) {
         let new = a.take_new_slots();
-        let cache = &mut a.program.cache;
-        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
-            *cache = KvCache::in_pool(self.pool.clone());
-        }
-        cache.grant(new.into_iter().map(|s| s.0));
+        paging::bind(&mut a.program.cache, &self.pool, new);
+    }
+
+    /// Moves a preempted request's memories and residual streams to `device` (host memory, or
+    /// back to the model's), counting their bytes in `moved`.
+    fn move_state(
+        &self,
+        a: &mut Active<ArmtProgram>,
+        device: &Device,
+        moved: &mut Moved,
+    ) -> Result<(), FamilyError> {
+        moved.bytes += a.program.state_bytes() as u64;
+        a.program
+            .move_state(device)
+            .map_err(|e| FamilyError::commit("recurrent-memory", e))
     }
 }
 
@@ -347,34 +358,16 @@ impl Family for RecurrentMemoryFamily {
 
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let fail = |e: String| FamilyError::commit("recurrent-memory", e);
-        let mut bytes = a
-            .program
-            .cache
-            .swap_out()
-            .map_err(|e| fail(e.to_string()))?;
-        bytes += a.program.state_bytes();
-        a.program
-            .move_state(&Device::Cpu)
-            .map_err(|e| fail(e.to_string()))?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        let mut moved = paging::swap_out(&mut a.program.cache, "recurrent-memory")?;
+        self.move_state(a, &Device::Cpu, &mut moved)?;
+        Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let fail = |e: String| FamilyError::commit("recurrent-memory", e);
-        let mut bytes = a.program.cache.swap_in().map_err(|e| fail(e.to_string()))?;
-        bytes += a.program.state_bytes();
+        let mut moved = paging::swap_in(&mut a.program.cache, "recurrent-memory")?;
         let device = self.model.device().clone();
-        a.program
-            .move_state(&device)
-            .map_err(|e| fail(e.to_string()))?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        self.move_state(a, &device, &mut moved)?;
+        Ok(moved)
     }
 }

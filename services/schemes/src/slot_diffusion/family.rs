@@ -12,11 +12,12 @@
 
 use candle_core::Tensor;
 use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
-use wavefront_models::transformer::{KvCache, KvPool, PAGE_SIZE};
+use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
 use super::program::SdProgram;
+use crate::paging;
 use crate::tick::{entries, head_rows, to_candle};
 
 /// One active program as a tick sees it.
@@ -168,11 +169,7 @@ impl SlotDiffusionFamily {
     /// pool on first sight: programs are built outside the engine thread).
     fn bind(&self, a: &mut Active<SdProgram>) {
         let new = a.take_new_slots();
-        let cache = a.program.state_cache();
-        if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
-            *cache = KvCache::in_pool(self.pool.clone());
-        }
-        cache.grant(new.into_iter().map(|s| s.0));
+        paging::bind(a.program.state_cache(), &self.pool, new);
     }
 }
 
@@ -206,28 +203,12 @@ impl Family for SlotDiffusionFamily {
     fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
         // A request preempted before its first tick moves its (empty) cache into the pool.
         self.bind(a);
-        let bytes = a
-            .program
-            .state_cache()
-            .swap_out()
-            .map_err(|e| FamilyError::commit("slot-diffusion", e))?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        paging::swap_out(a.program.state_cache(), "slot-diffusion")
     }
 
     fn resume(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let bytes = a
-            .program
-            .state_cache()
-            .swap_in()
-            .map_err(|e| FamilyError::commit("slot-diffusion", e))?;
-        Ok(Moved {
-            bytes: bytes as u64,
-            recomputed_rows: 0,
-        })
+        paging::swap_in(a.program.state_cache(), "slot-diffusion")
     }
 
     fn stop(&mut self, a: &mut Active<SdProgram>) {
