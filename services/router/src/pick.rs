@@ -82,7 +82,10 @@ pub fn rank(
                 .iter()
                 .find(|m| m.model.as_ref().is_some_and(|i| i.name == model))?;
             let free = f64::from(m.free_slots) / f64::from(m.total_slots.max(1));
-            let queue = f64::from(m.queued_requests) / f64::from(m.queue_capacity.max(1));
+            // Preempted requests wait to resume like queued ones: the worker is short of
+            // memory, not of places.
+            let waiting = m.queued_requests.saturating_add(m.preempted_requests);
+            let queue = f64::from(waiting) / f64::from(m.queue_capacity.max(1));
             Some((free - 2.0 * queue, w))
         })
         .collect();
@@ -137,6 +140,7 @@ mod tests {
                     active_requests: 0,
                     queue_capacity: 10,
                     ticks: 0,
+                    ..Default::default()
                 }],
             }),
         }
@@ -164,6 +168,22 @@ mod tests {
             .map(|w| w.addr.port())
             .collect();
         assert_eq!(ranked, vec![1, 5]);
+    }
+
+    #[tokio::test]
+    async fn preempted_requests_count_as_waiting() {
+        let mut pressed = worker(1, "m", 60, 0, true, true);
+        if let Some(r) = pressed.report.as_mut() {
+            r.models[0].preempted_requests = 3;
+        }
+        let ws = vec![pressed, worker(2, "m", 40, 0, true, true)];
+        let ranked: Vec<u16> = rank(&ws, "m", &[])
+            .unwrap()
+            .iter()
+            .map(|w| w.addr.port())
+            .collect();
+        // More free slots, but three requests waiting to resume: the other worker first.
+        assert_eq!(ranked, vec![2, 1]);
     }
 
     #[tokio::test]

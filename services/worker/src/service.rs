@@ -510,6 +510,8 @@ impl WorkerService {
                         active_requests: l.active as u32,
                         queue_capacity: l.queue_capacity as u32,
                         ticks: l.ticks,
+                        preempted_requests: l.preempted as u32,
+                        preemptions: l.preemptions,
                     }
                 })
                 .collect(),
