@@ -230,12 +230,231 @@ impl DiffusionProgram {
 /// One active diffusion-forcing request as the tick sees it.
 pub type Entry<'a> = crate::tick::Entry<'a, DiffusionProgram>;
 
-/// What a request runs in this tick.
-struct Plan {
-    start: usize,
-    len: usize,
-    core_steps: usize,
-    prefill: bool,
+/// What one request runs this tick, as plain data ([`DiffusionProgram::plan`]): its prefill or
+/// one outer step of its wavefront, with every random draw the step takes already drawn from
+/// the request's own source (in the order the step uses them).
+#[derive(Debug, Clone)]
+pub struct DfPlan {
+    /// Position of the first row.
+    pub start: usize,
+    /// Token ids of the rows: the prompt, or the wavefront's current guesses.
+    pub ids: Vec<u32>,
+    pub core_steps: usize,
+    pub prefill: bool,
+    /// Initial states of the rows: fresh draws (prefill) or the wavefront's states.
+    pub states: DfStates,
+    /// State noise mixing: per-row weights `b` and `rows × n_embd` noise draws.
+    pub noise: Option<(Vec<f32>, Vec<f32>)>,
+    /// Embedding momentum: η, and the previous step's mixed embeddings with the offset of this
+    /// step's first row in them.
+    pub momentum: Option<(f64, Option<(Tensor, usize)>)>,
+    /// Momentum right after the prefill: the buffer (prompt and first token) whose cache-free
+    /// prelude is the previous step's embeddings of the first outer step.
+    pub momentum_seed: Option<Vec<u32>>,
+    /// States of the `headway` positions that extend the wavefront: drawn, or (continuous
+    /// compute with a wavefront at least `headway` long) the last rows' states after the step.
+    pub fresh: Option<Vec<f32>>,
+    pub headway: usize,
+    pub max_wavefront: usize,
+    /// The freeze test's previous states and the offset of this step's first row in them.
+    pub previous: Option<(Tensor, usize)>,
+    /// Prefill: the first wavefront state, drawn after the prompt's.
+    pub first_state: Option<Vec<f32>>,
+    /// Tokens come from the argmax on the device rather than the request's sampler.
+    pub greedy: bool,
+}
+
+/// Initial states of a plan's rows.
+#[derive(Debug, Clone)]
+pub enum DfStates {
+    /// `rows × n_embd` fresh draws.
+    Drawn(Vec<f32>),
+    /// The wavefront's states.
+    Wave(Tensor),
+}
+
+/// What the packed forwards produced for one plan ([`DiffusionProgram::commit`] applies it).
+#[derive(Debug, Clone)]
+pub struct DfOutput {
+    /// The head's verdict on every decoded row: the prefill's last row, every row of a
+    /// wavefront.
+    pub decoded: Vec<super::ar::NextToken>,
+    /// The wavefront's next states (this step's, then the fresh ones, capped), and whether the
+    /// cap cut it (a standing wave).
+    pub next: Option<(Tensor, bool)>,
+    /// The freeze criterion of each compared row.
+    pub criterion: Vec<f32>,
+    /// This step's mixed embeddings (momentum).
+    pub mixed: Option<Tensor>,
+    /// The prefill's first wavefront state.
+    pub first_state: Option<Tensor>,
+}
+
+impl DiffusionProgram {
+    /// The plan of the next tick: the prefill, or one outer step of the wavefront.
+    pub fn plan(&mut self, dim: usize) -> Result<DfPlan, String> {
+        let greedy = self.sampler.is_greedy();
+        let Some(w) = &self.wave else {
+            let len = self.prompt_len;
+            let states = self.draws.next(len, dim, false)?;
+            let first = self.draws.next(1, dim, false)?;
+            return Ok(DfPlan {
+                start: 0,
+                ids: self.cur[..len].to_vec(),
+                core_steps: self.settings.num_steps,
+                prefill: true,
+                states: DfStates::Drawn(states),
+                noise: None,
+                momentum: None,
+                momentum_seed: None,
+                fresh: None,
+                headway: self.settings.headway,
+                max_wavefront: self.settings.max_wavefront,
+                previous: None,
+                first_state: Some(first),
+                greedy,
+            });
+        };
+        let (start, len) = (self.cache.len(), w.z.dim(0).map_err(|e| e.to_string())?);
+        let (eta, beta) = (self.settings.ema_embeds, self.settings.state_noise_mixing);
+        let behind = |from: usize| {
+            start.checked_sub(from).ok_or_else(|| {
+                format!("the wavefront starts at {start}, before its previous step's {from}")
+            })
+        };
+        let since_c_old = behind(w.c_old)?;
+        let momentum = (eta > 0.0).then(|| {
+            let old = w.e_old.as_ref().map(|old| (old.clone(), since_c_old));
+            (eta, old)
+        });
+        let momentum_seed = (eta > 0.0 && w.e_old.is_none()).then(|| self.cur.clone());
+        let previous_off = match self.settings.freeze_test {
+            FreezeTest::Upstream => since_c_old,
+            FreezeTest::Aligned => behind(w.prev_start)?,
+        };
+        let previous = Some((w.z_prev.clone(), previous_off));
+        let weights: Vec<f32> = (0..len)
+            .map(|k| {
+                (beta / (1.0 + f64::from(w.counter.get(start + k).copied().unwrap_or(0)))) as f32
+            })
+            .collect();
+        let states = DfStates::Wave(w.z.clone());
+        let noise = if beta > 0.0 {
+            Some((weights, self.draws.next(len, dim, false)?))
+        } else {
+            None
+        };
+        let headway = self.settings.headway;
+        let fresh = if self.settings.continuous_compute && len >= headway {
+            None
+        } else {
+            Some(self.draws.next(headway, dim, true)?)
+        };
+        Ok(DfPlan {
+            start,
+            ids: self.cur[start..start + len].to_vec(),
+            core_steps: self.settings.inner_recurrence,
+            prefill: false,
+            states,
+            noise,
+            momentum,
+            momentum_seed,
+            fresh,
+            headway,
+            max_wavefront: self.settings.max_wavefront,
+            previous,
+            first_state: None,
+            greedy,
+        })
+    }
+
+    /// Applies what `plan` produced: the prefill's first token and first wavefront, or the
+    /// step's guesses, the wavefront's growth, the freeze of converged positions (their KV
+    /// kept, the rest dropped to be recomputed), statistics and the newly frozen tokens.
+    pub fn commit(
+        &mut self,
+        plan: &DfPlan,
+        out: DfOutput,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        let tokens: Vec<u32> = out
+            .decoded
+            .into_iter()
+            .map(|n| match n {
+                super::ar::NextToken::Argmax(t) => t,
+                super::ar::NextToken::Logits(row) => self.sampler.sample(&row),
+            })
+            .collect();
+        if plan.prefill {
+            let y = *tokens.first().ok_or("the prefill decoded no row")?;
+            self.frozen.push(y);
+            self.cur = self.frozen.clone();
+            let mut counter = Vec::new();
+            add_recurrences(&mut counter, 0, self.prompt_len + 1, plan.core_steps);
+            let z = out.first_state.ok_or("the prefill made no first state")?;
+            self.wave = Some(Wave {
+                z: z.clone(),
+                z_prev: z,
+                prev_start: self.prompt_len,
+                c_old: 0,
+                e_old: None,
+                counter,
+            });
+            self.stats.forward_passes += 1;
+            self.stats.recurrence_steps += plan.core_steps as u64;
+            self.emit(outbox);
+            return Ok(());
+        }
+        let (c, len) = (plan.start, plan.ids.len());
+        self.cur.truncate(self.frozen.len());
+        self.cur.extend_from_slice(&tokens);
+        let vocab = self.settings.vocab_size as u32;
+        for _ in 1..plan.headway {
+            let t = self.placeholders.random_range(0..vocab);
+            self.cur.push(t);
+        }
+        let (mut z, standing) = out.next.ok_or("a wavefront step made no next states")?;
+        if standing {
+            self.cur.truncate(c + plan.max_wavefront);
+            self.stats.add_counter("standing_waves", 1);
+        }
+        let exit_t = self.settings.exit_t;
+        let w = self
+            .wave
+            .as_mut()
+            .ok_or("a wavefront step without a wavefront")?;
+        if let Some(e) = out.mixed {
+            w.e_old = Some(e);
+        }
+        add_recurrences(&mut w.counter, c, len, plan.core_steps);
+        let zlen = z.dim(0).map_err(|e| e.to_string())?;
+        match out.criterion.iter().rposition(|&v| v < exit_t) {
+            Some(last) => {
+                let frozen_to = c + last + 1;
+                self.frozen = self.cur[..frozen_to].to_vec();
+                self.cache.truncate(frozen_to - 1);
+                z = z.narrow(0, last, zlen - last).map_err(|e| e.to_string())?;
+                w.prev_start = frozen_to - 1;
+            }
+            None => {
+                self.cache.truncate(c);
+                w.prev_start = c;
+            }
+        }
+        w.z_prev = z.clone();
+        w.z = z;
+        w.c_old = c;
+        self.stats.forward_passes += 1;
+        self.stats.recurrence_steps += plan.core_steps as u64;
+        self.stats.add_counter("sampler_steps", 1);
+        self.stats.push_series("wavefront_size", len as u32);
+        self.sampler_steps += 1;
+        self.emit(outbox);
+        if self.sampler_steps >= MAX_SAMPLER_STEPS && !outbox.is_done() {
+            self.finish(outbox, FinishReason::Length);
+        }
+        Ok(())
+    }
 }
 
 fn msg(e: impl std::fmt::Display) -> candle_core::Error {
@@ -260,29 +479,26 @@ fn offsets(lens: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// `rows` draws of `program` as a `[rows, dim]` tensor on `device`.
-fn draw(
-    p: &mut DiffusionProgram,
-    rows: usize,
+/// Host rows `rows × dim` as a tensor on `device` in `dtype`.
+fn rows_tensor(
+    data: &[f32],
     dim: usize,
-    bf16: bool,
     device: &Device,
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
-    let data = p
-        .draws
-        .next(rows, dim, bf16)
-        .map_err(candle_core::Error::Msg)?;
-    Tensor::from_vec(data, (rows, dim), &Device::Cpu)?
+    Tensor::from_slice(data, (data.len() / dim, dim), &Device::Cpu)?
         .to_device(device)?
         .to_dtype(dtype)
 }
 
-/// Runs one outer step (or the prefill) of every program in `batch` in packed calls.
+/// Runs one outer step (or the prefill) of every program in `batch` in packed calls: each
+/// program plans, the plans run together ([`run`]), and each program commits its output.
 pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
     let block_size = model.config().block_size;
+    let dim = model.config().n_embd;
     // Requests whose next wavefront would leave the RoPE table stop here.
     let mut entries: Vec<&mut Entry<'_>> = Vec::with_capacity(batch.len());
+    let mut plans = Vec::with_capacity(batch.len());
     for e in batch.iter_mut() {
         let p = &mut *e.program;
         if let Some(w) = &p.wave {
@@ -291,114 +507,131 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
                 continue;
             }
         }
+        plans.push(p.plan(dim).map_err(candle_core::Error::Msg)?);
         entries.push(e);
     }
     if entries.is_empty() {
         return Ok(());
     }
+    let outputs = {
+        let mut caches: Vec<&mut HuginnCache> =
+            entries.iter_mut().map(|e| &mut e.program.cache).collect();
+        run(model, &plans, &mut caches)?
+    };
+    for ((e, plan), out) in entries.iter_mut().zip(&plans).zip(outputs) {
+        e.program
+            .commit(plan, out, e.outbox)
+            .map_err(candle_core::Error::Msg)?;
+    }
+    Ok(())
+}
+
+/// The packed forwards of `plans` (one per cache of `caches`): the cache-free preludes that seed
+/// momentum, one prelude call over every row, one core call per recurrence over the plans still
+/// iterating, one coda call, one head call over every decoded row, and one freeze criterion
+/// over every compared row. Writes each plan's KV into its cache.
+pub fn run(
+    model: &Huginn,
+    plans: &[DfPlan],
+    caches: &mut [&mut HuginnCache],
+) -> candle_core::Result<Vec<DfOutput>> {
     let device = model.device().clone();
     let dtype = model.dtype();
     let dim = model.config().n_embd;
-
-    let plans: Vec<Plan> = entries
-        .iter()
-        .map(|e| {
-            let p = &e.program;
-            match &p.wave {
-                None => Plan {
-                    start: 0,
-                    len: p.prompt_len,
-                    core_steps: p.settings.num_steps,
-                    prefill: true,
-                },
-                Some(w) => Plan {
-                    start: p.cache.len(),
-                    len: w.z.dim(0).unwrap_or(0),
-                    core_steps: p.settings.inner_recurrence,
-                    prefill: false,
-                },
-            }
-        })
-        .collect();
-    let lens: Vec<usize> = plans.iter().map(|pl| pl.len).collect();
+    let lens: Vec<usize> = plans.iter().map(|pl| pl.ids.len()).collect();
     let offs = offsets(&lens);
-    let ids: Vec<u32> = entries
-        .iter()
-        .zip(&plans)
-        .flat_map(|(e, pl)| e.program.cur[pl.start..pl.start + pl.len].to_vec())
+    let ids: Vec<u32> = plans.iter().flat_map(|pl| pl.ids.iter().copied()).collect();
+
+    // Momentum right after a prefill: the previous step's embeddings are the cache-free
+    // prelude of the buffer.
+    let seeded: Vec<usize> = (0..plans.len())
+        .filter(|&i| plans[i].momentum_seed.is_some())
         .collect();
+    let mut seeds: Vec<Option<Tensor>> = vec![None; plans.len()];
+    if !seeded.is_empty() {
+        let bufs: Vec<&Vec<u32>> = seeded
+            .iter()
+            .map(|&i| plans[i].momentum_seed.as_ref().expect("seeded"))
+            .collect();
+        let mut scratch: Vec<HuginnCache> = seeded
+            .iter()
+            .map(|&i| HuginnCache::new(caches[i].strategy()))
+            .collect();
+        let seed_ids: Vec<u32> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        let seed_lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let e_old = {
+            let mut seqs: Vec<SeqRows> = scratch
+                .iter_mut()
+                .zip(&seed_lens)
+                .map(|(cache, &n)| SeqRows::new(cache, 0, n))
+                .collect();
+            model
+                .prelude(&model.embed(&seed_ids).map_err(msg)?, &mut seqs)
+                .map_err(msg)?
+        };
+        for ((&i, o), &n) in seeded.iter().zip(offsets(&seed_lens)).zip(&seed_lens) {
+            seeds[i] = Some(e_old.narrow(0, o, n)?);
+        }
+    }
 
     // Prelude over prompts and wavefronts.
     let e_new = {
-        let mut seqs: Vec<SeqRows> = entries
+        let mut seqs: Vec<SeqRows> = caches
             .iter_mut()
-            .zip(&plans)
-            .map(|(e, pl)| SeqRows::new(&mut e.program.cache, pl.start, pl.len))
+            .zip(plans)
+            .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()))
             .collect();
         model
             .prelude(&model.embed(&ids).map_err(msg)?, &mut seqs)
             .map_err(msg)?
     };
 
-    // Injected embeddings (with momentum) and states (fresh, or noise-mixed) per request.
-    let mut injected = Vec::with_capacity(entries.len());
-    let mut states = Vec::with_capacity(entries.len());
-    for (i, e) in entries.iter_mut().enumerate() {
-        let p = &mut *e.program;
-        let pl = &plans[i];
-        let e_i = e_new.narrow(0, offs[i], pl.len)?;
-        if pl.prefill {
-            injected.push(e_i);
-            states.push(draw(p, pl.len, dim, false, &device, dtype)?);
-            continue;
-        }
-        let (eta, beta) = (p.settings.ema_embeds, p.settings.state_noise_mixing);
-        let w = p.wave.as_mut().expect("planned as a wavefront");
-        let mut e_mix = if eta > 0.0 {
-            (&e_i * (1.0 - eta))?
-        } else {
-            e_i
+    // Injected embeddings (with momentum) and states (fresh, or noise-mixed) per plan.
+    let mut injected = Vec::with_capacity(plans.len());
+    let mut states = Vec::with_capacity(plans.len());
+    let mut mixed: Vec<Option<Tensor>> = vec![None; plans.len()];
+    for (i, pl) in plans.iter().enumerate() {
+        let n = lens[i];
+        let e_i = e_new.narrow(0, offs[i], n)?;
+        let mut e_mix = match pl.momentum {
+            Some((eta, _)) => (&e_i * (1.0 - eta))?,
+            None => e_i,
         };
-        if let Some(old) = &w.e_old {
-            let off = pl.start - w.c_old;
-            let n = old.dim(0)?.saturating_sub(off).min(pl.len);
-            if n > 0 {
-                let head = (e_mix.narrow(0, 0, n)? + (old.narrow(0, off, n)? * eta)?)?;
-                e_mix = if n < pl.len {
-                    Tensor::cat(&[head, e_mix.narrow(0, n, pl.len - n)?], 0)?
-                } else {
-                    head
-                };
+        if let Some((eta, old)) = &pl.momentum {
+            let old = match (&seeds[i], old) {
+                (Some(seed), _) => Some((seed.clone(), pl.start)),
+                (None, Some((t, off))) => Some((t.clone(), *off)),
+                (None, None) => None,
+            };
+            if let Some((old, off)) = old {
+                let k = old.dim(0)?.saturating_sub(off).min(n);
+                if k > 0 {
+                    let head = (e_mix.narrow(0, 0, k)? + (old.narrow(0, off, k)? * *eta)?)?;
+                    e_mix = if k < n {
+                        Tensor::cat(&[head, e_mix.narrow(0, k, n - k)?], 0)?
+                    } else {
+                        head
+                    };
+                }
             }
-        }
-        if eta > 0.0 {
-            w.e_old = Some(e_mix.clone());
+            mixed[i] = Some(e_mix.clone());
         }
         injected.push(e_mix);
-        let mut z = w.z.clone();
-        if beta > 0.0 {
-            let b: Vec<f32> = (0..pl.len)
-                .map(|k| {
-                    (beta / (1.0 + f64::from(w.counter.get(pl.start + k).copied().unwrap_or(0))))
-                        as f32
-                })
-                .collect();
-            let b = Tensor::from_vec(b, (pl.len, 1), &Device::Cpu)?
+        let mut z = match &pl.states {
+            DfStates::Drawn(v) => rows_tensor(v, dim, &device, dtype)?,
+            DfStates::Wave(z) => z.clone(),
+        };
+        if let Some((b, noise)) = &pl.noise {
+            let b = Tensor::from_slice(b, (n, 1), &Device::Cpu)?
                 .to_device(&device)?
                 .to_dtype(dtype)?;
-            let data = p
-                .draws
-                .next(pl.len, dim, false)
-                .map_err(candle_core::Error::Msg)?;
-            let noise = Tensor::from_vec(data, (pl.len, dim), &Device::Cpu)?
-                .to_device(&device)?
-                .to_dtype(dtype)?;
+            let noise = rows_tensor(noise, dim, &device, dtype)?;
             z = (z.broadcast_mul(&(1.0 - &b)?)? + noise.broadcast_mul(&b)?)?;
         }
         states.push(z);
     }
 
-    // Core steps: request i takes part in its first `core_steps` calls.
+    // Core steps: plan i takes part in its first `core_steps` calls.
     let max_steps = plans.iter().map(|pl| pl.core_steps).max().unwrap_or(0);
     for t in 0..max_steps {
         let members: Vec<usize> = (0..plans.len())
@@ -417,105 +650,91 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
                 .collect::<Vec<_>>(),
         )?;
         let next = {
-            let mut seqs: Vec<SeqRows> = entries
+            let mut seqs: Vec<SeqRows> = caches
                 .iter_mut()
-                .zip(&plans)
+                .zip(plans)
                 .filter(|(_, pl)| pl.core_steps > t)
-                .map(|(e, pl)| {
-                    SeqRows::new(&mut e.program.cache, pl.start, pl.len).at_recurrence(t)
-                })
+                .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()).at_recurrence(t))
                 .collect();
             model.core_step(&s, &inj, &mut seqs).map_err(msg)?
         };
         let mut row = 0;
         for &i in &members {
-            states[i] = next.narrow(0, row, plans[i].len)?;
-            row += plans[i].len;
+            states[i] = next.narrow(0, row, lens[i])?;
+            row += lens[i];
         }
     }
 
     // Coda over every row (its KV is read by later steps); head on the rows that are decoded:
     // the last prompt row of a prefill, every row of a wavefront.
     let hidden = {
-        let mut seqs: Vec<SeqRows> = entries
+        let mut seqs: Vec<SeqRows> = caches
             .iter_mut()
-            .zip(&plans)
-            .map(|(e, pl)| SeqRows::new(&mut e.program.cache, pl.start, pl.len))
+            .zip(plans)
+            .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()))
             .collect();
         model.coda(&cat_rows(&states)?, &mut seqs).map_err(msg)?
     };
     let mut rows: Vec<u32> = Vec::new();
     let mut decoded_lens = Vec::with_capacity(plans.len());
     for (i, pl) in plans.iter().enumerate() {
-        let first = if pl.prefill { pl.len - 1 } else { 0 };
-        rows.extend((offs[i] + first..offs[i] + pl.len).map(|r| r as u32));
-        decoded_lens.push(pl.len - first);
+        let first = if pl.prefill { lens[i] - 1 } else { 0 };
+        rows.extend((offs[i] + first..offs[i] + lens[i]).map(|r| r as u32));
+        decoded_lens.push(lens[i] - first);
     }
     let logits = model
         .lm_head(&hidden.index_select(&Tensor::new(rows.as_slice(), &device)?, 0)?)
         .map_err(msg)?;
-    let decoded: Vec<u32> = if entries.iter().all(|e| e.program.sampler.is_greedy()) {
-        logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?
+    let mut decoded: Vec<super::ar::NextToken> = if plans.iter().all(|pl| pl.greedy) {
+        logits
+            .argmax(D::Minus1)?
+            .to_dtype(DType::U32)?
+            .to_vec1::<u32>()?
+            .into_iter()
+            .map(super::ar::NextToken::Argmax)
+            .collect()
     } else {
-        let all = logits.to_vec2::<f32>()?;
-        let mut out = Vec::with_capacity(all.len());
-        let mut k = 0;
-        for (e, &n) in entries.iter_mut().zip(&decoded_lens) {
-            for row in &all[k..k + n] {
-                out.push(e.program.sampler.sample(row));
-            }
-            k += n;
-        }
-        out
+        logits
+            .to_vec2::<f32>()?
+            .into_iter()
+            .map(super::ar::NextToken::Logits)
+            .collect()
     };
-    let decoded_offs = offsets(&decoded_lens);
 
-    // Wavefronts: new guesses, headway, cap; freeze criteria for all requests in one call.
-    let mut next_z: Vec<Option<Tensor>> = Vec::with_capacity(entries.len());
-    let mut pairs: Vec<(usize, usize)> = Vec::new(); // (request, rows compared)
+    // Next wavefront states: this step's and the fresh ones, capped; the freeze criteria of
+    // every plan in one call.
+    let mut next: Vec<Option<(Tensor, bool)>> = Vec::with_capacity(plans.len());
+    let mut compared = Vec::with_capacity(plans.len());
     let (mut new_parts, mut prev_parts) = (Vec::new(), Vec::new());
-    for (i, e) in entries.iter_mut().enumerate() {
-        let p = &mut *e.program;
-        let pl = &plans[i];
+    for (i, pl) in plans.iter().enumerate() {
         if pl.prefill {
-            next_z.push(None);
+            next.push(None);
+            compared.push(0);
             continue;
         }
-        let c = pl.start;
-        let headway = p.settings.headway;
-        let guesses = &decoded[decoded_offs[i]..decoded_offs[i] + decoded_lens[i]];
-        p.cur.truncate(p.frozen.len());
-        p.cur.extend_from_slice(guesses);
-        let vocab = p.settings.vocab_size as u32;
-        for _ in 1..headway {
-            let t = p.placeholders.random_range(0..vocab);
-            p.cur.push(t);
-        }
-        let fresh = if p.settings.continuous_compute && pl.len >= headway {
-            states[i].narrow(0, pl.len - headway, headway)?
-        } else {
-            draw(p, headway, dim, true, &device, dtype)?
+        let n = lens[i];
+        let fresh = match &pl.fresh {
+            Some(v) => rows_tensor(v, dim, &device, dtype)?,
+            None => states[i].narrow(0, n - pl.headway, pl.headway)?,
         };
-        let w = p.wave.as_mut().expect("planned as a wavefront");
-        add_recurrences(&mut w.counter, c, pl.len, pl.core_steps);
         let mut z = Tensor::cat(&[&states[i], &fresh], 0)?;
-        let max_w = p.settings.max_wavefront;
-        if z.dim(0)? > max_w {
-            z = z.narrow(0, 0, max_w)?;
-            p.cur.truncate(c + max_w);
-            p.stats.add_counter("standing_waves", 1);
+        let standing = z.dim(0)? > pl.max_wavefront;
+        if standing {
+            z = z.narrow(0, 0, pl.max_wavefront)?;
         }
-        let off = match p.settings.freeze_test {
-            FreezeTest::Upstream => c - w.c_old,
-            FreezeTest::Aligned => c - w.prev_start,
+        let k = match &pl.previous {
+            Some((prev, off)) => {
+                let k = prev.dim(0)?.saturating_sub(*off).min(z.dim(0)?);
+                if k > 0 {
+                    new_parts.push(z.narrow(0, 0, k)?);
+                    prev_parts.push(prev.narrow(0, *off, k)?);
+                }
+                k
+            }
+            None => 0,
         };
-        let n = w.z_prev.dim(0)?.saturating_sub(off).min(z.dim(0)?);
-        if n > 0 {
-            new_parts.push(z.narrow(0, 0, n)?);
-            prev_parts.push(w.z_prev.narrow(0, off, n)?);
-        }
-        pairs.push((i, n));
-        next_z.push(Some(z));
+        compared.push(k);
+        next.push(Some((z, standing)));
     }
     let crit: Vec<f32> = if new_parts.is_empty() {
         Vec::new()
@@ -525,103 +744,26 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
             .to_vec1()?
     };
 
-    // Commit wavefronts.
-    let mut k = 0;
-    for (i, n) in pairs {
-        let e = &mut entries[i];
-        let p = &mut *e.program;
-        let c = plans[i].start;
-        let crit_i = &crit[k..k + n];
-        k += n;
-        let mut z = next_z[i].take().expect("wavefront state");
-        let exit_t = p.settings.exit_t;
-        let w = p.wave.as_mut().expect("planned as a wavefront");
-        match crit_i.iter().rposition(|&v| v < exit_t) {
-            Some(last) => {
-                let frozen_to = c + last + 1;
-                p.frozen = p.cur[..frozen_to].to_vec();
-                p.cache.truncate(frozen_to - 1);
-                z = z.narrow(0, last, z.dim(0)? - last)?;
-                w.prev_start = frozen_to - 1;
-            }
-            None => {
-                p.cache.truncate(c);
-                w.prev_start = c;
-            }
-        }
-        w.z_prev = z.clone();
-        w.z = z;
-        w.c_old = c;
-        p.stats.forward_passes += 1;
-        p.stats.recurrence_steps += plans[i].core_steps as u64;
-        p.stats.add_counter("sampler_steps", 1);
-        p.stats.push_series("wavefront_size", plans[i].len as u32);
-        p.sampler_steps += 1;
-        p.emit(e.outbox);
-        if p.sampler_steps >= MAX_SAMPLER_STEPS && !e.outbox.is_done() {
-            p.finish(e.outbox, FinishReason::Length);
-        }
-    }
-
-    // Commit prefills: first token, first wavefront state, cache-free prelude for momentum.
-    let mut momentum: Vec<usize> = Vec::new();
-    for (i, e) in entries.iter_mut().enumerate() {
-        let pl = &plans[i];
-        if !pl.prefill {
-            continue;
-        }
-        let p = &mut *e.program;
-        let y = decoded[decoded_offs[i]];
-        p.frozen.push(y);
-        p.cur = p.frozen.clone();
-        let mut counter = Vec::new();
-        add_recurrences(&mut counter, 0, p.prompt_len + 1, pl.core_steps);
-        let z = draw(p, 1, dim, false, &device, dtype)?;
-        p.wave = Some(Wave {
-            z: z.clone(),
-            z_prev: z,
-            prev_start: p.prompt_len,
-            c_old: 0,
-            e_old: None,
-            counter,
-        });
-        p.stats.forward_passes += 1;
-        p.stats.recurrence_steps += pl.core_steps as u64;
-        if p.settings.ema_embeds > 0.0 {
-            momentum.push(i);
-        }
-        p.emit(e.outbox);
-    }
-    if !momentum.is_empty() {
-        let mut scratch: Vec<HuginnCache> = momentum
-            .iter()
-            .map(|&i| HuginnCache::new(entries[i].program.cache.strategy()))
-            .collect();
-        let ids: Vec<u32> = momentum
-            .iter()
-            .flat_map(|&i| entries[i].program.cur.clone())
-            .collect();
-        let lens: Vec<usize> = momentum
-            .iter()
-            .map(|&i| entries[i].program.cur.len())
-            .collect();
-        let e_old = {
-            let mut seqs: Vec<SeqRows> = scratch
-                .iter_mut()
-                .zip(&lens)
-                .map(|(cache, &n)| SeqRows::new(cache, 0, n))
-                .collect();
-            model
-                .prelude(&model.embed(&ids).map_err(msg)?, &mut seqs)
-                .map_err(msg)?
+    let mut outputs = Vec::with_capacity(plans.len());
+    let mut at = 0;
+    let mut tail = decoded.split_off(0).into_iter();
+    for (i, pl) in plans.iter().enumerate() {
+        let decoded: Vec<_> = tail.by_ref().take(decoded_lens[i]).collect();
+        let criterion = crit[at..at + compared[i]].to_vec();
+        at += compared[i];
+        let first_state = match &pl.first_state {
+            Some(v) => Some(rows_tensor(v, dim, &device, dtype)?),
+            None => None,
         };
-        for ((&i, o), &n) in momentum.iter().zip(offsets(&lens)).zip(&lens) {
-            if let Some(w) = entries[i].program.wave.as_mut() {
-                w.e_old = Some(e_old.narrow(0, o, n)?);
-            }
-        }
+        outputs.push(DfOutput {
+            decoded,
+            next: next[i].take(),
+            criterion,
+            mixed: mixed[i].take(),
+            first_state,
+        });
     }
-    Ok(())
+    Ok(outputs)
 }
 
 fn add_recurrences(counter: &mut Vec<u32>, from: usize, n: usize, by: usize) {
@@ -745,5 +887,126 @@ impl super::HuginnPlanner {
         );
         program.latent_pages = latent_pages;
         Ok(self.prepared(super::Program::Diffusion(program), max_slots, prompt_tokens))
+    }
+}
+
+/// Plans and commits on fake outputs: the prefill, a wavefront step that freezes some
+/// positions, a standing wave, and the end of a request, with no model in the loop.
+#[cfg(test)]
+mod commit_tests {
+    use anyhow::{bail, ensure, Result};
+    use candle_core::{Device, Tensor};
+    use wavefront_engine::{Event, FinishReason, Outbox};
+
+    use super::{DfOutput, DfStates, DiffusionProgram};
+    use crate::recurrent_depth::ar::NextToken;
+    use crate::recurrent_depth::test_support::{diffusion, fixture_config, prompt};
+    use crate::recurrent_depth::{HuginnPlanner, Program};
+    use crate::request::{FreezeTest, GenerateSpec, SchemeParams};
+    use crate::served::Planner;
+
+    fn program(max_new: usize, max_wavefront: usize) -> Result<DiffusionProgram> {
+        let planner = HuginnPlanner::new(fixture_config()?, "f".into(), None);
+        let scheme = SchemeParams::DiffusionForcing(diffusion(max_wavefront, FreezeTest::Aligned));
+        match planner
+            .prepare(GenerateSpec::greedy(prompt(4, 0), max_new, 3, scheme))?
+            .program
+        {
+            Program::Diffusion(p) => Ok(p),
+            Program::Ar(_) => bail!("not a diffusion-forcing request"),
+        }
+    }
+
+    fn zeros(rows: usize, dim: usize) -> Result<Tensor> {
+        Ok(Tensor::zeros(
+            (rows, dim),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )?)
+    }
+
+    fn tokens(o: &Outbox) -> Vec<u32> {
+        o.events()
+            .iter()
+            .flat_map(|e| match e {
+                Event::Tokens(t) => t.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_prefill_freezes_its_token_and_starts_a_wavefront_of_one() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut p = program(6, 8)?;
+        let plan = p.plan(dim).map_err(anyhow::Error::msg)?;
+        ensure!(plan.prefill && plan.ids == prompt(4, 0) && plan.first_state.is_some());
+        ensure!(matches!(&plan.states, DfStates::Drawn(v) if v.len() == 4 * dim));
+        let mut outbox = Outbox::default();
+        let out = DfOutput {
+            decoded: vec![NextToken::Argmax(9)],
+            next: None,
+            criterion: Vec::new(),
+            mixed: None,
+            first_state: Some(zeros(1, dim)?),
+        };
+        p.commit(&plan, out, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(tokens(&outbox) == [9] && p.next_rows() == 1 && p.generated() == [9]);
+        // Without a model nothing was cached, and a wavefront cannot start before the prompt.
+        ensure!(p.plan(dim).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_step_freezes_up_to_the_last_converged_position_and_a_standing_wave_is_counted(
+    ) -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut p = program(2, 2)?;
+        let mut outbox = Outbox::default();
+        let prefill = p.plan(dim).map_err(anyhow::Error::msg)?;
+        let out = DfOutput {
+            decoded: vec![NextToken::Argmax(9)],
+            next: None,
+            criterion: Vec::new(),
+            mixed: None,
+            first_state: Some(zeros(1, dim)?),
+        };
+        p.commit(&prefill, out, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        // The step the model would run next: the wavefront of one position after the prompt
+        // (which the model would have cached), one fresh state for headway 1.
+        let mut step = prefill.clone();
+        step.prefill = false;
+        step.start = 4;
+        step.ids = vec![9];
+        step.core_steps = 2;
+        step.first_state = None;
+        // Nothing converged: nothing freezes.
+        let out = |crit: Vec<f32>, standing| -> Result<DfOutput> {
+            Ok(DfOutput {
+                decoded: vec![NextToken::Argmax(11)],
+                next: Some((zeros(2, dim)?, standing)),
+                criterion: crit,
+                mixed: None,
+                first_state: None,
+            })
+        };
+        p.commit(&step, out(vec![1.0], false)?, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(tokens(&outbox) == [9] && p.generated() == [9]);
+        // The second compared row converged: positions up to it freeze, 11 streams, and the
+        // request (max_new_tokens 2) ends with its statistics.
+        p.commit(&step, out(vec![1.0, 0.0], true)?, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(tokens(&outbox) == [9, 11]);
+        let Some(Event::Finished { reason, stats }) = outbox.events().last() else {
+            bail!("not finished: {:?}", outbox.events());
+        };
+        ensure!(*reason == FinishReason::Length);
+        ensure!(stats.forward_passes == 3 && stats.counters["sampler_steps"] == 2);
+        ensure!(stats.counters["standing_waves"] == 1);
+        ensure!(stats.series["wavefront_size"] == [1, 1]);
+        Ok(())
     }
 }
