@@ -234,6 +234,8 @@ pub struct Scheduler<P> {
     watermark: usize,
     next_seq: u64,
     preemptions: u64,
+    /// Requests that wait this step for slots held by requests still delivering.
+    deferred: Vec<RequestId>,
     ticks: u64,
     metrics: EngineMetrics,
 }
@@ -254,6 +256,7 @@ impl<P: Send + 'static> Scheduler<P> {
             watermark: 0,
             next_seq: 0,
             preemptions: 0,
+            deferred: Vec::new(),
             ticks: 0,
             metrics: EngineMetrics::new(""),
         }
@@ -513,12 +516,14 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Whether the running request at `i` ticks this step.
     fn ready(&self, i: usize) -> bool {
-        self.running[i].backlog.is_empty() && !self.running[i].active.outbox.done
+        let r = &self.running[i];
+        r.backlog.is_empty() && !r.active.outbox.done && !self.deferred.contains(&r.active.id)
     }
 
     /// Grants every request that ticks this step the slots its next step needs, oldest first,
     /// preempting the most recently admitted ones while the pool is short.
     fn grow<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+        self.deferred.clear();
         let mut order: Vec<(u64, RequestId)> = (0..self.running.len())
             .filter(|&i| self.ready(i))
             .map(|i| (self.running[i].active.seq, self.running[i].active.id))
@@ -545,12 +550,18 @@ impl<P: Send + 'static> Scheduler<P> {
                     .expect("the growing request is a candidate");
                 if victim == i && self.running.len() == 1 + self.done_count() {
                     let total = self.pool.total();
-                    self.running[i]
-                        .active
-                        .outbox
-                        .fail(FamilyError::Forward(format!(
-                            "the next step needs {need} slots and the pool holds {total}"
-                        )));
+                    if need > total {
+                        self.running[i]
+                            .active
+                            .outbox
+                            .fail(FamilyError::Forward(format!(
+                                "the next step needs {need} slots and the pool holds {total}"
+                            )));
+                    } else {
+                        // The rest of the pool is held by requests whose last events are
+                        // still going out (slow readers): it comes back when they drain.
+                        self.deferred.push(id);
+                    }
                     break;
                 }
                 self.preempt(family, victim, report);

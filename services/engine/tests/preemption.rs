@@ -368,3 +368,69 @@ fn a_preempted_request_whose_deadline_passes_leaves_and_the_other_finishes() {
         ))
     ));
 }
+
+#[test]
+fn a_request_waits_for_slots_held_by_a_slow_reader_instead_of_failing() {
+    let t0 = Instant::now();
+    let run = |total: usize, slow: bool| -> Vec<Vec<Event>> {
+        let mut sched: Scheduler<Grower> = Scheduler::new(total, 8, 8);
+        let mut family = PagedFamily::default();
+        let mut rxs = Vec::new();
+        for (i, len, bound) in [(0u64, 1usize, if slow { 1 } else { 64 }), (1, 8, 64)] {
+            let (tx, rx) = mpsc::sync_channel(bound);
+            rxs.push(rx);
+            let w = Waiting {
+                id: RequestId(i),
+                prepared: grower(i, len),
+                sink: Box::new(Sink(tx)),
+                deadline: None,
+                submitted_at: t0,
+                span: tracing::Span::none(),
+            };
+            assert!(sched.enqueue(w).is_ok());
+        }
+        let mut events: Vec<Vec<Event>> = vec![Vec::new(), Vec::new()];
+        for step in 0..200 {
+            sched.step(&mut family, t0);
+            // The slow reader reads nothing for 40 steps, then everything.
+            for (k, rx) in rxs.iter().enumerate() {
+                if k == 1 || step > 40 {
+                    events[k].extend(rx.try_iter());
+                }
+            }
+            if sched.is_idle() {
+                break;
+            }
+        }
+        assert!(sched.is_idle(), "stalled");
+        assert_eq!(sched.pool().free(), total);
+        for (k, rx) in rxs.iter().enumerate() {
+            events[k].extend(rx.try_iter());
+        }
+        events
+    };
+    let roomy = run(100, false);
+    let tight = run(4, true);
+    for (k, (got, want)) in tight.iter().zip(&roomy).enumerate() {
+        let toks = |ev: &[Event]| -> Vec<u32> {
+            ev.iter()
+                .flat_map(|e| match e {
+                    Event::Tokens(t) => t.clone(),
+                    _ => Vec::new(),
+                })
+                .collect()
+        };
+        assert_eq!(toks(got), toks(want), "request {k}");
+        assert!(
+            matches!(
+                got.last(),
+                Some(Event::Finished {
+                    reason: FinishReason::Length,
+                    ..
+                })
+            ),
+            "request {k}: {:?}",
+            got.last()
+        );
+    }
+}
