@@ -275,6 +275,14 @@ pub trait Family: Send + 'static {
         ))
     }
 
+    /// Slots `active` holds and will not need for its next step (a cache truncated by a
+    /// rollback, an ARMT request past its prompt's segments): the family takes them from the
+    /// program's state and hands their ids back; the engine returns them to the pool. Called
+    /// after every tick the request ran in. The default keeps everything.
+    fn reclaim(&mut self, _active: &mut Active<Self::Program>) -> Vec<SlotId> {
+        Vec::new()
+    }
+
     /// Brings a preempted request's state back into the slots it holds now.
     fn resume(&mut self, _active: &mut Active<Self::Program>) -> Result<Moved, FamilyError> {
         Ok(Moved::default())

@@ -644,6 +644,25 @@ impl<P: Send + 'static> Scheduler<P> {
             for a in batch {
                 a.outbox.fail(error.clone());
             }
+            return;
+        }
+        // What programs no longer need goes back to the pool now, not at their end.
+        for a in batch {
+            if a.outbox.done {
+                continue;
+            }
+            let back = family.reclaim(a);
+            if back.is_empty() {
+                continue;
+            }
+            let before = a.slots.len();
+            a.slots.retain(|s| !back.contains(s));
+            assert_eq!(
+                a.slots.len() + back.len(),
+                before,
+                "a family reclaimed slots its request does not hold"
+            );
+            self.pool.release(back);
         }
     }
 

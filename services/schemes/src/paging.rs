@@ -42,3 +42,41 @@ pub(crate) fn swap_in<C: PagedCache>(
         recomputed_rows: 0,
     })
 }
+
+/// The granted pages `cache` will not use in the next step: a request holding `held` slots
+/// whose next step needs `need` gives the difference back from its unused pages.
+pub(crate) fn reclaim<C: PagedCache>(cache: &mut C, held: usize, need: usize) -> Vec<SlotId> {
+    if cache.is_swapped() || need >= held {
+        return Vec::new();
+    }
+    cache
+        .release_spare(held - need)
+        .into_iter()
+        .map(SlotId)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wavefront_models::transformer::KvCache;
+
+    #[test]
+    fn a_cache_moves_into_the_pool_takes_its_grant_and_gives_back_what_it_will_not_use(
+    ) -> anyhow::Result<()> {
+        let pool = KvPool::shared(4);
+        let mut cache = KvCache::new();
+        bind(&mut cache, &pool, (10..15).map(SlotId).collect());
+        assert!(cache.pool().is_shared());
+        assert_eq!(cache.pages_held(), 5);
+        // Holding 5, needing 3: two unused pages go back; needing more gives nothing.
+        let back = reclaim(&mut cache, 5, 3);
+        assert_eq!(back.len(), 2);
+        assert_eq!(cache.pages_held(), 3);
+        assert!(reclaim(&mut cache, 3, 4).is_empty());
+        // Swapped out, a cache holds nothing to give.
+        swap_out(&mut cache, "test")?;
+        assert!(reclaim(&mut cache, 3, 0).is_empty());
+        Ok(())
+    }
+}

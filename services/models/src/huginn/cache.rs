@@ -654,6 +654,9 @@ impl PagedCache for HuginnCache {
     fn swap_in(&mut self) -> Result<usize> {
         HuginnCache::swap_in(self)
     }
+    fn release_spare(&mut self, n: usize) -> Vec<u32> {
+        self.supply.release_spare(n)
+    }
     fn empty_in(&self, pool: KvPool) -> Self {
         HuginnCache::in_pool(self.strategy, pool)
     }

@@ -247,6 +247,12 @@ impl PageSupply {
         self.spare.extend(pages);
     }
 
+    /// Gives up to `n` spare pages back (ids the engine takes back).
+    pub(crate) fn release_spare(&mut self, n: usize) -> Vec<u32> {
+        let keep = self.spare.len().saturating_sub(n);
+        self.spare.split_off(keep)
+    }
+
     /// Forgets the spare pages (the engine takes every slot of a preempted request back).
     pub(crate) fn drop_spare(&mut self) {
         self.spare.clear();
@@ -342,6 +348,8 @@ pub trait PagedCache {
     fn swap_out(&mut self) -> Result<usize>;
     /// Moves the pages back into granted pages (any ids); the bytes moved.
     fn swap_in(&mut self) -> Result<usize>;
+    /// Gives up to `n` granted pages it does not use back, for the engine to take.
+    fn release_spare(&mut self, n: usize) -> Vec<u32>;
     /// An empty cache like this one (same lookup rules) over `pool`.
     fn empty_in(&self, pool: KvPool) -> Self
     where
@@ -366,6 +374,9 @@ impl PagedCache for KvCache {
     }
     fn swap_in(&mut self) -> Result<usize> {
         KvCache::swap_in(self)
+    }
+    fn release_spare(&mut self, n: usize) -> Vec<u32> {
+        self.supply.release_spare(n)
     }
     fn empty_in(&self, pool: KvPool) -> Self {
         KvCache::in_pool(pool)

@@ -72,7 +72,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{
-    Active, Family, FamilyError, FinishReason, Moved, Prepared, RequestError, Stats,
+    Active, Family, FamilyError, FinishReason, Moved, Prepared, RequestError, SlotId, Stats,
 };
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::{
@@ -526,6 +526,12 @@ impl Family for HuginnFamily {
         a.program
             .pages_needed(self.model.config())
             .max(a.slots.len())
+    }
+
+    fn reclaim(&mut self, a: &mut Active<Program>) -> Vec<SlotId> {
+        let need = a.program.pages_needed(self.model.config());
+        let held = a.slots.len();
+        paging::reclaim(a.program.state_cache(), held, need)
     }
 
     fn preempt(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {

@@ -16,7 +16,7 @@
 //! alone or batched.
 
 use candle_core::{DType, Device, Tensor};
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
 use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
 use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
 
@@ -354,6 +354,12 @@ impl Family for RecurrentMemoryFamily {
 
     fn slots_needed(&self, a: &Active<ArmtProgram>) -> usize {
         a.program.pages_needed().max(a.slots.len())
+    }
+
+    fn reclaim(&mut self, a: &mut Active<ArmtProgram>) -> Vec<SlotId> {
+        let need = a.program.pages_needed();
+        let held = a.slots.len();
+        paging::reclaim(&mut a.program.cache, held, need)
     }
 
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {

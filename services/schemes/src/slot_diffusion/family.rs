@@ -11,7 +11,7 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::Qwen3;
 
@@ -198,6 +198,12 @@ impl Family for SlotDiffusionFamily {
         a.program
             .pages_needed(self.pool.page_size())
             .max(a.slots.len())
+    }
+
+    fn reclaim(&mut self, a: &mut Active<SdProgram>) -> Vec<SlotId> {
+        let need = a.program.pages_needed(self.pool.page_size());
+        let held = a.slots.len();
+        paging::reclaim(a.program.state_cache(), held, need)
     }
 
     fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
