@@ -29,11 +29,13 @@ use crate::error::{ModelError, Result};
 /// Buffer indices a page holds, unless a pool says otherwise.
 pub const PAGE_SIZE: usize = 16;
 
-/// Pages an arena holds.
+/// Pages an arena of a shared pool holds.
 const ARENA_PAGES: usize = 256;
 
-/// The storage of [`ARENA_PAGES`] consecutive page ids on one device: keys and values
-/// `[H, ARENA_PAGES · page_size, D]`, page `id` at rows `(id mod ARENA_PAGES) · page_size ..`.
+/// The storage of consecutive page ids on one device: keys and values
+/// `[H, pages · page_size, D]`, the page `first + k` at rows `k · page_size ..`. A shared pool's
+/// arenas hold [`ARENA_PAGES`] pages each (made once, reused for the model's life); a private
+/// pool's double, 1, 2, 4, ... pages (a cache that lives within a tick takes what it writes).
 /// Consecutive pages are adjacent within each head, so a cache whose pages are consecutive
 /// ids (the common case: the engine hands out slots in order) reads them as one run, as fast
 /// as one buffer.
@@ -45,7 +47,7 @@ struct Arena {
 
 #[derive(Debug, Default)]
 struct PoolState {
-    /// Per device, its arenas by index (`id / ARENA_PAGES`), made on first use.
+    /// Per device, its arenas by index ([`KvPool::locate`]), made on first use.
     devices: Vec<(Device, Vec<Option<Arena>>)>,
     /// Per page id, the device (index into `devices`) whose arena holds its rows, once written.
     written: Vec<Option<u8>>,
@@ -112,6 +114,19 @@ impl KvPool {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The arena of page `id`: its index, its first page id and its pages.
+    fn locate(&self, id: u32) -> (usize, usize, usize) {
+        let id = id as usize;
+        if self.inner.shared {
+            let a = id / ARENA_PAGES;
+            (a, a * ARENA_PAGES, ARENA_PAGES)
+        } else {
+            // Arena a holds ids 2^a - 1 .. 2^(a+1) - 1.
+            let a = (usize::BITS - 1 - (id + 1).leading_zeros()) as usize;
+            (a, (1 << a) - 1, 1 << a)
+        }
+    }
+
     /// A fresh id of a private pool.
     fn make_id(&self) -> u32 {
         let mut st = self.state();
@@ -123,7 +138,8 @@ impl KvPool {
     /// first use, and the page's first row in it; the page counts as written.
     fn arena_for_write(&self, id: u32, like: &Tensor) -> Result<(Arena, usize)> {
         let p = self.inner.page_size;
-        let (a, slot) = (id as usize / ARENA_PAGES, id as usize % ARENA_PAGES);
+        let (a, first, pages) = self.locate(id);
+        let slot = id as usize - first;
         let mut st = self.state();
         let d = match st
             .devices
@@ -140,7 +156,7 @@ impl KvPool {
         if arenas.len() <= a {
             arenas.resize(a + 1, None);
         }
-        let shape = (like.dim(0)?, ARENA_PAGES * p, like.dim(2)?);
+        let shape = (like.dim(0)?, pages * p, like.dim(2)?);
         let arena = match &arenas[a] {
             Some(arena) => {
                 if arena.k.dims3()? != shape || arena.k.dtype() != like.dtype() {
@@ -171,9 +187,20 @@ impl KvPool {
         Ok((arena, slot * p))
     }
 
+    /// [`Self::arena_for_read`] of every page of `ids`, under one lock.
+    fn arenas_for_read(&self, ids: impl Iterator<Item = u32>) -> Result<Vec<(Arena, usize, u8)>> {
+        let st = self.state();
+        ids.map(|id| self.read_locked(&st, id)).collect()
+    }
+
     /// The arena holding page `id`, which must have been written, and its first row in it.
     fn arena_for_read(&self, id: u32) -> Result<(Arena, usize, u8)> {
         let st = self.state();
+        self.read_locked(&st, id)
+    }
+
+    fn read_locked(&self, st: &PoolState, id: u32) -> Result<(Arena, usize, u8)> {
+        let (a, first, _) = self.locate(id);
         let never = || ModelError::Cache(format!("page {id} was never written"));
         let d = st
             .written
@@ -181,10 +208,8 @@ impl KvPool {
             .copied()
             .flatten()
             .ok_or_else(never)?;
-        let arena = st.devices[d as usize].1[id as usize / ARENA_PAGES]
-            .clone()
-            .ok_or_else(never)?;
-        Ok((arena, (id as usize % ARENA_PAGES) * self.inner.page_size, d))
+        let arena = st.devices[d as usize].1[a].clone().ok_or_else(never)?;
+        Ok((arena, (id as usize - first) * self.inner.page_size, d))
     }
 }
 
@@ -285,12 +310,14 @@ impl PageSupply {
     pub(crate) fn views(&self, pieces: &[(u32, usize, usize)]) -> Result<Vec<(Tensor, Tensor)>> {
         let p = self.page_size();
         let mut runs: Vec<(Arena, usize, usize, u32, u8)> = Vec::with_capacity(pieces.len());
-        for &(id, off, n) in pieces {
-            let (arena, base, dev) = self.pool.arena_for_read(id)?;
+        let located = self
+            .pool
+            .arenas_for_read(pieces.iter().map(|piece| piece.0))?;
+        for (&(id, off, n), (arena, base, dev)) in pieces.iter().zip(located) {
             if let Some(last) = runs.last_mut() {
                 let (_, start, len, last_id, last_dev) = last;
                 let continues = id == *last_id + 1
-                    && !(id as usize).is_multiple_of(ARENA_PAGES)
+                    && self.pool.locate(id).0 == self.pool.locate(*last_id).0
                     && dev == *last_dev
                     && off == 0
                     && (*start + *len).is_multiple_of(p);
@@ -427,10 +454,14 @@ impl Clone for KvCache {
             if self.layer_lens[l] == 0 {
                 continue;
             }
-            let copied = self
-                .layer_kv(l)
-                .and_then(|(k, v)| c.write_rows(l, 0, &k, &v));
-            copied.expect("copying a cache's own valid rows");
+            // Run by run into the copy's pages: nothing concatenated on the way.
+            let mut at = 0;
+            for (k, v) in self.layer_runs(l).expect("a cache's own valid rows") {
+                let n = k.dim(1).expect("a run of keys");
+                c.write_rows(l, at, &k, &v)
+                    .expect("copying a cache's own valid rows");
+                at += n;
+            }
         }
         c.len = self.len;
         c.swapped = self.swapped.clone();
@@ -592,15 +623,18 @@ impl KvCache {
     }
 
     /// Keys and values `[n_kv_heads, n, head_dim]` of indices `start..start + n` of `layer`,
-    /// contiguous (a view when they lie in one page).
+    /// contiguous (a view when they lie in one run of pages, else a copy of those pages' rows).
     fn rows(&self, layer: usize, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
         let p = self.page_size();
         let table = self.table(layer)?;
-        if n > 0 && start / p == (start + n - 1) / p {
-            return self.supply.view(table[start / p], start % p, n);
+        let mut pieces = Vec::new();
+        let mut at = start;
+        while at < start + n {
+            let take = (p - at % p).min(start + n - at);
+            pieces.push((table[at / p], at % p, take));
+            at += take;
         }
-        let (k, v) = self.layer_kv(layer)?;
-        Ok((k.narrow(1, start, n)?, v.narrow(1, start, n)?))
+        merge_runs(&self.supply.views(&pieces)?)
     }
 
     fn table(&self, layer: usize) -> Result<&Vec<u32>> {
@@ -822,12 +856,12 @@ mod tests {
         assert_eq!(values(&c)?, [0.0, 1.0, 9.0, 10.0]);
         // The clone is a copy: it still reads what it held.
         assert_eq!(values(&snapshot)?, [0.0, 1.0, 2.0, 3.0, 4.0]);
-        // Growth past a page takes pages and keeps the rows; pages of consecutive ids are read
-        // as one run.
+        // Growth past a page takes pages and keeps the rows; pages of consecutive ids in one
+        // arena are read as one run (a private pool's arenas hold 1, 2, 4, ... pages).
         c.write_rows(0, 4, &rows(4, 36)?, &rows(4, 36)?)?;
         c.commit(40);
         assert_eq!(c.pages_used(), 3);
-        assert_eq!(run_lens(&c)?, [40]);
+        assert_eq!(run_lens(&c)?, [16, 24]);
         assert_eq!(values(&c)?.len(), 40);
         assert_eq!(values(&c)?[..6], [0.0, 1.0, 9.0, 10.0, 4.0, 5.0]);
         assert!(c.write_rows(0, 50, &rows(0, 1)?, &rows(0, 1)?).is_err());
