@@ -256,20 +256,25 @@ impl HuginnCache {
     ) -> usize {
         let p = self.page_size();
         let new_pages = || (rows.start / p)..rows.end.div_ceil(p);
-        let missing = |store: Option<&KvStore>| {
-            new_pages()
-                .filter(|&i| store.is_none_or(|s| s.pages.get(i).copied().flatten().is_none()))
-                .count()
+        // Whether slot `key` holds page `i`: in the pool, or (swapped out) in host memory.
+        let holds = |key: StoreKey, i: usize| match &self.swapped {
+            Some(stores) => stores
+                .iter()
+                .find(|(k, _)| *k == key)
+                .is_some_and(|(_, pages)| matches!(pages.get(i), Some(Some(_)))),
+            None => self
+                .store(key)
+                .is_some_and(|s| s.pages.get(i).copied().flatten().is_some()),
         };
         let lists = [
-            (&self.prelude, prelude),
-            (&self.core, core_stores),
-            (&self.coda, coda),
+            (self.prelude.len(), prelude, StoreKey::Prelude as fn(usize) -> StoreKey),
+            (self.core.len(), core_stores, StoreKey::Core),
+            (self.coda.len(), coda, StoreKey::Coda),
         ];
         let mut total = self.pages_used() + self.swapped_pages();
-        for (list, n) in lists {
-            for i in 0..n.max(list.len()) {
-                total += missing(list.get(i).and_then(Option::as_ref));
+        for (len, n, key) in lists {
+            for i in 0..n.max(len) {
+                total += new_pages().filter(|&pg| !holds(key(i), pg)).count();
             }
         }
         total
@@ -813,6 +818,35 @@ mod tests {
             )
             .unwrap();
         assert_eq!(positions_of(&k), vec![2.0]);
+    }
+
+    #[test]
+    fn a_swapped_cache_needs_the_pages_it_needed_before_and_comes_back_bit_exact() {
+        let pool = KvPool::shared(4);
+        let mut cache = HuginnCache::in_pool("latest-m4-compress-s4".parse().unwrap(), pool);
+        cache.bind_core_layers(4).unwrap();
+        cache.grant((0..20).rev());
+        for pos in 0..6 {
+            let b = block(1, 1, 2, pos as f32);
+            cache.write(CacheSlot::Prelude(0), pos, &b, &b).unwrap();
+            let core = CacheSlot::Core {
+                recurrence: 0,
+                layer: 1,
+            };
+            cache.write(core, pos, &b, &b).unwrap();
+        }
+        assert_eq!(cache.pages_used(), 4);
+        let need = cache.pages_after(6..8, 2, 4, 2);
+        // Held: 4; the new rows' page 1 is missing from 6 slots (2 prelude, 3 core, 2 coda less
+        // the two that have it).
+        assert_eq!(need, 4 + 6);
+        cache.swap_out().unwrap();
+        assert_eq!(cache.pages_held(), 0);
+        assert_eq!(cache.pages_after(6..8, 2, 4, 2), need);
+        cache.grant([7, 3, 11, 9]);
+        cache.swap_in().unwrap();
+        let (k, _) = cache.read(CacheSlot::Prelude(0), 6).unwrap();
+        assert_eq!(positions_of(&k), (0..6).map(|p| p as f32).collect::<Vec<_>>());
     }
 
     #[test]
