@@ -267,7 +267,11 @@ impl HuginnCache {
                 .is_some_and(|s| s.pages.get(i).copied().flatten().is_some()),
         };
         let lists = [
-            (self.prelude.len(), prelude, StoreKey::Prelude as fn(usize) -> StoreKey),
+            (
+                self.prelude.len(),
+                prelude,
+                StoreKey::Prelude as fn(usize) -> StoreKey,
+            ),
             (self.core.len(), core_stores, StoreKey::Core),
             (self.coda.len(), coda, StoreKey::Coda),
         ];
@@ -846,7 +850,10 @@ mod tests {
         cache.grant([7, 3, 11, 9]);
         cache.swap_in().unwrap();
         let (k, _) = cache.read(CacheSlot::Prelude(0), 6).unwrap();
-        assert_eq!(positions_of(&k), (0..6).map(|p| p as f32).collect::<Vec<_>>());
+        assert_eq!(
+            positions_of(&k),
+            (0..6).map(|p| p as f32).collect::<Vec<_>>()
+        );
     }
 
     #[test]
