@@ -6,9 +6,13 @@
 //!
 //! 1. **Admission** ([`queue`]): a request enters a bounded FIFO; a full queue
 //!    is an error value ([`EngineError::QueueFull`]), never unbounded growth.
-//! 2. **Slots** ([`slots`]): each request reserves the fungible slots its
-//!    family asks for (latent states, token slots, cells). Any free slot serves
-//!    any request; the pool size comes from a memory budget.
+//! 2. **Slots** ([`slots`]): fungible units of memory (K/V pages, latent states,
+//!    memories, canvas rows), any free one serving any request; the pool size comes
+//!    from a memory budget. A request takes its first step's slots at admission and
+//!    more before each tick as its program grows ([`Family::slots_needed`]); when the
+//!    pool is short the newest request is preempted ([`Family::preempt`]) and resumes
+//!    later, ahead of new arrivals; what a program no longer needs goes back after
+//!    each tick ([`Family::reclaim`]).
 //! 3. **Ticks** ([`engine`]): a dedicated thread, fed by a bounded channel,
 //!    hands all active programs to the family's [`Family::tick`], which packs
 //!    their rows into batched forwards and commits the results.

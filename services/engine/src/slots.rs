@@ -1,10 +1,11 @@
 //! The fungible slot pool.
 //!
-//! A slot is one row's worth of device memory (a recurrent-depth latent state,
-//! a masked-diffusion position, a ReFusion token slot, an ARMT cell). Slots are
-//! fungible: any free slot serves any request, so a request's states need not
-//! be contiguous and can be moved between workers. The pool only does the
-//! bookkeeping; the family that owns the tensors indexes them by [`SlotId`].
+//! A slot is one unit of device memory: for the families with caches, a K/V page (positions
+//! of one layer; the slot id is the page id in the family's page pool), also standing for
+//! latent states and memories; for masked diffusion, one canvas row's K/V in one layer. Slots
+//! are fungible: any free slot serves any request, so a request's state need not be
+//! contiguous, and a preempted request resumes in whatever slots are free. The pool only does
+//! the bookkeeping; the family that owns the storage indexes it by [`SlotId`].
 //!
 //! Invariants (property-tested below): a slot is never held twice, a failed
 //! allocation takes nothing, and freeing returns exactly what was taken.
