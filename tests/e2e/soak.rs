@@ -525,7 +525,8 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
     }
     let exited = router.child.try_wait().expect("wait");
     assert!(exited.is_none(), "the router exited: {exited:?}");
-    // Nothing held: load reports and gauges back to empty on every worker.
+    // Nothing held: load reports and gauges back to empty on every worker (none preempted).
+    let mut preemptions = Vec::with_capacity(workers.len());
     for w in &workers {
         let start = Instant::now();
         loop {
@@ -544,10 +545,12 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
             if m.free_slots == m.total_slots
                 && m.active_requests == 0
                 && m.queued_requests == 0
+                && m.preempted_requests == 0
                 && used == Some(0.0)
                 && queued == Some(0.0)
                 && active == Some(0.0)
             {
+                preemptions.push(m.preemptions);
                 break;
             }
             assert!(
@@ -600,6 +603,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         "anon_kib_end": rss_last.iter().map(|m| m.1).collect::<Vec<_>>(),
         "anon_growth": anon_growth,
         "processes": ["huginn", "llada", "armt", "refusion", "router"],
+        "preemptions": preemptions,
         "window": window,
     });
     println!("soak: {report}");
