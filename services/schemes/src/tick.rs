@@ -2,7 +2,7 @@
 //! outbox), the one head call over the rows programs read, and model errors as candle errors.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Outbox};
+use wavefront_engine::{Active, FinishReason, Outbox};
 use wavefront_models::ModelError;
 
 /// One active program as a tick sees it: the program and the outbox its events go to.
@@ -40,6 +40,23 @@ pub(crate) fn head_rows(
     }
     let rows = hidden.index_select(&Tensor::new(select, hidden.device())?, 0)?;
     head(&rows).map(Some).map_err(to_candle)
+}
+
+/// Whether an autoregressive request ends after taking `token` as its `generated`-th new
+/// token: on one of its stop tokens, or at `max_new_tokens`.
+pub(crate) fn ends_after(
+    token: u32,
+    stop_token_ids: &[u32],
+    generated: usize,
+    max_new_tokens: usize,
+) -> Option<FinishReason> {
+    if stop_token_ids.contains(&token) {
+        Some(FinishReason::StopToken)
+    } else if generated >= max_new_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
 }
 
 /// A model error as a candle error, so a tick's `?` carries both.

@@ -26,13 +26,15 @@
 //! requests still iterating take part, so static requests with different
 //! `num_steps` and adaptive requests that exit early pack together.
 
-use candle_core::{DType, Device, Tensor};
-use wavefront_engine::{FinishReason, Outbox, Stats};
-use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
+use candle_core::{Device, Tensor};
+use wavefront_engine::{Outbox, Stats};
+use wavefront_models::{relative_change, Huginn, HuginnCache};
 
 use super::draws::DrawSource;
+pub use super::packed::NextToken;
+use super::packed::{cat_rows, core_call, next_tokens, seq_rows};
 use crate::sampling::TokenSampler;
-use crate::tick::to_candle;
+use crate::tick::{ends_after, to_candle};
 
 /// One request's autoregressive decoding state.
 #[derive(Debug)]
@@ -96,15 +98,6 @@ pub struct ArOutput {
     pub last_state: Option<Tensor>,
 }
 
-/// The head's output for a request's last row.
-#[derive(Debug, Clone, PartialEq)]
-pub enum NextToken {
-    /// The argmax, computed on the device (greedy requests).
-    Argmax(u32),
-    /// The full logits row, for the request's sampler.
-    Logits(Vec<f32>),
-}
-
 impl ArProgram {
     /// The plan of the next `rows` pending positions (a chunk of a static prefill when fewer
     /// than it has). Takes the positions' initial states: draws from the request's source, or
@@ -161,13 +154,12 @@ impl ArProgram {
         self.pending.clear();
         self.pending.push(tok);
         outbox.tokens(vec![tok]);
-        let reason = if self.stop_token_ids.contains(&tok) {
-            Some(FinishReason::StopToken)
-        } else if self.generated >= self.max_new_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        let reason = ends_after(
+            tok,
+            &self.stop_token_ids,
+            self.generated,
+            self.max_new_tokens,
+        );
         if let Some(reason) = reason {
             let stats = std::mem::take(&mut self.stats);
             outbox.finish(reason, stats);
@@ -297,26 +289,16 @@ pub fn run(
         if members.is_empty() {
             break;
         }
-        let s = cat_rows(
-            &members
-                .iter()
-                .map(|&i| states[i].clone())
-                .collect::<Vec<_>>(),
+        let (s, next) = core_call(
+            model,
+            caches,
+            &starts,
+            &lens,
+            &mut states,
+            &injs,
+            &members,
+            t,
         )?;
-        let e = cat_rows(&members.iter().map(|&i| injs[i].clone()).collect::<Vec<_>>())?;
-        let next = {
-            let mut seqs: Vec<SeqRows> = Vec::with_capacity(members.len());
-            let mut rest: &mut [&mut HuginnCache] = caches;
-            let mut base = 0;
-            for &i in &members {
-                let (_, tail) = rest.split_at_mut(i - base);
-                let (head, tail) = tail.split_at_mut(1);
-                seqs.push(SeqRows::new(&mut *head[0], starts[i], lens[i]).at_recurrence(t));
-                rest = tail;
-                base = i + 1;
-            }
-            model.core_step(&s, &e, &mut seqs).map_err(to_candle)?
-        };
         // Adaptive members need their exit value: one small host copy.
         let change = if members.iter().any(|&i| plans[i].exit_threshold.is_some()) {
             Some(
@@ -330,7 +312,6 @@ pub fn run(
         let mut row = 0;
         for &i in &members {
             let n = lens[i];
-            states[i] = next.narrow(0, row, n)?;
             steps_run[i] += 1;
             let exited = match (plans[i].exit_threshold, &change) {
                 (Some(eps), Some(c)) => c[row..row + n].iter().sum::<f32>() / (n as f32) < eps,
@@ -358,18 +339,9 @@ pub fn run(
             .collect();
         let last = hidden.index_select(&Tensor::new(last_rows.as_slice(), &device)?, 0)?;
         let logits = model.lm_head(&last).map_err(to_candle)?;
-        if whole.iter().all(|&i| plans[i].greedy) {
-            let ids = logits
-                .argmax(candle_core::D::Minus1)?
-                .to_dtype(DType::U32)?
-                .to_vec1::<u32>()?;
-            for (&i, t) in whole.iter().zip(ids) {
-                next[i] = Some(NextToken::Argmax(t));
-            }
-        } else {
-            for (&i, r) in whole.iter().zip(logits.to_vec2::<f32>()?) {
-                next[i] = Some(NextToken::Logits(r));
-            }
+        let greedy = whole.iter().all(|&i| plans[i].greedy);
+        for (&i, verdict) in whole.iter().zip(next_tokens(&logits, greedy)?) {
+            next[i] = Some(verdict);
         }
     }
     plans
@@ -390,26 +362,6 @@ pub fn run(
             })
         })
         .collect()
-}
-
-fn seq_rows<'a>(
-    caches: &'a mut [&mut HuginnCache],
-    starts: &[usize],
-    lens: &[usize],
-) -> Vec<SeqRows<'a>> {
-    caches
-        .iter_mut()
-        .zip(starts.iter().zip(lens))
-        .map(|(c, (&s, &n))| SeqRows::new(c, s, n))
-        .collect()
-}
-
-fn cat_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
-    if parts.len() == 1 {
-        Ok(parts[0].clone())
-    } else {
-        Tensor::cat(parts, 0)
-    }
 }
 
 /// Plans and commits on fake outputs: what a program does with each kind of result, with no

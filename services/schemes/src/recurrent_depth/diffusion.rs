@@ -45,13 +45,14 @@
 //! One tick advances every active request by one outer step; all requests share each prelude,
 //! core and coda call (prefills and wavefronts of different sizes pack together).
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
+use super::packed::{cat_rows, core_call, next_tokens, offsets, seq_rows, NextToken};
 use crate::request::FreezeTest;
 use crate::sampling::TokenSampler;
 
@@ -278,7 +279,7 @@ pub enum DfStates {
 pub struct DfOutput {
     /// The head's verdict on every decoded row: the prefill's last row, every row of a
     /// wavefront.
-    pub decoded: Vec<super::ar::NextToken>,
+    pub decoded: Vec<NextToken>,
     /// The wavefront's next states (this step's, then the fresh ones, capped), and whether the
     /// cap cut it (a standing wave).
     pub next: Option<(Tensor, bool)>,
@@ -381,8 +382,8 @@ impl DiffusionProgram {
             .decoded
             .into_iter()
             .map(|n| match n {
-                super::ar::NextToken::Argmax(t) => t,
-                super::ar::NextToken::Logits(row) => self.sampler.sample(&row),
+                NextToken::Argmax(t) => t,
+                NextToken::Logits(row) => self.sampler.sample(&row),
             })
             .collect();
         if plan.prefill {
@@ -461,24 +462,6 @@ fn msg(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-fn cat_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
-    if parts.len() == 1 {
-        Ok(parts[0].clone())
-    } else {
-        Tensor::cat(parts, 0)
-    }
-}
-
-fn offsets(lens: &[usize]) -> Vec<usize> {
-    lens.iter()
-        .scan(0, |acc, &n| {
-            let o = *acc;
-            *acc += n;
-            Some(o)
-        })
-        .collect()
-}
-
 /// Host rows `rows × dim` as a tensor on `device` in `dtype`.
 fn rows_tensor(
     data: &[f32],
@@ -539,6 +522,7 @@ pub fn run(
     let dtype = model.dtype();
     let dim = model.config().n_embd;
     let lens: Vec<usize> = plans.iter().map(|pl| pl.ids.len()).collect();
+    let starts: Vec<usize> = plans.iter().map(|pl| pl.start).collect();
     let offs = offsets(&lens);
     let ids: Vec<u32> = plans.iter().flat_map(|pl| pl.ids.iter().copied()).collect();
 
@@ -576,11 +560,7 @@ pub fn run(
 
     // Prelude over prompts and wavefronts.
     let e_new = {
-        let mut seqs: Vec<SeqRows> = caches
-            .iter_mut()
-            .zip(plans)
-            .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()))
-            .collect();
+        let mut seqs = seq_rows(caches, &starts, &lens);
         model
             .prelude(&model.embed(&ids).map_err(msg)?, &mut seqs)
             .map_err(msg)?
@@ -637,42 +617,22 @@ pub fn run(
         let members: Vec<usize> = (0..plans.len())
             .filter(|&i| plans[i].core_steps > t)
             .collect();
-        let s = cat_rows(
-            &members
-                .iter()
-                .map(|&i| states[i].clone())
-                .collect::<Vec<_>>(),
+        core_call(
+            model,
+            caches,
+            &starts,
+            &lens,
+            &mut states,
+            &injected,
+            &members,
+            t,
         )?;
-        let inj = cat_rows(
-            &members
-                .iter()
-                .map(|&i| injected[i].clone())
-                .collect::<Vec<_>>(),
-        )?;
-        let next = {
-            let mut seqs: Vec<SeqRows> = caches
-                .iter_mut()
-                .zip(plans)
-                .filter(|(_, pl)| pl.core_steps > t)
-                .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()).at_recurrence(t))
-                .collect();
-            model.core_step(&s, &inj, &mut seqs).map_err(msg)?
-        };
-        let mut row = 0;
-        for &i in &members {
-            states[i] = next.narrow(0, row, lens[i])?;
-            row += lens[i];
-        }
     }
 
     // Coda over every row (its KV is read by later steps); head on the rows that are decoded:
     // the last prompt row of a prefill, every row of a wavefront.
     let hidden = {
-        let mut seqs: Vec<SeqRows> = caches
-            .iter_mut()
-            .zip(plans)
-            .map(|(c, pl)| SeqRows::new(c, pl.start, pl.ids.len()))
-            .collect();
+        let mut seqs = seq_rows(caches, &starts, &lens);
         model.coda(&cat_rows(&states)?, &mut seqs).map_err(msg)?
     };
     let mut rows: Vec<u32> = Vec::new();
@@ -685,21 +645,7 @@ pub fn run(
     let logits = model
         .lm_head(&hidden.index_select(&Tensor::new(rows.as_slice(), &device)?, 0)?)
         .map_err(msg)?;
-    let mut decoded: Vec<super::ar::NextToken> = if plans.iter().all(|pl| pl.greedy) {
-        logits
-            .argmax(D::Minus1)?
-            .to_dtype(DType::U32)?
-            .to_vec1::<u32>()?
-            .into_iter()
-            .map(super::ar::NextToken::Argmax)
-            .collect()
-    } else {
-        logits
-            .to_vec2::<f32>()?
-            .into_iter()
-            .map(super::ar::NextToken::Logits)
-            .collect()
-    };
+    let mut decoded = next_tokens(&logits, plans.iter().all(|pl| pl.greedy))?;
 
     // Next wavefront states: this step's and the fresh ones, capped; the freeze criteria of
     // every plan in one call.

@@ -61,6 +61,7 @@ pub mod diffusion;
 pub mod draws;
 #[cfg(test)]
 mod golden_tests;
+mod packed;
 #[cfg(test)]
 mod scheme_tests;
 #[cfg(test)]

@@ -9,6 +9,7 @@ use wavefront_models::armt::LayerMemory;
 use wavefront_models::transformer::KvCache;
 
 use crate::sampling::TokenSampler;
+use crate::tick::ends_after;
 
 /// Where a request stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,13 +224,12 @@ impl ArmtProgram {
         if let Some(r) = &mut self.record {
             r.tokens.push(token);
         }
-        let reason = if self.stop_token_ids.contains(&token) {
-            Some(FinishReason::StopToken)
-        } else if self.generated >= self.max_new_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        let reason = ends_after(
+            token,
+            &self.stop_token_ids,
+            self.generated,
+            self.max_new_tokens,
+        );
         if let Some(reason) = reason {
             self.finish(reason, outbox);
             return;

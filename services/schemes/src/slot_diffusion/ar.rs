@@ -4,11 +4,12 @@
 //! position; the next token is the argmax of the last row's logits (computed on the device) or
 //! a draw from the request's sampler (temperature, top-k, top-p).
 
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{Outbox, Stats};
 use wavefront_models::transformer::KvCache;
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use crate::sampling::TokenSampler;
+use crate::tick::ends_after;
 
 /// One autoregressive request.
 #[derive(Debug)]
@@ -101,14 +102,12 @@ impl ArDecode {
         };
         self.generated += 1;
         outbox.tokens(vec![token]);
-        let reason = if self.stop_token_ids.contains(&token) {
-            Some(FinishReason::StopToken)
-        } else if self.generated >= self.max_new_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        match reason {
+        match ends_after(
+            token,
+            &self.stop_token_ids,
+            self.generated,
+            self.max_new_tokens,
+        ) {
             Some(r) => {
                 outbox.finish(r, std::mem::take(stats));
                 self.done = true;
