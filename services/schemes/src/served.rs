@@ -234,6 +234,29 @@ pub enum KvReserve {
     WorstCase,
 }
 
+impl KvReserve {
+    /// The request running `program`, whose first step takes `first` slots and whose life
+    /// takes `max_slots` at most: admitted with the first, or with the worst case.
+    pub(crate) fn prepared<P>(
+        self,
+        program: P,
+        first: usize,
+        max_slots: usize,
+        prompt_tokens: usize,
+    ) -> Prepared<P> {
+        let slots = match self {
+            KvReserve::OnDemand => first.min(max_slots),
+            KvReserve::WorstCase => max_slots,
+        };
+        Prepared {
+            program,
+            slots,
+            max_slots,
+            prompt_tokens,
+        }
+    }
+}
+
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {

@@ -176,16 +176,9 @@ impl HuginnPlanner {
         max_slots: usize,
         prompt_tokens: usize,
     ) -> Prepared<Program> {
-        let slots = match self.reserve {
-            KvReserve::OnDemand => program.pages_needed(&self.cfg).min(max_slots),
-            KvReserve::WorstCase => max_slots,
-        };
-        Prepared {
-            program,
-            slots,
-            max_slots,
-            prompt_tokens,
-        }
+        let first = program.pages_needed(&self.cfg);
+        self.reserve
+            .prepared(program, first, max_slots, prompt_tokens)
     }
 
     fn prepare_ar(

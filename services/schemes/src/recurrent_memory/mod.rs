@@ -240,16 +240,10 @@ impl ArmtPlanner {
             max: max_slots,
             page: self.page,
         };
-        let slots = match self.reserve {
-            KvReserve::OnDemand => program.pages_needed(),
-            KvReserve::WorstCase => max_slots,
-        };
-        Ok(Prepared {
-            program,
-            slots,
-            max_slots,
-            prompt_tokens,
-        })
+        let first = program.pages_needed();
+        Ok(self
+            .reserve
+            .prepared(program, first, max_slots, prompt_tokens))
     }
 }
 

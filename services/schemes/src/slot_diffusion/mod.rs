@@ -188,16 +188,9 @@ impl RefusionPlanner {
     ) -> Prepared<SdProgram> {
         let max_slots = self.slots(max_rows);
         let program = SdProgram::new(scheme, self.kv_tables(), max_slots);
-        let slots = match self.reserve {
-            KvReserve::OnDemand => program.pages_needed(self.page),
-            KvReserve::WorstCase => max_slots,
-        };
-        Prepared {
-            program,
-            slots,
-            max_slots,
-            prompt_tokens,
-        }
+        let first = program.pages_needed(self.page);
+        self.reserve
+            .prepared(program, first, max_slots, prompt_tokens)
     }
 
     fn stop_ids(&self, spec: &GenerateSpec) -> Vec<u32> {
