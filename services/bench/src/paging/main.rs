@@ -30,7 +30,7 @@ use wavefront_schemes::{
     ArParams, GenerateSpec, KvReserve, LoadOptions, SamplingParams, SchemeParams, ServedModel,
 };
 
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(about = "Worst-case K/V reservation against pages on demand, at one memory budget")]
 struct Args {
     /// `refusion` (Qwen3 `ar`) or `huginn` (static `ar`).
@@ -171,8 +171,20 @@ fn requests(
 
 type Loader = Box<dyn Fn(KvReserve) -> Result<Arc<dyn ServedModel>>>;
 
+/// Load options of a bench model: `budget_mib`, a place for every request, `reserve`, the
+/// page size of the flags.
+fn options(a: &Args, name: &str, budget_mib: u64, reserve: KvReserve) -> Result<LoadOptions> {
+    Ok(LoadOptions {
+        memory_budget_bytes: budget_mib << 20,
+        max_active: a.requests,
+        kv_reserve: reserve,
+        kv_page_size: a.page_size,
+        ..a.target.load_options(name)?
+    })
+}
+
 fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
-    let target = a.target.clone();
+    let args = a.clone();
     match name {
         "refusion" => {
             let shape = qwen3::Shape {
@@ -186,15 +198,9 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                 max_position_embeddings: 4096,
             };
             let cfg = shape.config()?;
-            let (budget, n, seed, page) = (a.refusion_budget_mb, a.requests, a.seed, a.page_size);
+            let (budget, seed) = (a.refusion_budget_mb, a.seed);
             let load: Loader = Box::new(move |reserve| {
-                let opts = LoadOptions {
-                    memory_budget_bytes: budget << 20,
-                    max_active: n,
-                    kv_reserve: reserve,
-                    kv_page_size: page,
-                    ..target.load_options("synthetic-refusion")?
-                };
+                let opts = options(&args, "synthetic-refusion", budget, reserve)?;
                 let c = cfg.clone();
                 Ok(wavefront_schemes::slot_diffusion::serve_model(
                     cfg.clone(),
@@ -225,15 +231,9 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                 mean_recurrence: a.num_steps,
             };
             let cfg = shape.config()?;
-            let (budget, n, seed, page) = (a.huginn_budget_mb, a.requests, a.seed, a.page_size);
+            let (budget, seed) = (a.huginn_budget_mb, a.seed);
             let load: Loader = Box::new(move |reserve| {
-                let opts = LoadOptions {
-                    memory_budget_bytes: budget << 20,
-                    max_active: n,
-                    kv_reserve: reserve,
-                    kv_page_size: page,
-                    ..target.load_options("synthetic-huginn")?
-                };
+                let opts = options(&args, "synthetic-huginn", budget, reserve)?;
                 let c = cfg.clone();
                 Ok(wavefront_schemes::recurrent_depth::serve_model(
                     cfg.clone(),
