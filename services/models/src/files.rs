@@ -331,8 +331,8 @@ fn shard_paths(dir: &Path, index_json: &str) -> Result<Vec<PathBuf>> {
 pub enum ModelFamily {
     /// Recurrent-depth transformers (Huginn / raven): prelude, iterated core block, coda.
     RecurrentDepth,
-    /// Masked-diffusion language models (LLaDA): a bidirectional transformer that predicts
-    /// masked positions.
+    /// Masked-diffusion language models (LLaDA, Dream): a bidirectional transformer that
+    /// predicts masked positions.
     MaskedDiffusion,
     /// Recurrent-memory transformers (ARMT on a Llama backbone): per-layer associative memory
     /// carried from segment to segment. Detected from the directory (`armt_config.json`), see
@@ -369,7 +369,7 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         if lower.contains("huginn") || lower.contains("raven") {
             return Ok(ModelFamily::RecurrentDepth);
         }
-        if lower.contains("llada") {
+        if lower.contains("llada") || lower.contains("dream") {
             return Ok(ModelFamily::MaskedDiffusion);
         }
         let has_mask = config.get("mask_token_id").is_some_and(|v| !v.is_null());
@@ -396,7 +396,7 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     }
     Err(ModelError::Unsupported(format!(
         "unknown model family in {CONFIG} (model_type `{model_type}`, architectures \
-         {architectures:?}); served: huginn_raven, llada, qwen3 with a mask_token_id (ReFusion), \
+         {architectures:?}); served: huginn_raven, llada, Dream, qwen3 with a mask_token_id (ReFusion), \
          llama with an {ARMT_CONFIG} (ARMT)"
     )))
 }

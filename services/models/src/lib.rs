@@ -12,6 +12,7 @@
 //! * [`transformer`]: a pre-norm Llama-style block over packed rows with per-sequence keys and
 //!   mask rules, shared by the Llama-like families.
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
+//! * [`dream`]: Dream masked-diffusion model, Qwen2 run bidirectionally (Ye et al., 2025).
 //! * [`armt`]: ARMT, associative recurrent memory on a Llama backbone (Rodkin et al., 2024),
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
 //! * [`qwen3`]: Qwen3 with explicit position ids, the backbone of ReFusion (Li et al., 2025).
@@ -20,6 +21,7 @@ pub mod armt;
 pub mod chat;
 mod config;
 pub mod device;
+pub mod dream;
 pub mod error;
 pub mod files;
 pub mod huginn;
@@ -30,6 +32,7 @@ pub mod transformer;
 
 pub use armt::{Armt, ArmtConfig};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use dream::{Dream, DreamConfig};
 pub use error::ModelError;
 pub use files::{detect_family, ModelFamily, ModelFiles};
 pub use huginn::{

@@ -1,0 +1,161 @@
+//! Dream, a masked-diffusion language model initialised from Qwen2.5, with a packed
+//! multi-sequence API.
+//!
+//! Ye et al., 2025, "Dream 7B: Diffusion Large Language Models" (arXiv:2508.15487); checkpoint
+//! `Dream-org/Dream-v0-Instruct-7B`, reference code its remote `modeling_dream.py`
+//! (`DreamModel`, `DreamBaseModel`), whose parameter names (`model.embed_tokens`,
+//! `model.layers.N.*`, `model.norm`, `lm_head`) are mirrored by the `VarBuilder` paths here.
+//!
+//! The network is Qwen2 run **bidirectionally**: `x = embed_tokens[ids]` (no scaling), then per
+//! layer `x += o_proj(attn(rope(q), rope(k), v))` over `input_layernorm(x)`, with biases on the
+//! q, k and v projections, grouped-query attention, RoPE in the "half" layout and no causal
+//! mask; `x += down(silu(gate(h)) · up(h))` over `post_attention_layernorm(x)`; then `norm` and
+//! `lm_head` over every position. The block is the shared one ([`crate::transformer`],
+//! [`BlockNames::LLAMA`] with q/k/v biases).
+//!
+//! The logits of position `j` predict the token at `j + 1` (Dream keeps Qwen2.5's
+//! autoregressive head): a sampler reads position `j`'s prediction from the output row of
+//! `j - 1`, and position 0's from its own row (upstream `diffusion_generate`'s
+//! `cat([logits[:, :1], logits[:, :-1]])`). The network itself knows nothing of that shift;
+//! [`Dream::prediction_row`] states it for the samplers in `wavefront-schemes`.
+
+mod config;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+pub use self::config::DreamConfig;
+use crate::error::Result;
+use crate::transformer::{
+    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, PackedLayout, RmsNorm,
+    RopeTable, SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
+};
+
+/// A loaded Dream model.
+#[derive(Debug, Clone)]
+pub struct Dream {
+    cfg: DreamConfig,
+    /// `model.embed_tokens` and `lm_head` (tied under `tie_word_embeddings`).
+    io: EmbedHead,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    rope: RopeTable,
+    attention: AttentionKernel,
+}
+
+impl SelectAttention for Dream {
+    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
+        self.attention = kernel;
+        Ok(())
+    }
+}
+
+impl StoreWeights for Dream {
+    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
+        for b in &mut self.blocks {
+            b.store_weights(dtype)?;
+        }
+        self.io.store_as(dtype)
+    }
+}
+
+impl Dream {
+    /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.*`,
+    /// `lm_head.*`). The `VarBuilder`'s dtype and device are the model's.
+    pub fn load(vb: VarBuilder, cfg: DreamConfig) -> Result<Self> {
+        Self::load_parallel(vb, cfg, &TensorParallel::single())
+    }
+
+    /// Loads the model with every block split over `tp.world` tensor-parallel ranks (heads and
+    /// MLP columns; embeddings, norms and the head replicated).
+    pub fn load_parallel(vb: VarBuilder, cfg: DreamConfig, tp: &TensorParallel) -> Result<Self> {
+        cfg.validate()?;
+        let m = vb.pp("model");
+        let (e, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = get(&m.pp("embed_tokens"), &[v, e], "weight")?;
+        let block_cfg = cfg.block_config();
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                Block::load_parallel(m.pp("layers").pp(i), &block_cfg, &BlockNames::LLAMA, i, tp)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(m.pp("norm"), e, cfg.rms_norm_eps)?;
+        let head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
+        };
+        let io = EmbedHead::new(embed, head)?;
+        let rope = RopeTable::new(
+            cfg.head_dim(),
+            cfg.rope_theta,
+            cfg.max_position_embeddings,
+            vb.device(),
+        )?;
+        Ok(Self {
+            cfg,
+            io,
+            blocks,
+            norm,
+            rope,
+            attention: AttentionKernel::default(),
+        })
+    }
+
+    pub fn config(&self) -> &DreamConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.io.device()
+    }
+
+    /// Compute dtype of the weights (and of hidden rows).
+    pub fn dtype(&self) -> DType {
+        self.io.dtype()
+    }
+
+    /// Token embeddings `[N, E]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        self.io.embed(ids)
+    }
+
+    /// The output row whose logits predict position `position` of a sequence: the row before
+    /// it, and position 0's own row.
+    pub fn prediction_row(position: usize) -> usize {
+        position.saturating_sub(1)
+    }
+
+    /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
+    /// the head.
+    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
+        forward_stack(
+            &self.blocks,
+            &self.rope,
+            &self.norm,
+            self.embed(ids)?,
+            seqs,
+            self.attention,
+        )
+    }
+
+    /// Upstream's `output_hidden_states`: the embeddings, the output of every layer but the
+    /// last, and `norm` of the last layer's output (`num_hidden_layers + 1` tensors `[N, E]`).
+    pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
+        let mut x = self.embed(ids)?;
+        let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
+        let mut states = Vec::with_capacity(self.blocks.len() + 1);
+        for block in &self.blocks {
+            states.push(x.clone());
+            x = block.forward(&x, &layout, seqs)?;
+        }
+        crate::transformer::commit_buffers(seqs);
+        states.push(self.norm.forward(&x)?);
+        Ok(states)
+    }
+
+    /// Logits `[N, V]` (float32) of hidden rows from [`Dream::forward`].
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.io.logits(hidden)
+    }
+}
