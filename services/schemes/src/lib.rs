@@ -32,8 +32,8 @@ pub mod tick;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, EosRule, Execution, FreezeTest, GenerateSpec,
-    LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
-    SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg, EosRule, Execution,
+    FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws,
+    SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
 pub use served::{load_model, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -81,6 +81,8 @@ pub enum SchemeParams {
     /// `plan-infill`: ReFusion's slot planning and parallel infilling (upstream
     /// `generate_refusion()`).
     PlanInfill(PlanInfillParams),
+    /// `diffusion-generate`: Dream's sampler (upstream `diffusion_generate()`).
+    DiffusionGenerate(DiffusionGenerateParams),
 }
 
 impl SchemeParams {
@@ -92,6 +94,7 @@ impl SchemeParams {
             SchemeParams::LowConfidence(_) => "low-confidence",
             SchemeParams::Wino(_) => "wino",
             SchemeParams::PlanInfill(_) => "plan-infill",
+            SchemeParams::DiffusionGenerate(_) => "diffusion-generate",
         }
     }
 }
@@ -152,6 +155,81 @@ impl Default for WinoParams {
             threshold: 0.6,
             threshold_back: 0.9,
             surelock: None,
+        }
+    }
+}
+
+/// Which masks a step of Dream's sampler commits (upstream `alg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DreamAlg {
+    /// Each mask with probability `1 - s/t` (random even at temperature 0).
+    Origin,
+    /// The most probable predictions first (`p[x0]`).
+    MaskgitPlus,
+    /// The largest margins between the two most probable tokens first.
+    TopkMargin,
+    /// The lowest entropies first (the Dream README's choice, and the default here).
+    #[default]
+    Entropy,
+}
+
+impl DreamAlg {
+    /// The API name (upstream's).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DreamAlg::Origin => "origin",
+            DreamAlg::MaskgitPlus => "maskgit_plus",
+            DreamAlg::TopkMargin => "topk_margin",
+            DreamAlg::Entropy => "entropy",
+        }
+    }
+}
+
+impl std::str::FromStr for DreamAlg {
+    type Err = String;
+
+    /// `origin`, `maskgit_plus`, `topk_margin`, `entropy`, or empty (entropy).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "origin" => Ok(DreamAlg::Origin),
+            "maskgit_plus" => Ok(DreamAlg::MaskgitPlus),
+            "topk_margin" => Ok(DreamAlg::TopkMargin),
+            "" | "entropy" => Ok(DreamAlg::Entropy),
+            other => Err(format!(
+                "diffusion_generate.alg must be `origin`, `maskgit_plus`, `topk_margin` or \
+                 `entropy` (empty is entropy), got {other:?}"
+            )),
+        }
+    }
+}
+
+/// Dream's sampler (upstream `DreamGenerationMixin.diffusion_generate()`); the generation length
+/// is the request's `max_new_tokens`, the posterior's temperature, top-k and top-p are the
+/// request's sampling parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiffusionGenerateParams {
+    pub alg: DreamAlg,
+    /// Sampling steps; `None`: `max_new_tokens` (upstream's bare default is 512).
+    pub steps: Option<usize>,
+    /// The schedule's last timestep, in (0, 1).
+    pub eps: f32,
+    /// Confidence algorithms: draw the committed positions from `softmax(confidence /
+    /// alg_temp)` instead of taking the best; 0 takes the best.
+    pub alg_temp: f32,
+    /// Reproduce the defaults a bare upstream call really runs with under transformers 4.46
+    /// (`top_k` 50 where the request leaves it unset); off, an unset `top_k` is no filter, as
+    /// `DreamGenerationConfig` documents.
+    pub upstream_defaults: bool,
+}
+
+impl Default for DiffusionGenerateParams {
+    fn default() -> Self {
+        Self {
+            alg: DreamAlg::Entropy,
+            steps: None,
+            eps: 1e-3,
+            alg_temp: 0.0,
+            upstream_defaults: false,
         }
     }
 }

@@ -1,5 +1,5 @@
-//! The masked-diffusion family (LLaDA, Nie et al., 2025): every engine tick runs one step of
-//! every active program in a single packed forward.
+//! The masked-diffusion family (LLaDA, Nie et al., 2025; Dream, Ye et al., 2025): every engine
+//! tick runs one step of every active program in a single packed forward.
 //!
 //! Each program contributes its rows (its canvas, WINO's shadow block, minus SureLock's locked
 //! positions; twice with classifier-free guidance), each with its own mask rule and keys, so
@@ -10,8 +10,8 @@
 use candle_core::Tensor;
 use wavefront_engine::{Active, Family, FamilyError, FinishReason};
 use wavefront_models::transformer::{Keys, SeqInput};
-use wavefront_models::Llada;
 
+use super::network::MdNetwork;
 use super::program::{MdProgram, StepPlan};
 use crate::tick::{entries, head_rows, to_candle};
 
@@ -21,7 +21,7 @@ pub type Entry<'a> = crate::tick::Entry<'a, MdProgram>;
 /// Runs one step of every program in `batch` through `model` in one packed forward; returns the
 /// rows computed. A failure of the forward fails the tick; a program's own failure goes to its
 /// outbox.
-pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
+pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
     if batch.is_empty() {
         return Ok(0);
     }
@@ -75,15 +75,14 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
     }
     let logits = head_rows(&hidden, &select, |rows| model.logits(rows))?;
 
-    let cfg = model.config();
     let mut at = 0;
     for (e, p) in batch.iter_mut().zip(&plans) {
         let k = p.logit_rows.len();
         let copies: u64 = if p.uncond_ids.is_some() { 2 } else { 1 };
         let (rows, dense) = (p.index.len() as u64, p.dense_rows as u64);
         e.program.account(
-            copies * cfg.algorithmic_flops(rows, dense),
-            copies * cfg.algorithmic_flops(dense, dense),
+            copies * model.algorithmic_flops(rows, dense),
+            copies * model.algorithmic_flops(dense, dense),
         );
         let mine = match &logits {
             Some(l) if k > 0 => {
@@ -100,7 +99,7 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
                 }
             }
             _ => Tensor::zeros(
-                (0, cfg.embedding_rows()),
+                (0, model.head_rows()),
                 candle_core::DType::F32,
                 model.device(),
             )?,
@@ -113,13 +112,13 @@ pub fn tick(model: &Llada, batch: &mut [Entry<'_>]) -> candle_core::Result<usize
 }
 
 /// The family: owns the model on the engine thread.
-pub struct MaskedDiffusionFamily {
-    model: Llada,
+pub struct MaskedDiffusionFamily<M> {
+    model: M,
     last_rows: Option<usize>,
 }
 
-impl MaskedDiffusionFamily {
-    pub fn new(model: Llada) -> Self {
+impl<M: MdNetwork> MaskedDiffusionFamily<M> {
+    pub fn new(model: M) -> Self {
         Self {
             model,
             last_rows: None,
@@ -127,7 +126,7 @@ impl MaskedDiffusionFamily {
     }
 }
 
-impl Family for MaskedDiffusionFamily {
+impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     type Program = MdProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), FamilyError> {

@@ -1,8 +1,10 @@
-//! # Masked diffusion (LLaDA)
+//! # Masked diffusion (LLaDA, Dream)
 //!
 //! Nie et al. 2025, "Large Language Diffusion Models": a bidirectional transformer predicts
 //! every masked position of a canvas at once; a sampler decides which predictions to commit.
-//! Schemes served here:
+//! Two networks are served ([`network`]): LLaDA, and Dream (Ye et al., 2025, "Dream 7B"), a
+//! Qwen2.5 run bidirectionally whose prediction for a position is read from the output row
+//! before it. Schemes served here:
 //! - `low-confidence`: LLaDA's sampler (upstream `generate()`): semi-autoregressive blocks, a
 //!   fixed number of commits per step, the most confident (or random) masked positions first,
 //!   optional temperature and classifier-free guidance ([`low_confidence`]);
@@ -10,6 +12,16 @@
 //!   Effective DLLMs" (upstream `decoding_wino()`): draft above `threshold`, verify decoded
 //!   tokens through a shadow block in the same forward, revoke below `threshold_back`
 //!   ([`wino`]).
+//! - `diffusion-generate`: Dream's sampler (upstream `diffusion_generate()`): one block, a
+//!   float32 linear timestep schedule, the `origin`, `maskgit_plus`, `topk_margin` or `entropy`
+//!   rule over top-k / top-p filtered posteriors ([`diffusion_generate`]).
+//!
+//! Which scheme serves which network: LLaDA takes `low-confidence` and `wino`; Dream takes
+//! `diffusion-generate` (its default) and `low-confidence` (LLaDA's block schedule and
+//! confidence rule over Dream's shifted predictions, classifier-free guidance included). WINO
+//! and SureLock are refused for Dream: WINO verifies a token through a shadow copy of its own
+//! position, and SureLock stops computing a locked position's row, while Dream reads each
+//! prediction from the row before it, so neither rule carries over as its paper states it.
 //!
 //! Both take **SureLock** ("Stopping Computation for Converged Tokens in Masked Diffusion-LM
 //! Decoding"): `surelock_eps` locks positions whose posterior stopped moving; a locked position
@@ -51,14 +63,18 @@
 //! other families.
 
 pub mod family;
+pub mod network;
 pub mod program;
 
 mod canvas;
+mod diffusion_generate;
 mod low_confidence;
 mod posterior;
 mod surelock;
 mod wino;
 
+#[cfg(test)]
+mod dream_tests;
 #[cfg(test)]
 mod golden_tests;
 #[cfg(test)]
@@ -70,18 +86,21 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::{Llada, LladaConfig, ModelFiles, TextTokenizer};
+use wavefront_models::{Dream, DreamConfig, Llada, LladaConfig, ModelFiles, TextTokenizer};
 
 use self::canvas::Canvas;
+use self::diffusion_generate::DiffusionGenerate;
 pub use self::family::{tick, Entry, MaskedDiffusionFamily};
 use self::low_confidence::LowConfidence;
+pub use self::network::{MdNetwork, Shape};
 use self::program::Decoder;
 pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
 use crate::kv_slot::KvSlot;
 use crate::request::{
-    bad, GenerateSpec, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
+    bad, DiffusionGenerateParams, DreamAlg, GenerateSpec, LowConfidenceParams, SchemeParams,
+    SureLockParams, WinoParams,
 };
 use crate::served::{
     checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
@@ -89,26 +108,40 @@ use crate::served::{
 };
 use crate::SchemeError;
 
-/// Validates requests against a LLaDA config and builds programs.
-pub struct LladaPlanner {
-    cfg: LladaConfig,
+/// Validates requests against a masked-diffusion network's config and builds programs.
+pub struct MdPlanner {
+    cfg: Shape,
     info: ModelInfo,
     /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
     kv: KvSlot,
 }
 
-impl LladaPlanner {
-    /// A planner for `cfg` served under `name` with weights (and caches) in `dtype`.
+impl MdPlanner {
+    /// A planner for the LLaDA `cfg` served under `name` with weights (and caches) in `dtype`.
     pub fn new(cfg: LladaConfig, name: String, dtype: DType) -> Self {
+        Self::for_shape(Shape::llada(&cfg), name, dtype)
+    }
+
+    /// A planner for the Dream `cfg`.
+    pub fn dream(cfg: &DreamConfig, name: String, dtype: DType) -> Self {
+        Self::for_shape(Shape::dream(cfg), name, dtype)
+    }
+
+    fn for_shape(cfg: Shape, name: String, dtype: DType) -> Self {
+        let schemes = if cfg.shifted {
+            vec!["diffusion-generate", "low-confidence"]
+        } else {
+            vec!["low-confidence", "wino"]
+        };
         let info = ModelInfo {
             name,
             family: "masked_diffusion",
-            schemes: vec!["low-confidence", "wino"],
+            schemes,
             vocab_size: cfg.vocab_size,
-            max_context: cfg.max_sequence_length,
+            max_context: cfg.max_context,
         };
         Self {
-            kv: KvSlot::new(&cfg.block_config(), dtype),
+            kv: KvSlot::new(&cfg.block, dtype),
             cfg,
             info,
         }
@@ -130,7 +163,7 @@ impl LladaPlanner {
     pub fn slots(&self, rows: usize, copies: usize, surelock: bool) -> usize {
         let mut slots = rows * copies;
         if surelock {
-            let posterior = (4 * self.cfg.embedding_rows()).div_ceil(self.slot_bytes());
+            let posterior = (4 * self.cfg.head_rows).div_ceil(self.slot_bytes());
             slots += rows * self.cfg.n_layers + rows * posterior;
         }
         slots
@@ -206,6 +239,50 @@ impl LladaPlanner {
         self.build(spec, block_length, decoder, surelock, 0.0, block_length, 1)
     }
 
+    fn prepare_diffusion_generate(
+        &self,
+        spec: GenerateSpec,
+        p: &DiffusionGenerateParams,
+    ) -> Result<Prepared<MdProgram>, RequestError> {
+        let gen = spec.max_new_tokens;
+        let steps = p.steps.unwrap_or(gen);
+        if steps == 0 {
+            return bad("diffusion_generate.steps must be at least 1".into());
+        }
+        if !p.eps.is_finite() || p.eps <= 0.0 || p.eps >= 1.0 {
+            return bad(format!(
+                "diffusion_generate.eps must be in (0, 1) (the schedule's last timestep), got {}",
+                p.eps
+            ));
+        }
+        if !p.alg_temp.is_finite() || p.alg_temp < 0.0 {
+            return bad(format!(
+                "diffusion_generate.alg_temp must be finite and >= 0 (0 commits the most \
+                 confident), got {}",
+                p.alg_temp
+            ));
+        }
+        if p.alg == DreamAlg::Origin && p.alg_temp > 0.0 {
+            return bad(
+                "diffusion_generate.alg_temp applies to the confidence algorithms \
+                 (maskgit_plus, topk_margin, entropy), not to alg `origin`"
+                    .into(),
+            );
+        }
+        let s = &spec.sampling;
+        let top_k = match (s.top_k, p.upstream_defaults) {
+            (0, true) => Some(50),
+            (0, false) => None,
+            (k, _) => Some(k),
+        };
+        let top_p = (s.top_p > 0.0 && s.top_p < 1.0).then_some(s.top_p);
+        let replay = spec.replay_draws.clone();
+        let decoder = Decoder::DiffusionGenerate(DiffusionGenerate::new(
+            p.alg, steps, p.eps, p.alg_temp, top_k, top_p, replay,
+        ));
+        self.build(spec, gen, decoder, None, 0.0, 0, 1)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn build(
         &self,
@@ -219,7 +296,7 @@ impl LladaPlanner {
     ) -> Result<Prepared<MdProgram>, RequestError> {
         let prompt_tokens = spec.prompt_ids.len();
         let mut stop = spec.stop_token_ids;
-        stop.extend(self.cfg.eos_token_id);
+        stop.extend(&self.cfg.eos_token_ids);
         let canvas = Canvas::new(
             &spec.prompt_ids,
             spec.max_new_tokens,
@@ -239,6 +316,9 @@ impl LladaPlanner {
             spec.sampling.seed,
         );
         program.stream_canvas = spec.stream_canvas;
+        if self.cfg.shifted {
+            program = program.with_shifted_head();
+        }
         Ok(Prepared {
             program,
             slots,
@@ -295,7 +375,7 @@ fn decimal(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
-impl Planner for LladaPlanner {
+impl Planner for MdPlanner {
     type Program = MdProgram;
 
     fn info(&self) -> &ModelInfo {
@@ -303,28 +383,46 @@ impl Planner for LladaPlanner {
     }
 
     fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
-        spec.validate_common(self.cfg.vocab_size, self.cfg.max_sequence_length)?;
+        spec.validate_common(self.cfg.vocab_size, self.cfg.max_context)?;
         let s = &spec.sampling;
-        if s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
-            return bad(
-                "masked-diffusion samplers take sampling.temperature only; top_k and top_p \
-                 must be unset (upstream generate() and decoding_wino() have neither)"
-                    .into(),
-            );
+        let filtered = s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0);
+        if filtered && !matches!(spec.scheme, SchemeParams::DiffusionGenerate(_)) {
+            return bad(format!(
+                "scheme `{}` takes sampling.temperature only; top_k and top_p must be unset \
+                 (upstream generate() and decoding_wino() have neither)",
+                spec.scheme.name()
+            ));
         }
+        let served = self.info.schemes.join("`, `");
+        let kind = self.cfg.kind;
         match spec.scheme.clone() {
-            SchemeParams::LowConfidence(p) => self.prepare_low_confidence(spec, &p),
-            SchemeParams::Wino(p) => self.prepare_wino(spec, &p),
+            SchemeParams::LowConfidence(p) => {
+                if self.cfg.shifted && p.surelock.is_some() {
+                    return bad(format!(
+                        "low_confidence.surelock_eps is not served for {kind} models: SureLock \
+                         stops computing a locked position's row, and {kind} reads the next \
+                         position's prediction from it"
+                    ));
+                }
+                self.prepare_low_confidence(spec, &p)
+            }
+            SchemeParams::Wino(p) if !self.cfg.shifted => self.prepare_wino(spec, &p),
+            SchemeParams::DiffusionGenerate(p) if self.cfg.shifted => {
+                self.prepare_diffusion_generate(spec, &p)
+            }
             other => bad(format!(
-                "scheme `{}` is not served by masked-diffusion models; use `low-confidence` or `wino`",
+                "scheme `{}` is not served by masked-diffusion models ({kind}); use `{served}`",
                 other.name()
             )),
         }
     }
 }
 
-/// Loads a LLaDA checkpoint and starts its engine.
+/// Loads a LLaDA or Dream checkpoint (by its config's `model_type`) and starts its engine.
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    if is_dream(files.config_json()) {
+        return serve_dream(files, opts);
+    }
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let load = checkpoint_loader(files, cfg.clone(), &opts, Llada::load_parallel);
@@ -343,10 +441,43 @@ where
     L: FnOnce(&Device, DType) -> Result<Llada, String> + Send + 'static,
 {
     let planner = Arc::new(
-        LladaPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)
+        MdPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada::config, MaskedDiffusionFamily::new);
+    start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
+}
+
+/// Whether a masked-diffusion `config.json` is Dream's (`model_type` or `architectures`).
+fn is_dream(config_json: &str) -> bool {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(config_json) else {
+        return false;
+    };
+    let names = v.get("model_type").into_iter().chain(
+        v.get("architectures")
+            .and_then(|a| a.as_array())
+            .into_iter()
+            .flatten(),
+    );
+    names
+        .filter_map(|n| n.as_str())
+        .any(|n| n.to_ascii_lowercase().contains("dream"))
+}
+
+/// Loads a Dream checkpoint and starts its engine.
+pub fn serve_dream(
+    files: ModelFiles,
+    opts: LoadOptions,
+) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let cfg = DreamConfig::from_json(files.config_json())?;
+    let tokenizer = optional_tokenizer(&files);
+    let load = checkpoint_loader(files, cfg.clone(), &opts, Dream::load_parallel);
+    let planner = Arc::new(
+        MdPlanner::dream(&cfg, opts.name.clone(), opts.dtype)
+            .with_tensor_parallel(opts.tensor_parallel),
+    );
+    let bytes_per_slot = planner.slot_bytes();
+    let make = checked_family(cfg, &opts, load, Dream::config, MaskedDiffusionFamily::new);
     start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }

@@ -18,6 +18,7 @@ use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::MaskRule;
 
 use super::canvas::Canvas;
+use super::diffusion_generate::{self, DiffusionGenerate};
 use super::low_confidence::{self, LowConfidence};
 use super::posterior::log_probs;
 use super::surelock::SureLock;
@@ -28,6 +29,8 @@ use super::wino::{self, Wino};
 pub(crate) enum Decoder {
     LowConfidence(LowConfidence),
     Wino(Wino),
+    /// Dream's `diffusion_generate`.
+    DiffusionGenerate(DiffusionGenerate),
 }
 
 /// What one step computes, as planned before the forward.
@@ -72,6 +75,9 @@ pub struct StepRecord {
     /// WINO: the step's draft cap and `last_accept`.
     pub max_accept: usize,
     pub last_accept: usize,
+    /// `diffusion-generate` (confidence algorithms): every candidate's confidence, in position
+    /// order.
+    pub confidence: Vec<(usize, f32)>,
 }
 
 /// One request's decoding state.
@@ -89,6 +95,8 @@ pub struct MdProgram {
     pub(crate) record: Option<Vec<StepRecord>>,
     /// Send a snapshot of the generated region after every step.
     pub(crate) stream_canvas: bool,
+    /// Position `j`'s prediction is read from the output row of `j - 1` (Dream).
+    pub(crate) shifted: bool,
 }
 
 impl MdProgram {
@@ -112,17 +120,39 @@ impl MdProgram {
             flops: (0, 0),
             record: None,
             stream_canvas: false,
+            shifted: false,
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
             Decoder::Wino(w) => w.start_block(&p.canvas),
+            Decoder::DiffusionGenerate(_) => {}
         }
+        p.skip_empty_steps();
         p
+    }
+
+    /// Reads every position's prediction from the output row before it (Dream's head).
+    pub(crate) fn with_shifted_head(mut self) -> Self {
+        self.shifted = true;
+        self
     }
 
     /// Keeps a [`StepRecord`] per step.
     pub fn record_steps(&mut self) {
         self.record = Some(Vec::new());
+        self.skip_empty_steps();
+    }
+
+    /// `diffusion-generate`: passes over the steps that would commit nothing, each an empty
+    /// entry of the step record.
+    fn skip_empty_steps(&mut self) {
+        if let Decoder::DiffusionGenerate(dg) = &mut self.decoder {
+            dg.skip_empty(self.canvas.candidates().len());
+            if let Some(r) = &mut self.record {
+                r.extend((0..dg.unrecorded).map(|_| StepRecord::default()));
+                dg.unrecorded = 0;
+            }
+        }
     }
 
     /// The recorded steps.
@@ -156,7 +186,9 @@ impl MdProgram {
         let l = c.len();
         let start = c.block_start();
         let (shadow, mask) = match &self.decoder {
-            Decoder::LowConfidence(_) => (0, MaskRule::Bidirectional),
+            Decoder::LowConfidence(_) | Decoder::DiffusionGenerate(_) => {
+                (0, MaskRule::Bidirectional)
+            }
             Decoder::Wino(_) => (
                 c.block_length,
                 MaskRule::ShadowBlock {
@@ -202,7 +234,16 @@ impl MdProgram {
         }
         need.sort_unstable();
         need.dedup();
-        let logit_rows = need.iter().map(|&b| row_of[b]).collect();
+        // Dream reads position j's prediction from row j - 1 (SureLock, which leaves rows out,
+        // is not offered with a shifted head, so that row is computed).
+        let source = |b: usize| {
+            if self.shifted {
+                wavefront_models::Dream::prediction_row(b)
+            } else {
+                b
+            }
+        };
+        let logit_rows = need.iter().map(|&b| row_of[source(b)]).collect();
         let uncond_ids = (self.cfg_scale > 0.0).then(|| c.unconditional(&index));
         StepPlan {
             ids,
@@ -278,6 +319,21 @@ impl MdProgram {
                 self.stats.add_counter("revoked", r.revoked.len() as u64);
                 r
             }
+            Decoder::DiffusionGenerate(dg) => {
+                let mut r = diffusion_generate::step(
+                    dg,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    self.temperature,
+                    &inputs,
+                )?;
+                self.stats
+                    .push_series("committed_per_step", r.committed.len() as u32);
+                if self.record.is_none() {
+                    r.confidence = Vec::new();
+                }
+                r
+            }
         };
         if let Some(sl) = &mut self.surelock {
             let l = self.canvas.len();
@@ -306,6 +362,7 @@ impl MdProgram {
         if let Some(r) = &mut self.record {
             r.push(record);
         }
+        self.skip_empty_steps();
         if self.stream_canvas {
             outbox.canvas(self.snapshot());
         }
@@ -317,7 +374,7 @@ impl MdProgram {
     pub(crate) fn snapshot(&self) -> CanvasFrame {
         let c = &self.canvas;
         let revocable_from = match self.decoder {
-            Decoder::LowConfidence(_) => usize::MAX,
+            Decoder::LowConfidence(_) | Decoder::DiffusionGenerate(_) => usize::MAX,
             Decoder::Wino(_) => c.block_start(),
         };
         let gen = c.prompt_len..c.len();
@@ -377,6 +434,22 @@ impl MdProgram {
                         lc.start_block(self.canvas.masks_in_block());
                     }
                 }
+            }
+            Decoder::DiffusionGenerate(dg) => {
+                // Commits are final: the committed prefix streams, and the response ends at its
+                // first stop token, whatever the later positions become.
+                let (fresh, reason) = self.canvas.stream(self.canvas.committed_prefix_end());
+                outbox.tokens(fresh);
+                if let Some(reason) = reason {
+                    self.finish(reason, outbox);
+                } else if dg.done() {
+                    // The last step commits every mask; a prompt mask left by an origin draw
+                    // cannot be, so whatever stands is the answer.
+                    let (fresh, reason) = self.canvas.stream(self.canvas.len());
+                    outbox.tokens(fresh);
+                    self.finish(reason.unwrap_or(FinishReason::Length), outbox);
+                }
+                Ok(())
             }
             Decoder::Wino(w) => {
                 if !self.canvas.candidates().is_empty() {

@@ -11,7 +11,7 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
-use super::{tick, LladaPlanner, MdProgram};
+use super::{tick, MdPlanner, MdProgram};
 use crate::request::{GenerateSpec, LowConfidenceParams, SureLockParams, WinoParams};
 use crate::served::Planner;
 use crate::test_support::tick_until_done;
@@ -24,11 +24,11 @@ pub fn fixture_files() -> Result<ModelFiles> {
     Ok(ModelFiles::from_dir(fixture_dir())?)
 }
 
-pub fn fixture() -> Result<(Llada, LladaPlanner)> {
+pub fn fixture() -> Result<(Llada, MdPlanner)> {
     let files = fixture_files()?;
     let cfg = LladaConfig::from_json(files.config_json())?;
     let model = Llada::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
-    Ok((model, LladaPlanner::new(cfg, "fixture".into(), DType::F32)))
+    Ok((model, MdPlanner::new(cfg, "fixture".into(), DType::F32)))
 }
 
 /// `golden.json` and `golden.safetensors`.
@@ -89,7 +89,7 @@ pub fn surelock(eps: f32, percentile: Option<f32>) -> Option<SureLockParams> {
     Some(SureLockParams { eps, percentile })
 }
 
-pub fn program(planner: &LladaPlanner, spec: GenerateSpec) -> Result<MdProgram> {
+pub fn program(planner: &MdPlanner, spec: GenerateSpec) -> Result<MdProgram> {
     let mut p = planner.prepare(spec)?.program;
     p.record_steps();
     Ok(p)
@@ -97,7 +97,7 @@ pub fn program(planner: &LladaPlanner, spec: GenerateSpec) -> Result<MdProgram> 
 
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
-pub fn run(model: &Llada, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
+pub fn run<M: super::MdNetwork>(model: &M, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
     tick_until_done(programs, |batch| tick(model, batch).map(drop))
 }
 
