@@ -27,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "LowConfidenceScheme",
         "WinoScheme",
         "PlanInfillScheme",
+        "DiffusionGenerateScheme",
     ] {
         config = config.type_attribute(
             format!(".wavefront.v1.{scheme}"),

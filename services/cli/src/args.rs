@@ -23,6 +23,10 @@ pub enum SchemeName {
     /// Slot diffusion (ReFusion): plan-and-infill (`--slot-size`, `--serial-num-blocks`,
     /// `--slot-threshold`, `--token-threshold`, `--temperature`).
     PlanInfill,
+    /// Masked diffusion (Dream): its sampler `diffusion_generate` (`--alg`, `--steps`,
+    /// `--eps`, `--alg-temp`, `--upstream-defaults`, with `--temperature`, `--top-k`,
+    /// `--top-p`).
+    DiffusionGenerate,
 }
 
 /// `ar.execution` of a recurrent-memory (ARMT) request.
@@ -143,7 +147,8 @@ pub struct GenerationArgs {
     /// low-confidence, wino: block length; must divide --max-new-tokens (default: one block).
     #[arg(long)]
     pub block_length: Option<u32>,
-    /// low-confidence: sampling steps in all, split across blocks (default: --max-new-tokens).
+    /// low-confidence: sampling steps in all, split across blocks; diffusion-generate: sampling
+    /// steps (default: --max-new-tokens).
     #[arg(long)]
     pub steps: Option<u32>,
     /// low-confidence: `low_confidence` (default) or `random`.
@@ -178,6 +183,22 @@ pub struct GenerationArgs {
     /// plan-infill: accept drafted tokens whose AR probability exceeds this (default 0.9).
     #[arg(long)]
     pub token_threshold: Option<f32>,
+
+    // ---- diffusion-generate (Dream) ----
+    /// diffusion-generate: `origin`, `maskgit_plus`, `topk_margin` or `entropy` (default).
+    #[arg(long)]
+    pub alg: Option<String>,
+    /// diffusion-generate: the schedule's last timestep, in (0, 1) (default 0.001).
+    #[arg(long)]
+    pub eps: Option<f32>,
+    /// diffusion-generate: draw committed positions from softmax(confidence / alg_temp);
+    /// 0 (default) commits the most confident.
+    #[arg(long)]
+    pub alg_temp: Option<f32>,
+    /// diffusion-generate: an unset --top-k means 50, as a bare upstream call under
+    /// transformers 4.46 really runs.
+    #[arg(long)]
+    pub upstream_defaults: bool,
 }
 
 impl GenerationArgs {
@@ -240,7 +261,18 @@ impl GenerationArgs {
             ("--slot-threshold", self.slot_threshold.is_some()),
             ("--token-threshold", self.token_threshold.is_some()),
         ];
+        let dream = [
+            ("--alg", self.alg.is_some()),
+            ("--eps", self.eps.is_some()),
+            ("--alg-temp", self.alg_temp.is_some()),
+            ("--upstream-defaults", self.upstream_defaults),
+        ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
+        if self.scheme != SchemeName::DiffusionGenerate {
+            if let Some(flag) = set(&dream) {
+                bail!("{flag} belongs to --scheme diffusion-generate");
+            }
+        }
         if self.execution.is_some() && self.scheme != SchemeName::Ar {
             bail!("--execution belongs to --scheme ar (recurrent-memory models)");
         }
@@ -250,6 +282,12 @@ impl GenerationArgs {
             }
         }
         match self.scheme {
+            SchemeName::DiffusionGenerate => {
+                let not_steps = [&masked_diffusion[..1], &masked_diffusion[2..]].concat();
+                if let Some(flag) = set(&not_steps).or(set(&recurrent_depth)).or(set(&df_only)) {
+                    bail!("{flag} does not apply to --scheme diffusion-generate");
+                }
+            }
             SchemeName::PlanInfill => {
                 if let Some(flag) = set(&masked_diffusion)
                     .or(set(&recurrent_depth))
@@ -278,6 +316,15 @@ impl GenerationArgs {
             }
         }
         let scheme = match self.scheme {
+            SchemeName::DiffusionGenerate => {
+                pb::generate_request::Scheme::DiffusionGenerate(pb::DiffusionGenerateScheme {
+                    alg: self.alg.clone().unwrap_or_default(),
+                    steps: self.steps,
+                    eps: self.eps,
+                    alg_temp: self.alg_temp,
+                    upstream_defaults: self.upstream_defaults,
+                })
+            }
             SchemeName::PlanInfill => {
                 pb::generate_request::Scheme::PlanInfill(pb::PlanInfillScheme {
                     slot_size: self.slot_size,
@@ -459,6 +506,56 @@ mod masked_diffusion_flag_tests {
             );
         }
         assert!(request(&["--execution", "pipelined"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn diffusion_generate_flags_build_their_scheme() -> Result<()> {
+        let r = request(&[
+            "--scheme",
+            "diffusion-generate",
+            "--alg",
+            "maskgit_plus",
+            "--steps",
+            "16",
+            "--eps",
+            "0.01",
+            "--alg-temp",
+            "0.5",
+            "--upstream-defaults",
+            "--top-p",
+            "0.9",
+        ])?;
+        assert_eq!(
+            r.scheme,
+            Some(pb::generate_request::Scheme::DiffusionGenerate(
+                pb::DiffusionGenerateScheme {
+                    alg: "maskgit_plus".into(),
+                    steps: Some(16),
+                    eps: Some(0.01),
+                    alg_temp: Some(0.5),
+                    upstream_defaults: true,
+                }
+            ))
+        );
+        assert_eq!(r.sampling.map(|s| s.top_p), Some(0.9));
+        for (flags, want) in [
+            (
+                &["--scheme", "low-confidence", "--alg", "origin"][..],
+                "--alg",
+            ),
+            (
+                &["--scheme", "diffusion-generate", "--block-length", "8"][..],
+                "--block-length",
+            ),
+            (
+                &["--scheme", "diffusion-generate", "--num-steps", "8"][..],
+                "--num-steps",
+            ),
+        ] {
+            let err = request(flags).unwrap_err().to_string();
+            assert!(err.contains(want), "{flags:?}: {err}");
+        }
         Ok(())
     }
 

@@ -22,7 +22,10 @@ fn fixture_dir() -> PathBuf {
 fn model() -> Result<Dream> {
     let files = ModelFiles::from_dir(fixture_dir())?;
     let cfg = DreamConfig::from_json(files.config_json())?;
-    Ok(Dream::load(files.var_builder(DType::F32, &test_device())?, cfg)?)
+    Ok(Dream::load(
+        files.var_builder(DType::F32, &test_device())?,
+        cfg,
+    )?)
 }
 
 struct Golden {
@@ -80,7 +83,12 @@ fn forward_matches_upstream() -> Result<()> {
             assert_close(&format!("hidden_states.{i}"), s, &want, ATOL)?;
         }
         let logits = model.logits(&states[2])?;
-        assert_close("logits", &logits, &golden.tensor("forward.logits")?.i(0)?, ATOL)?;
+        assert_close(
+            "logits",
+            &logits,
+            &golden.tensor("forward.logits")?.i(0)?,
+            ATOL,
+        )?;
         let want_shifted = golden.tensor("forward.logits_shifted")?.i(0)?;
         assert_close("logits_shifted", &shifted(&logits)?, &want_shifted, ATOL)?;
         let argmax: Vec<u32> = logits.argmax(1)?.to_vec1()?;
@@ -109,10 +117,7 @@ fn sampler_logits_match_upstream_at_the_first_and_last_step() -> Result<()> {
     let prompt_len = 50;
     let mut first = output[..prompt_len].to_vec();
     first.resize(output.len(), 479);
-    let last: Vec<u32> = history
-        .i((steps - 2, 0))?
-        .to_dtype(DType::U32)?
-        .to_vec1()?;
+    let last: Vec<u32> = history.i((steps - 2, 0))?.to_dtype(DType::U32)?.to_vec1()?;
     for (canvas, step) in [(first, 0), (last, steps - 1)] {
         let n = canvas.len();
         let logits = model.logits(&model.forward(&canvas, &mut [SeqInput::dense(n)])?)?;
@@ -136,7 +141,12 @@ fn packed_sequences_match_their_own_forwards() -> Result<()> {
         let mut seqs = [SeqInput::dense(b.len()), SeqInput::dense(a.len())];
         let packed = model.logits(&model.forward(&ids, &mut seqs)?)?;
         assert_close("b packed", &packed.narrow(0, 0, b.len())?, &alone_b, 1e-5)?;
-        assert_close("a packed", &packed.narrow(0, b.len(), a.len())?, &alone_a, 1e-5)?;
+        assert_close(
+            "a packed",
+            &packed.narrow(0, b.len(), a.len())?,
+            &alone_a,
+            1e-5,
+        )?;
         Ok(())
     })
 }

@@ -298,6 +298,7 @@ struct Common {
     diffusion_forcing: Option<pb::DiffusionForcingScheme>,
     low_confidence: Option<pb::LowConfidenceScheme>,
     wino: Option<pb::WinoScheme>,
+    diffusion_generate: Option<pb::DiffusionGenerateScheme>,
     plan_infill: Option<pb::PlanInfillScheme>,
 }
 
@@ -400,6 +401,7 @@ impl Common {
             self.low_confidence.map(Scheme::LowConfidence),
             self.wino.map(Scheme::Wino),
             self.plan_infill.map(Scheme::PlanInfill),
+            self.diffusion_generate.map(Scheme::DiffusionGenerate),
         ]
         .into_iter()
         .flatten()
@@ -408,7 +410,7 @@ impl Common {
             return Err(ApiError::invalid(
                 "scheme",
                 "set at most one scheme object (ar, diffusion_forcing, low_confidence, wino, \
-                 plan_infill)",
+                 plan_infill, diffusion_generate)",
             ));
         }
         Ok(pb::GenerateRequest {

@@ -8,9 +8,9 @@ use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
-    ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, LowConfidenceParams,
-    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, ServedModel,
-    SureLockParams, WinoParams,
+    ArParams, DiffusionForcingParams, DiffusionGenerateParams, FreezeTest, GenerateSpec,
+    LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
+    ServedModel, SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -132,6 +132,16 @@ pub fn spec_from_proto(
                 ..def
             })
         }
+        Some(pb::generate_request::Scheme::DiffusionGenerate(d)) => {
+            let def = DiffusionGenerateParams::default();
+            SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
+                alg: d.alg.parse().map_err(Status::invalid_argument)?,
+                steps: d.steps.map(|n| n as usize),
+                eps: d.eps.unwrap_or(def.eps),
+                alg_temp: d.alg_temp.unwrap_or(def.alg_temp),
+                upstream_defaults: d.upstream_defaults,
+            })
+        }
     };
     Ok(GenerateSpec {
         prompt_ids,
@@ -166,13 +176,16 @@ pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
     }
 }
 
-/// The scheme of a request that names none: `plan-infill` for a model that lists it first
-/// (slot diffusion), else `ar` where the model serves it, otherwise the model's first scheme
-/// with its defaults.
+/// The scheme of a request that names none: `plan-infill` or `diffusion-generate` for a model
+/// that lists it first (slot diffusion, Dream), else `ar` where the model serves it, otherwise
+/// the model's first scheme with its defaults.
 fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     let schemes = &model.info().schemes;
     if schemes.first() == Some(&"plan-infill") {
         return SchemeParams::PlanInfill(PlanInfillParams::default());
+    }
+    if schemes.first() == Some(&"diffusion-generate") {
+        return SchemeParams::DiffusionGenerate(DiffusionGenerateParams::default());
     }
     if !schemes.contains(&"ar") && schemes.first() == Some(&"low-confidence") {
         SchemeParams::LowConfidence(LowConfidenceParams::default())
@@ -464,6 +477,58 @@ mod slot_diffusion_tests {
             spec.scheme,
             SchemeParams::PlanInfill(PlanInfillParams::default())
         );
+        model.shutdown();
+    }
+
+    #[test]
+    fn diffusion_generate_converts_with_upstream_names_and_defaults() {
+        use wavefront_schemes::{DiffusionGenerateParams, DreamAlg};
+        let dir = wavefront_models::device::test_fixture("dream");
+        let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
+        let model = load_model(files, LoadOptions::default()).expect("loads");
+        assert_eq!(
+            model.info().schemes,
+            vec!["diffusion-generate", "low-confidence"]
+        );
+        let d = pb::DiffusionGenerateScheme {
+            alg: "topk_margin".into(),
+            steps: Some(8),
+            eps: None,
+            alg_temp: Some(0.25),
+            upstream_defaults: true,
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::DiffusionGenerate(d))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
+                alg: DreamAlg::TopkMargin,
+                steps: Some(8),
+                eps: 1e-3,
+                alg_temp: 0.25,
+                upstream_defaults: true,
+            })
+        );
+        // No scheme: Dream's default is its own sampler, with the entropy rule.
+        let spec = spec_from_proto(&request(None), model.as_ref()).expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::DiffusionGenerate(DiffusionGenerateParams::default())
+        );
+        let bad = pb::DiffusionGenerateScheme {
+            alg: "greedy".into(),
+            ..Default::default()
+        };
+        let err = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::DiffusionGenerate(bad))),
+            model.as_ref(),
+        )
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("diffusion_generate.alg"), "{err}");
         model.shutdown();
     }
 }

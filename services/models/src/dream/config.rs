@@ -226,14 +226,19 @@ mod tests {
         for (key, value) in [
             ("use_sliding_window", serde_json::json!(true)),
             ("use_mrope", serde_json::json!(true)),
-            ("rope_scaling", serde_json::json!({"type": "yarn", "factor": 4.0})),
+            (
+                "rope_scaling",
+                serde_json::json!({"type": "yarn", "factor": 4.0}),
+            ),
             ("hidden_act", serde_json::json!("gelu")),
             ("mask_token_id", serde_json::json!(4096)),
             ("num_attention_heads", serde_json::json!(5)),
         ] {
             let mut cfg = base.clone();
             cfg[key] = value;
-            let err = DreamConfig::from_json(&cfg.to_string()).unwrap_err().to_string();
+            let err = DreamConfig::from_json(&cfg.to_string())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(key), "{key}: {err}");
         }
     }

@@ -384,3 +384,106 @@ fn low_confidence_reads_the_shifted_head() -> Result<()> {
         .all(|&t| t != fx.planner.cfg.mask_token_id));
     Ok(())
 }
+
+/// Dream behind the real engine thread: requests of every algorithm and of LLaDA's
+/// low-confidence rule, with different prompt and generation lengths, sampling, filters and
+/// stop tokens, joining a running batch at different ticks, each identical to its run alone;
+/// responses end at the first end-of-sequence or stop token; canvas frames; a chat prompt
+/// through the fixture's template; every slot returned.
+#[test]
+fn served_requests_joining_a_running_batch_match_their_runs_alone() -> Result<()> {
+    use crate::test_support::{
+        assert_ends_at_first_stop, assert_joining_requests_match_alone, serve, submit,
+        wait_for_free_slots,
+    };
+    use crate::DreamAlg;
+    let dir = wavefront_models::device::test_fixture("dream");
+    let served = serve(ModelFiles::from_dir(&dir)?, "dream", 8)?;
+    assert_eq!(
+        served.info().schemes,
+        ["diffusion-generate", "low-confidence"]
+    );
+    let dg = |alg, steps| {
+        SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
+            alg,
+            steps: Some(steps),
+            ..Default::default()
+        })
+    };
+    let p = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| (i * 37 + salt * 101 + 11) % 450)
+            .collect()
+    };
+    let mut specs = vec![
+        spec(p(5, 0), 16, 1, dg(DreamAlg::Entropy, 8)),
+        spec(p(12, 1), 24, 2, dg(DreamAlg::MaskgitPlus, 24)),
+        spec(p(3, 2), 8, 3, dg(DreamAlg::TopkMargin, 4)),
+        spec(p(9, 3), 12, 4, dg(DreamAlg::Origin, 6)),
+        spec(
+            p(6, 4),
+            16,
+            5,
+            SchemeParams::LowConfidence(LowConfidenceParams {
+                block_length: Some(8),
+                steps: Some(8),
+                ..LowConfidenceParams::default()
+            }),
+        ),
+        spec(
+            p(4, 5),
+            12,
+            6,
+            SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
+                alg_temp: 0.3,
+                ..Default::default()
+            }),
+        ),
+    ];
+    specs[1].sampling.top_k = 5;
+    specs[2].sampling.top_p = 0.9;
+    specs[3].sampling.temperature = 0.7;
+    specs[5].sampling.temperature = 0.5;
+    specs[0].stop_token_ids = vec![399];
+    specs[0].stream_canvas = true;
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
+    for (s, o) in specs.iter().zip(&alone) {
+        ensure!(o.tokens.iter().all(|&t| t != 479), "a mask was streamed");
+        assert_ends_at_first_stop(s, o, 456)?;
+    }
+    ensure!(!alone[0].frames.is_empty(), "canvas frames were asked for");
+    let last = alone[0].frames.last().context("a frame")?;
+    ensure!(last.tokens[..alone[0].tokens.len()] == alone[0].tokens[..]);
+
+    // The golden chat through the served template gives upstream's answer, cut at its EOS.
+    let golden = fx_json()?;
+    let run = golden["runs"]
+        .as_array()
+        .context("runs")?
+        .iter()
+        .find(|r| r["name"] == "entropy.chat.n32.s16")
+        .context("run")?;
+    let messages = [wavefront_models::ChatMessage::new(
+        "user",
+        "What is free software?",
+    )];
+    let prompt = served.encode_chat(&messages).map_err(anyhow::Error::msg)?;
+    ensure!(prompt == ids(&run["input_ids"][0]));
+    let mut chat = spec(prompt.clone(), 32, 0, dg(DreamAlg::Entropy, 16));
+    chat.sampling.top_k = 50;
+    let out = crate::test_support::collect(&submit(served.as_ref(), chat)?, Vec::new())?;
+    let eos_at = run["eos_positions"][0][0].as_u64().context("an eos")? as usize;
+    let want = &ids(&run["output_ids"][0])[prompt.len()..=eos_at];
+    ensure!(out.tokens == want, "{:?} vs {want:?}", out.tokens);
+    ensure!(out.reason == wavefront_engine::FinishReason::StopToken);
+    wait_for_free_slots(served.as_ref(), std::time::Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
+
+fn fx_json() -> Result<Value> {
+    let dir = wavefront_models::device::test_fixture("dream");
+    Ok(serde_json::from_str(&std::fs::read_to_string(
+        dir.join("golden.json"),
+    )?)?)
+}
