@@ -9,7 +9,7 @@
 //! | family | module | schemes |
 //! |---|---|---|
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
-//! | masked diffusion (LLaDA) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock) |
+//! | masked diffusion (LLaDA, Dream) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock; LLaDA), `diffusion-generate` (Dream) |
 //! | recurrent memory (ARMT) | [`recurrent_memory`] | `ar` (`execution`: sequential or diagonal batching) |
 //! | slot diffusion (ReFusion) | [`slot_diffusion`] | `plan-infill`, `ar` |
 //!
