@@ -28,6 +28,9 @@ pub enum Mask {
     /// WINO: main rows (`index < main_len`) see main keys; shadow row `main_len + j` sees every
     /// key but main position `block_start + j`.
     ShadowBlock { main_len: u32, block_start: u32 },
+    /// Block diffusion (LLaDA2): buffer indices in blocks of `block` from 0; a query sees the
+    /// keys of its own block and of every earlier one.
+    BlockCausal { block: u32 },
 }
 
 impl Mask {
@@ -43,6 +46,7 @@ impl Mask {
                 (false, true) => false,
                 (true, false) => key != block_start + (query - main_len),
             },
+            Mask::BlockCausal { block } => key / block <= query / block,
         }
     }
 
@@ -55,6 +59,7 @@ impl Mask {
                 main_len,
                 block_start,
             } => [2, main_len, block_start],
+            Mask::BlockCausal { block } => [3, block, 0],
         }
     }
 }
@@ -219,6 +224,10 @@ mod tests {
         // Main rows never see the shadow block; shadow row j hides main position 2 + j.
         assert!(w.allows(0, 5) && !w.allows(0, 6));
         assert!(!w.allows(6, 2) && w.allows(6, 3) && !w.allows(7, 3) && w.allows(7, 9));
+        // Blocks of 4 from index 0: a row sees its block and the ones before, not later ones.
+        let b = Mask::BlockCausal { block: 4 };
+        assert!(b.allows(0, 3) && b.allows(5, 7) && b.allows(5, 0) && !b.allows(3, 4));
+        assert_eq!(b.encode(), [3, 4, 0]);
     }
 
     #[test]

@@ -27,9 +27,10 @@ fn layout(rng: &mut StdRng, head_dim: usize) -> RaggedLayout {
     for s in 0..12u32 {
         let len = rng.random_range(1..300u32);
         let rows = rng.random_range(1..=len.min(40));
-        let mask = match s % 3 {
+        let mask = match s % 4 {
             0 => Mask::Bidirectional,
             1 => Mask::Causal,
+            3 => Mask::BlockCausal { block: 16 },
             _ => Mask::ShadowBlock {
                 main_len: len - rows.min(len / 2),
                 block_start: 0,

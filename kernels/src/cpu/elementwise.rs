@@ -110,7 +110,11 @@ pub struct HeadSplit<'a> {
     pub head_dim: usize,
     /// Per-head RMSNorm weights of q and k `[head_dim]` (Qwen3), with their epsilon.
     pub qk_norm: Option<(&'a [f32], &'a [f32], f32)>,
-    /// RoPE of every row, `[rows, head_dim / 2]` each (GPT-NeoX "half" layout).
+    /// Leading dims of a head that RoPE rotates (`head_dim`, or fewer under partial rotary
+    /// embeddings: LLaDA2 rotates half); the rest pass through.
+    pub rotary_dim: usize,
+    /// RoPE of every row, `[rows, rotary_dim / 2]` each (GPT-NeoX "half" layout over the
+    /// rotary dims).
     pub cos: &'a [f32],
     pub sin: &'a [f32],
 }
@@ -127,18 +131,21 @@ pub fn split_heads(
     k: &mut [f32],
     v: &mut [f32],
 ) -> Result<(), ShapeError> {
-    let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let (h, hkv, d, rot) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim);
     let width = (h + 2 * hkv) * d;
     check(d % 2 == 0 && qkv.len() == rows * width, || {
         format!("{} values are not {rows} rows of {width}", qkv.len())
+    })?;
+    check(rot % 2 == 0 && rot <= d, || {
+        format!("{rot} rotary dims of a {d}-dim head")
     })?;
     check(
         q.len() == h * rows * d && k.len() == hkv * rows * d && v.len() == k.len(),
         || "q/k/v outputs of the wrong size".into(),
     )?;
     check(
-        s.cos.len() >= rows * d / 2 && s.sin.len() >= rows * d / 2,
-        || format!("RoPE rows for {rows} rows of {} dims", d),
+        s.cos.len() >= rows * rot / 2 && s.sin.len() >= rows * rot / 2,
+        || format!("RoPE rows for {rows} rows of {rot} dims"),
     )?;
     let isa = Isa::get();
     let (qp, kp, vp) = (
@@ -180,7 +187,7 @@ pub fn split_heads(
                 None => src,
             };
             if rotate {
-                let half = d / 2;
+                let half = rot / 2;
                 let (cos, sin) = (
                     &s.cos[r * half..(r + 1) * half],
                     &s.sin[r * half..(r + 1) * half],
@@ -190,6 +197,7 @@ pub fn split_heads(
                     out[i] = x1 * cos[i] - x2 * sin[i];
                     out[i + half] = x1 * sin[i] + x2 * cos[i];
                 }
+                out[rot..].copy_from_slice(&x[rot..]);
             } else {
                 out.copy_from_slice(x);
             }
@@ -244,6 +252,7 @@ mod tests {
             n_kv_heads: hkv,
             head_dim: d,
             qk_norm: Some((&wq, &wk, 1e-6)),
+            rotary_dim: d,
             cos: &cos,
             sin: &sin,
         };
@@ -276,6 +285,23 @@ mod tests {
             ];
             for (g, w) in q[(rows + r) * d..(rows + r + 1) * d].iter().zip(want) {
                 assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+            }
+        }
+        // Partial rotary (LLaDA2): the first two dims rotate as one pair, the rest pass.
+        let partial = HeadSplit {
+            qk_norm: None,
+            rotary_dim: 2,
+            cos: &cos[..rows],
+            sin: &sin[..rows],
+            ..split
+        };
+        split_heads(&qkv, rows, &partial, &mut q, &mut k, &mut v).unwrap();
+        for r in 0..rows {
+            let x = &qkv[r * width..r * width + d];
+            let (c, s) = (cos[r], sin[r]);
+            let want = [x[0] * c - x[1] * s, x[0] * s + x[1] * c, x[2], x[3]];
+            for (g, w) in q[r * d..(r + 1) * d].iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "{g} vs {w}");
             }
         }
     }

@@ -30,6 +30,9 @@ pub enum MaskRule {
     /// verifies main position `block_start + j`. Main rows see main keys only; shadow rows see
     /// every key except main position `block_start + j`.
     ShadowBlock { main_len: usize, block_start: usize },
+    /// Block diffusion (LLaDA2): buffer indices in blocks of `block` from 0 (the prompt
+    /// included); a query sees its own block and every earlier one.
+    BlockCausal { block: usize },
 }
 
 impl MaskRule {
@@ -47,6 +50,7 @@ impl MaskRule {
                 (true, true) => true,
                 (true, false) => key != block_start + (query - main_len),
             },
+            MaskRule::BlockCausal { block } => key / block <= query / block,
         }
     }
 }

@@ -512,6 +512,17 @@ impl super::StoreWeights for Block {
     }
 }
 
+/// RoPE over heads `[H, N, D]`: every dim, or under partial rotary embeddings (a table narrower
+/// than `D / 2`) only the leading `2 · table width` dims, the rest passed through.
+fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (d, rot) = (x.dim(2)?, 2 * cos.dim(1)?);
+    if rot == d {
+        return apply_rope(x, cos, sin);
+    }
+    let rotated = apply_rope(&x.narrow(2, 0, rot)?.contiguous()?, cos, sin)?;
+    Ok(Tensor::cat(&[&rotated, &x.narrow(2, rot, d - rot)?], 2)?)
+}
+
 impl Shard {
     /// This rank's heads of the attention, through its slice of the output projection.
     fn attention(
@@ -540,8 +551,8 @@ impl Shard {
                 q = qn.forward(&q)?;
                 k = kn.forward(&k)?;
             }
-            let q = apply_rope(&q.transpose(0, 1)?, &layout.cos, &layout.sin)?;
-            let k = apply_rope(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
+            let q = rope_heads(&q.transpose(0, 1)?, &layout.cos, &layout.sin)?;
+            let k = rope_heads(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
             (q, k, v.transpose(0, 1)?.contiguous()?)
         };
         let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;

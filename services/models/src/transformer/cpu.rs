@@ -237,13 +237,16 @@ pub(crate) fn split_heads(
             Some((qw, kw, eps)) => Some((&qw.tail()?[..d], &kw.tail()?[..d], *eps)),
             None => None,
         };
+        // The table's width says how many dims rotate (all, or fewer under partial RoPE).
+        let half = cos.dim(1)?;
         let split = wavefront_kernels::cpu::elementwise::HeadSplit {
             n_heads: h,
             n_kv_heads: hkv,
             head_dim: d,
             qk_norm: norm_slices,
-            cos: &cb.tail()?[..n * d / 2],
-            sin: &sb.tail()?[..n * d / 2],
+            rotary_dim: 2 * half,
+            cos: &cb.tail()?[..n * half],
+            sin: &sb.tail()?[..n * half],
         };
         wavefront_kernels::cpu::elementwise::split_heads(
             &b.tail()?[..qkv.elem_count()],

@@ -79,6 +79,9 @@ impl From<MaskRule> for Mask {
                 main_len: main_len as u32,
                 block_start: block_start as u32,
             },
+            MaskRule::BlockCausal { block } => Mask::BlockCausal {
+                block: block as u32,
+            },
         }
     }
 }
