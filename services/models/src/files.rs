@@ -370,6 +370,7 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
             return Ok(ModelFamily::RecurrentDepth);
         }
         if lower.contains("llada") || lower.contains("dream") {
+            // LLaDA, LLaDA2.0 (`llada2_moe`) and Dream.
             return Ok(ModelFamily::MaskedDiffusion);
         }
         let has_mask = config.get("mask_token_id").is_some_and(|v| !v.is_null());

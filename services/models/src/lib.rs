@@ -12,6 +12,7 @@
 //! * [`transformer`]: a pre-norm Llama-style block over packed rows with per-sequence keys and
 //!   mask rules, shared by the Llama-like families.
 //! * [`llada`]: LLaDA masked-diffusion model (Nie et al., 2025).
+//! * [`llada2`]: LLaDA2.0, a mixture-of-experts masked-diffusion model decoded block by block.
 //! * [`dream`]: Dream masked-diffusion model, Qwen2 run bidirectionally (Ye et al., 2025).
 //! * [`armt`]: ARMT, associative recurrent memory on a Llama backbone (Rodkin et al., 2024),
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
@@ -26,6 +27,7 @@ pub mod error;
 pub mod files;
 pub mod huginn;
 pub mod llada;
+pub mod llada2;
 pub mod qwen3;
 pub mod tokenizer;
 pub mod transformer;
@@ -39,6 +41,7 @@ pub use huginn::{
     relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };
 pub use llada::{Llada, LladaConfig};
+pub use llada2::{Llada2, Llada2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
 pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 

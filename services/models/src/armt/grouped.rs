@@ -163,11 +163,11 @@ impl RankStack {
         Ok(ShardWeights {
             qkv: self.qkv.layer(l)?.clone(),
             o: self.o.layer(l)?.clone(),
-            mlp: GatedMlp {
+            mlp: Some(GatedMlp {
                 gate_up: self.gate_up.layer(l)?.clone(),
                 down: self.down.layer(l)?.clone(),
                 hidden: self.hidden,
-            },
+            }),
         })
     }
 

@@ -658,6 +658,7 @@ fn layer_block(s: &Stacked, cfg: &BlockConfig, l: usize) -> Result<Block> {
             .iter()
             .map(|r| r.layer(l))
             .collect::<Result<Vec<_>>>()?,
+        moe: None,
     };
     Block::from_weights(weights, cfg, l, s.comm.clone())
 }

@@ -11,6 +11,7 @@ use super::attention::{attend_packed, commit_buffers, PackedLayout, SeqInput};
 use super::cpu;
 use super::layers::{apply_rope, get, linear_to_device, GatedMlp, RmsNorm, RopeTable};
 use super::linear::Linear;
+use super::moe::Moe;
 use super::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
@@ -231,7 +232,8 @@ pub(crate) struct ShardWeights {
     /// q, k and v fused on the output axis (`[(h_r + 2 h_kv_r) · head_dim, in]`): one product.
     pub qkv: Linear,
     pub o: Linear,
-    pub mlp: GatedMlp,
+    /// The rank's MLP columns; `None` in a block whose feed-forward is a [`Moe`].
+    pub mlp: Option<GatedMlp>,
 }
 
 impl ShardWeights {
@@ -240,7 +242,7 @@ impl ShardWeights {
         Ok(Self {
             qkv: linear_to_device(&self.qkv, device)?,
             o: linear_to_device(&self.o, device)?,
-            mlp: self.mlp.to_device(device)?,
+            mlp: self.mlp.as_ref().map(|m| m.to_device(device)).transpose()?,
         })
     }
 }
@@ -256,6 +258,8 @@ pub(crate) struct BlockWeights {
     pub o_bias: Option<Tensor>,
     pub down_bias: Option<Tensor>,
     pub shards: Vec<ShardWeights>,
+    /// A mixture-of-experts feed-forward instead of the shards' MLPs.
+    pub moe: Option<Moe>,
 }
 
 /// One pre-norm transformer block, possibly split over tensor-parallel ranks
@@ -269,6 +273,9 @@ pub struct Block {
     /// Biases of the row-parallel projections, added once after the sum.
     o_bias: Option<Tensor>,
     down_bias: Option<Tensor>,
+    /// The feed-forward when it is a mixture of experts (LLaDA2), split by experts over the
+    /// same ranks.
+    moe: Option<Moe>,
     comm: Arc<dyn Collective>,
 }
 
@@ -377,11 +384,11 @@ impl Block {
                 Ok(ShardWeights {
                     qkv: qkv(r)?,
                     o: row(&o, &r.heads, d)?,
-                    mlp: GatedMlp::new(
+                    mlp: Some(GatedMlp::new(
                         column_raw(&gate, &r.columns, 1)?,
                         column_raw(&up, &r.columns, 1)?,
                         row(&down, &r.columns, 1)?,
-                    )?,
+                    )?),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -392,6 +399,7 @@ impl Block {
             o_bias: o.1,
             down_bias: down.1,
             shards,
+            moe: None,
         };
         Self::from_weights(weights, cfg, layer, tp.comm.clone())
     }
@@ -447,6 +455,7 @@ impl Block {
             shards,
             o_bias: w.o_bias,
             down_bias: w.down_bias,
+            moe: w.moe,
             comm,
         })
     }
@@ -477,13 +486,49 @@ impl Block {
         let a = self.sum_partials(partials, self.o_bias.as_ref())?;
         let x = (x + a)?;
         let h = self.ff_norm.forward(&x)?;
+        let m = match &self.moe {
+            Some(moe) => moe.forward(&h)?,
+            None => {
+                let partials = self
+                    .shards
+                    .iter()
+                    .map(|s| match &s.w.mlp {
+                        Some(mlp) => mlp.forward(&on_rank(comm, s.rank, &h)?),
+                        None => Err(ModelError::Shape("a block without a feed-forward".into())),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.sum_partials(partials, self.down_bias.as_ref())?
+            }
+        };
+        Ok((x + m)?)
+    }
+
+    /// The mixture-of-experts feed-forward, if this block has one.
+    pub fn moe(&self) -> Option<&Moe> {
+        self.moe.as_ref()
+    }
+
+    /// The input of the feed-forward (`ff_norm` of the attention's residual) for rows `x`
+    /// (tests compare a MoE router's input with upstream's).
+    pub fn ffn_input(
+        &self,
+        x: &Tensor,
+        layout: &PackedLayout,
+        seqs: &mut [SeqInput],
+    ) -> Result<Tensor> {
+        let comm = self.comm.as_ref();
+        let h = self.attn_norm.forward(x)?;
         let partials = self
             .shards
             .iter()
-            .map(|s| s.w.mlp.forward(&on_rank(comm, s.rank, &h)?))
+            .map(|s| {
+                let replica = layout.replica(comm.device(s.rank))?;
+                let layout = replica.as_deref().unwrap_or(layout);
+                s.attention(&on_rank(comm, s.rank, &h)?, layout, seqs)
+            })
             .collect::<Result<Vec<_>>>()?;
-        let m = self.sum_partials(partials, self.down_bias.as_ref())?;
-        Ok((x + m)?)
+        let a = self.sum_partials(partials, self.o_bias.as_ref())?;
+        self.ff_norm.forward(&(x + a)?)
     }
 
     /// Sums the ranks' partial outputs (nothing to sum with one rank) and adds the bias.
@@ -499,14 +544,15 @@ impl Block {
 impl super::StoreWeights for Block {
     fn store_weights(&mut self, dtype: super::WeightDtype) -> Result<()> {
         for s in &mut self.shards {
-            for l in [
-                &mut s.w.qkv,
-                &mut s.w.o,
-                &mut s.w.mlp.gate_up,
-                &mut s.w.mlp.down,
-            ] {
-                l.store_as(dtype)?;
+            s.w.qkv.store_as(dtype)?;
+            s.w.o.store_as(dtype)?;
+            if let Some(m) = &mut s.w.mlp {
+                m.gate_up.store_as(dtype)?;
+                m.down.store_as(dtype)?;
             }
+        }
+        if let Some(moe) = &mut self.moe {
+            moe.store_weights(dtype)?;
         }
         Ok(())
     }
