@@ -29,6 +29,7 @@ const WEIGHTS: &str = "model.safetensors";
 const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 const TOKENIZER: &str = "tokenizer.json";
 const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+const GENERATION_CONFIG: &str = "generation_config.json";
 /// Upstream ARMT's hyper-parameters, beside a Llama backbone's `config.json`.
 pub const ARMT_CONFIG: &str = "armt_config.json";
 
@@ -51,6 +52,8 @@ pub struct ModelFiles {
     tokenizer_config_json: Option<String>,
     /// `armt_config.json`, when present.
     armt_config_json: Option<String>,
+    /// `generation_config.json`, when present.
+    generation_config_json: Option<String>,
 }
 
 impl ModelFiles {
@@ -96,12 +99,19 @@ impl ModelFiles {
         } else {
             None
         };
+        let generation_path = dir.join(GENERATION_CONFIG);
+        let generation_config_json = if generation_path.is_file() {
+            Some(read_string(&generation_path)?)
+        } else {
+            None
+        };
         Ok(Self {
             config_json,
             weights: Weights::Files(weights),
             tokenizer_json,
             tokenizer_config_json,
             armt_config_json,
+            generation_config_json,
         })
     }
 
@@ -118,6 +128,7 @@ impl ModelFiles {
             tokenizer_json: Some(tokenizer.to_vec()),
             tokenizer_config_json: None,
             armt_config_json: None,
+            generation_config_json: None,
         }
     }
 
@@ -162,6 +173,11 @@ impl ModelFiles {
             )));
         }
         detect_family(&config)
+    }
+
+    /// The raw `generation_config.json` text, if the directory has one.
+    pub fn generation_config_json(&self) -> Option<&str> {
+        self.generation_config_json.as_deref()
     }
 
     /// The raw `armt_config.json` text, if the directory has one.

@@ -10,12 +10,14 @@
 //! |---|---|---|
 //! | recurrent depth (Huginn-0125) | [`recurrent_depth`] | `ar` (static, adaptive exit), `diffusion-forcing` |
 //! | masked diffusion (LLaDA, Dream) | [`masked_diffusion`] | `low-confidence`, `wino` (both with SureLock; LLaDA), `diffusion-generate` (Dream) |
+//! | masked diffusion (LLaDA2.0, mixture of experts) | [`block_diffusion`] | `block-diffusion` |
 //! | recurrent memory (ARMT) | [`recurrent_memory`] | `ar` (`execution`: sequential or diagonal batching) |
 //! | slot diffusion (ReFusion) | [`slot_diffusion`] | `plan-infill`, `ar` |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
 
+pub mod block_diffusion;
 pub mod error;
 mod kv_slot;
 pub mod masked_diffusion;
@@ -32,8 +34,8 @@ pub mod tick;
 
 pub use error::SchemeError;
 pub use request::{
-    ArParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg, EosRule, Execution,
-    FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws,
-    SamplingParams, SchemeParams, SureLockParams, WinoParams,
+    ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg,
+    EosRule, Execution, FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking,
+    ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
 pub use served::{load_model, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel};

@@ -83,6 +83,9 @@ pub enum SchemeParams {
     PlanInfill(PlanInfillParams),
     /// `diffusion-generate`: Dream's sampler (upstream `diffusion_generate()`).
     DiffusionGenerate(DiffusionGenerateParams),
+    /// `block-diffusion`: LLaDA2.0's block decoding with a K/V cache of finished blocks
+    /// (upstream `generate()`).
+    BlockDiffusion(BlockDiffusionParams),
 }
 
 impl SchemeParams {
@@ -95,6 +98,7 @@ impl SchemeParams {
             SchemeParams::Wino(_) => "wino",
             SchemeParams::PlanInfill(_) => "plan-infill",
             SchemeParams::DiffusionGenerate(_) => "diffusion-generate",
+            SchemeParams::BlockDiffusion(_) => "block-diffusion",
         }
     }
 }
@@ -230,6 +234,41 @@ impl Default for DiffusionGenerateParams {
             eps: 1e-3,
             alg_temp: 0.0,
             upstream_defaults: false,
+        }
+    }
+}
+
+/// LLaDA2.0's block diffusion (upstream `LLaDA2MoeModelLM.generate()`); `gen_length` is the
+/// request's `max_new_tokens`, the sampler's temperature, top-k and top-p the request's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockDiffusionParams {
+    /// Tokens per block; blocks are counted from position 0, the prompt included.
+    pub block_length: usize,
+    /// Steps per block (not in all), capped at `gen_length / minimal_topk`.
+    pub steps: usize,
+    /// Commit every mask whose confidence exceeds this (when they are at least the step's
+    /// share); otherwise the step's share of the most confident.
+    pub threshold: f32,
+    /// Caps the steps per block at `gen_length / minimal_topk`.
+    pub minimal_topk: usize,
+    /// End as soon as an end-of-sequence token is committed with no mask before it, instead of
+    /// at the end of its block.
+    pub eos_early_stop: bool,
+    /// Reproduce upstream's sampler, which draws from `softmax(logits)` even at temperature 0
+    /// (a bug its maintainers fixed in LLaDA2.1); off, temperature 0 is the argmax.
+    pub upstream_sampler: bool,
+}
+
+impl Default for BlockDiffusionParams {
+    /// Upstream `generate()`'s defaults.
+    fn default() -> Self {
+        Self {
+            block_length: 32,
+            steps: 32,
+            threshold: 0.95,
+            minimal_topk: 1,
+            eos_early_stop: false,
+            upstream_sampler: false,
         }
     }
 }

@@ -91,8 +91,10 @@ use wavefront_models::{Dream, DreamConfig, Llada, LladaConfig, ModelFiles, TextT
 use self::canvas::Canvas;
 use self::diffusion_generate::DiffusionGenerate;
 pub use self::family::{tick, Entry, MaskedDiffusionFamily};
+pub(crate) use self::low_confidence::top_k as low_confidence_top_k;
 use self::low_confidence::LowConfidence;
 pub use self::network::{MdNetwork, Shape};
+pub(crate) use self::posterior::greedy as posterior_greedy;
 use self::program::Decoder;
 pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
@@ -423,6 +425,9 @@ pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel
     if is_dream(files.config_json()) {
         return serve_dream(files, opts);
     }
+    if is_llada2(files.config_json()) {
+        return crate::block_diffusion::serve(files, opts);
+    }
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let load = checkpoint_loader(files, cfg.clone(), &opts, Llada::load_parallel);
@@ -449,8 +454,18 @@ where
     start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }
 
+/// Whether a masked-diffusion `config.json` is LLaDA2.0's (`llada2_moe`, `LLaDA2MoeModelLM`).
+fn is_llada2(config_json: &str) -> bool {
+    names_contain(config_json, "llada2")
+}
+
 /// Whether a masked-diffusion `config.json` is Dream's (`model_type` or `architectures`).
 fn is_dream(config_json: &str) -> bool {
+    names_contain(config_json, "dream")
+}
+
+/// Whether `model_type` or an entry of `architectures` contains `needle` (any case).
+fn names_contain(config_json: &str, needle: &str) -> bool {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(config_json) else {
         return false;
     };
@@ -462,7 +477,7 @@ fn is_dream(config_json: &str) -> bool {
     );
     names
         .filter_map(|n| n.as_str())
-        .any(|n| n.to_ascii_lowercase().contains("dream"))
+        .any(|n| n.to_ascii_lowercase().contains(needle))
 }
 
 /// Loads a Dream checkpoint and starts its engine.

@@ -1,0 +1,130 @@
+//! The block-diffusion family (LLaDA2.0): every engine tick runs one step of every active
+//! program in a single packed forward: each program's rows (its uncached blocks), block-causal
+//! within the program and over its own cache, one head call over the masked rows of every
+//! program's current block; then each program commits. Slot ids granted by the engine are page
+//! ids of the family's pool, which holds the finished blocks' K/V.
+
+use candle_core::Tensor;
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_models::transformer::{KvPool, PAGE_SIZE};
+use wavefront_models::Llada2;
+
+use super::program::{BdPlan, BdProgram};
+use crate::paging;
+use crate::tick::{entries, head_rows, to_candle};
+
+pub type Entry<'a> = crate::tick::Entry<'a, BdProgram>;
+
+/// Runs one step of every program in `batch` in one packed forward; returns the rows computed.
+pub fn tick(model: &Llada2, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
+    if batch.is_empty() {
+        return Ok(0);
+    }
+    let plans: Vec<BdPlan> = batch.iter().map(|e| e.program.plan()).collect();
+    let ids: Vec<u32> = plans.iter().flat_map(|p| p.ids.iter().copied()).collect();
+    let hidden = {
+        let mut seqs = Vec::with_capacity(plans.len());
+        for (e, p) in batch.iter_mut().zip(&plans) {
+            seqs.push(e.program.sequence(p));
+        }
+        model.forward(&ids, &mut seqs).map_err(to_candle)?
+    };
+    let mut select = Vec::new();
+    let mut offset = 0;
+    for p in &plans {
+        select.extend(p.logit_rows.iter().map(|&r| (offset + r) as u32));
+        offset += p.ids.len();
+    }
+    let logits = head_rows(&hidden, &select, |rows| model.logits(rows))?;
+    let mut at = 0;
+    for (e, p) in batch.iter_mut().zip(&plans) {
+        let k = p.logit_rows.len();
+        let mine = match &logits {
+            Some(l) if k > 0 => l.narrow(0, at, k)?,
+            _ => Tensor::zeros(
+                (0, model.config().vocab_size),
+                candle_core::DType::F32,
+                model.device(),
+            )?,
+        };
+        at += k;
+        if let Err(err) = e.program.commit(p, &mine, e.outbox) {
+            e.outbox.fail(FamilyError::commit("block-diffusion", err));
+        }
+    }
+    Ok(ids.len())
+}
+
+/// The family: owns the model and the page pool of its requests' caches on the engine thread.
+pub struct BlockDiffusionFamily {
+    model: Llada2,
+    pool: KvPool,
+    last_rows: Option<usize>,
+}
+
+impl BlockDiffusionFamily {
+    pub fn new(model: Llada2) -> Self {
+        Self {
+            model,
+            pool: KvPool::shared(PAGE_SIZE),
+            last_rows: None,
+        }
+    }
+
+    /// Pages of `page` buffer rows (the planner's page size).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.pool = KvPool::shared(page.max(1));
+        self
+    }
+
+    fn bind(&self, a: &mut Active<BdProgram>) {
+        let new = a.take_new_slots();
+        paging::bind(&mut a.program.cache, &self.pool, new);
+    }
+}
+
+impl Family for BlockDiffusionFamily {
+    type Program = BdProgram;
+
+    fn tick(&mut self, batch: &mut [&mut Active<BdProgram>]) -> Result<(), FamilyError> {
+        for a in batch.iter_mut() {
+            self.bind(a);
+        }
+        let mut entries = entries(batch, |p| !p.is_done());
+        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
+        self.last_rows = Some(rows);
+        Ok(())
+    }
+
+    fn last_tick_rows(&self) -> Option<usize> {
+        self.last_rows
+    }
+
+    fn slots_needed(&self, a: &Active<BdProgram>) -> usize {
+        if a.program.is_done() {
+            return a.slots.len();
+        }
+        a.program
+            .pages_needed(self.pool.page_size())
+            .max(a.slots.len())
+    }
+
+    fn reclaim(&mut self, a: &mut Active<BdProgram>) -> Vec<SlotId> {
+        let need = a.program.pages_needed(self.pool.page_size());
+        paging::reclaim(&mut a.program.cache, a.slots.len(), need)
+    }
+
+    fn preempt(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        paging::swap_out(&mut a.program.cache, "block-diffusion")
+    }
+
+    fn resume(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        paging::swap_in(&mut a.program.cache, "block-diffusion")
+    }
+
+    fn stop(&mut self, a: &mut Active<BdProgram>) {
+        a.program.finish(FinishReason::StopString, &mut a.outbox);
+    }
+}

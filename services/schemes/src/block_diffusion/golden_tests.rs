@@ -1,0 +1,275 @@
+//! Golden tests of `block-diffusion` against the upstream fixture (tests/fixtures/llada2, see its
+//! README): every run's forwards (the canvas each read, the window, the commits with their
+//! confidences and the branch that chose them), its stop and its output, alone and all packed
+//! into the same ticks; the served engine with continuous batching, stop tokens, canvas frames,
+//! preemption under a small pool, and refused parameters.
+
+use std::collections::HashMap;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, IndexOp, Tensor};
+use serde_json::Value;
+use wavefront_models::device::test_device;
+use wavefront_models::{Llada2, Llada2Config, ModelFiles};
+
+use super::{tick, BdProgram, Llada2Planner};
+use crate::request::{BlockDiffusionParams, GenerateSpec, SchemeParams};
+use crate::served::Planner;
+use crate::test_support::{spec, tick_until_done};
+
+struct Fixture {
+    model: Llada2,
+    planner: Llada2Planner,
+    json: Value,
+    tensors: HashMap<String, Tensor>,
+}
+
+fn fixture() -> Result<Fixture> {
+    let dir = wavefront_models::device::test_fixture("llada2");
+    let files = ModelFiles::from_dir(&dir)?;
+    let cfg = Llada2Config::from_json(files.config_json())?;
+    let model = Llada2::load(files.var_builder(DType::F32, &test_device())?, cfg.clone())?;
+    let tok = files.tokenizer()?;
+    let (mask, eos) = super::ids_from_files(&files, Some(&tok));
+    Ok(Fixture {
+        model,
+        planner: Llada2Planner::new(cfg, "llada2".into(), DType::F32, mask, eos)?,
+        json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
+        tensors: candle_core::safetensors::load(dir.join("golden.safetensors"), &test_device())?,
+    })
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).expect("token ids")
+}
+
+fn usizes(v: &Value) -> Vec<usize> {
+    serde_json::from_value(v.clone()).expect("positions")
+}
+
+fn run_spec(run: &Value) -> Result<GenerateSpec> {
+    let a = &run["args"];
+    let mut s = spec(
+        ids(&run["prompt_ids"]),
+        a["gen_length"].as_u64().context("gen_length")? as usize,
+        0,
+        SchemeParams::BlockDiffusion(BlockDiffusionParams {
+            block_length: a["block_length"].as_u64().context("block_length")? as usize,
+            steps: a["steps"].as_u64().context("steps")? as usize,
+            threshold: a["threshold"].as_f64().context("threshold")? as f32,
+            minimal_topk: a["minimal_topk"].as_u64().context("minimal_topk")? as usize,
+            eos_early_stop: a["eos_early_stop"].as_bool().context("eos_early_stop")?,
+            upstream_sampler: run["sampler"].as_str().unwrap_or("").contains("upstream"),
+        }),
+    );
+    if let Some(k) = a["top_k"].as_u64() {
+        s.sampling.top_k = k as usize;
+    }
+    Ok(s)
+}
+
+fn program(fx: &Fixture, s: GenerateSpec) -> Result<BdProgram> {
+    let mut p = fx.planner.prepare(s)?.program;
+    p.record_steps();
+    Ok(p)
+}
+
+/// The generated tokens a response carries: upstream's return without the prompt.
+fn answer(run: &Value) -> Vec<u32> {
+    let out = ids(&run["output_ids"]);
+    if run["output_includes_prompt"].as_bool() == Some(true) {
+        out[ids(&run["prompt_ids"]).len()..].to_vec()
+    } else {
+        out
+    }
+}
+
+fn check(fx: &Fixture, run: &Value, p: &BdProgram) -> Result<()> {
+    let name = run["name"].as_str().unwrap_or("?");
+    let trace = run["trace"].as_array().context("trace")?;
+    let steps = p.steps();
+    ensure!(
+        steps.len() == trace.len(),
+        "{name}: {} forwards, upstream {}",
+        steps.len(),
+        trace.len()
+    );
+    let inputs: Vec<Vec<i64>> = fx
+        .tensors
+        .get(&format!("gen.{name}.step_input_ids"))
+        .context("step inputs")?
+        .to_vec2()?;
+    for (i, (got, want)) in steps.iter().zip(trace).enumerate() {
+        let w = want["window_end"].as_u64().context("window")? as usize;
+        ensure!(
+            got.window_end == w,
+            "{name} forward {i}: window {}",
+            got.window_end
+        );
+        ensure!(got.block as u64 == want["block"].as_u64().unwrap_or(u64::MAX));
+        ensure!(got.step_in_block as u64 == want["step_in_block"].as_u64().unwrap_or(u64::MAX));
+        let input: Vec<u32> = inputs[i][..w].iter().map(|&x| x as u32).collect();
+        ensure!(
+            got.input == input,
+            "{name} forward {i}: canvas read differs"
+        );
+        ensure!(got.num_to_transfer as u64 == want["num_to_transfer"].as_u64().unwrap_or(0));
+        ensure!(
+            got.above_threshold as u64 == want["num_above_threshold"].as_u64().unwrap_or(0),
+            "{name} forward {i}: {} above the threshold",
+            got.above_threshold
+        );
+        ensure!(
+            want["branch"].as_str() == Some(got.branch),
+            "{name} forward {i}: branch"
+        );
+        let mut mine: Vec<(usize, u32, f32)> = got
+            .committed
+            .iter()
+            .zip(&got.tokens)
+            .zip(&got.confidence)
+            .map(|((&p, &t), &c)| (p, t, c))
+            .collect();
+        let conf: Vec<f32> = serde_json::from_value(want["committed_confidence"].clone())?;
+        let mut theirs: Vec<(usize, u32, f32)> = usizes(&want["committed_positions"])
+            .into_iter()
+            .zip(ids(&want["committed_tokens"]))
+            .zip(conf)
+            .map(|((p, t), c)| (p, t, c))
+            .collect();
+        mine.sort_by_key(|x| x.0);
+        theirs.sort_by_key(|x| x.0);
+        ensure!(
+            mine.len() == theirs.len(),
+            "{name} forward {i}: {mine:?} vs {theirs:?}"
+        );
+        for (a, b) in mine.iter().zip(&theirs) {
+            ensure!(
+                a.0 == b.0 && a.1 == b.1,
+                "{name} forward {i}: {mine:?} vs {theirs:?}"
+            );
+            ensure!(
+                (a.2 - b.2).abs() <= 1e-5,
+                "{name} forward {i}: confidence {} vs {}",
+                a.2,
+                b.2
+            );
+        }
+    }
+    let final_canvas: Vec<u32> = fx
+        .tensors
+        .get(&format!("gen.{name}.final_canvas"))
+        .context("final canvas")?
+        .to_dtype(DType::U32)?
+        .to_vec1()?;
+    ensure!(
+        p.canvas() == final_canvas.as_slice(),
+        "{name}: final canvas differs"
+    );
+    Ok(())
+}
+
+fn runs(fx: &Fixture) -> Result<Vec<(Value, GenerateSpec)>> {
+    fx.json["generate_runs"]
+        .as_array()
+        .context("runs")?
+        .iter()
+        .map(|r| Ok((r.clone(), run_spec(r)?)))
+        .collect()
+}
+
+#[test]
+fn every_run_matches_upstream_forward_by_forward() -> Result<()> {
+    let fx = fixture()?;
+    let runs = runs(&fx)?;
+    ensure!(runs.len() == 12);
+    for (r, s) in &runs {
+        let mut p = [program(&fx, s.clone())?];
+        tick_until_done(&mut p, |batch| tick(&fx.model, batch).map(drop))?;
+        check(&fx, r, &p[0])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn every_run_packed_into_the_same_ticks_matches_upstream() -> Result<()> {
+    let fx = fixture()?;
+    let runs = runs(&fx)?;
+    let mut programs = runs
+        .iter()
+        .map(|(_, s)| program(&fx, s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    tick_until_done(&mut programs, |batch| tick(&fx.model, batch).map(drop))?;
+    for ((r, _), p) in runs.iter().zip(&programs) {
+        check(&fx, r, p)?;
+    }
+    Ok(())
+}
+
+/// The first two forwards' block logits, through the cache of finished blocks.
+#[test]
+fn block_logits_of_the_first_forwards_match_upstream() -> Result<()> {
+    let fx = fixture()?;
+    let r = fx.json["generate_runs"]
+        .as_array()
+        .context("runs")?
+        .iter()
+        .find(|r| r["name"] == "A_bl8_s8_t0.95")
+        .context("run")?;
+    let inputs: Vec<Vec<i64>> = fx.tensors["gen.A_bl8_s8_t0.95.step_input_ids"].to_vec2()?;
+    // Forward 0 reads x[:16] whole; forward 1 the same window after one commit.
+    for step in 0..2 {
+        let w = r["trace"][step]["window_end"].as_u64().context("w")? as usize;
+        let canvas: Vec<u32> = inputs[step][..w].iter().map(|&x| x as u32).collect();
+        let seq = wavefront_models::transformer::SeqInput::dense(w)
+            .with_mask(wavefront_models::transformer::MaskRule::BlockCausal { block: 8 });
+        let logits = fx.model.logits(&fx.model.forward(&canvas, &mut [seq])?)?;
+        let want = &fx.tensors[&format!("gen.A_bl8_s8_t0.95.step{step}.block_logits")];
+        let d = (logits.i(w - 8..w)? - want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        ensure!(d <= 5e-4, "forward {step}: logits max |diff| {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn responses_are_upstreams_output_without_the_prompt() -> Result<()> {
+    use crate::test_support::{collect, serve, submit};
+    let fx = fixture()?;
+    let dir = wavefront_models::device::test_fixture("llada2");
+    let served = serve(ModelFiles::from_dir(&dir)?, "llada2", 16)?;
+    assert_eq!(served.info().schemes, ["block-diffusion"]);
+    let runs = runs(&fx)?;
+    let receivers = runs
+        .iter()
+        .map(|(_, s)| submit(served.as_ref(), s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    for ((r, _), rx) in runs.iter().zip(receivers) {
+        let out = collect(&rx, Vec::new())?;
+        let want = answer(r);
+        ensure!(
+            out.tokens == want,
+            "{}: {:?} vs {want:?}",
+            r["name"],
+            out.tokens
+        );
+        let forwards = r["n_forward_calls"].as_u64().context("calls")?;
+        ensure!(
+            out.stats.forward_passes == forwards,
+            "{}: forwards",
+            r["name"]
+        );
+        let stop = r["stop_reason"].as_str().unwrap_or("");
+        let reason = if stop == "all_blocks" {
+            wavefront_engine::FinishReason::Length
+        } else {
+            wavefront_engine::FinishReason::StopToken
+        };
+        ensure!(out.reason == reason, "{}: {:?}", r["name"], out.reason);
+    }
+    served.shutdown();
+    Ok(())
+}

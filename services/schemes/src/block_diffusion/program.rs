@@ -1,0 +1,462 @@
+//! One LLaDA2.0 block-diffusion request (upstream `LLaDA2MoeModelLM.generate()`): a canvas of
+//! whole blocks counted from position 0, decoded one block at a time, each in at most `steps`
+//! forwards; the K/V of finished blocks kept in the request's paged cache.
+//!
+//! A step plans the rows whose K/V the cache does not hold from final tokens (the whole prompt
+//! and the first decoded block at first; then the block just finished, once, and the current
+//! block), with the block-causal rule over buffer indices and every other key read from the
+//! cache. That is the upstream window forward (`x[:W]` under the block-causal mask) with the
+//! finished blocks' rows not recomputed: a finished block never sees a later one, so its K/V
+//! are the same in every later forward.
+//!
+//! Commit, as upstream: the block's masks get `x0` and a confidence (`softmax[x0]`, float32);
+//! all those above `threshold` are committed when they are at least the step's share of the
+//! block (`B // S`, the first `B % S` steps one more), otherwise the share's most confident.
+//! With `eos_early_stop`, a step that commits an end-of-sequence token with no mask before it
+//! ends the request; without it, a block holding one ends the request once the block is done.
+//! Differences from upstream, none of which changes greedy tokens:
+//! - the response is the generated tokens up to the first stop token, never the prompt (upstream's
+//!   early-stop return includes the prompt), and the early-stop search starts at the generation
+//!   (upstream's scans the prompt too);
+//! - temperature 0 is the argmax (LLaDA2.1's fix; `upstream_sampler` draws as LLaDA2.0 does);
+//! - the request's stop ids count as end-of-sequence tokens;
+//! - the mask token is never a prediction.
+
+use candle_core::{DType, Tensor};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
+
+use crate::masked_diffusion::low_confidence_top_k;
+use crate::masked_diffusion::posterior_greedy;
+use crate::request::SamplingParams;
+
+/// The sampler's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sampler {
+    pub(crate) sampling: SamplingParams,
+    /// Draw at temperature 1 where the request is greedy (upstream LLaDA2.0).
+    pub(crate) upstream: bool,
+}
+
+/// The block settings, checked by the planner.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) block_length: usize,
+    /// Effective steps per block.
+    pub(crate) steps: usize,
+    pub(crate) threshold: f32,
+    pub(crate) eos_early_stop: bool,
+    pub(crate) mask_id: u32,
+    pub(crate) stop: Vec<u32>,
+}
+
+/// What one step computes, as planned before the forward.
+#[derive(Debug)]
+pub(crate) struct BdPlan {
+    pub(crate) ids: Vec<u32>,
+    /// First buffer index of the rows (the rows are `from..window`).
+    pub(crate) from: usize,
+    pub(crate) window: usize,
+    /// Rows (offsets into the plan's rows) whose logits the step reads, and their positions.
+    pub(crate) logit_rows: Vec<usize>,
+    pub(crate) masked: Vec<usize>,
+}
+
+/// One step as recorded (tests compare it with upstream's trace).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BdStep {
+    pub block: usize,
+    pub step_in_block: usize,
+    pub window_end: usize,
+    /// The canvas `x[:W]` the step read.
+    pub input: Vec<u32>,
+    pub num_to_transfer: usize,
+    pub above_threshold: usize,
+    /// `"threshold"` or `"topk"`.
+    pub branch: &'static str,
+    pub committed: Vec<usize>,
+    pub tokens: Vec<u32>,
+    pub confidence: Vec<f32>,
+    /// Rows the forward computed.
+    pub rows: usize,
+}
+
+/// One request's decoding state.
+#[derive(Debug)]
+pub struct BdProgram {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    gen: usize,
+    s: Settings,
+    /// Commits per step of a block.
+    schedule: Vec<usize>,
+    sampler: Sampler,
+    rng: StdRng,
+    /// The block being decoded and its next step.
+    block: usize,
+    step: usize,
+    /// Buffer indices below this hold K/V of final tokens in `cache`.
+    final_upto: usize,
+    pub(crate) cache: KvCache,
+    /// Generated tokens already streamed.
+    streamed: usize,
+    done: bool,
+    pub(crate) stats: Stats,
+    record: Option<Vec<BdStep>>,
+    pub(crate) stream_canvas: bool,
+    /// Page tables of the cache (layers × ranks), and the most pages it can hold.
+    kv_tables: usize,
+    max_pages: usize,
+}
+
+/// `num_transfer` of every step of a block of `block` tokens in `steps` steps.
+pub(crate) fn schedule(block: usize, steps: usize) -> Vec<usize> {
+    let (base, extra) = (block / steps, block % steps);
+    (0..steps).map(|i| base + usize::from(i < extra)).collect()
+}
+
+impl BdProgram {
+    pub(crate) fn new(
+        prompt: &[u32],
+        gen: usize,
+        s: Settings,
+        sampler: Sampler,
+        kv_tables: usize,
+        max_pages: usize,
+    ) -> Self {
+        let b = s.block_length;
+        let blocks = (prompt.len() + gen).div_ceil(b);
+        let mut tokens = prompt.to_vec();
+        tokens.resize(blocks * b, s.mask_id);
+        let seed = sampler.sampling.seed;
+        Self {
+            schedule: schedule(b, s.steps),
+            block: prompt.len() / b,
+            step: 0,
+            prompt_len: prompt.len(),
+            gen,
+            tokens,
+            s,
+            sampler,
+            // A distinct stream from other schemes' draws of the same seed.
+            rng: StdRng::seed_from_u64(seed ^ 0x4c4c_6144_4132_4244),
+            final_upto: 0,
+            cache: KvCache::new(),
+            streamed: 0,
+            done: false,
+            stats: Stats::default(),
+            record: None,
+            stream_canvas: false,
+            kv_tables,
+            max_pages,
+        }
+    }
+
+    /// Keeps a [`BdStep`] per step.
+    pub fn record_steps(&mut self) {
+        self.record = Some(Vec::new());
+    }
+
+    pub fn steps(&self) -> &[BdStep] {
+        self.record.as_deref().unwrap_or(&[])
+    }
+
+    /// The whole canvas (prompt, generation, the last block's surplus).
+    pub fn canvas(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn window(&self) -> usize {
+        (self.block + 1) * self.s.block_length
+    }
+
+    fn is_mask(&self, i: usize) -> bool {
+        self.tokens[i] == self.s.mask_id
+    }
+
+    fn is_stop(&self, t: u32) -> bool {
+        self.s.stop.contains(&t)
+    }
+
+    /// Pages the cache holds after the next step: the window's rows.
+    pub(crate) fn pages_needed(&self, page: usize) -> usize {
+        if self.done {
+            return 0;
+        }
+        (self.kv_tables * self.window().div_ceil(page)).min(self.max_pages)
+    }
+
+    /// Rows of the next step.
+    pub(crate) fn plan(&self) -> BdPlan {
+        let window = self.window();
+        let from = self.final_upto;
+        let start = window - self.s.block_length;
+        let masked: Vec<usize> = (start..window).filter(|&i| self.is_mask(i)).collect();
+        BdPlan {
+            ids: self.tokens[from..window].to_vec(),
+            from,
+            window,
+            logit_rows: masked.iter().map(|&p| p - from).collect(),
+            masked,
+        }
+    }
+
+    /// The attention sequence of `plan`'s rows over the cache.
+    pub(crate) fn sequence(&mut self, plan: &BdPlan) -> SeqInput<'_> {
+        let index: Vec<u32> = (plan.from as u32..plan.window as u32).collect();
+        SeqInput {
+            positions: index.clone(),
+            index,
+            mask: MaskRule::BlockCausal {
+                block: self.s.block_length,
+            },
+            keys: Keys::Buffer {
+                cache: &mut self.cache,
+                len: plan.window,
+            },
+        }
+    }
+
+    /// Commits a step: `logits` `[plan.logit_rows.len(), V]` (float32).
+    pub(crate) fn commit(
+        &mut self,
+        plan: &BdPlan,
+        logits: &Tensor,
+        outbox: &mut Outbox,
+    ) -> candle_core::Result<()> {
+        let rows = plan.window - plan.from;
+        self.stats.forward_passes += 1;
+        self.stats.push_series("active_rows", rows as u32);
+        let input = self
+            .record
+            .as_ref()
+            .map(|_| self.tokens[..plan.window].to_vec());
+        // Every row before the block was computed from final tokens.
+        self.final_upto = plan.window - self.s.block_length;
+        let (x0, conf) = self.decode(logits)?;
+        let k = self.schedule[self.step];
+        let above: Vec<usize> = (0..plan.masked.len())
+            .filter(|&i| conf[i] > self.s.threshold)
+            .collect();
+        let (chosen, branch): (Vec<usize>, _) = if above.len() >= k {
+            (above.clone(), "threshold")
+        } else {
+            let scored: Vec<(usize, f64)> = (0..plan.masked.len())
+                .map(|i| (i, f64::from(conf[i])))
+                .collect();
+            (
+                low_confidence_top_k(&scored, k.min(plan.masked.len())),
+                "topk",
+            )
+        };
+        let mut step = BdStep {
+            block: self.block,
+            step_in_block: self.step,
+            window_end: plan.window,
+            input: input.unwrap_or_default(),
+            num_to_transfer: k,
+            above_threshold: above.len(),
+            branch,
+            rows,
+            ..BdStep::default()
+        };
+        let mut stop_committed = false;
+        for &i in &chosen {
+            let p = plan.masked[i];
+            self.tokens[p] = x0[i];
+            stop_committed |= self.is_stop(x0[i]);
+            step.committed.push(p);
+            step.tokens.push(x0[i]);
+            step.confidence.push(conf[i]);
+        }
+        self.stats
+            .push_series("committed_per_step", chosen.len() as u32);
+        if let Some(r) = &mut self.record {
+            r.push(step);
+        }
+        self.step += 1;
+        self.advance(stop_committed, outbox);
+        Ok(())
+    }
+
+    /// `x0` and its confidence for every logits row.
+    fn decode(&mut self, logits: &Tensor) -> candle_core::Result<(Vec<u32>, Vec<f32>)> {
+        if logits.dim(0)? == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let s = self.sampler.sampling;
+        if s.temperature == 0.0 && !self.sampler.upstream {
+            let (x0, conf) = posterior_greedy(logits, DType::F32, self.s.mask_id)?;
+            return Ok((x0, conf.into_iter().map(|c| c as f32).collect()));
+        }
+        let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        let t = if s.temperature == 0.0 {
+            1.0
+        } else {
+            s.temperature
+        };
+        let top_k = (s.top_k > 0).then_some(s.top_k);
+        let top_p = (s.top_p > 0.0 && s.top_p < 1.0).then_some(s.top_p);
+        Ok(host
+            .iter()
+            .map(|row| sample(row, t, top_k, top_p, self.s.mask_id, &mut self.rng))
+            .unzip())
+    }
+
+    /// Streams what became final, then moves to the next step, block or the end.
+    fn advance(&mut self, stop_committed: bool, outbox: &mut Outbox) {
+        let window = self.window();
+        let start = window - self.s.block_length;
+        let end = self.prompt_len + self.gen;
+        // The committed prefix of the generation.
+        let prefix_end = (self.prompt_len..end)
+            .find(|&i| self.is_mask(i))
+            .unwrap_or(end);
+        let first_stop = (self.prompt_len..prefix_end).find(|&i| self.is_stop(self.tokens[i]));
+        self.stream(first_stop.map_or(prefix_end, |e| e + 1), outbox);
+        if self.stream_canvas {
+            outbox.canvas(self.snapshot());
+        }
+        if self.s.eos_early_stop && stop_committed && first_stop.is_some() {
+            return self.finish(FinishReason::StopToken, outbox);
+        }
+        if (start..window).any(|i| self.is_mask(i)) && self.step < self.s.steps {
+            return;
+        }
+        // The block is done.
+        let stop_in = (self.prompt_len..window.min(end)).any(|i| self.is_stop(self.tokens[i]));
+        self.block += 1;
+        self.step = 0;
+        if stop_in {
+            // Everything up to the first stop token is committed: stream it and end.
+            let first = (self.prompt_len..end).find(|&i| self.is_stop(self.tokens[i]));
+            self.stream(first.map_or(end, |e| e + 1), outbox);
+            return self.finish(FinishReason::StopToken, outbox);
+        }
+        if self.block * self.s.block_length >= self.tokens.len() {
+            self.stream(end, outbox);
+            self.finish(FinishReason::Length, outbox);
+        }
+    }
+
+    /// Sends generated tokens up to position `upto` (exclusive) not yet sent.
+    fn stream(&mut self, upto: usize, outbox: &mut Outbox) {
+        let from = self.prompt_len + self.streamed;
+        if upto > from {
+            outbox.tokens(self.tokens[from..upto].to_vec());
+            self.streamed = upto - self.prompt_len;
+        }
+    }
+
+    /// The generated region as it stands.
+    pub(crate) fn snapshot(&self) -> CanvasFrame {
+        let gen = self.prompt_len..self.prompt_len + self.gen;
+        CanvasFrame {
+            positions: (0..self.gen as u32).collect(),
+            tokens: self.tokens[gen.clone()].to_vec(),
+            states: gen
+                .map(|i| {
+                    if self.is_mask(i) {
+                        CellState::Masked
+                    } else {
+                        CellState::Committed
+                    }
+                })
+                .collect(),
+            full: true,
+            step: u32::try_from(self.stats.forward_passes).unwrap_or(u32::MAX),
+        }
+    }
+
+    pub(crate) fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
+        self.done = true;
+        let first_decoded = self.prompt_len / self.s.block_length;
+        self.stats
+            .add_counter("blocks", (self.block - first_decoded) as u64);
+        outbox.finish(reason, std::mem::take(&mut self.stats));
+    }
+}
+
+/// A draw from `row` under upstream's sampler: the temperature, then top-k (logits below the
+/// k-th largest removed), then top-p (tokens past the cumulative `top_p` removed, the first
+/// always kept), then the softmax; the token and its probability there. The mask never.
+fn sample(
+    row: &[f32],
+    temperature: f32,
+    top_k: Option<usize>,
+    top_p: Option<f32>,
+    never: u32,
+    rng: &mut StdRng,
+) -> (u32, f32) {
+    use rand::Rng;
+    let mut l: Vec<f32> = row.iter().map(|&x| x / temperature).collect();
+    if let Some(x) = l.get_mut(never as usize) {
+        *x = f32::NEG_INFINITY;
+    }
+    if let Some(k) = top_k {
+        let mut sorted = l.clone();
+        let k = k.min(l.len()).max(1);
+        let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        let kth = *kth;
+        l.iter_mut()
+            .filter(|x| **x < kth)
+            .for_each(|x| *x = f32::NEG_INFINITY);
+    }
+    let softmax = |l: &[f32]| -> Vec<f32> {
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = l.iter().map(|&x| (x - max).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        e.into_iter().map(|x| x / sum).collect()
+    };
+    if let Some(p) = top_p {
+        let probs = softmax(&l);
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let mut cum = 0f32;
+        for (rank, &i) in order.iter().enumerate() {
+            if rank > 0 && cum > p {
+                l[i] = f32::NEG_INFINITY;
+            }
+            cum += probs[i];
+        }
+    }
+    let probs = softmax(&l);
+    let mut u = rng.random::<f32>();
+    for (i, &p) in probs.iter().enumerate() {
+        if u < p {
+            return (i as u32, p);
+        }
+        u -= p;
+    }
+    let last = probs.iter().rposition(|&p| p > 0.0).unwrap_or(0);
+    (last as u32, probs[last])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schedule_splits_a_block_and_gives_the_remainder_first() {
+        assert_eq!(schedule(8, 8), vec![1; 8]);
+        assert_eq!(schedule(8, 4), vec![2; 4]);
+        assert_eq!(schedule(16, 5), vec![4, 3, 3, 3, 3]);
+    }
+
+    #[test]
+    fn a_one_hot_filter_makes_the_upstream_sampler_deterministic() {
+        let row = [0.1f32, 2.0, 1.5, -1.0];
+        let mut rng = StdRng::seed_from_u64(3);
+        for _ in 0..20 {
+            assert_eq!(sample(&row, 1.0, Some(1), None, 9, &mut rng), (1, 1.0));
+        }
+        // The mask is never drawn.
+        assert_ne!(sample(&row, 1.0, Some(1), None, 1, &mut rng).0, 1);
+    }
+}
