@@ -28,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "WinoScheme",
         "PlanInfillScheme",
         "DiffusionGenerateScheme",
+        "BlockDiffusionScheme",
     ] {
         config = config.type_attribute(
             format!(".wavefront.v1.{scheme}"),

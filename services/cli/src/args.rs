@@ -27,6 +27,9 @@ pub enum SchemeName {
     /// `--eps`, `--alg-temp`, `--upstream-defaults`, with `--temperature`, `--top-k`,
     /// `--top-p`).
     DiffusionGenerate,
+    /// Masked diffusion (LLaDA2.0): block diffusion (`--block-length`, `--steps` per block,
+    /// `--threshold`, `--minimal-topk`, `--eos-early-stop`, `--upstream-sampler`).
+    BlockDiffusion,
 }
 
 /// `ar.execution` of a recurrent-memory (ARMT) request.
@@ -199,6 +202,18 @@ pub struct GenerationArgs {
     /// transformers 4.46 really runs.
     #[arg(long)]
     pub upstream_defaults: bool,
+
+    // ---- block-diffusion (LLaDA2.0) ----
+    /// block-diffusion: caps the steps per block at --max-new-tokens / minimal_topk (default 1).
+    #[arg(long)]
+    pub minimal_topk: Option<u32>,
+    /// block-diffusion: end once an end-of-sequence token is committed with no mask before it.
+    #[arg(long)]
+    pub eos_early_stop: bool,
+    /// block-diffusion: draw from softmax(logits) even at temperature 0, as LLaDA2.0's sampler
+    /// does.
+    #[arg(long)]
+    pub upstream_sampler: bool,
 }
 
 impl GenerationArgs {
@@ -267,7 +282,17 @@ impl GenerationArgs {
             ("--alg-temp", self.alg_temp.is_some()),
             ("--upstream-defaults", self.upstream_defaults),
         ];
+        let block = [
+            ("--minimal-topk", self.minimal_topk.is_some()),
+            ("--eos-early-stop", self.eos_early_stop),
+            ("--upstream-sampler", self.upstream_sampler),
+        ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
+        if self.scheme != SchemeName::BlockDiffusion {
+            if let Some(flag) = set(&block) {
+                bail!("{flag} belongs to --scheme block-diffusion");
+            }
+        }
         if self.scheme != SchemeName::DiffusionGenerate {
             if let Some(flag) = set(&dream) {
                 bail!("{flag} belongs to --scheme diffusion-generate");
@@ -282,6 +307,19 @@ impl GenerationArgs {
             }
         }
         match self.scheme {
+            SchemeName::BlockDiffusion => {
+                // --block-length, --steps and --threshold apply; the rest of LLaDA's do not.
+                let other = [
+                    masked_diffusion[2],
+                    masked_diffusion[3],
+                    masked_diffusion[5],
+                    masked_diffusion[6],
+                    masked_diffusion[7],
+                ];
+                if let Some(flag) = set(&other).or(set(&recurrent_depth)).or(set(&df_only)) {
+                    bail!("{flag} does not apply to --scheme block-diffusion");
+                }
+            }
             SchemeName::DiffusionGenerate => {
                 let not_steps = [&masked_diffusion[..1], &masked_diffusion[2..]].concat();
                 if let Some(flag) = set(&not_steps).or(set(&recurrent_depth)).or(set(&df_only)) {
@@ -316,6 +354,16 @@ impl GenerationArgs {
             }
         }
         let scheme = match self.scheme {
+            SchemeName::BlockDiffusion => {
+                pb::generate_request::Scheme::BlockDiffusion(pb::BlockDiffusionScheme {
+                    block_length: self.block_length,
+                    steps: self.steps,
+                    threshold: self.threshold,
+                    minimal_topk: self.minimal_topk,
+                    eos_early_stop: self.eos_early_stop,
+                    upstream_sampler: self.upstream_sampler,
+                })
+            }
             SchemeName::DiffusionGenerate => {
                 pb::generate_request::Scheme::DiffusionGenerate(pb::DiffusionGenerateScheme {
                     alg: self.alg.clone().unwrap_or_default(),
@@ -551,6 +599,54 @@ mod masked_diffusion_flag_tests {
             (
                 &["--scheme", "diffusion-generate", "--num-steps", "8"][..],
                 "--num-steps",
+            ),
+        ] {
+            let err = request(flags).unwrap_err().to_string();
+            assert!(err.contains(want), "{flags:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn block_diffusion_flags_build_their_scheme() -> Result<()> {
+        let r = request(&[
+            "--scheme",
+            "block-diffusion",
+            "--block-length",
+            "8",
+            "--steps",
+            "4",
+            "--threshold",
+            "0.7",
+            "--minimal-topk",
+            "2",
+            "--eos-early-stop",
+        ])?;
+        assert_eq!(
+            r.scheme,
+            Some(pb::generate_request::Scheme::BlockDiffusion(
+                pb::BlockDiffusionScheme {
+                    block_length: Some(8),
+                    steps: Some(4),
+                    threshold: Some(0.7),
+                    minimal_topk: Some(2),
+                    eos_early_stop: true,
+                    upstream_sampler: false,
+                }
+            ))
+        );
+        for (flags, want) in [
+            (
+                &["--scheme", "wino", "--minimal-topk", "2"][..],
+                "--minimal-topk",
+            ),
+            (
+                &["--scheme", "block-diffusion", "--cfg-scale", "1"][..],
+                "--cfg-scale",
+            ),
+            (
+                &["--scheme", "block-diffusion", "--alg", "origin"][..],
+                "--alg",
             ),
         ] {
             let err = request(flags).unwrap_err().to_string();

@@ -288,5 +288,20 @@ fn checkpoint_layout_family_and_tokenizer() -> Result<()> {
         let want: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
         assert_eq!(tok.encode(text, false)?, want, "{text:?}");
     }
+    // The chat prompt of the CHAT runs through the checkpoint's template.
+    let chat = &golden.json["prompts"]["CHAT"];
+    let messages: Vec<wavefront_models::ChatMessage> = chat["chat"]
+        .as_array()
+        .context("chat")?
+        .iter()
+        .map(|m| {
+            wavefront_models::ChatMessage::new(
+                m["role"].as_str().unwrap_or_default(),
+                m["content"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let want: Vec<u32> = serde_json::from_value(chat["ids"].clone())?;
+    assert_eq!(tok.encode_chat(&messages)?, want);
     Ok(())
 }

@@ -299,6 +299,7 @@ struct Common {
     low_confidence: Option<pb::LowConfidenceScheme>,
     wino: Option<pb::WinoScheme>,
     diffusion_generate: Option<pb::DiffusionGenerateScheme>,
+    block_diffusion: Option<pb::BlockDiffusionScheme>,
     plan_infill: Option<pb::PlanInfillScheme>,
 }
 
@@ -402,6 +403,7 @@ impl Common {
             self.wino.map(Scheme::Wino),
             self.plan_infill.map(Scheme::PlanInfill),
             self.diffusion_generate.map(Scheme::DiffusionGenerate),
+            self.block_diffusion.map(Scheme::BlockDiffusion),
         ]
         .into_iter()
         .flatten()
@@ -410,7 +412,7 @@ impl Common {
             return Err(ApiError::invalid(
                 "scheme",
                 "set at most one scheme object (ar, diffusion_forcing, low_confidence, wino, \
-                 plan_infill, diffusion_generate)",
+                 plan_infill, diffusion_generate, block_diffusion)",
             ));
         }
         Ok(pb::GenerateRequest {

@@ -8,9 +8,9 @@ use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
-    ArParams, DiffusionForcingParams, DiffusionGenerateParams, FreezeTest, GenerateSpec,
-    LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
-    ServedModel, SureLockParams, WinoParams,
+    ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, FreezeTest,
+    GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams,
+    SchemeParams, ServedModel, SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -142,6 +142,17 @@ pub fn spec_from_proto(
                 upstream_defaults: d.upstream_defaults,
             })
         }
+        Some(pb::generate_request::Scheme::BlockDiffusion(b)) => {
+            let def = BlockDiffusionParams::default();
+            SchemeParams::BlockDiffusion(BlockDiffusionParams {
+                block_length: b.block_length.map_or(def.block_length, |n| n as usize),
+                steps: b.steps.map_or(def.steps, |n| n as usize),
+                threshold: b.threshold.unwrap_or(def.threshold),
+                minimal_topk: b.minimal_topk.map_or(def.minimal_topk, |n| n as usize),
+                eos_early_stop: b.eos_early_stop,
+                upstream_sampler: b.upstream_sampler,
+            })
+        }
     };
     Ok(GenerateSpec {
         prompt_ids,
@@ -176,8 +187,8 @@ pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
     }
 }
 
-/// The scheme of a request that names none: `plan-infill` or `diffusion-generate` for a model
-/// that lists it first (slot diffusion, Dream), else `ar` where the model serves it, otherwise
+/// The scheme of a request that names none: `plan-infill`, `diffusion-generate` or
+/// `block-diffusion` for a model that lists it first (slot diffusion, Dream, LLaDA2.0), else `ar` where the model serves it, otherwise
 /// the model's first scheme with its defaults.
 fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     let schemes = &model.info().schemes;
@@ -186,6 +197,9 @@ fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     }
     if schemes.first() == Some(&"diffusion-generate") {
         return SchemeParams::DiffusionGenerate(DiffusionGenerateParams::default());
+    }
+    if schemes.first() == Some(&"block-diffusion") {
+        return SchemeParams::BlockDiffusion(BlockDiffusionParams::default());
     }
     if !schemes.contains(&"ar") && schemes.first() == Some(&"low-confidence") {
         SchemeParams::LowConfidence(LowConfidenceParams::default())
@@ -529,6 +543,44 @@ mod slot_diffusion_tests {
         .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("diffusion_generate.alg"), "{err}");
+        model.shutdown();
+    }
+
+    #[test]
+    fn block_diffusion_converts_with_upstream_names_and_defaults() {
+        use wavefront_schemes::BlockDiffusionParams;
+        let dir = wavefront_models::device::test_fixture("llada2");
+        let files = wavefront_models::ModelFiles::from_dir(dir).expect("fixture");
+        let model = load_model(files, LoadOptions::default()).expect("loads");
+        assert_eq!(model.info().schemes, vec!["block-diffusion"]);
+        let b = pb::BlockDiffusionScheme {
+            block_length: Some(8),
+            steps: None,
+            threshold: Some(0.7),
+            minimal_topk: None,
+            eos_early_stop: true,
+            upstream_sampler: false,
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::BlockDiffusion(b))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::BlockDiffusion(BlockDiffusionParams {
+                block_length: 8,
+                threshold: 0.7,
+                eos_early_stop: true,
+                ..BlockDiffusionParams::default()
+            })
+        );
+        // No scheme: LLaDA2.0's default is block diffusion with upstream's defaults.
+        let spec = spec_from_proto(&request(None), model.as_ref()).expect("converts");
+        assert_eq!(
+            spec.scheme,
+            SchemeParams::BlockDiffusion(BlockDiffusionParams::default())
+        );
         model.shutdown();
     }
 }

@@ -273,3 +273,123 @@ fn responses_are_upstreams_output_without_the_prompt() -> Result<()> {
     served.shutdown();
     Ok(())
 }
+
+fn bd(block_length: usize, steps: usize, threshold: f32) -> SchemeParams {
+    SchemeParams::BlockDiffusion(BlockDiffusionParams {
+        block_length,
+        steps,
+        threshold,
+        ..BlockDiffusionParams::default()
+    })
+}
+
+/// Sixteen requests with different prompts, lengths, blocks, steps, thresholds, sampling,
+/// early stop and stop ids.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    let p = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| (i * 37 + salt * 101 + 11) % 470)
+            .collect()
+    };
+    let mut specs = vec![
+        spec(p(11, 0), 32, 1, bd(8, 8, 0.95)),
+        spec(p(16, 1), 24, 2, bd(8, 4, 0.7)),
+        spec(p(3, 2), 16, 3, bd(16, 16, 0.9)),
+        spec(p(30, 3), 20, 4, bd(4, 4, 0.8)),
+        spec(p(7, 4), 32, 5, bd(16, 8, 0.5)),
+        spec(p(9, 5), 12, 6, bd(8, 8, 1.0)),
+        spec(p(20, 6), 40, 7, bd(8, 2, 0.95)),
+        spec(p(1, 7), 8, 8, bd(8, 8, 0.6)),
+    ];
+    for i in 0..8 {
+        let mut s = specs[i].clone();
+        s.prompt_ids.push(100 + i as u32);
+        s.sampling.seed = 50 + i as u64;
+        if i % 2 == 0 {
+            s.sampling.temperature = 0.8;
+            s.sampling.top_k = 20;
+        }
+        if let SchemeParams::BlockDiffusion(b) = &mut s.scheme {
+            b.eos_early_stop = i % 3 == 0;
+        }
+        if i == 5 {
+            s.stop_token_ids = vec![260, 300];
+        }
+        specs.push(s);
+    }
+    specs
+}
+
+#[test]
+fn requests_joining_a_running_batch_produce_what_they_produce_alone() -> Result<()> {
+    use crate::test_support::{assert_joining_requests_match_alone, serve, wait_for_free_slots};
+    let dir = wavefront_models::device::test_fixture("llada2");
+    let served = serve(ModelFiles::from_dir(&dir)?, "llada2", 16)?;
+    let mut specs = mixed_requests();
+    specs[0].stream_canvas = true;
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
+    for (s, o) in specs.iter().zip(&alone) {
+        ensure!(o.tokens.iter().all(|&t| t != 484), "a mask was streamed");
+        crate::test_support::assert_ends_at_first_stop(s, o, 481)?;
+    }
+    ensure!(!alone[0].frames.is_empty());
+    wait_for_free_slots(served.as_ref(), std::time::Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
+
+/// A pool of a few pages for sixteen requests: requests are preempted (their finished blocks'
+/// K/V moved to host memory) and resumed in other pages, and each produces what it produces
+/// alone with room to spare.
+#[test]
+fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
+    use crate::test_support::{assert_preempted_requests_match_alone, serve};
+    let dir = wavefront_models::device::test_fixture("llada2");
+    let roomy = serve(ModelFiles::from_dir(&dir)?, "llada2", 16)?;
+    let pages = roomy.load().total_slots;
+    let page_bytes = (256 << 20) / pages as u64;
+    // The largest request (20 + 1 prompt tokens + 40 new in blocks of 8: 64 rows, 4 pages in
+    // each of 3 layers) fits, a few together do not.
+    let preemptions = assert_preempted_requests_match_alone(
+        ModelFiles::from_dir(&dir)?,
+        roomy.as_ref(),
+        16 * page_bytes,
+        &mixed_requests(),
+    )?;
+    ensure!(preemptions > 0, "16 pages for 16 requests must preempt");
+    roomy.shutdown();
+    Ok(())
+}
+
+#[test]
+fn bad_parameters_are_refused_by_name() -> Result<()> {
+    use crate::test_support::assert_invalid;
+    let fx = fixture()?;
+    let with = |f: fn(&mut BlockDiffusionParams)| {
+        let mut p = BlockDiffusionParams::default();
+        f(&mut p);
+        spec(vec![1, 2, 3], 16, 0, SchemeParams::BlockDiffusion(p))
+    };
+    assert_invalid(
+        &fx.planner,
+        vec![
+            (with(|p| p.block_length = 0), "block_diffusion.block_length"),
+            (with(|p| p.steps = 0), "block_diffusion.steps"),
+            (with(|p| p.minimal_topk = 0), "block_diffusion.minimal_topk"),
+            (
+                with(|p| p.minimal_topk = 17),
+                "block_diffusion.minimal_topk",
+            ),
+            (with(|p| p.threshold = 1.5), "block_diffusion.threshold"),
+            (
+                with(|p| p.threshold = f32::NAN),
+                "block_diffusion.threshold",
+            ),
+            (
+                spec(vec![1], 8, 0, SchemeParams::Wino(Default::default())),
+                "use `block-diffusion`",
+            ),
+        ],
+    )?;
+    Ok(())
+}
