@@ -20,7 +20,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_schemes::{load_model, LoadOptions, ServedModel};
 use wavefront_worker::{convert, RequestLimits};
 
-const FAMILIES: [&str; 4] = ["huginn", "llada", "armt", "refusion"];
+const FAMILIES: [&str; 6] = ["huginn", "llada", "armt", "refusion", "dream", "llada2"];
 
 fn models() -> &'static [Arc<dyn ServedModel>] {
     static MODELS: OnceLock<Vec<Arc<dyn ServedModel>>> = OnceLock::new();
@@ -245,7 +245,47 @@ fn any_scheme() -> impl Strategy<Value = Option<pb::generate_request::Scheme>> {
                 token_threshold: tt,
             })
         });
-    opt(prop_oneof![ar, df, lc, wino, pi])
+    let alg = prop_oneof![
+        Just("entropy".to_owned()),
+        Just("origin".to_owned()),
+        Just("topk_margin".to_owned()),
+        ".{0,12}",
+    ];
+    let dg = (
+        alg,
+        opt(small_or_any_u32()),
+        opt(any_f32()),
+        opt(any_f32()),
+        any::<bool>(),
+    )
+        .prop_map(|(alg, steps, eps, alg_temp, upstream_defaults)| {
+            Scheme::DiffusionGenerate(pb::DiffusionGenerateScheme {
+                alg,
+                steps,
+                eps,
+                alg_temp,
+                upstream_defaults,
+            })
+        });
+    let bd = (
+        opt(small_or_any_u32()),
+        opt(small_or_any_u32()),
+        opt(any_f32()),
+        opt(small_or_any_u32()),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(b, s, t, m, early, upstream)| {
+            Scheme::BlockDiffusion(pb::BlockDiffusionScheme {
+                block_length: b,
+                steps: s,
+                threshold: t,
+                minimal_topk: m,
+                eos_early_stop: early,
+                upstream_sampler: upstream,
+            })
+        });
+    opt(prop_oneof![ar, df, lc, wino, pi, dg, bd])
 }
 
 fn any_prompt() -> impl Strategy<Value = Option<pb::generate_request::Prompt>> {

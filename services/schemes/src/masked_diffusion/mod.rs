@@ -248,8 +248,10 @@ impl MdPlanner {
     ) -> Result<Prepared<MdProgram>, RequestError> {
         let gen = spec.max_new_tokens;
         let steps = p.steps.unwrap_or(gen);
-        if steps == 0 {
-            return bad("diffusion_generate.steps must be at least 1".into());
+        if steps == 0 || steps > MAX_STEPS {
+            return bad(format!(
+                "diffusion_generate.steps must be in 1..={MAX_STEPS}, got {steps}"
+            ));
         }
         if !p.eps.is_finite() || p.eps <= 0.0 || p.eps >= 1.0 {
             return bad(format!(
@@ -329,6 +331,10 @@ impl MdPlanner {
         })
     }
 }
+
+/// The most `diffusion_generate.steps` a request may take (each step is a forward of the canvas
+/// for `origin`; the schedule holds one float per step).
+const MAX_STEPS: usize = 1 << 16;
 
 /// Block length (default: `gen_length`) and block count, checked.
 fn blocks(
