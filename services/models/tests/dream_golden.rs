@@ -5,12 +5,11 @@
 
 mod support;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
-use support::{assert_close, with_each_attention};
+use support::{assert_close, with_each_attention, Golden};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::SeqInput;
 use wavefront_models::{detect_family, ChatMessage, Dream, DreamConfig, ModelFamily, ModelFiles};
@@ -28,37 +27,6 @@ fn model() -> Result<Dream> {
     )?)
 }
 
-struct Golden {
-    tensors: HashMap<String, Tensor>,
-    json: serde_json::Value,
-}
-
-impl Golden {
-    fn load() -> Result<Self> {
-        let dir = fixture_dir();
-        Ok(Self {
-            tensors: candle_core::safetensors::load(
-                dir.join("golden.safetensors"),
-                &test_device(),
-            )?,
-            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
-        })
-    }
-
-    fn tensor(&self, name: &str) -> Result<&Tensor> {
-        self.tensors
-            .get(name)
-            .with_context(|| format!("golden tensor {name}"))
-    }
-
-    fn ids(&self, name: &str) -> Result<Vec<u32>> {
-        Ok(self
-            .tensor(name)?
-            .flatten_all()?
-            .to_dtype(DType::U32)?
-            .to_vec1()?)
-    }
-}
 
 /// The README's suggested tolerance for logits and hidden states.
 const ATOL: f32 = 1e-4;
@@ -72,7 +40,7 @@ fn shifted(logits: &Tensor) -> Result<Tensor> {
 
 #[test]
 fn forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("dream")?;
     with_each_attention(model, |model| {
         let ids = golden.ids("forward.input_ids")?;
         let n = ids.len();
@@ -108,7 +76,7 @@ fn forward_matches_upstream() -> Result<()> {
 /// step (the prompt, then the history before the step).
 #[test]
 fn sampler_logits_match_upstream_at_the_first_and_last_step() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("dream")?;
     let model = model()?;
     let run = "run.entropy.chat.n32.s16";
     let history = golden.tensor(&format!("{run}.history"))?;
@@ -131,7 +99,7 @@ fn sampler_logits_match_upstream_at_the_first_and_last_step() -> Result<()> {
 
 #[test]
 fn packed_sequences_match_their_own_forwards() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("dream")?;
     with_each_attention(model, |model| {
         let a = golden.ids("forward.input_ids")?;
         let b: Vec<u32> = golden.ids("run.maskgit_plus.text.n32.s32.output_ids")?;
@@ -174,7 +142,7 @@ fn checkpoint_layout_and_family() -> Result<()> {
 
 #[test]
 fn tokenizer_and_chat_template_match_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("dream")?;
     let tok = ModelFiles::from_dir(fixture_dir())?.tokenizer()?;
     for case in golden.json["tokenizer"]["cases"]
         .as_array()

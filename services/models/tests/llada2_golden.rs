@@ -6,12 +6,11 @@
 
 mod support;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
-use support::{assert_close, with_each_attention};
+use support::{assert_close, with_each_attention, Golden};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput, TensorParallel};
 use wavefront_models::{Llada2, Llada2Config, ModelFamily, ModelFiles};
@@ -34,37 +33,6 @@ fn model() -> Result<Llada2> {
     model_with(&TensorParallel::single())
 }
 
-struct Golden {
-    tensors: HashMap<String, Tensor>,
-    json: serde_json::Value,
-}
-
-impl Golden {
-    fn load() -> Result<Self> {
-        let dir = fixture_dir();
-        Ok(Self {
-            tensors: candle_core::safetensors::load(
-                dir.join("golden.safetensors"),
-                &test_device(),
-            )?,
-            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
-        })
-    }
-
-    fn tensor(&self, name: &str) -> Result<&Tensor> {
-        self.tensors
-            .get(name)
-            .with_context(|| format!("golden tensor {name}"))
-    }
-
-    fn ids(&self, name: &str) -> Result<Vec<u32>> {
-        Ok(self
-            .tensor(name)?
-            .flatten_all()?
-            .to_dtype(DType::U32)?
-            .to_vec1()?)
-    }
-}
 
 /// The README's tolerances: logits 5e-4, hidden states and K/V 1e-4, router weights 1e-5.
 const LOGITS: f32 = 5e-4;
@@ -76,7 +44,7 @@ fn block_causal(n: usize) -> SeqInput<'static> {
 
 #[test]
 fn block_causal_forward_and_routers_match_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada2")?;
     // The mask the golden used is the rule's.
     let allowed: Vec<Vec<u8>> = golden.tensor("forward.block_causal_allowed")?.to_vec2()?;
     for (q, row) in allowed.iter().enumerate() {
@@ -144,7 +112,7 @@ fn block_causal_forward_and_routers_match_upstream() -> Result<()> {
 
 #[test]
 fn unmasked_forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada2")?;
     let model = model()?;
     let ids = golden.ids("forward.input_ids")?;
     let n = ids.len();
@@ -177,7 +145,7 @@ fn unmasked_forward_matches_upstream() -> Result<()> {
 /// the cache holds upstream's K/V, and the block's logits are upstream's cached ones.
 #[test]
 fn finished_blocks_cached_give_upstreams_cache_and_block_logits() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada2")?;
     with_each_attention(model, |model| {
         let ids = golden.ids("forward.input_ids")?;
         let mut cache = KvCache::new();
@@ -233,7 +201,7 @@ fn finished_blocks_cached_give_upstreams_cache_and_block_logits() -> Result<()> 
 /// experts by columns: the one-rank logits and routes.
 #[test]
 fn expert_and_tensor_parallel_ranks_give_the_one_rank_logits() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada2")?;
     let ids = golden.ids("forward.input_ids")?;
     let n = ids.len();
     let one = model()?;
@@ -263,7 +231,7 @@ fn expert_and_tensor_parallel_ranks_give_the_one_rank_logits() -> Result<()> {
 
 #[test]
 fn checkpoint_layout_family_and_tokenizer() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada2")?;
     let files = ModelFiles::from_dir(fixture_dir())?;
     assert_eq!(files.family()?, ModelFamily::MaskedDiffusion);
     let cfg = Llada2Config::from_json(files.config_json())?;

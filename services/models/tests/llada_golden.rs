@@ -5,12 +5,11 @@
 
 mod support;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
-use support::{assert_close, with_each_attention};
+use support::{assert_close, with_each_attention, Golden};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_models::{detect_family, Llada, LladaConfig, ModelFamily, ModelFiles};
@@ -25,44 +24,13 @@ fn model(dtype: DType) -> Result<Llada> {
     Ok(Llada::load(files.var_builder(dtype, &test_device())?, cfg)?)
 }
 
-struct Golden {
-    tensors: HashMap<String, Tensor>,
-    json: serde_json::Value,
-}
-
-impl Golden {
-    fn load() -> Result<Self> {
-        let dir = fixture_dir();
-        Ok(Self {
-            tensors: candle_core::safetensors::load(
-                dir.join("golden.safetensors"),
-                &test_device(),
-            )?,
-            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
-        })
-    }
-
-    fn tensor(&self, name: &str) -> Result<&Tensor> {
-        self.tensors
-            .get(name)
-            .with_context(|| format!("golden tensor {name}"))
-    }
-
-    fn ids(&self, name: &str) -> Result<Vec<u32>> {
-        Ok(self
-            .tensor(name)?
-            .flatten_all()?
-            .to_dtype(DType::U32)?
-            .to_vec1()?)
-    }
-}
 
 /// The README's suggested tolerance for float32 logits.
 const ATOL: f32 = 5e-4;
 
 #[test]
 fn forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada")?;
     with_each_attention(
         || model(DType::F32),
         |model| {
@@ -94,7 +62,7 @@ fn forward_matches_upstream() -> Result<()> {
 
 #[test]
 fn packed_sequences_match_their_own_forwards() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada")?;
     with_each_attention(
         || model(DType::F32),
         |model| {
@@ -119,7 +87,7 @@ fn packed_sequences_match_their_own_forwards() -> Result<()> {
 
 #[test]
 fn wino_shadow_block_forward_matches_upstream() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada")?;
     with_each_attention(
         || model(DType::F32),
         |model| {
@@ -177,7 +145,7 @@ fn wino_shadow_block_forward_matches_upstream() -> Result<()> {
 
 #[test]
 fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada")?;
     with_each_attention(
         || model(DType::F32),
         |model| {
@@ -237,7 +205,7 @@ fn rows_read_from_a_buffer_cache_give_the_dense_logits() -> Result<()> {
 
 #[test]
 fn bf16_forward_tracks_f32() -> Result<()> {
-    let golden = Golden::load()?;
+    let golden = Golden::load("llada")?;
     let model = model(DType::BF16)?;
     assert_eq!(model.dtype(), DType::BF16);
     let ids = golden.ids("forward.input_ids")?;
@@ -296,7 +264,7 @@ fn config_and_checkpoint_layout() -> Result<()> {
 
 #[test]
 fn tokenizer_and_chat_template_match_upstream() -> Result<()> {
-    let g = Golden::load()?;
+    let g = Golden::load("llada")?;
     let tok = ModelFiles::from_dir(fixture_dir())?.tokenizer()?;
     let want = &g.json["tokenizer"];
     for case in want["cases"].as_array().context("cases")? {
@@ -333,7 +301,7 @@ fn tokenizer_and_chat_template_match_upstream() -> Result<()> {
 #[test]
 fn tensor_parallel_ranks_give_the_one_rank_logits() -> Result<()> {
     use wavefront_models::transformer::TensorParallel;
-    let g = Golden::load()?;
+    let g = Golden::load("llada")?;
     let files = ModelFiles::from_dir(fixture_dir())?;
     let ids = g.ids("forward.input_ids")?;
     let one = model(DType::F32)?;

@@ -21,43 +21,23 @@
 
 mod config;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 pub use self::config::DreamConfig;
 use crate::error::Result;
 use crate::transformer::{
-    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, PackedLayout, RmsNorm,
-    RopeTable, SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
+    get, Block, BlockNames, EmbedHead, RmsNorm, RopeTable, SeqInput, Stack, TensorParallel,
 };
 
 /// A loaded Dream model.
 #[derive(Debug, Clone)]
 pub struct Dream {
     cfg: DreamConfig,
-    /// `model.embed_tokens` and `lm_head` (tied under `tie_word_embeddings`).
-    io: EmbedHead,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    rope: RopeTable,
-    attention: AttentionKernel,
+    stack: Stack,
 }
 
-impl SelectAttention for Dream {
-    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
-        self.attention = kernel;
-        Ok(())
-    }
-}
-
-impl StoreWeights for Dream {
-    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
-        for b in &mut self.blocks {
-            b.store_weights(dtype)?;
-        }
-        self.io.store_as(dtype)
-    }
-}
+crate::stack_model!(Dream, DreamConfig);
 
 impl Dream {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.*`,
@@ -85,39 +65,14 @@ impl Dream {
         } else {
             Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
         };
-        let io = EmbedHead::new(embed, head)?;
         let rope = RopeTable::new(
             cfg.head_dim(),
             cfg.rope_theta,
             cfg.max_position_embeddings,
             vb.device(),
         )?;
-        Ok(Self {
-            cfg,
-            io,
-            blocks,
-            norm,
-            rope,
-            attention: AttentionKernel::default(),
-        })
-    }
-
-    pub fn config(&self) -> &DreamConfig {
-        &self.cfg
-    }
-
-    pub fn device(&self) -> &Device {
-        self.io.device()
-    }
-
-    /// Compute dtype of the weights (and of hidden rows).
-    pub fn dtype(&self) -> DType {
-        self.io.dtype()
-    }
-
-    /// Token embeddings `[N, E]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        self.io.embed(ids)
+        let stack = Stack::new(EmbedHead::new(embed, head)?, blocks, norm, rope);
+        Ok(Self { cfg, stack })
     }
 
     /// The output row whose logits predict position `position` of a sequence: the row before
@@ -126,36 +81,14 @@ impl Dream {
         position.saturating_sub(1)
     }
 
-    /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
-    /// the head.
-    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(
-            &self.blocks,
-            &self.rope,
-            &self.norm,
-            self.embed(ids)?,
-            seqs,
-            self.attention,
-        )
-    }
-
     /// Upstream's `output_hidden_states`: the embeddings, the output of every layer but the
     /// last, and `norm` of the last layer's output (`num_hidden_layers + 1` tensors `[N, E]`).
     pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
-        let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
-        let mut states = Vec::with_capacity(self.blocks.len() + 1);
-        for block in &self.blocks {
-            states.push(x.clone());
-            x = block.forward(&x, &layout, seqs)?;
-        }
-        crate::transformer::commit_buffers(seqs);
-        states.push(self.norm.forward(&x)?);
-        Ok(states)
+        self.stack.hidden_states(ids, seqs, |_, _, _, _| Ok(()))
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Dream::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.io.logits(hidden)
+        self.stack.logits(hidden)
     }
 }

@@ -20,43 +20,24 @@
 
 mod config;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 pub use self::config::LladaConfig;
 use crate::error::Result;
 use crate::transformer::{
-    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, PackedLayout, RmsNorm,
-    RopeTable, SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
+    get, Block, BlockNames, EmbedHead, RmsNorm, RopeTable, SeqInput, Stack, TensorParallel,
 };
 
 /// A loaded LLaDA model.
 #[derive(Debug, Clone)]
 pub struct Llada {
     cfg: LladaConfig,
-    /// `wte` and the head (`ff_out`, or `wte` under weight tying).
-    io: EmbedHead,
-    blocks: Vec<Block>,
-    ln_f: RmsNorm,
-    rope: RopeTable,
-    attention: AttentionKernel,
+    /// `wte`, the blocks, `ln_f` and the head (`ff_out`, or `wte` under weight tying).
+    stack: Stack,
 }
 
-impl SelectAttention for Llada {
-    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
-        self.attention = kernel;
-        Ok(())
-    }
-}
-
-impl StoreWeights for Llada {
-    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
-        for b in &mut self.blocks {
-            b.store_weights(dtype)?;
-        }
-        self.io.store_as(dtype)
-    }
-}
+crate::stack_model!(Llada, LladaConfig);
 
 impl Llada {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.transformer.*`).
@@ -89,72 +70,25 @@ impl Llada {
             };
             Some((get(&t.pp("ff_out"), &[v, e], "weight")?, bias))
         };
-        let io = EmbedHead::new(wte, head)?;
         let rope = RopeTable::new(
             cfg.head_dim(),
             cfg.rope_theta,
             cfg.max_sequence_length,
             vb.device(),
         )?;
-        Ok(Self {
-            cfg,
-            io,
-            blocks,
-            ln_f,
-            rope,
-            attention: AttentionKernel::default(),
-        })
-    }
-
-    pub fn config(&self) -> &LladaConfig {
-        &self.cfg
-    }
-
-    pub fn device(&self) -> &Device {
-        self.io.device()
-    }
-
-    /// Compute dtype of the weights (and of hidden rows and caches).
-    pub fn dtype(&self) -> DType {
-        self.io.dtype()
-    }
-
-    /// Token embeddings `[N, E]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        self.io.embed(ids)
-    }
-
-    /// All blocks and `ln_f` over packed token rows: the hidden rows `[N, E]` fed to the head.
-    /// Buffer sequences' caches hold this call's keys afterwards.
-    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(
-            &self.blocks,
-            &self.rope,
-            &self.ln_f,
-            self.embed(ids)?,
-            seqs,
-            self.attention,
-        )
+        let stack = Stack::new(EmbedHead::new(wte, head)?, blocks, ln_f, rope);
+        Ok(Self { cfg, stack })
     }
 
     /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the
     /// first, and `ln_f` of the last block's output (`n_layers + 1` tensors `[N, E]`).
     pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
-        let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
-        let mut states = Vec::with_capacity(self.blocks.len() + 1);
-        for block in &self.blocks {
-            states.push(x.clone());
-            x = block.forward(&x, &layout, seqs)?;
-        }
-        crate::transformer::commit_buffers(seqs);
-        states.push(self.ln_f.forward(&x)?);
-        Ok(states)
+        self.stack.hidden_states(ids, seqs, |_, _, _, _| Ok(()))
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Llada::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let logits = self.io.logits(hidden)?;
+        let logits = self.stack.logits(hidden)?;
         if self.cfg.scale_logits {
             return Ok((logits * (1.0 / (self.cfg.d_model as f64).sqrt()))?);
         }

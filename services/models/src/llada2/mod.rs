@@ -28,7 +28,7 @@ mod config;
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 pub use self::config::Llada2Config;
@@ -36,37 +36,18 @@ use crate::error::{ModelError, Result};
 use crate::transformer::moe::{expert_range, Moe, MoeShard, Routing};
 use crate::transformer::parallel::{column_range, slice};
 use crate::transformer::{
-    forward_stack, get, AttentionKernel, Block, BlockWeights, EmbedHead, GatedMlp, Linear,
-    PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput, ShardWeights, StoreWeights,
-    TensorParallel, WeightDtype,
+    get, Block, BlockWeights, EmbedHead, GatedMlp, Linear, RmsNorm, RopeTable, SeqInput,
+    ShardWeights, Stack, TensorParallel,
 };
 
 /// A loaded LLaDA2.0 model.
 #[derive(Debug, Clone)]
 pub struct Llada2 {
     cfg: Llada2Config,
-    io: EmbedHead,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    rope: RopeTable,
-    attention: AttentionKernel,
+    stack: Stack,
 }
 
-impl SelectAttention for Llada2 {
-    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
-        self.attention = kernel;
-        Ok(())
-    }
-}
-
-impl StoreWeights for Llada2 {
-    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
-        for b in &mut self.blocks {
-            b.store_weights(dtype)?;
-        }
-        self.io.store_as(dtype)
-    }
-}
+crate::stack_model!(Llada2, Llada2Config);
 
 /// `[out, in]` weight of a bias-free projection.
 fn weight(vb: &VarBuilder, out: usize, inp: usize) -> Result<Tensor> {
@@ -184,21 +165,14 @@ impl Llada2 {
         } else {
             Some((weight(&vb.pp("lm_head"), v, e)?, None))
         };
-        let io = EmbedHead::new(embed, head)?;
         let rope = RopeTable::new(
             cfg.rotary_dim(),
             cfg.rope_theta,
             cfg.max_position_embeddings,
             vb.device(),
         )?;
-        Ok(Self {
-            cfg,
-            io,
-            blocks,
-            norm,
-            rope,
-            attention: AttentionKernel::default(),
-        })
+        let stack = Stack::new(EmbedHead::new(embed, head)?, blocks, norm, rope);
+        Ok(Self { cfg, stack })
     }
 
     /// One MoE layer `mlp.*`: the router, every rank's experts and its slice of the shared ones.
@@ -243,35 +217,6 @@ impl Llada2 {
         Moe::new(cfg.routing(), gate, bias, shards, tp.comm.clone())
     }
 
-    pub fn config(&self) -> &Llada2Config {
-        &self.cfg
-    }
-
-    pub fn device(&self) -> &Device {
-        self.io.device()
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.io.dtype()
-    }
-
-    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        self.io.embed(ids)
-    }
-
-    /// Every layer and the final `norm` over packed rows: the hidden rows `[N, E]` fed to the
-    /// head. Buffer sequences' caches hold this call's keys afterwards.
-    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(
-            &self.blocks,
-            &self.rope,
-            &self.norm,
-            self.embed(ids)?,
-            seqs,
-            self.attention,
-        )
-    }
-
     /// Upstream's `output_hidden_states`: the embeddings, the input of every layer after the
     /// first, and `norm` of the last layer's output; with every MoE layer's router input and
     /// routing (`None` for dense layers).
@@ -281,29 +226,25 @@ impl Llada2 {
         ids: &[u32],
         seqs: &mut [SeqInput],
     ) -> Result<(Vec<Tensor>, Vec<Option<(Tensor, Routing)>>)> {
-        let mut x = self.embed(ids)?;
-        let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
-        let mut states = Vec::with_capacity(self.blocks.len() + 1);
-        let mut routes = Vec::with_capacity(self.blocks.len());
-        for block in &self.blocks {
-            states.push(x.clone());
-            routes.push(match block.moe() {
-                Some(moe) => {
-                    let input = block.ffn_input(&x, &layout, seqs)?;
-                    let routing = moe.route(&input)?;
-                    Some((input, routing))
-                }
-                None => None,
-            });
-            x = block.forward(&x, &layout, seqs)?;
-        }
-        crate::transformer::commit_buffers(seqs);
-        states.push(self.norm.forward(&x)?);
+        let mut routes = Vec::with_capacity(self.stack.blocks.len());
+        let states = self
+            .stack
+            .hidden_states(ids, seqs, |block, x, layout, seqs| {
+                routes.push(match block.moe() {
+                    Some(moe) => {
+                        let input = block.ffn_input(x, layout, seqs)?;
+                        let routing = moe.route(&input)?;
+                        Some((input, routing))
+                    }
+                    None => None,
+                });
+                Ok(())
+            })?;
         Ok((states, routes))
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Llada2::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.io.logits(hidden)
+        self.stack.logits(hidden)
     }
 }

@@ -25,44 +25,24 @@
 
 mod config;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 pub use self::config::Qwen3Config;
 pub use crate::config::TokenIds;
 use crate::error::Result;
 use crate::transformer::{
-    forward_stack, get, AttentionKernel, Block, BlockNames, EmbedHead, RmsNorm, RopeTable,
-    SelectAttention, SeqInput, StoreWeights, TensorParallel, WeightDtype,
+    get, Block, BlockNames, EmbedHead, RmsNorm, RopeTable, Stack, TensorParallel,
 };
 
 /// A loaded Qwen3 / ReFusion model.
 #[derive(Debug, Clone)]
 pub struct Qwen3 {
     cfg: Qwen3Config,
-    /// `model.embed_tokens` and `lm_head` (tied under `tie_word_embeddings`).
-    io: EmbedHead,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    rope: RopeTable,
-    attention: AttentionKernel,
+    stack: Stack,
 }
 
-impl SelectAttention for Qwen3 {
-    fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
-        self.attention = kernel;
-        Ok(())
-    }
-}
-
-impl StoreWeights for Qwen3 {
-    fn store_weights(&mut self, dtype: WeightDtype) -> Result<()> {
-        for b in &mut self.blocks {
-            b.store_weights(dtype)?;
-        }
-        self.io.store_as(dtype)
-    }
-}
+crate::stack_model!(Qwen3, Qwen3Config);
 
 impl Qwen3 {
     /// Loads the weights from a `VarBuilder` rooted at the checkpoint (names `model.*`,
@@ -92,56 +72,18 @@ impl Qwen3 {
         } else {
             Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
         };
-        let io = EmbedHead::new(embed, head)?;
         let rope = RopeTable::new(
             cfg.head_dim(),
             cfg.rope_theta,
             cfg.max_position_embeddings,
             vb.device(),
         )?;
-        Ok(Self {
-            cfg,
-            io,
-            blocks,
-            norm,
-            rope,
-            attention: AttentionKernel::default(),
-        })
-    }
-
-    pub fn config(&self) -> &Qwen3Config {
-        &self.cfg
-    }
-
-    pub fn device(&self) -> &Device {
-        self.io.device()
-    }
-
-    /// Compute dtype of the weights (and of hidden rows and caches).
-    pub fn dtype(&self) -> DType {
-        self.io.dtype()
-    }
-
-    /// Token embeddings `[N, E]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        self.io.embed(ids)
-    }
-
-    /// Every layer and the final `norm` over packed token rows: the hidden rows `[N, E]` fed to
-    /// the head. Caches of the sequences hold this call's keys afterwards.
-    pub fn forward(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Tensor> {
-        forward_stack(
-            &self.blocks,
-            &self.rope,
-            &self.norm,
-            self.embed(ids)?,
-            seqs,
-            self.attention,
-        )
+        let stack = Stack::new(EmbedHead::new(embed, head)?, blocks, norm, rope);
+        Ok(Self { cfg, stack })
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Qwen3::forward`].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.io.logits(hidden)
+        self.stack.logits(hidden)
     }
 }

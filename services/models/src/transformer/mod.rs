@@ -34,10 +34,11 @@ pub mod moe;
 mod nccl;
 pub mod parallel;
 mod ragged;
+mod stack;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
-pub(crate) use block::{embed_tokens, forward_stack, BlockWeights, ShardRange, ShardWeights};
+pub(crate) use block::{embed_tokens, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use kv_cache::merge_runs;
 pub use kv_cache::{KvPool, PagedCache, PAGE_SIZE};
@@ -48,3 +49,4 @@ pub(crate) use linear::{EmbedHead, LinearStack};
 pub use linear::{Linear, StoreWeights, WeightDtype};
 pub use parallel::{cached_kv_heads, Collective, CollectiveKind, LocalCollective, TensorParallel};
 pub use ragged::{AttentionKernel, SelectAttention};
+pub(crate) use stack::Stack;

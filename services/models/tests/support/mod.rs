@@ -44,3 +44,37 @@ pub fn with_each_attention<M: SelectAttention>(
     }
     Ok(())
 }
+
+/// A fixture's `golden.json` and `golden.safetensors` (tests/fixtures/<name>).
+pub struct Golden {
+    pub tensors: std::collections::HashMap<String, Tensor>,
+    pub json: serde_json::Value,
+}
+
+impl Golden {
+    pub fn load(fixture: &str) -> Result<Self> {
+        let dir = wavefront_models::device::test_fixture(fixture);
+        Ok(Self {
+            tensors: candle_core::safetensors::load(
+                dir.join("golden.safetensors"),
+                &wavefront_models::device::test_device(),
+            )?,
+            json: serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?,
+        })
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .with_context(|| format!("golden tensor {name}"))
+    }
+
+    /// An integer tensor's values, flattened.
+    pub fn ids(&self, name: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .tensor(name)?
+            .flatten_all()?
+            .to_dtype(DType::U32)?
+            .to_vec1()?)
+    }
+}
