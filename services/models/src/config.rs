@@ -114,6 +114,31 @@ pub(crate) fn check_rope(file: &str, key: &str, positions: usize, head_dim: usiz
     }
 }
 
+/// Refuses the Hugging Face options no family here computes: an activation other than SiLU,
+/// scaled RoPE (`rope_scaling` not null) and sliding-window attention.
+pub(crate) fn check_plain_llama_options(
+    hidden_act: &str,
+    rope_scaling: Option<&serde_json::Value>,
+    use_sliding_window: bool,
+) -> Result<()> {
+    if hidden_act != "silu" {
+        return bad(
+            "hidden_act",
+            format!("only `silu` is implemented, got `{hidden_act}`"),
+        );
+    }
+    if rope_scaling.is_some_and(|v| !v.is_null()) {
+        return bad("rope_scaling", "scaled RoPE is not implemented".into());
+    }
+    if use_sliding_window {
+        return bad(
+            "use_sliding_window",
+            "sliding-window attention is not implemented".into(),
+        );
+    }
+    Ok(())
+}
+
 /// `a * b` when it is at most `max`: the product of two config sizes, checked.
 pub(crate) fn product_within(a: usize, b: usize, max: usize) -> Option<usize> {
     a.checked_mul(b).filter(|&p| p <= max)

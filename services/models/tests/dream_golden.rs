@@ -27,7 +27,6 @@ fn model() -> Result<Dream> {
     )?)
 }
 
-
 /// The README's suggested tolerance for logits and hidden states.
 const ATOL: f32 = 1e-4;
 

@@ -33,7 +33,6 @@ fn model() -> Result<Llada2> {
     model_with(&TensorParallel::single())
 }
 
-
 /// The README's tolerances: logits 5e-4, hidden states and K/V 1e-4, router weights 1e-5.
 const LOGITS: f32 = 5e-4;
 const HIDDEN: f32 = 1e-4;

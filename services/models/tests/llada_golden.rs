@@ -24,7 +24,6 @@ fn model(dtype: DType) -> Result<Llada> {
     Ok(Llada::load(files.var_builder(dtype, &test_device())?, cfg)?)
 }
 
-
 /// The README's suggested tolerance for float32 logits.
 const ATOL: f32 = 5e-4;
 

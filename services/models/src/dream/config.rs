@@ -10,7 +10,8 @@
 use serde::Deserialize;
 
 use crate::config::{
-    bad, check_llama_sizes, check_rope, in_file, parse_json, LlamaSizes, TokenIds,
+    bad, check_llama_sizes, check_plain_llama_options, check_rope, in_file, parse_json, LlamaSizes,
+    TokenIds,
 };
 use crate::error::Result;
 use crate::transformer::{BlockConfig, BlockNames};
@@ -100,23 +101,13 @@ impl DreamConfig {
                 ),
             );
         }
-        if self.hidden_act != "silu" {
-            return bad(
-                "hidden_act",
-                format!("only `silu` is implemented, got `{}`", self.hidden_act),
-            );
-        }
-        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return bad("rope_scaling", "scaled RoPE is not implemented".into());
-        }
+        check_plain_llama_options(
+            &self.hidden_act,
+            self.rope_scaling.as_ref(),
+            self.use_sliding_window,
+        )?;
         if self.use_mrope {
             return bad("use_mrope", "multimodal RoPE is not implemented".into());
-        }
-        if self.use_sliding_window {
-            return bad(
-                "use_sliding_window",
-                "sliding-window attention is not implemented".into(),
-            );
         }
         self.block_config().validate()?;
         check_rope(

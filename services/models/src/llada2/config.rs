@@ -17,7 +17,8 @@
 use serde::Deserialize;
 
 use crate::config::{
-    bad, check_llama_sizes, check_rope, in_file, parse_json, LlamaSizes, TokenIds,
+    bad, check_llama_sizes, check_plain_llama_options, check_rope, in_file, parse_json, LlamaSizes,
+    TokenIds,
 };
 use crate::error::Result;
 use crate::transformer::moe::MoeRouting;
@@ -129,12 +130,8 @@ impl Llada2Config {
                 rope_theta: self.rope_theta,
             },
         )?;
-        if self.hidden_act != "silu" {
-            return bad(
-                "hidden_act",
-                format!("only `silu` is implemented, got `{}`", self.hidden_act),
-            );
-        }
+        // The sliding-window keys are ignored upstream (Q7): never applied there either.
+        check_plain_llama_options(&self.hidden_act, self.rope_scaling.as_ref(), false)?;
         if self.score_function != "sigmoid" {
             return bad(
                 "score_function",
@@ -143,9 +140,6 @@ impl Llada2Config {
                     self.score_function
                 ),
             );
-        }
-        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return bad("rope_scaling", "scaled RoPE is not implemented".into());
         }
         if self.use_bias || self.use_qkv_bias {
             return bad(
