@@ -26,9 +26,7 @@ use candle_nn::VarBuilder;
 
 pub use self::config::DreamConfig;
 use crate::error::Result;
-use crate::transformer::{
-    get, Block, BlockNames, EmbedHead, RmsNorm, RopeTable, SeqInput, Stack, TensorParallel,
-};
+use crate::transformer::{HfLayout, SeqInput, Stack, TensorParallel};
 
 /// A loaded Dream model.
 #[derive(Debug, Clone)]
@@ -50,28 +48,14 @@ impl Dream {
     /// MLP columns; embeddings, norms and the head replicated).
     pub fn load_parallel(vb: VarBuilder, cfg: DreamConfig, tp: &TensorParallel) -> Result<Self> {
         cfg.validate()?;
-        let m = vb.pp("model");
-        let (e, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed = get(&m.pp("embed_tokens"), &[v, e], "weight")?;
-        let block_cfg = cfg.block_config();
-        let blocks = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                Block::load_parallel(m.pp("layers").pp(i), &block_cfg, &BlockNames::LLAMA, i, tp)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(m.pp("norm"), e, cfg.rms_norm_eps)?;
-        let head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
+        let layout = HfLayout {
+            vocab_size: cfg.vocab_size,
+            layers: cfg.num_hidden_layers,
+            block: cfg.block_config(),
+            tie_word_embeddings: cfg.tie_word_embeddings,
+            rope: (cfg.head_dim(), cfg.rope_theta, cfg.max_position_embeddings),
         };
-        let rope = RopeTable::new(
-            cfg.head_dim(),
-            cfg.rope_theta,
-            cfg.max_position_embeddings,
-            vb.device(),
-        )?;
-        let stack = Stack::new(EmbedHead::new(embed, head)?, blocks, norm, rope);
+        let stack = Stack::load_hf(vb, &layout, tp)?;
         Ok(Self { cfg, stack })
     }
 

@@ -49,4 +49,4 @@ pub(crate) use linear::{EmbedHead, LinearStack};
 pub use linear::{Linear, StoreWeights, WeightDtype};
 pub use parallel::{cached_kv_heads, Collective, CollectiveKind, LocalCollective, TensorParallel};
 pub use ragged::{AttentionKernel, SelectAttention};
-pub(crate) use stack::Stack;
+pub(crate) use stack::{HfLayout, Stack};

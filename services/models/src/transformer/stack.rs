@@ -4,11 +4,13 @@
 //! [`stack_model!`](crate::stack_model) gives them the same accessors and forwards.
 
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 
 use super::attention::{commit_buffers, PackedLayout, SeqInput};
-use super::block::{forward_stack, Block};
-use super::layers::{RmsNorm, RopeTable};
+use super::block::{forward_stack, Block, BlockConfig, BlockNames};
+use super::layers::{get, RmsNorm, RopeTable};
 use super::linear::{EmbedHead, StoreWeights, WeightDtype};
+use super::parallel::TensorParallel;
 use super::ragged::AttentionKernel;
 use crate::error::Result;
 
@@ -21,7 +23,40 @@ pub(crate) struct Stack {
     pub(crate) attention: AttentionKernel,
 }
 
+/// The Hugging Face Llama layout of a checkpoint: `model.embed_tokens`, `model.layers.N.*`
+/// ([`BlockNames::LLAMA`]), `model.norm`, and `lm_head` unless the embeddings are tied.
+pub(crate) struct HfLayout {
+    pub vocab_size: usize,
+    pub layers: usize,
+    pub block: BlockConfig,
+    pub tie_word_embeddings: bool,
+    /// RoPE: dims rotated, theta, positions.
+    pub rope: (usize, f64, usize),
+}
+
 impl Stack {
+    /// Loads a checkpoint in the Hugging Face Llama layout (Qwen3, Dream), every block split
+    /// over `tp.world` ranks.
+    pub(crate) fn load_hf(vb: VarBuilder, l: &HfLayout, tp: &TensorParallel) -> Result<Self> {
+        let m = vb.pp("model");
+        let (e, v) = (l.block.hidden_size, l.vocab_size);
+        let embed = get(&m.pp("embed_tokens"), &[v, e], "weight")?;
+        let blocks = (0..l.layers)
+            .map(|i| {
+                Block::load_parallel(m.pp("layers").pp(i), &l.block, &BlockNames::LLAMA, i, tp)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(m.pp("norm"), e, l.block.norm_eps)?;
+        let head = if l.tie_word_embeddings {
+            None
+        } else {
+            Some((get(&vb.pp("lm_head"), &[v, e], "weight")?, None))
+        };
+        let (dims, theta, positions) = l.rope;
+        let rope = RopeTable::new(dims, theta, positions, vb.device())?;
+        Ok(Self::new(EmbedHead::new(embed, head)?, blocks, norm, rope))
+    }
+
     pub(crate) fn new(io: EmbedHead, blocks: Vec<Block>, norm: RmsNorm, rope: RopeTable) -> Self {
         Self {
             io,
