@@ -1,8 +1,9 @@
 //! Models of each family's checkpoint layout with random weights, for timing without a
-//! checkpoint: Huginn ([`huginn`]), LLaDA ([`llada`]), ARMT on Llama ([`armt`]) and
-//! ReFusion's Qwen3 ([`qwen3`]).
+//! checkpoint: Huginn ([`huginn`]), LLaDA ([`llada`]), ARMT on Llama ([`armt`]),
+//! ReFusion's Qwen3 ([`qwen3`]), and LLaDA2.0 with mixture-of-experts layers ([`llada2`]).
 
 pub mod armt;
 pub mod huginn;
 pub mod llada;
+pub mod llada2;
 pub mod qwen3;
