@@ -13,7 +13,7 @@ __device__ __forceinline__ void store(__nv_bfloat16 *p, float x) { *p = __float2
 __device__ __forceinline__ bool allows(uint32_t kind, uint32_t p0, uint32_t p1, uint32_t q, uint32_t k) {
   if (kind == 0) return true;
   if (kind == 1) return k <= q;
-  if (kind == 3) return k / p0 <= q / p0;
+  if (kind == 3) return k / max(p0, 1u) <= q / max(p0, 1u);
   bool qs = q >= p0, ks = k >= p0;
   if (!qs) return !ks;
   if (ks) return true;

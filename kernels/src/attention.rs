@@ -46,7 +46,7 @@ impl Mask {
                 (false, true) => false,
                 (true, false) => key != block_start + (query - main_len),
             },
-            Mask::BlockCausal { block } => key / block <= query / block,
+            Mask::BlockCausal { block } => key / block.max(1) <= query / block.max(1),
         }
     }
 

@@ -50,7 +50,7 @@ impl MaskRule {
                 (true, true) => true,
                 (true, false) => key != block_start + (query - main_len),
             },
-            MaskRule::BlockCausal { block } => key / block <= query / block,
+            MaskRule::BlockCausal { block } => key / block.max(1) <= query / block.max(1),
         }
     }
 }
