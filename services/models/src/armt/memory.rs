@@ -39,6 +39,14 @@ pub struct MemoryUpdate {
     delta_z: Tensor,
 }
 
+impl MemoryUpdate {
+    /// An update of `delta_a` `[d_key, d]` and `delta_z` `[d_key]` (float32): what a write adds
+    /// (tests build fake ones).
+    pub fn new(delta_a: Tensor, delta_z: Tensor) -> Self {
+        Self { delta_a, delta_z }
+    }
+}
+
 impl LayerMemory {
     /// The empty memory: `A = 0`, `z = 0`, never written.
     pub fn zeros(d_key: usize, d: usize, device: &Device) -> Result<Self> {

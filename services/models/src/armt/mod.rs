@@ -66,6 +66,15 @@ pub struct SeqMemory<'a> {
     pub write: bool,
 }
 
+/// One sequence's memories in a [`Armt::forward_layers_deferred`] call, read only.
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryView<'a> {
+    /// Its memory of every layer (read before each layer).
+    pub layers: &'a [LayerMemory],
+    /// A memory segment: its last `M` rows write every layer's memory.
+    pub write: bool,
+}
+
 /// What a whole-sequence forward produced.
 #[derive(Debug, Clone)]
 pub struct ForwardOutput {
@@ -346,6 +355,35 @@ impl Armt {
         seqs: &mut [SeqInput],
         mems: &mut [SeqMemory],
     ) -> Result<Tensor> {
+        let views: Vec<MemoryView> = mems
+            .iter()
+            .map(|m| MemoryView {
+                layers: &*m.layers,
+                write: m.write,
+            })
+            .collect();
+        let (out, writes) = self.forward_layers_deferred(x, seqs, &views)?;
+        for (m, w) in mems.iter_mut().zip(writes) {
+            for (l, u) in w.into_iter().enumerate() {
+                if let Some(u) = u {
+                    m.layers[l].apply(u)?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Armt::forward_layers`] with the memories only read: each writing sequence's writes
+    /// come back, one per layer, to be applied (with [`LayerMemory::apply`]) afterwards. A
+    /// layer's write changes only that layer's memory, which no later layer of the pass reads,
+    /// so applying them after the pass gives the same memories.
+    #[allow(clippy::type_complexity)]
+    pub fn forward_layers_deferred(
+        &self,
+        x: &Tensor,
+        seqs: &mut [SeqInput],
+        mems: &[MemoryView],
+    ) -> Result<(Tensor, Vec<Vec<Option<MemoryUpdate>>>)> {
         if seqs.len() != mems.len() {
             return Err(ModelError::Shape(format!(
                 "{} sequences but {} memories",
@@ -371,14 +409,20 @@ impl Armt {
                 )));
             }
         }
+        let mut writes: Vec<Vec<Option<MemoryUpdate>>> = mems
+            .iter()
+            .map(|_| (0..self.blocks.len()).map(|_| None).collect())
+            .collect();
         let mut x = x.clone();
         for (l, block) in self.blocks.iter().enumerate() {
             x = self.read_rows(&x, l, &rows, mems)?;
             x = block.forward(&x, &layout, seqs)?;
-            self.write_rows(&x, l, &rows, &offsets, mems)?;
+            for (i, u) in self.write_rows(&x, l, &rows, &offsets, mems)? {
+                writes[i][l] = Some(u);
+            }
         }
         commit_buffers(seqs);
-        Ok(x)
+        Ok((x, writes))
     }
 
     /// `x + read` of layer `l` for every sequence whose layer-l memory was written.
@@ -387,7 +431,7 @@ impl Armt {
         x: &Tensor,
         l: usize,
         rows: &[usize],
-        mems: &[SeqMemory],
+        mems: &[MemoryView],
     ) -> Result<Tensor> {
         if !mems.iter().any(|m| m.layers[l].is_written()) {
             return Ok(x.clone());
@@ -442,18 +486,19 @@ impl Armt {
         Ok(t.squeeze(0)?)
     }
 
-    /// The writes of layer `l` from each writing sequence's last `M` rows, in one batch.
+    /// The writes of layer `l` from each writing sequence's last `M` rows, in one batch: the
+    /// update of each writer (by sequence index), not applied.
     fn write_rows(
         &self,
         x: &Tensor,
         l: usize,
         rows: &[usize],
         offsets: &[usize],
-        mems: &mut [SeqMemory],
-    ) -> Result<()> {
+        mems: &[MemoryView],
+    ) -> Result<Vec<(usize, MemoryUpdate)>> {
         let writers: Vec<usize> = (0..mems.len()).filter(|&i| mems[i].write).collect();
         if writers.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let (m, d, dm) = (
             self.cfg.num_mem_tokens(),
@@ -511,10 +556,7 @@ impl Armt {
             correction: self.cfg.armt.correction,
             eps: self.cfg.mem_eps,
         })?;
-        for (&i, u) in writers.iter().zip(updates(&da, &dz)?) {
-            mems[i].layers[l].apply(u)?;
-        }
-        Ok(())
+        Ok(writers.into_iter().zip(updates(&da, &dz)?).collect())
     }
 
     /// Runs every cell as one grouped decoder-layer call (diagonal batching, see [`grouped`]).

@@ -11,16 +11,20 @@
 //! 3. **One head call** over the rows that choose a token: the last row of each prompt segment
 //!    that reached the top layer this tick, and every decoding row.
 //!
+//! Each program plans its part ([`ArmtPlan`]) before the calls, the calls return each plan's
+//! output ([`ArmtOutput`]: cell outputs, memory writes, the chosen token) without touching a
+//! program's memories, and each program commits its own ([`ArmtProgram::commit`]).
+//!
 //! Nothing a request computes depends on which other requests share the tick: packed rows never
 //! mix (attention is per cell or per sequence, memories per request), so its tokens are the same
 //! alone or batched.
 
 use candle_core::{DType, Device, Tensor};
 use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
-use wavefront_models::armt::{Armt, CellInput, SeqMemory, StepShape};
+use wavefront_models::armt::{Armt, CellInput, MemoryView, StepShape};
 use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
 
-use super::program::{ArmtProgram, Phase};
+use super::program::{ArmtOutput, ArmtPlan, ArmtProgram};
 use crate::paging;
 use crate::tick::{entries, to_candle};
 
@@ -36,68 +40,100 @@ pub struct TickReport {
     pub grouped: Option<StepShape>,
 }
 
-/// Runs one tick of every program in `batch` (see the module doc). A failure of a packed call
-/// fails the tick; nothing here is specific to one program.
+/// Runs one tick of every program in `batch` (see the module doc): each program plans, the
+/// plans run packed ([`run`]), and each program commits its output. A failure of a packed call
+/// fails the tick; a program's own failure to commit goes to its outbox.
 pub fn tick(model: &Armt, batch: &mut [Entry<'_>]) -> candle_core::Result<TickReport> {
-    let mut report = TickReport::default();
+    let n_layers = model.config().n_layers();
     for e in batch.iter_mut() {
         if e.program.memory.is_none() {
             e.program.memory = Some(model.new_memory().map_err(to_candle)?);
         }
     }
-    // Rows whose logits choose a token: (entry, hidden row [1, d]).
-    let mut heads: Vec<(usize, Tensor)> = Vec::new();
-    let diagonal: Vec<usize> = (0..batch.len())
-        .filter(|&i| {
-            let p = &batch[i].program;
-            p.phase == Phase::Prefill && p.is_diagonal()
-        })
-        .collect();
-    if !diagonal.is_empty() {
-        grouped_step(model, batch, &diagonal, &mut heads, &mut report)?;
-    }
-    let packed: Vec<usize> = (0..batch.len())
-        .filter(|i| !diagonal.contains(i) && batch[*i].program.phase != Phase::Done)
-        .collect();
-    if !packed.is_empty() {
-        layer_pass(model, batch, &packed, &mut heads, &mut report)?;
-    }
-    if heads.is_empty() {
-        return Ok(report);
-    }
-    let rows: Vec<Tensor> = heads.iter().map(|(_, r)| r.clone()).collect();
-    let logits = model.logits(&Tensor::cat(&rows, 0)?).map_err(to_candle)?;
-    let tokens: Vec<u32> = if heads.iter().all(|(i, _)| batch[*i].program.is_greedy()) {
-        logits
-            .argmax(candle_core::D::Minus1)?
-            .to_dtype(DType::U32)?
-            .to_vec1()?
-    } else {
-        let rows = logits.to_vec2::<f32>()?;
-        heads
-            .iter()
-            .zip(rows)
-            .map(|((i, _), r)| batch[*i].program.sample(&r))
-            .collect()
-    };
-    for (k, (i, _)) in heads.iter().enumerate() {
-        if batch[*i].program.records_logits() {
-            let row = logits.get(k)?.to_vec1::<f32>()?;
-            batch[*i].program.record_logits(row);
+    let plans: Vec<ArmtPlan> = batch.iter().map(|e| e.program.plan(n_layers)).collect();
+    let (outputs, report) = run(model, batch, &plans)?;
+    for ((e, plan), out) in batch.iter_mut().zip(&plans).zip(outputs) {
+        if let Err(err) = e.program.commit(plan, out, n_layers, e.outbox) {
+            e.outbox.fail(FamilyError::commit("recurrent-memory", err));
         }
-    }
-    for ((i, _), token) in heads.iter().zip(tokens) {
-        let e = &mut batch[*i];
-        e.program.commit(token, e.outbox);
     }
     Ok(report)
 }
 
-/// Step 1 of the tick: the diagonals of `members`, in one grouped call.
+/// Runs `plans` (one per entry of `batch`, in order) in packed calls: one grouped step for every
+/// diagonal, one pass through the layers for every sequential segment and decoding token, one
+/// head call over the rows that choose a token. Writes only what the forwards themselves write
+/// (caches); memories, residual streams and tokens go to each program in its [`ArmtOutput`].
+pub fn run(
+    model: &Armt,
+    batch: &mut [Entry<'_>],
+    plans: &[ArmtPlan],
+) -> candle_core::Result<(Vec<ArmtOutput>, TickReport)> {
+    let mut report = TickReport::default();
+    let mut outputs: Vec<ArmtOutput> = plans.iter().map(|_| ArmtOutput::default()).collect();
+    // Rows whose logits choose a token: (entry, hidden row [1, d]).
+    let mut heads: Vec<(usize, Tensor)> = Vec::new();
+    let diagonal: Vec<usize> = (0..plans.len())
+        .filter(|&i| matches!(plans[i], ArmtPlan::Diagonal { .. }))
+        .collect();
+    if !diagonal.is_empty() {
+        grouped_step(
+            model,
+            batch,
+            plans,
+            &diagonal,
+            &mut outputs,
+            &mut heads,
+            &mut report,
+        )?;
+    }
+    let packed: Vec<usize> = (0..plans.len())
+        .filter(|&i| matches!(plans[i], ArmtPlan::Segment { .. } | ArmtPlan::Decode { .. }))
+        .collect();
+    if !packed.is_empty() {
+        layer_pass(
+            model,
+            batch,
+            plans,
+            &packed,
+            &mut outputs,
+            &mut heads,
+            &mut report,
+        )?;
+    }
+    if heads.is_empty() {
+        return Ok((outputs, report));
+    }
+    let rows: Vec<Tensor> = heads.iter().map(|(_, r)| r.clone()).collect();
+    let logits = model.logits(&Tensor::cat(&rows, 0)?).map_err(to_candle)?;
+    let greedy = heads.iter().all(|(i, _)| batch[*i].program.is_greedy());
+    let tokens: Option<Vec<u32>> = if greedy {
+        Some(
+            logits
+                .argmax(candle_core::D::Minus1)?
+                .to_dtype(DType::U32)?
+                .to_vec1()?,
+        )
+    } else {
+        None
+    };
+    for (k, (i, _)) in heads.iter().enumerate() {
+        let out = &mut outputs[*i];
+        out.token = tokens.as_ref().map(|t| t[k]);
+        if out.token.is_none() || batch[*i].program.records_logits() {
+            out.logits = Some(logits.get(k)?.to_vec1::<f32>()?);
+        }
+    }
+    Ok((outputs, report))
+}
+
+/// The diagonals of `members`, in one grouped call.
 fn grouped_step(
     model: &Armt,
     batch: &mut [Entry<'_>],
+    plans: &[ArmtPlan],
     members: &[usize],
+    outputs: &mut [ArmtOutput],
     heads: &mut Vec<(usize, Tensor)>,
     report: &mut TickReport,
 ) -> candle_core::Result<()> {
@@ -106,10 +142,13 @@ fn grouped_step(
     let mut placed: Vec<(usize, usize, usize)> = Vec::new();
     let mut hidden: Vec<Tensor> = Vec::new();
     for &i in members {
-        let p = &mut *batch[i].program;
-        for (s, l) in p.diagonal_cells(n_layers) {
-            let h = match p.inflight.remove(&s) {
-                Some(h) => h,
+        let ArmtPlan::Diagonal { cells } = &plans[i] else {
+            continue;
+        };
+        let p = &*batch[i].program;
+        for &(s, l) in cells {
+            let h = match p.inflight.get(&s) {
+                Some(h) => h.clone(),
                 None if l == 0 => model
                     .segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
                     .map_err(to_candle)?,
@@ -119,21 +158,17 @@ fn grouped_step(
             hidden.push(h);
         }
     }
-    let (outputs, shape) = {
+    let (cells_out, shape) = {
         let cells: Vec<CellInput> = placed
             .iter()
             .zip(hidden)
             .map(|(&(i, s, l), hidden)| {
                 let p = &*batch[i].program;
-                let memory = &p
-                    .memory
-                    .as_ref()
-                    .expect("memories exist after the first tick")[l];
                 let prompt = p.is_prompt_segment(s);
                 CellInput {
                     layer: l,
                     hidden,
-                    memory,
+                    memory: &p.memory.as_ref().expect("memories exist")[l],
                     write: !prompt,
                     keep_kv: prompt,
                 }
@@ -146,61 +181,46 @@ fn grouped_step(
         model.grouped_step(&cells).map_err(to_candle)?
     };
     report.grouped = Some(shape);
-    // Every read is done: apply the writes, keep the prompt segment's keys, move segments up.
-    for (&(i, s, l), out) in placed.iter().zip(outputs) {
+    for (&(i, s, l), out) in placed.iter().zip(cells_out) {
         let p = &mut *batch[i].program;
-        if let Some(u) = out.update {
-            let memory = p
-                .memory
-                .as_mut()
-                .expect("memories exist after the first tick");
-            memory[l].apply(u).map_err(to_candle)?;
-        }
         if let Some(kv) = out.kv {
+            // The prompt segment's keys: written by the forward, as a packed pass writes them.
             model.store_kv(&mut p.cache, l, kv).map_err(to_candle)?;
         }
-        if l + 1 < n_layers {
-            p.inflight.insert(s, out.hidden);
-        } else if p.is_prompt_segment(s) {
+        if l + 1 == n_layers && p.is_prompt_segment(s) {
             let n = out.hidden.dim(0)?;
             heads.push((i, out.hidden.narrow(0, n - 1, 1)?));
         }
-    }
-    for &i in members {
-        let own = placed.iter().filter(|c| c.0 == i).count();
-        let p = &mut *batch[i].program;
-        p.step += 1;
-        p.stats.forward_passes += 1;
-        p.stats.add_counter("grouped_steps", 1);
-        p.stats.push_series("cells_per_step", own as u32);
+        outputs[i].cells.push((out.hidden, out.update));
     }
     Ok(())
 }
 
-/// Step 2 of the tick: sequential segments and decoding tokens of `members` through every layer.
+/// Sequential segments and decoding tokens of `members` through every layer.
 fn layer_pass(
     model: &Armt,
     batch: &mut [Entry<'_>],
+    plans: &[ArmtPlan],
     members: &[usize],
+    outputs: &mut [ArmtOutput],
     heads: &mut Vec<(usize, Tensor)>,
     report: &mut TickReport,
 ) -> candle_core::Result<()> {
-    let n_layers = model.config().n_layers();
     // Each member's input rows, and whether its last row chooses a token.
     let mut xs = Vec::with_capacity(members.len());
     let mut choose = Vec::with_capacity(members.len());
     for &i in members {
         let p = &*batch[i].program;
-        let x = match p.phase {
-            Phase::Prefill => {
-                let s = p.next_segment;
-                choose.push(p.is_prompt_segment(s));
-                model.segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
+        let x = match &plans[i] {
+            ArmtPlan::Segment { segment, prompt } => {
+                choose.push(*prompt);
+                model.segment_input(p.segment_ids(*segment), !*prompt)
             }
-            _ => {
+            ArmtPlan::Decode { token, .. } => {
                 choose.push(true);
-                model.embed(&[p.pending])
+                model.embed(&[*token])
             }
+            _ => candle_core::bail!("a packed pass got a diagonal or idle plan"),
         }
         .map_err(to_candle)?;
         xs.push(x);
@@ -210,7 +230,7 @@ fn layer_pass(
         .map(|x| x.dim(0))
         .collect::<candle_core::Result<_>>()?;
     report.rows += rows.iter().sum::<usize>();
-    let out = {
+    let (out, writes) = {
         let mut seqs = Vec::with_capacity(members.len());
         let mut mems = Vec::with_capacity(members.len());
         for (k, e) in batch
@@ -220,62 +240,48 @@ fn layer_pass(
             .map(|(_, e)| e)
             .enumerate()
         {
-            let ArmtProgram {
-                cache,
-                memory,
-                phase,
-                position,
-                ..
-            } = &mut *e.program;
+            let ArmtProgram { cache, memory, .. } = &mut *e.program;
             let n = rows[k];
-            let layers = memory
-                .as_mut()
-                .expect("memories exist after the first tick");
-            let (seq, write) = if *phase == Phase::Prefill {
-                // A memory segment attends to itself only; the prompt segment keeps its keys.
-                let seq = SeqInput::dense(n).with_mask(MaskRule::Causal);
-                if choose[k] {
-                    (seq.with_keys(Keys::Buffer { cache, len: n }), false)
-                } else {
-                    (seq, true)
+            let layers = memory.as_deref().expect("memories exist");
+            let (seq, write) = match &plans[members[k]] {
+                ArmtPlan::Decode { position, .. } => {
+                    let pos = *position as u32;
+                    let seq = SeqInput {
+                        index: vec![pos],
+                        positions: vec![pos],
+                        mask: MaskRule::Causal,
+                        keys: Keys::Buffer {
+                            cache,
+                            len: *position + 1,
+                        },
+                    };
+                    (seq, false)
                 }
-            } else {
-                let pos = *position as u32;
-                let seq = SeqInput {
-                    index: vec![pos],
-                    positions: vec![pos],
-                    mask: MaskRule::Causal,
-                    keys: Keys::Buffer {
-                        cache,
-                        len: *position + 1,
-                    },
-                };
-                (seq, false)
+                // A memory segment attends to itself only; the prompt segment keeps its keys.
+                _ if choose[k] => (
+                    SeqInput::dense(n)
+                        .with_mask(MaskRule::Causal)
+                        .with_keys(Keys::Buffer { cache, len: n }),
+                    false,
+                ),
+                _ => (SeqInput::dense(n).with_mask(MaskRule::Causal), true),
             };
             seqs.push(seq);
-            mems.push(SeqMemory { layers, write });
+            mems.push(MemoryView { layers, write });
         }
         let x = Tensor::cat(&xs, 0)?;
         model
-            .forward_layers(&x, &mut seqs, &mut mems)
+            .forward_layers_deferred(&x, &mut seqs, &mems)
             .map_err(to_candle)?
     };
     let mut offset = 0;
-    for (k, &i) in members.iter().enumerate() {
+    for ((k, &i), w) in members.iter().enumerate().zip(writes) {
         let n = rows[k];
         if choose[k] {
             heads.push((i, out.narrow(0, offset + n - 1, 1)?));
         }
         offset += n;
-        let p = &mut *batch[i].program;
-        p.stats.forward_passes += 1;
-        if p.phase == Phase::Prefill {
-            p.next_segment += 1;
-            p.stats.add_counter("grouped_steps", n_layers as u64);
-            for _ in 0..n_layers {
-                p.stats.push_series("cells_per_step", 1);
-            }
-        }
+        outputs[i].writes = w;
     }
     Ok(())
 }

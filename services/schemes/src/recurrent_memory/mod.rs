@@ -71,8 +71,8 @@ use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
-pub use self::program::ArmtProgram;
 use self::program::Paging;
+pub use self::program::{ArmtOutput, ArmtPlan, ArmtProgram};
 use crate::kv_slot::KvSlot;
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 use wavefront_engine::{FinishReason, Outbox, Stats};
-use wavefront_models::armt::LayerMemory;
+use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::transformer::KvCache;
 
 use crate::sampling::TokenSampler;
@@ -20,6 +20,33 @@ pub enum Phase {
     Decode,
     /// Finished; the engine retires it.
     Done,
+}
+
+/// One tick's work for one program, planned before the forwards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArmtPlan {
+    /// Diagonal prefill: the cells `(segment, layer)` of the next diagonal, in grouped order.
+    Diagonal { cells: Vec<(usize, usize)> },
+    /// Sequential prefill: segment `segment` through every layer; `prompt`: the prompt segment
+    /// (its keys kept, a token chosen), else a memory segment (it writes every layer's memory).
+    Segment { segment: usize, prompt: bool },
+    /// Decoding: `token` at buffer index and position `position`.
+    Decode { token: u32, position: usize },
+    /// Nothing to run (finished).
+    Idle,
+}
+
+/// What the forwards produced for one plan; the program applies it in [`ArmtProgram::commit`].
+#[derive(Debug, Default)]
+pub struct ArmtOutput {
+    /// Diagonal: each cell's output residual stream and memory write, in the plan's order.
+    pub cells: Vec<(Tensor, Option<MemoryUpdate>)>,
+    /// Sequential segment: each layer's memory write (memory segments).
+    pub writes: Vec<Option<MemoryUpdate>>,
+    /// The token chosen on the device (greedy requests), where the plan chooses one.
+    pub token: Option<u32>,
+    /// The logits row that chooses it (a sampling request, or one recording its logits).
+    pub logits: Option<Vec<f32>>,
 }
 
 /// An ARMT request.
@@ -217,8 +244,96 @@ impl ArmtProgram {
         outbox.finish(reason, stats);
     }
 
+    /// The work of the next tick.
+    pub(crate) fn plan(&self, n_layers: usize) -> ArmtPlan {
+        match self.phase {
+            Phase::Done => ArmtPlan::Idle,
+            Phase::Decode => ArmtPlan::Decode {
+                token: self.pending,
+                position: self.position,
+            },
+            Phase::Prefill if self.diagonal => ArmtPlan::Diagonal {
+                cells: self.diagonal_cells(n_layers),
+            },
+            Phase::Prefill => ArmtPlan::Segment {
+                segment: self.next_segment,
+                prompt: self.is_prompt_segment(self.next_segment),
+            },
+        }
+    }
+
+    /// Applies what `plan`'s forwards produced: memory writes, residual streams moving up a
+    /// layer, statistics, and the chosen token (streamed; it finishes the request or is decoded
+    /// next).
+    pub(crate) fn commit(
+        &mut self,
+        plan: &ArmtPlan,
+        out: ArmtOutput,
+        n_layers: usize,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        let err = |e: wavefront_models::ModelError| e.to_string();
+        match plan {
+            ArmtPlan::Idle => return Ok(()),
+            ArmtPlan::Diagonal { cells } => {
+                if out.cells.len() != cells.len() {
+                    return Err(format!(
+                        "{} cell outputs for {} cells",
+                        out.cells.len(),
+                        cells.len()
+                    ));
+                }
+                let memory = self.memory.as_mut().ok_or("no memories")?;
+                for (&(s, l), (hidden, update)) in cells.iter().zip(out.cells) {
+                    if let Some(u) = update {
+                        memory[l].apply(u).map_err(err)?;
+                    }
+                    if l + 1 < n_layers {
+                        self.inflight.insert(s, hidden);
+                    } else {
+                        self.inflight.remove(&s);
+                    }
+                }
+                self.step += 1;
+                self.stats.add_counter("grouped_steps", 1);
+                self.stats.push_series("cells_per_step", cells.len() as u32);
+            }
+            ArmtPlan::Segment { .. } => {
+                let memory = self.memory.as_mut().ok_or("no memories")?;
+                for (l, u) in out.writes.into_iter().enumerate() {
+                    if let Some(u) = u {
+                        memory
+                            .get_mut(l)
+                            .ok_or("a write past the layers")?
+                            .apply(u)
+                            .map_err(err)?;
+                    }
+                }
+                self.next_segment += 1;
+                self.stats.add_counter("grouped_steps", n_layers as u64);
+                for _ in 0..n_layers {
+                    self.stats.push_series("cells_per_step", 1);
+                }
+            }
+            ArmtPlan::Decode { .. } => {}
+        }
+        self.stats.forward_passes += 1;
+        let token = match (out.token, &out.logits) {
+            (Some(t), _) => Some(t),
+            (None, Some(row)) => Some(self.sample(row)),
+            (None, None) => None,
+        };
+        if let (Some(row), true) = (out.logits, self.records_logits()) {
+            self.record_logits(row);
+        }
+        if let Some(token) = token {
+            self.take_token(token, outbox);
+        }
+        Ok(())
+    }
+
     /// Takes a token the model chose: streams it and finishes or moves on to decoding it.
-    pub(crate) fn commit(&mut self, token: u32, outbox: &mut Outbox) {
+    pub(crate) fn take_token(&mut self, token: u32, outbox: &mut Outbox) {
         self.generated += 1;
         outbox.tokens(vec![token]);
         if let Some(r) = &mut self.record {
@@ -257,5 +372,202 @@ impl ArmtProgram {
         self.memory = None;
         self.cache.clear();
         self.inflight.clear();
+    }
+}
+
+/// The commit of every kind of plan on fake outputs: memory writes land in their layers,
+/// residual streams move up a layer or leave at the top, segments and steps advance, and a
+/// chosen token is streamed and decoded next or ends the request.
+#[cfg(test)]
+mod commit_tests {
+    use candle_core::{DType, Device, Tensor};
+    use wavefront_engine::{Event, FinishReason, Outbox, Stats};
+    use wavefront_models::armt::{LayerMemory, MemoryUpdate};
+
+    use super::*;
+    use crate::request::SamplingParams;
+
+    const LAYERS: usize = 2;
+
+    /// A program over a 10-token prompt in segments of 4 (3 segments), with empty memories of
+    /// a 3-key, 2-wide layer.
+    fn program(diagonal: bool, max_new_tokens: usize) -> ArmtProgram {
+        let mut p = ArmtProgram::new(
+            (1..=10).collect(),
+            4,
+            diagonal,
+            TokenSampler::new(SamplingParams::default()),
+            max_new_tokens,
+            vec![99],
+            Stats::default(),
+        );
+        p.memory = Some(
+            (0..LAYERS)
+                .map(|_| LayerMemory::zeros(3, 2, &Device::Cpu).expect("memory"))
+                .collect(),
+        );
+        p
+    }
+
+    fn update(v: f32) -> MemoryUpdate {
+        MemoryUpdate::new(
+            Tensor::full(v, (3, 2), &Device::Cpu).expect("a"),
+            Tensor::full(v, 3, &Device::Cpu).expect("z"),
+        )
+    }
+
+    fn sum_a(p: &ArmtProgram, l: usize) -> f32 {
+        p.memory.as_ref().expect("memories")[l]
+            .a()
+            .sum_all()
+            .and_then(|t| t.to_scalar::<f32>())
+            .expect("sum")
+    }
+
+    fn tokens(outbox: &Outbox) -> Vec<u32> {
+        outbox
+            .events()
+            .iter()
+            .filter_map(|e| match e {
+                Event::Tokens(t) => Some(t.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn a_memory_segment_writes_every_layer_and_the_prompt_segment_chooses_a_token() {
+        let mut p = program(false, 4);
+        let mut outbox = Outbox::default();
+        let plan = p.plan(LAYERS);
+        assert_eq!(
+            plan,
+            ArmtPlan::Segment {
+                segment: 0,
+                prompt: false
+            }
+        );
+        let out = ArmtOutput {
+            writes: vec![Some(update(1.0)), Some(update(2.0))],
+            ..ArmtOutput::default()
+        };
+        p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");
+        assert_eq!((sum_a(&p, 0), sum_a(&p, 1)), (6.0, 12.0));
+        assert!(p.memory.as_ref().expect("memories")[1].is_written());
+        assert_eq!(
+            p.plan(LAYERS),
+            ArmtPlan::Segment {
+                segment: 1,
+                prompt: false
+            }
+        );
+        p.next_segment = 2;
+        let plan = p.plan(LAYERS);
+        assert_eq!(
+            plan,
+            ArmtPlan::Segment {
+                segment: 2,
+                prompt: true
+            }
+        );
+        let out = ArmtOutput {
+            writes: vec![None, None],
+            token: Some(7),
+            ..ArmtOutput::default()
+        };
+        p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");
+        assert_eq!(tokens(&outbox), vec![7]);
+        // The prompt segment holds tokens 9 and 10: the new token is decoded at position 2.
+        assert_eq!(
+            p.plan(LAYERS),
+            ArmtPlan::Decode {
+                token: 7,
+                position: 2
+            }
+        );
+        assert_eq!(p.stats.forward_passes, 2);
+        assert_eq!(p.stats.counters["grouped_steps"], 4);
+    }
+
+    #[test]
+    fn a_diagonal_moves_streams_up_applies_writes_and_drops_the_top() {
+        let mut p = program(true, 4);
+        let mut outbox = Outbox::default();
+        p.step = 1;
+        let plan = p.plan(LAYERS);
+        // Step 1: segment 1 at layer 0, segment 0 at layer 1 (the oldest last).
+        assert_eq!(
+            plan,
+            ArmtPlan::Diagonal {
+                cells: vec![(1, 0), (0, 1)]
+            }
+        );
+        p.inflight.insert(
+            0,
+            Tensor::zeros((4, 2), DType::F32, &Device::Cpu).expect("h"),
+        );
+        let h1 = Tensor::ones((4, 2), DType::F32, &Device::Cpu).expect("h");
+        let out = ArmtOutput {
+            cells: vec![(h1, Some(update(1.0))), (h1_top(), Some(update(3.0)))],
+            ..ArmtOutput::default()
+        };
+        p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");
+        assert_eq!(p.inflight.keys().copied().collect::<Vec<_>>(), vec![1]);
+        assert_eq!((sum_a(&p, 0), sum_a(&p, 1)), (6.0, 18.0));
+        assert_eq!(p.step, 2);
+        assert_eq!(p.stats.series["cells_per_step"], vec![2]);
+        assert!(tokens(&outbox).is_empty());
+        // A plan that got the wrong number of cell outputs is refused, not half applied.
+        let plan = p.plan(LAYERS);
+        let err = p
+            .commit(&plan, ArmtOutput::default(), LAYERS, &mut outbox)
+            .unwrap_err();
+        assert!(err.contains("cell outputs"), "{err}");
+    }
+
+    fn h1_top() -> Tensor {
+        Tensor::full(2f32, (4, 2), &Device::Cpu).expect("h")
+    }
+
+    #[test]
+    fn decoding_streams_tokens_samples_logits_and_ends_at_a_stop_token() {
+        let mut p = program(false, 8);
+        let mut outbox = Outbox::default();
+        p.phase = Phase::Decode;
+        p.pending = 5;
+        p.position = 2;
+        let plan = p.plan(LAYERS);
+        // A greedy request given only logits (as when it records them) takes their argmax.
+        let out = ArmtOutput {
+            logits: Some(vec![0.0, 3.0, 1.0]),
+            ..ArmtOutput::default()
+        };
+        p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");
+        assert_eq!(
+            p.plan(LAYERS),
+            ArmtPlan::Decode {
+                token: 1,
+                position: 3
+            }
+        );
+        let plan = p.plan(LAYERS);
+        let out = ArmtOutput {
+            token: Some(99),
+            ..ArmtOutput::default()
+        };
+        p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");
+        assert_eq!(tokens(&outbox), vec![1, 99]);
+        assert_eq!(p.plan(LAYERS), ArmtPlan::Idle);
+        let finished = outbox.events().iter().any(|e| {
+            matches!(
+                e,
+                Event::Finished {
+                    reason: FinishReason::StopToken,
+                    ..
+                }
+            )
+        });
+        assert!(finished);
     }
 }
