@@ -16,11 +16,45 @@ use crate::tick::{entries, head_rows, to_candle};
 pub type Entry<'a> = crate::tick::Entry<'a, BdProgram>;
 
 /// Runs one step of every program in `batch` in one packed forward; returns the rows computed.
-pub fn tick(model: &Llada2, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
+/// Under a row budget (`max_batch_rows`), a step whose uncached prompt blocks do not fit runs a
+/// chunk of whole prompt blocks instead (see [`BdPlan`]), the others' steps whole.
+pub fn tick(
+    model: &Llada2,
+    batch: &mut [Entry<'_>],
+    max_batch_rows: Option<usize>,
+) -> candle_core::Result<usize> {
     if batch.is_empty() {
         return Ok(0);
     }
-    let plans: Vec<BdPlan> = batch.iter().map(|e| e.program.plan()).collect();
+    // Steps with uncached blocks before the current one are prefills that may be chunked.
+    let rows: Vec<(usize, usize)> = batch.iter().map(|e| e.program.step_rows()).collect();
+    let fixed: usize = rows.iter().filter(|r| r.0 == 0).map(|r| r.1).sum();
+    let prefills: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].0 > 0).collect();
+    let wants: Vec<usize> = prefills.iter().map(|&i| rows[i].0 + rows[i].1).collect();
+    let takes = crate::tick::prefill_rows(max_batch_rows, fixed, &wants);
+    let mut plans: Vec<Option<BdPlan>> = batch
+        .iter()
+        .map(|e| (e.program.step_rows().0 == 0).then(|| e.program.plan()))
+        .collect();
+    for ((&i, &want), take) in prefills.iter().zip(&wants).zip(takes) {
+        let p = &batch[i].program;
+        let block = rows[i].1;
+        plans[i] = if take >= want {
+            Some(p.plan())
+        } else if take > 0 {
+            // Whole blocks, at least one (a forced single row becomes one block).
+            Some(p.plan_chunk(take.max(block)))
+        } else {
+            None
+        };
+    }
+    let mut batch: Vec<&mut Entry<'_>> = batch
+        .iter_mut()
+        .zip(&plans)
+        .filter(|(_, p)| p.is_some())
+        .map(|(e, _)| e)
+        .collect();
+    let plans: Vec<BdPlan> = plans.into_iter().flatten().collect();
     let ids: Vec<u32> = plans.iter().flat_map(|p| p.ids.iter().copied()).collect();
     let hidden = {
         let mut seqs = Vec::with_capacity(plans.len());
@@ -59,6 +93,7 @@ pub fn tick(model: &Llada2, batch: &mut [Entry<'_>]) -> candle_core::Result<usiz
 pub struct BlockDiffusionFamily {
     model: Llada2,
     pool: KvPool,
+    max_batch_rows: Option<usize>,
     last_rows: Option<usize>,
 }
 
@@ -67,8 +102,15 @@ impl BlockDiffusionFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
+            max_batch_rows: None,
             last_rows: None,
         }
+    }
+
+    /// Caps the rows of a tick: prompts prefill in chunks of whole blocks.
+    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
+        self.max_batch_rows = rows;
+        self
     }
 
     /// Pages of `page` buffer rows (the planner's page size).
@@ -91,7 +133,8 @@ impl Family for BlockDiffusionFamily {
             self.bind(a);
         }
         let mut entries = entries(batch, |p| !p.is_done());
-        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
+        let rows =
+            tick(&self.model, &mut entries, self.max_batch_rows).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
     }

@@ -185,7 +185,7 @@ fn every_run_matches_upstream_forward_by_forward() -> Result<()> {
     ensure!(runs.len() == 12);
     for (r, s) in &runs {
         let mut p = [program(&fx, s.clone())?];
-        tick_until_done(&mut p, |batch| tick(&fx.model, batch).map(drop))?;
+        tick_until_done(&mut p, |batch| tick(&fx.model, batch, None).map(drop))?;
         check(&fx, r, &p[0])?;
     }
     Ok(())
@@ -199,7 +199,9 @@ fn every_run_packed_into_the_same_ticks_matches_upstream() -> Result<()> {
         .iter()
         .map(|(_, s)| program(&fx, s.clone()))
         .collect::<Result<Vec<_>>>()?;
-    tick_until_done(&mut programs, |batch| tick(&fx.model, batch).map(drop))?;
+    tick_until_done(&mut programs, |batch| {
+        tick(&fx.model, batch, None).map(drop)
+    })?;
     for ((r, _), p) in runs.iter().zip(&programs) {
         check(&fx, r, p)?;
     }
@@ -391,5 +393,41 @@ fn bad_parameters_are_refused_by_name() -> Result<()> {
             ),
         ],
     )?;
+    Ok(())
+}
+
+/// A row budget of 16 a tick with blocks of 8: prompts of up to 60 tokens prefill in chunks of
+/// whole blocks, and every request produces what it produces without a budget (forward passes
+/// and rows per step aside: the chunks are forwards of their own). A request decoding when a
+/// 200-token prompt arrives keeps streaming through that prompt's chunks.
+#[test]
+fn long_prompts_prefill_in_chunks_of_whole_blocks_without_changing_tokens() -> Result<()> {
+    use crate::test_support::{assert_chunked_prefill_matches, serve};
+    let dir = wavefront_models::device::test_fixture("llada2");
+    let p = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| (i * 37 + salt * 101 + 11) % 470)
+            .collect()
+    };
+    let specs = vec![
+        spec(p(40, 0), 16, 1, bd(8, 8, 0.9)),
+        spec(p(60, 1), 24, 2, bd(8, 4, 0.7)),
+        spec(p(5, 2), 16, 3, bd(8, 8, 0.95)),
+        spec(p(33, 3), 8, 4, bd(8, 8, 0.8)),
+    ];
+    let roomy = serve(ModelFiles::from_dir(&dir)?, "llada2", specs.len())?;
+    assert_chunked_prefill_matches(
+        ModelFiles::from_dir(&dir)?,
+        roomy.as_ref(),
+        16,
+        &specs,
+        (
+            spec(p(200, 4), 8, 5, bd(8, 8, 0.9)),
+            spec(p(6, 7), 64, 6, bd(8, 8, 1.0)),
+            4,
+        ),
+        &["active_rows"],
+    )?;
+    roomy.shutdown();
     Ok(())
 }

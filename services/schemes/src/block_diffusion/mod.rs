@@ -14,6 +14,13 @@
 //! (every block up to the current one) reaches, at most `ceil((prompt + gen_length) /
 //! block_length) · block_length` rows per layer; it is preempted to host memory and resumed
 //! like the others.
+//!
+//! ## Long prompts
+//!
+//! Under a row budget (`--max-batch-rows`) a prompt's blocks prefill in chunks of whole blocks,
+//! one chunk a tick, beside the other requests' steps: a block sees only earlier blocks, so the
+//! chunks cache the same K/V as one call, and the tokens are those without a budget (test
+//! `long_prompts_prefill_in_chunks_of_whole_blocks_without_changing_tokens`).
 
 pub mod family;
 pub mod program;
@@ -264,8 +271,10 @@ where
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada2::config, BlockDiffusionFamily::new);
-    let page = opts.kv_page_size;
-    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
+    let (page, rows) = (opts.kv_page_size, opts.max_batch_rows);
+    let make = move |device: &Device, dtype| {
+        make(device, dtype).map(|f| f.with_page_size(page).with_max_batch_rows(rows))
+    };
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -52,7 +52,10 @@ pub(crate) struct Settings {
     pub(crate) stop: Vec<u32>,
 }
 
-/// What one step computes, as planned before the forward.
+/// What one step computes, as planned before the forward. A plan whose `window` ends before the
+/// current block is a prefill chunk: whole blocks of the prompt, cached, with no logits read
+/// (blocks see only earlier blocks, so a prompt prefilled in chunks of whole blocks gives the
+/// same K/V as in one call).
 #[derive(Debug)]
 pub(crate) struct BdPlan {
     pub(crate) ids: Vec<u32>,
@@ -192,6 +195,30 @@ impl BdProgram {
         (self.kv_tables * self.window().div_ceil(page)).min(self.max_pages)
     }
 
+    /// Rows of uncached whole blocks before the current one (the prompt's at the first step, the
+    /// block just finished after each block), and the block itself: what the next step
+    /// computes, `(before, block)`.
+    pub(crate) fn step_rows(&self) -> (usize, usize) {
+        let start = self.window() - self.s.block_length;
+        (start - self.final_upto, self.s.block_length)
+    }
+
+    /// A prefill chunk of `rows` (whole blocks, fewer than the step's uncached blocks): the
+    /// next `rows` rows after the cached ones.
+    pub(crate) fn plan_chunk(&self, rows: usize) -> BdPlan {
+        let b = self.s.block_length;
+        let (before, _) = self.step_rows();
+        let rows = (rows / b * b).clamp(b.min(before), before);
+        let from = self.final_upto;
+        BdPlan {
+            ids: self.tokens[from..from + rows].to_vec(),
+            from,
+            window: from + rows,
+            logit_rows: Vec::new(),
+            masked: Vec::new(),
+        }
+    }
+
     /// Rows of the next step.
     pub(crate) fn plan(&self) -> BdPlan {
         let window = self.window();
@@ -233,6 +260,11 @@ impl BdProgram {
         let rows = plan.window - plan.from;
         self.stats.forward_passes += 1;
         self.stats.push_series("active_rows", rows as u32);
+        if plan.window < self.window() {
+            // A prefill chunk: its blocks are cached from final tokens, nothing is decided.
+            self.final_upto = plan.window;
+            return Ok(());
+        }
         let input = self
             .record
             .as_ref()
