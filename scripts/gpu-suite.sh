@@ -81,6 +81,16 @@ figures() {
         --gen-length 256 --concurrency 1,8 --consensus "$consensus" --attention "$attention"
     done
   done
+  # LLaDA2.0-mini's layer shape (hidden 2048, 16 heads of 128 with 4 kv heads, 256 experts of
+  # 512 with 8 per token in 8 groups keeping 4, one shared expert, vocab 157184) at 8 of its 20
+  # layers (the random weights are drawn on the host in float32); gen length 256, blocks of 32.
+  for attention in sdpa ragged; do
+    step "llada2-mini-8l-$attention" "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
+      --hidden-size 2048 --heads 16 --kv-heads 4 --layers 8 --intermediate-size 5120 \
+      --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
+      --gen-length 256 --block-length 32 --steps 32 --concurrency 1,8 --rows 32,256 \
+      --attention "$attention"
+  done
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$RESULTS/gpu.txt" 2>&1

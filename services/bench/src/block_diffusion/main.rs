@@ -61,7 +61,7 @@ struct Args {
     threshold: Vec<f32>,
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
-    /// Rows of the forward timing table.
+    /// Rows of the forward timing table (`0`: no table).
     #[arg(long, value_delimiter = ',', default_value = "32,256")]
     rows: Vec<usize>,
     #[command(flatten)]
@@ -180,10 +180,14 @@ fn median_secs(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 fn forward_table(a: &Args, shape: &synthetic::Shape) -> Result<()> {
-    use wavefront_models::candle_core::{DType, Device};
     use wavefront_models::transformer::SeqInput;
+    let rows: Vec<usize> = a.rows.iter().copied().filter(|&n| n > 0).collect();
+    if rows.is_empty() {
+        return Ok(());
+    }
     let cfg = shape.config()?;
-    let model = synthetic::random_model(&cfg, a.seed, a.head_scale, &Device::Cpu, DType::F32)?;
+    let (device, dtype) = run::device_and_dtype(&a.target.device, &a.target.dtype)?;
+    let model = synthetic::random_model(&cfg, a.seed, a.head_scale, &device, dtype)?;
     println!();
     table::print_header(&[
         ("rows", Right),
@@ -191,7 +195,7 @@ fn forward_table(a: &Args, shape: &synthetic::Shape) -> Result<()> {
         ("one row per call ms", Right),
         ("speed-up", Right),
     ]);
-    for &n in &a.rows {
+    for &n in &rows {
         eprintln!("forward of {n} rows...");
         let ids = run::random_prompt(a.seed, n as u64, n, 0..(a.vocab_size - 1) as u32);
         let packed = median_secs(5, || {
