@@ -120,8 +120,10 @@ pub struct DiffusionProgram {
     placeholders: Box<StdRng>,
     sampler_steps: u64,
     pub(crate) stats: Stats,
-    /// Slots (pages of latent states) the wavefront's states take.
+    /// The most slots (pages of latent states) the wavefront's states take: its cap's.
     pub(crate) latent_pages: usize,
+    /// Latent states a page holds, and the occupancy multiplier the pages are sized with.
+    pub(crate) latent_page: (usize, f64),
 }
 
 impl DiffusionProgram {
@@ -152,7 +154,23 @@ impl DiffusionProgram {
             wave: None,
             stats: Stats::default(),
             latent_pages: 0,
+            latent_page: (super::PAGE_SIZE, 1.0),
         }
+    }
+
+    /// Latent pages the wavefront's states take after the next tick at most: the first state
+    /// after the prefill, then the wave plus its headway (up to the cap). Positions that freeze
+    /// leave the wave, and their pages go back to the pool once the wave is smaller than the
+    /// pages it holds (`Family::reclaim`).
+    pub(crate) fn latent_pages_needed(&self) -> usize {
+        let rows = match &self.wave {
+            None => 1,
+            Some(w) => (w.z.dim(0).unwrap_or(0) + self.settings.headway)
+                .min(self.settings.max_wavefront.max(1)),
+        };
+        let (page, multiplier) = self.latent_page;
+        let slots = (rows as f64 * multiplier).ceil() as usize;
+        slots.div_ceil(page.max(1)).min(self.latent_pages)
     }
 
     /// Moves the wavefront's states to `device` (host memory while preempted, back on resume).
@@ -832,6 +850,7 @@ impl super::HuginnPlanner {
             spec.stop_token_ids,
         );
         program.latent_pages = latent_pages;
+        program.latent_page = (self.page, f64::from(self.occupancy_multiplier));
         Ok(self.prepared(super::Program::Diffusion(program), max_slots, prompt_tokens))
     }
 }
@@ -879,6 +898,36 @@ mod commit_tests {
                 _ => Vec::new(),
             })
             .collect()
+    }
+
+    /// Latent pages follow the wave: one for the first state, then the wave plus its headway
+    /// (up to the cap), fewer again once positions freeze and the wave shrinks.
+    #[test]
+    fn latent_pages_grow_with_the_wave_and_come_back_as_it_shrinks() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut p = program(64, 40)?;
+        // The cap: 40 states in pages of 16.
+        ensure!(p.latent_pages == 3);
+        ensure!(p.latent_pages_needed() == 1);
+        let wave = |rows: usize| -> Result<super::Wave> {
+            Ok(super::Wave {
+                z: zeros(rows, dim)?,
+                z_prev: zeros(rows, dim)?,
+                prev_start: 0,
+                c_old: 0,
+                e_old: None,
+                counter: Vec::new(),
+            })
+        };
+        for (rows, pages) in [(1, 1), (16, 2), (31, 2), (32, 3), (39, 3), (40, 3), (5, 1)] {
+            p.wave = Some(wave(rows)?);
+            ensure!(
+                p.latent_pages_needed() == pages,
+                "a wave of {rows} (headway 1): {} pages, want {pages}",
+                p.latent_pages_needed()
+            );
+        }
+        Ok(())
     }
 
     #[test]

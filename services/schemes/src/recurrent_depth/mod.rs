@@ -44,12 +44,15 @@
 //! every cache slot) bounds what a request may ever hold: one larger than the
 //! pool is refused at once.
 //!
-//! A diffusion-forcing request also holds `ceil(max_wavefront ×
-//! occupancy_multiplier / 16)` latent pages from admission on
-//! ([`LoadOptions::occupancy_multiplier`]). At 1.0 that is one latent state
-//! for every position the wavefront may hold; 1.5 also counts the momentum
-//! embeddings kept when `ema_embeds > 0`; below 1.0 the pool over-commits
-//! latent memory. `ar` latent states live only within one tick.
+//! A diffusion-forcing request also holds latent pages for its wavefront's states:
+//! `ceil(rows × occupancy_multiplier / 16)` for the rows the wave has after the
+//! next step (one after the prefill, then the wave plus its headway), at most
+//! `ceil(max_wavefront × occupancy_multiplier / 16)`
+//! ([`LoadOptions::occupancy_multiplier`]). Pages are taken as the wave grows and
+//! given back as its positions freeze and it shrinks. At 1.0 that is one latent
+//! state for every position the wavefront holds; 1.5 also counts the momentum
+//! embeddings kept when `ema_embeds > 0`; below 1.0 the pool over-commits latent
+//! memory. `ar` latent states live only within one tick.
 //!
 //! When the pool is short the engine preempts the newest request: its pages
 //! are copied to host memory with its latent states and given back, and it
@@ -308,7 +311,7 @@ impl Program {
                 &p.cache,
                 p.settings.num_steps,
                 p.next_rows(),
-                p.latent_pages,
+                p.latent_pages_needed(),
             ),
         };
         let s = cache_slots(cfg, cache.strategy(), steps);

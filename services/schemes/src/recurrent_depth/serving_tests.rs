@@ -531,8 +531,9 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
             "multiplier {m}: {} slots at most, want {kv} + {latent}",
             p.max_slots
         );
-        // Admission takes the prefill's: the prompt's pages and the latent pages.
-        ensure!(p.slots == prompt_len.div_ceil(PAGE_SIZE) * 8 + latent);
+        // Admission takes the prefill's: the prompt's pages, and a latent page for the first
+        // state (the wave grows from there).
+        ensure!(p.slots == prompt_len.div_ceil(PAGE_SIZE) * 8 + 1);
         // AR requests hold no latent slots: full cache, 4 steps = 2 + 2 + 16 layers.
         let ar = planner.prepare(spec(
             prompt(prompt_len, 0),
