@@ -8,7 +8,7 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, SlotId};
 use wavefront_models::transformer::{Keys, SeqInput};
 
 use super::network::MdNetwork;
@@ -142,5 +142,17 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
 
     fn last_tick_rows(&self) -> Option<usize> {
         self.last_rows
+    }
+
+    /// Slots a request no longer needs: all of the rows a stop token cut off, and the
+    /// posteriors of rows SureLock locked. The slots are bookkeeping of the request's own
+    /// tensors (its working set, its SureLock cache and posteriors), which shrink with them.
+    fn reclaim(&mut self, a: &mut Active<MdProgram>) -> Vec<SlotId> {
+        let need = a.program.slots_needed();
+        let held = a.slots.len();
+        if need >= held {
+            return Vec::new();
+        }
+        a.slots[need..].to_vec()
     }
 }

@@ -60,7 +60,9 @@
 //! steps but its tokens). With SureLock it reserves the per-layer K/V cache of the whole buffer
 //! (`rows · n_layers`) plus the previous step's float32 log-posteriors (`rows · ceil(4 ·
 //! vocab / slot bytes)`). Slots are fungible and admission is all-or-nothing (FIFO), as for the
-//! other families.
+//! other families. A canvas never grows, but it can shrink: after every tick the request gives
+//! back the slots of the rows a committed stop token cut off, and the posterior slots of the
+//! rows SureLock locked (their posteriors are no longer kept; `MdProgram::slots_needed`).
 
 pub mod family;
 pub mod network;
@@ -163,12 +165,26 @@ impl MdPlanner {
 
     /// Slots a request with `rows` buffer rows (per copy) reserves (see the module doc).
     pub fn slots(&self, rows: usize, copies: usize, surelock: bool) -> usize {
-        let mut slots = rows * copies;
-        if surelock {
-            let posterior = (4 * self.cfg.head_rows).div_ceil(self.slot_bytes());
-            slots += rows * self.cfg.n_layers + rows * posterior;
+        let p = self.slot_plan(copies, 0, surelock);
+        rows * (p.copies + p.cache + p.posterior)
+    }
+
+    /// How a request's slots divide over its rows.
+    fn slot_plan(&self, copies: usize, shadow: usize, surelock: bool) -> program::SlotPlan {
+        let (cache, posterior) = if surelock {
+            (
+                self.cfg.n_layers,
+                (4 * self.cfg.head_rows).div_ceil(self.slot_bytes()),
+            )
+        } else {
+            (0, 0)
+        };
+        program::SlotPlan {
+            copies,
+            shadow,
+            cache,
+            posterior,
         }
-        slots
     }
 
     fn prepare_low_confidence(
@@ -309,6 +325,7 @@ impl MdPlanner {
             stop,
         );
         let rows = canvas.len() + shadow;
+        let slot_plan = self.slot_plan(copies, shadow, surelock.is_some());
         let slots = self.slots(rows, copies, surelock.is_some());
         let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
         let mut program = MdProgram::new(
@@ -320,6 +337,8 @@ impl MdPlanner {
             spec.sampling.seed,
         );
         program.stream_canvas = spec.stream_canvas;
+        program.slot_plan = slot_plan;
+        debug_assert_eq!(program.slots_needed(), slots);
         if self.cfg.shifted {
             program = program.with_shifted_head();
         }

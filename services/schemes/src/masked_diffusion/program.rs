@@ -97,6 +97,22 @@ pub struct MdProgram {
     pub(crate) stream_canvas: bool,
     /// Position `j`'s prediction is read from the output row of `j - 1` (Dream).
     pub(crate) shifted: bool,
+    /// How the request's slots divide over its rows (set by the planner).
+    pub(crate) slot_plan: SlotPlan,
+}
+
+/// The slots of a masked-diffusion request, per buffer row: its working set (one per row and
+/// copy), and with SureLock the row's cached K/V in every layer and its previous posterior.
+/// Rows cut after a stop token give all of theirs back; a locked row its posterior.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SlotPlan {
+    pub(crate) copies: usize,
+    /// Rows after the canvas (WINO's shadow block).
+    pub(crate) shadow: usize,
+    /// SureLock: cache slots per row (the layers).
+    pub(crate) cache: usize,
+    /// SureLock: posterior slots per row.
+    pub(crate) posterior: usize,
 }
 
 impl MdProgram {
@@ -121,6 +137,7 @@ impl MdProgram {
             record: None,
             stream_canvas: false,
             shifted: false,
+            slot_plan: SlotPlan::default(),
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
@@ -129,6 +146,15 @@ impl MdProgram {
         }
         p.skip_empty_steps();
         p
+    }
+
+    /// Slots the request needs from now on: every row's working set and SureLock cache, and the
+    /// posteriors of the rows not locked.
+    pub(crate) fn slots_needed(&self) -> usize {
+        let p = self.slot_plan;
+        let rows = self.canvas.len() + p.shadow;
+        let locked = self.surelock.as_ref().map_or(0, |s| s.locked_count());
+        rows * (p.copies + p.cache) + rows.saturating_sub(locked) * p.posterior
     }
 
     /// Reads every position's prediction from the output row before it (Dream's head).

@@ -486,3 +486,52 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
     }
     Ok(())
 }
+
+/// Slots come back as a request stops needing them: a SureLock row's posterior once the row
+/// locks, every slot of the rows a committed stop token cut off. Run tick by tick on the fixture
+/// (20 rows, 2 layers, 4 posterior slots a row), and served: every slot back at the end.
+#[test]
+fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
+    use wavefront_engine::Outbox;
+    let (model, planner) = fixture()?;
+    let s = spec(
+        prompt(4, 0),
+        16,
+        0,
+        lc(LowConfidenceParams {
+            surelock: surelock(5e-2, None),
+            ..low_confidence(16, 16)
+        }),
+    );
+    let mut p = planner.prepare(s.clone())?.program;
+    let start = p.slots_needed();
+    ensure!(start == 20 * (1 + 2 + 4), "{start}");
+    let mut outbox = Outbox::default();
+    let mut needs = vec![start];
+    while !outbox.is_done() {
+        let mut batch = [super::Entry {
+            program: &mut p,
+            outbox: &mut outbox,
+        }];
+        super::tick(&model, &mut batch)?;
+        needs.push(p.slots_needed());
+    }
+    let locked = p.locked().len();
+    ensure!(locked > 0, "this eps locks positions on the fixture");
+    // Never more than before; at the end, 4 posterior slots fewer per locked row, and nothing
+    // of rows cut after a stop token.
+    ensure!(needs.windows(2).all(|w| w[1] <= w[0]), "{needs:?}");
+    let rows = p.tokens().len();
+    ensure!(
+        *needs.last().unwrap_or(&0) == rows * (1 + 2) + (rows - locked) * 4,
+        "{needs:?} with {locked} of {rows} rows locked"
+    );
+    ensure!(*needs.last().unwrap_or(&0) < start);
+    // Served, the engine takes them back as they go, and every slot returns.
+    let served = serve(fixture_files()?, "fixture", 4)?;
+    let out = collect(&submit(served.as_ref(), s)?, Vec::new())?;
+    ensure!(!out.tokens.is_empty());
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
