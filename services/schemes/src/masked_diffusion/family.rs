@@ -9,7 +9,7 @@
 
 use candle_core::Tensor;
 use wavefront_engine::{Active, Family, FamilyError, FinishReason, SlotId};
-use wavefront_models::transformer::{Keys, SeqInput};
+use wavefront_models::transformer::{Keys, KvPool, SeqInput};
 
 use super::network::MdNetwork;
 use super::program::{MdProgram, StepPlan};
@@ -111,9 +111,13 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
     Ok(ids.len())
 }
 
-/// The family: owns the model on the engine thread.
+/// The family: owns the model on the engine thread, and the pool of SureLock's caches: a page
+/// is one row's K/V in one layer of one rank, and the slot ids the engine grants a SureLock
+/// request are its cache's page ids (the rest of its slots count its working set and
+/// posteriors, its own tensors).
 pub struct MaskedDiffusionFamily<M> {
     model: M,
+    pool: KvPool,
     last_rows: Option<usize>,
 }
 
@@ -121,7 +125,17 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
     pub fn new(model: M) -> Self {
         Self {
             model,
+            pool: KvPool::shared(1),
             last_rows: None,
+        }
+    }
+
+    /// Hands the slots granted to `a` to its SureLock cache (moved into the pool at its first
+    /// tick: programs are built outside the engine thread).
+    fn bind(&self, a: &mut Active<MdProgram>) {
+        let new = a.take_new_slots();
+        if let Some(sl) = &mut a.program.surelock {
+            crate::paging::bind(&mut sl.cache, &self.pool, new);
         }
     }
 }
@@ -130,6 +144,9 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     type Program = MdProgram;
 
     fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), FamilyError> {
+        for a in batch.iter_mut() {
+            self.bind(a);
+        }
         let mut entries = entries(batch, |_| true);
         let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
@@ -153,6 +170,10 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         if need >= held {
             return Vec::new();
         }
-        a.slots[need..].to_vec()
+        match &mut a.program.surelock {
+            // The ids are the cache's pages: give back ones it does not use.
+            Some(sl) => crate::paging::reclaim(&mut sl.cache, held, need),
+            None => a.slots[need..].to_vec(),
+        }
     }
 }

@@ -52,14 +52,15 @@
 //!
 //! ## Slots
 //!
-//! The slot unit is one buffer row's key and value in one layer:
-//! `2 · n_kv_heads · head_dim` values of the model dtype. A request's buffer has
-//! `prompt + gen_length` rows (plus `block_length` shadow rows for `wino`), twice with
-//! classifier-free guidance. Without SureLock a request reserves one slot per buffer row: its
-//! rows' K/V of the layer being computed, the working set of its step (nothing persists between
-//! steps but its tokens). With SureLock it reserves the per-layer K/V cache of the whole buffer
-//! (`rows · n_layers`) plus the previous step's float32 log-posteriors (`rows · ceil(4 ·
-//! vocab / slot bytes)`). Slots are fungible and admission is all-or-nothing (FIFO), as for the
+//! The slot unit is one buffer row's key and value in one layer of one tensor-parallel rank:
+//! `2 · n_kv_heads · head_dim` values of the model dtype (split over the ranks). A request's
+//! buffer has `prompt + gen_length` rows (plus `block_length` shadow rows for `wino`), twice
+//! with classifier-free guidance. Without SureLock a request reserves one slot per buffer row
+//! and rank: its rows' K/V of the layer being computed, the working set of its step (nothing
+//! persists between steps but its tokens). With SureLock it also reserves the per-layer K/V
+//! cache of the whole buffer (`rows · n_layers · ranks`), which lives in the family's pool: the
+//! granted slot ids are the cache's page ids (a page holds one row of one layer and rank), and
+//! the previous step's float32 log-posteriors (`rows · ceil(4 · vocab / slot bytes)`). Slots are fungible and admission is all-or-nothing (FIFO), as for the
 //! other families. A canvas never grows, but it can shrink: after every tick the request gives
 //! back the slots of the rows a committed stop token cut off, and the posterior slots of the
 //! rows SureLock locked (their posteriors are no longer kept; `MdProgram::slots_needed`).
@@ -116,8 +117,10 @@ use crate::SchemeError;
 pub struct MdPlanner {
     cfg: Shape,
     info: ModelInfo,
-    /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
+    /// One position's K/V in one layer, over all tensor-parallel ranks.
     kv: KvSlot,
+    /// Tensor-parallel ranks: a slot is one rank's share of a row's K/V in one layer.
+    world: usize,
 }
 
 impl MdPlanner {
@@ -148,18 +151,21 @@ impl MdPlanner {
             kv: KvSlot::new(&cfg.block, dtype),
             cfg,
             info,
+            world: 1,
         }
     }
 
-    /// Bytes of one slot: one buffer row's K and V in one layer.
+    /// Bytes of one slot: one buffer row's K and V in one layer of one tensor-parallel rank
+    /// (SureLock's cache takes one page of one row per slot).
     pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes()
+        self.kv.bytes() / self.world
     }
 
     /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
         self.kv = self.kv.with_world(world);
+        self.world = world.max(1);
         self
     }
 
@@ -173,14 +179,14 @@ impl MdPlanner {
     fn slot_plan(&self, copies: usize, shadow: usize, surelock: bool) -> program::SlotPlan {
         let (cache, posterior) = if surelock {
             (
-                self.cfg.n_layers,
+                self.cfg.n_layers * self.world,
                 (4 * self.cfg.head_rows).div_ceil(self.slot_bytes()),
             )
         } else {
             (0, 0)
         };
         program::SlotPlan {
-            copies,
+            copies: copies * self.world,
             shadow,
             cache,
             posterior,

@@ -106,10 +106,11 @@ pub struct MdProgram {
 /// Rows cut after a stop token give all of theirs back; a locked row its posterior.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct SlotPlan {
+    /// Working-set slots per row: one per copy (classifier-free guidance) and rank.
     pub(crate) copies: usize,
     /// Rows after the canvas (WINO's shadow block).
     pub(crate) shadow: usize,
-    /// SureLock: cache slots per row (the layers).
+    /// SureLock: cache slots per row (a page of one row in every layer and rank).
     pub(crate) cache: usize,
     /// SureLock: posterior slots per row.
     pub(crate) posterior: usize,
