@@ -2,8 +2,62 @@
 //! granted slots to its cache (the slot ids are page ids of the family's pool), and move the
 //! cache's pages to host memory and back when the engine preempts and resumes the request.
 
-use wavefront_engine::{FamilyError, Moved, SlotId};
-use wavefront_models::transformer::{KvPool, PagedCache};
+use wavefront_engine::{Active, FamilyError, Moved, SlotId};
+use wavefront_models::transformer::{KvCache, KvPool, PagedCache};
+
+/// A program whose paged state is one K/V cache (slot diffusion, block diffusion): its family's
+/// part of the engine's slot cycle is the same for all of them ([`bind_one`], [`needed_one`],
+/// [`reclaim_one`], [`preempt_one`], [`resume_one`]).
+pub(crate) trait OneCache {
+    fn cache(&mut self) -> &mut KvCache;
+    /// Pages the cache holds after the next step at most, in pages of `page` rows.
+    fn pages_needed(&self, page: usize) -> usize;
+    fn is_done(&self) -> bool;
+}
+
+/// Hands the slots granted to `a` since the last look to its cache (moved into `pool` on first
+/// sight: programs are built outside the engine thread).
+pub(crate) fn bind_one<P: OneCache>(a: &mut Active<P>, pool: &KvPool) {
+    let new = a.take_new_slots();
+    bind(a.program.cache(), pool, new);
+}
+
+/// `Family::slots_needed`: what the next step's pages reach (a finished program keeps what it
+/// holds until the engine retires it).
+pub(crate) fn needed_one<P: OneCache>(a: &Active<P>, pool: &KvPool) -> usize {
+    if a.program.is_done() {
+        return a.slots.len();
+    }
+    a.program.pages_needed(pool.page_size()).max(a.slots.len())
+}
+
+/// `Family::reclaim`: the granted pages the next step will not use.
+pub(crate) fn reclaim_one<P: OneCache>(a: &mut Active<P>, pool: &KvPool) -> Vec<SlotId> {
+    let need = a.program.pages_needed(pool.page_size());
+    let held = a.slots.len();
+    reclaim(a.program.cache(), held, need)
+}
+
+/// `Family::preempt`: the cache's pages to host memory (a request preempted before its first
+/// tick moves its empty cache into the pool first).
+pub(crate) fn preempt_one<P: OneCache>(
+    a: &mut Active<P>,
+    pool: &KvPool,
+    scheme: &'static str,
+) -> Result<Moved, FamilyError> {
+    bind_one(a, pool);
+    swap_out(a.program.cache(), scheme)
+}
+
+/// `Family::resume`: the pages back into the slots granted now.
+pub(crate) fn resume_one<P: OneCache>(
+    a: &mut Active<P>,
+    pool: &KvPool,
+    scheme: &'static str,
+) -> Result<Moved, FamilyError> {
+    bind_one(a, pool);
+    swap_in(a.program.cache(), scheme)
+}
 
 /// Gives `cache` the slots `new` as pages of `pool`. A cache still in the private pool it was
 /// built with (programs are built outside the engine thread) and empty moves into `pool`

@@ -118,10 +118,19 @@ impl BlockDiffusionFamily {
         self.pool = KvPool::shared(page.max(1));
         self
     }
+}
 
-    fn bind(&self, a: &mut Active<BdProgram>) {
-        let new = a.take_new_slots();
-        paging::bind(&mut a.program.cache, &self.pool, new);
+impl paging::OneCache for BdProgram {
+    fn cache(&mut self) -> &mut wavefront_models::transformer::KvCache {
+        &mut self.cache
+    }
+
+    fn pages_needed(&self, page: usize) -> usize {
+        BdProgram::pages_needed(self, page)
+    }
+
+    fn is_done(&self) -> bool {
+        BdProgram::is_done(self)
     }
 }
 
@@ -130,7 +139,7 @@ impl Family for BlockDiffusionFamily {
 
     fn tick(&mut self, batch: &mut [&mut Active<BdProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
-            self.bind(a);
+            paging::bind_one(a, &self.pool);
         }
         let mut entries = entries(batch, |p| !p.is_done());
         let rows =
@@ -144,27 +153,19 @@ impl Family for BlockDiffusionFamily {
     }
 
     fn slots_needed(&self, a: &Active<BdProgram>) -> usize {
-        if a.program.is_done() {
-            return a.slots.len();
-        }
-        a.program
-            .pages_needed(self.pool.page_size())
-            .max(a.slots.len())
+        paging::needed_one(a, &self.pool)
     }
 
     fn reclaim(&mut self, a: &mut Active<BdProgram>) -> Vec<SlotId> {
-        let need = a.program.pages_needed(self.pool.page_size());
-        paging::reclaim(&mut a.program.cache, a.slots.len(), need)
+        paging::reclaim_one(a, &self.pool)
     }
 
     fn preempt(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        self.bind(a);
-        paging::swap_out(&mut a.program.cache, "block-diffusion")
+        paging::preempt_one(a, &self.pool, "block-diffusion")
     }
 
     fn resume(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        self.bind(a);
-        paging::swap_in(&mut a.program.cache, "block-diffusion")
+        paging::resume_one(a, &self.pool, "block-diffusion")
     }
 
     fn stop(&mut self, a: &mut Active<BdProgram>) {

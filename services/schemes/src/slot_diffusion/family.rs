@@ -164,12 +164,19 @@ impl SlotDiffusionFamily {
         self.max_batch_rows = rows;
         self
     }
+}
 
-    /// Hands the slots granted to `a` since the last look to its state cache (moved into the
-    /// pool on first sight: programs are built outside the engine thread).
-    fn bind(&self, a: &mut Active<SdProgram>) {
-        let new = a.take_new_slots();
-        paging::bind(a.program.state_cache(), &self.pool, new);
+impl paging::OneCache for SdProgram {
+    fn cache(&mut self) -> &mut wavefront_models::transformer::KvCache {
+        self.state_cache()
+    }
+
+    fn pages_needed(&self, page: usize) -> usize {
+        SdProgram::pages_needed(self, page)
+    }
+
+    fn is_done(&self) -> bool {
+        SdProgram::is_done(self)
     }
 }
 
@@ -178,7 +185,7 @@ impl Family for SlotDiffusionFamily {
 
     fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
-            self.bind(a);
+            paging::bind_one(a, &self.pool);
         }
         let mut entries = entries(batch, |p| !p.is_done());
         let rows =
@@ -192,29 +199,19 @@ impl Family for SlotDiffusionFamily {
     }
 
     fn slots_needed(&self, a: &Active<SdProgram>) -> usize {
-        if a.program.is_done() {
-            return a.slots.len();
-        }
-        a.program
-            .pages_needed(self.pool.page_size())
-            .max(a.slots.len())
+        paging::needed_one(a, &self.pool)
     }
 
     fn reclaim(&mut self, a: &mut Active<SdProgram>) -> Vec<SlotId> {
-        let need = a.program.pages_needed(self.pool.page_size());
-        let held = a.slots.len();
-        paging::reclaim(a.program.state_cache(), held, need)
+        paging::reclaim_one(a, &self.pool)
     }
 
     fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        // A request preempted before its first tick moves its (empty) cache into the pool.
-        self.bind(a);
-        paging::swap_out(a.program.state_cache(), "slot-diffusion")
+        paging::preempt_one(a, &self.pool, "slot-diffusion")
     }
 
     fn resume(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        self.bind(a);
-        paging::swap_in(a.program.state_cache(), "slot-diffusion")
+        paging::resume_one(a, &self.pool, "slot-diffusion")
     }
 
     fn stop(&mut self, a: &mut Active<SdProgram>) {
