@@ -2,7 +2,7 @@
 //! worker per family, and clients that behave the way real ones do.
 //!
 //! The soak sends `WAVEFRONT_SOAK_REQUESTS` requests (default 600, the CI run) over every
-//! scheme of the four families from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
+//! scheme of the four families and of Dream and LLaDA2.0 from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
 //! random client cancellations, deadlines from 10 ms to 10 s, slow readers, stop strings and 10%
 //! invalid requests, within `WAVEFRONT_SOAK_SECONDS` (default 100; past it no new request is
 //! sent). It then checks that no process exited, every response was well formed (a finish
@@ -108,7 +108,8 @@ const PROMPTS: [&str; 4] = [
     "In the beginning",
 ];
 
-/// A valid request for one of the four families, over every scheme each serves.
+/// A valid request for one of the four families (and Dream and LLaDA2.0), over every scheme
+/// each serves.
 fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
     use pb::generate_request::Scheme;
     let prompt = text(PROMPTS[rng.random_range(0..PROMPTS.len())]);
@@ -126,7 +127,7 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
         Vec::new()
     };
     let temperature = if rng.random_bool(0.5) { 0.0 } else { 0.8 };
-    let mut req = match rng.random_range(0..10) {
+    let mut req = match rng.random_range(0..12) {
         0 => pb::GenerateRequest {
             model: "huginn".into(),
             prompt,
@@ -201,6 +202,31 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
             max_new_tokens: rng.random_range(1..16),
             scheme: Some(Scheme::Ar(pb::ArScheme {
                 execution: ["sequential", "diagonal", "auto"][rng.random_range(0..3)].into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        10 => pb::GenerateRequest {
+            model: "dream".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..24),
+            scheme: Some(Scheme::DiffusionGenerate(pb::DiffusionGenerateScheme {
+                alg: ["origin", "maskgit_plus", "topk_margin", "entropy"][rng.random_range(0..4)]
+                    .into(),
+                steps: Some(rng.random_range(1..12)),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        11 => pb::GenerateRequest {
+            model: "llada2".into(),
+            prompt,
+            max_new_tokens: rng.random_range(1..40),
+            scheme: Some(Scheme::BlockDiffusion(pb::BlockDiffusionScheme {
+                block_length: Some([4, 8, 16][rng.random_range(0..3)]),
+                steps: Some(rng.random_range(1..9)),
+                threshold: Some(0.7),
+                eos_early_stop: rng.random_bool(0.5),
                 ..Default::default()
             })),
             ..Default::default()
@@ -452,6 +478,8 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         worker("llada", "llada"),
         worker("armt", "armt"),
         worker("refusion", "refusion"),
+        worker("dream", "dream"),
+        worker("llada2", "llada2"),
     ];
     for w in &workers {
         wait_serving(w.proc.addr, "wavefront.worker.v1.Worker").await;
@@ -602,7 +630,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         "anon_kib_middle": mid.iter().map(|m| m.1).collect::<Vec<_>>(),
         "anon_kib_end": rss_last.iter().map(|m| m.1).collect::<Vec<_>>(),
         "anon_growth": anon_growth,
-        "processes": ["huginn", "llada", "armt", "refusion", "router"],
+        "processes": ["huginn", "llada", "armt", "refusion", "dream", "llada2", "router"],
         "preemptions": preemptions,
         "window": window,
     });
@@ -632,7 +660,9 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
     // (`services/cli/src/memory.rs`), so resident memory follows what they hold, not the
     // largest burst of the run.
     if total >= 10_000 && outcomes.len() == total {
-        let names = ["huginn", "llada", "armt", "refusion", "router"];
+        let names = [
+            "huginn", "llada", "armt", "refusion", "dream", "llada2", "router",
+        ];
         for (((name, g), m), end) in names.iter().zip(&rss_growth).zip(&mid).zip(&rss_last) {
             assert!(
                 *g < 0.10,
