@@ -47,7 +47,22 @@ impl TokenSampler {
         if self.params.is_greedy() || logits.is_empty() {
             return argmax(logits);
         }
-        let t = self.params.temperature;
+        self.draw(logits).0
+    }
+
+    /// A draw (at the temperature, or at 1 for a greedy request: LLaDA2.0's sampler draws even
+    /// then) and its probability under the filtered, renormalised distribution it was drawn
+    /// from (block diffusion's confidence).
+    pub fn sample_with_prob(&mut self, logits: &[f32]) -> (u32, f32) {
+        self.draw(logits)
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> (u32, f32) {
+        let t = if self.params.is_greedy() {
+            1.0
+        } else {
+            self.params.temperature
+        };
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
@@ -81,10 +96,11 @@ impl TokenSampler {
         for (i, p) in probs.iter().enumerate() {
             acc += p;
             if u < acc {
-                return cand[i].0;
+                return (cand[i].0, *p);
             }
         }
-        cand[probs.len() - 1].0
+        let last = probs.len() - 1;
+        (cand[last].0, probs[last])
     }
 }
 
@@ -113,6 +129,12 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(s.sample(&[0.1, 2.0, 1.9, -1.0]), 1);
         }
+        // Drawn at temperature 1 even for a greedy request, with the probability it had.
+        let mut s = TokenSampler::new(params(0.0, 1, 1.0, 7));
+        assert_eq!(s.sample_with_prob(&[0.1, 2.0, 1.9, -1.0]), (1, 1.0));
+        let mut s = TokenSampler::new(params(0.0, 2, 1.0, 7));
+        let (t, p) = s.sample_with_prob(&[0.0, 2.0, 2.0, -1.0]);
+        assert!((t == 1 || t == 2) && (p - 0.5).abs() < 1e-6);
     }
 
     #[test]

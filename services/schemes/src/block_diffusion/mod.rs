@@ -183,7 +183,7 @@ impl Llada2Planner {
             stop,
         };
         let sampler = Sampler {
-            sampling: spec.sampling,
+            draws: crate::sampling::TokenSampler::new(spec.sampling),
             upstream: p.upstream_sampler,
         };
         let max_pages = self.kv_tables() * rows.div_ceil(self.page);

@@ -23,19 +23,17 @@
 //! - the mask token is never a prediction.
 
 use candle_core::{DType, Tensor};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use crate::masked_diffusion::low_confidence_top_k;
 use crate::masked_diffusion::posterior_greedy;
-use crate::request::SamplingParams;
+use crate::sampling::TokenSampler;
 
-/// The sampler's settings.
-#[derive(Debug, Clone, Copy)]
+/// The sampler: the request's (temperature, top-k, top-p, its own generator).
+#[derive(Debug)]
 pub(crate) struct Sampler {
-    pub(crate) sampling: SamplingParams,
+    pub(crate) draws: TokenSampler,
     /// Draw at temperature 1 where the request is greedy (upstream LLaDA2.0).
     pub(crate) upstream: bool,
 }
@@ -96,7 +94,6 @@ pub struct BdProgram {
     /// Commits per step of a block.
     schedule: Vec<usize>,
     sampler: Sampler,
-    rng: StdRng,
     /// The block being decoded and its next step.
     block: usize,
     step: usize,
@@ -133,7 +130,6 @@ impl BdProgram {
         let blocks = (prompt.len() + gen).div_ceil(b);
         let mut tokens = prompt.to_vec();
         tokens.resize(blocks * b, s.mask_id);
-        let seed = sampler.sampling.seed;
         Self {
             schedule: schedule(b, s.steps),
             block: prompt.len() / b,
@@ -143,8 +139,6 @@ impl BdProgram {
             tokens,
             s,
             sampler,
-            // A distinct stream from other schemes' draws of the same seed.
-            rng: StdRng::seed_from_u64(seed ^ 0x4c4c_6144_4132_4244),
             final_upto: 0,
             cache: KvCache::new(),
             streamed: 0,
@@ -322,22 +316,23 @@ impl BdProgram {
         if logits.dim(0)? == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
-        let s = self.sampler.sampling;
-        if s.temperature == 0.0 && !self.sampler.upstream {
+        if self.sampler.draws.is_greedy() && !self.sampler.upstream {
             let (x0, conf) = posterior_greedy(logits, DType::F32, self.s.mask_id)?;
             return Ok((x0, conf.into_iter().map(|c| c as f32).collect()));
         }
-        let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-        let t = if s.temperature == 0.0 {
-            1.0
-        } else {
-            s.temperature
-        };
-        let top_k = (s.top_k > 0).then_some(s.top_k);
-        let top_p = (s.top_p > 0.0 && s.top_p < 1.0).then_some(s.top_p);
-        Ok(host
-            .iter()
-            .map(|row| sample(row, t, top_k, top_p, self.s.mask_id, &mut self.rng))
+        // Upstream's sampler: temperature (1 where greedy: LLaDA2.0 draws then too), top-k,
+        // top-p, a draw; the mask is never drawn.
+        let mask = self.s.mask_id as usize;
+        Ok(logits
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?
+            .into_iter()
+            .map(|mut row| {
+                if let Some(x) = row.get_mut(mask) {
+                    *x = f32::NEG_INFINITY;
+                }
+                self.sampler.draws.sample_with_prob(&row)
+            })
             .unzip())
     }
 
@@ -415,64 +410,10 @@ impl BdProgram {
     }
 }
 
-/// A draw from `row` under upstream's sampler: the temperature, then top-k (logits below the
-/// k-th largest removed), then top-p (tokens past the cumulative `top_p` removed, the first
-/// always kept), then the softmax; the token and its probability there. The mask never.
-fn sample(
-    row: &[f32],
-    temperature: f32,
-    top_k: Option<usize>,
-    top_p: Option<f32>,
-    never: u32,
-    rng: &mut StdRng,
-) -> (u32, f32) {
-    use rand::Rng;
-    let mut l: Vec<f32> = row.iter().map(|&x| x / temperature).collect();
-    if let Some(x) = l.get_mut(never as usize) {
-        *x = f32::NEG_INFINITY;
-    }
-    if let Some(k) = top_k {
-        let mut sorted = l.clone();
-        let k = k.min(l.len()).max(1);
-        let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-        let kth = *kth;
-        l.iter_mut()
-            .filter(|x| **x < kth)
-            .for_each(|x| *x = f32::NEG_INFINITY);
-    }
-    let softmax = |l: &[f32]| -> Vec<f32> {
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let e: Vec<f32> = l.iter().map(|&x| (x - max).exp()).collect();
-        let sum: f32 = e.iter().sum();
-        e.into_iter().map(|x| x / sum).collect()
-    };
-    if let Some(p) = top_p {
-        let probs = softmax(&l);
-        let mut order: Vec<usize> = (0..l.len()).collect();
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-        let mut cum = 0f32;
-        for (rank, &i) in order.iter().enumerate() {
-            if rank > 0 && cum > p {
-                l[i] = f32::NEG_INFINITY;
-            }
-            cum += probs[i];
-        }
-    }
-    let probs = softmax(&l);
-    let mut u = rng.random::<f32>();
-    for (i, &p) in probs.iter().enumerate() {
-        if u < p {
-            return (i as u32, p);
-        }
-        u -= p;
-    }
-    let last = probs.iter().rposition(|&p| p > 0.0).unwrap_or(0);
-    (last as u32, probs[last])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::SamplingParams;
 
     #[test]
     fn the_schedule_splits_a_block_and_gives_the_remainder_first() {
@@ -481,14 +422,34 @@ mod tests {
         assert_eq!(schedule(16, 5), vec![4, 3, 3, 3, 3]);
     }
 
+    /// Upstream's sampler at temperature 0 with `top_k` 1 is deterministic (a one-hot
+    /// distribution, confidence 1), and the mask is never drawn, even where it is the best.
     #[test]
-    fn a_one_hot_filter_makes_the_upstream_sampler_deterministic() {
-        let row = [0.1f32, 2.0, 1.5, -1.0];
-        let mut rng = StdRng::seed_from_u64(3);
-        for _ in 0..20 {
-            assert_eq!(sample(&row, 1.0, Some(1), None, 9, &mut rng), (1, 1.0));
+    fn a_one_hot_filter_makes_the_upstream_sampler_deterministic() -> candle_core::Result<()> {
+        let settings = Settings {
+            block_length: 4,
+            steps: 4,
+            threshold: 0.9,
+            eos_early_stop: false,
+            mask_id: 1,
+            stop: Vec::new(),
+        };
+        let sampling = SamplingParams {
+            top_k: 1,
+            ..SamplingParams::default()
+        };
+        let sampler = Sampler {
+            draws: TokenSampler::new(sampling),
+            upstream: true,
+        };
+        let mut p = BdProgram::new(&[5, 6], 4, settings, sampler, 1, 8);
+        let logits = candle_core::Tensor::new(
+            &[[0.1f32, 2.0, 1.5, -1.0], [3.0, 2.0, 1.0, 0.0]],
+            &candle_core::Device::Cpu,
+        )?;
+        for _ in 0..10 {
+            assert_eq!(p.decode(&logits)?, (vec![2, 0], vec![1.0, 1.0]));
         }
-        // The mask is never drawn.
-        assert_ne!(sample(&row, 1.0, Some(1), None, 1, &mut rng).0, 1);
+        Ok(())
     }
 }
