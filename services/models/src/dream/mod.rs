@@ -68,7 +68,7 @@ impl Dream {
     /// Upstream's `output_hidden_states`: the embeddings, the output of every layer but the
     /// last, and `norm` of the last layer's output (`num_hidden_layers + 1` tensors `[N, E]`).
     pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
-        self.stack.hidden_states(ids, seqs, |_, _, _, _| Ok(()))
+        self.stack.hidden_states(ids, seqs, |_, _| Ok(()))
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Dream::forward`].

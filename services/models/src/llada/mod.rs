@@ -83,7 +83,7 @@ impl Llada {
     /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the
     /// first, and `ln_f` of the last block's output (`n_layers + 1` tensors `[N, E]`).
     pub fn forward_hidden_states(&self, ids: &[u32], seqs: &mut [SeqInput]) -> Result<Vec<Tensor>> {
-        self.stack.hidden_states(ids, seqs, |_, _, _, _| Ok(()))
+        self.stack.hidden_states(ids, seqs, |_, _| Ok(()))
     }
 
     /// Logits `[N, V]` (float32) of hidden rows from [`Llada::forward`].

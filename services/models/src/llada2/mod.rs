@@ -227,19 +227,13 @@ impl Llada2 {
         seqs: &mut [SeqInput],
     ) -> Result<(Vec<Tensor>, Vec<Option<(Tensor, Routing)>>)> {
         let mut routes = Vec::with_capacity(self.stack.blocks.len());
-        let states = self
-            .stack
-            .hidden_states(ids, seqs, |block, x, layout, seqs| {
-                routes.push(match block.moe() {
-                    Some(moe) => {
-                        let input = block.ffn_input(x, layout, seqs)?;
-                        let routing = moe.route(&input)?;
-                        Some((input, routing))
-                    }
-                    None => None,
-                });
-                Ok(())
-            })?;
+        let states = self.stack.hidden_states(ids, seqs, |block, input| {
+            routes.push(match block.moe() {
+                Some(moe) => Some((input.clone(), moe.route(input)?)),
+                None => None,
+            });
+            Ok(())
+        })?;
         Ok((states, routes))
     }
 

@@ -472,8 +472,30 @@ impl Block {
         layout: &PackedLayout,
         seqs: &mut [SeqInput],
     ) -> Result<Tensor> {
+        Ok(self.forward_traced(x, layout, seqs)?.0)
+    }
+
+    /// [`Block::forward`], also returning the feed-forward's input (`ff_norm` of the attention's
+    /// residual; a MoE router reads it, and tests compare it with upstream's).
+    pub fn forward_traced(
+        &self,
+        x: &Tensor,
+        layout: &PackedLayout,
+        seqs: &mut [SeqInput],
+    ) -> Result<(Tensor, Tensor)> {
         let comm = self.comm.as_ref();
-        let x = self.attention_residual(x, layout, seqs)?;
+        let h = self.attn_norm.forward(x)?;
+        let partials = self
+            .shards
+            .iter()
+            .map(|s| {
+                let replica = layout.replica(comm.device(s.rank))?;
+                let layout = replica.as_deref().unwrap_or(layout);
+                s.attention(&on_rank(comm, s.rank, &h)?, layout, seqs)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let a = self.sum_partials(partials, self.o_bias.as_ref())?;
+        let x = (x + a)?;
         let h = self.ff_norm.forward(&x)?;
         let m = match &self.moe {
             Some(moe) => moe.forward(&h)?,
@@ -489,46 +511,12 @@ impl Block {
                 self.sum_partials(partials, self.down_bias.as_ref())?
             }
         };
-        Ok((x + m)?)
-    }
-
-    /// `x + attn(attn_norm(x))`: every rank's heads, summed.
-    fn attention_residual(
-        &self,
-        x: &Tensor,
-        layout: &PackedLayout,
-        seqs: &mut [SeqInput],
-    ) -> Result<Tensor> {
-        let comm = self.comm.as_ref();
-        let h = self.attn_norm.forward(x)?;
-        let partials = self
-            .shards
-            .iter()
-            .map(|s| {
-                let replica = layout.replica(comm.device(s.rank))?;
-                let layout = replica.as_deref().unwrap_or(layout);
-                s.attention(&on_rank(comm, s.rank, &h)?, layout, seqs)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let a = self.sum_partials(partials, self.o_bias.as_ref())?;
-        Ok((x + a)?)
+        Ok(((x + m)?, h))
     }
 
     /// The mixture-of-experts feed-forward, if this block has one.
     pub fn moe(&self) -> Option<&Moe> {
         self.moe.as_ref()
-    }
-
-    /// The input of the feed-forward (`ff_norm` of the attention's residual) for rows `x`
-    /// (tests compare a MoE router's input with upstream's).
-    pub fn ffn_input(
-        &self,
-        x: &Tensor,
-        layout: &PackedLayout,
-        seqs: &mut [SeqInput],
-    ) -> Result<Tensor> {
-        self.ff_norm
-            .forward(&self.attention_residual(x, layout, seqs)?)
     }
 
     /// Sums the ranks' partial outputs (nothing to sum with one rank) and adds the bias.

@@ -94,20 +94,21 @@ impl Stack {
 
     /// Upstream's `output_hidden_states`: the embeddings, the input of every block after the
     /// first, and the final norm of the last block's output. `visit` sees each block with its
-    /// input first (LLaDA2.0 reads its routers there).
+    /// feed-forward's input (LLaDA2.0 reads its routers there).
     pub(crate) fn hidden_states(
         &self,
         ids: &[u32],
         seqs: &mut [SeqInput],
-        mut visit: impl FnMut(&Block, &Tensor, &PackedLayout, &mut [SeqInput]) -> Result<()>,
+        mut visit: impl FnMut(&Block, &Tensor) -> Result<()>,
     ) -> Result<Vec<Tensor>> {
         let mut x = self.embed(ids)?;
         let layout = PackedLayout::new(&self.rope, ids.len(), seqs, self.attention)?;
         let mut states = Vec::with_capacity(self.blocks.len() + 1);
         for block in &self.blocks {
             states.push(x.clone());
-            visit(block, &x, &layout, seqs)?;
-            x = block.forward(&x, &layout, seqs)?;
+            let (out, ffn_input) = block.forward_traced(&x, &layout, seqs)?;
+            visit(block, &ffn_input)?;
+            x = out;
         }
         commit_buffers(seqs);
         states.push(self.norm.forward(&x)?);
