@@ -175,6 +175,18 @@ impl ModelFiles {
         detect_family(&config)
     }
 
+    /// Whether `config.json`'s `model_type` or an entry of its `architectures` contains
+    /// `needle` (lower case): which network of a family the checkpoint is.
+    pub fn names_contain(&self, needle: &str) -> bool {
+        self.config_value()
+            .map(|c| {
+                config_names(&c)
+                    .iter()
+                    .any(|n| n.to_ascii_lowercase().contains(needle))
+            })
+            .unwrap_or(false)
+    }
+
     /// The raw `generation_config.json` text, if the directory has one.
     pub fn generation_config_json(&self) -> Option<&str> {
         self.generation_config_json.as_deref()
@@ -359,6 +371,23 @@ pub enum ModelFamily {
     SlotDiffusion,
 }
 
+/// The non-empty `model_type` and `architectures` entries of a `config.json`, in that order.
+fn config_names(config: &serde_json::Value) -> Vec<String> {
+    let model_type = config.get("model_type").and_then(|v| v.as_str());
+    let architectures = config
+        .get("architectures")
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str());
+    model_type
+        .into_iter()
+        .chain(architectures)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
 /// A Qwen3 config with a `mask_token_id` (which ReFusion's `train.py` adds) is ReFusion. The
@@ -376,12 +405,8 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
         .and_then(|v| v.as_array())
         .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
         .unwrap_or_default();
-    let names = std::iter::once(model_type).chain(architectures.iter().copied());
-    for name in names {
+    for name in config_names(config) {
         let lower = name.to_ascii_lowercase();
-        if lower.is_empty() {
-            continue;
-        }
         if lower.contains("huginn") || lower.contains("raven") {
             return Ok(ModelFamily::RecurrentDepth);
         }

@@ -453,11 +453,12 @@ impl Planner for MdPlanner {
 
 /// Loads a LLaDA or Dream checkpoint (by its config's `model_type`) and starts its engine.
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
-    if is_dream(files.config_json()) {
-        return serve_dream(files, opts);
-    }
-    if is_llada2(files.config_json()) {
+    // One family, three networks: LLaDA2.0 (`llada2_moe`), Dream, LLaDA.
+    if files.names_contain("llada2") {
         return crate::block_diffusion::serve(files, opts);
+    }
+    if files.names_contain("dream") {
+        return serve_dream(files, opts);
     }
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
@@ -483,32 +484,6 @@ where
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada::config, MaskedDiffusionFamily::new);
     start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
-}
-
-/// Whether a masked-diffusion `config.json` is LLaDA2.0's (`llada2_moe`, `LLaDA2MoeModelLM`).
-fn is_llada2(config_json: &str) -> bool {
-    names_contain(config_json, "llada2")
-}
-
-/// Whether a masked-diffusion `config.json` is Dream's (`model_type` or `architectures`).
-fn is_dream(config_json: &str) -> bool {
-    names_contain(config_json, "dream")
-}
-
-/// Whether `model_type` or an entry of `architectures` contains `needle` (any case).
-fn names_contain(config_json: &str, needle: &str) -> bool {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(config_json) else {
-        return false;
-    };
-    let names = v.get("model_type").into_iter().chain(
-        v.get("architectures")
-            .and_then(|a| a.as_array())
-            .into_iter()
-            .flatten(),
-    );
-    names
-        .filter_map(|n| n.as_str())
-        .any(|n| n.to_ascii_lowercase().contains(needle))
 }
 
 /// Loads a Dream checkpoint and starts its engine.
