@@ -204,10 +204,14 @@ pub fn tick_rows(
             batch.iter_mut().map(|a| &mut a.program.cache).collect();
         run(model, &plans, &mut caches)?
     };
+    // A program that cannot apply its output fails alone, as the other families' do.
     for ((a, plan), out) in batch.iter_mut().zip(&plans).zip(outputs) {
-        a.program
-            .commit(plan, out, a.outbox)
-            .map_err(candle_core::Error::Msg)?;
+        if let Err(err) = a.program.commit(plan, out, a.outbox) {
+            a.outbox.fail(wavefront_engine::FamilyError::commit(
+                "recurrent-depth ar",
+                err,
+            ));
+        }
     }
     Ok(())
 }

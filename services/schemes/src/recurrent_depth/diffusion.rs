@@ -519,10 +519,14 @@ pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> 
             entries.iter_mut().map(|e| &mut e.program.cache).collect();
         run(model, &plans, &mut caches)?
     };
+    // A program that cannot apply its output fails alone, as the other families' do.
     for ((e, plan), out) in entries.iter_mut().zip(&plans).zip(outputs) {
-        e.program
-            .commit(plan, out, e.outbox)
-            .map_err(candle_core::Error::Msg)?;
+        if let Err(err) = e.program.commit(plan, out, e.outbox) {
+            e.outbox.fail(wavefront_engine::FamilyError::commit(
+                "recurrent-depth",
+                err,
+            ));
+        }
     }
     Ok(())
 }
