@@ -184,6 +184,10 @@ pub struct Prepared<P> {
     /// The most slots the request can ever hold: a request whose most exceeds the pool is
     /// refused at submission, since it could never finish.
     pub max_slots: usize,
+    /// Slots the request keeps until it ends, whatever its program needs (a worst-case
+    /// reservation, `--kv-reserve worst-case`, keeps all of it): [`Family::reclaim`] never
+    /// takes it below this ([`Active::keeps`]). 0 for a request reserving as it goes.
+    pub floor: usize,
     pub prompt_tokens: usize,
 }
 
@@ -194,6 +198,7 @@ impl<P> Prepared<P> {
             program,
             slots,
             max_slots: slots,
+            floor: 0,
             prompt_tokens,
         }
     }
@@ -214,9 +219,17 @@ pub struct Active<P> {
     pub ticks: u64,
     /// Admission order (preemption takes the most recently admitted first).
     pub seq: u64,
+    /// Slots kept until the request ends ([`Prepared::floor`]).
+    pub floor: usize,
 }
 
 impl<P> Active<P> {
+    /// The slots a request whose program needs `need` keeps after a tick: never fewer than its
+    /// floor (what [`Family::reclaim`] implementations give back is what it holds beyond this).
+    pub fn keeps(&self, need: usize) -> usize {
+        need.max(self.floor)
+    }
+
     /// The slots granted since the last call, for the family to hand to the program's state.
     pub fn take_new_slots(&mut self) -> Vec<SlotId> {
         std::mem::take(&mut self.new_slots)

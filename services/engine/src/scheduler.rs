@@ -500,6 +500,7 @@ impl<P: Send + 'static> Scheduler<P> {
                     admitted_at: now,
                     ticks: 0,
                     seq: self.next_seq,
+                    floor: w.prepared.floor,
                 },
                 sink: w.sink,
                 deadline: w.deadline,

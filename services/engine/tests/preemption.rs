@@ -153,6 +153,7 @@ fn grower(seed: u64, len: usize) -> Prepared<Grower> {
         },
         slots: 1,
         max_slots: len.div_ceil(PAGE),
+        floor: 0,
         prompt_tokens: 1,
     }
 }

@@ -129,6 +129,7 @@ fn countdown(len: usize, slots: usize) -> Prepared<Countdown> {
         },
         slots,
         max_slots: slots,
+        floor: 0,
         prompt_tokens: 1,
     }
 }
@@ -212,7 +213,7 @@ proptest! {
                     let (s, rx, closed) = sink(64);
                     let w = Waiting {
                         id: RequestId(i as u64),
-                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, max_slots: r.slots, prompt_tokens: 1 },
+                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, max_slots: r.slots, floor: 0, prompt_tokens: 1 },
                         sink: s,
                         deadline: r.deadline_ticks.map(|d| now + Duration::from_millis(u64::from(d) * 10)),
                         submitted_at: now,

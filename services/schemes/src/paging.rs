@@ -33,7 +33,7 @@ pub(crate) fn needed_one<P: OneCache>(a: &Active<P>, pool: &KvPool) -> usize {
 
 /// `Family::reclaim`: the granted pages the next step will not use.
 pub(crate) fn reclaim_one<P: OneCache>(a: &mut Active<P>, pool: &KvPool) -> Vec<SlotId> {
-    let need = a.program.pages_needed(pool.page_size());
+    let need = a.keeps(a.program.pages_needed(pool.page_size()));
     let held = a.slots.len();
     reclaim(a.program.cache(), held, need)
 }

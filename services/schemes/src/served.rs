@@ -244,14 +244,16 @@ impl KvReserve {
         max_slots: usize,
         prompt_tokens: usize,
     ) -> Prepared<P> {
-        let slots = match self {
-            KvReserve::OnDemand => first.min(max_slots),
-            KvReserve::WorstCase => max_slots,
+        let (slots, floor) = match self {
+            KvReserve::OnDemand => (first.min(max_slots), 0),
+            // Held to the end: the pages it does not use yet are not given back after a tick.
+            KvReserve::WorstCase => (max_slots, max_slots),
         };
         Prepared {
             program,
             slots,
             max_slots,
+            floor,
             prompt_tokens,
         }
     }

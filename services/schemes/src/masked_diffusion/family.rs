@@ -165,7 +165,7 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     /// posteriors of rows SureLock locked. The slots are bookkeeping of the request's own
     /// tensors (its working set, its SureLock cache and posteriors), which shrink with them.
     fn reclaim(&mut self, a: &mut Active<MdProgram>) -> Vec<SlotId> {
-        let need = a.program.slots_needed();
+        let need = a.keeps(a.program.slots_needed());
         let held = a.slots.len();
         if need >= held {
             return Vec::new();

@@ -352,6 +352,7 @@ impl MdPlanner {
             program,
             slots,
             max_slots: slots,
+            floor: 0,
             prompt_tokens,
         })
     }

@@ -470,8 +470,8 @@ impl MdProgram {
                 if let Some(reason) = reason {
                     self.finish(reason, outbox);
                 } else if dg.done() {
-                    // The last step commits every mask; a prompt mask left by an origin draw
-                    // cannot be, so whatever stands is the answer.
+                    // The last step commits every mask left (`int(n)` of them, or each with
+                    // probability 1 under `origin`): the rest of the canvas is final.
                     let (fresh, reason) = self.canvas.stream(self.canvas.len());
                     outbox.tokens(fresh);
                     self.finish(reason.unwrap_or(FinishReason::Length), outbox);

@@ -526,7 +526,7 @@ impl Family for HuginnFamily {
     }
 
     fn reclaim(&mut self, a: &mut Active<Program>) -> Vec<SlotId> {
-        let need = a.program.pages_needed(self.model.config());
+        let need = a.keeps(a.program.pages_needed(self.model.config()));
         let held = a.slots.len();
         paging::reclaim(a.program.state_cache(), held, need)
     }

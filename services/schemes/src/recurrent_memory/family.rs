@@ -363,7 +363,7 @@ impl Family for RecurrentMemoryFamily {
     }
 
     fn reclaim(&mut self, a: &mut Active<ArmtProgram>) -> Vec<SlotId> {
-        let need = a.program.pages_needed();
+        let need = a.keeps(a.program.pages_needed());
         let held = a.slots.len();
         paging::reclaim(&mut a.program.cache, held, need)
     }

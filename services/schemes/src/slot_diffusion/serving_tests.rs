@@ -581,3 +581,84 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
     }
     Ok(())
 }
+
+/// `--kv-reserve worst-case`: a request holds its whole reservation until it ends (the pages it
+/// does not use yet are not given back after a tick), so a pool of one and a half worst cases
+/// runs two requests one at a time.
+#[test]
+fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
+    use crate::served::{load_model, KvReserve, LoadOptions};
+    let (_, planner) = fixture()?;
+    // A request that runs long enough to be watched: the first prompt whose answer has no
+    // end-of-sequence token in its 40 tokens.
+    let roomy = fixture_served(1)?;
+    let mut long = None;
+    for salt in 0..64 {
+        let s = spec(prompt(8, salt), 40, ar());
+        let out = crate::test_support::collect(&submit(roomy.as_ref(), s.clone())?, Vec::new())?;
+        if out.tokens.len() == 40 {
+            long = Some(s);
+            break;
+        }
+    }
+    let s = long.context("a prompt that decodes 40 tokens")?;
+    let worst = planner
+        .with_reserve(KvReserve::WorstCase)
+        .prepare(s.clone())?
+        .max_slots;
+    let page_bytes = (256u64 << 20) / roomy.load().total_slots as u64;
+    roomy.shutdown();
+    let opts = LoadOptions {
+        memory_budget_bytes: (worst * 3 / 2) as u64 * page_bytes,
+        max_active: 2,
+        kv_reserve: KvReserve::WorstCase,
+        ..LoadOptions::default()
+    };
+    let served = load_model(fixture_files()?, opts)?;
+    let total = served.load().total_slots;
+    let watch = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let samples = {
+        let (served, watch) = (served.clone(), watch.clone());
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while watch.load(std::sync::atomic::Ordering::Relaxed) {
+                let l = served.load();
+                seen.push((l.active, l.free_slots));
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            seen
+        })
+    };
+    let rx = [
+        submit(served.as_ref(), s.clone())?,
+        submit(served.as_ref(), s)?,
+    ];
+    for r in &rx {
+        ensure!(crate::test_support::collect(r, Vec::new())?.tokens.len() == 40);
+    }
+    watch.store(false, std::sync::atomic::Ordering::Relaxed);
+    let seen = samples.join().map_err(|_| anyhow::anyhow!("watcher"))?;
+    ensure!(
+        seen.iter().any(|&(a, _)| a == 1),
+        "the watcher saw a request run"
+    );
+    ensure!(
+        seen.iter().all(|&(active, _)| active <= 1),
+        "two worst cases ran at once: {seen:?}"
+    );
+    // While one runs it holds all of its reservation (a request that has just finished is
+    // still counted until its last events go out, with its slots already back).
+    ensure!(
+        seen.iter()
+            .all(|&(active, free)| active == 0 || free >= total - worst),
+        "{seen:?}"
+    );
+    ensure!(
+        seen.iter()
+            .any(|&(active, free)| active == 1 && free == total - worst),
+        "the reservation was never seen held whole: {seen:?}"
+    );
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
