@@ -49,7 +49,7 @@ pub fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
     loop {
         match rx.recv_timeout(STALL_TIMEOUT).context("engine stalled")? {
             Event::Tokens(t) => tokens.extend(t),
-            Event::Canvas(_) => {}
+            Event::Canvas(_) | Event::Parked => {}
             Event::Finished { stats, .. } => {
                 return Ok(Outcome {
                     tokens,

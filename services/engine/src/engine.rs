@@ -6,7 +6,7 @@
 //! thread itself (device state never crosses threads) and reports readiness
 //! through a handshake, so a model that fails to load fails start-up.
 
-use crate::family::{Event, Family, Prepared};
+use crate::family::{Event, Exported, Family, Prepared};
 use crate::ids::RequestId;
 use crate::scheduler::{Scheduler, SharedQueue, Waiting};
 use crate::EngineError;
@@ -120,10 +120,22 @@ impl LoadCounters {
     }
 }
 
+/// Where the engine answers an export.
+pub type ExportReply = Box<dyn FnOnce(Result<Exported, EngineError>) + Send>;
+
 enum Command {
     /// A submission was queued: look at the queue (the engine may be waiting for work).
     Wake,
     Shutdown,
+    Export {
+        id: RequestId,
+        reply: ExportReply,
+    },
+    FinishExport {
+        id: RequestId,
+        moved: bool,
+        reply: Box<dyn FnOnce(Result<(), EngineError>) + Send>,
+    },
 }
 
 /// Cheap, cloneable access to a running engine.
@@ -212,6 +224,32 @@ impl<P: Send + 'static> EngineHandle<P> {
     /// Whether the engine thread is still running.
     pub fn is_running(&self) -> bool {
         !self.load.stopped.load(Ordering::Acquire)
+    }
+
+    /// Asks the engine to stop request `id` at its next step boundary and export its state
+    /// ([`Scheduler::export`]); `reply` gets the state, or why not. Blocks while the engine's
+    /// command channel is full (call it off the async runtime's threads).
+    pub fn export(&self, id: RequestId, reply: ExportReply) {
+        if let Err(mpsc::SendError(Command::Export { reply, .. })) =
+            self.tx.send(Command::Export { id, reply })
+        {
+            reply(Err(EngineError::ShutDown));
+        }
+    }
+
+    /// Settles the move of exported request `id` ([`Scheduler::finish_export`]). Blocks like
+    /// [`Self::export`].
+    pub fn finish_export(
+        &self,
+        id: RequestId,
+        moved: bool,
+        reply: Box<dyn FnOnce(Result<(), EngineError>) + Send>,
+    ) {
+        if let Err(mpsc::SendError(Command::FinishExport { reply, .. })) =
+            self.tx.send(Command::FinishExport { id, moved, reply })
+        {
+            reply(Err(EngineError::ShutDown));
+        }
     }
 
     /// Asks the engine to fail everything and stop; returns at once.
@@ -323,10 +361,19 @@ fn run_loop<F: Family>(
             break; // every handle is gone
         }
         while let Some(cmd) = next.take() {
-            if let Command::Shutdown = cmd {
-                sched.abort_all(&mut family);
-                publish(&sched, load);
-                return;
+            match cmd {
+                Command::Shutdown => {
+                    sched.abort_all(&mut family);
+                    publish(&sched, load);
+                    return;
+                }
+                Command::Wake => {}
+                Command::Export { id, reply } => {
+                    reply(sched.export(&mut family, id, Instant::now()));
+                }
+                Command::FinishExport { id, moved, reply } => {
+                    reply(sched.finish_export(id, moved));
+                }
             }
             next = rx.try_recv().ok();
         }

@@ -21,6 +21,16 @@ pub enum EngineError {
     /// The family failed while computing a tick this request took part in.
     #[error("model step failed: {0}")]
     StepFailed(FamilyError),
+    /// The request moved to another worker ([`crate::EngineHandle::finish_export`]); its stream
+    /// here ends.
+    #[error("the request moved to another worker")]
+    Moved,
+    /// No running request has this id (it finished, or never ran here).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request cannot be moved now, or its state cannot be taken in: the message says why.
+    #[error("{0}")]
+    CannotMove(String),
     /// The engine thread is gone (shutting down or crashed).
     #[error("engine is shut down")]
     ShutDown,

@@ -92,6 +92,11 @@ pub enum Event {
     Finished { reason: FinishReason, stats: Stats },
     /// The request failed; its slots are back in the pool.
     Failed(EngineError),
+    /// The request stopped at a step boundary to be exported ([`crate::EngineHandle::export`]):
+    /// every event before this one was its last on this worker unless the move is called off
+    /// ([`crate::EngineHandle::finish_export`]), when its events go on after it. A moved
+    /// request ends with `Failed(EngineError::Moved)`.
+    Parked,
 }
 
 /// What a canvas position holds at the time of a [`CanvasFrame`].
@@ -189,6 +194,9 @@ pub struct Prepared<P> {
     /// takes it below this ([`Active::keeps`]). 0 for a request reserving as it goes.
     pub floor: usize,
     pub prompt_tokens: usize,
+    /// A request that arrived from another worker ([`Carried`]): its program is in the state a
+    /// preemption leaves, and it resumes ([`Family::resume`]) instead of starting.
+    pub carried: Option<Carried>,
 }
 
 impl<P> Prepared<P> {
@@ -200,8 +208,47 @@ impl<P> Prepared<P> {
             max_slots: slots,
             floor: 0,
             prompt_tokens,
+            carried: None,
         }
     }
+
+    /// A request exported by another worker, to resume here: `program` as a preemption leaves
+    /// it, with what the engine counted there.
+    pub fn imported(program: P, carried: Carried) -> Self {
+        Self {
+            program,
+            slots: 0,
+            max_slots: 0,
+            floor: 0,
+            prompt_tokens: carried.prompt_tokens,
+            carried: Some(carried),
+        }
+    }
+}
+
+/// What an engine counted for a request before it moved: the figures its final statistics
+/// add up, so they cover the whole request.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Carried {
+    pub prompt_tokens: usize,
+    /// Tokens streamed before the move.
+    pub generated: usize,
+    /// Ticks the request ran in before the move.
+    pub ticks: u64,
+    /// From submission to its first admission.
+    pub queue_time: std::time::Duration,
+    /// Compute time before the move (from each admission to the export).
+    pub compute_time: std::time::Duration,
+    /// Moves before this one.
+    pub migrations: u32,
+}
+
+/// A request's state as it leaves an engine ([`crate::EngineHandle::export`]).
+#[derive(Debug, Clone)]
+pub struct Exported {
+    /// The program's bytes ([`Family::export`]).
+    pub state: Vec<u8>,
+    pub carried: Carried,
 }
 
 /// An admitted program with the slots it holds.
@@ -294,6 +341,16 @@ pub trait Family: Send + 'static {
     /// after every tick the request ran in. The default keeps everything.
     fn reclaim(&mut self, _active: &mut Active<Self::Program>) -> Vec<SlotId> {
         Vec::new()
+    }
+
+    /// Encodes the whole state of a request that [`Family::preempt`] just moved out of its
+    /// slots (its pages' rows, latent states, memories, counters, schedules and random-number
+    /// generators), for another worker's planner to rebuild and this family's
+    /// [`Family::resume`] to continue there. A family that cannot move requests says so.
+    fn export(&mut self, _active: &mut Active<Self::Program>) -> Result<Vec<u8>, FamilyError> {
+        Err(FamilyError::Forward(
+            "this model family cannot move a request to another worker".into(),
+        ))
     }
 
     /// Brings a preempted request's state back into the slots it holds now.

@@ -38,12 +38,12 @@ pub mod slots;
 pub mod stats;
 
 pub use engine::{
-    Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, SinkError, Submission,
+    Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, ExportReply, SinkError, Submission,
 };
 pub use error::EngineError;
 pub use family::{
-    Active, CanvasFrame, CellState, Event, Family, FamilyError, FinishReason, Moved, Outbox,
-    Prepared, RequestError,
+    Active, CanvasFrame, Carried, CellState, Event, Exported, Family, FamilyError, FinishReason,
+    Moved, Outbox, Prepared, RequestError,
 };
 pub use ids::{RequestId, SlotId};
 pub use queue::AdmissionQueue;

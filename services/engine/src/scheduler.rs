@@ -16,7 +16,7 @@
 //! ahead of every new arrival, so nobody starves.
 
 use crate::engine::{EventSink, SinkError};
-use crate::family::{Active, Event, Family, FamilyError, Outbox, Prepared};
+use crate::family::{Active, Carried, Event, Exported, Family, FamilyError, Outbox, Prepared};
 use crate::ids::RequestId;
 use crate::metrics::EngineMetrics;
 use crate::queue::AdmissionQueue;
@@ -48,6 +48,11 @@ struct Running<P> {
     /// Set once the program ended: `Some(true)` finished, `Some(false)` failed.
     outcome: Option<bool>,
     span: tracing::Span,
+    /// Exported and waiting for the move to be confirmed or called off: holds no slots, does
+    /// not tick, still delivers what it had produced.
+    parked: bool,
+    /// What engines counted before this request moved here.
+    prior: Carried,
 }
 
 /// The admission queue, shared by the engine thread and every handle: a submission is pushed
@@ -483,6 +488,11 @@ impl<P: Send + 'static> Scheduler<P> {
             let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
                 break;
             };
+            if w.prepared.carried.is_some() {
+                self.take_in(family, w, now, report);
+                // It resumes as a preempted request, ahead of every later arrival.
+                return self.admit(family, now, report);
+            }
             let slots = self
                 .pool
                 .alloc(w.prepared.slots)
@@ -510,6 +520,8 @@ impl<P: Send + 'static> Scheduler<P> {
                 backlog: VecDeque::new(),
                 outcome: None,
                 span: w.span,
+                parked: false,
+                prior: Carried::default(),
             });
             report.admitted += 1;
         }
@@ -518,7 +530,10 @@ impl<P: Send + 'static> Scheduler<P> {
     /// Whether the running request at `i` ticks this step.
     fn ready(&self, i: usize) -> bool {
         let r = &self.running[i];
-        r.backlog.is_empty() && !r.active.outbox.done && !self.deferred.contains(&r.active.id)
+        r.backlog.is_empty()
+            && !r.active.outbox.done
+            && !r.parked
+            && !self.deferred.contains(&r.active.id)
     }
 
     /// Grants every request that ticks this step the slots its next step needs, oldest first,
@@ -546,10 +561,11 @@ impl<P: Send + 'static> Scheduler<P> {
                 }
                 // The newest request that can give its slots back: possibly this one.
                 let victim = (0..self.running.len())
-                    .filter(|&j| !self.running[j].active.outbox.done)
+                    .filter(|&j| !self.running[j].active.outbox.done && !self.running[j].parked)
                     .max_by_key(|&j| self.running[j].active.seq)
                     .expect("the growing request is a candidate");
-                if victim == i && self.running.len() == 1 + self.done_count() {
+                if victim == i && self.running.len() == 1 + self.done_count() + self.parked_count()
+                {
                     let total = self.pool.total();
                     if need > total {
                         self.running[i]
@@ -573,6 +589,14 @@ impl<P: Send + 'static> Scheduler<P> {
     /// Running requests whose program has ended (their last events still going out).
     fn done_count(&self) -> usize {
         self.running.iter().filter(|r| r.active.outbox.done).count()
+    }
+
+    /// Exported requests waiting for their move to be settled (they hold no slots).
+    fn parked_count(&self) -> usize {
+        self.running
+            .iter()
+            .filter(|r| r.parked && !r.active.outbox.done)
+            .count()
     }
 
     /// Preempts the running request at `i`: the family moves its state out, its slots go back
@@ -679,10 +703,13 @@ impl<P: Send + 'static> Scheduler<P> {
                         Event::Tokens(ids)
                     }
                     Event::Canvas(frame) => Event::Canvas(frame),
+                    Event::Parked => Event::Parked,
                     Event::Finished { reason, mut stats } => {
                         stats.queue_time = r.queue_time;
-                        stats.compute_time = now.saturating_duration_since(r.active.admitted_at);
-                        stats.ticks = r.active.ticks;
+                        stats.compute_time = r.prior.compute_time
+                            + now.saturating_duration_since(r.active.admitted_at);
+                        stats.ticks = r.prior.ticks + r.active.ticks;
+                        stats.migrations = r.prior.migrations;
                         stats.prompt_tokens = r.prompt_tokens;
                         stats.generated_tokens = u32::try_from(r.generated).unwrap_or(u32::MAX);
                         r.outcome = Some(true);
@@ -732,6 +759,172 @@ impl<P: Send + 'static> Scheduler<P> {
     fn retire<F: Family<Program = P>>(&mut self, family: &mut F, mut r: Running<P>) {
         family.release(&mut r.active);
         self.pool.release(std::mem::take(&mut r.active.slots));
+    }
+
+    /// Takes in a request exported by another worker: it waits with the preempted requests
+    /// (it holds no slots) and resumes when its state fits; one that can never fit fails.
+    fn take_in<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        w: Waiting<P>,
+        now: Instant,
+        report: &mut StepReport,
+    ) {
+        let prior = w.prepared.carried.clone().unwrap_or_default();
+        self.next_seq += 1;
+        let mut r = Running {
+            active: Active {
+                id: w.id,
+                program: w.prepared.program,
+                new_slots: Vec::new(),
+                slots: Vec::new(),
+                outbox: Outbox::default(),
+                admitted_at: now,
+                ticks: 0,
+                seq: self.next_seq,
+                floor: w.prepared.floor,
+            },
+            sink: w.sink,
+            deadline: w.deadline,
+            queue_time: prior.queue_time,
+            prompt_tokens: u32::try_from(prior.prompt_tokens).unwrap_or(u32::MAX),
+            generated: prior.generated,
+            backlog: VecDeque::new(),
+            outcome: None,
+            span: w.span,
+            parked: false,
+            prior,
+        };
+        report.admitted += 1;
+        let need = family.slots_needed(&r.active);
+        if need > self.pool.total() {
+            r.active.outbox.fail(FamilyError::Forward(format!(
+                "the moved request needs {need} slots to resume and this worker's pool holds {}",
+                self.pool.total()
+            )));
+            self.running.push(r);
+            return;
+        }
+        tracing::debug!(parent: &r.span, request = %r.active.id, need, "taken in from another worker");
+        self.preempted.push(r);
+    }
+
+    /// Stops request `id` at this step boundary and encodes its state for another worker: its
+    /// family preempts it (its slots go back to the pool) and exports the program. The request
+    /// stays here, parked, until [`Scheduler::finish_export`] says whether it moved; its events
+    /// so far are still delivered, followed by [`Event::Parked`].
+    pub fn export<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        id: RequestId,
+        now: Instant,
+    ) -> Result<Exported, EngineError> {
+        if let Some(i) = self.preempted.iter().position(|r| r.active.id == id) {
+            let r = self.preempted.remove(i);
+            self.running.push(r);
+        } else {
+            let Some(i) = self.running.iter().position(|r| r.active.id == id) else {
+                return Err(EngineError::NotFound(format!(
+                    "no running request {id} on this worker (it finished or never ran here)"
+                )));
+            };
+            let r = &mut self.running[i];
+            if r.active.outbox.done {
+                return Err(EngineError::CannotMove(format!(
+                    "request {id} has already finished"
+                )));
+            }
+            if r.parked {
+                return Err(EngineError::CannotMove(format!(
+                    "request {id} is already being moved"
+                )));
+            }
+            let moved = family.preempt(&mut r.active).map_err(|e| {
+                EngineError::CannotMove(format!("request {id} cannot be stopped here: {e}"))
+            })?;
+            self.pool.release(std::mem::take(&mut r.active.slots));
+            r.active.new_slots.clear();
+            self.metrics.bytes_to_host.increment(moved.bytes);
+        }
+        let i = self.running.len() - 1;
+        let i = if self.running[i].active.id == id {
+            i
+        } else {
+            self.running
+                .iter()
+                .position(|r| r.active.id == id)
+                .expect("the request is running")
+        };
+        let r = &mut self.running[i];
+        match family.export(&mut r.active) {
+            Ok(state) => {
+                r.parked = true;
+                // Whatever its last tick produced goes out first.
+                let pending: Vec<Event> = r.active.outbox.events.drain(..).collect();
+                for ev in pending {
+                    if let Event::Tokens(ids) = &ev {
+                        r.generated += ids.len();
+                    }
+                    r.backlog.push_back(ev);
+                }
+                r.backlog.push_back(Event::Parked);
+                let carried = Carried {
+                    prompt_tokens: r.prompt_tokens as usize,
+                    generated: r.generated,
+                    ticks: r.prior.ticks + r.active.ticks,
+                    queue_time: r.queue_time,
+                    compute_time: r.prior.compute_time
+                        + now.saturating_duration_since(r.active.admitted_at),
+                    migrations: r.prior.migrations + 1,
+                };
+                tracing::debug!(parent: &r.span, request = %id, bytes = state.len(), "exported");
+                Ok(Exported { state, carried })
+            }
+            Err(e) => {
+                // It stays here: preempted, it resumes as any preempted request does.
+                let r = self.running.remove(i);
+                let at = self
+                    .preempted
+                    .partition_point(|p| p.active.seq < r.active.seq);
+                self.preempted.insert(at, r);
+                Err(EngineError::CannotMove(format!(
+                    "request {id} cannot be exported: {e}"
+                )))
+            }
+        }
+    }
+
+    /// Settles the move of exported request `id`: `moved`, it leaves (its stream here ends with
+    /// [`EngineError::Moved`]); otherwise it resumes here as a preempted request would.
+    pub fn finish_export(&mut self, id: RequestId, moved: bool) -> Result<(), EngineError> {
+        let Some(i) = self
+            .running
+            .iter()
+            .position(|r| r.active.id == id && r.parked)
+        else {
+            return Err(EngineError::NotFound(format!(
+                "no exported request {id} waits here (it was settled, cancelled or expired)"
+            )));
+        };
+        if moved {
+            let r = &mut self.running[i];
+            r.active.outbox.fail(FamilyError::Forward(String::new()));
+            r.active.outbox.events.clear();
+            r.active
+                .outbox
+                .events
+                .push(Event::Failed(EngineError::Moved));
+            tracing::debug!(parent: &r.span, request = %id, "moved to another worker");
+        } else {
+            let mut r = self.running.remove(i);
+            r.parked = false;
+            let at = self
+                .preempted
+                .partition_point(|p| p.active.seq < r.active.seq);
+            tracing::debug!(parent: &r.span, request = %id, "move called off; resuming here");
+            self.preempted.insert(at, r);
+        }
+        Ok(())
     }
 
     /// Fails everything (engine shutting down).

@@ -6,7 +6,7 @@ use std::time::Duration;
 /// What a request cost. Common fields are typed; family-specific figures go in
 /// `counters` (one number) and `series` (one number per token, per step, ...)
 /// under stable snake_case names that the API passes through unchanged.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Stats {
     pub prompt_tokens: u32,
     pub generated_tokens: u32,
@@ -22,6 +22,8 @@ pub struct Stats {
     pub compute_time: Duration,
     pub counters: BTreeMap<String, u64>,
     pub series: BTreeMap<String, Vec<u32>>,
+    /// Times the request moved between workers.
+    pub migrations: u32,
 }
 
 impl Stats {

@@ -155,6 +155,7 @@ fn grower(seed: u64, len: usize) -> Prepared<Grower> {
         max_slots: len.div_ceil(PAGE),
         floor: 0,
         prompt_tokens: 1,
+        carried: None,
     }
 }
 
@@ -213,7 +214,7 @@ fn run(total: usize, watermark: usize, reqs: &[(u64, usize, u64)]) -> (Vec<Outco
                         end = Ok((reason, stats));
                     }
                     Event::Failed(e) => end = Err(e.to_string()),
-                    Event::Canvas(_) => {}
+                    Event::Canvas(_) | Event::Parked => {}
                 }
             }
             Outcome { tokens, end }

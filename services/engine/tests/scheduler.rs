@@ -131,6 +131,7 @@ fn countdown(len: usize, slots: usize) -> Prepared<Countdown> {
         max_slots: slots,
         floor: 0,
         prompt_tokens: 1,
+        carried: None,
     }
 }
 
@@ -213,7 +214,7 @@ proptest! {
                     let (s, rx, closed) = sink(64);
                     let w = Waiting {
                         id: RequestId(i as u64),
-                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, max_slots: r.slots, floor: 0, prompt_tokens: 1 },
+                        prepared: Prepared { program: Countdown { len: r.len, emitted: 0, fail_at: r.fail_at }, slots: r.slots, max_slots: r.slots, floor: 0, prompt_tokens: 1, carried: None },
                         sink: s,
                         deadline: r.deadline_ticks.map(|d| now + Duration::from_millis(u64::from(d) * 10)),
                         submitted_at: now,
@@ -417,7 +418,7 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
     loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Tokens(t) => toks.extend(t),
-            Event::Canvas(_) => {}
+            Event::Canvas(_) | Event::Parked => {}
             Event::Finished { reason, stats } => {
                 assert_eq!(reason, FinishReason::Length);
                 assert_eq!(stats.generated_tokens, 3);
@@ -476,7 +477,7 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
     let failed = loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Failed(e) => break e,
-            Event::Tokens(_) | Event::Canvas(_) => {}
+            Event::Tokens(_) | Event::Canvas(_) | Event::Parked => {}
             Event::Finished { .. } => panic!("cannot finish"),
         }
     };

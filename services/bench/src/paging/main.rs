@@ -92,7 +92,7 @@ fn serve_all(served: &dyn ServedModel, specs: &[GenerateSpec]) -> Result<Measure
             while !done[i] {
                 match rx.try_recv() {
                     Ok(Event::Tokens(t)) => tokens[i].extend(t),
-                    Ok(Event::Canvas(_)) => {}
+                    Ok(Event::Canvas(_) | Event::Parked) => {}
                     Ok(Event::Finished { .. }) => done[i] = true,
                     Ok(Event::Failed(e)) => bail!("request {i} failed: {e}"),
                     Err(_) => break,
