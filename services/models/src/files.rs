@@ -132,6 +132,45 @@ impl ModelFiles {
         }
     }
 
+    /// A digest of the checkpoint (SHA-256 over its config documents and every weight file's
+    /// bytes, in order), as lowercase hex: two workers that report the same fingerprint serve
+    /// the same model. Reads every weight byte once.
+    pub fn fingerprint(&self) -> Result<String> {
+        use sha2::{Digest, Sha256};
+        use std::io::Read;
+        let mut h = Sha256::new();
+        let mut doc = |name: &str, text: Option<&str>| {
+            h.update(name.as_bytes());
+            h.update((text.map_or(u64::MAX, |t| t.len() as u64)).to_le_bytes());
+            h.update(text.unwrap_or("").as_bytes());
+        };
+        doc(CONFIG, Some(&self.config_json));
+        doc(ARMT_CONFIG, self.armt_config_json.as_deref());
+        doc(GENERATION_CONFIG, self.generation_config_json.as_deref());
+        match &self.weights {
+            Weights::Embedded(bytes) => h.update(bytes),
+            Weights::Files(files) => {
+                let mut buf = vec![0u8; 1 << 20];
+                for path in files {
+                    let io = |source| ModelError::Io {
+                        path: path.clone(),
+                        source,
+                    };
+                    let mut f = std::fs::File::open(path).map_err(io)?;
+                    h.update(f.metadata().map_err(io)?.len().to_le_bytes());
+                    loop {
+                        let n = f.read(&mut buf).map_err(io)?;
+                        if n == 0 {
+                            break;
+                        }
+                        h.update(&buf[..n]);
+                    }
+                }
+            }
+        }
+        Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
     /// The raw `config.json` text.
     pub fn config_json(&self) -> &str {
         &self.config_json

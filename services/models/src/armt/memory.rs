@@ -25,9 +25,11 @@ use crate::error::Result;
 use crate::transformer::cpu::matmul;
 
 /// One layer's associative memory of one request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct LayerMemory {
+    #[serde(with = "crate::state::tensor")]
     a: Tensor,
+    #[serde(with = "crate::state::tensor")]
     z: Tensor,
     written: bool,
 }

@@ -37,7 +37,9 @@ use crate::transformer::kv_cache::{HostPage, PageSupply};
 use crate::transformer::{KvPool, PagedCache, PAGE_SIZE};
 
 /// How core-block cache slots are stored and looked up (upstream `cache_lookup_strategy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub enum CacheStrategy {
     /// `full`: one slot per core layer and recurrence.
     #[default]
@@ -117,7 +119,7 @@ pub enum CacheSlot {
 }
 
 /// A resolved storage slot (after the strategy's remapping).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum StoreKey {
     Prelude(usize),
     Core(usize),
@@ -127,7 +129,7 @@ enum StoreKey {
 /// Keys and values of one slot: a page table over positions (a page holds
 /// [`KvPool::page_size`] consecutive positions; pages no position of which was written are
 /// absent) and the positions written.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 struct KvStore {
     pages: Vec<Option<u32>>,
     present: Vec<bool>,
@@ -668,6 +670,70 @@ impl PagedCache for HuginnCache {
     }
     fn empty_in(&self, pool: KvPool) -> Self {
         HuginnCache::in_pool(self.strategy, pool)
+    }
+    fn adopt(&mut self, pool: KvPool) {
+        self.supply = PageSupply::new(pool);
+    }
+}
+
+/// A swapped-out [`HuginnCache`] as plain values (a request's cache while it moves).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SwappedHuginn {
+    strategy: CacheStrategy,
+    page_size: usize,
+    len: usize,
+    core_layers: Option<usize>,
+    prelude: Vec<Option<KvStore>>,
+    core: Vec<Option<KvStore>>,
+    coda: Vec<Option<KvStore>>,
+    swapped: Vec<SwappedStore>,
+}
+
+/// Only a swapped-out cache has a serde form (see [`KvCache`]'s).
+impl serde::Serialize for HuginnCache {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error;
+        let Some(swapped) = &self.swapped else {
+            return Err(S::Error::custom(
+                "a Huginn cache is exported only from host memory (preempt it first)",
+            ));
+        };
+        SwappedHuginn {
+            strategy: self.strategy,
+            page_size: self.supply.page_size(),
+            len: self.len,
+            core_layers: self.core_layers,
+            prelude: self.prelude.clone(),
+            core: self.core.clone(),
+            coda: self.coda.clone(),
+            swapped: swapped.clone(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for HuginnCache {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        let w = SwappedHuginn::deserialize(d)?;
+        if w.page_size == 0 {
+            return Err(D::Error::custom("a Huginn cache with pages of no position"));
+        }
+        let mut c = HuginnCache::in_pool(w.strategy, KvPool::private(w.page_size));
+        c.len = w.len;
+        c.core_layers = w.core_layers;
+        c.prelude = w.prelude;
+        c.core = w.core;
+        c.coda = w.coda;
+        for (key, _) in &w.swapped {
+            if c.store_slot_mut(*key).is_none() {
+                return Err(D::Error::custom(
+                    "a Huginn cache's pages name a slot it lacks",
+                ));
+            }
+        }
+        c.swapped = Some(w.swapped);
+        Ok(c)
     }
 }
 

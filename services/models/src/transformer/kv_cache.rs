@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::state::Saved;
 
 /// Buffer indices a page holds, unless a pool says otherwise.
 pub const PAGE_SIZE: usize = 16;
@@ -381,6 +382,9 @@ pub trait PagedCache {
     fn empty_in(&self, pool: KvPool) -> Self
     where
         Self: Sized;
+    /// Moves a swapped-out cache that arrived from another worker (in a private pool) into
+    /// `pool`, whose granted pages it swaps into.
+    fn adopt(&mut self, pool: KvPool);
 }
 
 impl PagedCache for KvCache {
@@ -408,6 +412,9 @@ impl PagedCache for KvCache {
     fn empty_in(&self, pool: KvPool) -> Self {
         KvCache::in_pool(pool)
     }
+    fn adopt(&mut self, pool: KvPool) {
+        self.supply = PageSupply::new(pool);
+    }
 }
 
 /// A page copied to host memory, with the device it came from.
@@ -421,6 +428,97 @@ pub(crate) struct HostPage {
 impl HostPage {
     pub(crate) fn bytes(&self) -> usize {
         2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
+    }
+}
+
+/// A host page's serde form: its keys and values; an imported page goes back to the device
+/// given to [`crate::state::with_target`].
+impl serde::Serialize for HostPage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        (Saved(self.k.clone()), Saved(self.v.clone())).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for HostPage {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let (k, v) = <(Saved, Saved)>::deserialize(d)?;
+        Ok(HostPage {
+            device: crate::state::target(),
+            k: k.0,
+            v: v.0,
+        })
+    }
+}
+
+/// A swapped-out [`KvCache`] as plain values (a request's cache while it moves).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SwappedKv {
+    page_size: usize,
+    shared: bool,
+    layer_lens: Vec<usize>,
+    len: usize,
+    pages: Vec<Vec<HostPage>>,
+}
+
+/// A cache's serde form is host copies of its pages. A cache of a model's shared pool is
+/// exported swapped out (as after a preemption) and comes back swapped out, in a private pool,
+/// until its new family binds it ([`PagedCache::adopt`]); a cache of a private pool (state that
+/// lives beside the engine's slots) comes back live in a private pool of its own.
+impl serde::Serialize for KvCache {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error;
+        let shared = self.pool().is_shared();
+        let pages = match &self.swapped {
+            Some(pages) => pages.clone(),
+            None if shared => {
+                return Err(S::Error::custom(
+                    "a K/V cache of the model's pool is exported only from host memory \
+                     (preempt it first)",
+                ))
+            }
+            None => self
+                .tables
+                .iter()
+                .map(|t| t.iter().map(|&id| self.supply.copy_out(id)).collect())
+                .collect::<Result<Vec<Vec<_>>>>()
+                .map_err(S::Error::custom)?,
+        };
+        SwappedKv {
+            page_size: self.page_size(),
+            shared,
+            layer_lens: self.layer_lens.clone(),
+            len: self.len,
+            pages,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for KvCache {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        let w = SwappedKv::deserialize(d)?;
+        if w.page_size == 0
+            || w.layer_lens.len() != w.pages.len()
+            || w.pages
+                .iter()
+                .zip(&w.layer_lens)
+                .any(|(p, &l)| p.len() * w.page_size < l)
+        {
+            return Err(D::Error::custom("an inconsistent K/V cache"));
+        }
+        let mut c = KvCache::in_pool(KvPool::private(w.page_size));
+        c.tables = vec![Vec::new(); w.pages.len()];
+        c.layer_lens = w.layer_lens;
+        c.len = w.len;
+        c.swapped = Some(w.pages);
+        if !w.shared {
+            let need = c.swapped_pages();
+            let ids: Vec<u32> = (0..need).map(|_| c.pool().make_id()).collect();
+            c.supply.grant(ids);
+            c.swap_in().map_err(D::Error::custom)?;
+        }
+        Ok(c)
     }
 }
 
