@@ -175,6 +175,8 @@ impl ModelArgs {
             kv_reserve,
             kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
+            // Set by `load_model` from the checkpoint.
+            fingerprint: Default::default(),
         })
     }
 }

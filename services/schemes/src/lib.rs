@@ -21,6 +21,7 @@ pub mod block_diffusion;
 pub mod error;
 mod kv_slot;
 pub mod masked_diffusion;
+pub mod migrate;
 mod paging;
 pub mod recurrent_depth;
 pub mod recurrent_memory;
@@ -38,4 +39,6 @@ pub use request::{
     EosRule, Execution, FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking,
     ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
-pub use served::{load_model, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel};
+pub use served::{
+    load_model, Fingerprint, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel,
+};

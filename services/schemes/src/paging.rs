@@ -61,10 +61,15 @@ pub(crate) fn resume_one<P: OneCache>(
 
 /// Gives `cache` the slots `new` as pages of `pool`. A cache still in the private pool it was
 /// built with (programs are built outside the engine thread) and empty moves into `pool`
-/// first.
+/// first, as does a swapped-out one imported from another worker.
 pub(crate) fn bind<C: PagedCache>(cache: &mut C, pool: &KvPool, new: Vec<SlotId>) {
-    if !cache.pool().is_shared() && cache.is_empty() && !cache.is_swapped() {
-        *cache = cache.empty_in(pool.clone());
+    if !cache.pool().is_shared() {
+        if cache.is_swapped() {
+            // Moved here from another worker: its pages go into this pool when it resumes.
+            cache.adopt(pool.clone());
+        } else if cache.is_empty() {
+            *cache = cache.empty_in(pool.clone());
+        }
     }
     cache.grant_pages(new.into_iter().map(|s| s.0).collect());
 }

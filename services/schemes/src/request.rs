@@ -22,7 +22,7 @@ pub struct GenerateSpec {
     pub stream_canvas: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 is greedy.
     pub temperature: f32,
@@ -68,7 +68,7 @@ impl SamplingParams {
 }
 
 /// The decoding scheme and its parameters.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum SchemeParams {
     /// `ar`: one token per step.
     Ar(ArParams),
@@ -104,7 +104,7 @@ impl SchemeParams {
 }
 
 /// How the low-confidence sampler scores masked positions (upstream `remasking`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Remasking {
     /// Commit the positions whose predicted token has the highest probability.
     #[default]
@@ -115,7 +115,7 @@ pub enum Remasking {
 
 /// SureLock (an option of both masked-diffusion schemes): lock a position once its posterior
 /// stops moving; a locked position keeps its token and cached K/V and is no longer computed.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SureLockParams {
     /// Lock when `KL(p_t || p_(t-1)) <= surelock_eps` (0 locks nothing).
     pub eps: f32,
@@ -126,7 +126,7 @@ pub struct SureLockParams {
 
 /// LLaDA's low-confidence remasking sampler (upstream `generate()`); `gen_length` is the
 /// request's `max_new_tokens`.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct LowConfidenceParams {
     /// Semi-autoregressive block length; must divide `gen_length`. `None`: `gen_length`.
     pub block_length: Option<usize>,
@@ -140,7 +140,7 @@ pub struct LowConfidenceParams {
 
 /// WINO's draft-and-verify sampler (upstream `decoding_wino()`); `gen_length` is the request's
 /// `max_new_tokens`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WinoParams {
     /// Block length; must divide `gen_length`. `None`: `gen_length`.
     pub block_length: Option<usize>,
@@ -164,7 +164,7 @@ impl Default for WinoParams {
 }
 
 /// Which masks a step of Dream's sampler commits (upstream `alg`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum DreamAlg {
     /// Each mask with probability `1 - s/t` (random even at temperature 0).
     Origin,
@@ -210,7 +210,7 @@ impl std::str::FromStr for DreamAlg {
 /// Dream's sampler (upstream `DreamGenerationMixin.diffusion_generate()`); the generation length
 /// is the request's `max_new_tokens`, the posterior's temperature, top-k and top-p are the
 /// request's sampling parameters.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DiffusionGenerateParams {
     pub alg: DreamAlg,
     /// Sampling steps; `None`: `max_new_tokens` (upstream's bare default is 512).
@@ -240,7 +240,7 @@ impl Default for DiffusionGenerateParams {
 
 /// LLaDA2.0's block diffusion (upstream `LLaDA2MoeModelLM.generate()`); `gen_length` is the
 /// request's `max_new_tokens`, the sampler's temperature, top-k and top-p the request's.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BlockDiffusionParams {
     /// Tokens per block; blocks are counted from position 0, the prompt included.
     pub block_length: usize,
@@ -275,7 +275,7 @@ impl Default for BlockDiffusionParams {
 
 /// Which slots an end-of-sequence token found during iterative completion removes from the
 /// block's pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum EosRule {
     /// The slot holding the EOS and every slot to its right (what upstream means; the slots to
     /// its left are still generated, so the output has no gaps).
@@ -289,7 +289,7 @@ pub enum EosRule {
 
 /// ReFusion's plan-and-infill decoding (upstream `generate_refusion()`); `gen_length` is the
 /// request's `max_new_tokens`, the sampling temperature is `SamplingParams::temperature`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PlanInfillParams {
     /// Tokens per slot; must divide the block length.
     pub slot_size: usize,
@@ -318,7 +318,7 @@ impl Default for PlanInfillParams {
 
 /// Autoregressive decoding (upstream `generate_minimal` /
 /// `generate_with_adaptive_compute` for recurrent depth).
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ArParams {
     /// Recurrence steps per token (`num_steps`); `None`: the model's default.
     pub num_steps: Option<usize>,
@@ -339,7 +339,7 @@ pub struct ArParams {
 
 /// How a recurrent-memory (ARMT) request runs its prompt's (segment, layer) cells
 /// (`ar.execution`; empty means `auto`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Execution {
     /// Diagonal when the prompt has at least two segments, otherwise sequential.
     #[default]
@@ -379,7 +379,7 @@ impl std::str::FromStr for Execution {
 }
 
 /// Which freeze test the diffusion-forcing sampler applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum FreezeTest {
     /// Compare each position with its own previous state (the paper).
     #[default]
@@ -390,7 +390,7 @@ pub enum FreezeTest {
 }
 
 /// Diffusion-forcing sampler parameters (upstream `generate_diffusion_style`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DiffusionForcingParams {
     pub num_steps: Option<usize>,
     pub inner_recurrence: usize,
@@ -427,7 +427,7 @@ impl Default for DiffusionForcingParams {
 }
 
 /// Random draws recorded from a reference run, consumed in call order.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReplayDraws {
     /// Values per row.
     pub dim: usize,

@@ -7,7 +7,7 @@
 //! RNG seeded from its seed, so a request's draws do not depend on what else
 //! shares its batch.
 
-use rand::rngs::StdRng;
+use crate::migrate::RequestRng;
 use rand::{Rng, SeedableRng};
 
 use crate::request::SamplingParams;
@@ -26,16 +26,17 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// A request's token sampler.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct TokenSampler {
     params: SamplingParams,
-    rng: StdRng,
+    #[serde(with = "crate::migrate::rng")]
+    rng: RequestRng,
 }
 
 impl TokenSampler {
     pub fn new(params: SamplingParams) -> Self {
         // A distinct stream from the request's other random draws.
-        let rng = StdRng::seed_from_u64(params.seed ^ 0x5a4d_504c_4552_0001);
+        let rng = RequestRng::seed_from_u64(params.seed ^ 0x5a4d_504c_4552_0001);
         Self { params, rng }
     }
 

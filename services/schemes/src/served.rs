@@ -5,13 +5,13 @@
 //! load on that thread, with a ready handshake) and returns a
 //! [`ServedModel`]: validate-and-submit a [`GenerateSpec`], read the load.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, Family, Prepared,
-    RequestError, RequestId, Submission,
+    Carried, Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, ExportReply,
+    Family, Prepared, RequestError, RequestId, Submission,
 };
 use wavefront_models::candle_nn::VarBuilder;
 use wavefront_models::transformer::{
@@ -37,7 +37,9 @@ pub struct ModelInfo {
 /// Validates requests for one model and builds their programs; runs on the
 /// caller's thread so bad input is answered before anything is queued.
 pub trait Planner: Send + Sync + 'static {
-    type Program: Send + 'static;
+    /// A request's program; its serde form is its state when it moves between workers
+    /// ([`crate::migrate`]).
+    type Program: Send + serde::de::DeserializeOwned + 'static;
     fn info(&self) -> &ModelInfo;
     fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<Self::Program>, RequestError>;
     /// Turns prompt text into ids the way the model's reference code does.
@@ -82,6 +84,111 @@ pub trait ServedModel: Send + Sync {
     }
     /// Fails everything in flight and stops the engine thread.
     fn shutdown(&self);
+
+    /// What a request's state must match to move here from another worker, or to leave for one:
+    /// the checkpoint's fingerprint and the settings that shape the state and its numerics
+    /// (dtype, weight storage, attention path, tensor parallelism, page size, device kind).
+    /// Waits for the fingerprint on first use (it reads every weight byte once).
+    fn migration_key(&self) -> Result<String, String> {
+        Err("this model cannot move requests between workers".into())
+    }
+
+    /// Stops running request `id` at its next step boundary and exports its state
+    /// (`EngineHandle::export`); blocks while the engine's command channel is full.
+    fn export(&self, _id: RequestId, reply: ExportReply) {
+        reply(Err(EngineError::CannotMove(
+            "this model cannot move requests between workers".into(),
+        )));
+    }
+
+    /// Settles the move of exported request `id` (`EngineHandle::finish_export`).
+    fn finish_export(
+        &self,
+        _id: RequestId,
+        _moved: bool,
+        reply: Box<dyn FnOnce(Result<(), EngineError>) + Send>,
+    ) {
+        reply(Err(EngineError::CannotMove(
+            "this model cannot move requests between workers".into(),
+        )));
+    }
+
+    /// Queues a request exported by another worker (`state`, what [`ServedModel::export`]
+    /// produced there; `carried`, what that engine counted) to resume here; events arrive
+    /// through `sink` as for [`ServedModel::submit`].
+    fn import(
+        &self,
+        _state: &[u8],
+        _carried: Carried,
+        _sink: Box<dyn EventSink>,
+        _deadline: Option<Instant>,
+        _span: tracing::Span,
+    ) -> Result<RequestId, EngineError> {
+        Err(EngineError::CannotMove(
+            "this model cannot move requests between workers".into(),
+        ))
+    }
+}
+
+/// A checkpoint's fingerprint ([`ModelFiles::fingerprint`]), computed once on a thread of its
+/// own from load on (it reads every weight byte) and waited for by the first move that needs
+/// it. A model without files (a benchmark's synthetic weights) has none and moves nothing.
+#[derive(Clone, Default)]
+pub struct Fingerprint(Option<Arc<FingerprintJob>>);
+
+struct FingerprintJob {
+    value: OnceLock<Result<String, String>>,
+    job: Mutex<Option<std::thread::JoinHandle<Result<String, String>>>>,
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.as_ref().and_then(|j| j.value.get()) {
+            Some(Ok(v)) => write!(f, "Fingerprint({v})"),
+            Some(Err(e)) => write!(f, "Fingerprint(failed: {e})"),
+            None if self.0.is_some() => f.write_str("Fingerprint(computing)"),
+            None => f.write_str("Fingerprint(none)"),
+        }
+    }
+}
+
+impl Fingerprint {
+    /// Starts computing the fingerprint of `files`.
+    pub fn of(files: &ModelFiles) -> Self {
+        let files = files.clone();
+        let job = std::thread::Builder::new()
+            .name("wavefront-fingerprint".into())
+            .spawn(move || files.fingerprint().map_err(|e| e.to_string()));
+        let (value, job) = match job {
+            Ok(h) => (OnceLock::new(), Some(h)),
+            Err(e) => (OnceLock::from(Err(e.to_string())), None),
+        };
+        Self(Some(Arc::new(FingerprintJob {
+            value,
+            job: Mutex::new(job),
+        })))
+    }
+
+    /// The fingerprint, waiting for it if it is still being computed.
+    pub fn get(&self) -> Result<String, String> {
+        let job = self
+            .0
+            .as_ref()
+            .ok_or("this model was not loaded from a checkpoint; it has no fingerprint")?;
+        job.value
+            .get_or_init(|| {
+                let handle = job
+                    .job
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take();
+                match handle.map(|h| h.join()) {
+                    Some(Ok(r)) => r,
+                    _ => Err("the fingerprint computation failed".into()),
+                }
+            })
+            .clone()
+    }
 }
 
 /// Refuses, before tokenizing, a text of `bytes` bytes that must become more tokens than a
@@ -102,6 +209,11 @@ pub struct Served<P: Planner> {
     planner: Arc<P>,
     handle: EngineHandle<P::Program>,
     tokenizer: Option<TextTokenizer>,
+    /// Where imported state goes back to when it resumes.
+    device: Device,
+    fingerprint: Fingerprint,
+    /// The settings part of [`ServedModel::migration_key`].
+    settings: String,
 }
 
 impl<P: Planner> Served<P> {
@@ -114,7 +226,27 @@ impl<P: Planner> Served<P> {
             planner,
             handle,
             tokenizer,
+            device: Device::Cpu,
+            fingerprint: Fingerprint::default(),
+            settings: String::new(),
         }
+    }
+
+    /// Lets requests move to and from other workers serving the same checkpoint
+    /// (`fingerprint`) with the same `opts`.
+    fn movable(mut self, fingerprint: Fingerprint, opts: &LoadOptions) -> Self {
+        self.device = opts.device.clone();
+        self.fingerprint = fingerprint;
+        self.settings = format!(
+            "dtype={:?};weights={:?};attention={:?};tensor_parallel={};kv_page_size={};device={}",
+            opts.dtype,
+            opts.weight_dtype,
+            opts.attention,
+            opts.tensor_parallel,
+            opts.kv_page_size,
+            if opts.device.is_cpu() { "cpu" } else { "gpu" },
+        );
+        self
     }
 }
 
@@ -180,6 +312,41 @@ impl<P: Planner> ServedModel for Served<P> {
     fn shutdown(&self) {
         self.handle.shutdown();
     }
+
+    fn migration_key(&self) -> Result<String, String> {
+        Ok(format!("{};{}", self.fingerprint.get()?, self.settings))
+    }
+
+    fn export(&self, id: RequestId, reply: ExportReply) {
+        self.handle.export(id, reply);
+    }
+
+    fn finish_export(
+        &self,
+        id: RequestId,
+        moved: bool,
+        reply: Box<dyn FnOnce(Result<(), EngineError>) + Send>,
+    ) {
+        self.handle.finish_export(id, moved, reply);
+    }
+
+    fn import(
+        &self,
+        state: &[u8],
+        carried: Carried,
+        sink: Box<dyn EventSink>,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Result<RequestId, EngineError> {
+        let program: P::Program = crate::migrate::decode(state, &self.device)
+            .map_err(|e| EngineError::Invalid(RequestError::InvalidArgument(e)))?;
+        self.handle.submit(Submission {
+            prepared: Prepared::imported(program, carried),
+            sink,
+            deadline,
+            span,
+        })
+    }
 }
 
 /// How to load and size a served model.
@@ -221,6 +388,9 @@ pub struct LoadOptions {
     /// the decoding of the others. Work that runs whole (decoding steps, canvases, segments,
     /// wavefronts, plan-and-infill calls) counts against it. `None`: no cap.
     pub max_batch_rows: Option<usize>,
+    /// The checkpoint's fingerprint (set by [`load_model`]): requests move only between workers
+    /// that serve the same one.
+    pub fingerprint: Fingerprint,
 }
 
 /// How a request of a family with paged K/V takes its pages.
@@ -255,6 +425,7 @@ impl KvReserve {
             max_slots,
             floor,
             prompt_tokens,
+            carried: None,
         }
     }
 }
@@ -277,6 +448,7 @@ impl Default for LoadOptions {
             kv_reserve: KvReserve::OnDemand,
             kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,
+            fingerprint: Fingerprint::default(),
         }
     }
 }
@@ -284,9 +456,10 @@ impl Default for LoadOptions {
 /// Loads `files` with the family its config names and starts its engine.
 pub fn load_model(
     files: ModelFiles,
-    opts: LoadOptions,
+    mut opts: LoadOptions,
 ) -> Result<Arc<dyn ServedModel>, SchemeError> {
     let family = files.family()?;
+    opts.fingerprint = Fingerprint::of(&files);
     if family != ModelFamily::RecurrentMemory {
         if let Some(n) = opts.max_context_tokens {
             tracing::warn!(
@@ -362,7 +535,9 @@ where
     );
     let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
         .map_err(SchemeError::Engine)?;
-    Ok(Arc::new(Served::new(planner, handle, tokenizer)))
+    Ok(Arc::new(
+        Served::new(planner, handle, tokenizer).movable(opts.fingerprint.clone(), opts),
+    ))
 }
 
 /// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights

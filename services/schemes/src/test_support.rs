@@ -109,6 +109,7 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
                 })
             }
             Event::Failed(e) => bail!("request failed: {e}"),
+            Event::Parked => bail!("a request stopped for an export nobody asked for"),
         }
     }
 }
@@ -499,4 +500,239 @@ pub fn assert_chunked_prefill_matches(
     wait_for_free_slots(chunked.as_ref(), Duration::from_secs(10))?;
     chunked.shutdown();
     Ok(())
+}
+
+/// A sink that takes `open` events and then reports itself full until `open` grows: the engine
+/// pauses the request there (its next events wait in the engine), so a test stops it at a
+/// known point.
+pub struct GateSink {
+    tx: SyncSender<Event>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    sent: usize,
+}
+
+impl EventSink for GateSink {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        if self.sent >= self.open.load(Ordering::Acquire) {
+            return Err((SinkError::Full, event));
+        }
+        self.tx.try_send(event).map_err(|e| match e {
+            TrySendError::Full(ev) => (SinkError::Full, ev),
+            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
+        })?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// A gated sink letting `after` events through, its channel, and its gate.
+fn gated(
+    after: usize,
+) -> (
+    GateSink,
+    Receiver<Event>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let (tx, rx) = mpsc::sync_channel(4096);
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(after));
+    (
+        GateSink {
+            tx,
+            open: open.clone(),
+            sent: 0,
+        },
+        rx,
+        open,
+    )
+}
+
+fn recv(rx: &Receiver<Event>) -> Result<Event> {
+    rx.recv_timeout(Duration::from_secs(120))
+        .context("engine stalled")
+}
+
+/// Runs `spec` on `hops[0]` and moves it to the next model of `hops` each time it has sent
+/// `after` more events (stopping it at a step boundary, exporting its state, resuming it
+/// there); on the last, or once it has ended, it runs to the end. With `call_off`, each export
+/// is first called off once (the request continues where it is) and then made again. Returns
+/// everything it sent, in order, and the moves made.
+pub fn run_moving(
+    hops: &[&dyn ServedModel],
+    spec: GenerateSpec,
+    after: usize,
+    call_off: bool,
+) -> Result<(Outcome, u32)> {
+    use wavefront_engine::{EngineError, Exported};
+    let (sink, mut rx, mut gate) = gated(after);
+    let mut id = hops[0].submit(spec, Box::new(sink), None, tracing::Span::none())?;
+    let mut events: Vec<Event> = Vec::new();
+    let mut moves = 0;
+    let ended = |ev: &Event| matches!(ev, Event::Finished { .. } | Event::Failed(_));
+    let export = |m: &dyn ServedModel, id| -> Result<Result<Exported, EngineError>> {
+        let (tx, erx) = mpsc::channel();
+        m.export(
+            id,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        erx.recv_timeout(Duration::from_secs(60))
+            .context("no export answer")
+    };
+    let settle = |m: &dyn ServedModel, id, moved| -> Result<()> {
+        let (tx, frx) = mpsc::channel();
+        m.finish_export(
+            id,
+            moved,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        Ok(frx.recv_timeout(Duration::from_secs(60))??)
+    };
+    let mut hop = 0;
+    'hops: loop {
+        let cur = hops[hop];
+        if hop + 1 == hops.len() {
+            gate.store(usize::MAX, Ordering::Release);
+            loop {
+                let ev = recv(&rx)?;
+                let last = ended(&ev);
+                events.push(ev);
+                if last {
+                    break 'hops;
+                }
+            }
+        }
+        // The gate's events (the request is paused behind them), unless it ends first.
+        for _ in 0..after {
+            let ev = recv(&rx)?;
+            let last = ended(&ev);
+            events.push(ev);
+            if last {
+                break 'hops;
+            }
+        }
+        let mut exported = export(cur, id)?;
+        if call_off {
+            if let Ok(_) = &exported {
+                gate.store(usize::MAX, Ordering::Release);
+                loop {
+                    match recv(&rx)? {
+                        Event::Parked => break,
+                        ev => events.push(ev),
+                    }
+                }
+                settle(cur, id, false)?;
+                exported = export(cur, id)?;
+            }
+        }
+        let exported = match exported {
+            Ok(e) => e,
+            // It finished (its last events wait behind the gate): run it out here.
+            Err(EngineError::CannotMove(_) | EngineError::NotFound(_)) => {
+                gate.store(usize::MAX, Ordering::Release);
+                loop {
+                    let ev = recv(&rx)?;
+                    let last = ended(&ev);
+                    events.push(ev);
+                    if last {
+                        break 'hops;
+                    }
+                }
+            }
+            Err(e) => bail!("export failed: {e}"),
+        };
+        // What it made before the stop, then the stop.
+        gate.store(usize::MAX, Ordering::Release);
+        loop {
+            match recv(&rx)? {
+                Event::Parked => break,
+                ev => {
+                    ensure!(!ended(&ev), "an exported request ended: {ev:?}");
+                    events.push(ev);
+                }
+            }
+        }
+        settle(cur, id, true)?;
+        match recv(&rx)? {
+            Event::Failed(EngineError::Moved) => {}
+            ev => bail!("a moved request's stream ended with {ev:?}"),
+        }
+        let next = hops[hop + 1];
+        let (sink, nrx, ngate) = gated(after);
+        id = next.import(
+            &exported.state,
+            exported.carried,
+            Box::new(sink),
+            None,
+            tracing::Span::none(),
+        )?;
+        (rx, gate) = (nrx, ngate);
+        moves += 1;
+        hop += 1;
+    }
+    let outcome = collect(&mpsc::channel().1, events)?;
+    Ok((outcome, moves))
+}
+
+/// Every request of `specs`, moved between `served` and a second engine of the same checkpoint
+/// (`files`) after its first event and again after its next (there and back), and once with
+/// a called-off export first, produces what it produces alone on `served`: tokens, finish
+/// reason and every statistic but timing, its moves counted. Returns the moves made.
+pub fn assert_moved_requests_match_alone(
+    files: ModelFiles,
+    served: &dyn ServedModel,
+    specs: &[GenerateSpec],
+) -> Result<u32> {
+    let other = load_model(
+        files,
+        LoadOptions {
+            name: served.info().name.clone(),
+            max_active: specs.len(),
+            ..LoadOptions::default()
+        },
+    )?;
+    ensure!(
+        served.migration_key().map_err(anyhow::Error::msg)?
+            == other.migration_key().map_err(anyhow::Error::msg)?,
+        "two engines of one checkpoint must take each other's requests"
+    );
+    let mut total = 0;
+    for (i, s) in specs.iter().enumerate() {
+        let alone = collect(&submit(served, s.clone())?, Vec::new())?;
+        for (after, call_off) in [(1, false), (2, i == 0)] {
+            let (got, moves) = run_moving(
+                &[served, other.as_ref(), served],
+                s.clone(),
+                after,
+                call_off,
+            )?;
+            ensure!(
+                got.stats.migrations == moves,
+                "request {i}: {moves} moves, {} counted",
+                got.stats.migrations
+            );
+            let mut work = got.work();
+            work.2.migrations = 0;
+            ensure!(
+                work == alone.work(),
+                "request {i} ({}) moved {moves} times after every {after} events: {:?}, alone {:?}",
+                s.scheme.name(),
+                work,
+                alone.work()
+            );
+            ensure!(
+                got.frames == alone.frames,
+                "request {i}: canvas frames differ after moves"
+            );
+            total += moves;
+        }
+    }
+    other.shutdown();
+    Ok(total)
 }

@@ -137,6 +137,10 @@ impl paging::OneCache for BdProgram {
 impl Family for BlockDiffusionFamily {
     type Program = BdProgram;
 
+    fn export(&mut self, a: &mut Active<BdProgram>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, "block-diffusion")
+    }
+
     fn tick(&mut self, batch: &mut [&mut Active<BdProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
             paging::bind_one(a, &self.pool);

@@ -31,7 +31,7 @@ use crate::masked_diffusion::posterior_greedy;
 use crate::sampling::TokenSampler;
 
 /// The sampler: the request's (temperature, top-k, top-p, its own generator).
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Sampler {
     pub(crate) draws: TokenSampler,
     /// Draw at temperature 1 where the request is greedy (upstream LLaDA2.0).
@@ -39,7 +39,7 @@ pub(crate) struct Sampler {
 }
 
 /// The block settings, checked by the planner.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Settings {
     pub(crate) block_length: usize,
     /// Effective steps per block.
@@ -85,7 +85,7 @@ pub struct BdStep {
 }
 
 /// One request's decoding state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct BdProgram {
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -104,6 +104,7 @@ pub struct BdProgram {
     streamed: usize,
     done: bool,
     pub(crate) stats: Stats,
+    #[serde(skip)]
     record: Option<Vec<BdStep>>,
     pub(crate) stream_canvas: bool,
     /// Page tables of the cache (layers × ranks), and the most pages it can hold.

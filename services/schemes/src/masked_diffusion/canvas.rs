@@ -10,7 +10,7 @@
 
 use wavefront_engine::FinishReason;
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Canvas {
     /// Prompt and generation positions (possibly cut after a stop token).
     pub(crate) tokens: Vec<u32>,

@@ -33,8 +33,8 @@
 //! - the mask token is never a prediction: where it wins the argmax, the best other token is
 //!   taken with its probability under the same posterior.
 
+use crate::migrate::RequestRng;
 use candle_core::{DType, Tensor};
-use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::canvas::Canvas;
@@ -62,7 +62,7 @@ pub(crate) fn linspace(start: f32, end: f32, n: usize) -> Vec<f32> {
 }
 
 /// Per-request state of the sampler.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct DiffusionGenerate {
     pub(crate) alg: DreamAlg,
     pub(crate) alg_temp: f32,
@@ -140,7 +140,7 @@ impl DiffusionGenerate {
         }
     }
 
-    fn uniform(&mut self, rng: &mut StdRng) -> candle_core::Result<f32> {
+    fn uniform(&mut self, rng: &mut RequestRng) -> candle_core::Result<f32> {
         match &mut self.replay {
             None => Ok(rng.random::<f32>()),
             Some((draws, at)) => {
@@ -209,7 +209,7 @@ fn softmax(l: &[f32]) -> Vec<f32> {
 
 /// `x0` of a posterior: the argmax (the mask token excluded) or, at a positive temperature, a
 /// draw from it.
-fn pick(p: &[f32], temperature: f32, never: u32, rng: &mut StdRng) -> u32 {
+fn pick(p: &[f32], temperature: f32, never: u32, rng: &mut RequestRng) -> u32 {
     if temperature > 0.0 {
         let total: f64 = p
             .iter()
@@ -267,7 +267,7 @@ fn confidence(alg: DreamAlg, p: &[f32], x0: u32) -> f32 {
 pub(crate) fn step(
     dg: &mut DiffusionGenerate,
     canvas: &mut Canvas,
-    rng: &mut StdRng,
+    rng: &mut RequestRng,
     temperature: f32,
     inputs: &StepInputs,
 ) -> candle_core::Result<StepRecord> {
@@ -334,7 +334,7 @@ fn draw_without_replacement(
     scored: &[(usize, f64)],
     k: usize,
     temperature: f32,
-    rng: &mut StdRng,
+    rng: &mut RequestRng,
 ) -> Vec<usize> {
     let t = f64::from(temperature);
     let max = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
@@ -400,7 +400,7 @@ mod tests {
         let p1 = posterior(&row, 0.0, None, Some(1e-3));
         assert_eq!(p1[3], 1.0);
         // The mask is never the prediction; margins and entropies have upstream's signs.
-        let mut rng = StdRng::seed_from_u64(1);
+        let mut rng = RequestRng::seed_from_u64(1);
         assert_eq!(pick(&full, 0.0, 3, &mut rng), 0);
         assert!(confidence(DreamAlg::TopkMargin, &full, 3) > 0.0);
         assert!(confidence(DreamAlg::Entropy, &full, 3) < 0.0);
@@ -410,7 +410,7 @@ mod tests {
     #[test]
     fn alg_temp_draws_distinct_positions() {
         let scored = [(4, 0.1), (9, 0.9), (12, 0.5)];
-        let mut rng = StdRng::seed_from_u64(5);
+        let mut rng = RequestRng::seed_from_u64(5);
         let mut got = draw_without_replacement(&scored, 3, 0.5, &mut rng);
         got.sort_unstable();
         assert_eq!(got, vec![4, 9, 12]);

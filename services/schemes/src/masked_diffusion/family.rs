@@ -8,7 +8,7 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, SlotId};
+use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
 use wavefront_models::transformer::{Keys, KvPool, SeqInput};
 
 use super::network::MdNetwork;
@@ -143,6 +143,10 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
 impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     type Program = MdProgram;
 
+    fn export(&mut self, a: &mut Active<MdProgram>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, "masked-diffusion")
+    }
+
     fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
             self.bind(a);
@@ -151,6 +155,38 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
         self.last_rows = Some(rows);
         Ok(())
+    }
+
+    /// What it holds (its reservation, shrinking after each tick through `reclaim`); for a
+    /// preempted or imported request, which holds nothing, what its program needs from now on.
+    fn slots_needed(&self, a: &Active<MdProgram>) -> usize {
+        a.slots.len().max(a.keeps(a.program.slots_needed()))
+    }
+
+    /// SureLock's cache goes to host memory with the previous posteriors; the rest of the
+    /// program (canvas, schedule, generator) is host state already.
+    fn preempt(&mut self, a: &mut Active<MdProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let Some(sl) = &mut a.program.surelock else {
+            return Ok(Moved::default());
+        };
+        let mut moved = crate::paging::swap_out(&mut sl.cache, "masked-diffusion")?;
+        moved.bytes += sl
+            .move_previous(&candle_core::Device::Cpu)
+            .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
+        Ok(moved)
+    }
+
+    fn resume(&mut self, a: &mut Active<MdProgram>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        let Some(sl) = &mut a.program.surelock else {
+            return Ok(Moved::default());
+        };
+        let mut moved = crate::paging::swap_in(&mut sl.cache, "masked-diffusion")?;
+        moved.bytes += sl
+            .move_previous(self.model.device())
+            .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
+        Ok(moved)
     }
 
     fn stop(&mut self, a: &mut Active<MdProgram>) {

@@ -19,8 +19,8 @@
 //! - a committed stop token cuts the canvas (see [`super::canvas`]);
 //! - the mask token is never predicted (see [`super::posterior`]).
 
+use crate::migrate::RequestRng;
 use candle_core::DType;
-use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::canvas::Canvas;
@@ -43,7 +43,7 @@ pub(crate) fn top_k(scored: &[(usize, f64)], k: usize) -> Vec<usize> {
 }
 
 /// Per-request state of the low-confidence sampler.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct LowConfidence {
     pub(crate) steps_per_block: usize,
     pub(crate) remasking: Remasking,
@@ -87,7 +87,7 @@ impl LowConfidence {
 pub(crate) fn step(
     lc: &mut LowConfidence,
     canvas: &mut Canvas,
-    rng: &mut StdRng,
+    rng: &mut RequestRng,
     temperature: f32,
     inputs: &StepInputs,
 ) -> candle_core::Result<StepRecord> {

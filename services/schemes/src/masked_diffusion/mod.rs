@@ -354,6 +354,7 @@ impl MdPlanner {
             max_slots: slots,
             floor: 0,
             prompt_tokens,
+            carried: None,
         })
     }
 }

@@ -12,8 +12,8 @@
 //! with its probability under the full softmax. Where the mask does not win, the numbers are
 //! upstream's.
 
+use crate::migrate::RequestRng;
 use candle_core::{DType, Tensor, D};
-use rand::rngs::StdRng;
 use rand::Rng;
 
 /// `argmax` and its softmax probability for every row of `logits` `[M, V]`, computed in
@@ -114,7 +114,7 @@ pub(crate) fn decode_rows(
     logits: &Tensor,
     rows: &[u32],
     temperature: f32,
-    rng: &mut StdRng,
+    rng: &mut RequestRng,
     dtype: DType,
     never: u32,
 ) -> candle_core::Result<(Vec<u32>, Vec<f64>)> {
@@ -140,7 +140,7 @@ pub(crate) fn decode_rows(
 }
 
 /// A draw from `softmax(row / temperature)`.
-pub(crate) fn sample(row: &[f32], temperature: f32, rng: &mut StdRng) -> u32 {
+pub(crate) fn sample(row: &[f32], temperature: f32, rng: &mut RequestRng) -> u32 {
     let t = f64::from(temperature);
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let weights: Vec<f64> = row
@@ -197,7 +197,7 @@ mod tests {
     fn sampling_is_seeded_and_follows_the_temperature() {
         let row = [0.0f32, 3.0, 0.0];
         let draw = |seed, t| {
-            let mut rng = StdRng::seed_from_u64(seed);
+            let mut rng = RequestRng::seed_from_u64(seed);
             (0..200)
                 .map(|_| sample(&row, t, &mut rng))
                 .collect::<Vec<u32>>()

@@ -11,8 +11,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::migrate::RequestRng;
 use candle_core::Tensor;
-use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::MaskRule;
@@ -25,7 +25,7 @@ use super::surelock::SureLock;
 use super::wino::{self, Wino};
 
 /// The sampler a program runs.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) enum Decoder {
     LowConfidence(LowConfidence),
     Wino(Wino),
@@ -81,17 +81,19 @@ pub struct StepRecord {
 }
 
 /// One request's decoding state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct MdProgram {
     pub(crate) canvas: Canvas,
     pub(crate) decoder: Decoder,
     pub(crate) surelock: Option<SureLock>,
     pub(crate) cfg_scale: f32,
     pub(crate) temperature: f32,
-    pub(crate) rng: StdRng,
+    #[serde(with = "crate::migrate::rng")]
+    pub(crate) rng: RequestRng,
     pub(crate) stats: Stats,
     /// Algorithmic FLOPs of the rows computed, and of the dense steps.
     pub(crate) flops: (u64, u64),
+    #[serde(skip)]
     pub(crate) record: Option<Vec<StepRecord>>,
     /// Send a snapshot of the generated region after every step.
     pub(crate) stream_canvas: bool,
@@ -104,7 +106,7 @@ pub struct MdProgram {
 /// The slots of a masked-diffusion request, per buffer row: its working set (one per row and
 /// copy), and with SureLock the row's cached K/V in every layer and its previous posterior.
 /// Rows cut after a stop token give all of theirs back; a locked row its posterior.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct SlotPlan {
     /// Working-set slots per row: one per copy (classifier-free guidance) and rank.
     pub(crate) copies: usize,
@@ -132,7 +134,7 @@ impl MdProgram {
             cfg_scale,
             temperature,
             // A distinct stream from other schemes' draws of the same seed.
-            rng: StdRng::seed_from_u64(seed ^ 0x4d44_4946_4655_5345),
+            rng: RequestRng::seed_from_u64(seed ^ 0x4d44_4946_4655_5345),
             stats: Stats::default(),
             flops: (0, 0),
             record: None,

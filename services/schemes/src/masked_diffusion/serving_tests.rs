@@ -535,3 +535,25 @@ fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
     served.shutdown();
     Ok(())
 }
+
+/// Every request of the mix, moved to a second engine of the same checkpoint after its first
+/// event and back after its next (stopped at a step boundary, its state exported and resumed in
+/// other slots), produces exactly what it produces alone: tokens, finish reason and every
+/// statistic but timing, with its moves counted.
+#[test]
+fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = fixture_served(specs.len())?;
+    let moves = crate::test_support::assert_moved_requests_match_alone(
+        fixture_files()?,
+        served.as_ref(),
+        &specs,
+    )?;
+    ensure!(
+        moves as usize >= specs.len(),
+        "only {moves} moves for {} requests",
+        specs.len()
+    );
+    served.shutdown();
+    Ok(())
+}

@@ -68,14 +68,15 @@ pub(crate) fn decide(cands: &[Candidate], eps: f64, percentile_m: Option<f64>) -
 }
 
 /// Log-posteriors of the previous step, by position.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Previous {
+    #[serde(with = "wavefront_models::state::tensor")]
     log_probs: Tensor,
     row_of: HashMap<usize, usize>,
 }
 
 /// Per-request SureLock state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct SureLock {
     pub(crate) eps: f64,
     pub(crate) percentile: Option<f64>,
@@ -90,6 +91,19 @@ pub(crate) struct SureLock {
 }
 
 impl SureLock {
+    /// Moves the previous step's log-posteriors to `device` (preemption and resumption);
+    /// the bytes moved.
+    pub(crate) fn move_previous(
+        &mut self,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<u64> {
+        let Some(prev) = &mut self.prev else {
+            return Ok(0);
+        };
+        prev.log_probs = prev.log_probs.to_device(device)?;
+        Ok((prev.log_probs.elem_count() * prev.log_probs.dtype().size_in_bytes()) as u64)
+    }
+
     pub(crate) fn new(params: &SureLockParams, canvas_len: usize) -> Self {
         Self {
             eps: f64::from(params.eps),

@@ -24,8 +24,8 @@
 //!
 //! With SureLock, a locked position keeps its token: it is not verified and cannot be revoked.
 
+use crate::migrate::RequestRng;
 use candle_core::{DType, Tensor};
-use rand::rngs::StdRng;
 
 use super::canvas::Canvas;
 use super::low_confidence::top_k;
@@ -117,7 +117,7 @@ pub(crate) fn revoke(
 }
 
 /// Per-request WINO state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Wino {
     pub(crate) tau1: f64,
     pub(crate) tau2: f64,
@@ -151,7 +151,7 @@ impl Wino {
 pub(crate) fn step(
     w: &mut Wino,
     canvas: &mut Canvas,
-    rng: &mut StdRng,
+    rng: &mut RequestRng,
     temperature: f32,
     locked: &dyn Fn(usize) -> bool,
     inputs: &StepInputs,

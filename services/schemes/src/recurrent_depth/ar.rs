@@ -37,7 +37,7 @@ use crate::sampling::TokenSampler;
 use crate::tick::{ends_after, to_candle};
 
 /// One request's autoregressive decoding state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct ArProgram {
     pub(crate) cache: HuginnCache,
     /// Tokens not yet run through the model (prompt at first, then the last token).
@@ -47,6 +47,7 @@ pub struct ArProgram {
     pub(crate) continuous_compute: bool,
     /// Continuous compute: the last processed position's final state `[1, E]`, the initial
     /// state of the next position.
+    #[serde(with = "wavefront_models::state::opt_tensor")]
     pub(crate) warm_state: Option<Tensor>,
     pub(crate) draws: DrawSource,
     pub(crate) sampler: TokenSampler,

@@ -45,8 +45,8 @@
 //! One tick advances every active request by one outer step; all requests share each prelude,
 //! core and coda call (prefills and wavefronts of different sizes pack together).
 
+use crate::migrate::RequestRng;
 use candle_core::{DType, Device, Tensor};
-use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
@@ -60,7 +60,7 @@ use crate::sampling::TokenSampler;
 pub const MAX_SAMPLER_STEPS: u64 = 4096;
 
 /// Resolved sampler settings of one request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DiffusionSettings {
     /// Recurrences of the prefill.
     pub num_steps: usize,
@@ -84,23 +84,26 @@ pub struct DiffusionSettings {
 }
 
 /// The wavefront of a request past its prefill.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Wave {
     /// States of positions `c ..` (c = cache length).
+    #[serde(with = "wavefront_models::state::tensor")]
     z: Tensor,
     /// States after the previous step, starting at position `prev_start`.
+    #[serde(with = "wavefront_models::state::tensor")]
     z_prev: Tensor,
     prev_start: usize,
     /// Wavefront start of the previous step.
     c_old: usize,
     /// Mixed embeddings of the previous step, starting at `c_old` (momentum only).
+    #[serde(with = "wavefront_models::state::opt_tensor")]
     e_old: Option<Tensor>,
     /// Core recurrences each position has run.
     counter: Vec<u32>,
 }
 
 /// One request's diffusion-forcing state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct DiffusionProgram {
     pub(crate) cache: HuginnCache,
     pub(crate) settings: DiffusionSettings,
@@ -117,7 +120,8 @@ pub struct DiffusionProgram {
     pub(crate) emitted: usize,
     wave: Option<Wave>,
     /// Placeholder tokens for positions past the last guess (headway above 1).
-    placeholders: Box<StdRng>,
+    #[serde(with = "crate::migrate::rng")]
+    placeholders: Box<RequestRng>,
     sampler_steps: u64,
     pub(crate) stats: Stats,
     /// The most slots (pages of latent states) the wavefront's states take: its cap's.
@@ -139,7 +143,7 @@ impl DiffusionProgram {
         stop_token_ids: Vec<u32>,
     ) -> Self {
         Self {
-            placeholders: Box::new(StdRng::seed_from_u64(seed ^ 0x4845_4144_5741_5901)),
+            placeholders: Box::new(RequestRng::seed_from_u64(seed ^ 0x4845_4144_5741_5901)),
             sampler_steps: 0,
             cache,
             settings,

@@ -9,19 +9,20 @@
 
 use std::sync::Arc;
 
-use rand::rngs::StdRng;
+use crate::migrate::RequestRng;
 use rand::{Rng, SeedableRng};
 
 use crate::request::ReplayDraws;
 
 /// Where a request's initial states come from.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum DrawSource {
     /// All-zero states (`init_scale = 0`).
     Zeros,
     /// Truncated normal with the given standard deviation, then scaled.
     Seeded {
-        rng: Box<StdRng>,
+        #[serde(with = "crate::migrate::rng")]
+        rng: Box<RequestRng>,
         std: f64,
         scale: f64,
     },
@@ -38,7 +39,7 @@ impl DrawSource {
             return Self::Zeros;
         }
         Self::Seeded {
-            rng: Box::new(StdRng::seed_from_u64(seed)),
+            rng: Box::new(RequestRng::seed_from_u64(seed)),
             std,
             scale,
         }
@@ -93,7 +94,7 @@ impl DrawSource {
 }
 
 /// Standard normal truncated to [-3, 3] (rejection; accepts 99.7%).
-fn truncated_normal(rng: &mut StdRng) -> f64 {
+fn truncated_normal(rng: &mut RequestRng) -> f64 {
     loop {
         // Box-Muller.
         let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);

@@ -456,7 +456,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
                 .context("engine stalled")?
             {
                 Event::Tokens(t) => tokens.extend(t),
-                Event::Canvas(_) => {}
+                Event::Canvas(_) | Event::Parked => {}
                 Event::Finished { stats, .. } => break stats,
                 Event::Failed(e) => bail!("{}: failed: {e}", case.name),
             }

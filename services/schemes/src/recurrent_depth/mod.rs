@@ -98,7 +98,7 @@ use draws::DrawSource;
 pub const MAX_NUM_STEPS: usize = 1024;
 
 /// A recurrent-depth request's program.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub enum Program {
     Ar(ArProgram),
     Diffusion(diffusion::DiffusionProgram),
@@ -441,6 +441,10 @@ fn fail_group_on_error<P>(
 
 impl Family for HuginnFamily {
     type Program = Program;
+
+    fn export(&mut self, a: &mut Active<Program>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, "recurrent-depth")
+    }
 
     fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {

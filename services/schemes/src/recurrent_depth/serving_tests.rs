@@ -454,7 +454,7 @@ fn run_mix(
                     progressed = true;
                     c.events += 1;
                     match ev {
-                        Event::Tokens(_) | Event::Canvas(_) => {}
+                        Event::Tokens(_) | Event::Canvas(_) | Event::Parked => {}
                         Event::Finished { .. } => c.done = true,
                         Event::Failed(e) => bail!("request failed: {e}"),
                     }
@@ -659,7 +659,7 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
             Event::Finished { .. } => {
                 bail!("the diffusion request finished despite its failed forward")
             }
-            Event::Tokens(_) | Event::Canvas(_) => {}
+            Event::Tokens(_) | Event::Canvas(_) | Event::Parked => {}
         }
     };
     match &failed {
@@ -685,6 +685,28 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+    served.shutdown();
+    Ok(())
+}
+
+/// Every request of the mix, moved to a second engine of the same checkpoint after its first
+/// event and back after its next (stopped at a step boundary, its state exported and resumed in
+/// other slots), produces exactly what it produces alone: tokens, finish reason and every
+/// statistic but timing, with its moves counted.
+#[test]
+fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = fixture_served(specs.len())?;
+    let moves = crate::test_support::assert_moved_requests_match_alone(
+        fixture_files()?,
+        served.as_ref(),
+        &specs,
+    )?;
+    ensure!(
+        moves as usize >= specs.len(),
+        "only {moves} moves for {} requests",
+        specs.len()
+    );
     served.shutdown();
     Ok(())
 }

@@ -336,6 +336,10 @@ impl RecurrentMemoryFamily {
 impl Family for RecurrentMemoryFamily {
     type Program = ArmtProgram;
 
+    fn export(&mut self, a: &mut Active<ArmtProgram>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, "recurrent-memory")
+    }
+
     fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
             self.bind(a);

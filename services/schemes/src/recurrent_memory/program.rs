@@ -12,7 +12,7 @@ use crate::sampling::TokenSampler;
 use crate::tick::ends_after;
 
 /// Where a request stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Phase {
     /// The prompt's segments are running.
     Prefill,
@@ -50,7 +50,7 @@ pub struct ArmtOutput {
 }
 
 /// An ARMT request.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct ArmtProgram {
     prompt: Vec<u32>,
     segment_size: usize,
@@ -64,6 +64,7 @@ pub struct ArmtProgram {
     /// Diagonal: the step (diagonal index) to run next.
     pub(crate) step: usize,
     /// Diagonal: each segment's residual stream between two layers, by segment.
+    #[serde(with = "wavefront_models::state::tensor_map")]
     pub(crate) inflight: BTreeMap<usize, Tensor>,
     /// Sequential: the segment to run next.
     pub(crate) next_segment: usize,
@@ -75,6 +76,7 @@ pub struct ArmtProgram {
     stop_token_ids: Vec<u32>,
     generated: usize,
     pub(crate) stats: Stats,
+    #[serde(skip)]
     record: Option<Record>,
     /// How the request's slots grow (set by the planner).
     pub(crate) paging: Paging,
@@ -83,7 +85,7 @@ pub struct ArmtProgram {
 /// The slots of an ARMT request: the fixed ones (memories, diagonal residual streams) and the
 /// pages of its cache, which holds one segment's cell while the prompt runs and the prompt
 /// segment and the generated tokens after.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Paging {
     pub fixed: usize,
     /// Page tables of the cache: one per layer and tensor-parallel rank.

@@ -389,3 +389,25 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
     }
     Ok(())
 }
+
+/// Every request of the mix, moved to a second engine of the same checkpoint after its first
+/// event and back after its next (stopped at a step boundary, its state exported and resumed in
+/// other slots), produces exactly what it produces alone: tokens, finish reason and every
+/// statistic but timing, with its moves counted.
+#[test]
+fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = serve(fixture_files()?, "armt-fixture", specs.len())?;
+    let moves = crate::test_support::assert_moved_requests_match_alone(
+        fixture_files()?,
+        served.as_ref(),
+        &specs,
+    )?;
+    ensure!(
+        moves as usize >= specs.len(),
+        "only {moves} moves for {} requests",
+        specs.len()
+    );
+    served.shutdown();
+    Ok(())
+}

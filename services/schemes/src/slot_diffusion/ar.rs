@@ -12,7 +12,7 @@ use crate::sampling::TokenSampler;
 use crate::tick::ends_after;
 
 /// One autoregressive request.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct ArDecode {
     pub(crate) cache: KvCache,
     /// Tokens not yet run (the prompt, then the last generated token).

@@ -10,7 +10,7 @@
 
 use wavefront_engine::FinishReason;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Cell {
     Masked,
     Token(u32),
@@ -18,7 +18,7 @@ enum Cell {
     Dropped,
 }
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Canvas {
     prompt_len: usize,
     cells: Vec<Cell>,

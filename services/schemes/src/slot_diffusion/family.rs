@@ -183,6 +183,10 @@ impl paging::OneCache for SdProgram {
 impl Family for SlotDiffusionFamily {
     type Program = SdProgram;
 
+    fn export(&mut self, a: &mut Active<SdProgram>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, "slot-diffusion")
+    }
+
     fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), FamilyError> {
         for a in batch.iter_mut() {
             paging::bind_one(a, &self.pool);

@@ -31,7 +31,7 @@ use crate::request::EosRule;
 use crate::sampling::TokenSampler;
 
 /// The request's fixed settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Settings {
     pub(crate) slot_size: usize,
     pub(crate) block_length: usize,
@@ -103,7 +103,7 @@ pub(crate) struct Recorder {
 }
 
 /// The slots selected by a plan, waiting for verification.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Selection {
     /// Pool indices of the selected slots, increasing.
     picked: Vec<usize>,
@@ -114,7 +114,7 @@ struct Selection {
 }
 
 /// One row of iterative completion: a selected slot with its own cache suffix.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Row {
     start: u32,
     tokens: Vec<u32>,
@@ -123,7 +123,7 @@ struct Row {
     cache: KvCache,
 }
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Infill {
     /// Pool indices of every originally selected slot.
     picked: Vec<usize>,
@@ -135,7 +135,7 @@ struct Infill {
     steps: usize,
 }
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 enum Phase {
     Plan,
     Verify(Selection),
@@ -144,7 +144,7 @@ enum Phase {
 }
 
 /// One plan-and-infill request.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct PlanInfill {
     s: Settings,
     prompt: Vec<u32>,
@@ -167,7 +167,9 @@ pub struct PlanInfill {
     /// Planning with a temperature (upstream's Gumbel noise): a categorical draw from
     /// `softmax(logits / T)` with the request's own RNG.
     sampler: Option<TokenSampler>,
+    #[serde(skip)]
     pub(crate) record: Option<Recorder>,
+    #[serde(skip)]
     current: Option<IterationRecord>,
     /// Send every commit as a canvas update (the request's `stream_canvas`).
     pub(crate) stream_canvas: bool,

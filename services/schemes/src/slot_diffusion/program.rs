@@ -9,14 +9,14 @@ use super::ar::ArDecode;
 use super::call::{CacheUse, Call, CallRow, ReadOut};
 use super::plan_infill::{CallRecord, IterationRecord, PlanInfill, Recorder};
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) enum Scheme {
     PlanInfill(Box<PlanInfill>),
     Ar(Box<ArDecode>),
 }
 
 /// One request's decoding state.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct SdProgram {
     pub(crate) scheme: Scheme,
     pub(crate) stats: Stats,

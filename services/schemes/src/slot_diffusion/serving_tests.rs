@@ -252,7 +252,7 @@ fn golden_runs_stream_in_position_order_and_stop_at_the_first_eos() -> Result<()
         let (tokens, reason, stats) = loop {
             match rx.recv_timeout(Duration::from_secs(120))? {
                 Event::Tokens(t) => chunks.push(t),
-                Event::Canvas(_) => {}
+                Event::Canvas(_) | Event::Parked => {}
                 Event::Finished { reason, stats } => break (chunks.concat(), reason, stats),
                 Event::Failed(e) => bail!("{name}: {e}"),
             }
@@ -659,6 +659,28 @@ fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
         "the reservation was never seen held whole: {seen:?}"
     );
     wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
+
+/// Every request of the mix, moved to a second engine of the same checkpoint after its first
+/// event and back after its next (stopped at a step boundary, its state exported and resumed in
+/// other slots), produces exactly what it produces alone: tokens, finish reason and every
+/// statistic but timing, with its moves counted.
+#[test]
+fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let served = fixture_served(specs.len())?;
+    let moves = crate::test_support::assert_moved_requests_match_alone(
+        fixture_files()?,
+        served.as_ref(),
+        &specs,
+    )?;
+    ensure!(
+        moves as usize >= specs.len(),
+        "only {moves} moves for {} requests",
+        specs.len()
+    );
     served.shutdown();
     Ok(())
 }
