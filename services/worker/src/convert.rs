@@ -264,6 +264,7 @@ pub fn stats(s: &Stats, seed: u64) -> pb::GenerationStats {
             .iter()
             .map(|(k, v)| (k.clone(), pb::UintList { values: v.clone() }))
             .collect(),
+        migrations: s.migrations,
     }
 }
 

@@ -16,6 +16,7 @@
 
 pub mod convert;
 pub mod limits;
+pub mod migrate;
 pub mod output;
 pub mod server;
 pub mod service;

@@ -72,6 +72,43 @@ impl OutputAssembler {
         self.stopped
     }
 
+    /// Its state, for the worker a request moves to ([`Self::restore`]).
+    pub fn snapshot(&self) -> wavefront_proto::worker::v1::OutputState {
+        wavefront_proto::worker::v1::OutputState {
+            stop_strings: self.stop_strings.clone(),
+            token_ids: self.ids.clone(),
+            text: self.text.clone(),
+            emitted: self.emitted as u64,
+            prefix: self.prefix as u64,
+            read: self.read as u64,
+            messages: 0,
+        }
+    }
+
+    /// An assembler that continues where [`Self::snapshot`] left off; `None` for an
+    /// inconsistent state.
+    pub fn restore(s: wavefront_proto::worker::v1::OutputState) -> Option<Self> {
+        let mut out = Self::new(s.stop_strings);
+        let (emitted, prefix, read) = (
+            usize::try_from(s.emitted).ok()?,
+            usize::try_from(s.prefix).ok()?,
+            usize::try_from(s.read).ok()?,
+        );
+        if emitted > s.text.len()
+            || !s.text.is_char_boundary(emitted)
+            || prefix > read
+            || read > s.token_ids.len()
+        {
+            return None;
+        }
+        out.ids = s.token_ids;
+        out.text = s.text;
+        out.emitted = emitted;
+        out.prefix = prefix;
+        out.read = read;
+        Some(out)
+    }
+
     pub fn token_ids(&self) -> &[u32] {
         &self.ids
     }
@@ -241,6 +278,8 @@ pub fn generate_blocking(
                 }
             }
             Event::Canvas(frame) => on_canvas(&frame),
+            // Nothing offline exports a request.
+            Event::Parked => {}
             Event::Finished { stats, .. } if out.is_stopped() => {
                 return Ok(finished(
                     &out,

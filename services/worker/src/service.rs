@@ -19,7 +19,7 @@ use wavefront_telemetry::metrics as m;
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
-use wavefront_engine::{Event, EventSink, FinishReason, SinkError, Stats};
+use wavefront_engine::{Event, EventSink, FinishReason, RequestId, SinkError, Stats};
 use wavefront_proto::v1 as pb;
 use wavefront_proto::worker::v1 as wpb;
 use wavefront_schemes::ServedModel;
@@ -29,19 +29,20 @@ use crate::limits::RequestLimits;
 use crate::output::{decoder, OutputAssembler};
 use crate::status::from_engine_error;
 
-type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+pub(crate) type EventStream =
+    Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
 /// The `model` label of requests for a model this worker does not serve.
 const UNKNOWN_MODEL: &str = "unknown";
 
 /// Events buffered per request before the engine pauses it.
-const EVENT_BUFFER: usize = 64;
+pub(crate) const EVENT_BUFFER: usize = 64;
 
 /// A request's sink: a bounded tokio channel, and the flag the stream sets when a stop string
 /// ended the response (the engine then finishes the request and sends its statistics).
-struct TokioSink {
-    tx: mpsc::Sender<Event>,
-    stop: Arc<AtomicBool>,
+pub(crate) struct TokioSink {
+    pub(crate) tx: mpsc::Sender<Event>,
+    pub(crate) stop: Arc<AtomicBool>,
 }
 
 impl EventSink for TokioSink {
@@ -70,7 +71,19 @@ struct Inner {
     worker_id: String,
     ready: AtomicBool,
     limits: RequestLimits,
+    exports: Exports,
 }
+
+/// Exports waiting for their request's stream to reach the stop ([`Event::Parked`]): the stream
+/// hands its output state to the export there, keyed by model name and request id.
+pub(crate) type Exports = Arc<
+    std::sync::Mutex<
+        std::collections::HashMap<
+            (String, u64),
+            tokio::sync::oneshot::Sender<crate::migrate::Parked>,
+        >,
+    >,
+>;
 
 impl WorkerService {
     pub fn new(models: Vec<Arc<dyn ServedModel>>, worker_id: String) -> Self {
@@ -80,6 +93,7 @@ impl WorkerService {
                 worker_id,
                 ready: AtomicBool::new(true),
                 limits: RequestLimits::default(),
+                exports: Exports::default(),
             }),
         }
     }
@@ -118,7 +132,11 @@ impl WorkerService {
             .sum()
     }
 
-    fn pick(&self, name: &str) -> Result<Arc<dyn ServedModel>, Status> {
+    pub(crate) fn exports(&self) -> &Exports {
+        &self.inner.exports
+    }
+
+    pub(crate) fn pick(&self, name: &str) -> Result<Arc<dyn ServedModel>, Status> {
         let models = &self.inner.models;
         if name.is_empty() {
             return match models.as_slice() {
@@ -154,7 +172,10 @@ impl WorkerService {
     /// Validates and submits; returns the response stream. Rejections are
     /// counted in the request metrics here; outcomes of admitted requests
     /// are counted when their stream ends.
-    async fn start(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+    async fn start(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<(EventStream, RequestId), Status> {
         // A request without a scheme runs the model's first one. The `model` label is a served
         // model's name, or `unknown`: a client's arbitrary names never become series.
         let picked = self.pick(&request.get_ref().model).ok();
@@ -174,7 +195,7 @@ impl WorkerService {
     async fn start_inner(
         &self,
         request: Request<pb::GenerateRequest>,
-    ) -> Result<EventStream, Status> {
+    ) -> Result<(EventStream, RequestId), Status> {
         if !self.is_ready() {
             return Err(Status::unavailable(
                 "worker is draining; retry on another worker",
@@ -223,11 +244,14 @@ impl WorkerService {
             tx,
             stop: stop.clone(),
         };
-        model
+        let id = model
             .submit(spec, Box::new(sink), deadline, span.clone())
             .map_err(|e| from_engine_error(&e))?;
-        tracing::debug!(parent: &span, "submitted");
+        tracing::debug!(parent: &span, request = %id, "submitted");
         let state = StreamState {
+            key: (model.info().name.clone(), id.0),
+            exports: self.inner.exports.clone(),
+            messages: 0,
             model,
             rx: Some(rx),
             stop,
@@ -242,31 +266,36 @@ impl WorkerService {
             recorded: false,
             span,
         };
-        Ok(wavefront_proto::timeout::with_deadline(
-            response_stream(state),
-            deadline,
+        Ok((
+            wavefront_proto::timeout::with_deadline(response_stream(state), deadline),
+            id,
         ))
     }
 }
 
-struct StreamState {
-    model: Arc<dyn ServedModel>,
-    rx: Option<mpsc::Receiver<Event>>,
+pub(crate) struct StreamState {
+    /// The served model's name and the request's engine id.
+    pub(crate) key: (String, u64),
+    pub(crate) exports: Exports,
+    /// Messages yielded for tokens and canvas frames (an export reports how many).
+    pub(crate) messages: u64,
+    pub(crate) model: Arc<dyn ServedModel>,
+    pub(crate) rx: Option<mpsc::Receiver<Event>>,
     /// Set once a stop string ended the response: the engine finishes the request.
-    stop: Arc<AtomicBool>,
-    out: OutputAssembler,
-    pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
-    seed: u64,
-    scheme: &'static str,
-    started: Instant,
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) out: OutputAssembler,
+    pub(crate) pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
+    pub(crate) seed: u64,
+    pub(crate) scheme: &'static str,
+    pub(crate) started: Instant,
     /// The request's deadline: the timer around the stream drops it when this passes.
-    deadline: Option<Instant>,
-    first_token: bool,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) first_token: bool,
     /// When the last tokens were streamed (inter-token latency).
-    last_tokens: Instant,
+    pub(crate) last_tokens: Instant,
     /// The outcome was counted (a stream dropped before that was cancelled or timed out).
-    recorded: bool,
-    span: tracing::Span,
+    pub(crate) recorded: bool,
+    pub(crate) span: tracing::Span,
 }
 
 impl StreamState {
@@ -326,7 +355,7 @@ fn scheme_label(req: &pb::GenerateRequest, default: Option<&'static str>) -> &'s
 }
 
 /// Reads engine events and yields protobuf stream messages; ends after `done`.
-fn response_stream(state: StreamState) -> EventStream {
+pub(crate) fn response_stream(state: StreamState) -> EventStream {
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         loop {
             if let Some(item) = st.pending.pop_front() {
@@ -345,6 +374,7 @@ impl StreamState {
         match event {
             // Tokens and frames the engine made before it saw the stop are not the response's.
             Some(Event::Tokens(_) | Event::Canvas(_)) if self.out.is_stopped() => {}
+            Some(Event::Parked) if self.out.is_stopped() => {}
             Some(Event::Tokens(ids)) => {
                 let now = Instant::now();
                 if !self.first_token {
@@ -361,6 +391,7 @@ impl StreamState {
                 }
                 self.last_tokens = now;
                 let delta = self.out.push(&ids, &decode);
+                self.messages += 1;
                 self.pending
                     .push_back(Ok(chunk(delta.token_ids, delta.text)));
                 if delta.stopped {
@@ -368,7 +399,25 @@ impl StreamState {
                     self.stop.store(true, Ordering::Release);
                 }
             }
+            Some(Event::Parked) => {
+                // Everything before the stop is queued: the export takes the output state.
+                let hook = self
+                    .exports
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .remove(&self.key);
+                if let Some(hook) = hook {
+                    let mut output = self.out.snapshot();
+                    output.messages = self.messages;
+                    let _ = hook.send(crate::migrate::Parked {
+                        output,
+                        scheme: self.scheme,
+                        seed: self.seed,
+                    });
+                }
+            }
             Some(Event::Canvas(frame)) => {
+                self.messages += 1;
                 self.pending.push_back(Ok(pb::GenerateStreamResponse {
                     event: Some(pb::generate_stream_response::Event::Canvas(
                         convert::canvas_event(&frame),
@@ -465,7 +514,7 @@ impl pb::generation_server::Generation for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let stream = self.start(request).await?;
+        let (stream, _) = self.start(request).await?;
         collect(stream).await.map(Response::new)
     }
 
@@ -475,7 +524,7 @@ impl pb::generation_server::Generation for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        self.start(request).await.map(Response::new)
+        self.start(request).await.map(|(s, _)| Response::new(s))
     }
 
     async fn list_models(
@@ -531,7 +580,38 @@ impl wpb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.start(request).await.map(Response::new)
+        let (stream, id) = self.start(request).await?;
+        Ok(crate::migrate::with_request_id(Response::new(stream), id))
+    }
+
+    type ExportRequestStream = crate::migrate::ChunkStream;
+
+    async fn export_request(
+        &self,
+        request: Request<wpb::ExportRequestRequest>,
+    ) -> Result<Response<Self::ExportRequestStream>, Status> {
+        crate::migrate::export(self, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    type ResumeRequestStream = EventStream;
+
+    async fn resume_request(
+        &self,
+        request: Request<tonic::Streaming<wpb::MigrationChunk>>,
+    ) -> Result<Response<Self::ResumeRequestStream>, Status> {
+        let (stream, id) = crate::migrate::resume(self, request).await?;
+        Ok(crate::migrate::with_request_id(Response::new(stream), id))
+    }
+
+    async fn finish_export(
+        &self,
+        request: Request<wpb::FinishExportRequest>,
+    ) -> Result<Response<wpb::FinishExportResponse>, Status> {
+        crate::migrate::finish(self, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn get_load(

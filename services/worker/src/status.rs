@@ -18,6 +18,9 @@ pub fn from_engine_error(e: &EngineError) -> Status {
         EngineError::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
         EngineError::StepFailed(_) => Status::internal(e.to_string()),
         EngineError::ShutDown => Status::unavailable(format!("{e}; retry on another worker")),
+        EngineError::Moved => Status::aborted(e.to_string()),
+        EngineError::NotFound(m) => Status::not_found(m.clone()),
+        EngineError::CannotMove(m) => Status::failed_precondition(m.clone()),
     }
 }
 
