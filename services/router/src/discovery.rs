@@ -47,12 +47,38 @@ pub struct WorkerEntry {
 }
 
 /// The shared worker table (soft state, rebuilt from the workers themselves).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Discovery {
     table: Arc<RwLock<HashMap<SocketAddr, WorkerEntry>>>,
+    /// Counts discovery rounds: relays watch it to notice a worker that started draining.
+    rounds: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for Discovery {
+    fn default() -> Self {
+        Self {
+            table: Arc::default(),
+            rounds: Arc::new(tokio::sync::watch::channel(0).0),
+        }
+    }
 }
 
 impl Discovery {
+    /// A receiver that changes after every discovery round.
+    pub fn rounds(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.rounds.subscribe()
+    }
+
+    /// Whether the worker at `addr` answers and says it is draining (not ready): its requests
+    /// should move.
+    pub fn is_draining(&self, addr: SocketAddr) -> bool {
+        self.table
+            .read()
+            .expect("worker table lock")
+            .get(&addr)
+            .is_some_and(|w| w.up && w.report.as_ref().is_some_and(|r| !r.ready))
+    }
+
     pub fn snapshot(&self) -> Vec<WorkerEntry> {
         let mut v: Vec<_> = self
             .table
@@ -171,6 +197,7 @@ impl Discovery {
             .set(up as f64);
         metrics::gauge!(wavefront_telemetry::metrics::ROUTER_WORKERS, "state" => "down")
             .set((table.len() - up) as f64);
+        self.rounds.send_modify(|n| *n += 1);
         table.retain(|addr, w| {
             let silent = w
                 .last_seen

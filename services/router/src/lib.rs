@@ -7,13 +7,15 @@
 //! every refresh interval ([`discovery`]). A request goes to the least-loaded
 //! ready worker serving its model ([`pick`]); the router forwards the call
 //! with the caller's deadline and trace context, and dropping the client's
-//! stream cancels the worker's call, which frees the request's slots. [`openai`] serves the
-//! same routing over OpenAI-compatible HTTP.
+//! stream cancels the worker's call, which frees the request's slots. When a worker drains, its
+//! requests move to other workers mid-stream ([`relay`]). [`openai`] serves the same routing
+//! over OpenAI-compatible HTTP.
 
 pub mod discovery;
 pub mod json;
 pub mod openai;
 pub mod pick;
+pub mod relay;
 pub mod service;
 pub mod tls;
 

@@ -208,6 +208,29 @@ impl RouterService {
             match answer {
                 Ok(resp) => {
                     tracing::debug!(parent: &span, worker = %w.addr, "forwarded");
+                    if let Some(id) = crate::relay::request_id(resp.metadata()) {
+                        // A request the worker can move: relayed by a task that moves it when
+                        // the worker drains.
+                        let (tx, rx) = tokio::sync::mpsc::channel(RELAY_BUFFER);
+                        let leg = crate::relay::Leg {
+                            addr: w.addr,
+                            client: w.client.clone(),
+                            stream: resp.into_inner(),
+                            id: Some(id),
+                            relayed: 0,
+                        };
+                        let ctx = crate::relay::Ctx {
+                            discovery: self.discovery.clone(),
+                            model: body.model.clone(),
+                            deadline,
+                            span: span.clone(),
+                            on_error: relay_error,
+                        };
+                        tokio::spawn(crate::relay::relay(leg, ctx, tx));
+                        let relayed: EventStream =
+                            Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx));
+                        return Ok(wavefront_proto::timeout::with_deadline(relayed, deadline));
+                    }
                     let stream = resp.into_inner();
                     let span2 = span.clone();
                     let (discovery, addr) = (self.discovery.clone(), w.addr);
@@ -254,6 +277,22 @@ impl RouterService {
             }
         }
         Err(last_err.unwrap_or_else(|| Status::unavailable("no worker could take the request")))
+    }
+}
+
+/// Messages a relay task holds for a caller that is slower than the worker.
+const RELAY_BUFFER: usize = 16;
+
+/// A relayed worker stream's error as the caller sees it (a lost connection marks the worker
+/// down).
+fn relay_error(discovery: &Discovery, addr: SocketAddr, span: &tracing::Span, s: Status) -> Status {
+    tracing::info!(parent: span, code = ?s.code(), error = %s, "worker stream ended with error");
+    match mid_stream(s, addr) {
+        MidStream::Lost(s) => {
+            discovery.mark_down(addr);
+            s
+        }
+        MidStream::Relay(s) => s,
     }
 }
 

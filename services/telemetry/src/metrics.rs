@@ -27,6 +27,7 @@ pub const SCHEME_EVENTS_TOTAL: &str = "wavefront_scheme_events_total";
 pub const ROUTER_REQUESTS_TOTAL: &str = "wavefront_router_requests_total";
 pub const ROUTER_REQUEST_DURATION: &str = "wavefront_router_request_duration_seconds";
 pub const ROUTER_WORKERS: &str = "wavefront_router_workers";
+pub const ROUTER_MIGRATIONS_TOTAL: &str = "wavefront_router_migrations_total";
 
 fn describe() {
     describe_counter!(
@@ -118,6 +119,11 @@ fn describe() {
     describe_gauge!(
         ROUTER_WORKERS,
         "Workers known to the router, by state (up, down)."
+    );
+    describe_counter!(
+        ROUTER_MIGRATIONS_TOTAL,
+        "Requests offered to other workers because their worker drained, by outcome (moved, \
+         stayed: no other worker took it yet)."
     );
 }
 
