@@ -107,11 +107,15 @@ pub fn spawn(args: &[&str]) -> Proc {
     spawn_with_env(args, &[])
 }
 
-/// [`spawn`] with extra environment variables.
+/// [`spawn`] with extra environment variables. The processes log at `warn` unless
+/// `WAVEFRONT_E2E_LOG` sets another filter (e.g. `info,wavefront_router=debug`).
 pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(bin())
         .args(args)
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("WAVEFRONT_E2E_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .envs(env.iter().copied())
         .stdout(Stdio::piped())

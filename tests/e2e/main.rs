@@ -6,6 +6,7 @@ mod faults;
 mod harness;
 mod http;
 mod metrics;
+mod migration;
 mod operations;
 mod paging;
 mod recurrent_memory;
