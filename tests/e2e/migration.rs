@@ -349,3 +349,220 @@ async fn a_request_whose_only_other_worker_is_full_is_not_lost() {
     drop(b);
     drop(router);
 }
+
+/// The worker API's export and resume refuse what they cannot take, saying why, and a move
+/// that fails loses nothing: the exported request continues where it was. They are behind the
+/// worker token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_states_are_refused_and_a_called_off_export_continues_where_it_was() {
+    use tonic::Code;
+    use wavefront_proto::worker::v1 as wpb;
+    let (fixture, mut req) = cases().remove(0);
+    req.max_new_tokens = 120;
+    let a = spawn_worker(fixture, &[]);
+    let b = spawn_worker(fixture, &[]);
+    let other = spawn_worker("dream", &[]);
+    let locked = spawn_worker(fixture, &["--worker-token", "w0rker"]);
+    for w in [&a, &b, &other, &locked] {
+        wait_serving(w.addr, "wavefront.worker.v1.Worker").await;
+    }
+    let alone = uninterrupted(b.addr, req.clone()).await;
+
+    let mut wa = WorkerClient::new(channel(a.addr).await);
+    let resp = wa.generate(req.clone()).await.expect("runs on A");
+    let id: u64 = resp
+        .metadata()
+        .get("x-wavefront-request-id")
+        .expect("the request's id")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut stream = resp.into_inner();
+    let mut tokens = Vec::new();
+    // Its first tokens; it keeps running while the export is asked for.
+    while tokens.is_empty() {
+        if let Some(pb::generate_stream_response::Event::Tokens(c)) =
+            stream.message().await.unwrap().unwrap().event
+        {
+            tokens.extend(c.token_ids);
+        }
+    }
+    let export = |id| wpb::ExportRequestRequest {
+        model: String::new(),
+        request_id: id,
+    };
+    let missing = wa
+        .export_request(export(id + 1000))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound, "{missing:?}");
+    let chunks: Vec<wpb::MigrationChunk> = {
+        let exporting = tokio::spawn({
+            let mut wa = wa.clone();
+            async move {
+                let mut s = wa.export_request(export(id)).await?.into_inner();
+                let mut v = Vec::new();
+                while let Some(c) = s.message().await? {
+                    v.push(c);
+                }
+                Ok::<_, tonic::Status>(v)
+            }
+        });
+        // The export waits for the stream to deliver everything before the stop.
+        loop {
+            tokio::select! {
+                done = async { while !exporting.is_finished() { tokio::time::sleep(Duration::from_millis(5)).await } } => {
+                    let _: () = done;
+                    break;
+                }
+                m = stream.message() => {
+                    if let Some(pb::generate_stream_response::Event::Tokens(c)) = m.unwrap().unwrap().event {
+                        tokens.extend(c.token_ids);
+                    }
+                }
+            }
+        }
+        exporting.await.unwrap().expect("exported")
+    };
+    let header = match &chunks[0].part {
+        Some(wpb::migration_chunk::Part::Header(h)) => h.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(header.migrations, 1);
+    let again = wa.export_request(export(id)).await.map(|_| ()).unwrap_err();
+    assert_eq!(again.code(), Code::FailedPrecondition, "{again:?}");
+
+    let with_header = |f: &dyn Fn(&mut wpb::MigrationHeader)| {
+        let mut c = chunks.clone();
+        let mut h = header.clone();
+        f(&mut h);
+        c[0].part = Some(wpb::migration_chunk::Part::Header(h));
+        c
+    };
+    let state_at = chunks
+        .iter()
+        .position(|c| matches!(c.part, Some(wpb::migration_chunk::Part::State(_))))
+        .expect("state bytes");
+    let flipped = {
+        let mut c = chunks.clone();
+        if let Some(wpb::migration_chunk::Part::State(b)) = &mut c[state_at].part {
+            b[0] ^= 1;
+        }
+        c
+    };
+    let garbage = {
+        let bytes = vec![0xffu8; 64];
+        let mut h = header.clone();
+        h.state_bytes = 64;
+        h.state_sha256 = {
+            use sha2::Digest;
+            sha2::Sha256::digest(&bytes).to_vec()
+        };
+        vec![
+            wpb::MigrationChunk {
+                part: Some(wpb::migration_chunk::Part::Header(h)),
+            },
+            wpb::MigrationChunk {
+                part: Some(wpb::migration_chunk::Part::State(bytes)),
+            },
+        ]
+    };
+    let refusals: Vec<(&str, SocketAddr, Vec<wpb::MigrationChunk>, Code)> = vec![
+        (
+            "another version",
+            b.addr,
+            with_header(&|h| h.version += 1),
+            Code::FailedPrecondition,
+        ),
+        (
+            "another checkpoint",
+            b.addr,
+            with_header(&|h| h.migration_key.push('x')),
+            Code::FailedPrecondition,
+        ),
+        (
+            "a model not served there",
+            b.addr,
+            with_header(&|h| h.model = "nope".into()),
+            Code::FailedPrecondition,
+        ),
+        (
+            "another family's worker",
+            other.addr,
+            chunks.clone(),
+            Code::FailedPrecondition,
+        ),
+        (
+            "bytes that do not match their digest",
+            b.addr,
+            flipped,
+            Code::InvalidArgument,
+        ),
+        (
+            "a truncated state",
+            b.addr,
+            chunks[..chunks.len() - 1].to_vec(),
+            Code::InvalidArgument,
+        ),
+        (
+            "no header",
+            b.addr,
+            chunks[1..].to_vec(),
+            Code::InvalidArgument,
+        ),
+        (
+            "bytes that are no program",
+            b.addr,
+            garbage,
+            Code::InvalidArgument,
+        ),
+    ];
+    for (what, at, c, code) in refusals {
+        let mut w = WorkerClient::new(channel(at).await);
+        let err = w
+            .resume_request(futures::stream::iter(c))
+            .await
+            .map(|_| ())
+            .expect_err(what);
+        assert_eq!(err.code(), code, "{what}: {err:?}");
+        assert!(!err.message().is_empty(), "{what}: a message says why");
+    }
+    // Without the worker token, nothing of this API answers.
+    let mut wl = WorkerClient::new(channel(locked.addr).await);
+    let denied = wl
+        .resume_request(futures::stream::iter(chunks.clone()))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::Unauthenticated, "{denied:?}");
+    let denied = wl.export_request(export(1)).await.map(|_| ()).unwrap_err();
+    assert_eq!(denied.code(), Code::Unauthenticated, "{denied:?}");
+
+    // Nobody took it: the export is called off and the request continues on A, losing nothing.
+    wa.finish_export(wpb::FinishExportRequest {
+        model: String::new(),
+        request_id: id,
+        moved: false,
+    })
+    .await
+    .expect("called off");
+    let done = drain(stream, tokens).await;
+    assert_eq!(done.tokens, alone.tokens);
+    assert_eq!(done.done.token_ids, alone.done.token_ids);
+    assert_eq!(
+        done.done.stats.expect("stats").migrations,
+        0,
+        "it never moved"
+    );
+    let settled = wa
+        .finish_export(wpb::FinishExportRequest {
+            model: String::new(),
+            request_id: id,
+            moved: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(settled.code(), Code::NotFound, "{settled:?}");
+}
