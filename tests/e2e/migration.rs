@@ -566,3 +566,77 @@ async fn bad_states_are_refused_and_a_called_off_export_continues_where_it_was()
         .unwrap_err();
     assert_eq!(settled.code(), Code::NotFound, "{settled:?}");
 }
+
+/// With `--rebalance`, a worker that has requests waiting hands a running one to a worker that
+/// joins idle; every request keeps the tokens of an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_rebalance_a_queued_workers_request_moves_to_a_worker_that_joins_idle() {
+    let (fixture, base) = cases().remove(0);
+    let reqs: Vec<pb::GenerateRequest> = (0..3u64)
+        .map(|i| {
+            let mut r = base.clone();
+            r.max_new_tokens = 160;
+            r.sampling.as_mut().expect("sampled").seed = Some(10 + i);
+            r
+        })
+        .collect();
+    let a = spawn_worker(fixture, &["--max-active", "1"]);
+    wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
+    // B's address is known to the router from the start; B starts once A has a queue.
+    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let router = spawn_router(
+        "127.0.0.1:0",
+        &format!("{},{b_addr}", a.addr),
+        REFRESH_MS,
+        &["--rebalance"],
+    );
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let mut runs = Vec::new();
+    for r in &reqs {
+        let mut client = GenerationClient::new(channel(router.addr).await);
+        let stream = client
+            .generate_stream(r.clone())
+            .await
+            .expect("routed")
+            .into_inner();
+        runs.push(tokio::spawn(drain(stream, Vec::new())));
+    }
+    let start = Instant::now();
+    loop {
+        let l = load(a.addr).await;
+        if l.active_requests + l.queued_requests == 3 && l.queued_requests > 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "A never queued: {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let model = crate::harness::fixture(fixture);
+    let b_listen = b_addr.to_string();
+    let b = crate::harness::spawn(&[
+        "worker",
+        "--listen",
+        &b_listen,
+        "--model",
+        model.to_str().unwrap(),
+    ]);
+    let mut moved = 0;
+    let mut got = Vec::new();
+    for r in runs {
+        let run = r.await.unwrap();
+        moved += run.done.stats.as_ref().expect("stats").migrations;
+        got.push(run);
+    }
+    assert!(moved >= 1, "no request moved to the idle worker");
+    for (r, run) in reqs.iter().zip(&got) {
+        let alone = uninterrupted(b.addr, r.clone()).await;
+        assert_eq!(run.tokens, alone.tokens);
+        assert_eq!(run.done.token_ids, alone.done.token_ids);
+    }
+    eprintln!("{moved} of 3 requests moved to the worker that joined");
+    drop(router);
+}

@@ -244,6 +244,11 @@ pub struct RouterArgs {
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
+    /// Move running requests off a worker whose admission queue is not empty onto an idle
+    /// worker of the same model (one at a time per idle worker and discovery round). Requests
+    /// always move off a draining worker.
+    #[arg(long, env = "WAVEFRONT_REBALANCE")]
+    pub rebalance: bool,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -392,7 +397,8 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     announce("router", listener.local_addr()?);
     let mut service = RouterService::new(discovery)
         .with_max_message_bytes(a.max_message_bytes)
-        .with_api_keys(api_keys);
+        .with_api_keys(api_keys)
+        .with_rebalance(a.rebalance);
     if let Some(tls) = tls {
         service = service.with_tls(tls);
     }

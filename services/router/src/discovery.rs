@@ -52,6 +52,8 @@ pub struct Discovery {
     table: Arc<RwLock<HashMap<SocketAddr, WorkerEntry>>>,
     /// Counts discovery rounds: relays watch it to notice a worker that started draining.
     rounds: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Idle workers a rebalancing move has claimed, with the round of the claim.
+    claims: Arc<std::sync::Mutex<HashMap<SocketAddr, u64>>>,
 }
 
 impl Default for Discovery {
@@ -59,6 +61,7 @@ impl Default for Discovery {
         Self {
             table: Arc::default(),
             rounds: Arc::new(tokio::sync::watch::channel(0).0),
+            claims: Arc::default(),
         }
     }
 }
@@ -67,6 +70,39 @@ impl Discovery {
     /// A receiver that changes after every discovery round.
     pub fn rounds(&self) -> tokio::sync::watch::Receiver<u64> {
         self.rounds.subscribe()
+    }
+
+    /// An idle worker of `model` to take a request from the worker at `addr`, when `addr` has
+    /// requests waiting in its admission queue (rebalancing). An idle worker is claimed for
+    /// two rounds (until its load report shows what it took), so a queue's requests do not all
+    /// move to it at once; `None` when `addr` has no queue or no idle worker is unclaimed.
+    pub fn claim_idle(&self, addr: SocketAddr, model: &str) -> Option<WorkerEntry> {
+        let round = *self.rounds.borrow();
+        let table = self.table.read().expect("worker table lock");
+        let load = |w: &WorkerEntry| {
+            let r = w.report.as_ref().filter(|r| r.ready && w.up)?;
+            r.models
+                .iter()
+                .find(|m| {
+                    m.model
+                        .as_ref()
+                        .is_some_and(|i| model.is_empty() || i.name == model)
+                })
+                .map(|m| (m.queued_requests, m.active_requests))
+        };
+        let (queued, _) = load(table.get(&addr)?)?;
+        if queued == 0 {
+            return None;
+        }
+        let mut claims = self.claims.lock().expect("claims lock");
+        claims.retain(|_, at| round < *at + 2);
+        let idle = table
+            .values()
+            .filter(|w| w.addr != addr && !claims.contains_key(&w.addr))
+            .find(|w| load(w) == Some((0, 0)))?
+            .clone();
+        claims.insert(idle.addr, round);
+        Some(idle)
     }
 
     /// Whether the worker at `addr` answers and says it is draining (not ready): its requests

@@ -1,8 +1,9 @@
 //! Relaying a worker's stream to the caller, and moving the request when its worker drains.
 //!
 //! A relay runs as a task per call: it forwards the worker's messages to the caller's stream
-//! and, when discovery reports the worker draining (its load report says not ready), moves the
-//! request to another worker of the same model without the caller noticing:
+//! and, when discovery reports the worker draining (its load report says not ready), or, with
+//! `--rebalance`, when the worker has requests queued and another worker of the model is idle
+//! ([`Discovery::claim_idle`]), moves the request there without the caller noticing:
 //!
 //! 1. `ExportRequest` on the draining worker stops the request at a step boundary and returns
 //!    its state; meanwhile its stream keeps being relayed.
@@ -65,6 +66,8 @@ pub(crate) struct Ctx {
     pub(crate) span: tracing::Span,
     /// Turns a broken worker connection into the caller's status (and marks the worker down).
     pub(crate) on_error: fn(&Discovery, SocketAddr, &tracing::Span, Status) -> Status,
+    /// Also move the request when its worker has a queue and another worker is idle.
+    pub(crate) rebalance: bool,
 }
 
 enum Step {
@@ -116,10 +119,24 @@ pub(crate) async fn relay(mut leg: Leg, ctx: Ctx, tx: mpsc::Sender<Item>) {
                     movable = false;
                     continue;
                 }
-                if !ctx.discovery.is_draining(leg.addr) {
+                let (targets, why) = if ctx.discovery.is_draining(leg.addr) {
+                    let workers = ctx.discovery.snapshot();
+                    match rank(&workers, &ctx.model, &[leg.addr]) {
+                        Ok(t) => (t, "draining"),
+                        Err(_) => {
+                            tracing::debug!(parent: &ctx.span, worker = %leg.addr, "worker draining; no other worker for the request yet");
+                            continue;
+                        }
+                    }
+                } else if ctx.rebalance {
+                    match ctx.discovery.claim_idle(leg.addr, &ctx.model) {
+                        Some(idle) => (vec![idle], "rebalance"),
+                        None => continue,
+                    }
+                } else {
                     continue;
-                }
-                match migrate(&mut leg, &ctx, &tx).await {
+                };
+                match migrate(&mut leg, &ctx, &tx, targets, why).await {
                     Ok(Some(next)) => {
                         leg = next;
                         movable = leg.id.is_some();
@@ -137,14 +154,15 @@ pub(crate) async fn relay(mut leg: Leg, ctx: Ctx, tx: mpsc::Sender<Item>) {
 /// on this worker for now (nobody could take it; tried again at the next round);
 /// `Err(End)`: the request ended (or the caller left) meanwhile; `Err(Continue)`: it cannot move
 /// (it stays, and no move is tried again).
-async fn migrate(leg: &mut Leg, ctx: &Ctx, tx: &mpsc::Sender<Item>) -> Result<Option<Leg>, Step> {
+async fn migrate(
+    leg: &mut Leg,
+    ctx: &Ctx,
+    tx: &mpsc::Sender<Item>,
+    targets: Vec<crate::discovery::WorkerEntry>,
+    why: &'static str,
+) -> Result<Option<Leg>, Step> {
     let Some(id) = leg.id else {
         return Err(Step::Continue);
-    };
-    let workers = ctx.discovery.snapshot();
-    let Ok(targets) = rank(&workers, &ctx.model, &[leg.addr]) else {
-        tracing::debug!(parent: &ctx.span, worker = %leg.addr, "worker draining; no other worker for the request yet");
-        return Ok(None);
     };
     let started = Instant::now();
     let mut source = leg.client.clone();
@@ -235,7 +253,7 @@ async fn migrate(leg: &mut Leg, ctx: &Ctx, tx: &mpsc::Sender<Item>) -> Result<Op
             Ok(resp) => {
                 settle(&mut source, ctx, id, true).await;
                 let new_id = request_id(resp.metadata());
-                metrics::counter!(wavefront_telemetry::metrics::ROUTER_MIGRATIONS_TOTAL, "outcome" => "moved").increment(1);
+                metrics::counter!(wavefront_telemetry::metrics::ROUTER_MIGRATIONS_TOTAL, "reason" => why, "outcome" => "moved").increment(1);
                 tracing::info!(
                     parent: &ctx.span,
                     from = %leg.addr,
@@ -243,7 +261,8 @@ async fn migrate(leg: &mut Leg, ctx: &Ctx, tx: &mpsc::Sender<Item>) -> Result<Op
                     bytes,
                     migrations = header.migrations,
                     ms = started.elapsed().as_secs_f64() * 1e3,
-                    "request moved off a draining worker"
+                    reason = why,
+                    "request moved to another worker"
                 );
                 return Ok(Some(Leg {
                     addr: target.addr,

@@ -36,6 +36,7 @@ pub struct RouterService {
     max_message_bytes: usize,
     api_keys: Secrets,
     tls: Option<ServerTls>,
+    rebalance: bool,
 }
 
 impl RouterService {
@@ -45,7 +46,14 @@ impl RouterService {
             max_message_bytes: wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES,
             api_keys: Secrets::default(),
             tls: None,
+            rebalance: false,
         }
+    }
+
+    /// Moves running requests off a worker with a queue onto an idle one ([`crate::relay`]).
+    pub fn with_rebalance(mut self, on: bool) -> Self {
+        self.rebalance = on;
+        self
     }
 
     /// Serves the public gRPC and HTTP endpoints over TLS.
@@ -225,6 +233,7 @@ impl RouterService {
                             deadline,
                             span: span.clone(),
                             on_error: relay_error,
+                            rebalance: self.rebalance,
                         };
                         tokio::spawn(crate::relay::relay(leg, ctx, tx));
                         let relayed: EventStream =

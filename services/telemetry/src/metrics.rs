@@ -122,8 +122,9 @@ fn describe() {
     );
     describe_counter!(
         ROUTER_MIGRATIONS_TOTAL,
-        "Requests offered to other workers because their worker drained, by outcome (moved, \
-         stayed: no other worker took it yet)."
+        "Requests offered to other workers, by reason (draining: their worker drains; \
+         rebalance: their worker had a queue and another was idle) and outcome (moved; stayed: \
+         no other worker took it)."
     );
 }
 
