@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
-use wavefront_proto::worker::v1::LoadRequest;
 
 use crate::harness::{channel, load, spawn_router, spawn_worker, wait_serving, Proc};
 

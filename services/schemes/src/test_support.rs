@@ -618,18 +618,16 @@ pub fn run_moving(
             }
         }
         let mut exported = export(cur, id)?;
-        if call_off {
-            if let Ok(_) = &exported {
-                gate.store(usize::MAX, Ordering::Release);
-                loop {
-                    match recv(&rx)? {
-                        Event::Parked => break,
-                        ev => events.push(ev),
-                    }
+        if call_off && exported.is_ok() {
+            gate.store(usize::MAX, Ordering::Release);
+            loop {
+                match recv(&rx)? {
+                    Event::Parked => break,
+                    ev => events.push(ev),
                 }
-                settle(cur, id, false)?;
-                exported = export(cur, id)?;
             }
+            settle(cur, id, false)?;
+            exported = export(cur, id)?;
         }
         let exported = match exported {
             Ok(e) => e,
