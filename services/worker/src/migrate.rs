@@ -48,6 +48,8 @@ pub(crate) struct Parked {
     pub(crate) output: wpb::OutputState,
     pub(crate) scheme: &'static str,
     pub(crate) seed: u64,
+    /// A stop string already ended the response: the request is finishing, not moving.
+    pub(crate) stopped: bool,
 }
 
 pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<wpb::MigrationChunk, Status>> + Send>>;
@@ -146,6 +148,12 @@ pub(crate) async fn export(
             .await);
         }
     };
+    if parked.stopped {
+        return Err(call_off(Status::failed_precondition(format!(
+            "request {id} is finishing: a stop string ended its response"
+        )))
+        .await);
+    }
     let header = wpb::MigrationHeader {
         version: STATE_VERSION,
         model: name,

@@ -374,7 +374,6 @@ impl StreamState {
         match event {
             // Tokens and frames the engine made before it saw the stop are not the response's.
             Some(Event::Tokens(_) | Event::Canvas(_)) if self.out.is_stopped() => {}
-            Some(Event::Parked) if self.out.is_stopped() => {}
             Some(Event::Tokens(ids)) => {
                 let now = Instant::now();
                 if !self.first_token {
@@ -413,6 +412,7 @@ impl StreamState {
                         output,
                         scheme: self.scheme,
                         seed: self.seed,
+                        stopped: self.out.is_stopped(),
                     });
                 }
             }
