@@ -681,7 +681,8 @@ pub fn run_moving(
 /// Every request of `specs`, moved between `served` and a second engine of the same checkpoint
 /// (`files`) after its first event and again after its next (there and back), and once with
 /// a called-off export first, produces what it produces alone on `served`: tokens, finish
-/// reason and every statistic but timing, its moves counted. Returns the moves made.
+/// reason and every statistic but timing, its moves counted; at least one move per request.
+/// Returns the moves made.
 pub fn assert_moved_requests_match_alone(
     files: ModelFiles,
     served: &dyn ServedModel,
@@ -732,5 +733,10 @@ pub fn assert_moved_requests_match_alone(
         }
     }
     other.shutdown();
+    ensure!(
+        total as usize >= specs.len(),
+        "only {total} moves for {} requests",
+        specs.len()
+    );
     Ok(total)
 }

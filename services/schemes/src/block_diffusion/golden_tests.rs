@@ -444,16 +444,11 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
         "llada2",
         specs.len(),
     )?;
-    let moves = crate::test_support::assert_moved_requests_match_alone(
+    crate::test_support::assert_moved_requests_match_alone(
         ModelFiles::from_dir(wavefront_models::device::test_fixture("llada2"))?,
         served.as_ref(),
         &specs,
     )?;
-    ensure!(
-        moves as usize >= specs.len(),
-        "only {moves} moves for {} requests",
-        specs.len()
-    );
     served.shutdown();
     Ok(())
 }

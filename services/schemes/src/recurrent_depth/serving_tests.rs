@@ -697,16 +697,11 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
 fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
     let specs = mixed_requests();
     let served = fixture_served(specs.len())?;
-    let moves = crate::test_support::assert_moved_requests_match_alone(
+    crate::test_support::assert_moved_requests_match_alone(
         fixture_files()?,
         served.as_ref(),
         &specs,
     )?;
-    ensure!(
-        moves as usize >= specs.len(),
-        "only {moves} moves for {} requests",
-        specs.len()
-    );
     served.shutdown();
     Ok(())
 }

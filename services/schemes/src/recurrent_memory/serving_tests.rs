@@ -398,16 +398,11 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
 fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
     let specs = mixed_requests();
     let served = serve(fixture_files()?, "armt-fixture", specs.len())?;
-    let moves = crate::test_support::assert_moved_requests_match_alone(
+    crate::test_support::assert_moved_requests_match_alone(
         fixture_files()?,
         served.as_ref(),
         &specs,
     )?;
-    ensure!(
-        moves as usize >= specs.len(),
-        "only {moves} moves for {} requests",
-        specs.len()
-    );
     served.shutdown();
     Ok(())
 }
