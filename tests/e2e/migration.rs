@@ -639,3 +639,92 @@ async fn with_rebalance_a_queued_workers_request_moves_to_a_worker_that_joins_id
     eprintln!("{moved} of 3 requests moved to the worker that joined");
     drop(router);
 }
+
+/// A request still queued on a draining worker has no state to export: it starts over on the
+/// other worker (nothing reached its caller yet), while the running one moves with its state.
+/// Both finish there with the tokens of an uninterrupted run, each counting one move, and the
+/// draining worker exits at once instead of running its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_on_a_draining_worker_starts_over_on_the_other() {
+    let (fixture, base) = cases().remove(0);
+    let reqs: Vec<pb::GenerateRequest> = (0..2u64)
+        .map(|i| {
+            let mut r = base.clone();
+            r.sampling.as_mut().expect("sampled").seed = Some(20 + i);
+            r
+        })
+        .collect();
+    let a = spawn_worker(fixture, &["--max-active", "1", "--drain-timeout-s", "120"]);
+    wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
+    // B is known to the router but starts only once both requests are on A.
+    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let router = spawn_router(
+        "127.0.0.1:0",
+        &format!("{},{b_addr}", a.addr),
+        REFRESH_MS,
+        &[],
+    );
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let mut runs = Vec::new();
+    for r in &reqs {
+        let mut client = GenerationClient::new(channel(router.addr).await);
+        let stream = client
+            .generate_stream(r.clone())
+            .await
+            .expect("routed")
+            .into_inner();
+        runs.push(tokio::spawn(drain(stream, Vec::new())));
+    }
+    let start = Instant::now();
+    loop {
+        let l = load(a.addr).await;
+        if l.active_requests == 1 && l.queued_requests == 1 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "A never held one running and one queued: {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let model = crate::harness::fixture(fixture);
+    let b_listen = b_addr.to_string();
+    let b = crate::harness::spawn(&[
+        "worker",
+        "--listen",
+        &b_listen,
+        "--model",
+        model.to_str().unwrap(),
+    ]);
+    wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
+    // Once the router has seen B, A drains.
+    tokio::time::sleep(Duration::from_millis(REFRESH_MS * 3)).await;
+    let stopped = Instant::now();
+    let exit = std::thread::spawn(move || (a.terminate(), Instant::now()));
+    let mut got = Vec::new();
+    for r in runs {
+        got.push(r.await.unwrap());
+    }
+    let (status, exited) = exit.join().unwrap();
+    assert!(status.success(), "A exits cleanly: {status:?}");
+    let last_done = got.iter().map(|r| r.ended).max().expect("two runs");
+    assert!(
+        exited < last_done,
+        "A exited {:?} after SIGTERM, before its requests ended ({:?}): it did not run its queue",
+        exited - stopped,
+        last_done - stopped
+    );
+    for (r, run) in reqs.iter().zip(&got) {
+        let alone = uninterrupted(b.addr, r.clone()).await;
+        assert_eq!(run.tokens, alone.tokens);
+        assert_eq!(run.done.token_ids, alone.done.token_ids);
+        assert_eq!(
+            run.done.stats.as_ref().expect("stats").migrations,
+            1,
+            "each request moved once (exported or started over)"
+        );
+    }
+    drop(router);
+}

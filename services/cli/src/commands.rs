@@ -244,9 +244,10 @@ pub struct RouterArgs {
     /// How often workers are re-resolved and polled for load, in ms.
     #[arg(long, env = "WAVEFRONT_REFRESH_MS", default_value_t = 1000)]
     pub refresh_ms: u64,
-    /// Move running requests off a worker whose admission queue is not empty onto an idle
-    /// worker of the same model (one at a time per idle worker and discovery round). Requests
-    /// always move off a draining worker.
+    /// Move requests off a worker whose admission queue is not empty onto another worker of
+    /// the same model that has room (queues nothing, runs fewer than its --max-active); a
+    /// running request moves with its state, a queued one starts over there; each request
+    /// moves at most once this way. Requests always move off a draining worker.
     #[arg(long, env = "WAVEFRONT_REBALANCE")]
     pub rebalance: bool,
     /// Largest request message the server decodes, in bytes; larger ones get

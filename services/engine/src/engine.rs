@@ -92,6 +92,8 @@ pub struct EngineLoad {
     pub preempted: usize,
     /// Preemptions since the engine started.
     pub preemptions: u64,
+    /// Requests the engine runs at once.
+    pub max_active: usize,
 }
 
 /// The engine's load as handles see it (what the engine thread publishes after each step; the
@@ -214,6 +216,7 @@ impl<P: Send + 'static> EngineHandle<P> {
             ticks: l.ticks,
             preempted: l.preempted,
             preemptions: l.preemptions,
+            max_active: self.config.max_active,
         }
     }
 

@@ -44,6 +44,13 @@ pub struct WorkerEntry {
     /// Answered the last poll.
     pub up: bool,
     pub last_seen: Option<Instant>,
+    /// Requests this router sent the worker since the poll its report answers: not in the
+    /// report yet. Ranking counts them as waiting, so a burst that arrives between two polls
+    /// spreads over the workers instead of all going to the one that looked least loaded.
+    pub routed: u32,
+    /// Requests a rebalancing move claimed away from this worker's queue since the poll its
+    /// report answers ([`Discovery::claim_room`]).
+    pub taken: u32,
 }
 
 /// The shared worker table (soft state, rebuilt from the workers themselves).
@@ -52,8 +59,6 @@ pub struct Discovery {
     table: Arc<RwLock<HashMap<SocketAddr, WorkerEntry>>>,
     /// Counts discovery rounds: relays watch it to notice a worker that started draining.
     rounds: Arc<tokio::sync::watch::Sender<u64>>,
-    /// Idle workers a rebalancing move has claimed, with the round of the claim.
-    claims: Arc<std::sync::Mutex<HashMap<SocketAddr, u64>>>,
 }
 
 impl Default for Discovery {
@@ -61,7 +66,6 @@ impl Default for Discovery {
         Self {
             table: Arc::default(),
             rounds: Arc::new(tokio::sync::watch::channel(0).0),
-            claims: Arc::default(),
         }
     }
 }
@@ -72,13 +76,15 @@ impl Discovery {
         self.rounds.subscribe()
     }
 
-    /// An idle worker of `model` to take a request from the worker at `addr`, when `addr` has
-    /// requests waiting in its admission queue (rebalancing). An idle worker is claimed for
-    /// two rounds (until its load report shows what it took), so a queue's requests do not all
-    /// move to it at once; `None` when `addr` has no queue or no idle worker is unclaimed.
-    pub fn claim_idle(&self, addr: SocketAddr, model: &str) -> Option<WorkerEntry> {
-        let round = *self.rounds.borrow();
-        let table = self.table.read().expect("worker table lock");
+    /// A worker of `model` with room to take a request from the worker at `addr`, when `addr`
+    /// has requests waiting in its admission queue (rebalancing). A worker has room when it
+    /// queues nothing and runs fewer than its `max_active` requests, counting what was sent to
+    /// it since its report ([`WorkerEntry::routed`]); the one with the most room is claimed
+    /// (counted as routed to), and the move is counted against `addr`'s queue
+    /// ([`WorkerEntry::taken`]), so one round moves no more requests than the queue holds or
+    /// the others can start. `None` when `addr` has no queue left or nobody has room.
+    pub fn claim_room(&self, addr: SocketAddr, model: &str) -> Option<WorkerEntry> {
+        let mut table = self.table.write().expect("worker table lock");
         let load = |w: &WorkerEntry| {
             let r = w.report.as_ref().filter(|r| r.ready && w.up)?;
             r.models
@@ -88,21 +94,36 @@ impl Discovery {
                         .as_ref()
                         .is_some_and(|i| model.is_empty() || i.name == model)
                 })
-                .map(|m| (m.queued_requests, m.active_requests))
+                .cloned()
         };
-        let (queued, _) = load(table.get(&addr)?)?;
-        if queued == 0 {
+        let source = table.get(&addr)?;
+        let queued = load(source)?.queued_requests;
+        if queued <= source.taken {
             return None;
         }
-        let mut claims = self.claims.lock().expect("claims lock");
-        claims.retain(|_, at| round < *at + 2);
-        let idle = table
+        let room = |w: &WorkerEntry| -> Option<u32> {
+            let m = load(w)?;
+            if m.queued_requests > 0 || m.preempted_requests > 0 {
+                return None;
+            }
+            // A worker that does not say how many it runs at once has room only when idle.
+            let limit = m.max_active.max(1);
+            limit
+                .checked_sub(m.active_requests.saturating_add(w.routed))
+                .filter(|&n| n > 0)
+        };
+        let target = table
             .values()
-            .filter(|w| w.addr != addr && !claims.contains_key(&w.addr))
-            .find(|w| load(w) == Some((0, 0)))?
-            .clone();
-        claims.insert(idle.addr, round);
-        Some(idle)
+            .filter(|w| w.addr != addr)
+            .filter_map(|w| Some((room(w)?, w.addr)))
+            .max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))?
+            .1;
+        if let Some(s) = table.get_mut(&addr) {
+            s.taken += 1;
+        }
+        let t = table.get_mut(&target)?;
+        t.routed += 1;
+        Some(t.clone())
     }
 
     /// Whether the worker at `addr` answers and says it is draining (not ready): its requests
@@ -182,6 +203,8 @@ impl Discovery {
                             report: None,
                             up: false,
                             last_seen: None,
+                            routed: 0,
+                            taken: 0,
                         },
                     );
                     tracing::info!(worker = %addr, "worker discovered");
@@ -191,6 +214,8 @@ impl Discovery {
         let entries = self.snapshot();
         let polls = entries.into_iter().map(|w| {
             let timeout = cfg.poll_timeout;
+            // What was routed before the poll is in its answer; what is routed meanwhile is not.
+            let (routed_before, taken_before) = (w.routed, w.taken);
             async move {
                 let mut client = w.client.clone();
                 let res = tokio::time::timeout(
@@ -200,6 +225,8 @@ impl Discovery {
                 .await;
                 (
                     w.addr,
+                    routed_before,
+                    taken_before,
                     res.ok().and_then(|r| r.ok()).map(|r| r.into_inner()),
                 )
             }
@@ -207,7 +234,7 @@ impl Discovery {
         let results = futures::future::join_all(polls).await;
         let now = Instant::now();
         let mut table = self.table.write().expect("worker table lock");
-        for (addr, report) in results {
+        for (addr, routed_before, taken_before, report) in results {
             let Some(w) = table.get_mut(&addr) else {
                 continue;
             };
@@ -219,6 +246,8 @@ impl Discovery {
                     w.up = true;
                     w.last_seen = Some(now);
                     w.report = Some(r);
+                    w.routed = w.routed.saturating_sub(routed_before);
+                    w.taken = w.taken.saturating_sub(taken_before);
                 }
                 None => {
                     if w.up {
@@ -274,6 +303,19 @@ impl Discovery {
     }
 
     /// Marks a worker down after a failed call (until its next good poll).
+    /// Counts a request this router just sent to the worker at `addr` (see
+    /// [`WorkerEntry::routed`]).
+    pub fn note_routed(&self, addr: SocketAddr) {
+        if let Some(w) = self
+            .table
+            .write()
+            .expect("worker table lock")
+            .get_mut(&addr)
+        {
+            w.routed = w.routed.saturating_add(1);
+        }
+    }
+
     pub fn mark_down(&self, addr: SocketAddr) {
         if let Some(w) = self
             .table

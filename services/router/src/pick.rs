@@ -83,8 +83,11 @@ pub fn rank(
                 .find(|m| m.model.as_ref().is_some_and(|i| i.name == model))?;
             let free = f64::from(m.free_slots) / f64::from(m.total_slots.max(1));
             // Preempted requests wait to resume like queued ones: the worker is short of
-            // memory, not of places.
-            let waiting = m.queued_requests.saturating_add(m.preempted_requests);
+            // memory, not of places. Requests sent since the report are not in it yet.
+            let waiting = m
+                .queued_requests
+                .saturating_add(m.preempted_requests)
+                .saturating_add(w.routed);
             let queue = f64::from(waiting) / f64::from(m.queue_capacity.max(1));
             Some((free - 2.0 * queue, w))
         })
@@ -126,6 +129,8 @@ mod tests {
             client: WorkerClient::with_interceptor(ch, Default::default()),
             up,
             last_seen: None,
+            routed: 0,
+            taken: 0,
             report: Some(LoadReport {
                 worker_id: addr.to_string(),
                 ready,
@@ -184,6 +189,26 @@ mod tests {
             .collect();
         // More free slots, but three requests waiting to resume: the other worker first.
         assert_eq!(ranked, vec![2, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_burst_between_two_reports_alternates_between_equal_workers() {
+        // Both idle in their last reports; each pick is counted on the worker it went to, as
+        // the router does, until the next report.
+        let mut ws = vec![
+            worker(1, "m", 100, 0, true, true),
+            worker(2, "m", 100, 0, true, true),
+        ];
+        let mut picks = Vec::new();
+        for _ in 0..6 {
+            let first = rank(&ws, "m", &[]).unwrap()[0].addr;
+            picks.push(first.port());
+            ws.iter_mut()
+                .find(|w| w.addr == first)
+                .expect("ranked worker")
+                .routed += 1;
+        }
+        assert_eq!(picks, vec![1, 2, 1, 2, 1, 2]);
     }
 
     #[tokio::test]

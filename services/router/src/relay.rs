@@ -2,8 +2,8 @@
 //!
 //! A relay runs as a task per call: it forwards the worker's messages to the caller's stream
 //! and, when discovery reports the worker draining (its load report says not ready), or, with
-//! `--rebalance`, when the worker has requests queued and another worker of the model is idle
-//! ([`Discovery::claim_idle`]), moves the request there without the caller noticing:
+//! `--rebalance`, when the worker has requests queued and another worker of the model has room
+//! ([`Discovery::claim_room`]), moves the request there without the caller noticing:
 //!
 //! 1. `ExportRequest` on the draining worker stops the request at a step boundary and returns
 //!    its state; meanwhile its stream keeps being relayed.
@@ -13,6 +13,10 @@
 //!    request on the old worker and the relay continues with the new stream. If no worker takes
 //!    it, `FinishExport` (not moved) lets it continue where it was, and the relay tries again at
 //!    the next discovery round while the worker drains.
+//!
+//! A request that has produced nothing yet (it waits in the worker's queue, so there is no
+//! state to export) starts over instead: the relay sends the caller's request to the other
+//! worker and drops the old call, which cancels it where it waited.
 //!
 //! The final message's statistics cover the whole request and count its moves. A caller that
 //! goes away drops the relay's channel; the relay ends and drops the worker call, which cancels
@@ -51,6 +55,11 @@ pub(crate) struct Leg {
     pub(crate) id: Option<u64>,
     /// Messages relayed from this worker.
     pub(crate) relayed: u64,
+    /// Messages relayed from the workers the request was on before (it moved with its state).
+    pub(crate) before: u64,
+    /// Moves of the request no engine counted: restarts of a request that had produced
+    /// nothing yet ([`restart`]). Added to the final message's `migrations`.
+    pub(crate) restarts: u32,
 }
 
 /// The request id a worker's response names, if any.
@@ -62,6 +71,9 @@ pub(crate) fn request_id(md: &tonic::metadata::MetadataMap) -> Option<u64> {
 pub(crate) struct Ctx {
     pub(crate) discovery: Discovery,
     pub(crate) model: String,
+    /// The caller's request, sent again to another worker when a request that has produced
+    /// nothing yet moves (a queued request has no state to export).
+    pub(crate) request: pb::GenerateRequest,
     pub(crate) deadline: Option<Instant>,
     pub(crate) span: tracing::Span,
     /// Turns a broken worker connection into the caller's status (and marks the worker down).
@@ -85,8 +97,15 @@ async fn forward(
     item: Result<Option<pb::GenerateStreamResponse>, Status>,
 ) -> Step {
     match item {
-        Ok(Some(m)) => {
+        Ok(Some(mut m)) => {
             leg.relayed += 1;
+            if leg.restarts > 0 {
+                if let Some(pb::generate_stream_response::Event::Done(done)) = m.event.as_mut() {
+                    if let Some(stats) = done.stats.as_mut() {
+                        stats.migrations += leg.restarts;
+                    }
+                }
+            }
             if tx.send(Ok(m)).await.is_err() {
                 return Step::End;
             }
@@ -106,6 +125,9 @@ async fn forward(
 pub(crate) async fn relay(mut leg: Leg, ctx: Ctx, tx: mpsc::Sender<Item>) {
     let mut rounds = ctx.discovery.rounds();
     let mut movable = leg.id.is_some();
+    // Rebalancing moves a request once: a second move would chase the load reports' lag (a
+    // request moved to a worker that then queues it could bounce back and forth).
+    let mut rebalanced = false;
     loop {
         tokio::select! {
             _ = tx.closed() => return,
@@ -128,9 +150,9 @@ pub(crate) async fn relay(mut leg: Leg, ctx: Ctx, tx: mpsc::Sender<Item>) {
                             continue;
                         }
                     }
-                } else if ctx.rebalance {
-                    match ctx.discovery.claim_idle(leg.addr, &ctx.model) {
-                        Some(idle) => (vec![idle], "rebalance"),
+                } else if ctx.rebalance && !rebalanced {
+                    match ctx.discovery.claim_room(leg.addr, &ctx.model) {
+                        Some(room) => (vec![room], "rebalance"),
                         None => continue,
                     }
                 } else {
@@ -140,6 +162,7 @@ pub(crate) async fn relay(mut leg: Leg, ctx: Ctx, tx: mpsc::Sender<Item>) {
                     Ok(Some(next)) => {
                         leg = next;
                         movable = leg.id.is_some();
+                        rebalanced |= why == "rebalance";
                     }
                     Ok(None) => {}
                     Err(Step::End) => return,
@@ -199,9 +222,19 @@ async fn migrate(
         Ok(Ok(c)) => c,
         Ok(Err(s)) => {
             tracing::info!(parent: &ctx.span, worker = %leg.addr, code = ?s.code(), error = %s.message(), "request not exported");
+            let never_sent = leg.relayed == 0 && leg.before == 0;
             return match s.code() {
-                // Finished, stopping, or a model that cannot move: it ends where it is.
-                tonic::Code::NotFound | tonic::Code::FailedPrecondition => Err(Step::Continue),
+                // Queued (or not yet past its first step) and nothing reached the caller: the
+                // request starts over on the other worker and gives the same messages. Never
+                // once anything was relayed: the caller would get those messages twice.
+                tonic::Code::NotFound | tonic::Code::FailedPrecondition if never_sent => {
+                    restart(leg, ctx, targets, why).await
+                }
+                // Not running there yet (taken in after a move, still queued) or just finished
+                // (its stream ends the relay): asked again at the next round.
+                tonic::Code::NotFound => Ok(None),
+                // Stopping, or a model that cannot move: it ends where it is.
+                tonic::Code::FailedPrecondition => Err(Step::Continue),
                 _ => Ok(None),
             };
         }
@@ -236,18 +269,10 @@ async fn migrate(
         }
     }
     for target in targets {
-        let mut req = Request::new(futures::stream::iter(chunks.clone()));
-        if let Some(d) = ctx.deadline {
-            let left = d.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            let value = wavefront_proto::timeout::format(left)
-                .parse()
-                .expect("ascii timeout");
-            req.metadata_mut().insert("grpc-timeout", value);
-        }
-        wavefront_telemetry::inject_current(&ctx.span, req.metadata_mut());
+        let Some(req) = worker_call(ctx, futures::stream::iter(chunks.clone())) else {
+            break;
+        };
+        ctx.discovery.note_routed(target.addr);
         let mut client = target.client.clone();
         match client.resume_request(req).await {
             Ok(resp) => {
@@ -270,6 +295,8 @@ async fn migrate(
                     stream: resp.into_inner(),
                     id: new_id,
                     relayed: 0,
+                    before: leg.before + leg.relayed,
+                    restarts: leg.restarts,
                 }));
             }
             Err(s) => {
@@ -285,6 +312,69 @@ async fn migrate(
 }
 
 /// Tells the old worker whether its exported request moved.
+/// Sends the caller's request again to the first of `targets` that takes it, for a request that
+/// has relayed nothing yet; the old leg is dropped by the caller, which cancels it on its worker.
+/// `Ok(None)`: nobody took it; it stays.
+async fn restart(
+    leg: &Leg,
+    ctx: &Ctx,
+    targets: Vec<crate::discovery::WorkerEntry>,
+    why: &'static str,
+) -> Result<Option<Leg>, Step> {
+    for target in targets {
+        let Some(req) = worker_call(ctx, ctx.request.clone()) else {
+            break;
+        };
+        ctx.discovery.note_routed(target.addr);
+        let mut client = target.client.clone();
+        match client.generate(req).await {
+            Ok(resp) => {
+                metrics::counter!(wavefront_telemetry::metrics::ROUTER_MIGRATIONS_TOTAL, "reason" => why, "outcome" => "restarted").increment(1);
+                tracing::info!(
+                    parent: &ctx.span,
+                    from = %leg.addr,
+                    to = %target.addr,
+                    reason = why,
+                    "request had produced nothing yet; started over on another worker"
+                );
+                return Ok(Some(Leg {
+                    addr: target.addr,
+                    client: target.client.clone(),
+                    id: request_id(resp.metadata()),
+                    stream: resp.into_inner(),
+                    relayed: 0,
+                    before: 0,
+                    restarts: leg.restarts + 1,
+                }));
+            }
+            Err(s) => {
+                tracing::info!(parent: &ctx.span, worker = %target.addr, code = ?s.code(), error = %s.message(), "worker did not take the request");
+            }
+        }
+    }
+    metrics::counter!(wavefront_telemetry::metrics::ROUTER_MIGRATIONS_TOTAL, "outcome" => "stayed")
+        .increment(1);
+    Ok(None)
+}
+
+/// `msg` as a call to a worker, carrying what is left of the caller's deadline and the trace
+/// context; `None` when the deadline has passed.
+fn worker_call<T>(ctx: &Ctx, msg: T) -> Option<Request<T>> {
+    let mut req = Request::new(msg);
+    if let Some(d) = ctx.deadline {
+        let left = d.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let value = wavefront_proto::timeout::format(left)
+            .parse()
+            .expect("ascii timeout");
+        req.metadata_mut().insert("grpc-timeout", value);
+    }
+    wavefront_telemetry::inject_current(&ctx.span, req.metadata_mut());
+    Some(req)
+}
+
 async fn settle(source: &mut Client, ctx: &Ctx, id: u64, moved: bool) {
     let r = source
         .finish_export(wpb::FinishExportRequest {

@@ -180,6 +180,7 @@ impl RouterService {
                 .next()
                 .expect("rank returns at least one candidate");
             tried.push(w.addr);
+            self.discovery.note_routed(w.addr);
             let mut req = Request::new(body.clone());
             if let Some(d) = deadline {
                 let left = d.saturating_duration_since(Instant::now());
@@ -226,10 +227,13 @@ impl RouterService {
                             stream: resp.into_inner(),
                             id: Some(id),
                             relayed: 0,
+                            before: 0,
+                            restarts: 0,
                         };
                         let ctx = crate::relay::Ctx {
                             discovery: self.discovery.clone(),
                             model: body.model.clone(),
+                            request: body.clone(),
                             deadline,
                             span: span.clone(),
                             on_error: relay_error,

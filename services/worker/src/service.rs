@@ -563,6 +563,7 @@ impl WorkerService {
                         ticks: l.ticks,
                         preempted_requests: l.preempted as u32,
                         preemptions: l.preemptions,
+                        max_active: l.max_active as u32,
                     }
                 })
                 .collect(),
