@@ -124,6 +124,8 @@ enum StoreKey {
     Prelude(usize),
     Core(usize),
     Coda(usize),
+    /// Diffusion forcing's wavefront ([`HuginnCache::write_latents`]).
+    Latent,
 }
 
 /// Keys and values of one slot: a page table over positions (a page holds
@@ -160,6 +162,10 @@ pub struct HuginnCache {
     prelude: Vec<Option<KvStore>>,
     core: Vec<Option<KvStore>>,
     coda: Vec<Option<KvStore>>,
+    /// Latent rows in pages: row `i` of the wavefront's states in the key half, of its mixed
+    /// embeddings in the value half (a page's "positions" are rows here, not sequence
+    /// positions; truncation leaves them alone).
+    latent: Option<KvStore>,
     supply: PageSupply,
     swapped: Option<Vec<SwappedStore>>,
 }
@@ -200,6 +206,7 @@ impl HuginnCache {
             prelude: Vec::new(),
             core: Vec::new(),
             coda: Vec::new(),
+            latent: None,
             supply: PageSupply::new(pool),
             swapped: None,
         }
@@ -235,9 +242,25 @@ impl HuginnCache {
         self.supply.grant(pages);
     }
 
-    /// Pages in the page tables.
+    /// Pages in the page tables (K/V and latent rows).
     pub fn pages_used(&self) -> usize {
-        self.stores().map(KvStore::pages_used).sum()
+        self.stores().map(KvStore::pages_used).sum::<usize>() + self.latent_pages_in_use()
+    }
+
+    fn latent_pages_in_use(&self) -> usize {
+        self.latent.as_ref().map_or(0, KvStore::pages_used)
+    }
+
+    /// Pages holding latent rows, in the pool or (swapped out) in host memory.
+    pub fn latent_pages(&self) -> usize {
+        let swapped = self.swapped.as_ref().map_or(0, |stores| {
+            stores
+                .iter()
+                .filter(|(k, _)| *k == StoreKey::Latent)
+                .map(|(_, p)| p.iter().flatten().count())
+                .sum()
+        });
+        self.latent_pages_in_use() + swapped
     }
 
     /// Pages held: in the tables, and granted but not used yet.
@@ -277,7 +300,8 @@ impl HuginnCache {
             (self.core.len(), core_stores, StoreKey::Core),
             (self.coda.len(), coda, StoreKey::Coda),
         ];
-        let mut total = self.pages_used() + self.swapped_pages();
+        // K/V pages only: latent rows are counted by whoever writes them.
+        let mut total = self.pages_used() + self.swapped_pages() - self.latent_pages();
         for (len, n, key) in lists {
             for i in 0..n.max(len) {
                 total += new_pages().filter(|&pg| !holds(key(i), pg)).count();
@@ -307,6 +331,9 @@ impl HuginnCache {
         self.prelude.clear();
         self.core.clear();
         self.coda.clear();
+        if let Some(l) = self.latent.take() {
+            self.supply.give(l.pages.into_iter().flatten());
+        }
     }
 
     /// Bytes of the pages the cache's tables hold.
@@ -374,6 +401,7 @@ impl HuginnCache {
             StoreKey::Prelude(i) => (&self.prelude, i),
             StoreKey::Core(i) => (&self.core, i),
             StoreKey::Coda(i) => (&self.coda, i),
+            StoreKey::Latent => return self.latent.as_ref(),
         };
         list.get(i).and_then(Option::as_ref)
     }
@@ -383,6 +411,7 @@ impl HuginnCache {
             StoreKey::Prelude(i) => (&mut self.prelude, i),
             StoreKey::Core(i) => (&mut self.core, i),
             StoreKey::Coda(i) => (&mut self.coda, i),
+            StoreKey::Latent => return &mut self.latent,
         };
         if list.len() <= i {
             list.resize_with(i + 1, || None);
@@ -465,6 +494,108 @@ impl HuginnCache {
         written?;
         self.len = new_len;
         Ok(())
+    }
+
+    /// Stores diffusion forcing's wavefront in the cache's pages: `states` `[n, n_embd]` as
+    /// rows `0..n` of the key half, `embeds` `[m, n_embd]` (momentum) as rows `0..m` of the
+    /// value half (each split into `heads` heads, as K/V rows are), replacing what was there.
+    /// Pages come from the granted ones; pages past `max(n, m)` rows go back to the spare ones.
+    pub fn write_latents(
+        &mut self,
+        states: &Tensor,
+        embeds: Option<&Tensor>,
+        heads: usize,
+    ) -> Result<()> {
+        if self.swapped.is_some() {
+            return Err(ModelError::Cache("the cache is swapped out".into()));
+        }
+        let (n, dim) = states.dims2()?;
+        let m = embeds.map(|e| e.dim(0)).transpose()?.unwrap_or(0);
+        let rows = n.max(m);
+        if heads == 0 || !dim.is_multiple_of(heads) {
+            return Err(ModelError::Shape(format!(
+                "latent rows of width {dim} do not split into {heads} heads"
+            )));
+        }
+        // `[rows, dim]` (zero rows after `len`) as `[heads, rows, dim / heads]`.
+        let split = |t: Option<&Tensor>, len: usize| -> Result<Tensor> {
+            let t = match t {
+                Some(t) if len == rows => t.clone(),
+                Some(t) => {
+                    let pad = Tensor::zeros((rows - len, dim), t.dtype(), t.device())?;
+                    Tensor::cat(&[t, &pad], 0)?
+                }
+                None => Tensor::zeros((rows, dim), states.dtype(), states.device())?,
+            };
+            Ok(t.reshape((rows, heads, dim / heads))?
+                .transpose(0, 1)?
+                .contiguous()?)
+        };
+        let k = split(Some(states), n)?;
+        let v = split(embeds, m)?;
+        let p = self.page_size();
+        let used = self.pages_used();
+        let mut store = self.latent.take().unwrap_or_default();
+        let keep = rows.div_ceil(p);
+        if store.pages.len() > keep {
+            self.supply
+                .give(store.pages.split_off(keep).into_iter().flatten());
+        }
+        let mut done = 0;
+        let written = (|| {
+            while done < rows {
+                let (pi, take) = (done / p, p.min(rows - done));
+                if store.pages.len() <= pi {
+                    store.pages.resize(pi + 1, None);
+                }
+                let id = match store.pages[pi] {
+                    Some(id) => id,
+                    None => {
+                        let id = self.supply.take(used + store.pages_used())?;
+                        store.pages[pi] = Some(id);
+                        id
+                    }
+                };
+                self.supply
+                    .write(id, 0, &k.narrow(1, done, take)?, &v.narrow(1, done, take)?)?;
+                done += take;
+            }
+            Ok::<(), ModelError>(())
+        })();
+        store.present = vec![true; done];
+        self.latent = Some(store);
+        written
+    }
+
+    /// The wavefront's states (rows `0..n`) and momentum embeddings (rows `0..m`, `None` when
+    /// `m` is 0) as [`Self::write_latents`] stored them, `[rows, n_embd]` copies.
+    pub fn read_latents(&self, n: usize, m: usize) -> Result<(Tensor, Option<Tensor>)> {
+        let store = self
+            .latent
+            .as_ref()
+            .filter(|s| s.present.len() >= n.max(m))
+            .ok_or_else(|| {
+                ModelError::Cache(format!("the cache holds no {} latent rows", n.max(m)))
+            })?;
+        let p = self.page_size();
+        let rows = n.max(m);
+        let pieces: Vec<(u32, usize, usize)> = (0..rows.div_ceil(p))
+            .map(|pi| {
+                let id = store.pages[pi].expect("written rows have pages");
+                (id, 0, p.min(rows - pi * p))
+            })
+            .collect();
+        let (k, v) = crate::transformer::merge_runs(&self.supply.views(&pieces)?)?;
+        let join = |t: Tensor, len: usize| -> Result<Tensor> {
+            let (h, _, d) = t.dims3()?;
+            Ok(t.narrow(1, 0, len)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((len, h * d))?)
+        };
+        let states = join(k, n)?;
+        let embeds = (m > 0).then(|| join(v, m)).transpose()?;
+        Ok((states, embeds))
     }
 
     /// Keys and values `[H, T, D]` that queries ending at position `upto - 1` attend to in
@@ -591,6 +722,7 @@ impl HuginnCache {
                 .filter(|(_, s)| s.is_some())
                 .map(move |(i, _)| make(i))
         })
+        .chain(self.latent.is_some().then_some(StoreKey::Latent))
         .collect();
         let mut out = Vec::with_capacity(keys.len());
         let mut bytes = 0;
@@ -686,6 +818,7 @@ struct SwappedHuginn {
     prelude: Vec<Option<KvStore>>,
     core: Vec<Option<KvStore>>,
     coda: Vec<Option<KvStore>>,
+    latent: Option<KvStore>,
     swapped: Vec<SwappedStore>,
 }
 
@@ -706,6 +839,7 @@ impl serde::Serialize for HuginnCache {
             prelude: self.prelude.clone(),
             core: self.core.clone(),
             coda: self.coda.clone(),
+            latent: self.latent.clone(),
             swapped: swapped.clone(),
         }
         .serialize(s)
@@ -725,6 +859,7 @@ impl<'de> serde::Deserialize<'de> for HuginnCache {
         c.prelude = w.prelude;
         c.core = w.core;
         c.coda = w.coda;
+        c.latent = w.latent;
         for (key, _) in &w.swapped {
             if c.store_slot_mut(*key).is_none() {
                 return Err(D::Error::custom(
@@ -919,6 +1054,69 @@ mod tests {
         assert_eq!(
             positions_of(&k),
             (0..6).map(|p| p as f32).collect::<Vec<_>>()
+        );
+    }
+
+    /// Diffusion forcing's wavefront lives in the cache's pages: rows written are read back bit
+    /// for bit (states and momentum embeddings of different lengths, across page boundaries),
+    /// a smaller wave gives its pages back, the latent pages are not K/V pages to
+    /// `pages_after`, and they move with the cache to host memory, through serde and back.
+    #[test]
+    fn latent_rows_live_in_pages_shrink_and_move_with_the_cache() {
+        let pool = KvPool::shared(4);
+        let mut cache = HuginnCache::in_pool("latest-m4-compress-s4".parse().unwrap(), pool);
+        cache.bind_core_layers(4).unwrap();
+        cache.grant((0..12).rev());
+        let b = block(2, 3, 3, 1.0);
+        cache.write(CacheSlot::Prelude(0), 0, &b, &b).unwrap();
+        let kv_need = cache.pages_after(3..5, 2, 4, 2);
+        let rows = |n: usize, base: f32| {
+            let v: Vec<f32> = (0..n * 6).map(|i| base + i as f32).collect();
+            Tensor::from_vec(v, (n, 6), &Device::Cpu).unwrap()
+        };
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // 9 states and 6 embeddings: 3 pages of 4 rows.
+        let (z, e) = (rows(9, 0.0), rows(6, 1000.0));
+        cache.write_latents(&z, Some(&e), 2).unwrap();
+        assert_eq!(cache.latent_pages(), 3);
+        assert_eq!(cache.pages_used(), 1 + 3);
+        assert_eq!(
+            cache.pages_after(3..5, 2, 4, 2),
+            kv_need,
+            "latent pages are not K/V"
+        );
+        let (rz, re) = cache.read_latents(9, 6).unwrap();
+        assert_eq!(values(&rz), values(&z));
+        assert_eq!(values(&re.unwrap()), values(&e));
+        // The wave shrinks to 3 states and no embeddings: one page, two back to the spare ones.
+        let spare = cache.pages_held() - cache.pages_used();
+        let z = rows(3, 50.0);
+        cache.write_latents(&z, None, 2).unwrap();
+        assert_eq!(cache.latent_pages(), 1);
+        assert_eq!(cache.pages_held() - cache.pages_used(), spare + 2);
+        let (rz, re) = cache.read_latents(3, 0).unwrap();
+        assert_eq!(values(&rz), values(&z));
+        assert!(re.is_none());
+        assert!(
+            cache.read_latents(4, 0).is_err(),
+            "only 3 rows were written"
+        );
+        // To host memory and back (and through serde, as an export does).
+        cache.swap_out().unwrap();
+        assert_eq!(cache.latent_pages(), 1);
+        let bytes = postcard::to_allocvec(&cache).unwrap();
+        let mut moved: HuginnCache = postcard::from_bytes(&bytes).unwrap();
+        for c in [&mut cache, &mut moved] {
+            let pool = KvPool::shared(4);
+            c.adopt(pool);
+            c.grant([5, 2]);
+            c.swap_in().unwrap();
+            let (rz, _) = c.read_latents(3, 0).unwrap();
+            assert_eq!(values(&rz), values(&z));
+        }
+        assert!(
+            cache.write_latents(&rows(2, 0.0), None, 4).is_err(),
+            "6 is not 4 heads"
         );
     }
 

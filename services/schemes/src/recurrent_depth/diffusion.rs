@@ -83,21 +83,19 @@ pub struct DiffusionSettings {
     pub vocab_size: usize,
 }
 
-/// The wavefront of a request past its prefill.
+/// The wavefront of a request past its prefill. Its states and momentum embeddings live in the
+/// request cache's latent pages ([`HuginnCache::write_latents`]): this holds their row counts.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Wave {
-    /// States of positions `c ..` (c = cache length).
-    #[serde(with = "wavefront_models::state::tensor")]
-    z: Tensor,
-    /// States after the previous step, starting at position `prev_start`.
-    #[serde(with = "wavefront_models::state::tensor")]
-    z_prev: Tensor,
+    /// States of positions `c ..` (c = cache length): latent rows `0..rows`. They are also the
+    /// states after the previous step that the freeze test compares with, from `prev_start`.
+    rows: usize,
     prev_start: usize,
     /// Wavefront start of the previous step.
     c_old: usize,
-    /// Mixed embeddings of the previous step, starting at `c_old` (momentum only).
-    #[serde(with = "wavefront_models::state::opt_tensor")]
-    e_old: Option<Tensor>,
+    /// Mixed embeddings of the previous step, starting at `c_old` (momentum only): latent rows
+    /// `0..e_rows` of the value half.
+    e_rows: Option<usize>,
     /// Core recurrences each position has run.
     counter: Vec<u32>,
 }
@@ -169,31 +167,18 @@ impl DiffusionProgram {
     pub(crate) fn latent_pages_needed(&self) -> usize {
         let rows = match &self.wave {
             None => 1,
-            Some(w) => (w.z.dim(0).unwrap_or(0) + self.settings.headway)
-                .min(self.settings.max_wavefront.max(1)),
+            Some(w) => (w.rows + self.settings.headway).min(self.settings.max_wavefront.max(1)),
         };
         let (page, multiplier) = self.latent_page;
-        let slots = (rows as f64 * multiplier).ceil() as usize;
+        let slots = (rows as f64 * multiplier.max(1.0)).ceil() as usize;
         slots.div_ceil(page.max(1)).min(self.latent_pages)
-    }
-
-    /// Moves the wavefront's states to `device` (host memory while preempted, back on resume).
-    pub(crate) fn move_latents(&mut self, device: &candle_core::Device) -> candle_core::Result<()> {
-        if let Some(w) = &mut self.wave {
-            w.z = w.z.to_device(device)?;
-            w.z_prev = w.z_prev.to_device(device)?;
-            if let Some(e) = &w.e_old {
-                w.e_old = Some(e.to_device(device)?);
-            }
-        }
-        Ok(())
     }
 
     /// Positions the next tick runs: the prompt (prefill), then the wavefront.
     pub fn next_rows(&self) -> usize {
         match &self.wave {
             None => self.prompt_len,
-            Some(w) => w.z.dim(0).unwrap_or(0),
+            Some(w) => w.rows,
         }
     }
 
@@ -285,6 +270,8 @@ pub struct DfPlan {
     pub first_state: Option<Vec<f32>>,
     /// Tokens come from the argmax on the device rather than the request's sampler.
     pub greedy: bool,
+    /// Heads the latent rows are split into in the cache's pages (the model's).
+    pub heads: usize,
 }
 
 /// Initial states of a plan's rows.
@@ -314,8 +301,9 @@ pub struct DfOutput {
 }
 
 impl DiffusionProgram {
-    /// The plan of the next tick: the prefill, or one outer step of the wavefront.
-    pub fn plan(&mut self, dim: usize) -> Result<DfPlan, String> {
+    /// The plan of the next tick: the prefill, or one outer step of the wavefront (its states
+    /// and momentum embeddings read from the cache's latent pages).
+    pub fn plan(&mut self, dim: usize, heads: usize) -> Result<DfPlan, String> {
         let greedy = self.sampler.is_greedy();
         let Some(w) = &self.wave else {
             let len = self.prompt_len;
@@ -336,9 +324,14 @@ impl DiffusionProgram {
                 previous: None,
                 first_state: Some(first),
                 greedy,
+                heads,
             });
         };
-        let (start, len) = (self.cache.len(), w.z.dim(0).map_err(|e| e.to_string())?);
+        let (start, len) = (self.cache.len(), w.rows);
+        let (z, e_old) = self
+            .cache
+            .read_latents(len, w.e_rows.unwrap_or(0))
+            .map_err(|e| e.to_string())?;
         let (eta, beta) = (self.settings.ema_embeds, self.settings.state_noise_mixing);
         let behind = |from: usize| {
             start.checked_sub(from).ok_or_else(|| {
@@ -347,21 +340,21 @@ impl DiffusionProgram {
         };
         let since_c_old = behind(w.c_old)?;
         let momentum = (eta > 0.0).then(|| {
-            let old = w.e_old.as_ref().map(|old| (old.clone(), since_c_old));
+            let old = e_old.map(|old| (old, since_c_old));
             (eta, old)
         });
-        let momentum_seed = (eta > 0.0 && w.e_old.is_none()).then(|| self.cur.clone());
+        let momentum_seed = (eta > 0.0 && w.e_rows.is_none()).then(|| self.cur.clone());
         let previous_off = match self.settings.freeze_test {
             FreezeTest::Upstream => since_c_old,
             FreezeTest::Aligned => behind(w.prev_start)?,
         };
-        let previous = Some((w.z_prev.clone(), previous_off));
+        let previous = Some((z.clone(), previous_off));
         let weights: Vec<f32> = (0..len)
             .map(|k| {
                 (beta / (1.0 + f64::from(w.counter.get(start + k).copied().unwrap_or(0)))) as f32
             })
             .collect();
-        let states = DfStates::Wave(w.z.clone());
+        let states = DfStates::Wave(z);
         let noise = if beta > 0.0 {
             Some((weights, self.draws.next(len, dim, false)?))
         } else {
@@ -388,6 +381,7 @@ impl DiffusionProgram {
             previous,
             first_state: None,
             greedy,
+            heads,
         })
     }
 
@@ -415,12 +409,14 @@ impl DiffusionProgram {
             let mut counter = Vec::new();
             add_recurrences(&mut counter, 0, self.prompt_len + 1, plan.core_steps);
             let z = out.first_state.ok_or("the prefill made no first state")?;
+            self.cache
+                .write_latents(&z, None, plan.heads)
+                .map_err(|e| e.to_string())?;
             self.wave = Some(Wave {
-                z: z.clone(),
-                z_prev: z,
+                rows: 1,
                 prev_start: self.prompt_len,
                 c_old: 0,
-                e_old: None,
+                e_rows: None,
                 counter,
             });
             self.stats.forward_passes += 1;
@@ -446,9 +442,6 @@ impl DiffusionProgram {
             .wave
             .as_mut()
             .ok_or("a wavefront step without a wavefront")?;
-        if let Some(e) = out.mixed {
-            w.e_old = Some(e);
-        }
         add_recurrences(&mut w.counter, c, len, plan.core_steps);
         let zlen = z.dim(0).map_err(|e| e.to_string())?;
         match out.criterion.iter().rposition(|&v| v < exit_t) {
@@ -464,9 +457,17 @@ impl DiffusionProgram {
                 w.prev_start = c;
             }
         }
-        w.z_prev = z.clone();
-        w.z = z;
+        // Without momentum there are no embeddings to keep (`mixed` is `None` at every step).
+        let e_rows = match &out.mixed {
+            Some(e) => Some(e.dim(0).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        w.rows = z.dim(0).map_err(|e| e.to_string())?;
+        w.e_rows = e_rows;
         w.c_old = c;
+        self.cache
+            .write_latents(&z, out.mixed.as_ref(), plan.heads)
+            .map_err(|e| e.to_string())?;
         self.stats.forward_passes += 1;
         self.stats.recurrence_steps += plan.core_steps as u64;
         self.stats.add_counter("sampler_steps", 1);
@@ -501,18 +502,19 @@ fn rows_tensor(
 pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
     let block_size = model.config().block_size;
     let dim = model.config().n_embd;
+    let heads = model.config().n_heads;
     // Requests whose next wavefront would leave the RoPE table stop here.
     let mut entries: Vec<&mut Entry<'_>> = Vec::with_capacity(batch.len());
     let mut plans = Vec::with_capacity(batch.len());
     for e in batch.iter_mut() {
         let p = &mut *e.program;
         if let Some(w) = &p.wave {
-            if p.cache.len() + w.z.dim(0)? > block_size {
+            if p.cache.len() + w.rows > block_size {
                 p.finish(e.outbox, FinishReason::ContextLimit);
                 continue;
             }
         }
-        plans.push(p.plan(dim).map_err(candle_core::Error::Msg)?);
+        plans.push(p.plan(dim, heads).map_err(candle_core::Error::Msg)?);
         entries.push(e);
     }
     if entries.is_empty() {
@@ -912,18 +914,16 @@ mod commit_tests {
     /// (up to the cap), fewer again once positions freeze and the wave shrinks.
     #[test]
     fn latent_pages_grow_with_the_wave_and_come_back_as_it_shrinks() -> Result<()> {
-        let dim = fixture_config()?.n_embd;
         let mut p = program(64, 40)?;
         // The cap: 40 states in pages of 16.
         ensure!(p.latent_pages == 3);
         ensure!(p.latent_pages_needed() == 1);
         let wave = |rows: usize| -> Result<super::Wave> {
             Ok(super::Wave {
-                z: zeros(rows, dim)?,
-                z_prev: zeros(rows, dim)?,
+                rows,
                 prev_start: 0,
                 c_old: 0,
-                e_old: None,
+                e_rows: None,
                 counter: Vec::new(),
             })
         };
@@ -940,9 +940,9 @@ mod commit_tests {
 
     #[test]
     fn the_prefill_freezes_its_token_and_starts_a_wavefront_of_one() -> Result<()> {
-        let dim = fixture_config()?.n_embd;
+        let (dim, heads) = (fixture_config()?.n_embd, fixture_config()?.n_heads);
         let mut p = program(6, 8)?;
-        let plan = p.plan(dim).map_err(anyhow::Error::msg)?;
+        let plan = p.plan(dim, heads).map_err(anyhow::Error::msg)?;
         ensure!(plan.prefill && plan.ids == prompt(4, 0) && plan.first_state.is_some());
         ensure!(matches!(&plan.states, DfStates::Drawn(v) if v.len() == 4 * dim));
         let mut outbox = Outbox::default();
@@ -956,18 +956,22 @@ mod commit_tests {
         p.commit(&plan, out, &mut outbox)
             .map_err(anyhow::Error::msg)?;
         ensure!(tokens(&outbox) == [9] && p.next_rows() == 1 && p.generated() == [9]);
+        // The first state is stored in the cache's latent pages, not in the program.
+        ensure!(p.cache.latent_pages() == 1);
+        let (z, e) = p.cache.read_latents(1, 0)?;
+        ensure!(z.dims() == [1, dim] && e.is_none());
         // Without a model nothing was cached, and a wavefront cannot start before the prompt.
-        ensure!(p.plan(dim).is_err());
+        ensure!(p.plan(dim, heads).is_err());
         Ok(())
     }
 
     #[test]
     fn a_step_freezes_up_to_the_last_converged_position_and_a_standing_wave_is_counted(
     ) -> Result<()> {
-        let dim = fixture_config()?.n_embd;
+        let (dim, heads) = (fixture_config()?.n_embd, fixture_config()?.n_heads);
         let mut p = program(2, 2)?;
         let mut outbox = Outbox::default();
-        let prefill = p.plan(dim).map_err(anyhow::Error::msg)?;
+        let prefill = p.plan(dim, heads).map_err(anyhow::Error::msg)?;
         let out = DfOutput {
             decoded: vec![NextToken::Argmax(9)],
             next: None,
@@ -998,6 +1002,8 @@ mod commit_tests {
         p.commit(&step, out(vec![1.0], false)?, &mut outbox)
             .map_err(anyhow::Error::msg)?;
         ensure!(tokens(&outbox) == [9] && p.generated() == [9]);
+        // The next wave (two states) replaced the first in the latent pages.
+        ensure!(p.next_rows() == 2 && p.cache.read_latents(2, 0).is_ok());
         // The second compared row converged: positions up to it freeze, 11 streams, and the
         // request (max_new_tokens 2) ends with its statistics.
         p.commit(&step, out(vec![1.0, 0.0], true)?, &mut outbox)

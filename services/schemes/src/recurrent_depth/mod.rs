@@ -27,8 +27,10 @@
 //! size)` of them. A page holds either
 //! - the keys and values of 16 consecutive positions in one cache slot (a
 //!   prelude or coda layer, or a core layer at one recurrence), or
-//! - 16 wavefront positions' latent states together with their states after
-//!   the previous sampler step, which the freeze test compares them with.
+//! - 16 rows of a diffusion-forcing request's wavefront: each position's
+//!   latent state in the key half (also the state the freeze test compares the
+//!   next step's with) and, with momentum, the step's mixed embeddings in the
+//!   value half ([`HuginnCache::write_latents`]).
 //!
 //! The K/V pages are the family's page pool ([`HuginnFamily`]): slot ids are
 //! page ids, and a request's [`HuginnCache`] takes a page when a position in
@@ -48,11 +50,12 @@
 //! `ceil(rows × occupancy_multiplier / 16)` for the rows the wave has after the
 //! next step (one after the prefill, then the wave plus its headway), at most
 //! `ceil(max_wavefront × occupancy_multiplier / 16)`
-//! ([`LoadOptions::occupancy_multiplier`]). Pages are taken as the wave grows and
-//! given back as its positions freeze and it shrinks. At 1.0 that is one latent
-//! state for every position the wavefront holds; 1.5 also counts the momentum
-//! embeddings kept when `ema_embeds > 0`; below 1.0 the pool over-commits latent
-//! memory. `ar` latent states live only within one tick.
+//! ([`LoadOptions::occupancy_multiplier`]; values below 1.0 count as 1.0). Pages
+//! are taken as the wave grows and given back as its positions freeze and it
+//! shrinks. The states live in those pages, not in request tensors: each step reads
+//! them (a copy into the packed rows) and writes the next wave back into the same
+//! pages, so preemption, resumption and export move them with the K/V pages.
+//! `ar` latent states live only within one tick.
 //!
 //! When the pool is short the engine preempts the newest request: its pages
 //! are copied to host memory with its latent states and given back, and it
@@ -142,9 +145,10 @@ impl HuginnPlanner {
         self
     }
 
-    /// Latent slots a diffusion-forcing request with this wavefront cap reserves.
+    /// Latent slots a diffusion-forcing request with this wavefront cap reserves: at least one
+    /// per position, since the states are stored in them.
     pub fn latent_slots(&self, max_wavefront: usize) -> usize {
-        (max_wavefront as f64 * f64::from(self.occupancy_multiplier)).ceil() as usize
+        (max_wavefront as f64 * f64::from(self.occupancy_multiplier).max(1.0)).ceil() as usize
     }
 
     /// Takes each request's worst case at admission instead of pages on demand.
@@ -352,8 +356,8 @@ impl Planner for HuginnPlanner {
 }
 
 /// The family: owns the model and the page pool of its requests' caches on the engine thread.
-/// Slot ids granted by the engine are page ids of the pool (a diffusion-forcing request's latent
-/// pages are counted, its wavefront states are its own tensors).
+/// Slot ids granted by the engine are page ids of the pool (K/V pages, and a diffusion-forcing
+/// request's latent pages, which hold its wavefront's states).
 pub struct HuginnFamily {
     model: Huginn,
     pool: KvPool,
@@ -405,7 +409,8 @@ impl HuginnFamily {
                 .map(|w| w.to_device(device).map(|t| *w = t))
                 .transpose()
                 .map(|_| ()),
-            Program::Diffusion(p) => p.move_latents(device),
+            // Diffusion forcing's states are in its cache's pages: they move with them.
+            Program::Diffusion(_) => Ok(()),
         };
         moved.map_err(|e| FamilyError::commit("recurrent-depth", e))
     }
