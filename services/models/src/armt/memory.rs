@@ -19,19 +19,206 @@
 //! the sequential path (one cell) and a grouped diagonal step (all cells of the step) share the
 //! same arithmetic.
 
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
 use crate::transformer::cpu::matmul;
 
-/// One layer's associative memory of one request.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+/// Memory slots per arena (one `A` and one `z` tensor of that many slots per layer).
+const ARENA_SLOTS: usize = 8;
+
+/// A model's memory slots: per layer, arenas of [`ARENA_SLOTS`] memories (`A` rows
+/// `[slots, d_key, d]`, `z` rows `[slots, d_key]`, float32, on the model's device), made as the
+/// number of requests holding memories grows and reused as they end. A request's memory of a
+/// layer is one slot ([`MemoryPool::take`]); the slot goes back when the last handle to it is
+/// dropped (the request ended, failed, was cancelled or preempted), so none can leak.
+#[derive(Clone)]
+pub struct MemoryPool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    d_key: usize,
+    d: usize,
+    device: Device,
+    layers: Mutex<Vec<LayerSlots>>,
+}
+
+#[derive(Default)]
+struct LayerSlots {
+    arenas: Vec<(Tensor, Tensor)>,
+    free: Vec<usize>,
+}
+
+impl std::fmt::Debug for MemoryPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryPool")
+            .field("slots", &self.slots())
+            .field("in_use", &self.in_use())
+            .finish()
+    }
+}
+
+impl MemoryPool {
+    /// An empty pool for `layers` layers of memories `[d_key, d]` on `device`.
+    pub fn new(layers: usize, d_key: usize, d: usize, device: &Device) -> Self {
+        Self {
+            inner: Arc::new(PoolInner {
+                d_key,
+                d,
+                device: device.clone(),
+                layers: Mutex::new((0..layers).map(|_| LayerSlots::default()).collect()),
+            }),
+        }
+    }
+
+    fn layers(&self) -> MutexGuard<'_, Vec<LayerSlots>> {
+        // Every operation under the lock completes or changes nothing.
+        self.inner
+            .layers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Slots made, over every layer.
+    pub fn slots(&self) -> usize {
+        self.layers()
+            .iter()
+            .map(|l| l.arenas.len() * ARENA_SLOTS)
+            .sum()
+    }
+
+    /// Slots held by memories, over every layer.
+    pub fn in_use(&self) -> usize {
+        self.layers()
+            .iter()
+            .map(|l| l.arenas.len() * ARENA_SLOTS - l.free.len())
+            .sum()
+    }
+
+    /// A never-written memory of `layer` in a slot of this pool (zeroed).
+    pub fn take(&self, layer: usize) -> Result<LayerMemory> {
+        let (a_arena, z_arena, index) = {
+            let mut layers = self.layers();
+            let slots = layers.get_mut(layer).ok_or_else(|| {
+                crate::error::ModelError::Shape(format!("no memory layer {layer}"))
+            })?;
+            if slots.free.is_empty() {
+                let base = slots.arenas.len() * ARENA_SLOTS;
+                let (k, d, dev) = (self.inner.d_key, self.inner.d, &self.inner.device);
+                slots.arenas.push((
+                    Tensor::zeros((ARENA_SLOTS, k, d), DType::F32, dev)?,
+                    Tensor::zeros((ARENA_SLOTS, k), DType::F32, dev)?,
+                ));
+                slots.free.extend((base..base + ARENA_SLOTS).rev());
+            }
+            let index = slots.free.pop().expect("a free slot");
+            let (a, z) = slots.arenas[index / ARENA_SLOTS].clone();
+            (a, z, index)
+        };
+        let home = Arc::new(Home {
+            pool: self.clone(),
+            layer,
+            index,
+            a_arena,
+            z_arena,
+        });
+        let mut m = LayerMemory {
+            a: home.a_view()?,
+            z: home.z_view()?,
+            written: false,
+            home: None,
+        };
+        // A reused slot holds its last owner's memory.
+        home.store(
+            &m.a.zeros_like()?.unsqueeze(0)?,
+            &m.z.zeros_like()?.unsqueeze(0)?,
+        )?;
+        m.home = Some(home);
+        Ok(m)
+    }
+
+    /// `memory` (held anywhere: host memory after a preemption or a move) copied into a slot of
+    /// this pool for `layer`.
+    pub fn adopt(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
+        let mut m = self.take(layer)?;
+        let home = m.home.clone().expect("a pooled memory");
+        let dev = &self.inner.device;
+        home.store(
+            &memory.a.to_device(dev)?.unsqueeze(0)?,
+            &memory.z.to_device(dev)?.unsqueeze(0)?,
+        )?;
+        m.written = memory.written;
+        Ok(m)
+    }
+}
+
+/// Where a pooled memory lives: its slot in its layer's arena.
+struct Home {
+    pool: MemoryPool,
+    layer: usize,
+    index: usize,
+    a_arena: Tensor,
+    z_arena: Tensor,
+}
+
+impl Home {
+    fn a_view(&self) -> Result<Tensor> {
+        Ok(self
+            .a_arena
+            .narrow(0, self.index % ARENA_SLOTS, 1)?
+            .squeeze(0)?)
+    }
+
+    fn z_view(&self) -> Result<Tensor> {
+        Ok(self
+            .z_arena
+            .narrow(0, self.index % ARENA_SLOTS, 1)?
+            .squeeze(0)?)
+    }
+
+    /// Overwrites the slot with `a` `[1, d_key, d]` and `z` `[1, d_key]` (in place: the views
+    /// of the slot see it).
+    fn store(&self, a: &Tensor, z: &Tensor) -> Result<()> {
+        let at = self.index % ARENA_SLOTS;
+        self.a_arena.slice_set(&a.contiguous()?, 0, at)?;
+        self.z_arena.slice_set(&z.contiguous()?, 0, at)?;
+        Ok(())
+    }
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        if let Some(l) = self.pool.layers().get_mut(self.layer) {
+            l.free.push(self.index);
+        }
+    }
+}
+
+/// One layer's associative memory of one request: in a [`MemoryPool`] slot while its request
+/// runs, in tensors of its own while it is preempted or moves.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub struct LayerMemory {
     #[serde(with = "crate::state::tensor")]
     a: Tensor,
     #[serde(with = "crate::state::tensor")]
     z: Tensor,
     written: bool,
+    /// The pool slot `a` and `z` are views of; `None`: they are the memory's own tensors.
+    #[serde(skip)]
+    home: Option<Arc<Home>>,
+}
+
+impl std::fmt::Debug for LayerMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerMemory")
+            .field("a", &self.a.dims())
+            .field("written", &self.written)
+            .field("slot", &self.home.as_ref().map(|h| (h.layer, h.index)))
+            .finish()
+    }
 }
 
 /// What one write adds to a [`LayerMemory`].
@@ -56,6 +243,7 @@ impl LayerMemory {
             a: Tensor::zeros((d_key, d), DType::F32, device)?,
             z: Tensor::zeros(d_key, DType::F32, device)?,
             written: false,
+            home: None,
         })
     }
 
@@ -64,13 +252,21 @@ impl LayerMemory {
         (self.a.elem_count() + self.z.elem_count()) * self.a.dtype().size_in_bytes()
     }
 
-    /// The same memory on `device` (host memory while its request is preempted).
+    /// The same memory in tensors of its own on `device` (host memory while its request is
+    /// preempted): a copy, never a view of a pool slot (the slot goes back when `self` is
+    /// dropped).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
-            a: self.a.to_device(device)?,
-            z: self.z.to_device(device)?,
+            a: self.a.to_device(device)?.copy()?,
+            z: self.z.to_device(device)?.copy()?,
             written: self.written,
+            home: None,
         })
+    }
+
+    /// Whether it lives in a pool slot.
+    pub fn is_pooled(&self) -> bool {
+        self.home.is_some()
     }
 
     /// A memory with the given state (e.g. upstream's `W_mem[l]`, `z[l]`), marked written.
@@ -79,6 +275,7 @@ impl LayerMemory {
             a: a.to_dtype(DType::F32)?,
             z: z.to_dtype(DType::F32)?,
             written: true,
+            home: None,
         })
     }
 
@@ -98,10 +295,14 @@ impl LayerMemory {
         self.written
     }
 
-    /// Adds a write.
+    /// Adds a write (in its pool slot when it has one).
     pub fn apply(&mut self, u: MemoryUpdate) -> Result<()> {
-        self.a = (&self.a + u.delta_a)?;
-        self.z = (&self.z + u.delta_z)?;
+        let a = (&self.a + u.delta_a)?;
+        let z = (&self.z + u.delta_z)?;
+        match &self.home {
+            Some(home) => home.store(&a.unsqueeze(0)?, &z.unsqueeze(0)?)?,
+            None => (self.a, self.z) = (a, z),
+        }
         self.written = true;
         Ok(())
     }
@@ -197,6 +398,57 @@ pub fn updates(delta_a: &Tensor, delta_z: &Tensor) -> Result<Vec<MemoryUpdate>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Memories live in pool slots: a write lands in the slot, a dropped memory gives its slot
+    /// back, a reused slot starts from zero, a copy to host memory is independent of the slot,
+    /// and adopting a copy puts its values (and its written flag) back in a slot.
+    #[test]
+    fn memories_live_in_pool_slots_that_come_back_clean() -> Result<()> {
+        let pool = MemoryPool::new(2, 3, 4, &Device::Cpu);
+        let mut m = pool.take(1)?;
+        assert!(m.is_pooled() && !m.is_written());
+        assert_eq!(
+            (pool.slots(), pool.in_use()),
+            (ARENA_SLOTS, 1),
+            "made as needed"
+        );
+        let delta_a = Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((3, 4))?;
+        let delta_z = Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu)?;
+        m.apply(MemoryUpdate::new(delta_a.clone(), delta_z.clone()))?;
+        m.apply(MemoryUpdate::new(delta_a.clone(), delta_z.clone()))?;
+        assert!(m.is_written());
+        assert_eq!(values(m.a()), values(&(&delta_a * 2.0)?));
+        assert_eq!(values(m.z()), vec![2.0, 4.0, 6.0]);
+        let host = m.to_device(&Device::Cpu)?;
+        assert!(!host.is_pooled());
+        drop(m);
+        assert_eq!(pool.in_use(), 0, "the slot came back");
+        // The same slot again: clean, and writing it leaves the host copy alone.
+        let mut again = pool.take(1)?;
+        assert_eq!(values(again.a()), vec![0.0; 12]);
+        again.apply(MemoryUpdate::new(delta_a.clone(), delta_z.clone()))?;
+        assert_eq!(values(host.a()), values(&(&delta_a * 2.0)?));
+        // Adopting the host copy into another slot.
+        let back = pool.adopt(1, &host)?;
+        assert!(back.is_pooled() && back.is_written());
+        assert_eq!(values(back.a()), values(host.a()));
+        assert_eq!(values(back.z()), values(host.z()));
+        assert_eq!(pool.in_use(), 2);
+        // More requests than an arena holds: a second arena.
+        let many: Vec<LayerMemory> = (0..ARENA_SLOTS)
+            .map(|_| pool.take(0))
+            .collect::<Result<_>>()?;
+        let extra = pool.take(0)?;
+        assert_eq!(pool.slots(), 3 * ARENA_SLOTS);
+        drop((many, extra, again, back));
+        assert_eq!(pool.in_use(), 0);
+        assert!(pool.take(2).is_err(), "two layers");
+        Ok(())
+    }
 
     #[test]
     fn dpfp_matches_torch_roll_semantics() -> Result<()> {

@@ -49,7 +49,7 @@ pub use self::config::{ArmtConfig, ArmtSettings, LlamaConfig};
 pub use self::grouped::{CellInput, CellOutput, StepShape};
 use self::grouped::{GroupedContext, Linears, Stacked};
 use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
-pub use self::memory::{LayerMemory, MemoryUpdate};
+pub use self::memory::{LayerMemory, MemoryPool, MemoryUpdate};
 use crate::error::{ModelError, Result};
 use crate::transformer::{
     commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, EmbedHead, KvCache,
@@ -97,6 +97,8 @@ pub struct Armt {
     norm: RmsNorm,
     rope: RopeTable,
     empty: LayerMemory,
+    /// The slots requests' memories live in ([`Armt::new_memory`]).
+    memories: MemoryPool,
     attention: AttentionKernel,
 }
 
@@ -284,6 +286,7 @@ impl Armt {
         let norm = RmsNorm::load(model.pp("model.norm"), d, cfg.llama.rms_norm_eps)?;
         let rope = cfg.rope_table(vb.device())?;
         let empty = LayerMemory::zeros(cfg.d_key(), d, vb.device())?;
+        let memories = MemoryPool::new(cfg.n_layers(), cfg.d_key(), d, vb.device());
         Ok(Self {
             cfg,
             io,
@@ -293,6 +296,7 @@ impl Armt {
             norm,
             rope,
             empty,
+            memories,
             attention: AttentionKernel::default(),
         })
     }
@@ -310,11 +314,27 @@ impl Armt {
         self.io.dtype()
     }
 
-    /// Fresh (never written) memories of every layer.
+    /// Fresh (never written) memories of every layer, in slots of the model's memory pool
+    /// (they go back when the memories are dropped).
     pub fn new_memory(&self) -> Result<Vec<LayerMemory>> {
         (0..self.cfg.n_layers())
-            .map(|_| LayerMemory::zeros(self.cfg.d_key(), self.cfg.hidden_size(), self.device()))
+            .map(|l| self.memories.take(l))
             .collect()
+    }
+
+    /// `memory` (one per layer, e.g. in host memory after a preemption or a move) copied into
+    /// slots of the model's memory pool.
+    pub fn pooled_memory(&self, memory: &[LayerMemory]) -> Result<Vec<LayerMemory>> {
+        memory
+            .iter()
+            .enumerate()
+            .map(|(l, m)| self.memories.adopt(l, m))
+            .collect()
+    }
+
+    /// The slots requests' memories live in.
+    pub fn memory_pool(&self) -> &MemoryPool {
+        &self.memories
     }
 
     /// Token embeddings `[n, d]`.
@@ -624,7 +644,13 @@ impl Armt {
             }];
             let out = self.forward_layers(&x, &mut seqs, &mut mems)?;
             logits.push(self.logits(&out.narrow(0, 0, seg.len())?)?);
-            snapshots.push(memory.clone());
+            // Copies: the memories' pool slots keep changing.
+            snapshots.push(
+                memory
+                    .iter()
+                    .map(|m| m.to_device(self.device()))
+                    .collect::<Result<Vec<_>>>()?,
+            );
         }
         Ok(ForwardOutput {
             logits: Tensor::cat(&logits, 0)?,

@@ -319,17 +319,32 @@ impl RecurrentMemoryFamily {
     }
 
     /// Moves a preempted request's memories and residual streams to `device` (host memory, or
-    /// back to the model's), counting their bytes in `moved`.
+    /// back to the model's and its memory pool when `resuming`), counting their bytes in
+    /// `moved`.
     fn move_state(
         &self,
         a: &mut Active<ArmtProgram>,
         device: &Device,
         moved: &mut Moved,
+        resuming: bool,
     ) -> Result<(), FamilyError> {
         moved.bytes += a.program.state_bytes() as u64;
+        let err = |e: String| FamilyError::commit("recurrent-memory", e);
         a.program
             .move_state(device)
-            .map_err(|e| FamilyError::commit("recurrent-memory", e))
+            .map_err(|e| err(e.to_string()))?;
+        // Resuming, the memories go back into pool slots (their host copies are dropped);
+        // preempted, they are copies, and their slots went back with the originals.
+        if resuming {
+            if let Some(memory) = &a.program.memory {
+                let pooled = self
+                    .model
+                    .pooled_memory(memory)
+                    .map_err(|e| err(e.to_string()))?;
+                a.program.memory = Some(pooled);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -375,7 +390,7 @@ impl Family for RecurrentMemoryFamily {
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
         let mut moved = paging::swap_out(&mut a.program.cache, "recurrent-memory")?;
-        self.move_state(a, &Device::Cpu, &mut moved)?;
+        self.move_state(a, &Device::Cpu, &mut moved, false)?;
         Ok(moved)
     }
 
@@ -383,7 +398,7 @@ impl Family for RecurrentMemoryFamily {
         self.bind(a);
         let mut moved = paging::swap_in(&mut a.program.cache, "recurrent-memory")?;
         let device = self.model.device().clone();
-        self.move_state(a, &device, &mut moved)?;
+        self.move_state(a, &device, &mut moved, true)?;
         Ok(moved)
     }
 }
