@@ -308,16 +308,25 @@ async fn closing_the_connection_cancels_the_request_and_frees_its_slots() {
     let mut first = [0u8; 256];
     let n = conn.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    // The answer's head comes once the request is submitted; the engine admits it at its next
+    // step.
     let mut w = WorkerClient::new(channel(s.worker.addr).await);
-    let load = w
-        .get_load(LoadRequest { interval_ms: 0 })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        load.models[0].active_requests, 1,
-        "running while the client reads"
-    );
+    let start = std::time::Instant::now();
+    loop {
+        let load = w
+            .get_load(LoadRequest { interval_ms: 0 })
+            .await
+            .unwrap()
+            .into_inner();
+        if load.models[0].active_requests == 1 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "running while the client reads: {load:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     drop(conn);
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
