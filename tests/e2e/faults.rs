@@ -3,17 +3,15 @@
 //! queued, in prefill and in decode. Each ends with the worker's pool whole (no slot held, no
 //! request active or queued) and the timings a bound in docs/reliability.md states.
 
-use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
-use wavefront_proto::worker::v1::ModelLoad;
 
 use crate::harness::{
-    channel, load, spawn, spawn_router, spawn_worker, wait_serving, wait_whole, Proc,
+    channel, load, spawn, spawn_router, spawn_worker, wait_load, wait_serving, wait_whole, Proc,
 };
 
 /// Router refresh in these tests; the load poll's timeout is the same (its floor is 200 ms).
@@ -70,22 +68,6 @@ async fn open_streams(
         streams.push(s);
     }
     streams
-}
-
-/// Waits until `f` says so about the worker's load.
-async fn wait_load(worker: SocketAddr, what: &str, f: impl Fn(&ModelLoad) -> bool) {
-    let start = Instant::now();
-    loop {
-        let m = load(worker).await;
-        if f(&m) {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "never {what}: {m:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// The first message of a stream, which must be tokens.

@@ -255,6 +255,37 @@ pub async fn load(worker: SocketAddr) -> ModelLoad {
         .remove(0)
 }
 
+/// Waits until the load of the worker's (only) model satisfies `f` (20 s at most; the failure
+/// names `what`). A request is admitted at the engine's next step after its answer's head.
+pub async fn wait_load(worker: SocketAddr, what: &str, f: impl Fn(&ModelLoad) -> bool) {
+    let start = Instant::now();
+    loop {
+        let m = load(worker).await;
+        if f(&m) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "never {what}: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Starts a worker of `fixture` listening on `addr` (a worker the router knew before it came
+/// up).
+pub fn spawn_worker_at(fixture_name: &str, addr: SocketAddr) -> Proc {
+    let model = fixture(fixture_name);
+    let listen = addr.to_string();
+    spawn(&[
+        "worker",
+        "--listen",
+        &listen,
+        "--model",
+        model.to_str().expect("a UTF-8 path"),
+    ])
+}
+
 /// Waits until the worker holds nothing (every slot free, nothing active or queued), for at
 /// most `within`; how long it took.
 pub async fn wait_whole(worker: SocketAddr, within: Duration) -> Duration {

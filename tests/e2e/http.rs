@@ -13,7 +13,9 @@ use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 use wavefront_proto::worker::v1::LoadRequest;
 
-use crate::harness::{channel, spawn_router, spawn_worker, wait_serving, wait_whole, Proc};
+use crate::harness::{
+    channel, spawn_router, spawn_worker, wait_load, wait_serving, wait_whole, Proc,
+};
 use crate::metrics::free_port;
 
 /// `POST path` with a JSON body; the status and the whole body (the server closes).
@@ -308,25 +310,10 @@ async fn closing_the_connection_cancels_the_request_and_frees_its_slots() {
     let mut first = [0u8; 256];
     let n = conn.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
-    // The answer's head comes once the request is submitted; the engine admits it at its next
-    // step.
-    let mut w = WorkerClient::new(channel(s.worker.addr).await);
-    let start = std::time::Instant::now();
-    loop {
-        let load = w
-            .get_load(LoadRequest { interval_ms: 0 })
-            .await
-            .unwrap()
-            .into_inner();
-        if load.models[0].active_requests == 1 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "running while the client reads: {load:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_load(s.worker.addr, "running while the client reads", |m| {
+        m.active_requests == 1
+    })
+    .await;
     drop(conn);
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }

@@ -11,7 +11,9 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 use wavefront_proto::worker::v1::worker_client::WorkerClient;
 
-use crate::harness::{channel, load, spawn_router, spawn_worker, wait_serving, Proc};
+use crate::harness::{
+    channel, load, spawn_router, spawn_worker, spawn_worker_at, wait_load, wait_serving, Proc,
+};
 
 /// Router refresh in these tests: how soon it sees a worker draining.
 const REFRESH_MS: u64 = 100;
@@ -141,6 +143,35 @@ async fn drain(
             _ => {}
         }
     }
+}
+
+/// A router (with `flags`) over worker `a` and a second address where no worker listens yet,
+/// serving; that address.
+async fn router_before_b(a: SocketAddr, flags: &[&str]) -> (Proc, SocketAddr) {
+    let b = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let router = spawn_router("127.0.0.1:0", &format!("{a},{b}"), REFRESH_MS, flags);
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    (router, b)
+}
+
+/// Each of `reqs` streamed through the router at `router`, drained in a task of its own.
+async fn stream_all(
+    router: SocketAddr,
+    reqs: &[pb::GenerateRequest],
+) -> Vec<tokio::task::JoinHandle<Run>> {
+    let mut runs = Vec::new();
+    for r in reqs {
+        let mut client = GenerationClient::new(channel(router).await);
+        let stream = client
+            .generate_stream(r.clone())
+            .await
+            .expect("routed")
+            .into_inner();
+        runs.push(tokio::spawn(drain(stream, Vec::new())));
+    }
+    runs
 }
 
 /// The uninterrupted run: straight to worker `addr`, no router.
@@ -330,15 +361,7 @@ async fn a_request_whose_only_other_worker_is_full_is_not_lost() {
         .await
         .expect("routed to A")
         .into_inner();
-    // The answer comes once the request is submitted; the engine admits it at its next step.
-    let start = Instant::now();
-    while active(a.addr).await != 1 {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the request runs on A"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_load(a.addr, "running on A", |l| l.active_requests == 1).await;
     let relay = tokio::spawn(drain(stream, Vec::new()));
     let status = a.terminate();
     assert!(status.success(), "A exits cleanly: {status:?}");
@@ -590,47 +613,13 @@ async fn with_rebalance_a_queued_workers_request_moves_to_a_worker_that_joins_id
     let a = spawn_worker(fixture, &["--max-active", "1"]);
     wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
     // B's address is known to the router from the start; B starts once A has a queue.
-    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
-    let router = spawn_router(
-        "127.0.0.1:0",
-        &format!("{},{b_addr}", a.addr),
-        REFRESH_MS,
-        &["--rebalance"],
-    );
-    wait_serving(router.addr, "wavefront.v1.Generation").await;
-    let mut runs = Vec::new();
-    for r in &reqs {
-        let mut client = GenerationClient::new(channel(router.addr).await);
-        let stream = client
-            .generate_stream(r.clone())
-            .await
-            .expect("routed")
-            .into_inner();
-        runs.push(tokio::spawn(drain(stream, Vec::new())));
-    }
-    let start = Instant::now();
-    loop {
-        let l = load(a.addr).await;
-        if l.active_requests + l.queued_requests == 3 && l.queued_requests > 0 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "A never queued: {l:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let model = crate::harness::fixture(fixture);
-    let b_listen = b_addr.to_string();
-    let b = crate::harness::spawn(&[
-        "worker",
-        "--listen",
-        &b_listen,
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let (router, b_addr) = router_before_b(a.addr, &["--rebalance"]).await;
+    let runs = stream_all(router.addr, &reqs).await;
+    wait_load(a.addr, "queued on A", |l| {
+        l.active_requests + l.queued_requests == 3 && l.queued_requests > 0
+    })
+    .await;
+    let b = spawn_worker_at(fixture, b_addr);
     let mut moved = 0;
     let mut got = Vec::new();
     for r in runs {
@@ -665,47 +654,13 @@ async fn a_queued_request_on_a_draining_worker_starts_over_on_the_other() {
     let a = spawn_worker(fixture, &["--max-active", "1", "--drain-timeout-s", "120"]);
     wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
     // B is known to the router but starts only once both requests are on A.
-    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
-    let router = spawn_router(
-        "127.0.0.1:0",
-        &format!("{},{b_addr}", a.addr),
-        REFRESH_MS,
-        &[],
-    );
-    wait_serving(router.addr, "wavefront.v1.Generation").await;
-    let mut runs = Vec::new();
-    for r in &reqs {
-        let mut client = GenerationClient::new(channel(router.addr).await);
-        let stream = client
-            .generate_stream(r.clone())
-            .await
-            .expect("routed")
-            .into_inner();
-        runs.push(tokio::spawn(drain(stream, Vec::new())));
-    }
-    let start = Instant::now();
-    loop {
-        let l = load(a.addr).await;
-        if l.active_requests == 1 && l.queued_requests == 1 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "A never held one running and one queued: {l:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let model = crate::harness::fixture(fixture);
-    let b_listen = b_addr.to_string();
-    let b = crate::harness::spawn(&[
-        "worker",
-        "--listen",
-        &b_listen,
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let (router, b_addr) = router_before_b(a.addr, &[]).await;
+    let runs = stream_all(router.addr, &reqs).await;
+    wait_load(a.addr, "one running and one queued on A", |l| {
+        l.active_requests == 1 && l.queued_requests == 1
+    })
+    .await;
+    let b = spawn_worker_at(fixture, b_addr);
     wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
     // Once the router has seen B, A drains.
     tokio::time::sleep(Duration::from_millis(REFRESH_MS * 3)).await;

@@ -149,6 +149,20 @@ impl KvStore {
     fn pages_used(&self) -> usize {
         self.pages.iter().flatten().count()
     }
+
+    /// Page `pi` of the table, taken from `supply` if absent (`used`: the pages the cache
+    /// holds outside this table, for the message when the grant is spent).
+    fn page(&mut self, pi: usize, supply: &mut PageSupply, used: usize) -> Result<u32> {
+        if self.pages.len() <= pi {
+            self.pages.resize(pi + 1, None);
+        }
+        if let Some(id) = self.pages[pi] {
+            return Ok(id);
+        }
+        let id = supply.take(used + self.pages_used())?;
+        self.pages[pi] = Some(id);
+        Ok(id)
+    }
 }
 
 /// A store key with its pages copied to host memory (a swapped-out cache).
@@ -468,17 +482,7 @@ impl HuginnCache {
                 let pos = start + done;
                 let (pi, off) = (pos / p, pos % p);
                 let take = (p - off).min(n - done);
-                if store.pages.len() <= pi {
-                    store.pages.resize(pi + 1, None);
-                }
-                let id = match store.pages[pi] {
-                    Some(id) => id,
-                    None => {
-                        let id = self.supply.take(used + store.pages_used())?;
-                        store.pages[pi] = Some(id);
-                        id
-                    }
-                };
+                let id = store.page(pi, &mut self.supply, used)?;
                 let (ks, vs) = (k.narrow(1, done, take)?, v.narrow(1, done, take)?);
                 self.supply.write(id, off, &ks, &vs)?;
                 done += take;
@@ -545,17 +549,7 @@ impl HuginnCache {
         let written = (|| {
             while done < rows {
                 let (pi, take) = (done / p, p.min(rows - done));
-                if store.pages.len() <= pi {
-                    store.pages.resize(pi + 1, None);
-                }
-                let id = match store.pages[pi] {
-                    Some(id) => id,
-                    None => {
-                        let id = self.supply.take(used + store.pages_used())?;
-                        store.pages[pi] = Some(id);
-                        id
-                    }
-                };
+                let id = store.page(pi, &mut self.supply, used)?;
                 self.supply
                     .write(id, 0, &k.narrow(1, done, take)?, &v.narrow(1, done, take)?)?;
                 done += take;
