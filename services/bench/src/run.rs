@@ -160,6 +160,7 @@ impl Target {
         if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
             std::env::set_var("CANDLE_NUM_THREADS", "1");
         }
+        wavefront_models::tune_allocator();
         wavefront_models::init_cpu_threads(n).map_err(|e| anyhow!(e))
     }
 

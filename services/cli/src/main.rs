@@ -100,6 +100,7 @@ fn run(cli: Cli) -> Result<()> {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    wavefront_models::tune_allocator();
     wavefront_models::init_cpu_threads(threads).map_err(anyhow::Error::msg)?;
     let telemetry = TelemetryConfig {
         service_name: service_name.into(),

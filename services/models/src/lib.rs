@@ -52,6 +52,24 @@ pub use wavefront_kernels::cpu::{
     init_threads as init_cpu_threads, isa as cpu_isa, peaks as cpu_peaks, threads as cpu_threads,
 };
 
+/// Sets glibc's allocator up for inference (call once at start-up, before threads allocate):
+/// buffers up to 1 GiB come from the heap and are reused instead of being mapped and unmapped
+/// at every step, and freed memory is not handed back on every `free`. A packed step's
+/// activations are tens to hundreds of MB; mapped afresh each time, every page of them faults
+/// and is zeroed by the kernel (ARMT's packed diagonal steps spent 6 to 12 s of 70 in the
+/// kernel that way). Servers still return freed heap every few seconds (`malloc_trim`), so
+/// resident memory follows what they hold. Elsewhere than glibc, nothing.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets glibc's allocator parameters; it takes the allocator's lock and
+    // touches no allocated memory.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
+    }
+}
+
 /// Re-exported so downstream crates name the same candle types.
 pub use candle_core;
 pub use candle_nn;
