@@ -150,7 +150,8 @@ pub struct Target {
 }
 
 impl Target {
-    /// Sizes the CPU kernels' thread pool (`--threads`; call once, first).
+    /// Sets the process up as `wavefront` does (call once, first): the allocator
+    /// ([`wavefront_models::tune_allocator`]) and the CPU kernels' thread pool (`--threads`).
     pub fn init_threads(&self) -> Result<()> {
         let n = match self.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -302,7 +302,6 @@ impl Discovery {
         names.all(|n| n == first).then(|| first.to_owned())
     }
 
-    /// Marks a worker down after a failed call (until its next good poll).
     /// Counts a request this router just sent to the worker at `addr` (see
     /// [`WorkerEntry::routed`]).
     pub fn note_routed(&self, addr: SocketAddr) {
@@ -316,6 +315,7 @@ impl Discovery {
         }
     }
 
+    /// Marks a worker down after a failed call (until its next good poll).
     pub fn mark_down(&self, addr: SocketAddr) {
         if let Some(w) = self
             .table

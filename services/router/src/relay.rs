@@ -269,7 +269,11 @@ async fn migrate(
         }
     }
     for target in targets {
-        let Some(req) = worker_call(ctx, futures::stream::iter(chunks.clone())) else {
+        let Some(req) = worker_call(
+            ctx.deadline,
+            &ctx.span,
+            futures::stream::iter(chunks.clone()),
+        ) else {
             break;
         };
         ctx.discovery.note_routed(target.addr);
@@ -322,7 +326,7 @@ async fn restart(
     why: &'static str,
 ) -> Result<Option<Leg>, Step> {
     for target in targets {
-        let Some(req) = worker_call(ctx, ctx.request.clone()) else {
+        let Some(req) = worker_call(ctx.deadline, &ctx.span, ctx.request.clone()) else {
             break;
         };
         ctx.discovery.note_routed(target.addr);
@@ -357,11 +361,17 @@ async fn restart(
     Ok(None)
 }
 
-/// `msg` as a call to a worker, carrying what is left of the caller's deadline and the trace
-/// context; `None` when the deadline has passed.
-fn worker_call<T>(ctx: &Ctx, msg: T) -> Option<Request<T>> {
+/// `msg` as a call to a worker, carrying what is left of the caller's `deadline` and the trace
+/// context of `span`; `None` when the deadline has passed. The deadline travels as the header
+/// alone: the worker enforces it (a client-side timer would answer CANCELLED instead of
+/// DEADLINE_EXCEEDED).
+pub(crate) fn worker_call<T>(
+    deadline: Option<Instant>,
+    span: &tracing::Span,
+    msg: T,
+) -> Option<Request<T>> {
     let mut req = Request::new(msg);
-    if let Some(d) = ctx.deadline {
+    if let Some(d) = deadline {
         let left = d.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return None;
@@ -371,7 +381,7 @@ fn worker_call<T>(ctx: &Ctx, msg: T) -> Option<Request<T>> {
             .expect("ascii timeout");
         req.metadata_mut().insert("grpc-timeout", value);
     }
-    wavefront_telemetry::inject_current(&ctx.span, req.metadata_mut());
+    wavefront_telemetry::inject_current(span, req.metadata_mut());
     Some(req)
 }
 

@@ -180,24 +180,13 @@ impl RouterService {
                 .next()
                 .expect("rank returns at least one candidate");
             tried.push(w.addr);
-            self.discovery.note_routed(w.addr);
-            let mut req = Request::new(body.clone());
-            if let Some(d) = deadline {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Status::deadline_exceeded(
-                        "deadline passed before a worker was called",
-                    ));
-                }
-                // The header alone: the worker enforces it (a client-side
-                // timer would answer CANCELLED instead of DEADLINE_EXCEEDED).
-                let value = wavefront_proto::timeout::format(left)
-                    .parse()
-                    .expect("ascii timeout");
-                req.metadata_mut().insert("grpc-timeout", value);
-            }
             span.record("worker", w.addr.to_string().as_str());
-            wavefront_telemetry::inject_current(&span, req.metadata_mut());
+            let Some(req) = crate::relay::worker_call(deadline, &span, body.clone()) else {
+                return Err(Status::deadline_exceeded(
+                    "deadline passed before a worker was called",
+                ));
+            };
+            self.discovery.note_routed(w.addr);
             let mut client = w.client.clone();
             // The caller's deadline bounds the wait for the worker's answer too: a worker that
             // hangs (stopped, deadlocked) before answering must not hold the call past it.
@@ -233,7 +222,7 @@ impl RouterService {
                         let ctx = crate::relay::Ctx {
                             discovery: self.discovery.clone(),
                             model: body.model.clone(),
-                            request: body.clone(),
+                            request: body,
                             deadline,
                             span: span.clone(),
                             on_error: relay_error,

@@ -84,6 +84,7 @@ fn main() -> Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    wavefront_models::tune_allocator();
     wavefront_models::init_cpu_threads(threads).map_err(anyhow::Error::msg)?;
     let shape = llada::Shape {
         d_model: 512,

@@ -100,6 +100,41 @@ impl MemoryPool {
 
     /// A never-written memory of `layer` in a slot of this pool (zeroed).
     pub fn take(&self, layer: usize) -> Result<LayerMemory> {
+        let home = self.slot(layer)?;
+        let (a, z) = (home.a_view()?, home.z_view()?);
+        // A reused slot holds its last owner's memory.
+        home.store(
+            &a.zeros_like()?.unsqueeze(0)?,
+            &z.zeros_like()?.unsqueeze(0)?,
+        )?;
+        Ok(LayerMemory {
+            a,
+            z,
+            written: false,
+            home: Some(home),
+        })
+    }
+
+    /// `memory` (held anywhere: host memory after a preemption or a move) copied into a slot of
+    /// this pool for `layer`.
+    pub fn adopt(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
+        let home = self.slot(layer)?;
+        let dev = &self.inner.device;
+        home.store(
+            &memory.a.to_device(dev)?.unsqueeze(0)?,
+            &memory.z.to_device(dev)?.unsqueeze(0)?,
+        )?;
+        Ok(LayerMemory {
+            a: home.a_view()?,
+            z: home.z_view()?,
+            written: memory.written,
+            home: Some(home),
+        })
+    }
+
+    /// A free slot of `layer` (its contents are its last owner's), making an arena if none is
+    /// free.
+    fn slot(&self, layer: usize) -> Result<Arc<Home>> {
         let (a_arena, z_arena, index) = {
             let mut layers = self.layers();
             let slots = layers.get_mut(layer).ok_or_else(|| {
@@ -118,40 +153,13 @@ impl MemoryPool {
             let (a, z) = slots.arenas[index / ARENA_SLOTS].clone();
             (a, z, index)
         };
-        let home = Arc::new(Home {
+        Ok(Arc::new(Home {
             pool: self.clone(),
             layer,
             index,
             a_arena,
             z_arena,
-        });
-        let mut m = LayerMemory {
-            a: home.a_view()?,
-            z: home.z_view()?,
-            written: false,
-            home: None,
-        };
-        // A reused slot holds its last owner's memory.
-        home.store(
-            &m.a.zeros_like()?.unsqueeze(0)?,
-            &m.z.zeros_like()?.unsqueeze(0)?,
-        )?;
-        m.home = Some(home);
-        Ok(m)
-    }
-
-    /// `memory` (held anywhere: host memory after a preemption or a move) copied into a slot of
-    /// this pool for `layer`.
-    pub fn adopt(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
-        let mut m = self.take(layer)?;
-        let home = m.home.clone().expect("a pooled memory");
-        let dev = &self.inner.device;
-        home.store(
-            &memory.a.to_device(dev)?.unsqueeze(0)?,
-            &memory.z.to_device(dev)?.unsqueeze(0)?,
-        )?;
-        m.written = memory.written;
-        Ok(m)
+        }))
     }
 }
 
