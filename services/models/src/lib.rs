@@ -29,6 +29,7 @@ pub mod huginn;
 pub mod llada;
 pub mod llada2;
 pub mod qwen3;
+pub mod slot_pool;
 pub mod state;
 pub mod tokenizer;
 pub mod transformer;

@@ -19,214 +19,81 @@
 //! the sequential path (one cell) and a grouped diagonal step (all cells of the step) share the
 //! same arithmetic.
 
-use std::sync::{Arc, Mutex, MutexGuard};
-
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
+use crate::slot_pool::{Pooled, SlotPool};
 use crate::transformer::cpu::matmul;
 
-/// Memory slots per arena (one `A` and one `z` tensor of that many slots per layer).
+/// Memory slots per arena (one `A` and one `z` arena of that many slots per layer).
 const ARENA_SLOTS: usize = 8;
 
-/// A model's memory slots: per layer, arenas of [`ARENA_SLOTS`] memories (`A` rows
-/// `[slots, d_key, d]`, `z` rows `[slots, d_key]`, float32, on the model's device), made as the
-/// number of requests holding memories grows and reused as they end. A request's memory of a
-/// layer is one slot ([`MemoryPool::take`]); the slot goes back when the last handle to it is
+/// A model's memory slots: per layer, a [`SlotPool`] of `A` `[d_key, d]` and one of `z`
+/// `[d_key]` (float32, on the model's device), made [`ARENA_SLOTS`] at a time as the number of
+/// requests holding memories grows and reused as they end. A request's memory of a layer is one
+/// slot of each ([`MemoryPool::take`]); the slots go back when the last handle to them is
 /// dropped (the request ended, failed, was cancelled or preempted), so none can leak.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct MemoryPool {
-    inner: Arc<PoolInner>,
-}
-
-struct PoolInner {
-    d_key: usize,
-    d: usize,
-    device: Device,
-    layers: Mutex<Vec<LayerSlots>>,
-}
-
-#[derive(Default)]
-struct LayerSlots {
-    arenas: Vec<(Tensor, Tensor)>,
-    free: Vec<usize>,
-}
-
-impl std::fmt::Debug for MemoryPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryPool")
-            .field("slots", &self.slots())
-            .field("in_use", &self.in_use())
-            .finish()
-    }
+    layers: Vec<(SlotPool, SlotPool)>,
 }
 
 impl MemoryPool {
     /// An empty pool for `layers` layers of memories `[d_key, d]` on `device`.
     pub fn new(layers: usize, d_key: usize, d: usize, device: &Device) -> Self {
+        let pool = |shape: &[usize]| SlotPool::new(shape, DType::F32, device, ARENA_SLOTS);
         Self {
-            inner: Arc::new(PoolInner {
-                d_key,
-                d,
-                device: device.clone(),
-                layers: Mutex::new((0..layers).map(|_| LayerSlots::default()).collect()),
-            }),
+            layers: (0..layers)
+                .map(|_| (pool(&[d_key, d]), pool(&[d_key])))
+                .collect(),
         }
-    }
-
-    fn layers(&self) -> MutexGuard<'_, Vec<LayerSlots>> {
-        // Every operation under the lock completes or changes nothing.
-        self.inner
-            .layers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Slots made, over every layer.
     pub fn slots(&self) -> usize {
-        self.layers()
-            .iter()
-            .map(|l| l.arenas.len() * ARENA_SLOTS)
-            .sum()
+        self.layers.iter().map(|(a, _)| a.slots()).sum()
     }
 
     /// Slots held by memories, over every layer.
     pub fn in_use(&self) -> usize {
-        self.layers()
-            .iter()
-            .map(|l| l.arenas.len() * ARENA_SLOTS - l.free.len())
-            .sum()
+        self.layers.iter().map(|(a, _)| a.in_use()).sum()
+    }
+
+    fn layer(&self, layer: usize) -> Result<&(SlotPool, SlotPool)> {
+        self.layers
+            .get(layer)
+            .ok_or_else(|| crate::error::ModelError::Shape(format!("no memory layer {layer}")))
     }
 
     /// A never-written memory of `layer` in a slot of this pool (zeroed).
     pub fn take(&self, layer: usize) -> Result<LayerMemory> {
-        let home = self.slot(layer)?;
-        let (a, z) = (home.a_view()?, home.z_view()?);
-        // A reused slot holds its last owner's memory.
-        home.store(
-            &a.zeros_like()?.unsqueeze(0)?,
-            &z.zeros_like()?.unsqueeze(0)?,
-        )?;
+        let (a, z) = self.layer(layer)?;
         Ok(LayerMemory {
-            a,
-            z,
+            a: Pooled::zeros_in(a)?,
+            z: Pooled::zeros_in(z)?,
             written: false,
-            home: Some(home),
         })
     }
 
     /// `memory` (held anywhere: host memory after a preemption or a move) copied into a slot of
     /// this pool for `layer`.
     pub fn adopt(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
-        let home = self.slot(layer)?;
-        let dev = &self.inner.device;
-        home.store(
-            &memory.a.to_device(dev)?.unsqueeze(0)?,
-            &memory.z.to_device(dev)?.unsqueeze(0)?,
-        )?;
+        let (a, z) = self.layer(layer)?;
         Ok(LayerMemory {
-            a: home.a_view()?,
-            z: home.z_view()?,
+            a: Pooled::new_in(a, memory.a())?,
+            z: Pooled::new_in(z, memory.z())?,
             written: memory.written,
-            home: Some(home),
         })
     }
-
-    /// A free slot of `layer` (its contents are its last owner's), making an arena if none is
-    /// free.
-    fn slot(&self, layer: usize) -> Result<Arc<Home>> {
-        let (a_arena, z_arena, index) = {
-            let mut layers = self.layers();
-            let slots = layers.get_mut(layer).ok_or_else(|| {
-                crate::error::ModelError::Shape(format!("no memory layer {layer}"))
-            })?;
-            if slots.free.is_empty() {
-                let base = slots.arenas.len() * ARENA_SLOTS;
-                let (k, d, dev) = (self.inner.d_key, self.inner.d, &self.inner.device);
-                slots.arenas.push((
-                    Tensor::zeros((ARENA_SLOTS, k, d), DType::F32, dev)?,
-                    Tensor::zeros((ARENA_SLOTS, k), DType::F32, dev)?,
-                ));
-                slots.free.extend((base..base + ARENA_SLOTS).rev());
-            }
-            let index = slots.free.pop().expect("a free slot");
-            let (a, z) = slots.arenas[index / ARENA_SLOTS].clone();
-            (a, z, index)
-        };
-        Ok(Arc::new(Home {
-            pool: self.clone(),
-            layer,
-            index,
-            a_arena,
-            z_arena,
-        }))
-    }
 }
 
-/// Where a pooled memory lives: its slot in its layer's arena.
-struct Home {
-    pool: MemoryPool,
-    layer: usize,
-    index: usize,
-    a_arena: Tensor,
-    z_arena: Tensor,
-}
-
-impl Home {
-    fn a_view(&self) -> Result<Tensor> {
-        Ok(self
-            .a_arena
-            .narrow(0, self.index % ARENA_SLOTS, 1)?
-            .squeeze(0)?)
-    }
-
-    fn z_view(&self) -> Result<Tensor> {
-        Ok(self
-            .z_arena
-            .narrow(0, self.index % ARENA_SLOTS, 1)?
-            .squeeze(0)?)
-    }
-
-    /// Overwrites the slot with `a` `[1, d_key, d]` and `z` `[1, d_key]` (in place: the views
-    /// of the slot see it).
-    fn store(&self, a: &Tensor, z: &Tensor) -> Result<()> {
-        let at = self.index % ARENA_SLOTS;
-        self.a_arena.slice_set(&a.contiguous()?, 0, at)?;
-        self.z_arena.slice_set(&z.contiguous()?, 0, at)?;
-        Ok(())
-    }
-}
-
-impl Drop for Home {
-    fn drop(&mut self) {
-        if let Some(l) = self.pool.layers().get_mut(self.layer) {
-            l.free.push(self.index);
-        }
-    }
-}
-
-/// One layer's associative memory of one request: in a [`MemoryPool`] slot while its request
+/// One layer's associative memory of one request: in [`MemoryPool`] slots while its request
 /// runs, in tensors of its own while it is preempted or moves.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct LayerMemory {
-    #[serde(with = "crate::state::tensor")]
-    a: Tensor,
-    #[serde(with = "crate::state::tensor")]
-    z: Tensor,
+    a: Pooled,
+    z: Pooled,
     written: bool,
-    /// The pool slot `a` and `z` are views of; `None`: they are the memory's own tensors.
-    #[serde(skip)]
-    home: Option<Arc<Home>>,
-}
-
-impl std::fmt::Debug for LayerMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LayerMemory")
-            .field("a", &self.a.dims())
-            .field("written", &self.written)
-            .field("slot", &self.home.as_ref().map(|h| (h.layer, h.index)))
-            .finish()
-    }
 }
 
 /// What one write adds to a [`LayerMemory`].
@@ -248,16 +115,15 @@ impl LayerMemory {
     /// The empty memory: `A = 0`, `z = 0`, never written.
     pub fn zeros(d_key: usize, d: usize, device: &Device) -> Result<Self> {
         Ok(Self {
-            a: Tensor::zeros((d_key, d), DType::F32, device)?,
-            z: Tensor::zeros(d_key, DType::F32, device)?,
+            a: Pooled::own(Tensor::zeros((d_key, d), DType::F32, device)?),
+            z: Pooled::own(Tensor::zeros(d_key, DType::F32, device)?),
             written: false,
-            home: None,
         })
     }
 
     /// Bytes of `A` and `z`.
     pub fn bytes(&self) -> usize {
-        (self.a.elem_count() + self.z.elem_count()) * self.a.dtype().size_in_bytes()
+        self.a.bytes() + self.z.bytes()
     }
 
     /// The same memory in tensors of its own on `device` (host memory while its request is
@@ -265,36 +131,34 @@ impl LayerMemory {
     /// dropped).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
-            a: self.a.to_device(device)?.copy()?,
-            z: self.z.to_device(device)?.copy()?,
+            a: self.a.to_device(device)?,
+            z: self.z.to_device(device)?,
             written: self.written,
-            home: None,
         })
     }
 
     /// Whether it lives in a pool slot.
     pub fn is_pooled(&self) -> bool {
-        self.home.is_some()
+        self.a.is_pooled()
     }
 
     /// A memory with the given state (e.g. upstream's `W_mem[l]`, `z[l]`), marked written.
     pub fn from_state(a: Tensor, z: Tensor) -> Result<Self> {
         Ok(Self {
-            a: a.to_dtype(DType::F32)?,
-            z: z.to_dtype(DType::F32)?,
+            a: Pooled::own(a.to_dtype(DType::F32)?),
+            z: Pooled::own(z.to_dtype(DType::F32)?),
             written: true,
-            home: None,
         })
     }
 
     /// `A` `[d_key, d]` (the read is `phi(q) A`).
     pub fn a(&self) -> &Tensor {
-        &self.a
+        self.a.tensor()
     }
 
     /// `z` `[d_key]`.
     pub fn z(&self) -> &Tensor {
-        &self.z
+        self.z.tensor()
     }
 
     /// Whether a segment has written this layer (reads are skipped before that; upstream's
@@ -305,12 +169,10 @@ impl LayerMemory {
 
     /// Adds a write (in its pool slot when it has one).
     pub fn apply(&mut self, u: MemoryUpdate) -> Result<()> {
-        let a = (&self.a + u.delta_a)?;
-        let z = (&self.z + u.delta_z)?;
-        match &self.home {
-            Some(home) => home.store(&a.unsqueeze(0)?, &z.unsqueeze(0)?)?,
-            None => (self.a, self.z) = (a, z),
-        }
+        let a = (self.a() + u.delta_a)?;
+        let z = (self.z() + u.delta_z)?;
+        self.a.set(a)?;
+        self.z.set(z)?;
         self.written = true;
         Ok(())
     }

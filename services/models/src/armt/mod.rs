@@ -51,6 +51,7 @@ use self::grouped::{GroupedContext, Linears, Stacked};
 use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
 pub use self::memory::{LayerMemory, MemoryPool, MemoryUpdate};
 use crate::error::{ModelError, Result};
+use crate::slot_pool::{Pooled, SlotPool};
 use crate::transformer::{
     commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, EmbedHead, KvCache,
     LinearStack, MaskRule, PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput,
@@ -99,6 +100,9 @@ pub struct Armt {
     empty: LayerMemory,
     /// The slots requests' memories live in ([`Armt::new_memory`]).
     memories: MemoryPool,
+    /// The slots diagonal execution's residual streams between two layers live in
+    /// ([`Armt::pooled_stream`]): one cell's rows each.
+    streams: SlotPool,
     attention: AttentionKernel,
 }
 
@@ -287,6 +291,7 @@ impl Armt {
         let rope = cfg.rope_table(vb.device())?;
         let empty = LayerMemory::zeros(cfg.d_key(), d, vb.device())?;
         let memories = MemoryPool::new(cfg.n_layers(), cfg.d_key(), d, vb.device());
+        let streams = SlotPool::new(&[cfg.cell_rows(), d], io.dtype(), vb.device(), 8);
         Ok(Self {
             cfg,
             io,
@@ -297,6 +302,7 @@ impl Armt {
             rope,
             empty,
             memories,
+            streams,
             attention: AttentionKernel::default(),
         })
     }
@@ -335,6 +341,18 @@ impl Armt {
     /// The slots requests' memories live in.
     pub fn memory_pool(&self) -> &MemoryPool {
         &self.memories
+    }
+
+    /// A cell's residual stream `[rows, d]` (at most [`ArmtConfig::cell_rows`] rows) copied
+    /// into a slot of the model's stream pool, where it waits for its next layer (diagonal
+    /// execution); the slot goes back when the stream is dropped.
+    pub fn pooled_stream(&self, hidden: &Tensor) -> Result<Pooled> {
+        Pooled::new_in(&self.streams, hidden)
+    }
+
+    /// The slots diagonal residual streams live in.
+    pub fn stream_pool(&self) -> &SlotPool {
+        &self.streams
     }
 
     /// Token embeddings `[n, d]`.

@@ -9,10 +9,12 @@
 
 use candle_core::Tensor;
 use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_models::slot_pool::SlotPool;
 use wavefront_models::transformer::{Keys, KvPool, SeqInput};
 
 use super::network::MdNetwork;
 use super::program::{MdProgram, StepPlan};
+use super::surelock::POSTERIOR_ARENA;
 use crate::tick::{entries, head_rows, to_candle};
 
 /// One active program as a tick sees it.
@@ -111,21 +113,31 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
     Ok(ids.len())
 }
 
-/// The family: owns the model on the engine thread, and the pool of SureLock's caches: a page
-/// is one row's K/V in one layer of one rank, and the slot ids the engine grants a SureLock
-/// request are its cache's page ids (the rest of its slots count its working set and
-/// posteriors, its own tensors).
+/// The family: owns the model on the engine thread, the pool of SureLock's caches (a page is
+/// one row's K/V in one layer of one rank, and the slot ids the engine grants a SureLock request
+/// are its cache's page ids) and the pool of SureLock's previous posteriors (a slot is one
+/// position's; the engine counts them in its own slots). The rest of a request's slots count
+/// its step's working set.
 pub struct MaskedDiffusionFamily<M> {
     model: M,
     pool: KvPool,
+    /// SureLock's previous posteriors: a slot is one position's float32 log-posteriors.
+    posteriors: SlotPool,
     last_rows: Option<usize>,
 }
 
 impl<M: MdNetwork> MaskedDiffusionFamily<M> {
     pub fn new(model: M) -> Self {
+        let posteriors = SlotPool::new(
+            &[model.head_rows()],
+            candle_core::DType::F32,
+            model.device(),
+            POSTERIOR_ARENA,
+        );
         Self {
             model,
             pool: KvPool::shared(1),
+            posteriors,
             last_rows: None,
         }
     }
@@ -136,6 +148,7 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
         let new = a.take_new_slots();
         if let Some(sl) = &mut a.program.surelock {
             crate::paging::bind(&mut sl.cache, &self.pool, new);
+            sl.bind_pool(&self.posteriors);
         }
     }
 }
@@ -172,7 +185,7 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         };
         let mut moved = crate::paging::swap_out(&mut sl.cache, "masked-diffusion")?;
         moved.bytes += sl
-            .move_previous(&candle_core::Device::Cpu)
+            .previous_to_host()
             .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
         Ok(moved)
     }
@@ -184,7 +197,7 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         };
         let mut moved = crate::paging::swap_in(&mut sl.cache, "masked-diffusion")?;
         moved.bytes += sl
-            .move_previous(self.model.device())
+            .previous_to_pool()
             .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
         Ok(moved)
     }
@@ -198,8 +211,7 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     }
 
     /// Slots a request no longer needs: all of the rows a stop token cut off, and the
-    /// posteriors of rows SureLock locked. The slots are bookkeeping of the request's own
-    /// tensors (its working set, its SureLock cache and posteriors), which shrink with them.
+    /// posteriors of rows SureLock locked (whose posterior slots went back as they locked).
     fn reclaim(&mut self, a: &mut Active<MdProgram>) -> Vec<SlotId> {
         let need = a.keeps(a.program.slots_needed());
         let held = a.slots.len();

@@ -60,8 +60,10 @@
 //! persists between steps but its tokens). With SureLock it also reserves the per-layer K/V
 //! cache of the whole buffer (`rows · n_layers · ranks`), which lives in the family's pool: the
 //! granted slot ids are the cache's page ids (a page holds one row of one layer and rank), and
-//! the previous step's float32 log-posteriors (`rows · ceil(4 · vocab / slot bytes)`). Slots are fungible and admission is all-or-nothing (FIFO), as for the
-//! other families. A canvas never grows, but it can shrink: after every tick the request gives
+//! the previous step's float32 log-posteriors (`rows · ceil(4 · vocab / slot bytes)`), which
+//! live in the family's posterior pool (a `SlotPool` slot of `vocab` values per position, taken
+//! at the position's first step and given back when it locks or is cut). Slots are fungible
+//! and admission is all-or-nothing (FIFO), as for the other families. A canvas never grows, but it can shrink: after every tick the request gives
 //! back the slots of the rows a committed stop token cut off, and the posterior slots of the
 //! rows SureLock locked (their posteriors are no longer kept; `MdProgram::slots_needed`).
 

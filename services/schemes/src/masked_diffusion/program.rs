@@ -383,7 +383,9 @@ impl MdProgram {
                         !sl.is_locked(p) && !self.canvas.is_mask(p) && !was_mask.contains(&p)
                     })
                     .collect();
-                record.locked = sl.observe(&lp, &positions, &eligible)?;
+                record.locked = sl
+                    .observe(&lp, &positions, &eligible)
+                    .map_err(crate::tick::to_candle)?;
             }
             self.stats
                 .push_series("locked_per_step", record.locked.len() as u32);

@@ -515,8 +515,18 @@ fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
         }];
         super::tick(&model, &mut batch)?;
         needs.push(p.slots_needed());
+        // The previous posteriors are pool slots, one per row that may still lock.
+        let sl = p.surelock.as_ref().expect("surelock");
+        let pool = sl.posterior_pool().expect("a step ran");
+        ensure!(pool.in_use() == sl.previous_rows());
+        ensure!(sl.previous_rows() <= p.tokens().len() - sl.locked_count());
     }
     let locked = p.locked().len();
+    let pool = p
+        .surelock
+        .as_ref()
+        .and_then(|s| s.posterior_pool().cloned())
+        .expect("a pool");
     ensure!(locked > 0, "this eps locks positions on the fixture");
     // Never more than before; at the end, 4 posterior slots fewer per locked row, and nothing
     // of rows cut after a stop token.
@@ -527,6 +537,11 @@ fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
         "{needs:?} with {locked} of {rows} rows locked"
     );
     ensure!(*needs.last().unwrap_or(&0) < start);
+    drop(p);
+    ensure!(
+        pool.in_use() == 0,
+        "an ended request's posterior slots come back"
+    );
     // Served, the engine takes them back as they go, and every slot returns.
     let served = serve(fixture_files()?, "fixture", 4)?;
     let out = collect(&submit(served.as_ref(), s)?, Vec::new())?;

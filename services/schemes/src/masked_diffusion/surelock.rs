@@ -23,9 +23,10 @@
 //! against those of the dense step over the whole buffer; see
 //! [`wavefront_models::LladaConfig::algorithmic_flops`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
+use wavefront_models::slot_pool::{Pooled, SlotPool};
 use wavefront_models::transformer::KvCache;
 
 use crate::request::SureLockParams;
@@ -67,13 +68,9 @@ pub(crate) fn decide(cands: &[Candidate], eps: f64, percentile_m: Option<f64>) -
         .collect()
 }
 
-/// Log-posteriors of the previous step, by position.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Previous {
-    #[serde(with = "wavefront_models::state::tensor")]
-    log_probs: Tensor,
-    row_of: HashMap<usize, usize>,
-}
+/// Previous posteriors per slot arena (a slot holds one position's log-posteriors, `vocab`
+/// float32 values).
+pub(crate) const POSTERIOR_ARENA: usize = 32;
 
 /// Per-request SureLock state.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -84,24 +81,64 @@ pub(crate) struct SureLock {
     pub(crate) locked: Vec<bool>,
     /// Per-layer K/V of the whole buffer; locked positions' entries are never rewritten.
     pub(crate) cache: KvCache,
-    prev: Option<Previous>,
+    /// The previous step's log-posteriors of the positions that may still lock, by position: in
+    /// slots of the family's posterior pool while the request runs (a position's slot is
+    /// rewritten each step and goes back when it locks or is cut), in tensors of their own
+    /// while it is preempted or moved.
+    prev: BTreeMap<usize, Pooled>,
+    /// The pool `prev` lives in (the family's, bound at the request's first tick; a private
+    /// one for programs run without a family).
+    #[serde(skip)]
+    pool: Option<SlotPool>,
     /// `false` (tests): decide and record locks but keep computing every row, so the run stays
     /// identical to one without SureLock.
     pub(crate) apply: bool,
 }
 
 impl SureLock {
-    /// Moves the previous step's log-posteriors to `device` (preemption and resumption);
-    /// the bytes moved.
-    pub(crate) fn move_previous(
-        &mut self,
-        device: &candle_core::Device,
-    ) -> candle_core::Result<u64> {
-        let Some(prev) = &mut self.prev else {
+    /// Uses `pool` for the previous posteriors from now on (those already held stay where
+    /// they are until the next step rewrites them).
+    pub(crate) fn bind_pool(&mut self, pool: &SlotPool) {
+        if self.pool.is_none() {
+            self.pool = Some(pool.clone());
+        }
+    }
+
+    /// Copies the previous posteriors out of their slots into host memory (preemption),
+    /// giving the slots back; the bytes moved.
+    pub(crate) fn previous_to_host(&mut self) -> wavefront_models::error::Result<u64> {
+        let mut bytes = 0;
+        for p in self.prev.values_mut() {
+            *p = p.to_device(&candle_core::Device::Cpu)?;
+            bytes += p.bytes() as u64;
+        }
+        Ok(bytes)
+    }
+
+    /// Copies the previous posteriors (in host memory after a preemption or a move) into slots
+    /// of the bound pool; the bytes moved.
+    pub(crate) fn previous_to_pool(&mut self) -> wavefront_models::error::Result<u64> {
+        let Some(pool) = self.pool.clone() else {
             return Ok(0);
         };
-        prev.log_probs = prev.log_probs.to_device(device)?;
-        Ok((prev.log_probs.elem_count() * prev.log_probs.dtype().size_in_bytes()) as u64)
+        let mut bytes = 0;
+        for p in self.prev.values_mut() {
+            *p = Pooled::new_in(&pool, p.tensor())?;
+            bytes += p.bytes() as u64;
+        }
+        Ok(bytes)
+    }
+
+    /// Previous posteriors held (rows).
+    #[cfg(test)]
+    pub(crate) fn previous_rows(&self) -> usize {
+        self.prev.len()
+    }
+
+    /// The pool the previous posteriors live in, once a step has run or a family bound one.
+    #[cfg(test)]
+    pub(crate) fn posterior_pool(&self) -> Option<&SlotPool> {
+        self.pool.as_ref()
     }
 
     pub(crate) fn new(params: &SureLockParams, canvas_len: usize) -> Self {
@@ -110,7 +147,8 @@ impl SureLock {
             percentile: params.percentile.map(f64::from),
             locked: vec![false; canvas_len],
             cache: KvCache::new(),
-            prev: None,
+            prev: BTreeMap::new(),
+            pool: None,
             apply: true,
         }
     }
@@ -130,32 +168,28 @@ impl SureLock {
 
     /// One step's lock decisions. `log_probs` `[R, V]` (float32) are this step's
     /// log-posteriors of the canvas positions `positions` (one per row); `candidates` are the
-    /// positions allowed to lock. Returns the newly locked positions.
+    /// positions allowed to lock. Returns the newly locked positions. Keeps this step's rows of
+    /// the positions not locked for the next step, in the slots those positions had.
     pub(crate) fn observe(
         &mut self,
         log_probs: &Tensor,
         positions: &[usize],
         candidates: &[usize],
-    ) -> candle_core::Result<Vec<usize>> {
+    ) -> wavefront_models::error::Result<Vec<usize>> {
         let row_of: HashMap<usize, usize> =
             positions.iter().enumerate().map(|(r, &p)| (p, r)).collect();
-        let mut pairs = Vec::new();
-        if let Some(prev) = &self.prev {
-            for &p in candidates {
-                if let (Some(&now), Some(&before)) = (row_of.get(&p), prev.row_of.get(&p)) {
-                    pairs.push((p, now as u32, before as u32));
-                }
-            }
-        }
+        let pairs: Vec<(usize, u32)> = candidates
+            .iter()
+            .filter(|p| self.prev.contains_key(p))
+            .filter_map(|&p| row_of.get(&p).map(|&r| (p, r as u32)))
+            .collect();
         let mut decided = Vec::new();
-        if let (Some(prev), false) = (&self.prev, pairs.is_empty()) {
+        if !pairs.is_empty() {
             let device = log_probs.device();
             let now_idx: Vec<u32> = pairs.iter().map(|p| p.1).collect();
-            let before_idx: Vec<u32> = pairs.iter().map(|p| p.2).collect();
             let now = log_probs.index_select(&Tensor::new(now_idx.as_slice(), device)?, 0)?;
-            let before = prev
-                .log_probs
-                .index_select(&Tensor::new(before_idx.as_slice(), device)?, 0)?;
+            let before: Vec<&Pooled> = pairs.iter().map(|(p, _)| &self.prev[p]).collect();
+            let before = Pooled::stack(&before)?.to_device(device)?;
             let kl: Vec<f32> = (now.exp()? * (&now - &before)?)?
                 .sum(D::Minus1)?
                 .to_vec1()?;
@@ -163,7 +197,7 @@ impl SureLock {
             let cands: Vec<Candidate> = pairs
                 .iter()
                 .zip(kl.iter().zip(&max_p))
-                .map(|(&(position, _, _), (&kl, &mp))| Candidate {
+                .map(|(&(position, _), (&kl, &mp))| Candidate {
                     position,
                     kl: f64::from(kl),
                     uncertainty: 1.0 - f64::from(mp),
@@ -174,10 +208,35 @@ impl SureLock {
         for &p in &decided {
             self.locked[p] = true;
         }
-        self.prev = Some(Previous {
-            log_probs: log_probs.clone(),
-            row_of,
-        });
+        // A locked position never compares again: only the others keep their rows.
+        let pool = match &self.pool {
+            Some(pool) => pool.clone(),
+            None => {
+                let pool = SlotPool::new(
+                    &[log_probs.dim(D::Minus1)?],
+                    DType::F32,
+                    log_probs.device(),
+                    POSTERIOR_ARENA,
+                );
+                self.pool = Some(pool.clone());
+                pool
+            }
+        };
+        let mut before = std::mem::take(&mut self.prev);
+        for (r, &p) in positions.iter().enumerate() {
+            if self.is_locked(p) {
+                continue;
+            }
+            let row = log_probs.get(r)?;
+            let kept = match before.remove(&p) {
+                Some(mut slot) if slot.is_pooled() => {
+                    slot.set(row)?;
+                    slot
+                }
+                _ => Pooled::new_in(&pool, &row)?,
+            };
+            self.prev.insert(p, kept);
+        }
         Ok(decided)
     }
 
@@ -185,9 +244,7 @@ impl SureLock {
     pub(crate) fn truncate(&mut self, len: usize) -> wavefront_models::error::Result<()> {
         self.locked.truncate(len);
         self.cache.truncate(len)?;
-        if let Some(prev) = &mut self.prev {
-            prev.row_of.retain(|&p, _| p < len);
-        }
+        self.prev.retain(|&p, _| p < len);
         Ok(())
     }
 }

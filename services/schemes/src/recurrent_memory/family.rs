@@ -148,7 +148,7 @@ fn grouped_step(
         let p = &*batch[i].program;
         for &(s, l) in cells {
             let h = match p.inflight.get(&s) {
-                Some(h) => h.clone(),
+                Some(h) => h.tensor().clone(),
                 None if l == 0 => model
                     .segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
                     .map_err(to_candle)?,
@@ -191,7 +191,13 @@ fn grouped_step(
             let n = out.hidden.dim(0)?;
             heads.push((i, out.hidden.narrow(0, n - 1, 1)?));
         }
-        outputs[i].cells.push((out.hidden, out.update));
+        // A stream a layer above still reads waits in a pool slot; the top layer's is dropped.
+        let hidden = if l + 1 < n_layers {
+            model.pooled_stream(&out.hidden).map_err(to_candle)?
+        } else {
+            out.hidden.into()
+        };
+        outputs[i].cells.push((hidden, out.update));
     }
     Ok(())
 }
@@ -287,8 +293,9 @@ fn layer_pass(
 }
 
 /// The family: owns the model and the page pool of its requests' caches on the engine thread.
-/// Slot ids granted by the engine are page ids of the pool (memories and residual streams are
-/// counted in slots; they are the request's own tensors).
+/// Slot ids granted by the engine are page ids of the pool; memories and residual streams are
+/// counted in slots too, and live in the model's own slot pools ([`Armt::new_memory`],
+/// [`Armt::pooled_stream`]).
 pub struct RecurrentMemoryFamily {
     model: Armt,
     pool: KvPool,
@@ -318,31 +325,37 @@ impl RecurrentMemoryFamily {
         paging::bind(&mut a.program.cache, &self.pool, new);
     }
 
-    /// Moves a preempted request's memories and residual streams to `device` (host memory, or
-    /// back to the model's and its memory pool when `resuming`), counting their bytes in
-    /// `moved`.
+    /// Moves a request's memories and residual streams out of their pool slots into host
+    /// memory (preempted), or back into slots of the model's pools (`resuming`), counting
+    /// their bytes in `moved`.
     fn move_state(
         &self,
         a: &mut Active<ArmtProgram>,
-        device: &Device,
         moved: &mut Moved,
         resuming: bool,
     ) -> Result<(), FamilyError> {
         moved.bytes += a.program.state_bytes() as u64;
         let err = |e: String| FamilyError::commit("recurrent-memory", e);
-        a.program
-            .move_state(device)
-            .map_err(|e| err(e.to_string()))?;
-        // Resuming, the memories go back into pool slots (their host copies are dropped);
-        // preempted, they are copies, and their slots went back with the originals.
-        if resuming {
-            if let Some(memory) = &a.program.memory {
-                let pooled = self
-                    .model
-                    .pooled_memory(memory)
-                    .map_err(|e| err(e.to_string()))?;
-                a.program.memory = Some(pooled);
-            }
+        if !resuming {
+            // Copies: the slots go back with the originals.
+            return a
+                .program
+                .move_state(&Device::Cpu)
+                .map_err(|e| err(e.to_string()));
+        }
+        let p = &mut a.program;
+        if let Some(memory) = &p.memory {
+            let pooled = self
+                .model
+                .pooled_memory(memory)
+                .map_err(|e| err(e.to_string()))?;
+            p.memory = Some(pooled);
+        }
+        for x in p.inflight.values_mut() {
+            *x = self
+                .model
+                .pooled_stream(x.tensor())
+                .map_err(|e| err(e.to_string()))?;
         }
         Ok(())
     }
@@ -390,15 +403,14 @@ impl Family for RecurrentMemoryFamily {
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
         let mut moved = paging::swap_out(&mut a.program.cache, "recurrent-memory")?;
-        self.move_state(a, &Device::Cpu, &mut moved, false)?;
+        self.move_state(a, &mut moved, false)?;
         Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
         let mut moved = paging::swap_in(&mut a.program.cache, "recurrent-memory")?;
-        let device = self.model.device().clone();
-        self.move_state(a, &device, &mut moved, true)?;
+        self.move_state(a, &mut moved, true)?;
         Ok(moved)
     }
 }

@@ -40,7 +40,9 @@
 //! - from admission to its end, its memories, `n_layers × ceil(4 · (d_key · d + d_key) / slot
 //!   bytes)` (one layer's float32 `A` and `z`), and with diagonal execution the residual
 //!   streams of the segments between layers, `ceil(min(n_layers, segments) × (segment_size +
-//!   num_mem_tokens) × d · dtype / slot bytes)`;
+//!   num_mem_tokens) × d · dtype / slot bytes)`. Both live in the model's own slot pools
+//!   (`Armt::new_memory`, `Armt::pooled_stream`: one slot per layer's memory, one per waiting
+//!   stream), which go back as the request ends or is preempted;
 //! - its cache's pages as it needs them: one segment's cell while the prompt runs (a consumed
 //!   segment's pages are reused by the next), then the prompt segment and the generated tokens,
 //!   a page per layer every 16 tokens.

@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::Tensor;
 use wavefront_engine::{FinishReason, Outbox, Stats};
 use wavefront_models::armt::{LayerMemory, MemoryUpdate};
+use wavefront_models::slot_pool::Pooled;
 use wavefront_models::transformer::KvCache;
 
 use crate::sampling::TokenSampler;
@@ -39,8 +39,9 @@ pub enum ArmtPlan {
 /// What the forwards produced for one plan; the program applies it in [`ArmtProgram::commit`].
 #[derive(Debug, Default)]
 pub struct ArmtOutput {
-    /// Diagonal: each cell's output residual stream and memory write, in the plan's order.
-    pub cells: Vec<(Tensor, Option<MemoryUpdate>)>,
+    /// Diagonal: each cell's output residual stream (in a slot of the model's stream pool
+    /// when a layer above still reads it) and memory write, in the plan's order.
+    pub cells: Vec<(Pooled, Option<MemoryUpdate>)>,
     /// Sequential segment: each layer's memory write (memory segments).
     pub writes: Vec<Option<MemoryUpdate>>,
     /// The token chosen on the device (greedy requests), where the plan chooses one.
@@ -63,9 +64,9 @@ pub struct ArmtProgram {
     pub(crate) cache: KvCache,
     /// Diagonal: the step (diagonal index) to run next.
     pub(crate) step: usize,
-    /// Diagonal: each segment's residual stream between two layers, by segment.
-    #[serde(with = "wavefront_models::state::tensor_map")]
-    pub(crate) inflight: BTreeMap<usize, Tensor>,
+    /// Diagonal: each segment's residual stream between two layers, by segment (in slots of
+    /// the model's stream pool while the request runs).
+    pub(crate) inflight: BTreeMap<usize, Pooled>,
     /// Sequential: the segment to run next.
     pub(crate) next_segment: usize,
     /// Decode: the token to feed next, at buffer index (and position) `position`.
@@ -156,11 +157,7 @@ impl ArmtProgram {
     /// Bytes of the memories and the in-flight residual streams.
     pub(crate) fn state_bytes(&self) -> usize {
         let memory: usize = self.memory.iter().flatten().map(LayerMemory::bytes).sum();
-        let inflight: usize = self
-            .inflight
-            .values()
-            .map(|x| x.elem_count() * x.dtype().size_in_bytes())
-            .sum();
+        let inflight: usize = self.inflight.values().map(Pooled::bytes).sum();
         memory + inflight
     }
 
@@ -175,7 +172,9 @@ impl ArmtProgram {
             }
         }
         for x in self.inflight.values_mut() {
-            *x = x.to_device(device)?;
+            *x = x
+                .to_device(device)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         }
         Ok(())
     }
@@ -507,11 +506,16 @@ mod commit_tests {
         );
         p.inflight.insert(
             0,
-            Tensor::zeros((4, 2), DType::F32, &Device::Cpu).expect("h"),
+            Tensor::zeros((4, 2), DType::F32, &Device::Cpu)
+                .expect("h")
+                .into(),
         );
         let h1 = Tensor::ones((4, 2), DType::F32, &Device::Cpu).expect("h");
         let out = ArmtOutput {
-            cells: vec![(h1, Some(update(1.0))), (h1_top(), Some(update(3.0)))],
+            cells: vec![
+                (h1.into(), Some(update(1.0))),
+                (h1_top().into(), Some(update(3.0))),
+            ],
             ..ArmtOutput::default()
         };
         p.commit(&plan, out, LAYERS, &mut outbox).expect("commit");

@@ -132,6 +132,10 @@ fn eight_long_prompts_take_fewer_grouped_steps_together_than_apart() -> Result<(
         .map(|s| program(&planner, s.clone()))
         .collect::<Result<Vec<_>>>()?;
     let together = run(&model, programs, &[])?;
+    ensure!(
+        model.stream_pool().in_use() == 0 && model.memory_pool().in_use() == 0,
+        "every stream and memory slot came back"
+    );
     // Started together, they finish their prompts with the longest one.
     let longest = specs
         .iter()

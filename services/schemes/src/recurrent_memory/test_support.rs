@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use wavefront_engine::Outbox;
 use wavefront_models::armt::Armt;
@@ -142,6 +142,18 @@ pub fn run(model: &Armt, programs: Vec<ArmtProgram>, join: &[usize]) -> Result<R
             continue;
         }
         let report = tick(model, &mut batch)?;
+        drop(batch);
+        // Residual streams waiting between layers live in the model's stream pool, one slot
+        // each; a stream that left the top layer gave its slot back.
+        let inflight: usize = programs.iter().map(|p| p.inflight.len()).sum();
+        ensure!(programs
+            .iter()
+            .all(|p| p.inflight.values().all(|x| x.is_pooled())));
+        ensure!(
+            model.stream_pool().in_use() == inflight,
+            "{} stream slots held for {inflight} streams",
+            model.stream_pool().in_use()
+        );
         if let Some(shape) = report.grouped {
             out.grouped_steps += 1;
             out.cells.push(shape.cells);

@@ -1,0 +1,402 @@
+//! Pools of fixed-shape state slots, for request state that is not K/V: ARMT's associative
+//! memories and in-flight residual streams, SureLock's previous posteriors.
+//!
+//! A [`SlotPool`] holds arenas of `per_arena` slots of one shape and dtype on one device
+//! (`[per_arena, ..shape]`), made as the number of slots in use grows and reused as they come
+//! back; the pool never hands memory back while its model is served. A [`Slot`] is one index into
+//! it; it goes back to the pool when it is dropped, so a request that ends, fails, is cancelled,
+//! preempted or moved cannot leak one. [`Pooled`] is a tensor that lives in a slot while its
+//! request runs, or in storage of its own while the request is preempted, moved, or built by a
+//! test; it serializes as its values either way.
+//!
+//! The engine counts these slots in its own units (see each family's slot plan); a pool's slot
+//! indices are the family's, not the engine's ids.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// Arenas of slots of one shape (see the module doc). Cloning shares the pool.
+#[derive(Clone)]
+pub struct SlotPool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shape: Vec<usize>,
+    dtype: DType,
+    device: Device,
+    per_arena: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    arenas: Vec<Tensor>,
+    free: Vec<usize>,
+}
+
+impl std::fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotPool")
+            .field("shape", &self.inner.shape)
+            .field("slots", &self.slots())
+            .field("in_use", &self.in_use())
+            .finish()
+    }
+}
+
+impl SlotPool {
+    /// An empty pool of slots `shape` of `dtype` on `device`, made `per_arena` at a time.
+    pub fn new(shape: &[usize], dtype: DType, device: &Device, per_arena: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                shape: shape.to_vec(),
+                dtype,
+                device: device.clone(),
+                per_arena: per_arena.max(1),
+                state: Mutex::new(State::default()),
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every operation under the lock completes or changes nothing.
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The shape of one slot.
+    pub fn shape(&self) -> &[usize] {
+        &self.inner.shape
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.inner.shape.iter().product::<usize>() * self.inner.dtype.size_in_bytes()
+    }
+
+    /// Slots made.
+    pub fn slots(&self) -> usize {
+        self.state().arenas.len() * self.inner.per_arena
+    }
+
+    /// Slots held.
+    pub fn in_use(&self) -> usize {
+        let s = self.state();
+        s.arenas.len() * self.inner.per_arena - s.free.len()
+    }
+
+    /// A free slot; it holds its last owner's values (write it before reading it). Makes an
+    /// arena when none is free.
+    pub fn take(&self) -> Result<Slot> {
+        let per = self.inner.per_arena;
+        let mut s = self.state();
+        if s.free.is_empty() {
+            let base = s.arenas.len() * per;
+            let mut dims = vec![per];
+            dims.extend_from_slice(&self.inner.shape);
+            let arena = Tensor::zeros(dims, self.inner.dtype, &self.inner.device)?;
+            s.arenas.push(arena);
+            s.free.extend((base..base + per).rev());
+        }
+        let index = s.free.pop().expect("a free slot");
+        let arena = s.arenas[index / per].clone();
+        drop(s);
+        Ok(Slot {
+            pool: self.clone(),
+            index,
+            arena,
+        })
+    }
+}
+
+/// One slot of a [`SlotPool`]; it goes back to the pool when dropped.
+pub struct Slot {
+    pool: SlotPool,
+    index: usize,
+    arena: Tensor,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Slot({})", self.index)
+    }
+}
+
+impl Slot {
+    /// The slot's index in its pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    fn at(&self) -> usize {
+        self.index % self.pool.inner.per_arena
+    }
+
+    fn same_arena(&self, other: &Slot) -> bool {
+        Arc::ptr_eq(&self.pool.inner, &other.pool.inner)
+            && self.index / self.pool.inner.per_arena == other.index / other.pool.inner.per_arena
+    }
+
+    /// The slot's first `rows` entries along its first dimension (the whole slot for a
+    /// one-dimensional shape and `rows` equal to it), as a view that sees later writes.
+    pub fn view(&self, rows: usize) -> Result<Tensor> {
+        let whole = self.arena.narrow(0, self.at(), 1)?.squeeze(0)?;
+        match self.pool.shape().first() {
+            Some(&n) if rows < n => Ok(whole.narrow(0, 0, rows)?),
+            _ => Ok(whole),
+        }
+    }
+
+    /// Overwrites the slot's first `t.dim(0)` entries with `t` (the slot's shape, or fewer
+    /// leading entries), converted to the pool's dtype and device.
+    pub fn store(&self, t: &Tensor) -> Result<()> {
+        let shape = self.pool.shape();
+        let fits = t.rank() == shape.len()
+            && t.dims()
+                .iter()
+                .zip(shape)
+                .enumerate()
+                .all(
+                    |(d, (&got, &room))| {
+                        if d == 0 {
+                            got <= room
+                        } else {
+                            got == room
+                        }
+                    },
+                );
+        if !fits {
+            return Err(ModelError::Shape(format!(
+                "a {:?} tensor does not fit a slot of {shape:?}",
+                t.dims()
+            )));
+        }
+        let t = t
+            .to_device(self.pool.device())?
+            .to_dtype(self.pool.dtype())?
+            .contiguous()?
+            .unsqueeze(0)?;
+        // The slot as `[1, ..shape]` (contiguous: a run of the arena), written from its start.
+        let slot = self.arena.narrow(0, self.at(), 1)?;
+        slot.slice_set(&t, usize::from(t.rank() > 1), 0)?;
+        Ok(())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.pool.state().free.push(self.index);
+    }
+}
+
+/// A tensor in a pool slot, or in storage of its own (see the module doc). Clones share the
+/// slot. Serializes as its values (`crate::state::tensor`).
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Pooled {
+    #[serde(with = "crate::state::tensor")]
+    tensor: Tensor,
+    #[serde(skip)]
+    slot: Option<Arc<Slot>>,
+}
+
+impl std::fmt::Debug for Pooled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pooled")
+            .field("dims", &self.tensor.dims())
+            .field("slot", &self.slot.as_ref().map(|s| s.index))
+            .finish()
+    }
+}
+
+impl From<Tensor> for Pooled {
+    fn from(tensor: Tensor) -> Self {
+        Self::own(tensor)
+    }
+}
+
+impl Pooled {
+    /// `tensor` in storage of its own.
+    pub fn own(tensor: Tensor) -> Self {
+        Self { tensor, slot: None }
+    }
+
+    /// A copy of `t` in a slot of `pool` (converted to the pool's dtype and device; `t` may
+    /// have fewer leading entries than the slot).
+    pub fn new_in(pool: &SlotPool, t: &Tensor) -> Result<Self> {
+        let slot = pool.take()?;
+        slot.store(t)?;
+        let rows = if t.rank() == 0 { 0 } else { t.dim(0)? };
+        Ok(Self {
+            tensor: slot.view(rows)?,
+            slot: Some(Arc::new(slot)),
+        })
+    }
+
+    /// A slot of `pool` set to zero.
+    pub fn zeros_in(pool: &SlotPool) -> Result<Self> {
+        let zeros = Tensor::zeros(pool.shape(), pool.dtype(), pool.device())?;
+        Self::new_in(pool, &zeros)
+    }
+
+    /// The values (a view of the slot when pooled: read it before the slot is written again).
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Whether it lives in a pool slot.
+    pub fn is_pooled(&self) -> bool {
+        self.slot.is_some()
+    }
+
+    /// Bytes of its values.
+    pub fn bytes(&self) -> usize {
+        self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
+    }
+
+    /// Replaces the values with `t` of the same shape: in place in the slot when pooled.
+    pub fn set(&mut self, t: Tensor) -> Result<()> {
+        if t.dims() != self.tensor.dims() {
+            return Err(ModelError::Shape(format!(
+                "cannot set a {:?} state to {:?}",
+                self.tensor.dims(),
+                t.dims()
+            )));
+        }
+        match &self.slot {
+            Some(slot) => slot.store(&t),
+            None => {
+                self.tensor = t;
+                Ok(())
+            }
+        }
+    }
+
+    /// The same values in storage of their own on `device` (host memory while a request is
+    /// preempted): a copy, never a view of the slot, which goes back when `self` is dropped.
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self::own(self.tensor.to_device(device)?.copy()?))
+    }
+
+    /// Stacks `items` (each of one shape) along a new first dimension: one gather per run of
+    /// items in the same arena, one copy per item in storage of its own.
+    pub fn stack(items: &[&Pooled]) -> Result<Tensor> {
+        let mut parts: Vec<Tensor> = Vec::new();
+        let mut k = 0;
+        while k < items.len() {
+            let Some(slot) = &items[k].slot else {
+                parts.push(items[k].tensor.unsqueeze(0)?);
+                k += 1;
+                continue;
+            };
+            let whole = slot.pool.shape().first() == items[k].tensor.dims().first();
+            let mut run = vec![slot.at() as u32];
+            let mut j = k + 1;
+            while let Some(Some(next)) = items.get(j).map(|p| p.slot.as_ref()) {
+                if !whole || !next.same_arena(slot) {
+                    break;
+                }
+                run.push(next.at() as u32);
+                j += 1;
+            }
+            if !whole {
+                parts.push(items[k].tensor.unsqueeze(0)?);
+            } else if run.len() == 1 {
+                parts.push(slot.arena.narrow(0, slot.at(), 1)?);
+            } else {
+                let index = Tensor::new(run.as_slice(), slot.arena.device())?;
+                parts.push(slot.arena.index_select(&index, 0)?);
+            }
+            k = j;
+        }
+        if parts.is_empty() {
+            return Err(ModelError::Shape("nothing to stack".into()));
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Slots come from arenas made as needed and go back when dropped; a stored tensor lands
+    /// in place (views see it), a short one fills the leading rows, a host copy is independent,
+    /// and stacking gathers from the arenas in the items' order.
+    #[test]
+    fn slots_are_taken_written_in_place_given_back_and_stacked() -> Result<()> {
+        let cpu = Device::Cpu;
+        let pool = SlotPool::new(&[3, 2], DType::F32, &cpu, 4);
+        assert_eq!((pool.slots(), pool.in_use()), (0, 0));
+        let t = |k: f32| Tensor::arange(k, k + 6.0, &cpu).unwrap().reshape((3, 2));
+        let mut a = Pooled::new_in(&pool, &t(0.0)?)?;
+        assert!(a.is_pooled());
+        assert_eq!((pool.slots(), pool.in_use()), (4, 1));
+        let view = a.tensor().clone();
+        a.set(t(10.0)?)?;
+        assert_eq!(values(&view), values(&t(10.0)?), "written in place");
+        assert!(a.set(Tensor::zeros((2, 2), DType::F32, &cpu)?).is_err());
+        let host = a.to_device(&cpu)?;
+        assert!(!host.is_pooled());
+        drop(a);
+        assert_eq!(pool.in_use(), 0, "the slot came back");
+        let short = Pooled::new_in(&pool, &t(20.0)?.narrow(0, 0, 2)?)?;
+        assert_eq!(short.tensor().dims(), &[2, 2]);
+        assert_eq!(values(short.tensor()), vec![20.0, 21.0, 22.0, 23.0]);
+        assert_eq!(
+            values(&host.tensor),
+            values(&t(10.0)?),
+            "independent of the slot"
+        );
+        assert!(Pooled::new_in(&pool, &Tensor::zeros((4, 2), DType::F32, &cpu)?).is_err());
+        let zero = Pooled::zeros_in(&pool)?;
+        assert_eq!(values(zero.tensor()), vec![0.0; 6]);
+
+        // More than an arena: a second one; stacking crosses arenas and own tensors in order.
+        let many: Vec<Pooled> = (0..5)
+            .map(|k| Pooled::new_in(&pool, &t(100.0 * k as f32)?))
+            .collect::<Result<_>>()?;
+        assert_eq!((pool.slots(), pool.in_use()), (8, 7));
+        let own = Pooled::own(t(7.0)?);
+        let items: Vec<&Pooled> = vec![&many[4], &many[0], &many[1], &own, &many[2], &many[3]];
+        let stacked = Pooled::stack(&items)?;
+        assert_eq!(stacked.dims(), &[6, 3, 2]);
+        let expect: Vec<f32> = items.iter().flat_map(|p| values(p.tensor())).collect();
+        assert_eq!(values(&stacked), expect);
+        drop((many, short, zero));
+        assert_eq!(pool.in_use(), 0);
+        Ok(())
+    }
+
+    /// A pooled tensor serializes as its values and comes back as a tensor of its own.
+    #[test]
+    fn a_pooled_tensor_serializes_as_its_values() -> anyhow::Result<()> {
+        let pool = SlotPool::new(&[4], DType::F32, &Device::Cpu, 2);
+        let p = Pooled::new_in(&pool, &Tensor::new(&[1f32, 2.0, 3.0, 4.0], &Device::Cpu)?)?;
+        let bytes = postcard::to_allocvec(&p)?;
+        let own = Pooled::own(p.tensor().copy()?);
+        assert_eq!(bytes, postcard::to_allocvec(&own)?);
+        let back: Pooled = postcard::from_bytes(&bytes)?;
+        assert!(!back.is_pooled());
+        assert_eq!(values(back.tensor()), vec![1.0, 2.0, 3.0, 4.0]);
+        Ok(())
+    }
+}
