@@ -17,10 +17,13 @@
 //! to the committed buffer and itself). The README of tests/fixtures/refusion spells out every
 //! rule; the golden tests replay upstream's calls one by one.
 //!
-//! State lives in plain fields; tensors are the committed cache (`main`, appended in commit
-//! order and never cropped) and the scratch caches of the current call (`scratch[r]` extends
-//! `main` for row `r` of the call without copying it). [`PlanInfill::commit_slots`] is the one
-//! place where slots become final.
+//! State lives in plain fields; tensors are the committed cache (`main`, in the family's page
+//! pool, appended in commit order and never cropped below what was committed) and, during
+//! iterative completion, each row's scratch cache (`scratch[r]` extends `main` for row `r` of
+//! the call without copying it). Planning and verification write their rows in place in `main`'s
+//! pages after the committed ones: the first plan's prompt rows and a verified prefix stay
+//! there, the rest is cut. [`PlanInfill::commit_slots`] is the one place where slots become
+//! final.
 
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::transformer::KvCache;
@@ -40,6 +43,17 @@ pub(crate) struct Settings {
     pub(crate) token_threshold: f32,
     pub(crate) mask_id: u32,
     pub(crate) eos_rule: EosRule,
+}
+
+/// Where the K/V of the tokens a commit makes final are.
+enum Stitch<'a> {
+    /// Written by the call in place, right after the committed rows (planning and
+    /// verification extend the committed cache itself): the commit keeps as many as it takes.
+    InPlace,
+    /// Rows `start..start + len` of scratch cache `r` for each `(r, start, len)`, in order:
+    /// iterative completion's rows, each computed over its own view of the committed cache,
+    /// copied after it once they complete (a slot's rows, fewer than a page).
+    Rows(&'a [(usize, usize, usize)]),
 }
 
 /// What one iteration did, kept when recording (tests compare it with upstream's trace).
@@ -264,11 +278,11 @@ impl PlanInfill {
                         ..RowRead::top1(at)
                     })
                     .collect();
-                self.scratch = vec![KvCache::new()];
+                self.scratch.clear();
                 vec![CallRow {
                     ids,
                     positions,
-                    cache: CacheUse::Scratch(0),
+                    cache: CacheUse::Own,
                     reads,
                 }]
             }
@@ -283,11 +297,11 @@ impl PlanInfill {
                     .filter(|f| (f + 1) % s != 0)
                     .map(|f| RowRead::prob_of(f, ids[f + 1]))
                     .collect();
-                self.scratch = vec![KvCache::new()];
+                self.scratch.clear();
                 vec![CallRow {
                     ids,
                     positions,
-                    cache: CacheUse::Scratch(0),
+                    cache: CacheUse::Own,
                     reads,
                 }]
             }
@@ -417,15 +431,11 @@ impl PlanInfill {
             let best = (0..scores.len()).fold(0, |b, i| if scores[i] > scores[b] { i } else { b });
             picked.push(best);
         }
-        if self.main.is_empty() {
-            // The first call's prompt K/V are the committed cache from now on.
-            let p = self.prompt.len();
-            let scratch = std::mem::take(&mut self.scratch);
-            self.main
-                .append(&[(&scratch[0], 0, p)])
-                .map_err(|e| format!("cannot keep the prompt cache: {e}"))?;
-        }
-        self.scratch.clear();
+        // The call wrote its rows after the committed ones: the first call's prompt rows are
+        // committed from now on, the masked slots' rows are cut.
+        self.main
+            .truncate(self.buffer_ids.len())
+            .map_err(|e| e.to_string())?;
         stats.add_counter("iterations", 1);
         stats.add_counter("slots_selected", picked.len() as u64);
         stats.push_series("slots_selected_per_iteration", picked.len() as u32);
@@ -499,8 +509,10 @@ impl PlanInfill {
         };
         let Some(n) = commit_len else {
             // Iterative completion: one row per selected slot, each over its own copy of the
-            // committed cache (the verification K/V are dropped).
-            self.scratch.clear();
+            // committed cache (the verification K/V are cut).
+            self.main
+                .truncate(self.buffer_ids.len())
+                .map_err(|e| e.to_string())?;
             let rows = sel
                 .picked
                 .iter()
@@ -545,7 +557,8 @@ impl PlanInfill {
             .flat_map(|&i| self.slot_positions(self.pool[i]))
             .take(n)
             .collect();
-        self.commit_slots(&positions, &flat[..n], &[(0, 0, n)], stats, outbox)?;
+        // The verification call's K/V are in place after the committed rows: keep the first n.
+        self.commit_slots(&positions, &flat[..n], Stitch::InPlace, stats, outbox)?;
         let mut remove: Vec<usize> = sel.picked[..slots].to_vec();
         if eos_at.is_some() {
             // Every slot from the stop token's slot rightwards leaves the pool.
@@ -698,7 +711,7 @@ impl PlanInfill {
             .map(|r| (r, 0, s.min(n - r * s)))
             .collect();
         self.scratch = inf.rows.into_iter().map(|r| r.cache).collect();
-        self.commit_slots(&positions, &tokens, &parts, stats, outbox)?;
+        self.commit_slots(&positions, &tokens, Stitch::Rows(&parts), stats, outbox)?;
         let mut remove = inf.picked.clone();
         if let Some(r) = inf.eos_row {
             let from = match self.s.eos_rule {
@@ -726,22 +739,36 @@ impl PlanInfill {
     }
 
     /// The one place where slots become final: appends tokens at their positions (in commit
-    /// order) to the buffer, their K/V — rows `start..start + len` of scratch cache `r` for
-    /// each `(r, start, len)` of `kv`, in order — to the committed cache, and streams the
-    /// tokens that became final in position order.
+    /// order) to the buffer and their K/V to the committed cache (see [`Stitch`]), and streams
+    /// the tokens that became final in position order.
     fn commit_slots(
         &mut self,
         positions: &[u32],
         tokens: &[u32],
-        kv: &[(usize, usize, usize)],
+        kv: Stitch<'_>,
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), String> {
-        let parts: Vec<(&KvCache, usize, usize)> = kv
-            .iter()
-            .map(|&(r, start, len)| (&self.scratch[r], start, len))
-            .collect();
-        self.main.append(&parts).map_err(|e| e.to_string())?;
+        match kv {
+            Stitch::InPlace => {
+                let keep = self.buffer_ids.len() + tokens.len();
+                if self.main.len() < keep {
+                    return Err(format!(
+                        "{} rows to commit in place, {} written",
+                        tokens.len(),
+                        self.main.len() - self.buffer_ids.len().min(self.main.len())
+                    ));
+                }
+                self.main.truncate(keep).map_err(|e| e.to_string())?;
+            }
+            Stitch::Rows(kv) => {
+                let parts: Vec<(&KvCache, usize, usize)> = kv
+                    .iter()
+                    .map(|&(r, start, len)| (&self.scratch[r], start, len))
+                    .collect();
+                self.main.append(&parts).map_err(|e| e.to_string())?;
+            }
+        }
         self.scratch.clear();
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);

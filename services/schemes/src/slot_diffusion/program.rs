@@ -120,11 +120,26 @@ impl SdProgram {
     }
 
     /// The attention sequences of `call`'s rows, in row order, causal in buffer order, each
-    /// appended after its cache.
+    /// appended after its cache (a row of the program's own cache is written into its pages).
     pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
         match &mut self.scheme {
             Scheme::PlanInfill(p) => {
                 let PlanInfill { main, scratch, .. } = &mut **p;
+                if let [row] = call.rows.as_slice() {
+                    if row.cache == CacheUse::Own {
+                        // Planning and verification write their rows in place after the
+                        // committed ones; the commit keeps what it accepts and cuts the rest.
+                        let start = main.len();
+                        return Ok(vec![seq(
+                            row,
+                            start,
+                            Keys::Buffer {
+                                len: start + row.ids.len(),
+                                cache: main,
+                            },
+                        )]);
+                    }
+                }
                 if scratch.len() != call.rows.len() {
                     return Err("a call's rows and its scratch caches disagree".into());
                 }
