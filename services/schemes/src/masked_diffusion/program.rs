@@ -383,8 +383,9 @@ impl MdProgram {
                         !sl.is_locked(p) && !self.canvas.is_mask(p) && !was_mask.contains(&p)
                     })
                     .collect();
+                let canvas = &self.canvas;
                 record.locked = sl
-                    .observe(&lp, &positions, &eligible)
+                    .observe(&lp, &positions, &eligible, |p| !canvas.is_mask(p))
                     .map_err(crate::tick::to_candle)?;
             }
             self.stats

@@ -168,13 +168,16 @@ impl SureLock {
 
     /// One step's lock decisions. `log_probs` `[R, V]` (float32) are this step's
     /// log-posteriors of the canvas positions `positions` (one per row); `candidates` are the
-    /// positions allowed to lock. Returns the newly locked positions. Keeps this step's rows of
-    /// the positions not locked for the next step, in the slots those positions had.
+    /// positions allowed to lock. Returns the newly locked positions. Keeps, for the next step,
+    /// the rows of the positions not locked that hold a token after the step (`holds_token`),
+    /// in the slots those positions had: a position still masked is masked when the next step
+    /// begins, so it cannot lock then, whatever that step commits.
     pub(crate) fn observe(
         &mut self,
         log_probs: &Tensor,
         positions: &[usize],
         candidates: &[usize],
+        holds_token: impl Fn(usize) -> bool,
     ) -> wavefront_models::error::Result<Vec<usize>> {
         let row_of: HashMap<usize, usize> =
             positions.iter().enumerate().map(|(r, &p)| (p, r)).collect();
@@ -208,7 +211,7 @@ impl SureLock {
         for &p in &decided {
             self.locked[p] = true;
         }
-        // A locked position never compares again: only the others keep their rows.
+        // A locked position never compares again, nor does one still masked.
         let pool = match &self.pool {
             Some(pool) => pool.clone(),
             None => {
@@ -224,7 +227,7 @@ impl SureLock {
         };
         let mut before = std::mem::take(&mut self.prev);
         for (r, &p) in positions.iter().enumerate() {
-            if self.is_locked(p) {
+            if self.is_locked(p) || !holds_token(p) {
                 continue;
             }
             let row = log_probs.get(r)?;
