@@ -292,41 +292,35 @@ impl Pooled {
         Ok(Self::own(self.tensor.to_device(device)?.copy()?))
     }
 
-    /// Stacks `items` (each of one shape) along a new first dimension: one gather per run of
-    /// items in the same arena, one copy per item in storage of its own.
+    /// Stacks `items` (each of one shape) along a new first dimension, copying each item's
+    /// values once: one gather when every item is a whole slot of the same arena, else one
+    /// concatenation of the items' views.
     pub fn stack(items: &[&Pooled]) -> Result<Tensor> {
-        let mut parts: Vec<Tensor> = Vec::new();
-        let mut k = 0;
-        while k < items.len() {
-            let Some(slot) = &items[k].slot else {
-                parts.push(items[k].tensor.unsqueeze(0)?);
-                k += 1;
-                continue;
-            };
-            let whole = slot.pool.shape().first() == items[k].tensor.dims().first();
-            let mut run = vec![slot.at() as u32];
-            let mut j = k + 1;
-            while let Some(Some(next)) = items.get(j).map(|p| p.slot.as_ref()) {
-                if !whole || !next.same_arena(slot) {
-                    break;
-                }
-                run.push(next.at() as u32);
-                j += 1;
-            }
-            if !whole {
-                parts.push(items[k].tensor.unsqueeze(0)?);
-            } else if run.len() == 1 {
-                parts.push(slot.arena.narrow(0, slot.at(), 1)?);
-            } else {
-                let index = Tensor::new(run.as_slice(), slot.arena.device())?;
-                parts.push(slot.arena.index_select(&index, 0)?);
-            }
-            k = j;
-        }
-        if parts.is_empty() {
+        let Some(first) = items.first() else {
             return Err(ModelError::Shape("nothing to stack".into()));
+        };
+        let one_arena = first.slot.as_ref().and_then(|s0| {
+            let whole = |p: &Pooled| s0.pool.shape().first() == p.tensor.dims().first();
+            items
+                .iter()
+                .map(|p| {
+                    p.slot
+                        .as_ref()
+                        .filter(|s| whole(p) && s.same_arena(s0))
+                        .map(|s| s.at() as u32)
+                })
+                .collect::<Option<Vec<u32>>>()
+                .map(|rows| (s0, rows))
+        });
+        if let Some((slot, rows)) = one_arena {
+            let index = Tensor::new(rows.as_slice(), slot.arena.device())?;
+            return Ok(slot.arena.index_select(&index, 0)?);
         }
-        Ok(Tensor::cat(&parts, 0)?)
+        let views = items
+            .iter()
+            .map(|p| p.tensor.unsqueeze(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&views, 0)?)
     }
 }
 
@@ -383,6 +377,14 @@ mod tests {
         assert_eq!(values(&stacked), expect);
         drop((many, short, zero));
         assert_eq!(pool.in_use(), 0);
+        // Whole slots of one arena, in any order: one gather.
+        let one = SlotPool::new(&[3, 2], DType::F32, &cpu, 8);
+        let three: Vec<Pooled> = (0..3)
+            .map(|k| Pooled::new_in(&one, &t(10.0 * k as f32)?))
+            .collect::<Result<_>>()?;
+        let order = [&three[2], &three[0], &three[1]];
+        let expect: Vec<f32> = order.iter().flat_map(|p| values(p.tensor())).collect();
+        assert_eq!(values(&Pooled::stack(&order)?), expect);
         Ok(())
     }
 
