@@ -152,6 +152,12 @@ impl Linear {
     }
 
     /// `x Wᵀ + b` over the last dim of `x` `[.., in]`.
+    /// Whether the weight is packed for the CPU kernel, whose output rows are each computed the
+    /// same way whatever other rows share the product.
+    pub(crate) fn is_packed(&self) -> bool {
+        matches!(self.weight, Weight::Packed(_))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.weight {
             Weight::Dense(w) => {
