@@ -53,9 +53,7 @@ use super::ArmtConfig;
 use crate::error::{ModelError, Result};
 use crate::transformer::cpu;
 use crate::transformer::parallel::{on_rank, reduce, slice, Collective};
-use crate::transformer::{
-    in_row_chunks, GatedMlp, LinearStack, RopeTable, ShardRange, ShardWeights,
-};
+use crate::transformer::{gated_mlp, GatedMlp, LinearStack, RopeTable, ShardRange, ShardWeights};
 
 /// Per-layer weights stacked along a leading layer axis, in the checkpoint's `[out, in]` layout.
 /// The decoder layers' linears are stacked once per tensor-parallel rank (its slice of every
@@ -218,26 +216,18 @@ impl RankStack {
     }
 
     /// The rank's columns of a grouped step's MLP over `hn` `[G, R, d]`: its partial output.
-    /// With packed CPU weights each group's rows run in chunks ([`in_row_chunks`]): a packed
-    /// step of several requests has thousands of rows per group.
+    /// With packed CPU weights each group runs through its layer's MLP ([`gated_mlp`]: its
+    /// rows in chunks, a packed step of several requests has thousands per group).
     fn mlp(&self, hn: &Tensor, lo: usize) -> Result<Tensor> {
-        let g_n = hn.dim(0)?;
-        let packed = (lo..lo + g_n).all(|l| {
-            [&self.gate_up, &self.down]
-                .iter()
-                .all(|s| s.layer(l).is_ok_and(|w| w.is_packed()))
-        });
-        if !(packed && cpu::on_cpu_f32(hn)) {
+        if !(self.gate_up.is_packed() && self.down.is_packed()) {
             let gu = grouped_linear(hn, &self.gate_up, lo)?;
             let act = cpu::silu_mul(&gu, self.hidden)?;
             return grouped_linear(&act, &self.down, lo);
         }
-        let groups = (0..g_n)
+        let groups = (0..hn.dim(0)?)
             .map(|g| {
                 let (gate_up, down) = (self.gate_up.layer(lo + g)?, self.down.layer(lo + g)?);
-                in_row_chunks(&hn.get(g)?, |x| {
-                    down.forward(&cpu::silu_mul(&gate_up.forward(x)?, self.hidden)?)
-                })
+                gated_mlp(gate_up, down, self.hidden, &hn.get(g)?)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::stack(&groups, 0)?)

@@ -66,18 +66,8 @@ impl GatedMlp {
             .collect()
     }
 
-    /// `x` `[rows, e]`; with packed CPU weights in chunks of rows, as the shared block's MLP
-    /// ([`crate::transformer::in_row_chunks`]: bit-identical, the intermediate kept in cache).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let run = |x: &Tensor| -> Result<Tensor> {
-            let gu = self.fc.forward(x)?;
-            self.proj.forward(&cpu::silu_mul(&gu, self.hidden)?)
-        };
-        if self.fc.is_packed() && self.proj.is_packed() {
-            crate::transformer::in_row_chunks(x, run)
-        } else {
-            run(x)
-        }
+        crate::transformer::gated_mlp(&self.fc, &self.proj, self.hidden, x)
     }
 }
 

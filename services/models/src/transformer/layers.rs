@@ -161,17 +161,28 @@ impl GatedMlp {
         })
     }
 
-    /// `x` `[rows, in]`; with packed CPU weights in chunks of rows ([`in_row_chunks`]).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let run = |x: &Tensor| -> Result<Tensor> {
-            let gu = self.gate_up.forward(x)?;
-            self.down.forward(&super::cpu::silu_mul(&gu, self.hidden)?)
-        };
-        if self.gate_up.is_packed() && self.down.is_packed() {
-            in_row_chunks(x, run)
-        } else {
-            run(x)
-        }
+        gated_mlp(&self.gate_up, &self.down, self.hidden, x)
+    }
+}
+
+/// `down(silu(g) * u)` with `[g | u] = gate_up(x)` (`hidden` columns each), for `x`
+/// `[rows, in]`: every gated MLP (the shared block's, Huginn's, each layer of ARMT's grouped
+/// step). With packed CPU weights the rows run in chunks ([`in_row_chunks`]).
+pub(crate) fn gated_mlp(
+    gate_up: &Linear,
+    down: &Linear,
+    hidden: usize,
+    x: &Tensor,
+) -> Result<Tensor> {
+    let run = |x: &Tensor| -> Result<Tensor> {
+        let gu = gate_up.forward(x)?;
+        down.forward(&super::cpu::silu_mul(&gu, hidden)?)
+    };
+    if gate_up.is_packed() && down.is_packed() {
+        in_row_chunks(x, run)
+    } else {
+        run(x)
     }
 }
 

@@ -289,6 +289,11 @@ impl LinearStack {
         })
     }
 
+    /// Whether every layer is packed for the CPU kernel (then the stack is not kept whole).
+    pub(crate) fn is_packed(&self) -> bool {
+        self.stacked.is_none()
+    }
+
     /// Layer `l`.
     pub(crate) fn layer(&self, l: usize) -> Result<&Linear> {
         self.layers.get(l).ok_or_else(|| {

@@ -756,7 +756,7 @@ impl PlanInfill {
                     return Err(format!(
                         "{} rows to commit in place, {} written",
                         tokens.len(),
-                        self.main.len() - self.buffer_ids.len().min(self.main.len())
+                        self.main.len().saturating_sub(self.buffer_ids.len())
                     ));
                 }
                 self.main.truncate(keep).map_err(|e| e.to_string())?;
