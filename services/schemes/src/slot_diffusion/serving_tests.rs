@@ -617,6 +617,9 @@ fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
     let served = load_model(fixture_files()?, opts)?;
     let total = served.load().total_slots;
     let watch = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    // The watcher is sampling before the requests go in (under a loaded test run a thread
+    // started just before two short requests can miss them entirely).
+    let (ready, sampling) = std::sync::mpsc::channel();
     let samples = {
         let (served, watch) = (served.clone(), watch.clone());
         std::thread::spawn(move || {
@@ -624,11 +627,17 @@ fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
             while watch.load(std::sync::atomic::Ordering::Relaxed) {
                 let l = served.load();
                 seen.push((l.active, l.free_slots));
+                if seen.len() == 1 {
+                    let _ = ready.send(());
+                }
                 std::thread::sleep(Duration::from_micros(200));
             }
             seen
         })
     };
+    sampling
+        .recv_timeout(Duration::from_secs(10))
+        .context("the watcher started")?;
     let rx = [
         submit(served.as_ref(), s.clone())?,
         submit(served.as_ref(), s)?,
