@@ -117,6 +117,11 @@ impl Canvas {
         (self.prompt_len..self.len()).find(|&i| !self.is_mask(i) && self.is_stop(self.tokens[i]))
     }
 
+    /// Whether every generated position before `p` is committed.
+    pub(crate) fn settled_before(&self, p: usize) -> bool {
+        (self.prompt_len..p).all(|i| !self.is_mask(i))
+    }
+
     /// Cuts the canvas after position `p`; returns whether it shrank.
     pub(crate) fn cut_after(&mut self, p: usize) -> bool {
         if p + 1 < self.len() {

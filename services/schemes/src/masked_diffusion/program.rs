@@ -437,7 +437,13 @@ impl MdProgram {
     fn advance(&mut self, outbox: &mut Outbox) -> candle_core::Result<()> {
         match &mut self.decoder {
             Decoder::LowConfidence(lc) => {
-                if let Some(p) = self.canvas.first_stop() {
+                // Cut only once everything before the stop is committed: until then the
+                // masked positions before it attend to the whole canvas, as upstream's do.
+                if let Some(p) = self
+                    .canvas
+                    .first_stop()
+                    .filter(|&p| self.canvas.settled_before(p))
+                {
                     if self.canvas.cut_after(p) {
                         if let Some(sl) = &mut self.surelock {
                             sl.truncate(p + 1)
