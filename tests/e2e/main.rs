@@ -14,6 +14,7 @@ mod slot_diffusion;
 mod soak;
 mod tls;
 mod tracing;
+mod trained_models;
 
 use std::time::Duration;
 

@@ -1,0 +1,338 @@
+"""Train a small ARMT (associative recurrent memory on Llama) and write it in upstream's layout.
+
+Objective (Rodkin et al., 2024): next-token prediction over sequences of several segments.
+Each segment runs through the Llama backbone as `[embed(segment), P]` (P: the learned memory
+tokens) at positions 0..n; before every layer each row reads that layer's associative memory,
+after it the memory rows write it (DPFP features, delta rule with the correction term), and
+the loss backpropagates through the memories across every segment of the sequence. The
+semantics are those the server implements (`services/models/src/armt/memory.rs`).
+
+Data: prose windows, and key-value recall sequences: facts ("The key 37 is 5.") in the early
+segments among prose, questions about them ("The key 37 is") in the last, so that answering
+needs the memory.
+
+    python training/armt.py --out models/armt-tiny            # about 90 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+BOS = EOS = -1  # set by `main` from the tokenizer
+
+
+class Config:
+    hidden = 256
+    heads = 4
+    kv_heads = 2
+    head_dim = 64
+    layers = 4
+    intermediate = 576
+    vocab = 2048
+    rope_theta = 10000.0
+    eps = 1e-6
+    segment = 64
+    mem_tokens = 8
+    d_mem = 16
+    nu = 3
+    segments = 4
+
+    @property
+    def d_key(self):
+        return 2 * self.nu * self.d_mem
+
+
+def dpfp(x, nu):
+    u = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
+    return torch.cat([u * torch.roll(u, j, dims=-1) for j in range(1, nu + 1)], dim=-1)
+
+
+def rope(x, theta):
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    xf = x.float()
+    half = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
+    return (xf * cos + half * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.mlp = Mlp(c)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class AssociativeLayer(nn.Module):
+    """One decoder layer with its memory's projections; the memory (A, z) is passed in."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.W_mq = nn.Linear(c.hidden, c.d_mem, bias=False)
+        self.W_mk = nn.Linear(c.hidden, c.d_mem, bias=False)
+        self.W_mv = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.W_mb = nn.Linear(c.hidden, 1, bias=True)
+        self.layer = LlamaLayer(c)
+
+    def forward(self, h, memory):
+        """h [b, n, d]; memory None (never written) or (A [b, d_key, d], z [b, d_key])."""
+        c = self.c
+        if memory is not None:
+            a, z = memory
+            q = dpfp(self.W_mq(h).float(), c.nu)
+            h = h + (torch.einsum("bnk,bkd->bnd", q, a) / (torch.einsum("bnk,bk->bn", q, z) + 1e-5)[..., None]).to(h.dtype)
+        out = self.layer(h)
+        o = out[:, -c.mem_tokens :]
+        k = dpfp(self.W_mk(o).float(), c.nu)
+        v = self.W_mv(o).float()
+        beta = torch.sigmoid(self.W_mb(o).float())  # [b, M, 1]
+        if memory is None:
+            a = torch.zeros(h.shape[0], c.d_key, c.hidden, device=h.device)
+            z = torch.zeros(h.shape[0], c.d_key, device=h.device)
+            v_prev, gamma = torch.zeros_like(v), torch.ones_like(beta)
+        else:
+            den = torch.einsum("bmk,bk->bm", k, z)[..., None] + 1e-5
+            v_prev = torch.einsum("bmk,bkd->bmd", k, a) / den
+            gamma = (1 - den / ((k * k).sum(-1, keepdim=True) + 1e-5)).clamp(0, 1)
+        a = a + torch.einsum("bmk,bmd->bkd", beta * k, v - v_prev)
+        z = z + (gamma * k).sum(1)
+        return out, (a, z)
+
+
+class Armt(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(AssociativeLayer(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.memory = nn.Parameter(torch.randn(c.mem_tokens, c.hidden) * 0.02)
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and name != "memory":
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        """Logits [b, T, V] of sequences of whole segments, memories carried across segments."""
+        c = self.c
+        b = ids.shape[0]
+        memories = [None] * c.layers
+        logits = []
+        for seg in ids.split(c.segment, dim=1):
+            h = torch.cat([self.embed_tokens(seg), self.memory[None].expand(b, -1, -1).to(self.embed_tokens.weight.dtype)], 1)
+            for i, layer in enumerate(self.layers):
+                h, memories[i] = layer(h, memories[i])
+            logits.append(self.lm_head(self.norm(h[:, : seg.shape[1]])))
+        return torch.cat(logits, 1)
+
+    def upstream_tensors(self) -> dict:
+        out = {"memory_cell.memory": self.memory}
+        for k, v in self.state_dict().items():
+            if k.startswith("layers."):
+                out["memory_cell." + k] = v
+            elif k.startswith("lm_head"):
+                out["memory_cell.model." + k] = v
+            elif k != "memory":
+                out["memory_cell.model.model." + k] = v
+        return out
+
+
+def recall_sequence(tok, filler, c: Config, rng: random.Random, held_out: bool = False):
+    """(ids, [(answer start, answer ids)]): facts in the first segments, questions in the last."""
+    total = c.segment * c.segments
+    n_facts = rng.randint(2, 4)
+    keys = rng.sample(range(10, 100), n_facts)
+    facts = {k: rng.randrange(10) for k in keys}
+    ids: list[int] = []
+    for k in keys:
+        # one fact per early segment, at a random place among prose
+        s = rng.randrange(0, len(filler) - c.segment)
+        chunk = filler[s : s + rng.randint(4, 24)]
+        ids += chunk + tok.encode(f" The key {k} is {facts[k]}.").ids
+    room = (c.segments - 1) * c.segment
+    s = rng.randrange(0, len(filler) - room)
+    ids = (ids + filler[s : s + room])[:room]
+    answers = []
+    for k in rng.sample(keys, len(keys)):
+        q = tok.encode(f" The key {k} is").ids
+        a = tok.encode(f" {facts[k]}.").ids
+        answers.append((len(ids) + len(q), a))
+        ids += q + a
+    s = rng.randrange(0, len(filler) - total)
+    ids = (ids + filler[s : s + total])[:total]
+    return ids, [(p, a) for p, a in answers if p + len(a) <= total]
+
+
+def main():
+    args = common.base_args(__doc__.splitlines()[0], minutes=90).parse_args()
+    device, docs = common.setup(args)
+    c = Config()
+    if args.smoke:
+        c.segment, c.segments = 32, 3
+    base = common.train_tokenizer(docs["train"], args.seed)
+    global BOS, EOS
+    tok = common.with_specials(base, SPECIALS)
+    BOS, EOS = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    train = [i for d in docs["train"] for i in tok.encode(d).ids + [EOS]]
+    held = [i for d in docs["held_out"] for i in tok.encode(d).ids + [EOS]]
+    model = Armt(c).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"ARMT: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
+    peak = args.lr or 2e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = random.Random(args.seed)
+    total = c.segment * c.segments
+    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=6000)
+    while prog.running():
+        steps = prog.total_steps()
+        for g in opt.param_groups:
+            g["lr"] = common.cosine_lr(prog.step, steps, peak, warmup=min(200, steps // 10))
+        rows = []
+        for _ in range(8):
+            s = rng.randrange(0, len(train) - total - 1)
+            rows.append(train[s : s + total + 1])
+        for _ in range(8):
+            ids, _ = recall_sequence(tok, train, c, rng)
+            rows.append(ids + [EOS])
+        x = torch.tensor(rows, device=device)
+        with common.autocast(device):
+            logits = model(x[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        prog.update(loss.item(), x.numel())
+        if prog.step % 500 == 0:
+            prog.held_out.append((prog.step, held_out_loss(model, held, total, device)))
+    prog.close()
+    model.eval()
+    final = held_out_loss(model, held, total, device)
+    prog.held_out.append((prog.step, final))
+    accuracy = recall_accuracy(model, tok, held, c, device, 10 if args.smoke else 200)
+    report = {
+        "family": "armt",
+        "parameters": n_params,
+        **prog.summary(),
+        "device": str(device),
+        "held_out_loss": final,
+        "unigram_held_out_loss": common.unigram_loss(train, held, c.vocab),
+        "held_out_recall_accuracy_python": accuracy,
+    }
+    print(report, flush=True)
+    config = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": c.intermediate,
+        "max_position_embeddings": 4096,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": c.heads,
+        "num_hidden_layers": c.layers,
+        "num_key_value_heads": c.kv_heads,
+        "pretraining_tp": 1,
+        "rms_norm_eps": c.eps,
+        "rope_scaling": None,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": c.vocab,
+    }
+    armt_config = {
+        "num_mem_tokens": c.mem_tokens,
+        "d_mem": c.d_mem,
+        "layers_attr": "model.layers",
+        "wrap_pos": False,
+        "correction": True,
+        "segment_size": c.segment,
+        "segment_alignment": "left",
+        "k2": -1,
+    }
+    out = Path(args.out)
+    common.save_checkpoint(out, model.upstream_tensors(), config, tok, {"armt_config.json": armt_config})
+    common.write_report(out, report)
+    common.plot_loss(prog, out / "loss.png", f"ARMT {n_params / 1e6:.1f}M: next-token loss over {c.segments} segments")
+
+
+@torch.no_grad()
+def held_out_loss(model, stream, total, device, n=32, seed=7) -> float:
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(stream) - total - 1) for _ in range(n)]
+    x = torch.tensor([stream[s : s + total + 1] for s in starts], device=device)
+    return F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()).item()
+
+
+@torch.no_grad()
+def recall_accuracy(model, tok, held, c, device, n) -> float:
+    """Share of held-out recall questions whose whole answer is the argmax (teacher forced)."""
+    rng = random.Random(99)
+    right = count = 0
+    for _ in range(n):
+        ids, answers = recall_sequence(tok, held, c, rng)
+        logits = model(torch.tensor([ids], device=device))[0]
+        for start, a in answers[:1]:
+            # every token of the answer (" 5."), each from the true tokens before it
+            pred = logits[start - 1 : start - 1 + len(a)].argmax(-1).tolist()
+            right += int(pred == a)
+            count += 1
+    return right / max(count, 1)
+
+
+if __name__ == "__main__":
+    main()

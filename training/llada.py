@@ -1,0 +1,362 @@
+"""Train a small LLaDA (masked diffusion) and write it in LLaDA-8B-Instruct's layout.
+
+Objective (LLaDA, eq. 3 and its SFT form): draw t ~ U(0, 1) per sequence, mask each token
+with probability p = (1 - eps) t + eps, and score the model's prediction of each masked
+token weighted by 1 / p. Prose windows are masked anywhere and the loss is averaged over
+all positions (pre-training); task lines keep their prompt unmasked, mask only the answer
+and its EOS padding, and divide each sequence's loss by that answer's length (SFT).
+
+    python training/llada.py --out models/llada-tiny          # about 90 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BOS = EOS = MASK = -1  # set by `main` from the tokenizer
+
+SPECIALS = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|mdm_mask|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+# LLaDA-8B-Instruct's chat template.
+CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+)
+
+
+class Config:
+    d_model = 256
+    n_heads = 4
+    n_layers = 4
+    mlp_hidden = 576
+    vocab = 2048
+    rope_theta = 500000.0
+    eps = 1e-5
+    prose_len = 128
+    task_len = 32
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE in float32 over [batch, heads, seq, head_dim]."""
+    t, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    freqs = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    x32 = x.float()
+    half = torch.cat([-x32[..., hd // 2 :], x32[..., : hd // 2]], dim=-1)
+    return (x32 * emb.cos() + half * emb.sin()).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        d = c.d_model
+        self.c = c
+        self.attn_norm = nn.RMSNorm(d, eps=c.eps)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.ff_norm = nn.RMSNorm(d, eps=c.eps)
+        self.ff_proj = nn.Linear(d, c.mlp_hidden, bias=False)  # the gate (SiLU applied)
+        self.up_proj = nn.Linear(d, c.mlp_hidden, bias=False)
+        self.ff_out = nn.Linear(c.mlp_hidden, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.c.n_heads
+        y = self.attn_norm(x)
+        q, k, v = (p(y).view(b, t, h, d // h).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = rope(q, self.c.rope_theta), rope(k, self.c.rope_theta)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.attn_out(a)
+        y = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(y)) * self.up_proj(y))
+
+
+class LLaDA(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c.vocab, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.RMSNorm(c.d_model, eps=c.eps)
+        self.ff_out = nn.Linear(c.d_model, c.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * c.n_layers) if name.endswith(("attn_out.weight", "ff_out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.ff_out(self.ln_f(x))
+
+    def upstream_tensors(self) -> dict:
+        """The state dict under LLaDA-8B-Instruct's tensor names."""
+        out = {}
+        for k, v in self.state_dict().items():
+            out["model.transformer." + k] = v
+        return out
+
+
+def mask_for(ids: torch.Tensor, maskable: torch.Tensor, gen: torch.Generator, eps: float = 1e-3):
+    b = ids.shape[0]
+    t = torch.rand(b, 1, generator=gen, device=ids.device)
+    p = (1 - eps) * t + eps
+    masked = (torch.rand(ids.shape, generator=gen, device=ids.device) < p) & maskable
+    return torch.where(masked, torch.full_like(ids, MASK), ids), masked, p.expand_as(ids)
+
+
+def prose_stream(tok, docs):
+    ids = []
+    for d in docs:
+        ids.extend(tok.encode(d).ids)
+        ids.append(EOS)
+    return ids
+
+
+def prose_batch(stream, n, length, rng):
+    starts = [rng.randrange(0, len(stream) - length) for _ in range(n)]
+    return torch.tensor([stream[s : s + length] for s in starts])
+
+
+def task_batch(tok, examples, n, length):
+    """Task lines as `prompt answer <eos> <eos> ...`, and the maskable (answer) part. No BOS:
+    a served prompt is the task's text as typed."""
+    rows, answer = [], []
+    for _ in range(n):
+        _, prompt, ans = next(examples)
+        p = tok.encode(prompt).ids
+        a = tok.encode(ans).ids + [EOS]
+        row = (p + a + [EOS] * length)[:length]
+        rows.append(row)
+        answer.append([0] * len(p) + [1] * (length - len(p)))
+    return torch.tensor(rows), torch.tensor(answer, dtype=torch.bool)
+
+
+def losses(model, prose, tasks, task_answer, gen):
+    noisy, masked, p = mask_for(prose, torch.ones_like(prose, dtype=torch.bool), gen)
+    logits = model(noisy)
+    ce = F.cross_entropy(logits[masked].float(), prose[masked], reduction="none") / p[masked]
+    prose_loss = ce.sum() / prose.numel()
+    noisy, masked, p = mask_for(tasks, task_answer, gen)
+    logits = model(noisy)
+    ce = F.cross_entropy(logits[masked].float(), tasks[masked], reduction="none") / p[masked]
+    lengths = task_answer.sum(1, keepdim=True).expand_as(tasks)[masked]
+    task_loss = (ce / lengths).sum() / tasks.shape[0]
+    return prose_loss, task_loss
+
+
+@torch.no_grad()
+def held_out_loss(model, stream, length, device, n=64, seed=7) -> float:
+    """The masked-diffusion bound (nats/token) on held-out prose, stratified over 8 mask ratios."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = 0.0
+    for k in range(8):
+        x = prose_batch(stream, n, length, rng).to(device)
+        p = (k + 0.5) / 8
+        masked = torch.rand(x.shape, generator=gen, device=device) < p
+        logits = model(torch.where(masked, torch.full_like(x, MASK), x))
+        ce = F.cross_entropy(logits[masked].float(), x[masked], reduction="sum") / p
+        total += ce.item() / x.numel()
+    return total / 8
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], gen_length: int, device) -> list[int]:
+    """LLaDA's low-confidence remasking, one block, one token per step, greedy."""
+    x = torch.tensor([prompt_ids + [MASK] * gen_length], device=device)
+    for _ in range(gen_length):
+        masked = x[0] == MASK
+        if not masked.any():
+            break
+        probs = F.softmax(model(x)[0].float(), dim=-1)
+        conf, pred = probs.max(-1)
+        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        i = int(conf.argmax())
+        x[0, i] = pred[i]
+    return x[0, len(prompt_ids) :].tolist()
+
+
+def answer_of(tok, ids: list[int]) -> str:
+    if EOS in ids:
+        ids = ids[: ids.index(EOS)]
+    return tok.decode(ids)
+
+
+def main():
+    args = common.base_args(__doc__.splitlines()[0], minutes=90).parse_args()
+    device, docs = common.setup(args)
+    c = Config()
+    base = common.train_tokenizer(docs["train"], args.seed)
+    tok = common.with_specials(base, SPECIALS)
+    global BOS, EOS, MASK
+    BOS, EOS, MASK = (tok.token_to_id(s) for s in SPECIALS[:3])
+    train_stream = prose_stream(tok, docs["train"])
+    held_stream = prose_stream(tok, docs["held_out"])
+    if args.smoke:
+        c.prose_len, held_len = 64, 32
+    else:
+        held_len = c.prose_len
+    model = LLaDA(c).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"LLaDA: {n_params / 1e6:.2f} M parameters, {len(train_stream)} training prose tokens", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr or 2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = random.Random(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    examples = common.task_examples(args.seed, "train")
+    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=10000)
+    peak = args.lr or 2e-3
+    while prog.running():
+        for g in opt.param_groups:
+            g["lr"] = common.cosine_lr(prog.step, prog.total_steps(), peak, warmup=min(200, prog.total_steps() // 10))
+        prose = prose_batch(train_stream, 16, c.prose_len, rng).to(device)
+        tasks, answer = (t.to(device) for t in task_batch(tok, examples, 64, c.task_len))
+        with common.autocast(device):
+            prose_loss, task_loss = losses(model, prose, tasks, answer, gen)
+        loss = prose_loss + task_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        prog.update(loss.item(), prose.numel() + tasks.numel())
+        if prog.step % 500 == 0:
+            model.eval()
+            prog.held_out.append((prog.step, held_out_loss(model, held_stream, held_len, device)))
+            model.train()
+    prog.close()
+    model.eval()
+    final = held_out_loss(model, held_stream, held_len, device)
+    prog.held_out.append((prog.step, final))
+    n_eval = 2 if args.smoke else 100
+    correct: dict[str, list[int]] = {}
+    for name, prompt, answer in common.eval_set(n_eval):
+        out = generate(model, tok.encode(prompt).ids, 16, device)
+        correct.setdefault(name, []).append(int(answer_of(tok, out).strip() == answer.strip()))
+    accuracy = {k: sum(v) / len(v) for k, v in correct.items()}
+    sample = tok.decode(generate(model, tok.encode("In the beginning, God").ids, 32, device))
+    report = {
+        "family": "llada",
+        "parameters": n_params,
+        **prog.summary(),
+        "device": str(device),
+        "held_out_loss": final,
+        "unigram_held_out_loss": common.unigram_loss(train_stream, held_stream, c.vocab),
+        "held_out_accuracy_python_low_confidence": accuracy,
+        "sample": "In the beginning, God" + sample,
+    }
+    print(report, flush=True)
+    out = Path(args.out)
+    config = {
+        "_name_or_path": "wavefront/llada-tiny",
+        "activation_type": "silu",
+        "alibi": False,
+        "alibi_bias_max": 8.0,
+        "architectures": ["LLaDAModelLM"],
+        "attention_dropout": 0.0,
+        "attention_layer_norm": False,
+        "attention_layer_norm_with_affine": True,
+        "auto_map": {
+            "AutoConfig": "configuration_llada.LLaDAConfig",
+            "AutoModel": "modeling_llada.LLaDAModelLM",
+            "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+        },
+        "bias_for_layer_norm": False,
+        "block_group_size": 1,
+        "block_type": "llama",
+        "d_model": c.d_model,
+        "embedding_dropout": 0.0,
+        "embedding_size": c.vocab,
+        "eos_token_id": EOS,
+        "flash_attention": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "init_cutoff_factor": None,
+        "init_device": "meta",
+        "init_fn": "mitchell",
+        "init_std": 0.02,
+        "input_emb_norm": False,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "mask_token_id": MASK,
+        "max_sequence_length": 4096,
+        "mlp_hidden_size": c.mlp_hidden,
+        "mlp_ratio": 4,
+        "model_type": "llada",
+        "multi_query_attention": None,
+        "n_heads": c.n_heads,
+        "n_kv_heads": c.n_heads,
+        "n_layers": c.n_layers,
+        "pad_token_id": EOS,
+        "precision": "amp_bf16",
+        "residual_dropout": 0.0,
+        "rms_norm_eps": c.eps,
+        "rope": True,
+        "rope_full_precision": True,
+        "rope_theta": c.rope_theta,
+        "scale_logits": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": False,
+        "vocab_size": c.vocab,
+        "weight_tying": False,
+    }
+    tokenizer_config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(BOS + i): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, s in enumerate(SPECIALS)
+        },
+        "bos_token": SPECIALS[0],
+        "eos_token": SPECIALS[1],
+        "pad_token": SPECIALS[1],
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    common.save_checkpoint(
+        out,
+        model.upstream_tensors(),
+        config,
+        tok,
+        {
+            "tokenizer_config.json": tokenizer_config,
+            "generation_config.json": {"bos_token_id": BOS, "eos_token_id": EOS},
+        },
+    )
+    common.write_report(out, report)
+    common.plot_loss(prog, out / "loss.png", f"LLaDA {n_params / 1e6:.1f}M: masked-diffusion loss")
+
+
+if __name__ == "__main__":
+    main()

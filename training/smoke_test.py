@@ -1,0 +1,83 @@
+"""CI's check of the training pipeline (CI does not train): each family's script runs a few
+steps on the committed slice of the corpus, its loss must fall, and `wavefront` must load the
+checkpoint it writes and generate from it.
+
+    python training/smoke_test.py --wavefront target/debug/wavefront
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# family script -> (steps, a `wavefront run` invocation's extra arguments)
+FAMILIES = {
+    "llada": (40, ["--scheme", "low-confidence", "--prompt", "12+34=", "--max-new-tokens", "8"]),
+    "huginn": (30, ["--scheme", "ar", "--prompt", "12+34=", "--max-new-tokens", "4"]),
+    "refusion": (20, ["--scheme", "plan-infill", "--prompt", "12+34=", "--max-new-tokens", "8"]),
+    "armt": (15, ["--prompt", "The key 37 is 5. The key 37 is", "--max-new-tokens", "4"]),
+}
+
+
+def check(family: str, steps: int, run_args: list[str], wavefront: str, tmp: Path) -> str | None:
+    out = tmp / family
+    train = subprocess.run(
+        [sys.executable, str(HERE / f"{family}.py"), "--smoke", "--max-steps", str(steps), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if train.returncode != 0:
+        return f"training failed:\n{train.stderr[-3000:]}"
+    report = json.loads((out / "training.json").read_text())
+    if not report["last_loss"] < report["first_loss"]:
+        return f"loss did not fall: {report['first_loss']:.3f} -> {report['last_loss']:.3f}"
+    if not (out / "loss.png").stat().st_size > 0:
+        return "no loss curve written"
+    run = subprocess.run(
+        [wavefront, "run", "--model", str(out), "--json", "--log-filter", "warn", *run_args],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        return f"wavefront run failed:\n{run.stderr[-3000:]}"
+    result = json.loads(run.stdout)
+    if not result["token_ids"]:
+        return "wavefront generated no token"
+    print(
+        f"  {family}: loss {report['first_loss']:.3f} -> {report['last_loss']:.3f} in {steps} steps; "
+        f"wavefront run: {result['text']!r}",
+        flush=True,
+    )
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--wavefront", required=True, help="the wavefront binary")
+    p.add_argument("families", nargs="*", default=list(FAMILIES))
+    args = p.parse_args()
+    passed = failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            steps, run_args = FAMILIES[family]
+            start = time.time()
+            error = check(family, steps, run_args, args.wavefront, Path(tmp))
+            status = "ok" if error is None else "FAILED"
+            print(f"training smoke {family}: {status} ({time.time() - start:.0f} s)", flush=True)
+            if error is None:
+                passed += 1
+            else:
+                print(error, flush=True)
+                failed += 1
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
