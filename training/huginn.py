@@ -296,7 +296,7 @@ def main():
         out = generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 16, device)
         correct.setdefault(name, []).append(int(tok.decode(out).strip() == answer.strip()))
     prompt = "In the beginning, God"
-    sample = tok.decode(generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 32, device))
+    sample = tok.decode(generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 8 if args.smoke else 32, device))
     report = {
         "family": "huginn",
         "parameters": n_params,
