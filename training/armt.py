@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import layers  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 BOS = EOS = -1  # set by `main` from the tokenizer
@@ -57,60 +58,6 @@ def dpfp(x, nu):
     return torch.cat([u * torch.roll(u, j, dims=-1) for j in range(1, nu + 1)], dim=-1)
 
 
-def rope(x, theta):
-    t, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    xf = x.float()
-    half = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
-    return (xf * cos + half * sin).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        c = self.c
-        q = self.q_proj(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Mlp(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaLayer(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.mlp = Mlp(c)
-
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class AssociativeLayer(nn.Module):
     """One decoder layer with its memory's projections; the memory (A, z) is passed in."""
 
@@ -121,7 +68,7 @@ class AssociativeLayer(nn.Module):
         self.W_mk = nn.Linear(c.hidden, c.d_mem, bias=False)
         self.W_mv = nn.Linear(c.hidden, c.hidden, bias=False)
         self.W_mb = nn.Linear(c.hidden, 1, bias=True)
-        self.layer = LlamaLayer(c)
+        self.layer = layers.DecoderLayer(c, qk_norm=False)
 
     def forward(self, h, memory):
         """h [b, n, d]; memory None (never written) or (A [b, d_key, d], z [b, d_key])."""
@@ -130,7 +77,7 @@ class AssociativeLayer(nn.Module):
             a, z = memory
             q = dpfp(self.W_mq(h).float(), c.nu)
             h = h + (torch.einsum("bnk,bkd->bnd", q, a) / (torch.einsum("bnk,bk->bn", q, z) + 1e-5)[..., None]).to(h.dtype)
-        out = self.layer(h)
+        out = self.layer(h, torch.arange(h.shape[1], device=h.device))
         o = out[:, -c.mem_tokens :]
         k = dpfp(self.W_mk(o).float(), c.nu)
         v = self.W_mv(o).float()
@@ -227,15 +174,14 @@ def main():
     model = Armt(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"ARMT: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
-    peak = args.lr or 2e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
     total = c.segment * c.segments
-    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=6000)
-    while prog.running():
-        steps = prog.total_steps()
-        for g in opt.param_groups:
-            g["lr"] = common.cosine_lr(prog.step, steps, peak, warmup=min(200, steps // 10))
+    trainer = common.Trainer(model, args, device, 6000, lambda: held_out_loss(model, held, total, device))
+
+    def loss_of(x):
+        return F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+
+    while trainer.running():
         rows = []
         for _ in range(8):
             s = rng.randrange(0, len(train) - total - 1)
@@ -244,20 +190,9 @@ def main():
             ids, _ = recall_sequence(tok, train, c, rng)
             rows.append(ids + [EOS])
         x = torch.tensor(rows, device=device)
-        with common.autocast(device):
-            logits = model(x[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        prog.update(loss.item(), x.numel())
-        if prog.step % 500 == 0:
-            prog.held_out.append((prog.step, held_out_loss(model, held, total, device)))
-    prog.close()
-    model.eval()
-    final = held_out_loss(model, held, total, device)
-    prog.held_out.append((prog.step, final))
+        trainer.step(lambda: loss_of(x), x.numel())
+    final = trainer.finish()
+    prog = trainer.prog
     accuracy = recall_accuracy(model, tok, held, c, device, 10 if args.smoke else 200)
     report = {
         "family": "armt",

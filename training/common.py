@@ -163,7 +163,7 @@ def held_out(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % 10 == 0
 
 
-def task_examples(seed: int, split: str, tasks=TASKS) -> "iterator":
+def task_examples(seed: int, split: str, tasks=TASKS):
     """Endless (task, prompt, answer) triples of one split ("train" or "held_out")."""
     rng = random.Random(seed)
     names = list(tasks)
@@ -353,6 +353,55 @@ class Progress:
         }
 
 
+class Trainer:
+    """The loop every family shares: AdamW (betas 0.9 / 0.95, weight decay 0.1), a cosine
+    schedule with warm-up sized to the time budget, gradient clipping at 1, the progress bar,
+    and the held-out loss every 500 steps and at the end."""
+
+    def __init__(self, model, args, device, estimate_steps: int, held_out):
+        import torch
+
+        self.model, self.device, self.held_out_fn = model, device, held_out
+        self.peak = args.lr or 2e-3
+        self.opt = torch.optim.AdamW(model.parameters(), lr=self.peak, betas=(0.9, 0.95), weight_decay=0.1)
+        self.prog = Progress(args.minutes, args.max_steps, estimate_steps)
+
+    def running(self) -> bool:
+        return self.prog.running()
+
+    def step(self, loss_fn, tokens: int):
+        """One optimiser step on `loss_fn()` (computed under autocast) over `tokens` tokens."""
+        import torch
+
+        total = self.prog.total_steps()
+        for g in self.opt.param_groups:
+            g["lr"] = cosine_lr(self.prog.step, total, self.peak, warmup=min(200, total // 10))
+        with autocast(self.device):
+            loss = loss_fn()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.prog.update(loss.item(), tokens)
+        if self.prog.step % 500 == 0:
+            self.evaluate()
+            self.model.train()
+
+    def evaluate(self) -> float:
+        import torch
+
+        self.model.eval()
+        with torch.no_grad():
+            value = self.held_out_fn()
+        self.prog.held_out.append((self.prog.step, value))
+        return value
+
+    def finish(self) -> float:
+        """Closes the bar; the final held-out loss (the model stays in eval mode)."""
+        self.prog.close()
+        return self.evaluate()
+
+
 def plot_loss(progress: Progress, path: Path, title: str):
     import matplotlib
 
@@ -384,6 +433,12 @@ def unigram_loss(train_ids: list[int], held_ids: list[int], vocab: int) -> float
         counts[t] += 1
     total = sum(counts)
     return -sum(math.log(counts[t] / total) for t in held_ids) / len(held_ids)
+
+
+def added_tokens_decoder(tok, specials: list[str]) -> dict:
+    """`tokenizer_config.json`'s `added_tokens_decoder` for the special tokens."""
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    return {str(tok.token_to_id(s)): {"content": s, **flags} for s in specials}
 
 
 def save_checkpoint(

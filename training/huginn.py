@@ -263,34 +263,21 @@ def main():
     model = Huginn(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Huginn: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
-    peak = args.lr or 2e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     examples = common.task_examples(args.seed, "train")
-    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=5000)
-    while prog.running():
-        total = prog.total_steps()
-        for g in opt.param_groups:
-            g["lr"] = common.cosine_lr(prog.step, total, peak, warmup=min(200, total // 10))
+    trainer = common.Trainer(model, args, device, 5000, lambda: held_out_loss(model, held, held_len, device))
+
+    def loss_of(x, no_grad, with_grad):
+        logits = model(x[:, :-1], no_grad, with_grad)
+        return F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+
+    while trainer.running():
         x = torch.cat([windows(train, 12, c.seq_len, rng), task_rows(tok, examples, 4, c.seq_len)]).to(device)
-        no_grad, with_grad = sample_recurrence(c, rng)
-        with common.autocast(device):
-            logits = model(x[:, :-1], no_grad, with_grad)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        prog.update(loss.item(), x.numel())
-        if prog.step % 500 == 0:
-            model.eval()
-            prog.held_out.append((prog.step, held_out_loss(model, held, held_len, device)))
-            model.train()
-    prog.close()
-    model.eval()
-    final = held_out_loss(model, held, held_len, device)
-    prog.held_out.append((prog.step, final))
+        recurrence = sample_recurrence(c, rng)
+        trainer.step(lambda: loss_of(x, *recurrence), x.numel())
+    final = trainer.finish()
+    prog = trainer.prog
     correct: dict[str, list[int]] = {}
     for name, prompt, answer in common.eval_set(2 if args.smoke else 100):
         out = generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 16, device)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import layers  # noqa: E402
 
 BOS = EOS = MASK = -1  # set by `main` from the tokenizer
 
@@ -55,17 +56,6 @@ class Config:
     task_len = 32
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE in float32 over [batch, heads, seq, head_dim]."""
-    t, hd = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    freqs = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    x32 = x.float()
-    half = torch.cat([-x32[..., hd // 2 :], x32[..., : hd // 2]], dim=-1)
-    return (x32 * emb.cos() + half * emb.sin()).to(x.dtype)
-
-
 class Block(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
@@ -86,7 +76,8 @@ class Block(nn.Module):
         h = self.c.n_heads
         y = self.attn_norm(x)
         q, k, v = (p(y).view(b, t, h, d // h).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = rope(q, self.c.rope_theta), rope(k, self.c.rope_theta)
+        pos = torch.arange(t, device=x.device)
+        q, k = layers.rope_half(q, pos, self.c.rope_theta), layers.rope_half(k, pos, self.c.rope_theta)
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         x = x + self.attn_out(a)
         y = self.ff_norm(x)
@@ -223,33 +214,16 @@ def main():
     model = LLaDA(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LLaDA: {n_params / 1e6:.2f} M parameters, {len(train_stream)} training prose tokens", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr or 2e-3, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     examples = common.task_examples(args.seed, "train")
-    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=10000)
-    peak = args.lr or 2e-3
-    while prog.running():
-        for g in opt.param_groups:
-            g["lr"] = common.cosine_lr(prog.step, prog.total_steps(), peak, warmup=min(200, prog.total_steps() // 10))
+    trainer = common.Trainer(model, args, device, 10000, lambda: held_out_loss(model, held_stream, held_len, device))
+    while trainer.running():
         prose = prose_batch(train_stream, 16, c.prose_len, rng).to(device)
         tasks, answer = (t.to(device) for t in task_batch(tok, examples, 64, c.task_len))
-        with common.autocast(device):
-            prose_loss, task_loss = losses(model, prose, tasks, answer, gen)
-        loss = prose_loss + task_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        prog.update(loss.item(), prose.numel() + tasks.numel())
-        if prog.step % 500 == 0:
-            model.eval()
-            prog.held_out.append((prog.step, held_out_loss(model, held_stream, held_len, device)))
-            model.train()
-    prog.close()
-    model.eval()
-    final = held_out_loss(model, held_stream, held_len, device)
-    prog.held_out.append((prog.step, final))
+        trainer.step(lambda: sum(losses(model, prose, tasks, answer, gen)), prose.numel() + tasks.numel())
+    final = trainer.finish()
+    prog = trainer.prog
     n_eval = 2 if args.smoke else 100
     correct: dict[str, list[int]] = {}
     for name, prompt, answer in common.eval_set(n_eval):
@@ -325,17 +299,7 @@ def main():
     tokenizer_config = {
         "add_bos_token": False,
         "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(BOS + i): {
-                "content": s,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, s in enumerate(SPECIALS)
-        },
+        "added_tokens_decoder": common.added_tokens_decoder(tok, SPECIALS),
         "bos_token": SPECIALS[0],
         "eos_token": SPECIALS[1],
         "pad_token": SPECIALS[1],

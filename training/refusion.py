@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import layers  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>"]
 PAD = EOS = MASK = -1  # set by `main` from the tokenizer
@@ -48,69 +49,12 @@ class Config:
     slot_sizes = (4, 8)
 
 
-def rope(x, positions, theta):
-    """Rotate-half RoPE of [b, h, t, d] at explicit positions [b, t], in float32."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None, :, None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    xf = x.float()
-    half = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
-    return (xf * cos + half * sin).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.eps)
-        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.eps)
-
-    def forward(self, x, positions):
-        b, t, _ = x.shape
-        c = self.c
-        q = self.q_norm(self.q_proj(x).view(b, t, c.heads, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, c.kv_heads, c.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Mlp(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Layer(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.mlp = Mlp(c)
-
-    def forward(self, x, positions):
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
         self.c = c
         self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
+        self.layers = nn.ModuleList(layers.DecoderLayer(c, qk_norm=True) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.hidden, eps=c.eps)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
         for p in self.parameters():
@@ -238,34 +182,17 @@ def main():
     model = Qwen3(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"ReFusion: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
-    peak = args.lr or 2e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
     examples = common.task_examples(args.seed, "train")
-    prog = common.Progress(args.minutes, args.max_steps, estimate_steps=8000)
-    while prog.running():
-        total = prog.total_steps()
-        for g in opt.param_groups:
-            g["lr"] = common.cosine_lr(prog.step, total, peak, warmup=min(200, total // 10))
+    trainer = common.Trainer(model, args, device, 8000, lambda: held_out_loss(model, held, c, device))
+    while trainer.running():
         k = rng.choice(c.slot_sizes)
         rows = prose_rows(train, 24, k, c, rng)
         rows += [task_row(tok, p, a, k, rng) for _, p, a in (next(examples) for _ in range(64))]
         ids, pos, ar, dn, w = (t.to(device) for t in batch(rows))
-        with common.autocast(device):
-            loss = loss_of(model, ids, pos, ar, dn, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        prog.update(loss.item(), ids.numel())
-        if prog.step % 500 == 0:
-            model.eval()
-            prog.held_out.append((prog.step, held_out_loss(model, held, c, device)))
-            model.train()
-    prog.close()
-    model.eval()
-    final = held_out_loss(model, held, c, device)
-    prog.held_out.append((prog.step, final))
+        trainer.step(lambda: loss_of(model, ids, pos, ar, dn, w), ids.numel())
+    final = trainer.finish()
+    prog = trainer.prog
     correct: dict[str, list[int]] = {}
     for name, prompt, answer in common.eval_set(2 if args.smoke else 100):
         out = greedy(model, tok.encode(prompt).ids, 16, device)
@@ -313,17 +240,7 @@ def main():
     tokenizer_config = {
         "add_bos_token": False,
         "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(tok.token_to_id(s)): {
-                "content": s,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for s in SPECIALS
-        },
+        "added_tokens_decoder": common.added_tokens_decoder(tok, SPECIALS),
         "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
