@@ -47,3 +47,24 @@ fn the_trained_llada_copies_held_out_strings_with_low_confidence_remasking() {
         assert_eq!(answer("llada-tiny", prompt, &lc), want, "{prompt}");
     }
 }
+
+#[test]
+fn the_trained_huginn_sorts_held_out_digits_with_static_recurrence() {
+    // Static depth at the checkpoint's mean recurrence; a fixed seed fixes the initial states.
+    let ar = [
+        "--scheme",
+        "ar",
+        "--num-steps",
+        "8",
+        "--seed",
+        "0",
+        "--max-new-tokens",
+        "16",
+    ];
+    for (prompt, want) in [
+        ("sort 9 0 1 8 =", " 0 1 8 9"),
+        ("sort 6 8 2 3 7 =", " 2 3 6 7 8"),
+    ] {
+        assert_eq!(answer("huginn-tiny", prompt, &ar), want, "{prompt}");
+    }
+}
