@@ -175,6 +175,9 @@ mod tests {
         c.tokens[5] = 7;
         c.tokens[7] = 8;
         assert_eq!(c.first_stop(), Some(5));
+        // Position 4 is still masked: the stop at 5 may not cut the canvas yet.
+        assert!(!c.settled_before(5));
+        assert!(c.settled_before(4));
         assert!(c.cut_after(5));
         assert_eq!(c.len(), 6);
         c.tokens[4] = 6;
