@@ -435,6 +435,26 @@ def unigram_loss(train_ids: list[int], held_ids: list[int], vocab: int) -> float
     return -sum(math.log(counts[t] / total) for t in held_ids) / len(held_ids)
 
 
+def task_accuracy(answer, n_per_task: int) -> dict[str, float]:
+    """Exact-match accuracy per task over the held-out set; `answer(prompt)` is the model's text."""
+    correct: dict[str, list[int]] = {}
+    for name, prompt, want in eval_set(n_per_task):
+        correct.setdefault(name, []).append(int(answer(prompt).strip() == want.strip()))
+    return {k: sum(v) / len(v) for k, v in correct.items()}
+
+
+def greedy(last_logits, prompt: list[int], n: int, stop: int) -> list[int]:
+    """Left-to-right greedy decoding by recomputing the whole sequence each token (a monitor
+    for the training scripts, not the server): `last_logits(ids)` is the next token's logits."""
+    ids = list(prompt)
+    for _ in range(n):
+        nxt = int(last_logits(ids).argmax())
+        if nxt == stop:
+            break
+        ids.append(nxt)
+    return ids[len(prompt) :]
+
+
 def added_tokens_decoder(tok, specials: list[str]) -> dict:
     """`tokenizer_config.json`'s `added_tokens_decoder` for the special tokens."""
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}

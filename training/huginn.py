@@ -227,16 +227,13 @@ def held_out_loss(model, stream, length, device, n=32, seed=7) -> float:
 
 @torch.no_grad()
 def generate(model, prompt: list[int], n: int, device, seed=0) -> list[int]:
-    """Greedy static-r decoding by recomputing the whole sequence (a monitor, not the server)."""
+    """Greedy static-r decoding at the mean recurrence (a monitor, not the server)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(torch.tensor([ids], device=device), model.c.mean_recurrence, 0, gen)
-        nxt = int(logits[0, -1].argmax())
-        if nxt == END:
-            break
-        ids.append(nxt)
-    return ids[len(prompt) :]
+
+    def last_logits(ids):
+        return model(torch.tensor([ids], device=device), model.c.mean_recurrence, 0, gen)[0, -1]
+
+    return common.greedy(last_logits, prompt, n, END)
 
 
 def main():
@@ -278,12 +275,10 @@ def main():
         trainer.step(lambda: loss_of(x, *recurrence), x.numel())
     final = trainer.finish()
     prog = trainer.prog
-    correct: dict[str, list[int]] = {}
-    for name, prompt, answer in common.eval_set(2 if args.smoke else 100):
-        out = generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 16, device)
-        correct.setdefault(name, []).append(int(tok.decode(out).strip() == answer.strip()))
+    encode = lambda text: [BEGIN] + tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    accuracy = common.task_accuracy(lambda p: tok.decode(generate(model, encode(p), 16, device)), 2 if args.smoke else 100)
     prompt = "In the beginning, God"
-    sample = tok.decode(generate(model, [BEGIN] + tok.encode(prompt, add_special_tokens=False).ids, 8 if args.smoke else 32, device))
+    sample = tok.decode(generate(model, encode(prompt), 8 if args.smoke else 32, device))
     report = {
         "family": "huginn",
         "parameters": n_params,
@@ -291,7 +286,7 @@ def main():
         "device": str(device),
         "held_out_loss": final,
         "unigram_held_out_loss": common.unigram_loss(train, held, c.vocab),
-        "held_out_accuracy_python_static_r": {k: sum(v) / len(v) for k, v in correct.items()},
+        "held_out_accuracy_python_static_r": accuracy,
         "sample": prompt + sample,
     }
     print(report, flush=True)

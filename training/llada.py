@@ -224,12 +224,9 @@ def main():
         trainer.step(lambda: sum(losses(model, prose, tasks, answer, gen)), prose.numel() + tasks.numel())
     final = trainer.finish()
     prog = trainer.prog
-    n_eval = 2 if args.smoke else 100
-    correct: dict[str, list[int]] = {}
-    for name, prompt, answer in common.eval_set(n_eval):
-        out = generate(model, tok.encode(prompt).ids, 16, device)
-        correct.setdefault(name, []).append(int(answer_of(tok, out).strip() == answer.strip()))
-    accuracy = {k: sum(v) / len(v) for k, v in correct.items()}
+    accuracy = common.task_accuracy(
+        lambda p: answer_of(tok, generate(model, tok.encode(p).ids, 16, device)), 2 if args.smoke else 100
+    )
     sample = tok.decode(generate(model, tok.encode("In the beginning, God").ids, 32, device))
     report = {
         "family": "llada",

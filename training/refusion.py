@@ -157,14 +157,11 @@ def held_out_loss(model, stream, c, device, n=64, seed=7) -> float:
 @torch.no_grad()
 def greedy(model, prompt: list[int], n: int, device) -> list[int]:
     """Left-to-right greedy decoding (ReFusion's `ar` path; a monitor, not the server)."""
-    ids = list(prompt)
-    for _ in range(n):
-        x = torch.tensor([ids], device=device)
-        nxt = int(model(x, torch.arange(len(ids), device=device)[None])[0, -1].argmax())
-        if nxt == EOS:
-            break
-        ids.append(nxt)
-    return ids[len(prompt) :]
+
+    def last_logits(ids):
+        return model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None])[0, -1]
+
+    return common.greedy(last_logits, prompt, n, EOS)
 
 
 def main():
@@ -193,10 +190,9 @@ def main():
         trainer.step(lambda: loss_of(model, ids, pos, ar, dn, w), ids.numel())
     final = trainer.finish()
     prog = trainer.prog
-    correct: dict[str, list[int]] = {}
-    for name, prompt, answer in common.eval_set(2 if args.smoke else 100):
-        out = greedy(model, tok.encode(prompt).ids, 16, device)
-        correct.setdefault(name, []).append(int(tok.decode(out).strip() == answer.strip()))
+    accuracy = common.task_accuracy(
+        lambda p: tok.decode(greedy(model, tok.encode(p).ids, 16, device)), 2 if args.smoke else 100
+    )
     prompt = "In the beginning, God"
     report = {
         "family": "refusion",
@@ -205,7 +201,7 @@ def main():
         "device": str(device),
         "held_out_loss": final,
         "unigram_held_out_loss": common.unigram_loss(train, held, c.vocab),
-        "held_out_accuracy_python_left_to_right": {k: sum(v) / len(v) for k, v in correct.items()},
+        "held_out_accuracy_python_left_to_right": accuracy,
         "sample": prompt + tok.decode(greedy(model, tok.encode(prompt).ids, 32, device)),
     }
     print(report, flush=True)
