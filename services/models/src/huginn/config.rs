@@ -79,9 +79,20 @@ pub struct HuginnConfig {
     /// Test-time noise injected before each core step; only 0 (off) is supported.
     #[serde(default)]
     pub test_time_noise: f64,
+    /// Tokens that end a response (upstream generation stops on them), when given.
+    #[serde(default)]
+    pub eos_token_id: Option<crate::config::TokenIds>,
 }
 
 impl HuginnConfig {
+    /// The ids of `eos_token_id` (none when absent).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_id
+            .as_ref()
+            .map(crate::config::TokenIds::to_vec)
+            .unwrap_or_default()
+    }
+
     /// Parses and validates a `config.json` document.
     pub fn from_json(json: &str) -> Result<Self> {
         let cfg: Self = parse_json("config.json", json)?;

@@ -445,6 +445,30 @@ mod commit_tests {
     }
 
     #[test]
+    fn the_checkpoints_eos_token_finishes_a_request_that_names_no_stop() -> Result<()> {
+        let dim = fixture_config()?.n_embd;
+        let mut cfg = fixture_config()?;
+        cfg.eos_token_id = serde_json::from_str("[90, 91]")?;
+        let planner = HuginnPlanner::new(cfg, "f".into(), None);
+        let Program::Ar(mut p) = planner.prepare(spec(3, 10, ar_static(2, "full")))?.program else {
+            bail!("not an AR request");
+        };
+        let mut outbox = Outbox::default();
+        for t in [5, 91] {
+            let n = p.pending.len();
+            let plan = p.plan(n, dim).map_err(anyhow::Error::msg)?;
+            p.commit(&plan, out(2, Some(NextToken::Argmax(t))), &mut outbox)
+                .map_err(anyhow::Error::msg)?;
+        }
+        ensure!(matches!(
+            finished(&outbox),
+            Some((FinishReason::StopToken, _))
+        ));
+        ensure!(tokens(&outbox) == [5, 91]);
+        Ok(())
+    }
+
+    #[test]
     fn max_new_tokens_finishes_with_length() -> Result<()> {
         let dim = fixture_config()?.n_embd;
         let mut p = program(spec(3, 2, ar_static(2, "full")))?;

@@ -857,7 +857,7 @@ impl super::HuginnPlanner {
             TokenSampler::new(spec.sampling),
             spec.sampling.seed,
             spec.max_new_tokens,
-            spec.stop_token_ids,
+            self.stop_ids(spec.stop_token_ids),
         );
         program.latent_pages = latent_pages;
         program.latent_page = (self.page, f64::from(self.occupancy_multiplier));

@@ -157,6 +157,12 @@ impl HuginnPlanner {
         self
     }
 
+    /// A request's stop tokens and the checkpoint's `eos_token_id`s.
+    fn stop_ids(&self, mut stop: Vec<u32>) -> Vec<u32> {
+        stop.extend(self.cfg.eos_token_ids());
+        stop
+    }
+
     /// Positions a page holds (default [`PAGE_SIZE`]).
     pub fn with_page_size(mut self, page: usize) -> Self {
         self.page = page.max(1);
@@ -259,7 +265,7 @@ impl HuginnPlanner {
             draws,
             sampler: TokenSampler::new(spec.sampling),
             max_new_tokens: spec.max_new_tokens,
-            stop_token_ids: spec.stop_token_ids,
+            stop_token_ids: self.stop_ids(spec.stop_token_ids),
             generated: 0,
             stats: Stats::default(),
         };
