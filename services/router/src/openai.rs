@@ -612,12 +612,8 @@ async fn respond(
         Kind::Chat => (new_id("chatcmpl"), unix_now()),
     };
     if stream {
-        // Chunks before the final message name the model asked for, or the only one served.
-        let model = if asked.is_empty() {
-            router.discovery().sole_model().unwrap_or_default()
-        } else {
-            asked
-        };
+        // Chunks before the final message name the model asked for, or the one that served it.
+        let model = router.model_for(&asked);
         let sse = sse_events(events, kind, id, created, include_usage, model);
         return Ok(Sse::new(sse)
             .keep_alive(KeepAlive::default())

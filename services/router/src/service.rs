@@ -37,6 +37,7 @@ pub struct RouterService {
     api_keys: Secrets,
     tls: Option<ServerTls>,
     rebalance: bool,
+    default_model: Option<String>,
 }
 
 impl RouterService {
@@ -47,7 +48,27 @@ impl RouterService {
             api_keys: Secrets::default(),
             tls: None,
             rebalance: false,
+            default_model: None,
         }
+    }
+
+    /// The model a request that names none gets while the workers serve several (with one
+    /// served, that one; without a default, such a request is INVALID_ARGUMENT).
+    pub fn with_default_model(mut self, name: Option<String>) -> Self {
+        self.default_model = name.filter(|n| !n.is_empty());
+        self
+    }
+
+    /// The model a request asking for `asked` is served by: `asked`, or when it is empty the
+    /// only model served, else the default model (empty when neither applies).
+    pub fn model_for(&self, asked: &str) -> String {
+        if !asked.is_empty() {
+            return asked.to_owned();
+        }
+        self.discovery
+            .sole_model()
+            .or_else(|| self.default_model.clone())
+            .unwrap_or_default()
     }
 
     /// Moves running requests off a worker with a queue onto an idle one ([`crate::relay`]).
@@ -119,7 +140,13 @@ impl RouterService {
     }
 
     /// Forwards and counts the outcome (metrics) once the call ends.
-    async fn forward(&self, request: Request<pb::GenerateRequest>) -> Result<EventStream, Status> {
+    async fn forward(
+        &self,
+        mut request: Request<pb::GenerateRequest>,
+    ) -> Result<EventStream, Status> {
+        if request.get_ref().model.is_empty() {
+            request.get_mut().model = self.model_for("");
+        }
         // The `model` label is a served model's name (or empty: the only one), else `unknown`:
         // a client's arbitrary names never become series.
         let name = &request.get_ref().model;
