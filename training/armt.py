@@ -3,9 +3,9 @@
 Objective (Rodkin et al., 2024): next-token prediction over sequences of several segments.
 Each segment runs through the Llama backbone as `[embed(segment), P]` (P: the learned memory
 tokens) at positions 0..n; before every layer each row reads that layer's associative memory,
-after it the memory rows write it (DPFP features, delta rule with the correction term), and
-the loss backpropagates through the memories across every segment of the sequence. The
-semantics are those the server implements (`services/models/src/armt/memory.rs`).
+after it the memory rows write it (DPFP features, delta rule; the correction term is off, see
+`Config.correction`), and the loss backpropagates through the memories across every segment of
+the sequence. The semantics are those the server implements (`services/models/src/armt/memory.rs`).
 
 Data: prose windows, and key-value recall sequences: facts ("The key 37 is 5.") in the early
 segments among prose, questions about them ("The key 37 is") in the last, so that answering
@@ -47,6 +47,11 @@ class Config:
     d_mem = 16
     nu = 3
     segments = 4
+    # ARMT's `correction` (gamma = clip(1 - k·z / |k|², 0, 1) on z's update) lets A grow along
+    # keys z no longer counts, so the read A·phi(q) / (z·phi(q)) is unbounded; training with it
+    # turned into NaN after ~370 steps here. Without it (gamma = 1) z counts every key written
+    # and the read is bounded by the largest value written: what this checkpoint uses.
+    correction = False
 
     @property
     def d_key(self):
@@ -90,6 +95,8 @@ class AssociativeLayer(nn.Module):
             den = torch.einsum("bmk,bk->bm", k, z)[..., None] + 1e-5
             v_prev = torch.einsum("bmk,bkd->bmd", k, a) / den
             gamma = (1 - den / ((k * k).sum(-1, keepdim=True) + 1e-5)).clamp(0, 1)
+            if not c.correction:
+                gamma = torch.ones_like(beta)
         a = a + torch.einsum("bmk,bmd->bkd", beta * k, v - v_prev)
         z = z + (gamma * k).sum(1)
         return out, (a, z)
@@ -234,7 +241,7 @@ def main():
         "d_mem": c.d_mem,
         "layers_attr": "model.layers",
         "wrap_pos": False,
-        "correction": True,
+        "correction": c.correction,
         "segment_size": c.segment,
         "segment_alignment": "left",
         "k2": -1,
