@@ -1,9 +1,13 @@
 """Held-out task accuracy of a checkpoint *as served*: every prompt of the fixed held-out set
 (`common.eval_set`) goes through `wavefront run --json` with the given scheme arguments; prints
-per-task exact-match accuracy, mean forward passes and wall time per answer.
+per-task exact-match accuracy, mean forward passes, tokens per forward, core iterations and
+compute time per answer. `--tasks recall` asks an ARMT checkpoint the held-out key-value recall
+questions (`armt.recall_sequence` on held-out prose: facts in the first segments, the question
+in the last), as token ids.
 
     python training/evaluate.py --model models/llada-tiny --wavefront target/release/wavefront \\
         -- --scheme low-confidence --max-new-tokens 16 --steps 16 --block-length 16
+    python training/evaluate.py --model models/armt-tiny --tasks recall -- --execution diagonal
 """
 
 from __future__ import annotations
@@ -19,6 +23,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
+def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[str]) -> dict:
+    """{task: {accuracy, forward_passes, compute_ms, tokens_per_forward, recurrence_steps, n}}
+    of `wavefront run --model MODEL EXTRA` over the held-out prompts of `tasks` (comma separated
+    names of `common.TASKS`, or `recall`)."""
+
+    def run(prompt_args: list[str]) -> dict:
+        out = subprocess.run(
+            [wavefront, "run", "--model", model, "--json", "--log-filter", "warn", *prompt_args, *extra],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)
+
+    def row(right: bool, r: dict) -> tuple:
+        s = r["stats"]
+        return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"])
+
+    results: dict[str, list] = {}
+    if tasks == "recall":
+        for ids, answer in recall_set(Path(model), per_task):
+            r = run(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(len(answer))])
+            results.setdefault("recall", []).append(row(r["token_ids"][: len(answer)] == answer, r))
+    else:
+        chosen = {k: common.TASKS[k] for k in tasks.split(",")}
+        for name, prompt, answer in common.eval_set(per_task, tasks=chosen):
+            r = run(["--prompt", prompt])
+            text = r["text"].split("<|")[0]
+            results.setdefault(name, []).append(row(text.strip() == answer.strip(), r))
+    return {
+        name: {
+            "accuracy": sum(x[0] for x in rs) / len(rs),
+            "forward_passes": sum(x[1] for x in rs) / len(rs),
+            "compute_ms": sum(x[2] for x in rs) / len(rs),
+            "tokens_per_forward": sum(x[3] for x in rs) / max(sum(x[1] for x in rs), 1),
+            "recurrence_steps": sum(x[4] for x in rs) / len(rs),
+            "n": len(rs),
+        }
+        for name, rs in results.items()
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -28,31 +74,29 @@ def main():
     p.add_argument("run_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     extra = [a for a in args.run_args if a != "--"]
-    tasks = {k: common.TASKS[k] for k in args.tasks.split(",")}
-    results: dict[str, list] = {}
-    for name, prompt, answer in common.eval_set(args.per_task, tasks=tasks):
-        start = time.time()
-        out = subprocess.run(
-            [args.wavefront, "run", "--model", args.model, "--json", "--log-filter", "warn", "--prompt", prompt, *extra],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        r = json.loads(out.stdout)
-        text = r["text"].split("<|")[0]
-        results.setdefault(name, []).append(
-            (text.strip() == answer.strip(), r["stats"]["forward_passes"], r["stats"]["compute_time_ms"], time.time() - start)
-        )
-    summary = {
-        name: {
-            "accuracy": sum(x[0] for x in rs) / len(rs),
-            "forward_passes": sum(x[1] for x in rs) / len(rs),
-            "compute_ms": sum(x[2] for x in rs) / len(rs),
-            "n": len(rs),
-        }
-        for name, rs in results.items()
-    }
+    summary = measure(args.wavefront, args.model, args.tasks, args.per_task, extra)
     print(json.dumps({"model": args.model, "run_args": extra, "tasks": summary}, indent=1))
+
+
+def recall_set(model: Path, n: int) -> list[tuple[list[int], list[int]]]:
+    """n held-out recall prompts (token ids up to a question) and their answers' ids."""
+    import random
+
+    import armt
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    c = armt.Config()
+    c.segment = json.loads((model / "armt_config.json").read_text())["segment_size"]
+    eos = tok.token_to_id("</s>")
+    held = [i for d in common.corpus(None)["held_out"] for i in tok.encode(d).ids + [eos]]
+    rng = random.Random(99)
+    out = []
+    for _ in range(n):
+        ids, answers = armt.recall_sequence(tok, held, c, rng)
+        start, answer = answers[0]
+        out.append((ids[:start], answer))
+    return out
 
 
 if __name__ == "__main__":

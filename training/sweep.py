@@ -1,0 +1,132 @@
+"""Each paper's schemes on a trained checkpoint, side by side in one run, as served: every
+setting of a family's table runs the same held-out prompts through `wavefront run --json`
+(`evaluate.measure`), `--rounds` times in alternation, and one markdown table is printed with
+accuracy, forward passes, tokens per forward, core iterations (Huginn), the algorithmic FLOPs
+ratio (SureLock) and compute time, each against the first row (the baseline scheme).
+
+    python training/sweep.py --family huginn --wavefront target/release/wavefront
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import evaluate  # noqa: E402
+
+HUGINN_AR = ["--scheme", "ar", "--seed", "0", "--max-new-tokens", "16"]
+HUGINN_DF = ["--scheme", "diffusion-forcing", "--seed", "0", "--max-new-tokens", "16", "--num-steps", "8"]
+LLADA = ["--max-new-tokens", "16", "--block-length", "16"]
+REFUSION = ["--max-new-tokens", "16"]
+
+# family: (model directory, tasks, [(setting, run arguments)]); the first row is the baseline.
+FAMILIES = {
+    "huginn": (
+        "models/huginn-tiny",
+        "sort,copy",
+        [
+            ("static ar, r = 8 (mean recurrence)", HUGINN_AR + ["--num-steps", "8"]),
+            ("static ar, r = 4", HUGINN_AR + ["--num-steps", "4"]),
+            ("static ar, r = 16", HUGINN_AR + ["--num-steps", "16"]),
+            ("static ar, r = 32", HUGINN_AR + ["--num-steps", "32"]),
+            ("adaptive exit 1e-3, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.001"]),
+            ("adaptive exit 1e-2, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.01"]),
+            ("adaptive exit 5e-2, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.05"]),
+            ("diffusion forcing r' = 1", HUGINN_DF + ["--inner-recurrence", "1"]),
+            ("diffusion forcing r' = 2", HUGINN_DF + ["--inner-recurrence", "2"]),
+            ("diffusion forcing r' = 4 (paper default)", HUGINN_DF + ["--inner-recurrence", "4"]),
+            ("diffusion forcing r' = 4, eps 0.1", HUGINN_DF + ["--inner-recurrence", "4", "--exit-t", "0.1"]),
+        ],
+    ),
+    "llada": (
+        "models/llada-tiny",
+        "copy,sort",
+        [
+            ("low-confidence, 16 steps", LLADA + ["--scheme", "low-confidence", "--steps", "16"]),
+            ("low-confidence, 8 steps", LLADA + ["--scheme", "low-confidence", "--steps", "8"]),
+            ("low-confidence, 4 steps", LLADA + ["--scheme", "low-confidence", "--steps", "4"]),
+            ("wino (tau1 0.6, tau2 0.9)", LLADA + ["--scheme", "wino"]),
+            ("low-confidence + SureLock eps 5e-4", LLADA + ["--scheme", "low-confidence", "--steps", "16", "--surelock-eps", "0.0005"]),
+            ("low-confidence + SureLock eps 5e-3", LLADA + ["--scheme", "low-confidence", "--steps", "16", "--surelock-eps", "0.005"]),
+            ("low-confidence + SureLock eps 5e-2", LLADA + ["--scheme", "low-confidence", "--steps", "16", "--surelock-eps", "0.05"]),
+            ("wino + SureLock eps 5e-3", LLADA + ["--scheme", "wino", "--surelock-eps", "0.005"]),
+        ],
+    ),
+    "refusion": (
+        "models/refusion-tiny",
+        "copy,sort",
+        [
+            ("ar (its own left-to-right decoding)", REFUSION + ["--scheme", "ar"]),
+            ("plan-infill, slot 4, thresholds 0.9 / 0.9 (paper)", REFUSION + ["--scheme", "plan-infill", "--slot-size", "4"]),
+            ("plan-infill, slot 8", REFUSION + ["--scheme", "plan-infill", "--slot-size", "8"]),
+            ("plan-infill, slot 4, thresholds 0.7 / 0.7", REFUSION + ["--scheme", "plan-infill", "--slot-size", "4", "--slot-threshold", "0.7", "--token-threshold", "0.7"]),
+        ],
+    ),
+    "armt": (
+        "models/armt-tiny",
+        "recall",
+        [
+            ("sequential", ["--scheme", "ar", "--execution", "sequential"]),
+            ("diagonal", ["--scheme", "ar", "--execution", "diagonal"]),
+        ],
+    ),
+}
+
+
+def flops_ratio(wavefront: str, model: str, args: list[str]) -> float | None:
+    """SureLock's algorithmic FLOPs over the same sampler's without locking, on one prompt."""
+    out = subprocess.run(
+        [wavefront, "run", "--model", model, "--json", "--log-filter", "warn", "--prompt", "copy i r q c =", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    c = json.loads(out.stdout)["stats"]["counters"]
+    return c["algorithmic_flops"] / c["algorithmic_flops_dense"] if "algorithmic_flops_dense" in c else None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=FAMILIES, required=True)
+    p.add_argument("--wavefront", default="target/release/wavefront")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the family's)")
+    p.add_argument("--per-task", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=2, help="alternating passes; times are averaged")
+    args = p.parse_args()
+    default_model, tasks, settings = FAMILIES[args.family]
+    model = args.model or default_model
+    runs: dict[str, list[dict]] = {name: [] for name, _ in settings}
+    for _ in range(args.rounds):
+        for name, run_args in settings:
+            runs[name].append(evaluate.measure(args.wavefront, model, tasks, args.per_task, run_args))
+    names = tasks.split(",")
+    print(f"{model}, {args.per_task} held-out prompts per task, {args.rounds} alternating rounds")
+    print()
+    print("| setting | " + " | ".join(f"{t} accuracy" for t in names)
+          + " | forwards | tokens / forward | core iterations | FLOPs ratio | compute ms | forwards vs baseline | time vs baseline |")
+    print("|---|" + "---|" * (len(names) + 7))
+    base = None
+    for name, run_args in settings:
+        rs = runs[name]
+        first = rs[0]
+        fwd = sum(first[t]["forward_passes"] for t in names) / len(names)
+        tpf = sum(first[t]["tokens_per_forward"] for t in names) / len(names)
+        steps = sum(first[t]["recurrence_steps"] for t in names) / len(names)
+        ms = sum(r[t]["compute_ms"] for r in rs for t in names) / (len(rs) * len(names))
+        if base is None:
+            base = (fwd, ms)
+        flops = flops_ratio(args.wavefront, model, run_args) if "--surelock-eps" in run_args else None
+        acc = " | ".join(f"{first[t]['accuracy']:.0%}" for t in names)
+        print(
+            f"| {name} | {acc} | {fwd:.2f} | {tpf:.2f} | {steps:.1f} | "
+            + (f"{flops:.3f}" if flops is not None else "")
+            + f" | {ms:.1f} | {fwd / base[0]:.2f}x | {ms / base[1]:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
