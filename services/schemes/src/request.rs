@@ -400,6 +400,8 @@ pub struct DiffusionForcingParams {
     pub headway: usize,
     pub max_wavefront: usize,
     pub init_scale: f32,
+    /// Empty: `latest-m4-compress-s{C}` for the model's core depth C (upstream's default,
+    /// `latest-m4-compress-s4`, on Huginn-0125's 4-layer core).
     pub cache_lookup_strategy: String,
     pub freeze_test: FreezeTest,
     /// Upstream `continuous_compute`: new wavefront positions start from copies of the last
@@ -419,7 +421,7 @@ impl Default for DiffusionForcingParams {
             headway: 1,
             max_wavefront: 128,
             init_scale: 1.0,
-            cache_lookup_strategy: "latest-m4-compress-s4".into(),
+            cache_lookup_strategy: String::new(),
             freeze_test: FreezeTest::Aligned,
             continuous_compute: false,
         }

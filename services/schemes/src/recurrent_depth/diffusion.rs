@@ -15,7 +15,8 @@
 //!
 //! The first tick of a request is the full prefill: the prompt through `num_steps` recurrences
 //! and a greedy first token. The cache must share its core slots across recurrences
-//! (`latest-m4-compress-s4`, upstream's default), so frozen positions keep the KV of the step in
+//! (`latest-m4-compress-s{C}` for a core of C layers, the default; upstream's default
+//! `latest-m4-compress-s4` on Huginn-0125), so frozen positions keep the KV of the step in
 //! which they froze.
 //!
 //! [`FreezeTest::Upstream`] reproduces the reference code's criterion, which right after a
@@ -807,17 +808,21 @@ impl super::HuginnPlanner {
                 d.init_scale
             ));
         }
-        let strategy: CacheStrategy = d.cache_lookup_strategy.parse().map_err(|e| {
+        let core = self.cfg.n_layers_in_recurrent_block;
+        let shared = format!("latest-m4-compress-s{core}");
+        let name = match d.cache_lookup_strategy.as_str() {
+            "" => shared.as_str(),
+            name => name,
+        };
+        let strategy: CacheStrategy = name.parse().map_err(|e| {
             wavefront_engine::RequestError::InvalidArgument(format!(
                 "diffusion_forcing.cache_lookup_strategy: {e}"
             ))
         })?;
-        let core = self.cfg.n_layers_in_recurrent_block;
         if !matches!(strategy, CacheStrategy::Compress { stride, .. } if stride == core) {
             return bad(format!(
                 "diffusion_forcing.cache_lookup_strategy must share core KV slots across recurrences \
-                 (`latest-m4-compress-s{core}`), got `{}`",
-                d.cache_lookup_strategy
+                 (`{shared}`, the default), got `{name}`"
             ));
         }
         let draws = match (&spec.replay_draws, d.init_scale) {
@@ -890,6 +895,29 @@ mod commit_tests {
             Program::Diffusion(p) => Ok(p),
             Program::Ar(_) => bail!("not a diffusion-forcing request"),
         }
+    }
+
+    #[test]
+    fn the_default_cache_shares_the_models_core_slots() -> Result<()> {
+        // A core of 2 layers (the trained Huginn's): the default is `latest-m4-compress-s2`,
+        // and upstream's `latest-m4-compress-s4` (Huginn-0125's core of 4) is refused.
+        let mut cfg = fixture_config()?;
+        cfg.n_layers_in_recurrent_block = 2;
+        let planner = HuginnPlanner::new(cfg, "f".into(), None);
+        let mut params = diffusion(8, FreezeTest::Aligned);
+        let request =
+            |p| GenerateSpec::greedy(prompt(4, 0), 4, 3, SchemeParams::DiffusionForcing(p));
+        ensure!(planner.prepare(request(params.clone())).is_ok());
+        params.cache_lookup_strategy = "latest-m4-compress-s4".into();
+        let err = match planner.prepare(request(params)) {
+            Err(e) => e.to_string(),
+            Ok(_) => bail!("compress-s4 was accepted over a core of 2"),
+        };
+        ensure!(
+            err.contains("(`latest-m4-compress-s2`, the default)"),
+            "{err}"
+        );
+        Ok(())
     }
 
     fn zeros(rows: usize, dim: usize) -> Result<Tensor> {
