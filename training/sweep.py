@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evaluate  # noqa: E402
 
 HUGINN_AR = ["--scheme", "ar", "--seed", "0", "--max-new-tokens", "16"]
+HUGINN_EXIT = HUGINN_AR + ["--num-steps", "32", "--cache-lookup-strategy", "latest-m4"]
 HUGINN_DF = ["--scheme", "diffusion-forcing", "--seed", "0", "--max-new-tokens", "16", "--num-steps", "8"]
 LLADA = ["--max-new-tokens", "16", "--block-length", "16"]
 REFUSION = ["--max-new-tokens", "16"]
@@ -33,9 +34,13 @@ FAMILIES = {
             ("static ar, r = 4", HUGINN_AR + ["--num-steps", "4"]),
             ("static ar, r = 16", HUGINN_AR + ["--num-steps", "16"]),
             ("static ar, r = 32", HUGINN_AR + ["--num-steps", "32"]),
-            ("adaptive exit 1e-3, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.001"]),
-            ("adaptive exit 1e-2, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.01"]),
-            ("adaptive exit 5e-2, r <= 32", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.05"]),
+            # A token that exits early leaves no K/V at deeper steps: with the `full` lookup a
+            # deeper step of a later token finds none there, so adaptive exit reads `latest-m4`.
+            ("adaptive exit 1e-2, r <= 32, full cache", HUGINN_AR + ["--num-steps", "32", "--exit-threshold", "0.01"]),
+            ("adaptive exit 1e-3, r <= 32", HUGINN_EXIT + ["--exit-threshold", "0.001"]),
+            ("adaptive exit 1e-2, r <= 32", HUGINN_EXIT + ["--exit-threshold", "0.01"]),
+            ("adaptive exit 5e-2, r <= 32", HUGINN_EXIT + ["--exit-threshold", "0.05"]),
+            ("adaptive exit 1e-1, r <= 32", HUGINN_EXIT + ["--exit-threshold", "0.1"]),
             ("diffusion forcing r' = 1", HUGINN_DF + ["--inner-recurrence", "1"]),
             ("diffusion forcing r' = 2", HUGINN_DF + ["--inner-recurrence", "2"]),
             ("diffusion forcing r' = 4 (paper default)", HUGINN_DF + ["--inner-recurrence", "4"]),
