@@ -67,7 +67,8 @@ pub struct PromptArgs {
     /// With `--chat`: a system message before the user's.
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
-    /// Model name to address (empty: the only model served).
+    /// Model name to address (empty: the only model served, else the router's default model;
+    /// `serve` without `--model` serves four and defaults to huginn).
     #[arg(long, default_value = "")]
     pub model_name: String,
 }

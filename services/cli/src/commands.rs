@@ -250,6 +250,10 @@ pub struct RouterArgs {
     /// moves at most once this way. Requests always move off a draining worker.
     #[arg(long, env = "WAVEFRONT_REBALANCE")]
     pub rebalance: bool,
+    /// The model a request that names none is sent to while the workers serve several (with
+    /// one served, that one; without this, such a request is INVALID_ARGUMENT).
+    #[arg(long, env = "WAVEFRONT_DEFAULT_MODEL")]
+    pub default_model: Option<String>,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -399,7 +403,8 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     let mut service = RouterService::new(discovery)
         .with_max_message_bytes(a.max_message_bytes)
         .with_api_keys(api_keys)
-        .with_rebalance(a.rebalance);
+        .with_rebalance(a.rebalance)
+        .with_default_model(a.default_model.clone());
     if let Some(tls) = tls {
         service = service.with_tls(tls);
     }
@@ -461,19 +466,33 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         Some(l) => Some(bind(l).await?),
         None => None,
     };
-    let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
-    let worker_addr = worker_listener.local_addr()?;
-    let model = tokio::task::spawn_blocking({
+    // One in-process worker per model, each on its own loopback port, as a deployment runs
+    // them: the router finds each model on its worker by name.
+    let models = tokio::task::spawn_blocking({
         let m = a.model.clone();
-        move || load(&m)
+        move || -> Result<Vec<Arc<dyn ServedModel>>> {
+            m.serve_files()?
+                .into_iter()
+                .map(|(files, name)| {
+                    let opts = m.load_options(name.clone())?;
+                    wavefront_schemes::load_model(files, opts)
+                        .with_context(|| format!("cannot load model {name}"))
+                })
+                .collect()
+        }
     })
     .await??;
-    let name = model.info().name.clone();
-    let service = WorkerService::new(vec![model], worker_addr.to_string()).with_limits(limits);
+    let names: Vec<String> = models.iter().map(|m| m.info().name.clone()).collect();
+    let default_model = names.first().cloned();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let worker_task = {
+    let mut worker_addrs = Vec::new();
+    let mut worker_tasks = Vec::new();
+    for model in models {
+        let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let worker_addr = worker_listener.local_addr()?;
+        let service = WorkerService::new(vec![model], worker_addr.to_string()).with_limits(limits);
         let mut rx = stop_rx.clone();
-        tokio::spawn(wavefront_worker::serve(
+        worker_tasks.push(tokio::spawn(wavefront_worker::serve(
             service,
             worker_listener,
             WorkerConfig {
@@ -484,32 +503,34 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             async move {
                 let _ = rx.changed().await;
             },
-        ))
-    };
+        )));
+        worker_addrs.push(worker_addr.to_string());
+    }
     let discovery = Discovery::default();
     let cfg = DiscoveryConfig {
-        targets: vec![worker_addr.to_string()],
+        targets: worker_addrs.clone(),
         refresh: Duration::from_millis(500),
         poll_timeout: Duration::from_millis(1000),
         forget_after: Duration::from_secs(10),
         worker_token,
         worker_tls: None,
     };
-    // Ready only once the router sees the worker.
+    // Ready only once the router sees every worker.
     for _ in 0..100 {
         discovery.refresh(&cfg).await;
-        if discovery.snapshot().iter().any(|w| w.up) {
+        if discovery.snapshot().iter().filter(|w| w.up).count() == worker_addrs.len() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::spawn(discovery.clone().run(cfg));
     let addr = listener.local_addr()?;
-    tracing::info!(model = %name, %addr, %worker_addr, "serving");
+    tracing::info!(models = %names.join(","), %addr, workers = %worker_addrs.join(","), "serving");
     announce("router", addr);
     let mut service = RouterService::new(discovery)
         .with_max_message_bytes(a.max_message_bytes)
-        .with_api_keys(api_keys);
+        .with_api_keys(api_keys)
+        .with_default_model(default_model);
     if let Some(tls) = tls {
         service = service.with_tls(tls);
     }
@@ -524,7 +545,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     };
     let (r, _) = tokio::join!(router, signal);
     r?;
-    worker_task.await??;
+    for t in worker_tasks {
+        t.await??;
+    }
     if let Some(t) = http_task {
         t.await??;
     }

@@ -14,7 +14,8 @@ use crate::embedded;
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Model directory in the Hugging Face layout (config.json, model.safetensors
-    /// or shards + index, tokenizer.json). Default: the embedded model.
+    /// or shards + index, tokenizer.json). Default: the embedded models (`serve`: all four,
+    /// each under its family's name: huginn, llada, refusion, armt; `run` and `worker`: huginn).
     #[arg(long, env = "WAVEFRONT_MODEL")]
     pub model: Option<PathBuf>,
     /// Name the model is served under (default: the directory name).
@@ -82,14 +83,35 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// `serve`'s models: the one `--model` names, or every embedded model under its family's
+    /// name.
+    pub fn serve_files(&self) -> Result<Vec<(ModelFiles, String)>> {
+        if self.model.is_some() {
+            return Ok(vec![self.files()?]);
+        }
+        if self.served_name.is_some() {
+            bail!(
+                "--served-name names the model of --model; without --model, serve brings up the \
+                 embedded models under their own names ({})",
+                embedded::MODELS.map(|m| m.name).join(", ")
+            );
+        }
+        Ok(embedded::MODELS
+            .iter()
+            .map(|m| (m.files(), m.name.to_owned()))
+            .collect())
+    }
+
+    /// The model of `run` and `worker`: `--model`, or the embedded default.
     pub fn files(&self) -> Result<(ModelFiles, String)> {
         match &self.model {
-            None => Ok((
-                embedded::files(),
-                self.served_name
-                    .clone()
-                    .unwrap_or_else(|| embedded::NAME.into()),
-            )),
+            None => {
+                let m = embedded::default_model();
+                Ok((
+                    m.files(),
+                    self.served_name.clone().unwrap_or_else(|| m.name.into()),
+                ))
+            }
             Some(dir) => {
                 let files = ModelFiles::from_dir(dir)
                     .with_context(|| format!("cannot load model directory {}", dir.display()))?;

@@ -132,6 +132,21 @@ impl ModelFiles {
         }
     }
 
+    /// An embedded model's optional documents beside `config.json`: `tokenizer_config.json`
+    /// (chat template, special tokens), `generation_config.json` and `armt_config.json`, as the
+    /// directory of [`ModelFiles::from_dir`] would hold them.
+    pub fn with_documents(
+        mut self,
+        tokenizer_config: Option<&str>,
+        generation_config: Option<&str>,
+        armt_config: Option<&str>,
+    ) -> Self {
+        self.tokenizer_config_json = tokenizer_config.map(str::to_owned);
+        self.generation_config_json = generation_config.map(str::to_owned);
+        self.armt_config_json = armt_config.map(str::to_owned);
+        self
+    }
+
     /// A digest of the checkpoint (SHA-256 over its config documents and every weight file's
     /// bytes, in order), as lowercase hex: two workers that report the same fingerprint serve
     /// the same model. Reads every weight byte once.
