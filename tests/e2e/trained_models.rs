@@ -127,16 +127,22 @@ async fn serve_brings_up_the_four_trained_models_and_defaults_to_huginn() {
     );
 
     // A request naming no model is Huginn's, and answers as `run` does on models/huginn-tiny.
+    let ask = |model: &'static str, prompt: &'static str, scheme| {
+        let mut client = client.clone();
+        async move {
+            client
+                .generate(text_request(model, prompt, scheme))
+                .await
+                .expect("generate")
+                .into_inner()
+        }
+    };
     let ar = pb::generate_request::Scheme::Ar(pb::ArScheme {
         num_steps: Some(8),
         ..Default::default()
     });
     let prompt = "sort 9 0 1 8 =";
-    let r = client
-        .generate(text_request("", prompt, ar))
-        .await
-        .expect("generate")
-        .into_inner();
+    let r = ask("", prompt, ar).await;
     assert_eq!(r.model, "huginn");
     assert_eq!(cut(&r.text), answer("huginn-tiny", prompt, &HUGINN_AR));
     // The checkpoint's eos_token_id (<|end_text|>) ends the answer.
@@ -149,19 +155,11 @@ async fn serve_brings_up_the_four_trained_models_and_defaults_to_huginn() {
         ..Default::default()
     });
     let prompt = "copy i r q c =";
-    let r = client
-        .generate(text_request("llada", prompt, lc))
-        .await
-        .expect("generate")
-        .into_inner();
+    let r = ask("llada", prompt, lc).await;
     assert_eq!(r.model, "llada");
     assert_eq!(cut(&r.text), answer("llada-tiny", prompt, &LLADA_LC));
     let pi = pb::generate_request::Scheme::PlanInfill(pb::PlanInfillScheme::default());
-    let r = client
-        .generate(text_request("refusion", "sort 6 8 2 3 7 =", pi))
-        .await
-        .expect("generate")
-        .into_inner();
+    let r = ask("refusion", "sort 6 8 2 3 7 =", pi).await;
     assert_eq!(
         (r.model.as_str(), cut(&r.text).as_str()),
         ("refusion", " 2 3 6 7 8")

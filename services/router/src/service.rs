@@ -144,10 +144,7 @@ impl RouterService {
         &self,
         mut request: Request<pb::GenerateRequest>,
     ) -> Result<EventStream, Status> {
-        if request.get_ref().model.is_empty() {
-            request.get_mut().model = self.model_for("");
-        }
-        // The `model` label is a served model's name (or empty: the only one), else `unknown`:
+        // The `model` label is a served model's name (or empty: none named), else `unknown`:
         // a client's arbitrary names never become series.
         let name = &request.get_ref().model;
         let known = name.is_empty() || self.discovery.serves(name);
@@ -160,6 +157,12 @@ impl RouterService {
             started: Instant::now(),
             done: false,
         };
+        // None named while several are served: the default model, when there is one.
+        if name.is_empty() && self.discovery.sole_model().is_none() {
+            if let Some(default) = &self.default_model {
+                request.get_mut().model = default.clone();
+            }
+        }
         match self.forward_inner(request).await {
             Err(s) => {
                 outcome.finish(s.code());
