@@ -17,17 +17,21 @@ fn model(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// The text `wavefront run` generates for `prompt` on a trained model, cut at its first
-/// special token.
-fn answer(name: &str, prompt: &str, args: &[&str]) -> String {
+/// The JSON result of `wavefront run` on a trained model.
+fn run_json(name: &str, prompt: &str, args: &[&str]) -> serde_json::Value {
     let out = Command::new(bin())
         .args(["run", "--model", model(name).to_str().unwrap(), "--json"])
         .args(["--log-filter", "warn", "--prompt", prompt])
         .args(args)
         .output()
         .expect("run wavefront run");
-    let text = json_result(&out)["text"].as_str().unwrap().to_owned();
-    cut(&text)
+    json_result(&out)
+}
+
+/// The text `wavefront run` generates for `prompt` on a trained model, cut at its first
+/// special token.
+fn answer(name: &str, prompt: &str, args: &[&str]) -> String {
+    cut(run_json(name, prompt, args)["text"].as_str().unwrap())
 }
 
 /// `text` up to its first special token.
@@ -46,6 +50,10 @@ const HUGINN_AR: [&str; 8] = [
     "--max-new-tokens",
     "16",
 ];
+
+/// Plan-and-infill at the paper's thresholds (slot and token 0.9), slots of 4: the ReFusion
+/// tests' settings.
+const REFUSION_PI: [&str; 4] = ["--scheme", "plan-infill", "--max-new-tokens", "16"];
 
 /// Low-confidence remasking, one block of 16 in 16 steps: the LLaDA tests' settings.
 const LLADA_LC: [&str; 8] = [
@@ -141,52 +149,47 @@ async fn serve_brings_up_the_four_trained_models_and_defaults_to_huginn() {
         num_steps: Some(8),
         ..Default::default()
     });
-    let prompt = "sort 9 0 1 8 =";
-    let r = ask("", prompt, ar).await;
-    assert_eq!(r.model, "huginn");
-    assert_eq!(cut(&r.text), answer("huginn-tiny", prompt, &HUGINN_AR));
-    // The checkpoint's eos_token_id (<|end_text|>) ends the answer.
-    assert_eq!(r.finish_reason, pb::FinishReason::StopToken as i32, "{r:?}");
-
     // The others by name.
     let lc = pb::generate_request::Scheme::LowConfidence(pb::LowConfidenceScheme {
         block_length: Some(16),
         steps: Some(16),
         ..Default::default()
     });
-    let prompt = "copy i r q c =";
-    let r = ask("llada", prompt, lc).await;
-    assert_eq!(r.model, "llada");
-    assert_eq!(cut(&r.text), answer("llada-tiny", prompt, &LLADA_LC));
     let pi = pb::generate_request::Scheme::PlanInfill(pb::PlanInfillScheme::default());
-    let r = ask("refusion", "sort 6 8 2 3 7 =", pi).await;
-    assert_eq!(
-        (r.model.as_str(), cut(&r.text).as_str()),
-        ("refusion", " 2 3 6 7 8")
-    );
+    for (asked, served, prompt, scheme, run_args) in [
+        ("", "huginn", "sort 9 0 1 8 =", ar, &HUGINN_AR[..]),
+        ("llada", "llada", "copy i r q c =", lc, &LLADA_LC[..]),
+        (
+            "refusion",
+            "refusion",
+            "sort 6 8 2 3 7 =",
+            pi,
+            &REFUSION_PI[..],
+        ),
+    ] {
+        let r = ask(asked, prompt, scheme).await;
+        assert_eq!(r.model, served);
+        assert_eq!(
+            cut(&r.text),
+            answer(&format!("{served}-tiny"), prompt, run_args)
+        );
+        // Each checkpoint's end token (Huginn's eos_token_id, <|end_text|>) ends the answer.
+        assert_eq!(r.finish_reason, pb::FinishReason::StopToken as i32, "{r:?}");
+    }
 }
 
 #[test]
 fn the_trained_refusion_sorts_held_out_digits_with_plan_and_infill() {
-    // The paper's thresholds (slot and token 0.9), slots of 4.
-    let pi = ["--scheme", "plan-infill", "--max-new-tokens", "16"];
     for (prompt, want) in [
         ("sort 9 0 1 8 =", " 0 1 8 9"),
         ("sort 6 8 2 3 7 =", " 2 3 6 7 8"),
     ] {
-        assert_eq!(answer("refusion-tiny", prompt, &pi), want, "{prompt}");
+        assert_eq!(
+            answer("refusion-tiny", prompt, &REFUSION_PI),
+            want,
+            "{prompt}"
+        );
     }
-}
-
-/// The JSON result of `wavefront run` on a trained model.
-fn run_json(name: &str, prompt: &str, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(bin())
-        .args(["run", "--model", model(name).to_str().unwrap(), "--json"])
-        .args(["--log-filter", "warn", "--prompt", prompt])
-        .args(args)
-        .output()
-        .expect("run wavefront run");
-    json_result(&out)
 }
 
 #[test]
