@@ -176,8 +176,8 @@ def main():
     global BOS, EOS
     tok = common.with_specials(base, SPECIALS)
     BOS, EOS = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    train = [i for d in docs["train"] for i in tok.encode(d).ids + [EOS]]
-    held = [i for d in docs["held_out"] for i in tok.encode(d).ids + [EOS]]
+    train = common.token_stream(tok, docs["train"], EOS)
+    held = common.token_stream(tok, docs["held_out"], EOS)
     model = Armt(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"ARMT: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)

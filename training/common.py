@@ -489,5 +489,16 @@ def save_checkpoint(
         (out / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
+def token_stream(tok, docs, end: int, begin: int | None = None) -> list[int]:
+    """The documents' token ids end to end, each followed by `end` (and preceded by `begin`)."""
+    ids: list[int] = []
+    for d in docs:
+        if begin is not None:
+            ids.append(begin)
+        ids.extend(tok.encode(d).ids)
+        ids.append(end)
+    return ids
+
+
 def write_report(out: Path, report: dict):
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")

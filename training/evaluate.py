@@ -89,7 +89,7 @@ def recall_set(model: Path, n: int) -> list[tuple[list[int], list[int]]]:
     c = armt.Config()
     c.segment = json.loads((model / "armt_config.json").read_text())["segment_size"]
     eos = tok.token_to_id("</s>")
-    held = [i for d in common.corpus(None)["held_out"] for i in tok.encode(d).ids + [eos]]
+    held = common.token_stream(tok, common.corpus(None)["held_out"], eos)
     rng = random.Random(99)
     out = []
     for _ in range(n):

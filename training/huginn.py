@@ -191,15 +191,6 @@ def sample_recurrence(c: Config, rng: random.Random) -> tuple[int, int]:
     return r - k, k
 
 
-def stream_of(tok, docs):
-    ids = []
-    for d in docs:
-        ids.append(BEGIN)
-        ids.extend(tok.encode(d).ids)
-        ids.append(END)
-    return ids
-
-
 def windows(stream, n, length, rng):
     starts = [rng.randrange(0, len(stream) - length - 1) for _ in range(n)]
     return torch.tensor([stream[s : s + length + 1] for s in starts])
@@ -254,8 +245,8 @@ def main():
         pair="$A $B:1",
         special_tokens=[(SPECIALS[0], BEGIN), (SPECIALS[1], END)],
     )
-    train = stream_of(tok, docs["train"])
-    held = stream_of(tok, docs["held_out"])
+    train = common.token_stream(tok, docs["train"], END, BEGIN)
+    held = common.token_stream(tok, docs["held_out"], END, BEGIN)
     held_len = min(c.seq_len, len(held) - 2)
     model = Huginn(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())

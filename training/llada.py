@@ -119,14 +119,6 @@ def mask_for(ids: torch.Tensor, maskable: torch.Tensor, gen: torch.Generator, ep
     return torch.where(masked, torch.full_like(ids, MASK), ids), masked, p.expand_as(ids)
 
 
-def prose_stream(tok, docs):
-    ids = []
-    for d in docs:
-        ids.extend(tok.encode(d).ids)
-        ids.append(EOS)
-    return ids
-
-
 def prose_batch(stream, n, length, rng):
     starts = [rng.randrange(0, len(stream) - length) for _ in range(n)]
     return torch.tensor([stream[s : s + length] for s in starts])
@@ -205,8 +197,8 @@ def main():
     tok = common.with_specials(base, SPECIALS)
     global BOS, EOS, MASK
     BOS, EOS, MASK = (tok.token_to_id(s) for s in SPECIALS[:3])
-    train_stream = prose_stream(tok, docs["train"])
-    held_stream = prose_stream(tok, docs["held_out"])
+    train_stream = common.token_stream(tok, docs["train"], EOS)
+    held_stream = common.token_stream(tok, docs["held_out"], EOS)
     if args.smoke:
         c.prose_len, held_len = 64, 32
     else:

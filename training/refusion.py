@@ -174,8 +174,8 @@ def main():
     global PAD, EOS, MASK
     tok = common.with_specials(base, SPECIALS)
     PAD, EOS, MASK = (tok.token_to_id(s) for s in ("<|endoftext|>", "<|im_end|>", "<|mask|>"))
-    train = [i for d in docs["train"] for i in tok.encode(d).ids + [PAD]]
-    held = [i for d in docs["held_out"] for i in tok.encode(d).ids + [PAD]]
+    train = common.token_stream(tok, docs["train"], PAD)
+    held = common.token_stream(tok, docs["held_out"], PAD)
     model = Qwen3(c).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"ReFusion: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
