@@ -7,8 +7,8 @@ after it the memory rows write it (DPFP features, delta rule; the correction ter
 `Config.correction`), and the loss backpropagates through the memories across every segment of
 the sequence. The semantics are those the server implements (`services/models/src/armt/memory.rs`).
 
-Data: prose windows, and key-value recall sequences: facts ("The key 37 is 5.") in the early
-segments among prose, questions about them ("The key 37 is") in the last, so that answering
+Data: prose windows, and key-value recall sequences: facts ("The key q is 5.") in the early
+segments among prose, questions about them ("The key q is") in the last, so that answering
 needs the memory.
 
     python training/armt.py --out models/armt-tiny            # about 90 minutes on 2 cores
@@ -140,36 +140,80 @@ class Armt(nn.Module):
         return out
 
 
-def recall_sequence(tok, filler, c: Config, rng: random.Random, held_out: bool = False):
-    """(ids, [(answer start, answer ids)]): facts in the first segments, questions in the last."""
-    total = c.segment * c.segments
-    n_facts = rng.randint(2, 4)
-    keys = rng.sample(range(10, 100), n_facts)
-    facts = {k: rng.randrange(10) for k in keys}
-    ids: list[int] = []
+KEYS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def recall_sequence(
+    tok,
+    filler,
+    c: Config,
+    rng: random.Random,
+    segments: int | None = None,
+    facts=(2, 4),
+    local: bool = False,
+    back: list | None = None,
+):
+    """(ids, [(answer start, answer ids)]) over `segments` whole segments (default
+    `c.segments`): `facts` (a range) key-value facts ("The key q is 5.", a letter and a digit)
+    at random places among prose in the segments before the last, never across a segment's
+    end, and the questions about them ("The key q is") in the last, so that answering needs the
+    memory. `local` puts the facts in the last segment too, just before the questions: the
+    in-context form of the task, which teaches the lookup the memory has to serve. `back`, when
+    given, receives for each answer how many segments before the question its fact is."""
+    n_seg = segments or c.segments
+    seg = c.segment
+    keys = rng.sample(KEYS, rng.randint(*facts))
+    values = {k: rng.randrange(10) for k in keys}
+    statements = {k: tok.encode(f" The key {k} is {values[k]}.").ids for k in keys}
+    room = [seg] * (n_seg - 1)
+    home = {}
     for k in keys:
-        # one fact per early segment, at a random place among prose
-        s = rng.randrange(0, len(filler) - c.segment)
-        chunk = filler[s : s + rng.randint(4, 24)]
-        ids += chunk + tok.encode(f" The key {k} is {facts[k]}.").ids
-    room = (c.segments - 1) * c.segment
-    s = rng.randrange(0, len(filler) - room)
-    ids = (ids + filler[s : s + room])[:room]
+        fits = [j for j, r in enumerate(room) if r >= len(statements[k])]
+        if local or fits:  # (short smoke segments hold fewer)
+            home[k] = n_seg - 1 if local else rng.choice(fits)
+            if not local:
+                room[home[k]] -= len(statements[k])
+    keys = [k for k in keys if k in home]
+    ids: list[int] = []
+    for j in range(n_seg - 1):
+        pieces = [statements[k] for k in keys if home[k] == j]
+        free = seg - sum(map(len, pieces))
+        cuts = sorted(rng.randrange(free + 1) for _ in pieces)
+        s = rng.randrange(0, len(filler) - seg)
+        prose = filler[s : s + free]
+        prev = 0
+        for cut, piece in zip(cuts, pieces):
+            ids += prose[prev:cut] + piece
+            prev = cut
+        ids += prose[prev:]
+    s = rng.randrange(0, len(filler) - seg)
+    ids += filler[s : s + rng.randrange(8)]
+    for k in keys:
+        if local:
+            ids += statements[k]
     answers = []
     for k in rng.sample(keys, len(keys)):
         q = tok.encode(f" The key {k} is").ids
-        a = tok.encode(f" {facts[k]}.").ids
+        a = tok.encode(f" {values[k]}.").ids
         answers.append((len(ids) + len(q), a))
+        if back is not None:
+            back.append(n_seg - 1 - home[k])
         ids += q + a
-    s = rng.randrange(0, len(filler) - total)
-    ids = (ids + filler[s : s + total])[:total]
+    total = n_seg * seg
+    s = rng.randrange(0, len(filler) - seg)
+    ids = (ids + filler[s : s + seg])[:total]
     return ids, [(p, a) for p, a in answers if p + len(a) <= total]
 
 
 def main():
-    args = common.base_args(__doc__.splitlines()[0], minutes=90).parse_args()
+    parser = common.base_args(__doc__.splitlines()[0], minutes=90)
+    parser.add_argument("--answer-weight", type=float, default=1.0, help="extra weight of the recall answers' loss")
+    parser.add_argument("--d-mem", type=int, default=Config.d_mem, help="width of the memory's keys before DPFP")
+    parser.add_argument("--no-curriculum", dest="curriculum", action="store_false", help="full-length recall from the start")
+    args = parser.parse_args()
     device, docs = common.setup(args)
     c = Config()
+    c.d_mem = args.d_mem
     if args.smoke:
         c.segment, c.segments = 32, 3
     base = common.train_tokenizer(docs["train"], args.seed)
@@ -183,21 +227,50 @@ def main():
     print(f"ARMT: {n_params / 1e6:.2f} M parameters, {len(train)} training prose tokens", flush=True)
     rng = random.Random(args.seed)
     total = c.segment * c.segments
-    trainer = common.Trainer(model, args, device, 6000, lambda: held_out_loss(model, held, total, device))
+    def held_out():
+        loss = held_out_loss(model, held, total, device)
+        print(f"step {trainer.prog.step}: held-out loss {loss:.3f}, recall {recall_accuracy(model, tok, held, c, device, 40):.2f}", flush=True)
+        return loss
 
-    def loss_of(x):
-        return F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+    trainer = common.Trainer(model, args, device, 6000, held_out)
+
+    def loss_of(prose, recall, answer_mask):
+        """Next-token loss over every token, plus `--answer-weight` times the mean loss of the
+        recall answers' digits: they are under 1% of the tokens, and without the extra term
+        the gradient that teaches the memory to hold the facts is too faint (an 80-minute run
+        without it answered at chance)."""
+        lp = F.cross_entropy(model(prose[:, :-1]).flatten(0, 1).float(), prose[:, 1:].flatten(), reduction="none")
+        lr = F.cross_entropy(model(recall[:, :-1]).flatten(0, 1).float(), recall[:, 1:].flatten(), reduction="none")
+        mask = answer_mask.flatten()
+        everything = torch.cat([lp, lr]).mean()
+        return everything + args.answer_weight * (lr * mask).sum() / mask.sum().clamp(min=1)
 
     while trainer.running():
         rows = []
         for _ in range(8):
             s = rng.randrange(0, len(train) - total - 1)
             rows.append(train[s : s + total + 1])
+        # curriculum: the first 15% of the budget recalls one or two facts one segment back,
+        # the next 15% up to two segments back, the rest up to the full context's; a quarter
+        # of the recall rows (a tenth after the first 30%) are in-context
+        frac = trainer.prog.fraction() if args.curriculum else 1.0
+        n_seg = rng.randint(2, c.segments if frac >= 0.3 else min(c.segments, 2 if frac < 0.15 else 3))
+        facts = (1, 2) if frac < 0.15 else (2, 4)
+        recall, mask = [], []
         for _ in range(8):
-            ids, _ = recall_sequence(tok, train, c, rng)
-            rows.append(ids + [EOS])
+            local = args.curriculum and rng.random() < (0.25 if frac < 0.3 else 0.1)
+            ids, answers = recall_sequence(tok, train, c, rng, n_seg, facts, local)
+            m = [0.0] * len(ids)
+            for start, a in answers:
+                # the digit (the answer's token that needs the memory) is ids[start + 1]:
+                # target t is token t + 1
+                m[start] = 1.0
+            recall.append(ids + [EOS])
+            mask.append(m)
         x = torch.tensor(rows, device=device)
-        trainer.step(lambda: loss_of(x), x.numel())
+        y = torch.tensor(recall, device=device)
+        m = torch.tensor(mask, device=device)
+        trainer.step(lambda: loss_of(x, y, m), x.numel() + y.numel())
     final = trainer.finish()
     prog = trainer.prog
     accuracy = recall_accuracy(model, tok, held, c, device, 10 if args.smoke else 200)

@@ -326,6 +326,12 @@ class Progress:
             return self.step < self.max_steps
         return time.time() - self.start < self.minutes * 60
 
+    def fraction(self) -> float:
+        """How much of the budget (steps, or else time) is spent, in [0, 1]."""
+        if self.max_steps is not None:
+            return min(1.0, self.step / max(1, self.max_steps))
+        return min(1.0, (time.time() - self.start) / (self.minutes * 60))
+
     def update(self, loss: float, tokens: int):
         self.step += 1
         self.tokens += tokens

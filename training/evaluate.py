@@ -1,13 +1,14 @@
 """Held-out task accuracy of a checkpoint *as served*: every prompt of the fixed held-out set
 (`common.eval_set`) goes through `wavefront run --json` with the given scheme arguments; prints
 per-task exact-match accuracy, mean forward passes, tokens per forward, core iterations and
-compute time per answer. `--tasks recall` asks an ARMT checkpoint the held-out key-value recall
-questions (`armt.recall_sequence` on held-out prose: facts in the first segments, the question
-in the last), as token ids.
+compute time per answer. `--tasks recall,recall-1` asks an ARMT checkpoint the held-out
+key-value recall questions (`armt.recall_sequence` on held-out prose: facts in the first
+segments, the question in the last; `recall` has 2 to 4 facts, so the answer depends on the
+key asked, `recall-1` one fact), as token ids.
 
     python training/evaluate.py --model models/llada-tiny --wavefront target/release/wavefront \\
         -- --scheme low-confidence --max-new-tokens 16 --steps 16 --block-length 16
-    python training/evaluate.py --model models/armt-tiny --tasks recall -- --execution diagonal
+    python training/evaluate.py --model models/armt-tiny --tasks recall-1,recall -- --execution diagonal
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
         return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"])
 
     results: dict[str, list] = {}
-    if tasks == "recall":
-        for ids, answer in recall_set(Path(model), per_task):
-            r = run(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(len(answer))])
-            results.setdefault("recall", []).append(row(r["token_ids"][: len(answer)] == answer, r))
-    else:
-        chosen = {k: common.TASKS[k] for k in tasks.split(",")}
-        for name, prompt, answer in common.eval_set(per_task, tasks=chosen):
-            r = run(["--prompt", prompt])
-            text = r["text"].split("<|")[0]
-            results.setdefault(name, []).append(row(text.strip() == answer.strip(), r))
+    recall = {"recall": (2, 4), "recall-1": (1, 1)}
+    for name in tasks.split(","):
+        if name in recall:
+            for ids, answer in recall_set(Path(model), per_task, recall[name]):
+                r = run(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(len(answer))])
+                results.setdefault(name, []).append(row(r["token_ids"][: len(answer)] == answer, r))
+    chosen = {k: common.TASKS[k] for k in tasks.split(",") if k not in recall}
+    for name, prompt, answer in common.eval_set(per_task, tasks=chosen) if chosen else []:
+        r = run(["--prompt", prompt])
+        text = r["text"].split("<|")[0]
+        results.setdefault(name, []).append(row(text.strip() == answer.strip(), r))
     return {
         name: {
             "accuracy": sum(x[0] for x in rs) / len(rs),
@@ -78,8 +80,9 @@ def main():
     print(json.dumps({"model": args.model, "run_args": extra, "tasks": summary}, indent=1))
 
 
-def recall_set(model: Path, n: int) -> list[tuple[list[int], list[int]]]:
-    """n held-out recall prompts (token ids up to a question) and their answers' ids."""
+def recall_set(model: Path, n: int, facts=(2, 4)) -> list[tuple[list[int], list[int]]]:
+    """n held-out recall prompts (token ids up to a question) with `facts` facts each, and
+    their answers' ids."""
     import random
 
     import armt
@@ -93,7 +96,7 @@ def recall_set(model: Path, n: int) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(99)
     out = []
     for _ in range(n):
-        ids, answers = armt.recall_sequence(tok, held, c, rng)
+        ids, answers = armt.recall_sequence(tok, held, c, rng, facts=facts)
         start, answer = answers[0]
         out.append((ids[:start], answer))
     return out

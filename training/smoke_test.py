@@ -21,7 +21,7 @@ FAMILIES = {
     "llada": (40, ["--scheme", "low-confidence", "--prompt", "12+34=", "--max-new-tokens", "8"]),
     "huginn": (30, ["--scheme", "ar", "--prompt", "12+34=", "--max-new-tokens", "4"]),
     "refusion": (20, ["--scheme", "plan-infill", "--prompt", "12+34=", "--max-new-tokens", "16"]),
-    "armt": (15, ["--prompt", "The key 37 is 5. The key 37 is", "--max-new-tokens", "4"]),
+    "armt": (15, ["--prompt", "The key q is 5. The key q is", "--max-new-tokens", "4"]),
 }
 
 

@@ -73,7 +73,7 @@ FAMILIES = {
     ),
     "armt": (
         "models/armt-tiny",
-        "recall",
+        "recall-1,recall",
         [
             ("sequential", ["--scheme", "ar", "--execution", "sequential"]),
             ("diagonal", ["--scheme", "ar", "--execution", "diagonal"]),
