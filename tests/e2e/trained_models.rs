@@ -193,28 +193,25 @@ fn the_trained_refusion_sorts_held_out_digits_with_plan_and_infill() {
 }
 
 #[test]
-fn the_trained_armt_answers_a_recall_question_after_several_segments_in_either_execution() {
-    // A fact in the first segment, prose, and its question in the fourth (segments of 64).
+fn the_trained_armt_recalls_a_fact_from_three_segments_back_in_either_execution() {
+    // One fact in the first segment, prose, and its question in the fourth (segments of 64):
+    // only the memory carries the fact that far. (With two facts the checkpoint answers one of
+    // the two values whichever key is asked: training/README.md.)
     let prose = include_str!("../../training/testdata/web-slice.txt");
-    let prompt = format!(
-        "{} The key 37 is 5. {} The key 37 is",
-        &prose[..300],
-        &prose[300..1000]
-    );
-    let args = |execution| ["--max-new-tokens", "3", "--execution", execution];
-    let seq = run_json("armt-tiny", &prompt, &args("sequential"));
-    let diag = run_json("armt-tiny", &prompt, &args("diagonal"));
-    assert!(
-        seq["stats"]["prompt_tokens"].as_u64().unwrap() > 3 * 64,
-        "{seq}"
-    );
-    assert_eq!(seq["token_ids"], diag["token_ids"]);
-    // The answer has the trained shape, a digit and a full stop. Which digit is the memory's
-    // job, and this checkpoint answers recall at chance (training/README.md): not asserted.
-    let text = seq["text"].as_str().unwrap();
-    let b = text.as_bytes();
-    assert!(
-        b.len() == 3 && b[0] == b' ' && b[1].is_ascii_digit() && b[2] == b'.',
-        "{text:?}"
-    );
+    for (key, value) in [("q", 5), ("d", 7), ("x", 0)] {
+        let prompt = format!(
+            "{} The key {key} is {value}. {} The key {key} is",
+            &prose[..300],
+            &prose[300..1000]
+        );
+        let args = |execution| ["--max-new-tokens", "3", "--execution", execution];
+        let seq = run_json("armt-tiny", &prompt, &args("sequential"));
+        let diag = run_json("armt-tiny", &prompt, &args("diagonal"));
+        assert!(
+            seq["stats"]["prompt_tokens"].as_u64().unwrap() > 3 * 64,
+            "{seq}"
+        );
+        assert_eq!(seq["token_ids"], diag["token_ids"]);
+        assert_eq!(seq["text"], format!(" {value}."), "key {key}");
+    }
 }
