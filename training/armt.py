@@ -209,6 +209,7 @@ def main():
     parser = common.base_args(__doc__.splitlines()[0], minutes=90)
     parser.add_argument("--answer-weight", type=float, default=1.0, help="extra weight of the recall answers' loss")
     parser.add_argument("--d-mem", type=int, default=Config.d_mem, help="width of the memory's keys before DPFP")
+    parser.add_argument("--min-facts", type=int, default=1, help="fewest facts in a recall row, from the start")
     parser.add_argument("--no-curriculum", dest="curriculum", action="store_false", help="full-length recall from the start")
     args = parser.parse_args()
     device, docs = common.setup(args)
@@ -255,7 +256,8 @@ def main():
         # of the recall rows (a tenth after the first 30%) are in-context
         frac = trainer.prog.fraction() if args.curriculum else 1.0
         n_seg = rng.randint(2, c.segments if frac >= 0.3 else min(c.segments, 2 if frac < 0.15 else 3))
-        facts = (1, 2) if frac < 0.15 else (2, 4)
+        least = max(1, args.min_facts)
+        facts = (least, max(2, least)) if frac < 0.15 else (max(2, least), 4)
         recall, mask = [], []
         for _ in range(8):
             local = args.curriculum and rng.random() < (0.25 if frac < 0.3 else 0.1)
