@@ -188,9 +188,8 @@ def recall_sequence(
         ids += prose[prev:]
     s = rng.randrange(0, len(filler) - seg)
     ids += filler[s : s + rng.randrange(8)]
-    for k in keys:
-        if local:
-            ids += statements[k]
+    if local:
+        ids += [t for k in keys for t in statements[k]]
     answers = []
     for k in rng.sample(keys, len(keys)):
         q = tok.encode(f" The key {k} is").ids

@@ -4,7 +4,8 @@ per-task exact-match accuracy, mean forward passes, tokens per forward, core ite
 compute time per answer. `--tasks recall,recall-1` asks an ARMT checkpoint the held-out
 key-value recall questions (`armt.recall_sequence` on held-out prose: facts in the first
 segments, the question in the last; `recall` has 2 to 4 facts, so the answer depends on the
-key asked, `recall-1` one fact), as token ids.
+key asked, `recall-1` one fact, `recall-2` exactly two), as token ids; each is also reported
+by how many segments back the asked fact is (`recall, 2 back`).
 
     python training/evaluate.py --model models/llada-tiny --wavefront target/release/wavefront \\
         -- --scheme low-confidence --max-new-tokens 16 --steps 16 --block-length 16
@@ -43,12 +44,14 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
         return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"])
 
     results: dict[str, list] = {}
-    recall = {"recall": (2, 4), "recall-1": (1, 1)}
+    recall = {"recall": (2, 4), "recall-1": (1, 1), "recall-2": (2, 2)}
     for name in tasks.split(","):
         if name in recall:
-            for ids, answer in recall_set(Path(model), per_task, recall[name]):
+            for ids, answer, back in recall_set(Path(model), per_task, recall[name]):
                 r = run(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(len(answer))])
-                results.setdefault(name, []).append(row(r["token_ids"][: len(answer)] == answer, r))
+                outcome = row(r["token_ids"][: len(answer)] == answer, r)
+                results.setdefault(name, []).append(outcome)
+                results.setdefault(f"{name}, {back} back", []).append(outcome)
     chosen = {k: common.TASKS[k] for k in tasks.split(",") if k not in recall}
     for name, prompt, answer in common.eval_set(per_task, tasks=chosen) if chosen else []:
         r = run(["--prompt", prompt])
@@ -80,9 +83,9 @@ def main():
     print(json.dumps({"model": args.model, "run_args": extra, "tasks": summary}, indent=1))
 
 
-def recall_set(model: Path, n: int, facts=(2, 4)) -> list[tuple[list[int], list[int]]]:
-    """n held-out recall prompts (token ids up to a question) with `facts` facts each, and
-    their answers' ids."""
+def recall_set(model: Path, n: int, facts=(2, 4)) -> list[tuple[list[int], list[int], int]]:
+    """n held-out recall prompts (token ids up to a question) with `facts` facts each, their
+    answers' ids, and how many segments before the question the asked fact is."""
     import random
 
     import armt
@@ -96,9 +99,10 @@ def recall_set(model: Path, n: int, facts=(2, 4)) -> list[tuple[list[int], list[
     rng = random.Random(99)
     out = []
     for _ in range(n):
-        ids, answers = armt.recall_sequence(tok, held, c, rng, facts=facts)
+        back: list[int] = []
+        ids, answers = armt.recall_sequence(tok, held, c, rng, facts=facts, back=back)
         start, answer = answers[0]
-        out.append((ids[:start], answer))
+        out.append((ids[:start], answer, back[0]))
     return out
 
 
