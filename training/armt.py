@@ -204,11 +204,44 @@ def recall_sequence(
     return ids, [(p, a) for p, a in answers if p + len(a) <= total]
 
 
+def lookup_episodes(tok, filler, c: Config, rng: random.Random, segments: int):
+    """(ids, [(answer start, answer ids)]) of `segments` segments that are each a whole
+    in-context lookup: 2 to 4 facts, then questions about all of them in a random order, padded
+    with prose. Every answer is in its facts' segment, so these teach the lookup by key (an
+    induction over "key q is" that the question repeats) densely, before the memory has to
+    carry it across segments."""
+    ids: list[int] = []
+    answers = []
+    for _ in range(segments):
+        base = len(ids)
+        keys = rng.sample(KEYS, rng.randint(2, 4))
+        values = {k: rng.randrange(10) for k in keys}
+        s = rng.randrange(0, len(filler) - c.segment)
+        part = filler[s : s + rng.randrange(4)]
+        part += [t for k in keys for t in tok.encode(f" The key {k} is {values[k]}.").ids]
+        for k in rng.sample(keys, len(keys)):
+            q = tok.encode(f" The key {k} is").ids
+            a = tok.encode(f" {values[k]}.").ids
+            if len(part) + len(q) + len(a) > c.segment:
+                break
+            answers.append((base + len(part) + len(q), a))
+            part += q + a
+        s = rng.randrange(0, len(filler) - c.segment)
+        ids += (part + filler[s : s + c.segment])[: c.segment]
+    return ids, answers
+
+
 def main():
     parser = common.base_args(__doc__.splitlines()[0], minutes=90)
     parser.add_argument("--answer-weight", type=float, default=1.0, help="extra weight of the recall answers' loss")
     parser.add_argument("--d-mem", type=int, default=Config.d_mem, help="width of the memory's keys before DPFP")
     parser.add_argument("--min-facts", type=int, default=1, help="fewest facts in a recall row, from the start")
+    parser.add_argument(
+        "--lookup-phase",
+        type=float,
+        default=0.0,
+        help="share of the budget, before the curriculum, whose recall rows are in-context lookups in every segment",
+    )
     parser.add_argument("--no-curriculum", dest="curriculum", action="store_false", help="full-length recall from the start")
     args = parser.parse_args()
     device, docs = common.setup(args)
@@ -229,7 +262,9 @@ def main():
     total = c.segment * c.segments
     def held_out():
         loss = held_out_loss(model, held, total, device)
-        print(f"step {trainer.prog.step}: held-out loss {loss:.3f}, recall {recall_accuracy(model, tok, held, c, device, 40):.2f}", flush=True)
+        recall = recall_accuracy(model, tok, held, c, device, 40)
+        local = recall_accuracy(model, tok, held, c, device, 40, local=True)
+        print(f"step {trainer.prog.step}: held-out loss {loss:.3f}, recall {recall:.2f}, in context {local:.2f}", flush=True)
         return loss
 
     trainer = common.Trainer(model, args, device, 6000, held_out)
@@ -254,13 +289,20 @@ def main():
         # the next 15% up to two segments back, the rest up to the full context's; a quarter
         # of the recall rows (a tenth after the first 30%) are in-context
         frac = trainer.prog.fraction() if args.curriculum else 1.0
+        # `--lookup-phase`: first, every segment of every recall row is an in-context lookup;
+        # the curriculum runs over the rest of the budget
+        lookup = args.curriculum and frac < args.lookup_phase
+        frac = max(0.0, (frac - args.lookup_phase) / (1 - args.lookup_phase)) if args.curriculum else frac
         n_seg = rng.randint(2, c.segments if frac >= 0.3 else min(c.segments, 2 if frac < 0.15 else 3))
         least = max(1, args.min_facts)
         facts = (least, max(2, least)) if frac < 0.15 else (max(2, least), 4)
         recall, mask = [], []
         for _ in range(8):
             local = args.curriculum and rng.random() < (0.25 if frac < 0.3 else 0.1)
-            ids, answers = recall_sequence(tok, train, c, rng, n_seg, facts, local)
+            if lookup:
+                ids, answers = lookup_episodes(tok, train, c, rng, c.segments)
+            else:
+                ids, answers = recall_sequence(tok, train, c, rng, n_seg, facts, local)
             m = [0.0] * len(ids)
             for start, a in answers:
                 # the digit (the answer's token that needs the memory) is ids[start + 1]:
@@ -283,6 +325,9 @@ def main():
         "held_out_loss": final,
         "unigram_held_out_loss": common.unigram_loss(train, held, c.vocab),
         "held_out_recall_accuracy_python": accuracy,
+        "held_out_recall_in_context_accuracy_python": recall_accuracy(
+            model, tok, held, c, device, 10 if args.smoke else 200, local=True
+        ),
     }
     print(report, flush=True)
     config = {
@@ -335,12 +380,13 @@ def held_out_loss(model, stream, total, device, n=32, seed=7) -> float:
 
 
 @torch.no_grad()
-def recall_accuracy(model, tok, held, c, device, n) -> float:
-    """Share of held-out recall questions whose whole answer is the argmax (teacher forced)."""
+def recall_accuracy(model, tok, held, c, device, n, local: bool = False) -> float:
+    """Share of held-out recall questions (2 to 4 facts; `local`: in the question's segment)
+    whose whole answer is the argmax (teacher forced)."""
     rng = random.Random(99)
     right = count = 0
     for _ in range(n):
-        ids, answers = recall_sequence(tok, held, c, rng)
+        ids, answers = recall_sequence(tok, held, c, rng, local=local)
         logits = model(torch.tensor([ids], device=device))[0]
         for start, a in answers[:1]:
             # every token of the answer (" 5."), each from the true tokens before it
