@@ -11,7 +11,7 @@ Data: prose windows, and key-value recall sequences: facts ("The key q is 5.") i
 segments among prose, questions about them ("The key q is") in the last, so that answering
 needs the memory.
 
-    python training/armt.py --out models/armt-tiny            # about 90 minutes on 2 cores
+    python training/armt.py --out models/armt-tiny --threads 1 --minutes 80   # the committed run
 """
 
 from __future__ import annotations
@@ -143,6 +143,16 @@ class Armt(nn.Module):
 KEYS = "abcdefghijklmnopqrstuvwxyz"
 
 
+def fact_tokens(tok, key: str, value: int) -> tuple[list[int], list[int], list[int]]:
+    """The ids of a fact (" The key q is 5."), of its question (" The key q is") and of the
+    question's answer (" 5."): the one format every recall row and lookup uses."""
+    return (
+        tok.encode(f" The key {key} is {value}.").ids,
+        tok.encode(f" The key {key} is").ids,
+        tok.encode(f" {value}.").ids,
+    )
+
+
 def recall_sequence(
     tok,
     filler,
@@ -164,7 +174,8 @@ def recall_sequence(
     seg = c.segment
     keys = rng.sample(KEYS, rng.randint(*facts))
     values = {k: rng.randrange(10) for k in keys}
-    statements = {k: tok.encode(f" The key {k} is {values[k]}.").ids for k in keys}
+    tokens = {k: fact_tokens(tok, k, values[k]) for k in keys}
+    statements = {k: tokens[k][0] for k in keys}
     room = [seg] * (n_seg - 1)
     home = {}
     for k in keys:
@@ -192,8 +203,7 @@ def recall_sequence(
         ids += [t for k in keys for t in statements[k]]
     answers = []
     for k in rng.sample(keys, len(keys)):
-        q = tok.encode(f" The key {k} is").ids
-        a = tok.encode(f" {values[k]}.").ids
+        _, q, a = tokens[k]
         answers.append((len(ids) + len(q), a))
         if back is not None:
             back.append(n_seg - 1 - home[k])
@@ -218,10 +228,10 @@ def lookup_episodes(tok, filler, c: Config, rng: random.Random, segments: int):
         values = {k: rng.randrange(10) for k in keys}
         s = rng.randrange(0, len(filler) - c.segment)
         part = filler[s : s + rng.randrange(4)]
-        part += [t for k in keys for t in tok.encode(f" The key {k} is {values[k]}.").ids]
+        tokens = {k: fact_tokens(tok, k, values[k]) for k in keys}
+        part += [t for k in keys for t in tokens[k][0]]
         for k in rng.sample(keys, len(keys)):
-            q = tok.encode(f" The key {k} is").ids
-            a = tok.encode(f" {values[k]}.").ids
+            _, q, a = tokens[k]
             if len(part) + len(q) + len(a) > c.segment:
                 break
             answers.append((base + len(part) + len(q), a))
@@ -240,10 +250,12 @@ def main():
         "--lookup-phase",
         type=float,
         default=0.0,
-        help="share of the budget, before the curriculum, whose recall rows are in-context lookups in every segment",
+        help="share of the budget in [0, 1), before the curriculum, whose recall rows are in-context lookups in every segment",
     )
     parser.add_argument("--no-curriculum", dest="curriculum", action="store_false", help="full-length recall from the start")
     args = parser.parse_args()
+    if not 0 <= args.lookup_phase < 1:
+        parser.error("--lookup-phase is a share of the budget in [0, 1)")
     device, docs = common.setup(args)
     c = Config()
     c.d_mem = args.d_mem
