@@ -31,6 +31,11 @@ pub enum Mask {
     /// Block diffusion (LLaDA2): buffer indices in blocks of `block` from 0; a query sees the
     /// keys of its own block and of every earlier one.
     BlockCausal { block: u32 },
+    /// Independent rows after a shared prefix (ReFusion's parallel iterative completion): buffer
+    /// indices from `prefix` on are segments of `segment`; a query in a segment sees the prefix
+    /// and the keys of its own segment up to itself, never another segment. A query inside the
+    /// prefix is causal.
+    SegmentCausal { prefix: u32, segment: u32 },
 }
 
 impl Mask {
@@ -47,6 +52,11 @@ impl Mask {
                 (true, false) => key != block_start + (query - main_len),
             },
             Mask::BlockCausal { block } => key / block.max(1) <= query / block.max(1),
+            Mask::SegmentCausal { prefix, segment } => {
+                key <= query
+                    && (key < prefix
+                        || (key - prefix) / segment.max(1) == (query - prefix) / segment.max(1))
+            }
         }
     }
 
@@ -60,6 +70,7 @@ impl Mask {
                 block_start,
             } => [2, main_len, block_start],
             Mask::BlockCausal { block } => [3, block, 0],
+            Mask::SegmentCausal { prefix, segment } => [4, prefix, segment],
         }
     }
 }
@@ -228,6 +239,15 @@ mod tests {
         let b = Mask::BlockCausal { block: 4 };
         assert!(b.allows(0, 3) && b.allows(5, 7) && b.allows(5, 0) && !b.allows(3, 4));
         assert_eq!(b.encode(), [3, 4, 0]);
+        // A prefix of 5, then segments of 3 (5..8, 8..11): each sees the prefix and itself.
+        let s = Mask::SegmentCausal {
+            prefix: 5,
+            segment: 3,
+        };
+        assert!(s.allows(9, 4) && s.allows(9, 8) && s.allows(9, 9) && !s.allows(9, 10));
+        assert!(!s.allows(9, 5) && !s.allows(9, 7) && s.allows(7, 5) && !s.allows(5, 6));
+        assert!(s.allows(3, 2) && !s.allows(3, 4));
+        assert_eq!(s.encode(), [4, 5, 3]);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr,
     DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
@@ -55,6 +55,28 @@ pub struct RaggedTables<'a> {
     pub row_seq: &'a CudaSlice<u32>,
     pub row_index: &'a CudaSlice<u32>,
     pub key_index: &'a CudaSlice<u32>,
+}
+
+/// A run of a call's keys on the device: `keys` consecutive keys of every kv head, head `g`'s
+/// key `i` at element `g · head_stride + i · head_dim` of `k` (and of `v`). A slice of a K/V
+/// page arena `[Hkv, arena_rows, D]` from its first key on is a run with head stride
+/// `arena_rows · D`; a contiguous `[Hkv, keys, D]` buffer is one with `keys · D`.
+pub struct KvRun<'a, T> {
+    pub k: CudaView<'a, T>,
+    pub v: CudaView<'a, T>,
+    pub keys: usize,
+    pub head_stride: usize,
+}
+
+impl<T> KvRun<'_, T> {
+    /// Whether the run's keys of `n_kv_heads` heads of `head_dim` lie inside its views.
+    fn fits(&self, n_kv_heads: usize, head_dim: usize) -> bool {
+        if self.keys == 0 {
+            return true;
+        }
+        let need = (n_kv_heads - 1) * self.head_stride + self.keys * head_dim;
+        self.head_stride >= self.keys * head_dim && self.k.len() >= need && self.v.len() >= need
+    }
 }
 
 /// A kernel failure: bad shapes or a CUDA error.
@@ -131,7 +153,8 @@ impl Kernels {
     }
 
     /// Ragged attention over tables already on the device (uploaded once per packed call and
-    /// shared by every layer). The tables must come from a [`RaggedLayout`] that passed
+    /// shared by every layer), with the keys in one contiguous buffer: `k`/`v`
+    /// `[Hkv, keys, D]`. The tables must come from a [`RaggedLayout`] that passed
     /// [`RaggedLayout::validate`] with `dims`' row and key counts: the kernel trusts the
     /// per-sequence ranges they hold.
     pub fn ragged_attention_with<T: Elem>(
@@ -141,6 +164,27 @@ impl Kernels {
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
         v: &CudaView<'_, T>,
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), KernelError> {
+        let run = KvRun {
+            k: k.slice(..),
+            v: v.slice(..),
+            keys: dims.keys,
+            head_stride: dims.keys * dims.head_dim,
+        };
+        self.ragged_attention_paged(dims, tables, q, &[run], out)
+    }
+
+    /// Ragged attention reading the keys where they are: the call's key axis is `runs` in
+    /// order (pages of a K/V pool's arenas, the call's own rows, a shared prefix's pages), so
+    /// no sequence's cache is gathered or copied. Only the runs' table (four `u64` per run) is
+    /// uploaded; the other tables are as for [`Kernels::ragged_attention_with`].
+    pub fn ragged_attention_paged<T: Elem>(
+        &self,
+        dims: &RaggedDims,
+        tables: &RaggedTables<'_>,
+        q: &CudaView<'_, T>,
+        runs: &[KvRun<'_, T>],
         out: &mut CudaSlice<T>,
     ) -> Result<(), KernelError> {
         let (h, hkv, d) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
@@ -153,9 +197,6 @@ impl Kernels {
         check(q.len() == dims.rows * h * d && out.len() == q.len(), || {
             "q/out shape".into()
         })?;
-        check(k.len() == dims.keys * hkv * d && v.len() == k.len(), || {
-            "k/v shape".into()
-        })?;
         check(
             tables.row_seq.len() == dims.rows
                 && tables.row_index.len() == dims.rows
@@ -163,28 +204,69 @@ impl Kernels {
                 && tables.seq_table.len().is_multiple_of(7),
             || "tables do not match the row and key counts".into(),
         )?;
+        let mut keys = 0;
+        for (i, r) in runs.iter().enumerate() {
+            check(r.fits(hkv, d), || {
+                format!(
+                    "run {i}: {} keys of {hkv} heads at head stride {} do not fit its {}/{} values",
+                    r.keys,
+                    r.head_stride,
+                    r.k.len(),
+                    r.v.len()
+                )
+            })?;
+            keys += r.keys;
+        }
+        check(keys == dims.keys, || {
+            format!("the runs hold {keys} keys, the call has {}", dims.keys)
+        })?;
         if dims.rows == 0 {
             return Ok(());
         }
+        let s = &self.stream;
+        // Pointers stay valid while `runs` borrows their buffers; the guards order any write
+        // to them before the launch (a no-op on one stream).
+        let mut guards = Vec::with_capacity(2 * runs.len());
+        let mut table = Vec::with_capacity(4 * runs.len() + 8);
+        let mut first = 0u64;
+        for r in runs {
+            let (kp, kg) = r.k.device_ptr(s);
+            let (vp, vg) = r.v.device_ptr(s);
+            guards.push(kg);
+            guards.push(vg);
+            table.extend([kp, vp, r.head_stride as u64, first]);
+            first += r.keys as u64;
+        }
+        if runs.is_empty() {
+            // An empty run, so the kernel's run search always has one to start from.
+            table.extend([0, 0, 0, 0]);
+        }
+        table.extend([0, 0, 0, first]);
+        let n_runs = (table.len() / 4 - 1) as u32;
+        let table = s.clone_htod(&table)?;
         let f = self.function(0, &format!("ragged_attention_{}", T::SUFFIX))?;
-        let (h32, hkv32, d32) = (h as u32, hkv as u32, d as u32);
-        let (rows32, keys32) = (dims.rows as u32, dims.keys as u32);
+        let (h32, hkv32, d32, rows32) = (h as u32, hkv as u32, d as u32, dims.rows as u32);
         let cfg = LaunchConfig {
             grid_dim: (rows32, h32, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(q).arg(k).arg(v).arg(out);
+        let mut b = s.launch_builder(&f);
+        b.arg(q).arg(out).arg(&table).arg(&n_runs);
         b.arg(tables.seq_table)
             .arg(tables.row_seq)
             .arg(tables.row_index)
             .arg(tables.key_index);
-        b.arg(&rows32).arg(&keys32);
-        b.arg(&h32).arg(&hkv32).arg(&d32).arg(&dims.scale);
-        // SAFETY: argument types and order match the kernel's signature; the buffers' lengths
-        // were checked above and the tables' ranges when their layout was validated.
+        b.arg(&rows32)
+            .arg(&h32)
+            .arg(&hkv32)
+            .arg(&d32)
+            .arg(&dims.scale);
+        // SAFETY: argument types and order match the kernel's signature; q/out lengths and
+        // every run's extent were checked above, the runs add up to the tables' key count, and
+        // the tables' ranges were checked when their layout was validated.
         unsafe { b.launch(cfg) }?;
+        drop(guards);
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
-use wavefront_kernels::cuda::Kernels;
+use wavefront_kernels::cuda::{Kernels, KvRun, RaggedDims, RaggedTables};
 use wavefront_kernels::grouped::{grouped_matmul, Group};
 use wavefront_kernels::softmax_stats::softmax_stats;
 
@@ -27,10 +27,14 @@ fn layout(rng: &mut StdRng, head_dim: usize) -> RaggedLayout {
     for s in 0..12u32 {
         let len = rng.random_range(1..300u32);
         let rows = rng.random_range(1..=len.min(40));
-        let mask = match s % 4 {
+        let mask = match s % 5 {
             0 => Mask::Bidirectional,
             1 => Mask::Causal,
             3 => Mask::BlockCausal { block: 16 },
+            4 => Mask::SegmentCausal {
+                prefix: len / 2,
+                segment: 4,
+            },
             _ => Mask::ShadowBlock {
                 main_len: len - rows.min(len / 2),
                 block_start: 0,
@@ -160,4 +164,140 @@ fn kernels_match_their_cpu_references() {
         .softmax_stats(&s.clone_htod(&logits).unwrap(), vocab, None, None)
         .unwrap();
     assert!(none.iter().all(|r| r.kl.is_nan()));
+}
+
+/// Keys laid out as a served cache holds them: `[Hkv, pages · PAGE, D]` arenas, each sequence's
+/// keys a page table of shuffled ids (runs of consecutive ids merged, as the model crate reads
+/// them) followed by its fresh rows in a buffer of their own. The paged kernel, reading every
+/// run in place, must give the reference's output on the keys gathered in order.
+#[test]
+fn the_paged_kernel_reads_keys_in_place_through_page_tables() {
+    const PAGE: usize = 16;
+    let ctx = CudaContext::new(0).expect("a CUDA device (this test needs a GPU)");
+    let kernels = Kernels::load(&ctx).expect("PTX loads");
+    let s = kernels.stream().clone();
+    let mut rng = StdRng::seed_from_u64(11);
+    for d in [64, 128] {
+        let l = layout(&mut rng, d);
+        let hkv = l.n_kv_heads;
+        // Each sequence: cached keys in whole pages (its last page partly used), then fresh rows.
+        let mut plan = Vec::new(); // per sequence: (page ids, cached keys, fresh keys)
+        let mut next_page = 0usize;
+        for seq in &l.seqs {
+            let len = (seq.keys.end - seq.keys.start) as usize;
+            let fresh = rng.random_range(0..=len.min(24));
+            let cached = len - fresh;
+            let pages = cached.div_ceil(PAGE);
+            plan.push((
+                (next_page..next_page + pages).collect::<Vec<_>>(),
+                cached,
+                fresh,
+            ));
+            next_page += pages;
+        }
+        // Shuffle page ids across the arena, keeping a few consecutive runs.
+        let total_pages = next_page;
+        let mut ids: Vec<usize> = (0..total_pages).collect();
+        for i in (1..ids.len()).rev() {
+            if rng.random_range(0..3) > 0 {
+                let j = rng.random_range(0..=i);
+                ids.swap(i, j);
+            }
+        }
+        let arena_rows = total_pages * PAGE;
+        let ak = randn(&mut rng, hkv * arena_rows * d);
+        let av = randn(&mut rng, hkv * arena_rows * d);
+        let (akd, avd) = (s.clone_htod(&ak).unwrap(), s.clone_htod(&av).unwrap());
+        let mut want_k = vec![0f32; hkv * l.keys() * d];
+        let mut want_v = vec![0f32; hkv * l.keys() * d];
+        let mut fresh_bufs = Vec::new();
+        // (arena?, first row or buffer index, keys)
+        let mut pieces: Vec<(Option<usize>, usize, usize)> = Vec::new();
+        let mut key = 0usize;
+        for (pages, cached, fresh) in &plan {
+            let mut left = *cached;
+            for &p in pages {
+                let n = left.min(PAGE);
+                let row = ids[p] * PAGE;
+                match pieces.last_mut() {
+                    Some((Some(0), start, len)) if *start + *len == row && *len % PAGE == 0 => {
+                        *len += n
+                    }
+                    _ => pieces.push((Some(0), row, n)),
+                }
+                for g in 0..hkv {
+                    for i in 0..n {
+                        let src = (g * arena_rows + row + i) * d;
+                        let dst = (g * l.keys() + key + i) * d;
+                        want_k[dst..dst + d].copy_from_slice(&ak[src..src + d]);
+                        want_v[dst..dst + d].copy_from_slice(&av[src..src + d]);
+                    }
+                }
+                key += n;
+                left -= n;
+            }
+            let fk = randn(&mut rng, hkv * fresh * d);
+            let fv = randn(&mut rng, hkv * fresh * d);
+            for g in 0..hkv {
+                for i in 0..*fresh {
+                    let src = (g * fresh + i) * d;
+                    let dst = (g * l.keys() + key + i) * d;
+                    want_k[dst..dst + d].copy_from_slice(&fk[src..src + d]);
+                    want_v[dst..dst + d].copy_from_slice(&fv[src..src + d]);
+                }
+            }
+            pieces.push((None, fresh_bufs.len(), *fresh));
+            fresh_bufs.push((s.clone_htod(&fk).unwrap(), s.clone_htod(&fv).unwrap()));
+            key += fresh;
+        }
+        assert_eq!(key, l.keys());
+        let runs: Vec<KvRun<f32>> = pieces
+            .iter()
+            .map(|&(arena, at, n)| match arena {
+                Some(_) => KvRun {
+                    k: akd.slice(at * d..),
+                    v: avd.slice(at * d..),
+                    keys: n,
+                    head_stride: arena_rows * d,
+                },
+                None => KvRun {
+                    k: fresh_bufs[at].0.slice(..),
+                    v: fresh_bufs[at].1.slice(..),
+                    keys: n,
+                    head_stride: n * d,
+                },
+            })
+            .collect();
+        assert!(
+            runs.len() > l.seqs.len() * 2,
+            "the layout reads several runs per sequence"
+        );
+        let q = randn(&mut rng, l.rows() * l.n_heads * d);
+        let want = ragged_attention(&l, &q, &want_k, &want_v).unwrap();
+        let up = |v: Vec<u32>| s.clone_htod(&v).unwrap();
+        let (seq_table, row_seq) = (up(l.seq_table()), up(l.row_seq()));
+        let (row_index, key_index) = (up(l.row_index.clone()), up(l.key_index.clone()));
+        let tables = RaggedTables {
+            seq_table: &seq_table,
+            row_seq: &row_seq,
+            row_index: &row_index,
+            key_index: &key_index,
+        };
+        let qd = s.clone_htod(&q).unwrap();
+        let mut out = s.alloc_zeros::<f32>(q.len()).unwrap();
+        kernels
+            .ragged_attention_paged(&RaggedDims::of(&l), &tables, &qd.as_view(), &runs, &mut out)
+            .unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        assert!(
+            max_abs(&got, &want) < 1e-4,
+            "paged f32 d={d}: {}",
+            max_abs(&got, &want)
+        );
+        // A run table that does not add up to the call's keys is refused before any launch.
+        let short = &runs[..runs.len() - 1];
+        assert!(kernels
+            .ragged_attention_paged(&RaggedDims::of(&l), &tables, &qd.as_view(), short, &mut out)
+            .is_err());
+    }
 }

@@ -30,11 +30,15 @@ fn ragged(seed: u64, seqs: usize) -> (RaggedLayout, Vec<f32>, Vec<f32>, Vec<f32>
     };
     for _ in 0..seqs {
         let len = rng.random_range(1..12u32);
-        let mask = match rng.random_range(0..4) {
+        let mask = match rng.random_range(0..5) {
             0 => Mask::Bidirectional,
             1 => Mask::Causal,
             2 => Mask::BlockCausal {
                 block: rng.random_range(1..=4),
+            },
+            3 => Mask::SegmentCausal {
+                prefix: rng.random_range(0..len),
+                segment: rng.random_range(1..=4),
             },
             _ => {
                 let block = rng.random_range(1..=len.div_ceil(2));
