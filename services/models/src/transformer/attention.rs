@@ -33,6 +33,12 @@ pub enum MaskRule {
     /// Block diffusion (LLaDA2): buffer indices in blocks of `block` from 0 (the prompt
     /// included); a query sees its own block and every earlier one.
     BlockCausal { block: usize },
+    /// Independent rows after a shared prefix, in one buffer (ReFusion's parallel iterative
+    /// completion, each row of upstream's batch over the committed cache and itself): buffer
+    /// indices from `prefix` on are segments of `segment`; a query in a segment sees the
+    /// prefix and its own segment up to itself, never another segment; inside the prefix,
+    /// causal.
+    SegmentCausal { prefix: usize, segment: usize },
 }
 
 impl MaskRule {
@@ -51,6 +57,11 @@ impl MaskRule {
                 (true, false) => key != block_start + (query - main_len),
             },
             MaskRule::BlockCausal { block } => key / block.max(1) <= query / block.max(1),
+            MaskRule::SegmentCausal { prefix, segment } => {
+                key <= query
+                    && (key < prefix
+                        || (key - prefix) / segment.max(1) == (query - prefix) / segment.max(1))
+            }
         }
     }
 }

@@ -5,15 +5,17 @@
 //!
 //! A call's sequences, mask rules and buffer indices become one [`RaggedPlan`] when its
 //! [`super::PackedLayout`] is built, uploaded to the device once and shared by every layer; per
-//! layer the sequences' assembled keys and values are concatenated along the key axis and the
-//! operation runs over `q` `[H, rows, D]`, `k`/`v` `[H_kv, keys, D]`, the layout the block's
-//! activations and caches already have.
+//! layer the operation runs over `q` `[H, rows, D]` and the sequences' keys and values as runs
+//! `[H_kv, T_i, D]` (a cache's pages, read in place through its page table; a shared prefix's
+//! pages; the call's fresh rows), the layout the block's activations and caches already have.
+//! On a GPU the kernel reads each run where it lies, from a table of the runs' addresses
+//! uploaded per layer; the CPU reference reads them concatenated.
 
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
 
 use super::attention::MaskRule;
@@ -81,6 +83,10 @@ impl From<MaskRule> for Mask {
             },
             MaskRule::BlockCausal { block } => Mask::BlockCausal {
                 block: block as u32,
+            },
+            MaskRule::SegmentCausal { prefix, segment } => Mask::SegmentCausal {
+                prefix: prefix as u32,
+                segment: segment as u32,
             },
         }
     }
@@ -161,9 +167,11 @@ impl RaggedPlan {
     }
 
     /// Attention of every sequence over its own keys in one operation: `q` `[H, N, D]`,
-    /// `keys` the sequences' keys and values (after RoPE) as parts `[H_kv, T_i, D]` that
-    /// concatenate, in plan order, to every sequence's keys (a sequence may bring several, e.g.
-    /// a shared prefix and its own suffix); returns `[H, N, D]`.
+    /// `keys` the sequences' keys and values (after RoPE) as runs `[H_kv, T_i, D]` that follow
+    /// each other, in plan order, along the call's key axis (a sequence may bring several: its
+    /// cache's pages read in place, a shared prefix's pages, its own fresh rows); returns
+    /// `[H, N, D]`. On a GPU the kernel reads every run where it is (a page arena's slice, the
+    /// call's rows): nothing is concatenated. The CPU reference reads them concatenated.
     pub(crate) fn attend(
         self: &Arc<Self>,
         q: &Tensor,
@@ -172,41 +180,60 @@ impl RaggedPlan {
     ) -> Result<Tensor> {
         let (h, n, d) = q.dims3()?;
         let hkv = keys.first().map_or(h, |(k, _)| k.dim(0).unwrap_or(h));
-        let cat = |i: usize| -> Result<Tensor> {
-            let parts: Vec<&Tensor> = keys
-                .iter()
-                .map(|kv| if i == 0 { &kv.0 } else { &kv.1 })
-                .collect();
-            Ok(if parts.len() == 1 {
-                parts[0].contiguous()?
-            } else {
-                Tensor::cat(&parts, 1)?
-            })
-        };
-        let (k, v) = (cat(0)?, cat(1)?);
-        if k.dim(1)? != self.keys() {
+        let mut brought = 0;
+        let mut runs = Vec::with_capacity(keys.len());
+        for (k, v) in keys {
+            let len = k.dim(1)?;
+            if v.dims() != k.dims() || k.dim(0)? != hkv || k.dim(2)? != d {
+                return Err(ModelError::Shape(format!(
+                    "a run of keys {:?} / values {:?} does not fit [{hkv}, _, {d}]",
+                    k.dims(),
+                    v.dims()
+                )));
+            }
+            brought += len;
+            if len > 0 {
+                runs.push(Run::of(k, v)?);
+            }
+        }
+        if brought != self.keys() {
             return Err(ModelError::Shape(format!(
-                "the sequences brought {} keys, the call's layout has {}",
-                k.dim(1)?,
+                "the sequences brought {brought} keys, the call's layout has {}",
                 self.keys()
             )));
         }
         let q = q.contiguous()?;
-        let op = RaggedOp {
+        let dtype = q.dtype();
+        let on_host_in = |t: &Tensor| -> Result<Tensor> {
+            Ok(if dtype == DType::F32 {
+                t.clone()
+            } else {
+                t.to_dtype(DType::F32)?
+            })
+        };
+        let op = |runs: Vec<Run>| RaggedOp {
             plan: self.clone(),
+            runs,
             n_heads: h,
             n_kv_heads: hkv,
             head_dim: d,
             scale: scale as f32,
         };
-        let dtype = q.dtype();
-        let out = if q.device().is_cuda() || dtype == DType::F32 {
-            q.apply_op3_no_bwd(&k, &v, &op)?
+        let out = if q.device().is_cuda() {
+            q.apply_op1_no_bwd(&op(runs))?
         } else {
             // The CPU reference computes in float32.
-            let f = |t: &Tensor| t.to_dtype(DType::F32);
-            f(&q)?
-                .apply_op3_no_bwd(&f(&k)?, &f(&v)?, &op)?
+            let runs = runs
+                .iter()
+                .map(|r| {
+                    Ok(Run {
+                        k: on_host_in(&r.k)?,
+                        v: on_host_in(&r.v)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            on_host_in(&q)?
+                .apply_op1_no_bwd(&op(runs))?
                 .to_dtype(dtype)?
         };
         debug_assert_eq!(out.dims(), &[h, n, d]);
@@ -214,10 +241,40 @@ impl RaggedPlan {
     }
 }
 
-/// The ragged operation over contiguous `q` `[H, rows, D]`, `k`/`v` `[H_kv, keys, D]` (the
+/// One run of a call's keys and values `[H_kv, T, D]`, each key's `D` values contiguous and
+/// its keys `D` apart within a head (a page arena's slice, or any contiguous tensor), with the
+/// same layout for keys and values: what the kernel reads in place.
+#[derive(Debug)]
+struct Run {
+    k: Tensor,
+    v: Tensor,
+}
+
+impl Run {
+    fn of(k: &Tensor, v: &Tensor) -> Result<Self> {
+        let readable = |t: &Tensor| {
+            let st = t.stride();
+            st.len() == 3 && st[2] == 1 && st[1] == t.dim(2).unwrap_or(0)
+        };
+        if readable(k) && readable(v) && k.stride() == v.stride() {
+            Ok(Self {
+                k: k.clone(),
+                v: v.clone(),
+            })
+        } else {
+            Ok(Self {
+                k: k.contiguous()?,
+                v: v.contiguous()?,
+            })
+        }
+    }
+}
+
+/// The ragged operation over contiguous `q` `[H, rows, D]` and the call's runs of keys (the
 /// layout the block's activations and caches already have: nothing is transposed).
 struct RaggedOp {
     plan: Arc<RaggedPlan>,
+    runs: Vec<Run>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -248,58 +305,55 @@ fn cpu_values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32
     Ok(&s.as_slice::<f32>()?[start..end])
 }
 
-impl CustomOp3 for RaggedOp {
+impl CustomOp1 for RaggedOp {
     fn name(&self) -> &'static str {
         "ragged-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = ragged_attention(
-            &self.layout(),
-            cpu_values(s1, l1)?,
-            cpu_values(s2, l2)?,
-            cpu_values(s3, l3)?,
-        )
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let layout = self.layout();
+        let (hkv, d) = (self.n_kv_heads, self.head_dim);
+        let cat = |pick: fn(&Run) -> &Tensor| -> candle_core::Result<Vec<f32>> {
+            let parts: Vec<&Tensor> = self.runs.iter().map(pick).collect();
+            if parts.is_empty() {
+                return Ok(Vec::new());
+            }
+            Tensor::cat(&parts, 1)?
+                .reshape(hkv * layout.keys() * d)?
+                .to_vec1::<f32>()
+        };
+        let (k, v) = (cat(|r| &r.k)?, cat(|r| &r.v)?);
+        let out = ragged_attention(&layout, cpu_values(s, l)?, &k, &v)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         Ok((CpuStorage::F32(out), self.shape()))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::forward(self, [(s1, l1), (s2, l2), (s3, l3)])
+        cuda::forward(self, s, l)
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     //! The CUDA side: the kernels are loaded once per candle device and launched on candle's
-    //! stream of it, so they are ordered with candle's own work without a synchronisation.
+    //! stream of it, so they are ordered with candle's own work without a synchronisation. The
+    //! keys are read where the runs' tensors hold them (page arenas, the call's rows): the
+    //! launch uploads only their table of pointers.
 
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::{CudaDevice, DeviceId};
-    use candle_core::{CudaStorage, DType, Layout, Shape, Storage};
+    use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
     use cudarc::driver::{CudaView, DeviceRepr};
     use half::bf16;
-    use wavefront_kernels::cuda::{Elem, Kernels, RaggedDims, RaggedTables};
+    use wavefront_kernels::cuda::{Elem, Kernels, KvRun, RaggedDims, RaggedTables};
 
     use super::RaggedOp;
 
@@ -332,19 +386,39 @@ mod cuda {
         Ok(s.as_cuda_slice::<T>()?.slice(start..end))
     }
 
+    /// The elements a run `[H_kv, n, D]` (head stride `hs`, keys `D` apart) spans in its
+    /// storage, from its first key of head 0 to the last value of its last head.
+    fn run_view<'a, T: candle_core::cuda_backend::CudaDType>(
+        s: &'a Storage,
+        l: &Layout,
+        dev: &CudaDevice,
+    ) -> candle_core::Result<CudaView<'a, T>> {
+        let Storage::Cuda(c) = s else {
+            return Err(msg("a run of keys is not on the GPU"));
+        };
+        if c.device().id() != dev.id() {
+            return Err(msg("a run of keys is on another GPU than the queries"));
+        }
+        let (hkv, n, d) = l.shape().dims3()?;
+        let hs = l.stride()[0];
+        let start = l.start_offset();
+        Ok(c.as_cuda_slice::<T>()?
+            .slice(start..start + (hkv - 1) * hs + n * d))
+    }
+
     fn run<T: Elem + candle_core::cuda_backend::CudaDType + DeviceRepr>(
         op: &RaggedOp,
-        inputs: [(&CudaStorage, &Layout); 3],
+        s: &CudaStorage,
+        l: &Layout,
     ) -> candle_core::Result<CudaStorage> {
-        let dev = inputs[0].0.device().clone();
-        let [q, k, v] = inputs.map(|(s, l)| view::<T>(s, l));
-        let (q, k, v) = (q?, k?, v?);
+        let dev = s.device().clone();
+        let q = view::<T>(s, l)?;
         let tables = op
             .plan
             .tables
             .as_ref()
             .ok_or_else(|| msg("the call's layout was built for another device"))?;
-        let guards: Vec<_> = tables.iter().map(|t| t.storage_and_layout()).collect();
+        let guards: Vec<_> = tables.iter().map(Tensor::storage_and_layout).collect();
         let slices = guards
             .iter()
             .map(|(s, _)| match &**s {
@@ -358,6 +432,22 @@ mod cuda {
             row_index: slices[2],
             key_index: slices[3],
         };
+        let held: Vec<_> = op
+            .runs
+            .iter()
+            .map(|r| (r.k.storage_and_layout(), r.v.storage_and_layout()))
+            .collect();
+        let runs = held
+            .iter()
+            .map(|((ks, kl), (vs, vl))| {
+                Ok(KvRun {
+                    k: run_view::<T>(ks, kl, &dev)?,
+                    v: run_view::<T>(vs, vl, &dev)?,
+                    keys: kl.dims()[1],
+                    head_stride: kl.stride()[0],
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let dims = RaggedDims {
             rows: op.plan.layout.rows(),
             keys: op.plan.layout.keys(),
@@ -370,18 +460,19 @@ mod cuda {
         // head_dim values, zeros for a row with no visible key) before anything reads it.
         let mut out = unsafe { dev.alloc::<T>(q.len()) }?;
         kernels(&dev)?
-            .ragged_attention_with(&dims, &tables, &q, &k, &v, &mut out)
+            .ragged_attention_paged(&dims, &tables, &q, &runs, &mut out)
             .map_err(msg)?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
 
     pub(super) fn forward(
         op: &RaggedOp,
-        inputs: [(&CudaStorage, &Layout); 3],
+        s: &CudaStorage,
+        l: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let out = match inputs[0].0.dtype() {
-            DType::F32 => run::<f32>(op, inputs)?,
-            DType::BF16 => run::<bf16>(op, inputs)?,
+        let out = match s.dtype() {
+            DType::F32 => run::<f32>(op, s, l)?,
+            DType::BF16 => run::<bf16>(op, s, l)?,
             other => return Err(msg(format!("no kernel for {other:?}"))),
         };
         Ok((out, op.shape()))
