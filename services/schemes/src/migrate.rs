@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The version of the exported program encoding (see the module doc).
-pub const STATE_VERSION: u32 = 3;
+pub const STATE_VERSION: u32 = 4;
 
 /// Every random-number generator a request owns: ChaCha with 12 rounds (the generator behind
 /// `rand`'s `StdRng`, named so its position can be exported).

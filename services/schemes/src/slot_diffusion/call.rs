@@ -14,8 +14,9 @@ use candle_core::{DType, Tensor, D};
 /// Which cache a row extends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CacheUse {
-    /// The program's scratch cache `i`, over its committed cache (shared, never written).
-    Scratch(usize),
+    /// Row `i` of parallel iterative completion: segment `i` after the committed cache (in its
+    /// pages), over the committed rows and itself only.
+    Segment(usize),
     /// The program's own cache, which the row extends (autoregressive decoding).
     Own,
 }

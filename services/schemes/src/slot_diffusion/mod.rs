@@ -60,7 +60,8 @@
 //! `(prompt + gen_length + block_length) · n_layers` slots: its committed cache (prompt and every
 //! generated token) plus the K/V a call appends after it (the planning call's masked slots, the
 //! verification call's drafts, or the rows of iterative completion, at most one block in all:
-//! each row extends the committed cache without copying it, `Keys::Shared`). An `ar` request
+//! each row in its own segment of the committed cache's pages, `MaskRule::SegmentCausal`). An
+//! `ar` request
 //! reserves `(prompt + max_new_tokens) · n_layers`. Per-call attention buffers are working
 //! memory of the tick.
 

@@ -10,23 +10,29 @@
 //! `token_threshold`, token 0 always), then either the **whole-slot fast path** (the leading
 //! accepted run covers a stop token or at least one whole slot: commit those slots with the
 //! verification K/V) or **parallel iterative completion** (one row per selected slot, each over
-//! its own copy of the committed cache: a draft call re-predicts every unaccepted token from the
+//! the committed cache and itself only: a draft call re-predicts every unaccepted token from the
 //! partly re-masked row, a verify call accepts by threshold with the token after the accepted
 //! prefix forced, the common accepted prefix advances, until every row is complete; then the
-//! rows' K/V are stitched after the committed cache, row after row, each having attended only
-//! to the committed buffer and itself). The README of tests/fixtures/refusion spells out every
+//! rows are committed row after row). The README of tests/fixtures/refusion spells out every
 //! rule; the golden tests replay upstream's calls one by one.
 //!
-//! State lives in plain fields; tensors are the committed cache (`main`, in the family's page
-//! pool, appended in commit order and never cropped below what was committed) and, during
-//! iterative completion, each row's scratch cache (`scratch[r]` extends `main` for row `r` of
-//! the call without copying it). Planning and verification write their rows in place in `main`'s
-//! pages after the committed ones: the first plan's prompt rows and a verified prefix stay
-//! there, the rest is cut. [`PlanInfill::commit_slots`] is the one place where slots become
-//! final.
+//! State lives in plain fields; the one tensor state is the committed cache (`main`, in the
+//! family's page pool, appended in commit order and never cropped below what was committed).
+//! Every call writes its rows in place in `main`'s pages after the committed ones, and the
+//! commit keeps what it accepts and cuts the rest: planning and verification rows after the
+//! committed buffer (the first plan's prompt rows and a verified prefix stay there), and
+//! iterative completion's rows each in its own *segment* of `slot_size` indices after the
+//! committed buffer, in commit order (row `r` at `committed + r · slot_size`), attending to the
+//! committed buffer and its own segment only ([`MaskRule::SegmentCausal`], upstream's batch
+//! rows over one shared cache): a step rewrites each segment past its accepted prefix, and the
+//! completed segments are the committed rows where they lie. Nothing is copied into the cache
+//! and no cache lives outside the pool. [`PlanInfill::commit_slots`] is the one place where
+//! slots become final.
+//!
+//! [`MaskRule::SegmentCausal`]: wavefront_models::transformer::MaskRule::SegmentCausal
 
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
-use wavefront_models::transformer::KvCache;
+use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use super::canvas::Canvas;
@@ -43,17 +49,6 @@ pub(crate) struct Settings {
     pub(crate) token_threshold: f32,
     pub(crate) mask_id: u32,
     pub(crate) eos_rule: EosRule,
-}
-
-/// Where the K/V of the tokens a commit makes final are.
-enum Stitch<'a> {
-    /// Written by the call in place, right after the committed rows (planning and
-    /// verification extend the committed cache itself): the commit keeps as many as it takes.
-    InPlace,
-    /// Rows `start..start + len` of scratch cache `r` for each `(r, start, len)`, in order:
-    /// iterative completion's rows, each computed over its own view of the committed cache,
-    /// copied after it once they complete (a slot's rows, fewer than a page).
-    Rows(&'a [(usize, usize, usize)]),
 }
 
 /// What one iteration did, kept when recording (tests compare it with upstream's trace).
@@ -127,14 +122,13 @@ struct Selection {
     first_conf: Vec<f32>,
 }
 
-/// One row of iterative completion: a selected slot with its own cache suffix.
+/// One row of iterative completion: a selected slot, whose K/V live in its segment of the
+/// committed cache's pages (the accepted prefix, `acc` tokens, kept from step to step).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Row {
     start: u32,
     tokens: Vec<u32>,
     tags: Vec<bool>,
-    /// K/V of the row's accepted prefix (`acc` tokens) after the committed cache.
-    cache: KvCache,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -165,10 +159,9 @@ pub struct PlanInfill {
     /// The committed buffer in commit order (`cur_x`, `cur_pos` upstream), prompt first.
     buffer_ids: Vec<u32>,
     buffer_pos: Vec<u32>,
-    /// K/V of the committed buffer (empty before the first call).
+    /// K/V of the committed buffer (empty before the first call), and after it the rows of
+    /// the call in flight.
     pub(crate) main: KvCache,
-    /// Per row of the current call, the K/V it appends after `main`.
-    pub(crate) scratch: Vec<KvCache>,
     block: usize,
     /// Start positions of the current block's slots still to decode, increasing.
     pool: Vec<u32>,
@@ -209,7 +202,6 @@ impl PlanInfill {
             buffer_pos: (0..p as u32).collect(),
             prompt,
             main: KvCache::new(),
-            scratch: Vec::new(),
             block: 0,
             pool: Vec::new(),
             stop: false,
@@ -255,7 +247,7 @@ impl PlanInfill {
         matches!(self.phase, Phase::Done)
     }
 
-    /// The next model call; prepares the scratch caches its rows extend.
+    /// The next model call.
     pub(crate) fn next_call(&mut self) -> Call {
         let s = self.s.slot_size;
         let rows = match &self.phase {
@@ -278,7 +270,6 @@ impl PlanInfill {
                         ..RowRead::top1(at)
                     })
                     .collect();
-                self.scratch.clear();
                 vec![CallRow {
                     ids,
                     positions,
@@ -297,7 +288,6 @@ impl PlanInfill {
                     .filter(|f| (f + 1) % s != 0)
                     .map(|f| RowRead::prob_of(f, ids[f + 1]))
                     .collect();
-                self.scratch.clear();
                 vec![CallRow {
                     ids,
                     positions,
@@ -340,27 +330,83 @@ impl PlanInfill {
                     rows.push(CallRow {
                         ids,
                         positions,
-                        cache: CacheUse::Scratch(r),
+                        cache: CacheUse::Segment(r),
                         reads,
                     });
                 }
-                // A draft call must not extend a row's cache: it extends a copy (sharing the
-                // tensors). The verify call extends the row's own.
-                self.scratch = inf.rows.iter().map(|row| row.cache.clone()).collect();
                 rows
             }
             Phase::Done => Vec::new(),
         };
+        let cache_len_before = self.cache_len_seen();
         if let Some(rec) = &mut self.record {
             rec.calls.push(CallRecord {
                 batch: rows.len(),
-                cache_len_before: self.main.len() + self.scratch.first().map_or(0, KvCache::len),
+                cache_len_before,
                 input_ids: rows.iter().map(|r| r.ids.clone()).collect(),
                 position_ids: rows.iter().map(|r| r.positions.clone()).collect(),
                 reads: Vec::new(),
             });
         }
         Call { rows }
+    }
+
+    /// Cache positions the next call's rows see before their own (upstream's cache length):
+    /// the committed buffer, and in iterative completion a row's accepted prefix too.
+    fn cache_len_seen(&self) -> usize {
+        match &self.phase {
+            Phase::Infill(inf) => self.buffer_ids.len() + inf.acc,
+            _ => self.main.len(),
+        }
+    }
+
+    /// The attention sequences of `call` (from [`Self::next_call`]), its rows written in place
+    /// in the committed cache's pages after the committed rows: planning and verification as
+    /// one causal sequence; iterative completion as one sequence of every row's unaccepted
+    /// tokens, each in its own segment (row `r` at `committed + r · slot_size`), seeing the
+    /// committed buffer and its own segment (the segment's accepted prefix from the cache).
+    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
+        let committed = self.buffer_ids.len();
+        let s = self.s.slot_size;
+        match call.rows.as_slice() {
+            [row] if row.cache == CacheUse::Own => {
+                // The commit keeps what it accepts and cuts the rest.
+                let start = self.main.len();
+                Ok(vec![SeqInput {
+                    index: (start as u32..(start + row.ids.len()) as u32).collect(),
+                    positions: row.positions.clone(),
+                    mask: MaskRule::Causal,
+                    keys: Keys::Buffer {
+                        len: start + row.ids.len(),
+                        cache: &mut self.main,
+                    },
+                }])
+            }
+            rows => {
+                let (mut index, mut positions) = (Vec::new(), Vec::new());
+                for (r, row) in rows.iter().enumerate() {
+                    if row.cache != CacheUse::Segment(r) || row.ids.len() > s {
+                        return Err(format!("row {r} of the call is not segment {r}'s"));
+                    }
+                    // The row's tokens are its segment's last ones (past the accepted prefix).
+                    let first = committed + r * s + (s - row.ids.len());
+                    index.extend((first..first + row.ids.len()).map(|i| i as u32));
+                    positions.extend_from_slice(&row.positions);
+                }
+                Ok(vec![SeqInput {
+                    index,
+                    positions,
+                    mask: MaskRule::SegmentCausal {
+                        prefix: committed,
+                        segment: s,
+                    },
+                    keys: Keys::Buffer {
+                        len: committed + rows.len() * s,
+                        cache: &mut self.main,
+                    },
+                }])
+            }
+        }
     }
 
     /// Applies the results of the call from [`Self::next_call`]: `outs[r]` holds row `r`'s
@@ -508,8 +554,8 @@ impl PlanInfill {
             None => None,
         };
         let Some(n) = commit_len else {
-            // Iterative completion: one row per selected slot, each over its own copy of the
-            // committed cache (the verification K/V are cut).
+            // Iterative completion: one row per selected slot, each in its own segment after the
+            // committed rows (the verification K/V are cut).
             self.main
                 .truncate(self.buffer_ids.len())
                 .map_err(|e| e.to_string())?;
@@ -528,7 +574,6 @@ impl PlanInfill {
                             Some(*all)
                         })
                         .collect(),
-                    cache: KvCache::new(),
                 })
                 .collect();
             if let Some(cur) = &mut self.current {
@@ -558,7 +603,7 @@ impl PlanInfill {
             .take(n)
             .collect();
         // The verification call's K/V are in place after the committed rows: keep the first n.
-        self.commit_slots(&positions, &flat[..n], Stitch::InPlace, stats, outbox)?;
+        self.commit_slots(&positions, &flat[..n], stats, outbox)?;
         let mut remove: Vec<usize> = sel.picked[..slots].to_vec();
         if eos_at.is_some() {
             // Every slot from the stop token's slot rightwards leaves the pool.
@@ -599,7 +644,7 @@ impl PlanInfill {
             }
             step.merged.push(row.tokens[acc..].to_vec());
         }
-        self.scratch.clear();
+        // The draft's K/V past the accepted prefixes are rewritten by the verify call.
         inf.draft_next = false;
         if let Some(cur) = &mut self.current {
             cur.steps.push(step);
@@ -614,7 +659,6 @@ impl PlanInfill {
         outs: &[Vec<ReadOut>],
     ) -> Result<bool, String> {
         let (s, acc) = (self.s.slot_size, inf.acc);
-        let mut caches = std::mem::take(&mut self.scratch);
         let mut verify_probs = Vec::with_capacity(inf.rows.len());
         for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
             let o = by_position(c, o);
@@ -646,7 +690,6 @@ impl PlanInfill {
             .position(|row| (acc..s).any(|t| row.tags[t] && self.is_stop(row.tokens[t])));
         if let Some(r) = eos_row {
             inf.rows.truncate(r + 1);
-            caches.truncate(r + 1);
             inf.rows[r].tags.iter_mut().for_each(|t| *t = true);
             inf.eos_row = Some(r);
         }
@@ -664,10 +707,7 @@ impl PlanInfill {
                 acc + newly - 1
             };
         }
-        for (row, mut cache) in inf.rows.iter_mut().zip(caches) {
-            cache.truncate(inf.acc).map_err(|e| e.to_string())?;
-            row.cache = cache;
-        }
+        // Each segment keeps its accepted prefix in the cache; the next call rewrites the rest.
         inf.steps += 1;
         inf.draft_next = true;
         if let Some(step) = self.current.as_mut().and_then(|c| c.steps.last_mut()) {
@@ -679,8 +719,9 @@ impl PlanInfill {
         Ok(complete || inf.steps >= s)
     }
 
-    /// Commits the completed rows: their K/V (each over the committed buffer and itself) are
-    /// stitched after the committed cache, row after row, cut after the first stop token.
+    /// Commits the completed rows: their K/V (each over the committed buffer and itself) are in
+    /// their segments after the committed rows, row after row, so the commit keeps them where
+    /// they lie, cut after the first stop token.
     fn finish_infill(
         &mut self,
         inf: Infill,
@@ -705,13 +746,7 @@ impl PlanInfill {
             tokens.truncate(e + 1);
             positions.truncate(e + 1);
         }
-        let n = tokens.len();
-        let parts: Vec<(usize, usize, usize)> = (0..inf.rows.len())
-            .filter(|r| r * s < n)
-            .map(|r| (r, 0, s.min(n - r * s)))
-            .collect();
-        self.scratch = inf.rows.into_iter().map(|r| r.cache).collect();
-        self.commit_slots(&positions, &tokens, Stitch::Rows(&parts), stats, outbox)?;
+        self.commit_slots(&positions, &tokens, stats, outbox)?;
         let mut remove = inf.picked.clone();
         if let Some(r) = inf.eos_row {
             let from = match self.s.eos_rule {
@@ -739,37 +774,25 @@ impl PlanInfill {
     }
 
     /// The one place where slots become final: appends tokens at their positions (in commit
-    /// order) to the buffer and their K/V to the committed cache (see [`Stitch`]), and streams
-    /// the tokens that became final in position order.
+    /// order) to the buffer, keeps their K/V where the call wrote them (right after the
+    /// committed rows) and cuts the rest, and streams the tokens that became final in position
+    /// order.
     fn commit_slots(
         &mut self,
         positions: &[u32],
         tokens: &[u32],
-        kv: Stitch<'_>,
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), String> {
-        match kv {
-            Stitch::InPlace => {
-                let keep = self.buffer_ids.len() + tokens.len();
-                if self.main.len() < keep {
-                    return Err(format!(
-                        "{} rows to commit in place, {} written",
-                        tokens.len(),
-                        self.main.len().saturating_sub(self.buffer_ids.len())
-                    ));
-                }
-                self.main.truncate(keep).map_err(|e| e.to_string())?;
-            }
-            Stitch::Rows(kv) => {
-                let parts: Vec<(&KvCache, usize, usize)> = kv
-                    .iter()
-                    .map(|&(r, start, len)| (&self.scratch[r], start, len))
-                    .collect();
-                self.main.append(&parts).map_err(|e| e.to_string())?;
-            }
+        let keep = self.buffer_ids.len() + tokens.len();
+        if self.main.len() < keep {
+            return Err(format!(
+                "{} rows to commit in place, {} written",
+                tokens.len(),
+                self.main.len().saturating_sub(self.buffer_ids.len())
+            ));
         }
-        self.scratch.clear();
+        self.main.truncate(keep).map_err(|e| e.to_string())?;
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);
         self.canvas.commit(positions, tokens);

@@ -6,7 +6,7 @@ use wavefront_engine::{Outbox, Stats};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::ar::ArDecode;
-use super::call::{CacheUse, Call, CallRow, ReadOut};
+use super::call::{Call, CallRow, ReadOut};
 use super::plan_infill::{CallRecord, IterationRecord, PlanInfill, Recorder};
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -41,8 +41,8 @@ impl SdProgram {
     }
 
     /// The cache that holds the request's state between ticks (the committed cache of
-    /// plan-and-infill, the sequence's cache of `ar`): the one in the family's page pool.
-    /// Per-call scratch caches of plan-and-infill live within a tick.
+    /// plan-and-infill, the sequence's cache of `ar`): the one in the family's page pool, and the
+    /// only cache a program has.
     pub(crate) fn state_cache(&mut self) -> &mut KvCache {
         match &mut self.scheme {
             Scheme::PlanInfill(p) => &mut p.main,
@@ -119,48 +119,11 @@ impl SdProgram {
         call
     }
 
-    /// The attention sequences of `call`'s rows, in row order, causal in buffer order, each
-    /// appended after its cache (a row of the program's own cache is written into its pages).
+    /// The attention sequences of `call`'s rows, in row order, written in place in the program's
+    /// cache (see [`PlanInfill::sequences`]).
     pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
         match &mut self.scheme {
-            Scheme::PlanInfill(p) => {
-                let PlanInfill { main, scratch, .. } = &mut **p;
-                if let [row] = call.rows.as_slice() {
-                    if row.cache == CacheUse::Own {
-                        // Planning and verification write their rows in place after the
-                        // committed ones; the commit keeps what it accepts and cuts the rest.
-                        let start = main.len();
-                        return Ok(vec![seq(
-                            row,
-                            start,
-                            Keys::Buffer {
-                                len: start + row.ids.len(),
-                                cache: main,
-                            },
-                        )]);
-                    }
-                }
-                if scratch.len() != call.rows.len() {
-                    return Err("a call's rows and its scratch caches disagree".into());
-                }
-                let main = &*main;
-                let mut seqs = Vec::with_capacity(call.rows.len());
-                for (r, (row, suffix)) in call.rows.iter().zip(scratch.iter_mut()).enumerate() {
-                    if row.cache != CacheUse::Scratch(r) {
-                        return Err(format!("row {r} does not extend its scratch cache"));
-                    }
-                    let start = main.len() + suffix.len();
-                    seqs.push(seq(
-                        row,
-                        start,
-                        Keys::Shared {
-                            prefix: main,
-                            suffix,
-                        },
-                    ));
-                }
-                Ok(seqs)
-            }
+            Scheme::PlanInfill(p) => p.sequences(call),
             Scheme::Ar(a) => {
                 let row = call.rows.first().ok_or("an empty call")?;
                 let start = a.cache.len();
