@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
-use support::{assert_close, with_each_attention, Golden};
+use support::{assert_close, packing_atol, with_each_attention, Golden};
 use wavefront_models::device::test_device;
 use wavefront_models::transformer::SeqInput;
 use wavefront_models::{detect_family, ChatMessage, Dream, DreamConfig, ModelFamily, ModelFiles};
@@ -107,12 +107,14 @@ fn packed_sequences_match_their_own_forwards() -> Result<()> {
         let ids: Vec<u32> = b.iter().chain(&a).copied().collect();
         let mut seqs = [SeqInput::dense(b.len()), SeqInput::dense(a.len())];
         let packed = model.logits(&model.forward(&ids, &mut seqs)?)?;
-        assert_close("b packed", &packed.narrow(0, 0, b.len())?, &alone_b, 1e-5)?;
+        // Exact up to 1e-5 on the CPU; on a GPU, the fixture's bound against upstream.
+        let atol = packing_atol(&test_device(), 1e-5, ATOL);
+        assert_close("b packed", &packed.narrow(0, 0, b.len())?, &alone_b, atol)?;
         assert_close(
             "a packed",
             &packed.narrow(0, b.len(), a.len())?,
             &alone_a,
-            1e-5,
+            atol,
         )?;
         Ok(())
     })

@@ -96,6 +96,12 @@ impl Request {
                 want
             );
             let want: Vec<Vec<f32>> = serde_json::from_value(c["exit_values_per_token"].clone())?;
+            // On a GPU a packed row is summed in another order than alone (cuBLAS picks its
+            // kernel by row count), and the random core's recurrence amplifies that along the
+            // iterations: at token 14 of ar_adaptive_latest_m4 joining late, an H200 measured
+            // 0.8985 against 0.9001 (0.18%) early in the token's iterations and 0.4363 against
+            // 0.4391 (0.62%) later, with every token and step count still upstream's.
+            let rel = if test_device().is_cuda() { 1e-2 } else { 1e-3 };
             for (t, (got, want)) in self.exit_values.iter().zip(&want).enumerate() {
                 ensure!(
                     got.len() == want.len(),
@@ -104,7 +110,7 @@ impl Request {
                 );
                 for (g, w) in got.iter().zip(want) {
                     ensure!(
-                        (g - w).abs() <= 1e-4 + 1e-3 * w.abs(),
+                        (g - w).abs() <= 1e-4 + rel * w.abs(),
                         "{}: token {t} exit value {g} vs {w}",
                         self.name
                     );

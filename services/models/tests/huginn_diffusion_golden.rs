@@ -152,19 +152,9 @@ impl Request {
         let case = golden.case(self.name);
         let want: Vec<u32> = serde_json::from_value(case["new_tokens"].clone())?;
         let got = &self.frozen[self.prompt_len..];
-        ensure!(
-            got == want.as_slice(),
-            "{}: tokens {got:?}, upstream {want:?}",
-            self.name
-        );
+        // Step by step first, so a divergence names the outer step where it began and the
+        // freeze criteria it was decided on, against the threshold.
         let trace = case["trace"].as_array().unwrap();
-        ensure!(
-            trace.len() == self.trace.len(),
-            "{}: {} steps, upstream {}",
-            self.name,
-            self.trace.len(),
-            trace.len()
-        );
         for (i, (t, got)) in trace.iter().zip(&self.trace).enumerate() {
             let v = |k: &str| -> Vec<u64> { serde_json::from_value(t[k].clone()).unwrap() };
             let want = StepRecord {
@@ -179,16 +169,18 @@ impl Request {
                 frozen_len_after: t["frozen_len_after"].as_u64().unwrap() as usize,
                 kv_len_after: t["kv_len_after"].as_u64().unwrap() as usize,
             };
-            ensure!(
-                *got == want,
-                "{} step {i}: got {got:?}, upstream {want:?}",
-                self.name
-            );
             let crit: Vec<f32> = serde_json::from_value::<Vec<f64>>(t["criterion"].clone())?
                 .into_iter()
                 .map(|x| x as f32)
                 .collect();
             let mine = &self.criteria[i];
+            ensure!(
+                *got == want,
+                "{} step {i}: got {got:?}, upstream {want:?}; criteria {mine:?}, upstream \
+                 {crit:?}, exit threshold {}",
+                self.name,
+                self.s.exit_t
+            );
             ensure!(
                 mine.len() == crit.len(),
                 "{} step {i}: criterion length",
@@ -202,6 +194,18 @@ impl Request {
                 );
             }
         }
+        ensure!(
+            trace.len() == self.trace.len(),
+            "{}: {} steps, upstream {}",
+            self.name,
+            self.trace.len(),
+            trace.len()
+        );
+        ensure!(
+            got == want.as_slice(),
+            "{}: tokens {got:?}, upstream {want:?}",
+            self.name
+        );
         Ok(())
     }
 }

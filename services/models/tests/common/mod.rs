@@ -13,7 +13,7 @@ use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 #[path = "../support/mod.rs"]
 mod support;
 #[allow(unused_imports)]
-pub use support::{assert_close, max_abs_diff};
+pub use support::{assert_close, max_abs_diff, packing_atol};
 
 pub fn fixture_dir() -> PathBuf {
     wavefront_models::device::test_fixture("huginn")

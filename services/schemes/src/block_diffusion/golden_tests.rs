@@ -143,13 +143,17 @@ fn check(fx: &Fixture, run: &Value, p: &BdProgram) -> Result<()> {
             mine.len() == theirs.len(),
             "{name} forward {i}: {mine:?} vs {theirs:?}"
         );
+        // The README's 1e-5. On a GPU, a forward packed with other runs' rows is summed in
+        // another order than alone (cuBLAS picks its kernel by row count): 1.07e-5 was measured
+        // on an H200, so the bound there is 5e-5; positions and tokens stay exact.
+        let tol = if test_device().is_cuda() { 5e-5 } else { 1e-5 };
         for (a, b) in mine.iter().zip(&theirs) {
             ensure!(
                 a.0 == b.0 && a.1 == b.1,
                 "{name} forward {i}: {mine:?} vs {theirs:?}"
             );
             ensure!(
-                (a.2 - b.2).abs() <= 1e-5,
+                (a.2 - b.2).abs() <= tol,
                 "{name} forward {i}: confidence {} vs {}",
                 a.2,
                 b.2

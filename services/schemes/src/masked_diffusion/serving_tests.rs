@@ -377,15 +377,14 @@ fn classifier_free_guidance_commits_what_the_guided_logits_say() -> Result<()> {
     let (cond, uncond) = (logits(&x)?, logits(&un)?);
     let guided = (&uncond + ((cond - &uncond)? * (scale + 1.0))?)?.narrow(0, p, 8)?;
     let argmax: Vec<u32> = guided.argmax(D::Minus1)?.to_vec1()?;
-    let conf: Vec<f32> =
-        candle_core::Tensor::ones(8, candle_core::DType::F32, &candle_core::Device::Cpu)?
-            .div(
-                &(guided
-                    .broadcast_sub(&guided.max_keepdim(D::Minus1)?)?
-                    .exp()?
-                    .sum(D::Minus1)?),
-            )?
-            .to_vec1()?;
+    let conf: Vec<f32> = candle_core::Tensor::ones(8, candle_core::DType::F32, guided.device())?
+        .div(
+            &(guided
+                .broadcast_sub(&guided.max_keepdim(D::Minus1)?)?
+                .exp()?
+                .sum(D::Minus1)?),
+        )?
+        .to_vec1()?;
     // The first maximum (no exact ties at this scale).
     let best = (0..8)
         .rev()
