@@ -1,31 +1,49 @@
 #!/usr/bin/env bash
-# On the GPU machine: the CUDA checks and the H100 figures of the GPU path, run from the
-# binaries `scripts/build-cuda.sh --tests` left in BIN (default .gpu/), in the repository root.
+# On the GPU machine: the CUDA checks and the figures of the GPU path, run from the binaries
+# `scripts/build-cuda.sh --tests` left in BIN (default .gpu/), or from the archive
+# `scripts/pack-gpu.sh` made of them (.gpu-carry/gpu.tar.xz: what fits the device tool's 64 MiB
+# working tree), unpacked to /tmp/wavefront-gpu. Run in the repository root.
 #
 #   scripts/gpu-suite.sh checks    golden suites of every family on cuda:0 (both attention
-#                                  kernels), the kernels against their CPU references, NCCL at
-#                                  one rank (the nccl test and every tensor-parallel golden)
+#                                  kernels), the kernels against their CPU references (the
+#                                  paged ragged attention included), NCCL at one rank (the nccl
+#                                  test and every tensor-parallel golden)
+#   scripts/gpu-suite.sh quick     the checks, bench-ragged (paged K/V read in place against
+#                                  concatenating the pages first), and the benches at the real
+#                                  models' layer shapes with fewer layers
 #   scripts/gpu-suite.sh figures   the benches at the real model shapes, bf16:
 #                                  Huginn-0125, LLaDA-8B, ARMT on Llama-3.2-1B (32k prefill),
 #                                  ReFusion on Qwen3-8B (sdpa and ragged attention)
-#   scripts/gpu-suite.sh all       both
+#   scripts/gpu-suite.sh all       checks and figures
 #
-# Each step's output goes to RESULTS/<step>.log (RESULTS: $OUT when the device tool sets it,
-# else gpu-results/), and one line per step with its exit status and seconds to
+# Each step's output goes to RESULTS/<step>.log (RESULTS: default $OUT when the device tool sets
+# it, else gpu-results/), and one line per step with its exit status and seconds to
 # RESULTS/summary.txt. RUNNER starts a binary with the machine's CUDA 13 and NCCL libraries on
 # LD_LIBRARY_PATH: default BIN/run-on-gpu.sh (the shared GPU recipe's launcher, carried in BIN
-# next to the binaries), else shared/gpu/run-on-gpu.sh. STEP_LIMIT bounds each step (seconds,
-# default 900).
+# next to the binaries or in the archive), else shared/gpu/run-on-gpu.sh. STEP_LIMIT
+# bounds each step (seconds, default 900); DEADLINE (seconds from the start) skips the steps
+# that would start after it, so a run fits a lease. The golden suites run side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
 BIN=${BIN:-.gpu}
-RESULTS=${OUT:-gpu-results}
+if [ ! -d "$BIN" ] && [ -f .gpu-carry/gpu.tar.xz ]; then
+  BIN=/tmp/wavefront-gpu
+  mkdir -p "$BIN"
+  if command -v xz >/dev/null; then
+    xz -dc .gpu-carry/gpu.tar.xz | tar xf - -C "$BIN"
+  else
+    python3 -c 'import lzma,sys,tarfile; tarfile.open(fileobj=lzma.open(sys.argv[1])).extractall(sys.argv[2])' \
+      .gpu-carry/gpu.tar.xz "$BIN"
+  fi
+fi
+RESULTS=${RESULTS:-${OUT:-gpu-results}}
 if [ -z "${RUNNER:-}" ]; then
   RUNNER=$BIN/run-on-gpu.sh
   [ -x "$RUNNER" ] || RUNNER=shared/gpu/run-on-gpu.sh
 fi
 LIMIT=${STEP_LIMIT:-900}
+DEADLINE=${DEADLINE:-100000}
 mkdir -p "$RESULTS"
 : >"$RESULTS/summary.txt"
 export WAVEFRONT_FIXTURES=$PWD/tests/fixtures WAVEFRONT_TEST_DEVICE=cuda:0
@@ -33,6 +51,10 @@ export WAVEFRONT_FIXTURES=$PWD/tests/fixtures WAVEFRONT_TEST_DEVICE=cuda:0
 step() {
   local name=$1
   shift
+  if [ "$SECONDS" -ge "$DEADLINE" ]; then
+    printf '%-40s skipped (deadline)\n' "$name" | tee -a "$RESULTS/summary.txt"
+    return
+  fi
   local t0=$SECONDS
   timeout "$LIMIT" "$RUNNER" "$@" >"$RESULTS/$name.log" 2>&1
   local rc=$?
@@ -40,17 +62,54 @@ step() {
 }
 
 checks() {
-  for t in "$BIN"/test-*; do
-    step "$(basename "$t")" "$t" --test-threads 1
+  # The kernels against their CPU references first: every later step runs on them.
+  for t in "$BIN"/test-cuda-*; do
+    [ -e "$t" ] && step "$(basename "$t")" "$t" --test-threads 1
   done
+  # The golden suites, side by side (the GPU has room for all; each its own log).
+  for t in "$BIN"/test-*; do
+    case $(basename "$t") in
+      test-cuda-*|test-nccl-*|test-hostile_files-*|test-reference-*|test-bench_ragged-*) continue ;;
+    esac
+    step "$(basename "$t")" "$t" --test-threads 4 &
+  done
+  wait
   # NCCL at one rank: the collective's own test and every tensor-parallel golden through it
   # (worlds beyond this machine's GPUs are skipped by name; huginn's split runs inside its
   # forward_matches_upstream).
   for t in "$BIN"/test-*golden* "$BIN"/test-nccl*; do
     [ -e "$t" ] || continue
     WAVEFRONT_TEST_COLLECTIVE=nccl step "nccl-$(basename "$t")" "$t" --test-threads 1 \
-      parallel nccl forward_matches_upstream
+      parallel nccl forward_matches_upstream &
   done
+  wait
+}
+
+quick() {
+  local b=$BIN
+  if [ -x "$b/bench-ragged" ]; then
+    step bench-ragged "$b/bench-ragged"
+    step bench-ragged-consecutive "$b/bench-ragged" --consecutive
+  fi
+  # ReFusion at Qwen3-8B's layer shape (hidden 4096, 32 heads of 128, 8 kv heads, MLP 12288)
+  # with 8 of its 36 layers: plan-infill over paged caches, sdpa against ragged attention.
+  for attention in sdpa ragged; do
+    step "refusion-qwen3-8b-8l-c2-$attention" "$b/bench-slot-diffusion" --device cuda:0 \
+      --dtype bf16 --hidden-size 4096 --num-attention-heads 32 --num-key-value-heads 8 \
+      --head-dim 128 --num-hidden-layers 8 --intermediate-size 12288 --vocab-size 151936 \
+      --gen-length 256 --concurrency 1,8 --consensus 2 --attention "$attention"
+  done
+  # LLaDA-8B's layer shape with 8 of its 32 layers.
+  for attention in sdpa ragged; do
+    step "llada-8b-8l-$attention" "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
+      --d-model 4096 --n-heads 32 --n-layers 8 --mlp-hidden-size 12288 --vocab-size 126464 \
+      --qk-scale 1 --gen-length 256 --block-length 32 --concurrency 1,8 --attention "$attention"
+  done
+  # ARMT on Llama-3.2-1B (all 16 layers), an 8k prefill per execution.
+  step armt-llama-3.2-1b-8k "$b/bench-recurrent-memory" --device cuda:0 --dtype bf16 \
+    --layers 16 --hidden-size 2048 --heads 32 --kv-heads 8 --intermediate-size 8192 \
+    --vocab-size 128256 --segment-size 1024 --lengths 8192 --concurrent 4 \
+    --concurrent-length 4096
 }
 
 figures() {
@@ -96,7 +155,8 @@ figures() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$RESULTS/gpu.txt" 2>&1
 case $WHAT in
   checks) checks ;;
+  quick) checks; quick ;;
   figures) figures ;;
   all) checks; figures ;;
-  *) echo "usage: $0 checks|figures|all" >&2; exit 2 ;;
+  *) echo "usage: $0 checks|quick|figures|all" >&2; exit 2 ;;
 esac
