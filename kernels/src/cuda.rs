@@ -79,6 +79,37 @@ impl<T> KvRun<'_, T> {
     }
 }
 
+/// A [`RaggedLayout`]'s tables uploaded to the device (owned); [`LayoutTables::tables`] lends
+/// them to the launchers.
+pub struct LayoutTables {
+    seq_table: CudaSlice<u32>,
+    row_seq: CudaSlice<u32>,
+    row_index: CudaSlice<u32>,
+    key_index: CudaSlice<u32>,
+}
+
+impl LayoutTables {
+    /// Validates `layout` and uploads its tables on `stream`.
+    pub fn upload(stream: &Arc<CudaStream>, layout: &RaggedLayout) -> Result<Self, KernelError> {
+        layout.validate()?;
+        Ok(Self {
+            seq_table: stream.clone_htod(&layout.seq_table())?,
+            row_seq: stream.clone_htod(&layout.row_seq())?,
+            row_index: stream.clone_htod(&layout.row_index)?,
+            key_index: stream.clone_htod(&layout.key_index)?,
+        })
+    }
+
+    pub fn tables(&self) -> RaggedTables<'_> {
+        RaggedTables {
+            seq_table: &self.seq_table,
+            row_seq: &self.row_seq,
+            row_index: &self.row_index,
+            key_index: &self.key_index,
+        }
+    }
+}
+
 /// A kernel failure: bad shapes or a CUDA error.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -140,16 +171,9 @@ impl Kernels {
         v: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
     ) -> Result<(), KernelError> {
-        layout.validate()?;
-        let s = &self.stream;
-        let tables = RaggedTables {
-            seq_table: &s.clone_htod(&layout.seq_table())?,
-            row_seq: &s.clone_htod(&layout.row_seq())?,
-            row_index: &s.clone_htod(&layout.row_index)?,
-            key_index: &s.clone_htod(&layout.key_index)?,
-        };
+        let tables = LayoutTables::upload(&self.stream, layout)?;
         let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
-        self.ragged_attention_with(&RaggedDims::of(layout), &tables, &q, &k, &v, out)
+        self.ragged_attention_with(&RaggedDims::of(layout), &tables.tables(), &q, &k, &v, out)
     }
 
     /// Ragged attention over tables already on the device (uploaded once per packed call and

@@ -10,7 +10,7 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
-use wavefront_kernels::cuda::{Kernels, KvRun, RaggedDims, RaggedTables};
+use wavefront_kernels::cuda::{Kernels, KvRun, LayoutTables, RaggedDims};
 use wavefront_kernels::grouped::{grouped_matmul, Group};
 use wavefront_kernels::softmax_stats::softmax_stats;
 
@@ -274,15 +274,8 @@ fn the_paged_kernel_reads_keys_in_place_through_page_tables() {
         );
         let q = randn(&mut rng, l.rows() * l.n_heads * d);
         let want = ragged_attention(&l, &q, &want_k, &want_v).unwrap();
-        let up = |v: Vec<u32>| s.clone_htod(&v).unwrap();
-        let (seq_table, row_seq) = (up(l.seq_table()), up(l.row_seq()));
-        let (row_index, key_index) = (up(l.row_index.clone()), up(l.key_index.clone()));
-        let tables = RaggedTables {
-            seq_table: &seq_table,
-            row_seq: &row_seq,
-            row_index: &row_index,
-            key_index: &key_index,
-        };
+        let uploaded = LayoutTables::upload(&s, &l).unwrap();
+        let tables = uploaded.tables();
         let qd = s.clone_htod(&q).unwrap();
         let mut out = s.alloc_zeros::<f32>(q.len()).unwrap();
         kernels

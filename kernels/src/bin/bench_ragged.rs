@@ -18,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use wavefront_kernels::attention::{Mask, RaggedLayout, RaggedSeq};
-use wavefront_kernels::cuda::{Kernels, KvRun, RaggedDims, RaggedTables};
+use wavefront_kernels::cuda::{Kernels, KvRun, LayoutTables, RaggedDims};
 
 const PAGE: usize = 16;
 const LAYERS: usize = 32;
@@ -154,15 +154,8 @@ fn bench(kernels: &Kernels, shape: &Shape, iters: usize, consecutive: bool) {
             },
         })
         .collect();
-    let up = |v: Vec<u32>| s.clone_htod(&v).unwrap();
-    let (seq_table, row_seq) = (up(layout.seq_table()), up(layout.row_seq()));
-    let (row_index, key_index) = (up(layout.row_index.clone()), up(layout.key_index.clone()));
-    let tables = RaggedTables {
-        seq_table: &seq_table,
-        row_seq: &row_seq,
-        row_index: &row_index,
-        key_index: &key_index,
-    };
+    let uploaded = LayoutTables::upload(&s, &layout).unwrap();
+    let tables = uploaded.tables();
     let dims = RaggedDims::of(&layout);
     let q = s.clone_htod(&fill(layout.rows() * h * d, 99)).unwrap();
     let mut out_paged = s.alloc_zeros::<bf16>(layout.rows() * h * d).unwrap();
