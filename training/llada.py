@@ -140,17 +140,34 @@ def task_batch(tok, examples, n, length):
     return torch.tensor(rows), torch.tensor(answer, dtype=torch.bool)
 
 
-def losses(model, prose, tasks, task_answer, gen):
+def continuation_batch(stream, n, length, rng):
+    """Prose in LLaDA's SFT form: windows of `length` whose first P tokens (P uniform in
+    [2, length / 2]) are the clean prompt and the rest the response to mask. This is the
+    pattern semi-autoregressive decoding meets (a clean prefix, a masked tail ending where
+    the canvas ends), which masking whole windows anywhere almost never draws."""
+    rows = prose_batch(stream, n, length, rng)
+    prompt = torch.tensor([rng.randint(2, length // 2) for _ in range(n)])[:, None]
+    return rows, torch.arange(length)[None, :] >= prompt
+
+
+def sft_loss(model, ids, answer, gen):
+    """The SFT loss: mask only `answer` positions, weight each masked token by 1 / p, divide
+    each row's loss by its answer's length, average over rows."""
+    noisy, masked, p = mask_for(ids, answer, gen)
+    logits = model(noisy)
+    ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none") / p[masked]
+    lengths = answer.sum(1, keepdim=True).expand_as(ids)[masked]
+    return (ce / lengths).sum() / ids.shape[0]
+
+
+def losses(model, prose, tasks, task_answer, gen, continuation=None):
     noisy, masked, p = mask_for(prose, torch.ones_like(prose, dtype=torch.bool), gen)
     logits = model(noisy)
     ce = F.cross_entropy(logits[masked].float(), prose[masked], reduction="none") / p[masked]
-    prose_loss = ce.sum() / prose.numel()
-    noisy, masked, p = mask_for(tasks, task_answer, gen)
-    logits = model(noisy)
-    ce = F.cross_entropy(logits[masked].float(), tasks[masked], reduction="none") / p[masked]
-    lengths = task_answer.sum(1, keepdim=True).expand_as(tasks)[masked]
-    task_loss = (ce / lengths).sum() / tasks.shape[0]
-    return prose_loss, task_loss
+    total = ce.sum() / prose.numel() + sft_loss(model, tasks, task_answer, gen)
+    if continuation is not None:
+        total = total + sft_loss(model, *continuation, gen)
+    return total
 
 
 @torch.no_grad()
@@ -195,6 +212,10 @@ def main():
     parser = common.base_args(__doc__.splitlines()[0], minutes=90)
     parser.add_argument("--prose-rows", type=int, default=24, help="prose windows per step")
     parser.add_argument("--task-rows", type=int, default=48, help="task lines per step")
+    parser.add_argument(
+        "--continuation-rows", type=int, default=0, help="prose windows per step in the SFT form (a clean prefix, the rest masked)"
+    )
+    parser.add_argument("--continuation-len", type=int, default=64, help="length of those windows")
     args = parser.parse_args()
     device, docs = common.setup(args)
     c = Config()
@@ -218,7 +239,11 @@ def main():
     while trainer.running():
         prose = prose_batch(train_stream, args.prose_rows, c.prose_len, rng).to(device)
         tasks, answer = (t.to(device) for t in task_batch(tok, examples, args.task_rows, c.task_len))
-        trainer.step(lambda: sum(losses(model, prose, tasks, answer, gen)), prose.numel() + tasks.numel())
+        cont = None
+        if args.continuation_rows:
+            cont = tuple(t.to(device) for t in continuation_batch(train_stream, args.continuation_rows, args.continuation_len, rng))
+        n_tokens = prose.numel() + tasks.numel() + (cont[0].numel() if cont else 0)
+        trainer.step(lambda: losses(model, prose, tasks, answer, gen, cont), n_tokens)
     final = trainer.finish()
     prog = trainer.prog
     accuracy = common.task_accuracy(
