@@ -874,3 +874,142 @@ fn softmax_prob(logits: &[f32], token: u32) -> f32 {
     let z: f32 = logits.iter().map(|&l| (l - m).exp()).sum();
     (logits[token as usize] - m).exp() / z
 }
+
+#[cfg(test)]
+mod tests {
+    //! Iterative completion's rows in segments of the committed cache, driven with fake reads
+    //! (each call still runs the fixture's forward, so the cache holds what the call wrote).
+
+    use anyhow::{bail, ensure, Result};
+    use wavefront_models::Qwen3;
+
+    use super::*;
+    use crate::slot_diffusion::test_support::fixture;
+
+    fn read(argmax: u32, p: f32) -> ReadOut {
+        ReadOut {
+            argmax,
+            max_prob: p,
+            target_prob: p,
+            logits: None,
+        }
+    }
+
+    /// Runs `call` and returns its one sequence's buffer indices, mask rule and buffer length.
+    fn forward(
+        model: &Qwen3,
+        p: &mut PlanInfill,
+        call: &Call,
+    ) -> Result<(Vec<u32>, MaskRule, usize)> {
+        let ids: Vec<u32> = call.rows.iter().flat_map(|r| r.ids.clone()).collect();
+        let mut seqs = p.sequences(call).map_err(anyhow::Error::msg)?;
+        ensure!(seqs.len() == 1, "{} sequences", seqs.len());
+        let (index, mask) = (seqs[0].index.clone(), seqs[0].mask);
+        let Keys::Buffer { len, .. } = &seqs[0].keys else {
+            bail!("the call does not extend the committed cache");
+        };
+        let len = *len;
+        model.forward(&ids, &mut seqs)?;
+        Ok((index, mask, len))
+    }
+
+    /// Fake reads for every read of `call`: argmax `first + i`, probability `prob(row)`.
+    fn reads(call: &Call, first: u32, prob: impl Fn(usize) -> f32) -> Vec<Vec<ReadOut>> {
+        let mut next = first;
+        call.rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| {
+                row.reads
+                    .iter()
+                    .map(|_| {
+                        next += 1;
+                        read(next - 1, prob(r))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn iterative_rows_live_in_segments_of_the_committed_cache_and_are_committed_in_place(
+    ) -> Result<()> {
+        let (model, _) = fixture()?;
+        let s = Settings {
+            slot_size: 4,
+            block_length: 8,
+            blocks: 1,
+            slot_threshold: 0.9,
+            token_threshold: 0.5,
+            mask_id: 511,
+            eos_rule: EosRule::Aligned,
+        };
+        let prompt = vec![34, 78, 79];
+        let mut p = PlanInfill::new(s, prompt.clone(), 8, vec![], None);
+        let (mut stats, mut outbox) = (Stats::default(), Outbox::default());
+        let committed = prompt.len();
+
+        // Plan: both slots score above the threshold; verify: only each slot's first token.
+        let call = p.next_call();
+        forward(&model, &mut p, &call)?;
+        p.commit(&call, &reads(&call, 100, |_| 0.95), &mut stats, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        let call = p.next_call();
+        forward(&model, &mut p, &call)?;
+        p.commit(&call, &reads(&call, 0, |_| 0.1), &mut stats, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(
+            matches!(p.phase, Phase::Infill(_)),
+            "not in iterative completion"
+        );
+        ensure!(p.main.len() == committed, "the verification rows are cut");
+        ensure!(stats.counters.get("iterative_path_iterations") == Some(&1));
+
+        // Draft: every row whole, row r in segment r, seeing the committed rows and itself.
+        let call = p.next_call();
+        ensure!(call.rows.len() == 2);
+        let (index, mask, len) = forward(&model, &mut p, &call)?;
+        let segments = MaskRule::SegmentCausal {
+            prefix: committed,
+            segment: 4,
+        };
+        ensure!(index == (3..11).collect::<Vec<u32>>(), "{index:?}");
+        ensure!(mask == segments && len == committed + 8);
+        ensure!(p.main.len() == committed + 8, "{}", p.main.len());
+        p.commit(&call, &reads(&call, 200, |_| 0.9), &mut stats, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+
+        // Verify: row 0 accepts everything, row 1 its forced token only: the common accepted
+        // prefix is 1, so the next call rewrites each segment from its second index on.
+        let call = p.next_call();
+        forward(&model, &mut p, &call)?;
+        p.commit(
+            &call,
+            &reads(&call, 0, |r| if r == 0 { 0.9 } else { 0.1 }),
+            &mut stats,
+            &mut outbox,
+        )
+        .map_err(anyhow::Error::msg)?;
+        let call = p.next_call();
+        let (index, mask, len) = forward(&model, &mut p, &call)?;
+        ensure!(index == vec![4, 5, 6, 8, 9, 10], "{index:?}");
+        ensure!(mask == segments && len == committed + 8);
+        ensure!(
+            p.main.len() == committed + 8,
+            "no cache grows past the segments"
+        );
+
+        // Draft and verify with everything accepted: the segments are the committed rows.
+        p.commit(&call, &reads(&call, 300, |_| 0.9), &mut stats, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        let call = p.next_call();
+        forward(&model, &mut p, &call)?;
+        p.commit(&call, &reads(&call, 0, |_| 0.9), &mut stats, &mut outbox)
+            .map_err(anyhow::Error::msg)?;
+        let (ids, positions) = p.buffer();
+        ensure!(ids.len() == committed + 8 && p.main.len() == committed + 8);
+        ensure!(positions[committed..] == (3..11).collect::<Vec<u32>>()[..]);
+        ensure!(p.is_done(), "the one block is decoded");
+        Ok(())
+    }
+}
