@@ -1,12 +1,6 @@
 //! Attention of the shared transformer over packed rows: per-sequence keys (the call's rows, or
 //! a whole buffer assembled from a [`KvCache`] and the call's rows), a [`MaskRule`] decided on
-//! buffer indices, grouped-query heads, softmax in float32.
-//!
-//! The mask rules cover the families built on this block: bidirectional (LLaDA, Nie et al.,
-//! 2025), causal in buffer order (Llama / ARMT; ReFusion's slots, whose position ids are not
-//! contiguous) and WINO's shadow block (Hong et al., "Wide-In, Narrow-Out: Revokable Decoding for
-//! Efficient and Effective DLLMs"): the main buffer never sees the shadow rows, and shadow row `j`
-//! sees everything but the current-block position it verifies.
+//! buffer indices (the rules are in `mask.rs`), grouped-query heads, softmax in float32.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,55 +10,10 @@ use candle_core::{Device, Tensor};
 use super::cpu;
 pub use super::kv_cache::KvCache;
 use super::layers::RopeTable;
+use super::mask::build_mask;
+pub use super::mask::MaskRule;
 use super::ragged::{AttentionKernel, RaggedPlan};
 use crate::error::{ModelError, Result};
-
-/// Which keys a query row may attend to, decided on buffer indices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MaskRule {
-    /// Every query sees every key (LLaDA).
-    Bidirectional,
-    /// A query sees the keys whose buffer index is not greater than its own.
-    Causal,
-    /// WINO: the buffer is `main_len` main positions followed by a shadow block whose row `j`
-    /// verifies main position `block_start + j`. Main rows see main keys only; shadow rows see
-    /// every key except main position `block_start + j`.
-    ShadowBlock { main_len: usize, block_start: usize },
-    /// Block diffusion (LLaDA2): buffer indices in blocks of `block` from 0 (the prompt
-    /// included); a query sees its own block and every earlier one.
-    BlockCausal { block: usize },
-    /// Independent rows after a shared prefix, in one buffer (ReFusion's parallel iterative
-    /// completion, each row of upstream's batch over the committed cache and itself): buffer
-    /// indices from `prefix` on are segments of `segment`; a query in a segment sees the
-    /// prefix and its own segment up to itself, never another segment; inside the prefix,
-    /// causal.
-    SegmentCausal { prefix: usize, segment: usize },
-}
-
-impl MaskRule {
-    /// Whether the row at buffer index `query` may attend to the key at buffer index `key`.
-    pub fn allows(self, query: usize, key: usize) -> bool {
-        match self {
-            MaskRule::Bidirectional => true,
-            MaskRule::Causal => key <= query,
-            MaskRule::ShadowBlock {
-                main_len,
-                block_start,
-            } => match (query >= main_len, key >= main_len) {
-                (false, false) => true,
-                (false, true) => false,
-                (true, true) => true,
-                (true, false) => key != block_start + (query - main_len),
-            },
-            MaskRule::BlockCausal { block } => key / block.max(1) <= query / block.max(1),
-            MaskRule::SegmentCausal { prefix, segment } => {
-                key <= query
-                    && (key < prefix
-                        || (key - prefix) / segment.max(1) == (query - prefix) / segment.max(1))
-            }
-        }
-    }
-}
 
 /// The keys of one sequence in a packed call.
 #[derive(Debug)]
@@ -375,39 +324,6 @@ fn buffer_keys(
     ))
 }
 
-fn build_mask(
-    rule: MaskRule,
-    queries: &[u32],
-    keys: &[u32],
-    device: &candle_core::Device,
-) -> Result<Option<Tensor>> {
-    if rule == MaskRule::Bidirectional {
-        return Ok(None);
-    }
-    let mut all = true;
-    let data: Vec<f32> = queries
-        .iter()
-        .flat_map(|&q| {
-            keys.iter().map(move |&k| {
-                if rule.allows(q as usize, k as usize) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .inspect(|&v| all &= v == 0.0)
-        .collect();
-    if all {
-        return Ok(None);
-    }
-    Ok(Some(Tensor::from_vec(
-        data,
-        (queries.len(), keys.len()),
-        device,
-    )?))
-}
-
 /// Attention of every sequence over its own keys. `q` `[H, N, D]`, `k`/`v` `[H_kv, N, D]` (keys
 /// after RoPE); returns `[N, H · D]`, the rows the output projection reads. Writes the assembled keys of buffer sequences to their
 /// caches at `layer`. With a ragged plan all sequences attend in one operation, else one
@@ -607,23 +523,6 @@ fn sdpa(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shadow_rule_hides_the_verified_position_and_the_shadow_from_main_rows() {
-        let rule = MaskRule::ShadowBlock {
-            main_len: 6,
-            block_start: 2,
-        };
-        // Main rows: all main keys, no shadow keys.
-        assert!(rule.allows(0, 5));
-        assert!(!rule.allows(3, 6));
-        // Shadow row 7 (j = 1) verifies main position 3.
-        assert!(!rule.allows(7, 3));
-        assert!(rule.allows(7, 2));
-        assert!(rule.allows(7, 4));
-        assert!(rule.allows(7, 6));
-        assert!(rule.allows(7, 7));
-    }
 
     #[test]
     fn buffer_keys_read_the_cache_where_no_row_is_given() -> Result<()> {

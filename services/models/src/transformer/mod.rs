@@ -29,6 +29,7 @@ pub mod cpu;
 pub(crate) mod kv_cache;
 mod layers;
 mod linear;
+mod mask;
 pub mod moe;
 #[cfg(feature = "cuda")]
 mod nccl;
