@@ -15,6 +15,9 @@
 #                                  Huginn-0125, LLaDA-8B, ARMT on Llama-3.2-1B (32k prefill),
 #                                  ReFusion on Qwen3-8B (sdpa and ragged attention)
 #   scripts/gpu-suite.sh all       checks and figures
+#   scripts/gpu-suite.sh open      the GPU findings still open (docs/benchmarks.md): Huginn's
+#                                  zero-init diffusion case alone, five times (does its result
+#                                  change between runs?), and the Dream joining test alone
 #
 # Each step's output goes to RESULTS/<step>.log (RESULTS: default $OUT when the device tool sets
 # it, else gpu-results/), and one line per step with its exit status and seconds to
@@ -152,11 +155,25 @@ figures() {
   done
 }
 
+open_findings() {
+  local t
+  for t in "$BIN"/test-huginn_diffusion_golden-*; do
+    for i in 1 2 3 4 5; do
+      step "zeroinit-alone-$i" "$t" --test-threads 1 --exact diffusion_cases_one_at_a_time
+    done
+  done
+  for t in "$BIN"/test-wavefront_schemes-*; do
+    step dream-joining-alone "$t" --test-threads 1 --nocapture \
+      masked_diffusion::dream_tests::served_requests_joining_a_running_batch_match_their_runs_alone
+  done
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$RESULTS/gpu.txt" 2>&1
 case $WHAT in
   checks) checks ;;
   quick) checks; quick ;;
   figures) figures ;;
   all) checks; figures ;;
-  *) echo "usage: $0 checks|quick|figures|all" >&2; exit 2 ;;
+  open) open_findings ;;
+  *) echo "usage: $0 checks|quick|figures|all|open" >&2; exit 2 ;;
 esac
