@@ -5,17 +5,26 @@ compute time per answer. `--tasks recall,recall-1` asks an ARMT checkpoint the h
 key-value recall questions (`armt.recall_sequence` on held-out prose: facts in the first
 segments, the question in the last; `recall` has 2 to 4 facts, so the answer depends on the
 key asked, `recall-1` one fact, `recall-2` exactly two), as token ids; each is also reported
-by how many segments back the asked fact is (`recall, 2 back`).
+by how many segments back the asked fact is (`recall, 2 back`). `--tasks prose` continues the
+first words of held-out sentences (books never trained on) and scores the continuations with
+numbers a reader can check (`prose_scores`): the share of words the training prose contains,
+the share of adjacent word pairs it contains (word order), and the share of distinct pairs
+within each continuation (loops score low), next to the same figures for the held-out text's
+own continuations.
 
     python training/evaluate.py --model models/llada-tiny --wavefront target/release/wavefront \\
         -- --scheme low-confidence --max-new-tokens 16 --steps 16 --block-length 16
     python training/evaluate.py --model models/armt-tiny --tasks recall-1,recall -- --execution diagonal
+    python training/evaluate.py --model models/llada-tiny --tasks prose --per-task 40 \\
+        -- --scheme low-confidence --max-new-tokens 32 --steps 32 --block-length 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +53,7 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
         return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"])
 
     results: dict[str, list] = {}
+    prose: dict = {}
     recall = {"recall": (2, 4), "recall-1": (1, 1), "recall-2": (2, 2)}
     for name in tasks.split(","):
         if name in recall:
@@ -52,22 +62,80 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
                 outcome = row(r["token_ids"][: len(answer)] == answer, r)
                 results.setdefault(name, []).append(outcome)
                 results.setdefault(f"{name}, {back} back", []).append(outcome)
-    chosen = {k: common.TASKS[k] for k in tasks.split(",") if k not in recall}
+    if "prose" in tasks.split(","):
+        rows, texts = [], []
+        for prompt, truth in prose_prompts(per_task):
+            r = run(["--prompt", prompt])
+            texts.append((r["text"], truth))
+            rows.append(row(True, r))
+        prose = {"prose": {**prose_scores(texts), **summarise(rows)}}
+    chosen = {k: common.TASKS[k] for k in tasks.split(",") if k not in recall and k != "prose"}
     for name, prompt, answer in common.eval_set(per_task, tasks=chosen) if chosen else []:
         r = run(["--prompt", prompt])
         text = r["text"].split("<|")[0]
         results.setdefault(name, []).append(row(text.strip() == answer.strip(), r))
+    return {**{name: {"accuracy": sum(x[0] for x in rs) / len(rs), **summarise(rs)} for name, rs in results.items()}, **prose}
+
+
+def summarise(rs: list[tuple]) -> dict:
     return {
-        name: {
-            "accuracy": sum(x[0] for x in rs) / len(rs),
-            "forward_passes": sum(x[1] for x in rs) / len(rs),
-            "compute_ms": sum(x[2] for x in rs) / len(rs),
-            "tokens_per_forward": sum(x[3] for x in rs) / max(sum(x[1] for x in rs), 1),
-            "recurrence_steps": sum(x[4] for x in rs) / len(rs),
-            "n": len(rs),
-        }
-        for name, rs in results.items()
+        "forward_passes": sum(x[1] for x in rs) / len(rs),
+        "compute_ms": sum(x[2] for x in rs) / len(rs),
+        "tokens_per_forward": sum(x[3] for x in rs) / max(sum(x[1] for x in rs), 1),
+        "recurrence_steps": sum(x[4] for x in rs) / len(rs),
+        "n": len(rs),
     }
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased words, punctuation dropped (apostrophes kept)."""
+    return re.findall(r"[a-z']+", text.lower())
+
+
+def prose_prompts(n: int, prompt_words: int = 6, seed: int = 5) -> list[tuple[str, str]]:
+    """n (prompt, true continuation) pairs: the first `prompt_words` words of held-out sentences
+    of at least twice that length, and the rest of each sentence with the next one."""
+    rng = random.Random(seed)
+    sentences = []
+    for doc in common.corpus(None)["held_out"]:
+        parts = re.split(r"(?<=[.!?])\s+", doc)
+        for i, sentence in enumerate(parts):
+            if len(sentence.split()) >= 2 * prompt_words:
+                sentences.append((sentence, " ".join(parts[i + 1 : i + 2])))
+    out = []
+    for sentence, after in rng.sample(sentences, n):
+        w = sentence.split()
+        out.append((" ".join(w[:prompt_words]), " " + " ".join(w[prompt_words:]) + " " + after))
+    return out
+
+
+def prose_scores(texts: list[tuple[str, str]], max_words: int = 24, train_docs: list[str] | None = None) -> dict:
+    """Means over continuations (their first `max_words` words, up to a special token) of:
+    `known_words`, the share of words the training prose contains; `seen_pairs`, the share of
+    adjacent word pairs it contains; `distinct_pairs`, the share of a continuation's pairs that
+    are distinct. `reference` holds the same for the held-out text's own continuations.
+    `train_docs`: the training prose (default: the corpus' training split)."""
+    vocab, pairs = set(), set()
+    for doc in common.corpus(None)["train"] if train_docs is None else train_docs:
+        w = words(doc)
+        vocab.update(w)
+        pairs.update(zip(w, w[1:]))
+
+    def score(text: str) -> tuple[float, float, float] | None:
+        w = words(text.split("<|")[0].split("</s>")[0])[:max_words]
+        if len(w) < 2:
+            return None
+        p = list(zip(w, w[1:]))
+        return (sum(x in vocab for x in w) / len(w), sum(x in pairs for x in p) / len(p), len(set(p)) / len(p))
+
+    def mean(scores) -> dict:
+        scores = [s for s in scores if s is not None]
+        keys = ("known_words", "seen_pairs", "distinct_pairs")
+        return {k: round(sum(s[i] for s in scores) / max(len(scores), 1), 3) for i, k in enumerate(keys)} | {
+            "scored": len(scores)
+        }
+
+    return {**mean(score(t) for t, _ in texts), "reference": mean(score(truth) for _, truth in texts)}
 
 
 def main():
@@ -86,7 +154,6 @@ def main():
 def recall_set(model: Path, n: int, facts=(2, 4)) -> list[tuple[list[int], list[int], int]]:
     """n held-out recall prompts (token ids up to a question) with `facts` facts each, their
     answers' ids, and how many segments before the question the asked fact is."""
-    import random
 
     import armt
     from tokenizers import Tokenizer

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 # family script -> (steps, a `wavefront run` invocation's extra arguments)
 FAMILIES = {
     "llada": (40, ["--scheme", "low-confidence", "--prompt", "12+34=", "--max-new-tokens", "8"]),
@@ -57,12 +58,34 @@ def check(family: str, steps: int, run_args: list[str], wavefront: str, tmp: Pat
     return None
 
 
+def check_prose_scores() -> str | None:
+    """`evaluate.prose_scores` on the committed slice: a trained-on sentence scores 1 on every
+    measure, a loop scores low on distinct pairs, and fragments score low on known words."""
+    import common
+    import evaluate
+
+    docs = common.slice_corpus()["train"]
+    sentence = " ".join(docs[0].split()[:8])
+    s = evaluate.prose_scores([(sentence, sentence), (" and, and, and, and, and, and", ""), (" thevoid zzq kx", "")], train_docs=docs)
+    got = (s["known_words"], s["seen_pairs"], s["distinct_pairs"], s["scored"], s["reference"]["seen_pairs"])
+    # per text: (1, 1, 1), (1, 0, 0.2), (0, 0, 1); the reference is the first text alone
+    want = (round(2 / 3, 3), round(1 / 3, 3), round(2.2 / 3, 3), 3, 1.0)
+    return None if got == want else f"prose_scores: got {got}, want {want}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wavefront", required=True, help="the wavefront binary")
     p.add_argument("families", nargs="*", default=list(FAMILIES))
     args = p.parse_args()
     passed = failed = 0
+    error = check_prose_scores()
+    print(f"prose scores: {'ok' if error is None else 'FAILED'}", flush=True)
+    if error is not None:
+        print(error, flush=True)
+        failed += 1
+    else:
+        passed += 1
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             steps, run_args = FAMILIES[family]
