@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import subprocess
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[str]) -> dict:
+def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[str], scorer: str | None = None) -> dict:
     """{task: {accuracy, forward_passes, compute_ms, tokens_per_forward, recurrence_steps, n}}
     of `wavefront run --model MODEL EXTRA` over the held-out prompts of `tasks` (comma separated
     names of `common.TASKS`, or `recall`)."""
@@ -63,12 +64,15 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
                 results.setdefault(name, []).append(outcome)
                 results.setdefault(f"{name}, {back} back", []).append(outcome)
     if "prose" in tasks.split(","):
-        rows, texts = [], []
+        rows, texts, prompts = [], [], []
         for prompt, truth in prose_prompts(per_task):
+            prompts.append(prompt)
             r = run(["--prompt", prompt])
             texts.append((r["text"], truth))
             rows.append(row(True, r))
-        prose = {"prose": {**prose_scores(texts), **summarise(rows)}}
+        ppl = {"gen_ppl": gen_ppl(prompts, texts, Path(scorer))} if scorer else {}
+        samples = {"samples": [p + cut(t, 24) for p, (t, _) in zip(prompts[:3], texts)]}
+        prose = {"prose": {**prose_scores(texts), **ppl, **summarise(rows), **samples}}
     chosen = {k: common.TASKS[k] for k in tasks.split(",") if k not in recall and k != "prose"}
     for name, prompt, answer in common.eval_set(per_task, tasks=chosen) if chosen else []:
         r = run(["--prompt", prompt])
@@ -109,6 +113,56 @@ def prose_prompts(n: int, prompt_words: int = 6, seed: int = 5) -> list[tuple[st
     return out
 
 
+def cut(text: str, max_words: int) -> str:
+    """`text` up to its first special token and its first `max_words` words."""
+    text = text.split("<|")[0].split("</s>")[0]
+    ends = [m.end() for m in re.finditer(r"[a-z']+", text, re.IGNORECASE)]
+    return text[: ends[max_words - 1]] if len(ends) >= max_words else text
+
+
+def gen_ppl(prompts: list[str], texts: list[tuple[str, str]], scorer: Path, max_words: int = 24) -> dict:
+    """Generative perplexity, the diffusion papers' prose measure (SureLock's Gen.-PPL): the
+    perplexity a separate autoregressive model (here an ARMT checkpoint of `training/armt.py`,
+    read from its upstream tensors) gives each continuation (cut as `prose_scores` cuts it) after
+    its prompt, over all their tokens; `reference` scores the held-out text's own."""
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    import armt
+
+    tok = Tokenizer.from_file(str(scorer / "tokenizer.json"))
+    model = armt.Armt(armt.Config())
+    names = {"memory_cell.memory": "memory", "memory_cell.model.lm_head.weight": "lm_head.weight"}
+    state = {}
+    for k, v in load_file(str(scorer / "model.safetensors")).items():
+        if k in names:
+            k = names[k]
+        elif k.startswith("memory_cell.model.model."):
+            k = k[len("memory_cell.model.model.") :]
+        else:
+            k = k[len("memory_cell.") :]
+        state[k] = v.float()
+    model.load_state_dict(state)
+    model.eval()
+
+    def ppl(pairs) -> float:
+        total = count = 0.0
+        with torch.no_grad():
+            for prompt, text in pairs:
+                head, tail = tok.encode(prompt).ids, tok.encode(cut(text, max_words)).ids
+                if not tail:
+                    continue
+                ids = torch.tensor([head + tail])
+                logits = model(ids[:, :-1])[0, len(head) - 1 :]
+                total += F.cross_entropy(logits, ids[0, len(head) :], reduction="sum").item()
+                count += len(tail)
+        return round(math.exp(total / max(count, 1)), 2)
+
+    return {"ppl": ppl(zip(prompts, (t for t, _ in texts))), "reference": ppl(zip(prompts, (r for _, r in texts)))}
+
+
 def prose_scores(texts: list[tuple[str, str]], max_words: int = 24, train_docs: list[str] | None = None) -> dict:
     """Means over continuations (their first `max_words` words, up to a special token) of:
     `known_words`, the share of words the training prose contains; `seen_pairs`, the share of
@@ -144,10 +198,11 @@ def main():
     p.add_argument("--wavefront", default="target/release/wavefront")
     p.add_argument("--per-task", type=int, default=100)
     p.add_argument("--tasks", default=",".join(common.TASKS))
+    p.add_argument("--scorer", default=None, help="with --tasks prose: an ARMT checkpoint that scores the continuations (gen_ppl)")
     p.add_argument("run_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     extra = [a for a in args.run_args if a != "--"]
-    summary = measure(args.wavefront, args.model, args.tasks, args.per_task, extra)
+    summary = measure(args.wavefront, args.model, args.tasks, args.per_task, extra, args.scorer)
     print(json.dumps({"model": args.model, "run_args": extra, "tasks": summary}, indent=1))
 
 

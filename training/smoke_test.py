@@ -40,6 +40,15 @@ def check(family: str, steps: int, run_args: list[str], wavefront: str, tmp: Pat
         return f"loss did not fall: {report['first_loss']:.3f} -> {report['last_loss']:.3f}"
     if not (out / "loss.png").stat().st_size > 0:
         return "no loss curve written"
+    if family == "armt":
+        # the scorer of `evaluate.py --tasks prose` reads this checkpoint back (strict names)
+        import math
+
+        import evaluate
+
+        ppl = evaluate.gen_ppl(["In the beginning"], [(" God created the heavens", " God created the heavens")], out)
+        if not (math.isfinite(ppl["ppl"]) and ppl["ppl"] == ppl["reference"] and ppl["ppl"] > 1):
+            return f"gen_ppl on the written checkpoint: {ppl}"
     run = subprocess.run(
         [wavefront, "run", "--model", str(out), "--json", "--log-filter", "warn", *run_args],
         capture_output=True,
