@@ -950,14 +950,18 @@ mod tests {
         let committed = prompt.len();
 
         // Plan: both slots score above the threshold; verify: only each slot's first token.
-        let call = p.next_call();
-        forward(&model, &mut p, &call)?;
-        p.commit(&call, &reads(&call, 100, |_| 0.95), &mut stats, &mut outbox)
-            .map_err(anyhow::Error::msg)?;
-        let call = p.next_call();
-        forward(&model, &mut p, &call)?;
-        p.commit(&call, &reads(&call, 0, |_| 0.1), &mut stats, &mut outbox)
-            .map_err(anyhow::Error::msg)?;
+        // One call run and committed with the given reads (first token id, probability by row).
+        let step = |p: &mut PlanInfill,
+                    (stats, outbox): (&mut Stats, &mut Outbox),
+                    first: u32,
+                    prob: &dyn Fn(usize) -> f32| {
+            let call = p.next_call();
+            forward(&model, p, &call)?;
+            p.commit(&call, &reads(&call, first, prob), stats, outbox)
+                .map_err(anyhow::Error::msg)
+        };
+        step(&mut p, (&mut stats, &mut outbox), 100, &|_| 0.95)?;
+        step(&mut p, (&mut stats, &mut outbox), 0, &|_| 0.1)?;
         ensure!(
             matches!(p.phase, Phase::Infill(_)),
             "not in iterative completion"
@@ -981,15 +985,13 @@ mod tests {
 
         // Verify: row 0 accepts everything, row 1 its forced token only: the common accepted
         // prefix is 1, so the next call rewrites each segment from its second index on.
-        let call = p.next_call();
-        forward(&model, &mut p, &call)?;
-        p.commit(
-            &call,
-            &reads(&call, 0, |r| if r == 0 { 0.9 } else { 0.1 }),
-            &mut stats,
-            &mut outbox,
-        )
-        .map_err(anyhow::Error::msg)?;
+        step(&mut p, (&mut stats, &mut outbox), 0, &|r| {
+            if r == 0 {
+                0.9
+            } else {
+                0.1
+            }
+        })?;
         let call = p.next_call();
         let (index, mask, len) = forward(&model, &mut p, &call)?;
         ensure!(index == vec![4, 5, 6, 8, 9, 10], "{index:?}");
@@ -1002,10 +1004,7 @@ mod tests {
         // Draft and verify with everything accepted: the segments are the committed rows.
         p.commit(&call, &reads(&call, 300, |_| 0.9), &mut stats, &mut outbox)
             .map_err(anyhow::Error::msg)?;
-        let call = p.next_call();
-        forward(&model, &mut p, &call)?;
-        p.commit(&call, &reads(&call, 0, |_| 0.9), &mut stats, &mut outbox)
-            .map_err(anyhow::Error::msg)?;
+        step(&mut p, (&mut stats, &mut outbox), 0, &|_| 0.9)?;
         let (ids, positions) = p.buffer();
         ensure!(ids.len() == committed + 8 && p.main.len() == committed + 8);
         ensure!(positions[committed..] == (3..11).collect::<Vec<u32>>()[..]);
