@@ -4,7 +4,10 @@ Objective (LLaDA, eq. 3 and its SFT form): draw t ~ U(0, 1) per sequence, mask e
 with probability p = (1 - eps) t + eps, and score the model's prediction of each masked
 token weighted by 1 / p. Prose windows are masked anywhere and the loss is averaged over
 all positions (pre-training); task lines keep their prompt unmasked, mask only the answer
-and its EOS padding, and divide each sequence's loss by that answer's length (SFT).
+and its EOS padding, and divide each sequence's loss by that answer's length (SFT). Prose
+windows are also trained in that SFT form (a clean prefix, the rest masked with ratio t):
+the pattern semi-autoregressive decoding meets, a clean context and a masked tail. Without
+them the model wrote a sixth non-words in a half-kept word order (training/README.md).
 
     python training/llada.py --out models/llada-tiny --threads 1   # 90 minutes; the other core can train another
 """
@@ -210,10 +213,10 @@ def answer_of(tok, ids: list[int]) -> str:
 
 def main():
     parser = common.base_args(__doc__.splitlines()[0], minutes=90)
-    parser.add_argument("--prose-rows", type=int, default=24, help="prose windows per step")
+    parser.add_argument("--prose-rows", type=int, default=12, help="prose windows per step, masked anywhere")
     parser.add_argument("--task-rows", type=int, default=48, help="task lines per step")
     parser.add_argument(
-        "--continuation-rows", type=int, default=0, help="prose windows per step in the SFT form (a clean prefix, the rest masked)"
+        "--continuation-rows", type=int, default=16, help="prose windows per step in the SFT form (a clean prefix, the rest masked)"
     )
     parser.add_argument("--continuation-len", type=int, default=64, help="length of those windows")
     args = parser.parse_args()
