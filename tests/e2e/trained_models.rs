@@ -218,3 +218,52 @@ fn the_trained_armt_recalls_a_fact_from_three_segments_back_in_either_execution(
         assert_eq!(seq["text"], format!(" {value}."), "key {key}");
     }
 }
+
+#[test]
+fn the_readme_prose_exchanges_are_what_run_writes_and_the_readme_shows_them() {
+    // The README's prose rows (greedy; Huginn seeded 0), with the settings its table names.
+    let readme = include_str!("../../README.md");
+    let rows: [(&str, &str, &[&str], &str); 4] = [
+        (
+            "huginn-tiny",
+            "And the king said to",
+            &["--num-steps", "8", "--seed", "0", "--max-new-tokens", "24"],
+            " the king, \"Go up, and let the king be king over the king.\" The king said to the king,",
+        ),
+        (
+            "llada-tiny",
+            "And the king said to",
+            &[
+                "--scheme",
+                "low-confidence",
+                "--steps",
+                "32",
+                "--block-length",
+                "8",
+                "--max-new-tokens",
+                "32",
+            ],
+            " me, \"I have you have done, and that you have come to you, and that you have come to you, and have you come to you,",
+        ),
+        (
+            "refusion-tiny",
+            "In the beginning God created",
+            &["--scheme", "plan-infill", "--max-new-tokens", "16"],
+            " me, and I will not know my name. I will not know my name",
+        ),
+        (
+            "armt-tiny",
+            "And the king said to",
+            &["--scheme", "ar", "--max-new-tokens", "24"],
+            " the king, \"I will go with you, and I will give you a land that I have built for you,",
+        ),
+    ];
+    for (name, prompt, args, want) in rows {
+        assert_eq!(answer(name, prompt, args), want, "{name}: {prompt}");
+        assert!(
+            readme.contains(&format!("| `{prompt}` |"))
+                && readme.contains(&format!("| `{want}` |")),
+            "README.md lacks the {name} row for {prompt:?}"
+        );
+    }
+}
