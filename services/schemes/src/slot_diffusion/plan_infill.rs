@@ -952,7 +952,8 @@ mod tests {
         // Plan: both slots score above the threshold; verify: only each slot's first token.
         // One call run and committed with the given reads (first token id, probability by row).
         let step = |p: &mut PlanInfill,
-                    (stats, outbox): (&mut Stats, &mut Outbox),
+                    stats: &mut Stats,
+                    outbox: &mut Outbox,
                     first: u32,
                     prob: &dyn Fn(usize) -> f32| {
             let call = p.next_call();
@@ -960,8 +961,8 @@ mod tests {
             p.commit(&call, &reads(&call, first, prob), stats, outbox)
                 .map_err(anyhow::Error::msg)
         };
-        step(&mut p, (&mut stats, &mut outbox), 100, &|_| 0.95)?;
-        step(&mut p, (&mut stats, &mut outbox), 0, &|_| 0.1)?;
+        step(&mut p, &mut stats, &mut outbox, 100, &|_| 0.95)?;
+        step(&mut p, &mut stats, &mut outbox, 0, &|_| 0.1)?;
         ensure!(
             matches!(p.phase, Phase::Infill(_)),
             "not in iterative completion"
@@ -985,7 +986,7 @@ mod tests {
 
         // Verify: row 0 accepts everything, row 1 its forced token only: the common accepted
         // prefix is 1, so the next call rewrites each segment from its second index on.
-        step(&mut p, (&mut stats, &mut outbox), 0, &|r| {
+        step(&mut p, &mut stats, &mut outbox, 0, &|r| {
             if r == 0 {
                 0.9
             } else {
@@ -1004,7 +1005,7 @@ mod tests {
         // Draft and verify with everything accepted: the segments are the committed rows.
         p.commit(&call, &reads(&call, 300, |_| 0.9), &mut stats, &mut outbox)
             .map_err(anyhow::Error::msg)?;
-        step(&mut p, (&mut stats, &mut outbox), 0, &|_| 0.9)?;
+        step(&mut p, &mut stats, &mut outbox, 0, &|_| 0.9)?;
         let (ids, positions) = p.buffer();
         ensure!(ids.len() == committed + 8 && p.main.len() == committed + 8);
         ensure!(positions[committed..] == (3..11).collect::<Vec<u32>>()[..]);
