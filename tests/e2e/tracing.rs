@@ -115,7 +115,7 @@ async fn one_trace_spans_client_router_worker_and_engine_ticks() {
             // Tick spans are linked to the request span (follows_from), not parented.
             let steps: Vec<Span> = spans
                 .iter()
-                .filter(|(s, sp)| s.contains("wavefront-worker") && sp.name == "step")
+                .filter(|(s, sp)| s.contains("wavefront-worker") && sp.name == "tick")
                 .filter(|(_, sp)| sp.links.iter().any(|l| hex(&l.trace_id) == trace_id))
                 .map(|(_, sp)| sp.clone())
                 .collect();

@@ -207,7 +207,7 @@ fn main() -> Result<()> {
     let (model_cfg, seed) = (cfg.clone(), args.seed);
     eprintln!("building the synthetic model ({shape:?})");
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| format!("{e:#}"))
+        synthetic::random_model(&model_cfg, seed, device, dtype)
     })?;
     eprintln!(
         "model ready after {:.1}s; warming up",

@@ -3,9 +3,8 @@
 
 use std::collections::HashMap;
 
-use anyhow::Result;
 use rand::Rng;
-use wavefront_models::candle_core::{DType, Device, Tensor};
+use wavefront_models::candle_core::{self as candle_core, DType, Device, Tensor};
 use wavefront_models::candle_nn::VarBuilder;
 
 /// A [`VarBuilder`] over `tensors` (name and shape, as a config's `checkpoint_tensors()` lists
@@ -16,7 +15,7 @@ pub fn var_builder(
     device: &Device,
     dtype: DType,
     mut init: impl FnMut(&str, &[usize]) -> Vec<f32>,
-) -> Result<VarBuilder<'static>> {
+) -> Result<VarBuilder<'static>, candle_core::Error> {
     let mut loaded = HashMap::new();
     for (name, shape) in tensors {
         let data = init(&name, &shape);
@@ -46,7 +45,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_tensor_gets_its_values_in_the_dtype() -> Result<()> {
+    fn every_tensor_gets_its_values_in_the_dtype() -> anyhow::Result<()> {
         let tensors = vec![("a".to_owned(), vec![2, 3]), ("b.norm".to_owned(), vec![4])];
         let mut seen = Vec::new();
         let vb = var_builder(tensors, &Device::Cpu, DType::BF16, |name, shape| {

@@ -1,60 +1,22 @@
-//! The step loop on its own thread, and the handle the services talk to.
+//! The engine loop on its own thread, and the handle the services talk to.
 //!
 //! The loop blocks on its command channel while idle; while requests are
 //! active it drains pending commands without blocking and runs one
-//! [`Scheduler::step`] per iteration. The family is built on the engine
+//! [`Scheduler::tick`] per iteration. The family is built on the engine
 //! thread itself (device state never crosses threads) and reports readiness
 //! through a handshake, so a model that fails to load fails start-up.
 
-use crate::family::{Event, Exported, Family, Prepared};
+use crate::error::{Cause, EngineError};
+use crate::family::Family;
 use crate::ids::RequestId;
+use crate::request::{Exported, Prepared};
 use crate::scheduler::{Scheduler, SharedQueue, Waiting};
-use crate::EngineError;
+use crate::sink::EventSink;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Why a sink did not take an event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SinkError {
-    /// The receiver is alive but its bounded buffer is full: try again later.
-    Full,
-    /// The receiver is gone: the request is cancelled.
-    Closed,
-}
-
-/// The per-request response channel, implemented by the transport (a bounded
-/// tokio channel in the worker). It must never block.
-pub trait EventSink: Send {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)>;
-    fn is_closed(&self) -> bool;
-    /// The transport decided the response is complete (a stop string appeared in its text)
-    /// and still listens: the engine finishes the request at its next step with
-    /// [`FinishReason::StopString`](crate::FinishReason::StopString) and the program's
-    /// statistics so far ([`Family::stop`](crate::Family::stop)), instead of dropping it as
-    /// a cancelled one.
-    fn stop_requested(&self) -> bool {
-        false
-    }
-}
-
-/// A bounded std channel is a sink for callers without an async runtime
-/// (offline generation, benchmarks); it learns that its receiver is gone
-/// only when a send fails.
-impl EventSink for SyncSender<Event> {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        SyncSender::try_send(self, event).map_err(|e| match e {
-            TrySendError::Full(ev) => (SinkError::Full, ev),
-            TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
 
 /// Sizes of the engine, validated by the binary at start-up.
 #[derive(Debug, Clone)]
@@ -68,6 +30,9 @@ pub struct EngineConfig {
     /// Slots admission leaves free for running requests to grow into (families whose programs
     /// take slots as they go; 0 for those that reserve at admission).
     pub watermark_slots: usize,
+    /// Rows one tick computes at most (`--max-batch-rows`): prefills that may run in part get
+    /// what the whole steps leave ([`crate::Demand`]). `None`: no cap.
+    pub max_batch_rows: Option<usize>,
 }
 
 /// A request handed to the engine.
@@ -265,28 +230,30 @@ impl<P: Send + 'static> EngineHandle<P> {
 pub struct Engine;
 
 impl Engine {
-    /// Starts the step loop. `make_family` runs on the engine thread; its
+    /// Starts the engine loop. `make_family` runs on the engine thread; its
     /// error (a model that fails to load) is returned here.
-    pub fn start<F, M>(
+    pub fn start<F, M, E>(
         config: EngineConfig,
         make_family: M,
-    ) -> Result<EngineHandle<F::Program>, String>
+    ) -> Result<EngineHandle<F::Program>, EngineError>
     where
         F: Family,
-        M: FnOnce() -> Result<F, String> + Send + 'static,
+        M: FnOnce() -> Result<F, E> + Send + 'static,
+        E: std::error::Error + Send + Sync + 'static,
     {
         Self::start_labeled("", config, make_family)
     }
 
     /// [`Engine::start`], with `label` as the `model` label of its metrics.
-    pub fn start_labeled<F, M>(
+    pub fn start_labeled<F, M, E>(
         label: &str,
         config: EngineConfig,
         make_family: M,
-    ) -> Result<EngineHandle<F::Program>, String>
+    ) -> Result<EngineHandle<F::Program>, EngineError>
     where
         F: Family,
-        M: FnOnce() -> Result<F, String> + Send + 'static,
+        M: FnOnce() -> Result<F, E> + Send + 'static,
+        E: std::error::Error + Send + Sync + 'static,
     {
         let label = label.to_owned();
         let (tx, rx) = mpsc::sync_channel::<Command>(2);
@@ -296,11 +263,12 @@ impl Engine {
             config.max_active,
         )
         .with_watermark(config.watermark_slots)
+        .with_max_batch_rows(config.max_batch_rows)
         .with_label(&label);
         let queue = sched.shared_queue();
         let load = Arc::new(LoadCounters::default());
         load.lock().free_slots = config.total_slots;
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), Cause>>(1);
         let thread_load = load.clone();
         let thread = std::thread::Builder::new()
             .name("wavefront-engine".into())
@@ -312,18 +280,18 @@ impl Engine {
                     }
                     Err(e) => {
                         thread_load.stopped.store(true, Ordering::Release);
-                        let _ = ready_tx.send(Err(e));
+                        let _ = ready_tx.send(Err(Cause::new(e)));
                         return;
                     }
                 };
                 run_loop(family, sched, rx, &thread_load);
                 thread_load.stopped.store(true, Ordering::Release);
             })
-            .map_err(|e| format!("cannot spawn engine thread: {e}"))?;
+            .map_err(|e| EngineError::Start(Cause::new(e)))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err("engine thread died during start-up".into()),
+            Ok(Err(e)) => return Err(EngineError::Start(e)),
+            Err(_) => return Err(EngineError::Start(Cause::new(DiedAtStart))),
         }
         Ok(EngineHandle {
             tx,
@@ -335,6 +303,11 @@ impl Engine {
         })
     }
 }
+
+/// The engine thread ended before it said whether its family was built.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine thread died during start-up")]
+struct DiedAtStart;
 
 fn run_loop<F: Family>(
     mut family: F,
@@ -381,7 +354,7 @@ fn run_loop<F: Family>(
             next = rx.try_recv().ok();
         }
         let before = sched.ticks();
-        let report = sched.step(&mut family, Instant::now());
+        let report = sched.tick(&mut family, Instant::now());
         publish(&sched, load);
         if report.cancelled + report.expired + report.failed > 0 {
             tracing::debug!(?report, "requests left the engine");

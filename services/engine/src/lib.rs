@@ -13,12 +13,15 @@
 //!    pool is short the newest request is preempted ([`Family::preempt`]) and resumes
 //!    later, ahead of new arrivals; what a program no longer needs goes back after
 //!    each tick ([`Family::reclaim`]).
-//! 3. **Ticks** ([`engine`]): a dedicated thread, fed by a bounded channel,
-//!    hands all active programs to the family's [`Family::tick`], which packs
-//!    their rows into batched forwards and commits the results.
-//! 4. **Events**: programs emit tokens and a final result through an
-//!    [`EventSink`]; a sink whose receiver is gone cancels its request, and its
-//!    slots return to the pool before the next tick runs.
+//! 3. **Ticks** ([`engine`], [`scheduler`], [`tick`]): a dedicated thread, fed by a bounded
+//!    channel, runs one tick per iteration: every program that runs says what its next step
+//!    computes, the row budget is shared between them, each plans its step as plain data, the
+//!    family runs all plans in packed forwards ([`Family::run`]) and each program commits its
+//!    output ([`Family::commit`]).
+//! 4. **Events** ([`event`], [`sink`]): programs emit tokens and a final result through their
+//!    [`Outbox`]; the engine delivers them to each request's [`EventSink`]; a sink whose
+//!    receiver is gone cancels its request, and its slots return to the pool before the next
+//!    tick runs.
 //!
 //! The crate knows no gRPC, no async runtime and no tensors: families plug in
 //! through the [`Family`] trait, and transports plug in through [`EventSink`].
@@ -29,23 +32,28 @@
 
 pub mod engine;
 pub mod error;
+pub mod event;
 pub mod family;
 pub mod ids;
 pub mod metrics;
 pub mod queue;
+pub mod request;
 pub mod scheduler;
+pub mod sink;
 pub mod slots;
+pub mod standalone;
 pub mod stats;
+pub mod tick;
 
-pub use engine::{
-    Engine, EngineConfig, EngineHandle, EngineLoad, EventSink, ExportReply, SinkError, Submission,
-};
-pub use error::EngineError;
-pub use family::{
-    Active, CanvasFrame, Carried, CellState, Event, Exported, Family, FamilyError, FinishReason,
-    Moved, Outbox, Prepared, RequestError,
-};
+pub use engine::{Engine, EngineConfig, EngineHandle, EngineLoad, ExportReply, Submission};
+pub use error::{Cause, EngineError, FamilyError, Phase, RequestError};
+pub use event::{CanvasFrame, CellState, Event, FinishReason, Outbox};
+pub use family::{Demand, Family, Group, Planned};
 pub use ids::{RequestId, SlotId};
 pub use queue::AdmissionQueue;
+pub use request::{Active, Carried, Exported, Moved, Prepared};
+pub use sink::{EventSink, SinkError};
 pub use slots::SlotPool;
+pub use standalone::Standalone;
 pub use stats::Stats;
+pub use tick::{run_tick, TickOutcome};

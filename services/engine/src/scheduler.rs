@@ -4,7 +4,7 @@
 //! One invariant drives it: every slot is held by at most one running
 //! request, and a request that leaves for any reason (finished, failed,
 //! cancelled by its client, expired) gives all its slots back in the same
-//! [`Scheduler::step`] that notices it. Admission is FIFO from a bounded queue
+//! [`Scheduler::tick`] that notices it. Admission is FIFO from a bounded queue
 //! and happens when the head's first step fits, with a watermark of slots kept
 //! free for the running requests to grow into.
 //!
@@ -15,13 +15,16 @@
 //! and its slots return to the pool); preempted requests resume, oldest first,
 //! ahead of every new arrival, so nobody starves.
 
-use crate::engine::{EventSink, SinkError};
-use crate::family::{Active, Carried, Event, Exported, Family, FamilyError, Outbox, Prepared};
+use crate::error::{EngineError, FamilyError};
+use crate::event::{Event, Outbox};
+use crate::family::Family;
 use crate::ids::RequestId;
 use crate::metrics::EngineMetrics;
 use crate::queue::AdmissionQueue;
+use crate::request::{Active, Carried, Exported, Prepared};
+use crate::sink::{EventSink, SinkError};
 use crate::slots::SlotPool;
-use crate::EngineError;
+use crate::tick::run_tick;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -214,9 +217,9 @@ impl<P> std::ops::DerefMut for QueueGuard<'_, P> {
     }
 }
 
-/// Counts of what one [`Scheduler::step`] did.
+/// Counts of what one [`Scheduler::tick`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct StepReport {
+pub struct TickReport {
     pub admitted: usize,
     pub ticked: usize,
     pub finished: usize,
@@ -239,8 +242,10 @@ pub struct Scheduler<P> {
     watermark: usize,
     next_seq: u64,
     preemptions: u64,
-    /// Requests that wait this step for slots held by requests still delivering.
+    /// Requests that wait this tick for slots held by requests still delivering.
     deferred: Vec<RequestId>,
+    /// Rows one tick computes at most (`--max-batch-rows`).
+    max_batch_rows: Option<usize>,
     ticks: u64,
     metrics: EngineMetrics,
 }
@@ -262,6 +267,7 @@ impl<P: Send + 'static> Scheduler<P> {
             next_seq: 0,
             preemptions: 0,
             deferred: Vec::new(),
+            max_batch_rows: None,
             ticks: 0,
             metrics: EngineMetrics::new(""),
         }
@@ -271,6 +277,12 @@ impl<P: Send + 'static> Scheduler<P> {
     /// admitted alone whatever the watermark, so one always runs).
     pub fn with_watermark(mut self, slots: usize) -> Self {
         self.watermark = slots;
+        self
+    }
+
+    /// Caps the rows of a tick: prefills that may run in part share what the whole steps leave.
+    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
+        self.max_batch_rows = rows;
         self
     }
 
@@ -338,13 +350,14 @@ impl<P: Send + 'static> Scheduler<P> {
         self.queue.push(w, Instant::now())
     }
 
-    /// One engine iteration: reap, admit, tick, deliver.
-    pub fn step<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant) -> StepReport {
-        let mut report = StepReport::default();
+    /// One engine iteration, a *tick*: reap, admit, grow, compute (plan → run → commit, then
+    /// reclaim), deliver.
+    pub fn tick<F: Family<Program = P>>(&mut self, family: &mut F, now: Instant) -> TickReport {
+        let mut report = TickReport::default();
         self.reap(family, now, &mut report);
         self.admit(family, now, &mut report);
         self.grow(family, &mut report);
-        self.tick(family, &mut report);
+        self.compute(family, &mut report);
         self.deliver(family, &mut report);
         report
     }
@@ -353,7 +366,7 @@ impl<P: Send + 'static> Scheduler<P> {
         &mut self,
         family: &mut F,
         now: Instant,
-        report: &mut StepReport,
+        report: &mut TickReport,
     ) {
         // Waiting requests whose client left or whose deadline passed.
         let gone = self
@@ -419,7 +432,7 @@ impl<P: Send + 'static> Scheduler<P> {
         family: &mut F,
         mut r: Running<P>,
         closed: bool,
-        report: &mut StepReport,
+        report: &mut TickReport,
     ) {
         if closed {
             report.cancelled += 1;
@@ -450,7 +463,7 @@ impl<P: Send + 'static> Scheduler<P> {
         &mut self,
         family: &mut F,
         now: Instant,
-        report: &mut StepReport,
+        report: &mut TickReport,
     ) {
         // Preempted requests first, oldest first; while one waits, no new request starts.
         while !self.preempted.is_empty() && self.running.len() < self.max_active {
@@ -538,7 +551,7 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Grants every request that ticks this step the slots its next step needs, oldest first,
     /// preempting the most recently admitted ones while the pool is short.
-    fn grow<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+    fn grow<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut TickReport) {
         self.deferred.clear();
         let mut order: Vec<(u64, RequestId)> = (0..self.running.len())
             .filter(|&i| self.ready(i))
@@ -571,9 +584,7 @@ impl<P: Send + 'static> Scheduler<P> {
                         self.running[i]
                             .active
                             .outbox
-                            .fail(FamilyError::Forward(format!(
-                                "the next step needs {need} slots and the pool holds {total}"
-                            )));
+                            .fail(FamilyError::PoolTooSmall { need, total });
                     } else {
                         // The rest of the pool is held by requests whose last events are
                         // still going out (slow readers): it comes back when they drain.
@@ -605,7 +616,7 @@ impl<P: Send + 'static> Scheduler<P> {
         &mut self,
         family: &mut F,
         i: usize,
-        report: &mut StepReport,
+        report: &mut TickReport,
     ) {
         let r = &mut self.running[i];
         match family.preempt(&mut r.active) {
@@ -630,17 +641,19 @@ impl<P: Send + 'static> Scheduler<P> {
         }
     }
 
-    fn tick<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+    /// The compute part of the tick: every ready program through plan → run → commit
+    /// ([`run_tick`]), then the slots they no longer need back to the pool.
+    fn compute<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut TickReport) {
         let ready: Vec<usize> = (0..self.running.len()).filter(|&i| self.ready(i)).collect();
         if ready.is_empty() {
             return;
         }
         self.ticks += 1;
-        let step = tracing::info_span!("step", tick = self.ticks, requests = ready.len());
+        let span = tracing::info_span!("tick", tick = self.ticks, requests = ready.len());
         for &i in &ready {
-            step.follows_from(self.running[i].span.id());
+            span.follows_from(self.running[i].span.id());
         }
-        let _enter = step.enter();
+        let _enter = span.enter();
         let mut batch: Vec<&mut Active<P>> = Vec::with_capacity(ready.len());
         // Collect disjoint &mut borrows of the ready entries.
         let mut rest: &mut [Running<P>] = &mut self.running;
@@ -655,22 +668,13 @@ impl<P: Send + 'static> Scheduler<P> {
         }
         report.ticked = batch.len();
         let started = Instant::now();
-        let result = family.tick(&mut batch);
+        let outcome = run_tick(family, &mut batch, self.max_batch_rows);
         self.metrics
             .tick_duration
             .record(started.elapsed().as_secs_f64());
         self.metrics.tick_requests.record(batch.len() as f64);
         self.metrics.ticks.increment(1);
-        if let Some(rows) = family.last_tick_rows() {
-            self.metrics.tick_rows.record(rows as f64);
-        }
-        if let Err(error) = result {
-            tracing::warn!(%error, requests = batch.len(), "tick failed; failing its requests");
-            for a in batch {
-                a.outbox.fail(error.clone());
-            }
-            return;
-        }
+        self.metrics.tick_rows.record(outcome.rows as f64);
         // What programs no longer need goes back to the pool now, not at their end.
         for a in batch {
             if a.outbox.done {
@@ -691,7 +695,7 @@ impl<P: Send + 'static> Scheduler<P> {
         }
     }
 
-    fn deliver<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut StepReport) {
+    fn deliver<F: Family<Program = P>>(&mut self, family: &mut F, report: &mut TickReport) {
         let now = Instant::now();
         let mut i = 0;
         while i < self.running.len() {
@@ -768,7 +772,7 @@ impl<P: Send + 'static> Scheduler<P> {
         family: &mut F,
         w: Waiting<P>,
         now: Instant,
-        report: &mut StepReport,
+        report: &mut TickReport,
     ) {
         let prior = w.prepared.carried.clone().unwrap_or_default();
         self.next_seq += 1;
@@ -798,10 +802,10 @@ impl<P: Send + 'static> Scheduler<P> {
         report.admitted += 1;
         let need = family.slots_needed(&r.active);
         if need > self.pool.total() {
-            r.active.outbox.fail(FamilyError::Forward(format!(
-                "the moved request needs {need} slots to resume and this worker's pool holds {}",
-                self.pool.total()
-            )));
+            r.active.outbox.fail(FamilyError::PoolTooSmall {
+                need,
+                total: self.pool.total(),
+            });
             self.running.push(r);
             return;
         }
@@ -908,12 +912,7 @@ impl<P: Send + 'static> Scheduler<P> {
         };
         if moved {
             let r = &mut self.running[i];
-            r.active.outbox.fail(FamilyError::Forward(String::new()));
-            r.active.outbox.events.clear();
-            r.active
-                .outbox
-                .events
-                .push(Event::Failed(EngineError::Moved));
+            r.active.outbox.moved();
             tracing::debug!(parent: &r.span, request = %id, "moved to another worker");
         } else {
             let mut r = self.running.remove(i);

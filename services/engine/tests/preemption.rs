@@ -9,8 +9,8 @@ use std::time::Instant;
 use proptest::prelude::*;
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Event, EventSink, Family, FamilyError, FinishReason, Moved, Prepared, RequestId,
-    SinkError, SlotId, Stats,
+    Active, Demand, Event, EventSink, Family, FamilyError, FinishReason, Group, Moved, Planned,
+    Prepared, RequestId, SinkError, SlotId, Stats,
 };
 
 /// Values per slot (a page).
@@ -38,6 +38,8 @@ impl Grower {
 #[derive(Default)]
 struct PagedFamily {
     storage: HashMap<(SlotId, usize), u64>,
+    /// Who holds each slot of the programs planned this tick.
+    owners: HashMap<SlotId, RequestId>,
     preemptions: usize,
 }
 
@@ -51,37 +53,51 @@ impl PagedFamily {
 impl Family for PagedFamily {
     type Program = Grower;
 
-    fn tick(&mut self, batch: &mut [&mut Active<Grower>]) -> Result<(), FamilyError> {
-        let mut owners = HashMap::new();
-        for a in batch.iter_mut() {
-            Self::take_new(a);
-            let p = &mut a.program;
-            assert!(p.host.is_none(), "a swapped-out program ticked");
-            if p.stored.is_multiple_of(PAGE) {
-                let s = p.spare.pop().expect("the scheduler granted the next page");
-                p.table.push(s);
-            }
-            for s in &a.slots {
-                assert!(owners.insert(*s, a.id).is_none(), "slot {s} held twice");
-            }
+    type Plan = ();
+    type Output = ();
+
+    fn demand(&self, _a: &Active<Grower>) -> Demand {
+        Demand::Whole(1)
+    }
+
+    fn plan(&mut self, a: &mut Active<Grower>, _rows: usize) -> Result<Option<()>, FamilyError> {
+        Self::take_new(a);
+        let p = &mut a.program;
+        assert!(p.host.is_none(), "a swapped-out program ticked");
+        if p.stored.is_multiple_of(PAGE) {
+            let s = p.spare.pop().expect("the scheduler granted the next page");
+            p.table.push(s);
         }
-        for a in batch.iter_mut() {
-            let p = &mut a.program;
-            let value = p.seed.wrapping_mul(31).wrapping_add(p.stored as u64);
-            let slot = p.table[p.stored / PAGE];
-            self.storage.insert((slot, p.stored % PAGE), value);
-            p.stored += 1;
-            let mut h = 0u64;
-            for i in 0..p.stored {
-                let v = self.storage[&(p.table[i / PAGE], i % PAGE)];
-                h = h.wrapping_mul(1_000_003).wrapping_add(v);
-            }
-            a.outbox.tokens(vec![(h % 50_000) as u32]);
-            if p.stored >= p.len {
-                let mut stats = Stats::default();
-                stats.add_counter("stored", p.stored as u64);
-                a.outbox.finish(FinishReason::Length, stats);
-            }
+        for s in &a.slots {
+            assert!(
+                self.owners.insert(*s, a.id).is_none(),
+                "slot {s} held twice"
+            );
+        }
+        Ok(Some(()))
+    }
+
+    fn run(&mut self, work: &mut [Planned<'_, Grower, ()>]) -> Vec<Group<()>> {
+        self.owners.clear();
+        vec![Group::all(work.len(), Ok(vec![(); work.len()]))]
+    }
+
+    fn commit(&mut self, a: &mut Active<Grower>, _plan: (), _out: ()) -> Result<(), FamilyError> {
+        let p = &mut a.program;
+        let value = p.seed.wrapping_mul(31).wrapping_add(p.stored as u64);
+        let slot = p.table[p.stored / PAGE];
+        self.storage.insert((slot, p.stored % PAGE), value);
+        p.stored += 1;
+        let mut h = 0u64;
+        for i in 0..p.stored {
+            let v = self.storage[&(p.table[i / PAGE], i % PAGE)];
+            h = h.wrapping_mul(1_000_003).wrapping_add(v);
+        }
+        a.outbox.tokens(vec![(h % 50_000) as u32]);
+        if p.stored >= p.len {
+            let mut stats = Stats::default();
+            stats.add_counter("stored", p.stored as u64);
+            a.outbox.finish(FinishReason::Length, stats);
         }
         Ok(())
     }
@@ -190,7 +206,7 @@ fn run(total: usize, watermark: usize, reqs: &[(u64, usize, u64)]) -> (Vec<Outco
                 rxs.push(rx);
             }
         }
-        sched.step(&mut family, Instant::now());
+        sched.tick(&mut family, Instant::now());
         assert!(sched.pool().used() <= total);
         step += 1;
         if step > reqs.iter().map(|r| r.2).max().unwrap_or(0) && sched.is_idle() {
@@ -260,7 +276,7 @@ fn admission_takes_the_first_step_not_the_worst_case() {
         };
         assert!(sched.enqueue(w).is_ok());
     }
-    let report = sched.step(&mut family, Instant::now());
+    let report = sched.tick(&mut family, Instant::now());
     assert_eq!(report.admitted, 10);
     assert_eq!(report.ticked, 10);
     assert_eq!(sched.pool().used(), 10);
@@ -341,18 +357,18 @@ fn a_preempted_request_whose_deadline_passes_leaves_and_the_other_finishes() {
     // Both grow; four slots hold one of them at its end: the newer one is preempted.
     let mut steps = 0;
     while sched.preempted() == 0 {
-        sched.step(&mut family, t0);
+        sched.tick(&mut family, t0);
         steps += 1;
         assert!(steps < 20, "no preemption");
     }
     assert_eq!(sched.running(), 2);
     // Its deadline passes while it waits to resume.
     let late = t0 + std::time::Duration::from_secs(61);
-    let report = sched.step(&mut family, late);
+    let report = sched.tick(&mut family, late);
     assert_eq!(report.expired, 1);
     assert_eq!(sched.preempted(), 0);
     while !sched.is_idle() {
-        sched.step(&mut family, late);
+        sched.tick(&mut family, late);
     }
     assert_eq!(sched.pool().free(), 4);
     let events: Vec<Vec<Event>> = rxs.iter().map(|rx| rx.try_iter().collect()).collect();
@@ -393,7 +409,7 @@ fn a_request_waits_for_slots_held_by_a_slow_reader_instead_of_failing() {
         }
         let mut events: Vec<Vec<Event>> = vec![Vec::new(), Vec::new()];
         for step in 0..200 {
-            sched.step(&mut family, t0);
+            sched.tick(&mut family, t0);
             // The slow reader reads nothing for 40 steps, then everything.
             for (k, rx) in rxs.iter().enumerate() {
                 if k == 1 || step > 40 {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Engine, EngineConfig, EngineError, Event, EventSink, Family, FamilyError, FinishReason,
-    Prepared, RequestId, SinkError, Stats, Submission,
+    Active, Demand, Engine, EngineConfig, EngineError, Event, EventSink, Family, FamilyError,
+    FinishReason, Group, Planned, Prepared, RequestId, SinkError, SlotId, Stats, Submission,
 };
 
 /// Emits one token per tick until `len` tokens, or fails at tick `fail_at`.
@@ -26,37 +26,70 @@ struct FakeFamily {
     max_batch: usize,
     fail_whole_tick_at: Option<u64>,
     ticks: u64,
+    /// Slots of the programs planned this tick.
+    seen: HashSet<SlotId>,
+}
+
+fn injected(what: &str) -> std::io::Error {
+    std::io::Error::other(format!("injected {what}"))
 }
 
 impl Family for FakeFamily {
     type Program = Countdown;
-    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), FamilyError> {
+    type Plan = usize;
+    type Output = u32;
+
+    fn demand(&self, _a: &Active<Countdown>) -> Demand {
+        Demand::Whole(1)
+    }
+
+    fn plan(
+        &mut self,
+        a: &mut Active<Countdown>,
+        _rows: usize,
+    ) -> Result<Option<usize>, FamilyError> {
+        for s in &a.slots {
+            assert!(
+                self.seen.insert(*s),
+                "slot {s} shared by two programs in one tick"
+            );
+        }
+        Ok(Some(a.program.emitted))
+    }
+
+    fn run(&mut self, work: &mut [Planned<'_, Countdown, usize>]) -> Vec<Group<u32>> {
         self.ticks += 1;
-        self.max_batch = self.max_batch.max(batch.len());
-        let mut seen = HashSet::new();
-        for a in batch.iter() {
-            for s in &a.slots {
-                assert!(
-                    seen.insert(*s),
-                    "slot {s} shared by two programs in one tick"
-                );
-            }
-        }
+        self.seen.clear();
+        self.max_batch = self.max_batch.max(work.len());
         if self.fail_whole_tick_at == Some(self.ticks) {
-            return Err(FamilyError::Forward("injected device failure".into()));
+            return vec![Group::all(
+                work.len(),
+                Err(FamilyError::forward(injected("device failure"))),
+            )];
         }
-        for a in batch.iter_mut() {
-            let p = &mut a.program;
-            if p.fail_at == Some(p.emitted) {
-                a.outbox
-                    .fail(FamilyError::commit("countdown", "injected program failure"));
-                continue;
-            }
-            a.outbox.tokens(vec![p.emitted as u32]);
-            p.emitted += 1;
-            if p.emitted >= p.len {
-                a.outbox.finish(FinishReason::Length, Stats::default());
-            }
+        vec![Group::all(
+            work.len(),
+            Ok(work.iter().map(|w| w.plan as u32).collect()),
+        )]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<Countdown>,
+        _plan: usize,
+        token: u32,
+    ) -> Result<(), FamilyError> {
+        let p = &mut a.program;
+        if p.fail_at == Some(p.emitted) {
+            return Err(FamilyError::commit(
+                "countdown",
+                injected("program failure"),
+            ));
+        }
+        a.outbox.tokens(vec![token]);
+        p.emitted += 1;
+        if p.emitted >= p.len {
+            a.outbox.finish(FinishReason::Length, Stats::default());
         }
         Ok(())
     }
@@ -229,7 +262,7 @@ proptest! {
             for (r, _, closed) in &handles {
                 if r.cancel_at_tick == Some(tick) { closed.store(true, Ordering::Release); }
             }
-            sched.step(&mut fam, now);
+            sched.tick(&mut fam, now);
             prop_assert!(sched.pool().used() <= total);
             tick += 1;
             if tick > 12 && sched.is_idle() { break; }
@@ -277,7 +310,7 @@ fn a_place_is_free_before_the_final_event_is_sent() {
     );
     // One step: request 1 runs its only token, ends, and its final event goes out; nothing
     // publishes the engine's load here (the engine thread does that after the step).
-    sched.step(&mut fam, Instant::now());
+    sched.tick(&mut fam, Instant::now());
     assert!(
         sched.enqueue(mk(3, 1)).is_ok(),
         "the place request 1 left takes the next request at once"
@@ -294,7 +327,7 @@ fn a_full_queue_first_drops_waiting_requests_whose_caller_left_or_whose_deadline
     assert!(sched
         .enqueue(waiting(1, countdown(1000, 1), sink(4).0))
         .is_ok());
-    sched.step(&mut fam, Instant::now());
+    sched.tick(&mut fam, Instant::now());
     let (gone, _gone_rx, gone_closed) = sink(4);
     let (late, late_rx, _late_closed) = sink(4);
     assert!(sched.enqueue(waiting(2, countdown(1, 1), gone)).is_ok());
@@ -336,7 +369,7 @@ fn a_slow_reader_pauses_only_itself() {
         assert!(sched.enqueue(w).is_ok());
     }
     for _ in 0..8 {
-        sched.step(&mut fam, Instant::now());
+        sched.tick(&mut fam, Instant::now());
     }
     // The fast request finished; the slow one is paused with one event buffered.
     let fast_events: Vec<_> = fast_rx.try_iter().collect();
@@ -346,7 +379,7 @@ fn a_slow_reader_pauses_only_itself() {
     let mut slow_events = Vec::new();
     for _ in 0..20 {
         slow_events.extend(slow_rx.try_iter());
-        sched.step(&mut fam, Instant::now());
+        sched.tick(&mut fam, Instant::now());
     }
     slow_events.extend(slow_rx.try_iter());
     let tokens: Vec<u32> = slow_events
@@ -380,10 +413,10 @@ fn a_stop_from_the_transport_finishes_the_request_with_its_stats_and_frees_its_s
         .enqueue(waiting(1, countdown(100, 2), Box::new(sink)))
         .is_ok());
     for _ in 0..3 {
-        sched.step(&mut fam, Instant::now());
+        sched.tick(&mut fam, Instant::now());
     }
     stop.store(true, Ordering::Release);
-    let report = sched.step(&mut fam, Instant::now());
+    let report = sched.tick(&mut fam, Instant::now());
     // Finished, not cancelled; not ticked again; its slots are back.
     assert_eq!(
         (report.finished, report.cancelled, report.ticked),
@@ -409,8 +442,12 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
         queue_capacity: 4,
         max_active: 8,
         watermark_slots: 0,
+        max_batch_rows: None,
     };
-    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    let handle = Engine::start(cfg, || {
+        Ok::<_, std::convert::Infallible>(FakeFamily::default())
+    })
+    .expect("engine starts");
     let (s, rx, _closed) = sink(64);
     let prepared = countdown(3, 2);
     handle.submit(submission(prepared, s, None)).unwrap();
@@ -468,8 +505,12 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
         queue_capacity: 4,
         max_active: 4,
         watermark_slots: 0,
+        max_batch_rows: None,
     };
-    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    let handle = Engine::start(cfg, || {
+        Ok::<_, std::convert::Infallible>(FakeFamily::default())
+    })
+    .expect("engine starts");
     let (s, rx, _closed) = sink(1_000_000);
     let prepared = countdown(usize::MAX, 3);
     let deadline = Some(Instant::now() + Duration::from_millis(50));
@@ -498,8 +539,12 @@ fn load_never_hides_a_submitted_request() {
         queue_capacity: 64,
         max_active: 1,
         watermark_slots: 0,
+        max_batch_rows: None,
     };
-    let handle = Engine::start(cfg, || Ok(FakeFamily::default())).expect("engine starts");
+    let handle = Engine::start(cfg, || {
+        Ok::<_, std::convert::Infallible>(FakeFamily::default())
+    })
+    .expect("engine starts");
     for round in 0..200u32 {
         let (s, rx, _closed) = sink(64);
         let len = 1 + (round as usize % 3);
@@ -531,12 +576,34 @@ struct GatedFamily {
 
 impl Family for GatedFamily {
     type Program = Countdown;
-    fn tick(&mut self, batch: &mut [&mut Active<Countdown>]) -> Result<(), FamilyError> {
+    type Plan = ();
+    type Output = ();
+
+    fn demand(&self, _a: &Active<Countdown>) -> Demand {
+        Demand::Whole(1)
+    }
+
+    fn plan(
+        &mut self,
+        _a: &mut Active<Countdown>,
+        _rows: usize,
+    ) -> Result<Option<()>, FamilyError> {
+        Ok(Some(()))
+    }
+
+    fn run(&mut self, work: &mut [Planned<'_, Countdown, ()>]) -> Vec<Group<()>> {
         let _ = self.entered.try_send(());
         let _ = self.go.recv();
-        for a in batch.iter_mut() {
-            a.outbox.finish(FinishReason::Length, Stats::default());
-        }
+        vec![Group::all(work.len(), Ok(vec![(); work.len()]))]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<Countdown>,
+        _plan: (),
+        _out: (),
+    ) -> Result<(), FamilyError> {
+        a.outbox.finish(FinishReason::Length, Stats::default());
         Ok(())
     }
 }
@@ -548,11 +615,12 @@ fn callers_that_left_do_not_hold_queue_places_while_the_engine_is_busy() {
         queue_capacity: 2,
         max_active: 1,
         watermark_slots: 0,
+        max_batch_rows: None,
     };
     let (entered_tx, entered) = mpsc::sync_channel(8);
     let (go, go_rx) = mpsc::sync_channel(8);
     let handle = Engine::start(cfg, move || {
-        Ok(GatedFamily {
+        Ok::<_, std::convert::Infallible>(GatedFamily {
             entered: entered_tx,
             go: go_rx,
         })

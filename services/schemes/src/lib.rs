@@ -22,16 +22,17 @@ pub mod error;
 mod kv_slot;
 pub mod masked_diffusion;
 pub mod migrate;
+mod packing;
 mod paging;
 pub mod recurrent_depth;
 pub mod recurrent_memory;
+pub mod registry;
 pub mod request;
 pub mod sampling;
 pub mod served;
 pub mod slot_diffusion;
 #[cfg(test)]
 mod test_support;
-pub mod tick;
 
 pub use error::SchemeError;
 pub use request::{

@@ -13,6 +13,9 @@
 use std::borrow::Borrow;
 
 use candle_core::Device;
+use wavefront_engine::Phase;
+
+use crate::SchemeError;
 use rand::SeedableRng;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -67,18 +70,25 @@ pub(crate) fn export<P: Serialize>(
     program: &P,
     family: &'static str,
 ) -> Result<Vec<u8>, wavefront_engine::FamilyError> {
-    encode(program).map_err(|e| wavefront_engine::FamilyError::commit(family, e))
+    encode(program).map_err(|e| wavefront_engine::FamilyError::program(family, Phase::Export, e))
 }
 
 /// A program's bytes.
-pub fn encode<T: Serialize>(program: &T) -> Result<Vec<u8>, String> {
-    postcard::to_stdvec(program).map_err(|e| format!("cannot encode the request's state: {e}"))
+pub fn encode<T: Serialize>(program: &T) -> Result<Vec<u8>, SchemeError> {
+    postcard::to_stdvec(program).map_err(|source| SchemeError::State {
+        what: "cannot encode",
+        source,
+    })
 }
 
 /// A program from its bytes; host pages in it go back to `device` when it resumes.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8], device: &Device) -> Result<T, String> {
-    wavefront_models::state::with_target(device, || postcard::from_bytes(bytes))
-        .map_err(|e| format!("malformed request state: {e}"))
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], device: &Device) -> Result<T, SchemeError> {
+    wavefront_models::state::with_target(device, || postcard::from_bytes(bytes)).map_err(|source| {
+        SchemeError::State {
+            what: "malformed",
+            source,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -95,7 +105,7 @@ mod tests {
     }
 
     #[test]
-    fn a_generator_moved_mid_sequence_continues_the_same_sequence() -> Result<(), String> {
+    fn a_generator_moved_mid_sequence_continues_the_same_sequence() -> Result<(), SchemeError> {
         let mut a = request_rng(7);
         let mut b = Box::new(request_rng(9));
         // An odd number of 32-bit draws: the position is mid-block and mid-word pair.

@@ -43,8 +43,12 @@ pub trait Planner: Send + Sync + 'static {
     fn info(&self) -> &ModelInfo;
     fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<Self::Program>, RequestError>;
     /// Turns prompt text into ids the way the model's reference code does.
-    fn encode_prompt(&self, tokenizer: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
-        tokenizer.encode(text, true).map_err(|e| e.to_string())
+    fn encode_prompt(
+        &self,
+        tokenizer: &TextTokenizer,
+        text: &str,
+    ) -> Result<Vec<u32>, SchemeError> {
+        Ok(tokenizer.encode(text, true)?)
     }
 }
 
@@ -53,13 +57,13 @@ pub trait ServedModel: Send + Sync {
     fn info(&self) -> &ModelInfo;
     fn tokenizer(&self) -> Option<&TextTokenizer>;
     /// Prompt text to ids (the family's convention for special tokens).
-    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String>;
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError>;
     /// A conversation to ids through the model's chat template.
-    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        self.tokenizer()
-            .ok_or("this model has no tokenizer; send token ids")?
-            .encode_chat(messages)
-            .map_err(|e| e.to_string())
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, SchemeError> {
+        Ok(self
+            .tokenizer()
+            .ok_or_else(no_tokenizer)?
+            .encode_chat(messages)?)
     }
     /// The fewest tokens a text prompt of `text_bytes` bytes can become, known without
     /// tokenizing it (0 without a tokenizer).
@@ -89,8 +93,10 @@ pub trait ServedModel: Send + Sync {
     /// the checkpoint's fingerprint and the settings that shape the state and its numerics
     /// (dtype, weight storage, attention path, tensor parallelism, page size, device kind).
     /// Waits for the fingerprint on first use (it reads every weight byte once).
-    fn migration_key(&self) -> Result<String, String> {
-        Err("this model cannot move requests between workers".into())
+    fn migration_key(&self) -> Result<String, SchemeError> {
+        Err(SchemeError::Unsupported(
+            "this model cannot move requests between workers".into(),
+        ))
     }
 
     /// Stops running request `id` at its next step boundary and exports its state
@@ -138,7 +144,7 @@ pub struct Fingerprint(Option<Arc<FingerprintJob>>);
 
 struct FingerprintJob {
     value: OnceLock<Result<String, String>>,
-    job: Mutex<Option<std::thread::JoinHandle<Result<String, String>>>>,
+    job: Mutex<Option<std::thread::JoinHandle<Result<String, ModelError>>>>,
 }
 
 impl std::fmt::Debug for Fingerprint {
@@ -158,7 +164,7 @@ impl Fingerprint {
         let files = files.clone();
         let job = std::thread::Builder::new()
             .name("wavefront-fingerprint".into())
-            .spawn(move || files.fingerprint().map_err(|e| e.to_string()));
+            .spawn(move || files.fingerprint());
         let (value, job) = match job {
             Ok(h) => (OnceLock::new(), Some(h)),
             Err(e) => (OnceLock::from(Err(e.to_string())), None),
@@ -179,11 +185,10 @@ impl Fingerprint {
     }
 
     /// The fingerprint, waiting for it if it is still being computed.
-    pub fn get(&self) -> Result<String, String> {
-        let job = self
-            .0
-            .as_ref()
-            .ok_or("this model was not loaded from a checkpoint; it has no fingerprint")?;
+    pub fn get(&self) -> Result<String, SchemeError> {
+        let job = self.0.as_ref().ok_or_else(|| {
+            SchemeError::Fingerprint("this model was not loaded from a checkpoint".into())
+        })?;
         job.value
             .get_or_init(|| {
                 let handle = job
@@ -192,25 +197,30 @@ impl Fingerprint {
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take();
                 match handle.map(|h| h.join()) {
-                    Some(Ok(r)) => r,
+                    Some(Ok(r)) => r.map_err(|e| e.to_string()),
                     _ => Err("the fingerprint computation failed".into()),
                 }
             })
             .clone()
+            .map_err(SchemeError::Fingerprint)
     }
 }
 
 /// Refuses, before tokenizing, a text of `bytes` bytes that must become more tokens than a
 /// context of `max_context` holds.
-fn too_long(tok: &TextTokenizer, bytes: usize, max_context: usize) -> Result<(), String> {
+fn too_long(tok: &TextTokenizer, bytes: usize, max_context: usize) -> Result<(), SchemeError> {
     let at_least = tok.min_tokens(bytes);
     if at_least > max_context {
-        return Err(format!(
+        return Err(SchemeError::Prompt(format!(
             "the prompt's {bytes} bytes make at least {at_least} tokens, more than the \
              {max_context} this model accepts (prompt plus max_new_tokens); shorten it"
-        ));
+        )));
     }
     Ok(())
+}
+
+fn no_tokenizer() -> SchemeError {
+    SchemeError::Prompt("this model has no tokenizer; send token ids".into())
 }
 
 /// The generic [`ServedModel`]: a planner plus the engine running its family.
@@ -268,23 +278,17 @@ impl<P: Planner> ServedModel for Served<P> {
         self.tokenizer.as_ref()
     }
 
-    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String> {
-        let tok = self
-            .tokenizer
-            .as_ref()
-            .ok_or("this model has no tokenizer; send token ids")?;
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
         too_long(tok, text.len(), self.info().max_context)?;
         self.planner.encode_prompt(tok, text)
     }
 
-    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        let tok = self
-            .tokenizer
-            .as_ref()
-            .ok_or("this model has no tokenizer; send token ids")?;
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, SchemeError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
         let bytes = messages.iter().map(|m| m.content.len()).sum();
         too_long(tok, bytes, self.info().max_context)?;
-        tok.encode_chat(messages).map_err(|e| e.to_string())
+        Ok(tok.encode_chat(messages)?)
     }
 
     fn decode(&self, ids: &[u32]) -> String {
@@ -322,7 +326,7 @@ impl<P: Planner> ServedModel for Served<P> {
         self.handle.shutdown();
     }
 
-    fn migration_key(&self) -> Result<String, String> {
+    fn migration_key(&self) -> Result<String, SchemeError> {
         Ok(format!("{};{}", self.fingerprint.get()?, self.settings))
     }
 
@@ -348,7 +352,7 @@ impl<P: Planner> ServedModel for Served<P> {
         span: tracing::Span,
     ) -> Result<RequestId, EngineError> {
         let program: P::Program = crate::migrate::decode(state, &self.device)
-            .map_err(|e| EngineError::Invalid(RequestError::InvalidArgument(e)))?;
+            .map_err(|e| EngineError::Invalid(RequestError::InvalidArgument(e.to_string())))?;
         self.handle.submit(Submission {
             prepared: Prepared::imported(program, carried),
             sink,
@@ -516,7 +520,7 @@ pub(crate) fn start_served<P, F, M>(
 where
     P: Planner,
     F: Family<Program = P::Program>,
-    M: FnOnce(&Device, DType) -> Result<F, String> + Send + 'static,
+    M: FnOnce(&Device, DType) -> Result<F, SchemeError> + Send + 'static,
 {
     let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
         .unwrap_or(usize::MAX)
@@ -532,6 +536,7 @@ where
         queue_capacity: opts.queue_capacity,
         max_active: opts.max_active,
         watermark_slots: total_slots * watermark_permille / 1000,
+        max_batch_rows: opts.max_batch_rows,
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);
     tracing::info!(
@@ -542,8 +547,7 @@ where
         ?dtype,
         "starting engine"
     );
-    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))
-        .map_err(SchemeError::Engine)?;
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))?;
     Ok(Arc::new(
         Served::new(planner, handle, tokenizer).movable(opts.fingerprint.clone(), opts),
     ))
@@ -558,18 +562,16 @@ pub(crate) fn checkpoint_loader<C, M>(
     cfg: C,
     opts: &LoadOptions,
     load_parallel: fn(VarBuilder<'static>, C, &TensorParallel) -> Result<M, ModelError>,
-) -> impl FnOnce(&Device, DType) -> Result<M, String> + Send + 'static
+) -> impl FnOnce(&Device, DType) -> Result<M, SchemeError> + Send + 'static
 where
     C: Send + 'static,
     M: 'static,
 {
     let (world, kind) = (opts.tensor_parallel, opts.collective);
     move |device, dtype| {
-        let tp = TensorParallel::for_device(kind, world, device).map_err(|e| e.to_string())?;
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        load_parallel(vb, cfg, &tp).map_err(|e| e.to_string())
+        let tp = TensorParallel::for_device(kind, world, device)?;
+        let vb = files.var_builder(dtype, device)?;
+        Ok(load_parallel(vb, cfg, &tp)?)
     }
 }
 
@@ -585,27 +587,23 @@ pub(crate) fn checked_family<C, M, F, L>(
     load: L,
     config_of: fn(&M) -> &C,
     wrap: fn(M) -> F,
-) -> impl FnOnce(&Device, DType) -> Result<F, String> + Send + 'static
+) -> impl FnOnce(&Device, DType) -> Result<F, SchemeError> + Send + 'static
 where
     C: PartialEq + Send + 'static,
     M: SelectAttention + StoreWeights + 'static,
     F: 'static,
-    L: FnOnce(&Device, DType) -> Result<M, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<M, SchemeError> + Send + 'static,
 {
     let (attention, weight_dtype) = (opts.attention, opts.weight_dtype);
     move |device, dtype| {
         let mut model = load(device, dtype)?;
         if config_of(&model) != &cfg {
-            return Err(
+            return Err(SchemeError::InvalidOption(
                 "the loaded model's config differs from the one requests are planned with".into(),
-            );
+            ));
         }
-        model
-            .select_attention(attention)
-            .map_err(|e| e.to_string())?;
-        model
-            .store_weights(weight_dtype)
-            .map_err(|e| e.to_string())?;
+        model.select_attention(attention)?;
+        model.store_weights(weight_dtype)?;
         Ok(wrap(model))
     }
 }

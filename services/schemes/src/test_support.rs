@@ -10,14 +10,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use wavefront_engine::{
-    CanvasFrame, EngineError, Event, EventSink, FinishReason, Outbox, RequestError, SinkError,
-    Stats,
+    CanvasFrame, EngineError, Event, EventSink, Family, FinishReason, RequestError, SinkError,
+    Standalone, Stats,
 };
 use wavefront_models::ModelFiles;
 
 use crate::request::{GenerateSpec, SchemeParams};
 use crate::served::{load_model, LoadOptions, Planner, ServedModel};
-use crate::tick::Entry;
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path), `stop` is a transport's stop
@@ -298,32 +297,20 @@ pub fn wait_for_free_slots(served: &dyn ServedModel, within: Duration) -> Result
     Ok(())
 }
 
-/// Runs `programs` packed into the same ticks until every one is done, each with its own outbox:
-/// `tick` runs one tick of the entries of the programs still running. Returns how many ticks
-/// each program was part of; fails after 10 000 ticks.
-pub fn tick_until_done<P>(
-    programs: &mut [P],
-    mut tick: impl FnMut(&mut [Entry<'_, P>]) -> candle_core::Result<()>,
-) -> Result<Vec<usize>> {
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
-    let mut ticks = vec![0; programs.len()];
-    for _ in 0..10_000 {
-        let mut batch: Vec<Entry<'_, P>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .zip(ticks.iter_mut())
-            .filter(|((_, o), _)| !o.is_done())
-            .map(|((program, outbox), t)| {
-                *t += 1;
-                Entry { program, outbox }
-            })
-            .collect();
-        if batch.is_empty() {
-            return Ok(ticks);
-        }
-        tick(&mut batch)?;
+/// Runs `programs` packed into the same ticks of `family` until every one is done, through the
+/// engine's own plan → run → commit ([`Standalone`]: slots granted as the programs grow, no
+/// admission or preemption); the programs are moved in and back out. Returns the family and how
+/// many ticks each program was part of; fails after 10 000 ticks.
+pub fn run_to_end<F: Family>(family: F, programs: &mut Vec<F::Program>) -> Result<(F, Vec<usize>)> {
+    let mut driver = Standalone::new(family);
+    for p in programs.drain(..) {
+        driver.add(p);
     }
-    bail!("programs did not finish")
+    let ticks = driver.run_until_done(10_000);
+    let (family, back) = driver.into_parts();
+    programs.extend(back);
+    let ticks = ticks?;
+    Ok((family, ticks.into_iter().map(|t| t as usize).collect()))
 }
 
 /// Loads `files` with `opts`, submits every request at once and collects their outcomes.

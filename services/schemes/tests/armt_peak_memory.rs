@@ -22,6 +22,7 @@ use wavefront_models::armt::{Armt, ArmtConfig};
 use wavefront_models::candle_core::{DType, Device, Tensor};
 use wavefront_models::candle_nn::VarBuilder;
 use wavefront_schemes::recurrent_memory::serve_model;
+use wavefront_schemes::SchemeError;
 use wavefront_schemes::{
     ArParams, Execution, GenerateSpec, LoadOptions, SamplingParams, SchemeParams, ServedModel,
 };
@@ -91,7 +92,7 @@ fn config() -> Result<ArmtConfig> {
 
 /// Random weights in the upstream checkpoint layout (uniform, scaled by 1 / sqrt(fan-in); norm
 /// weights 1).
-fn load(cfg: &ArmtConfig, device: &Device, dtype: DType) -> Result<Armt, String> {
+fn load(cfg: &ArmtConfig, device: &Device, dtype: DType) -> Result<Armt, SchemeError> {
     let mut rng = StdRng::seed_from_u64(5);
     let mut tensors = HashMap::new();
     for (name, shape) in cfg.checkpoint_tensors() {
@@ -107,14 +108,13 @@ fn load(cfg: &ArmtConfig, device: &Device, dtype: DType) -> Result<Armt, String>
             };
             (0..n).map(|_| rng.random_range(-scale..scale)).collect()
         };
-        let t = Tensor::from_vec(data, shape, device).map_err(|e| e.to_string())?;
+        let t = Tensor::from_vec(data, shape, device)?;
         tensors.insert(name, t);
     }
-    Armt::load(
+    Ok(Armt::load(
         VarBuilder::from_tensors(tensors, dtype, device),
         cfg.clone(),
-    )
-    .map_err(|e| e.to_string())
+    )?)
 }
 
 /// Runs one request of `len` tokens; returns the peak bytes allocated above the baseline.

@@ -85,7 +85,7 @@ async fn key_of(model: &Arc<dyn wavefront_schemes::ServedModel>) -> Result<Strin
     tokio::task::spawn_blocking(move || m.migration_key())
         .await
         .map_err(|e| Status::internal(format!("migration key: {e}")))?
-        .map_err(Status::failed_precondition)
+        .map_err(|e| crate::status::from_scheme_error(&e))
 }
 
 /// `ExportRequest`.

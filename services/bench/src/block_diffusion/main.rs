@@ -114,10 +114,7 @@ fn main() -> Result<()> {
         cfg,
         None,
         opts,
-        move |device, dtype| {
-            synthetic::random_model(&model_cfg, seed, head, device, dtype)
-                .map_err(|e| e.to_string())
-        },
+        move |device, dtype| synthetic::random_model(&model_cfg, seed, head, device, dtype),
         None,
         None,
     )?;

@@ -89,9 +89,7 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                     cfg.clone(),
                     None,
                     opts("synthetic-huginn")?,
-                    move |device, dtype| {
-                        huginn::random_model(&c, seed, device, dtype).map_err(|e| e.to_string())
-                    },
+                    move |device, dtype| huginn::random_model(&c, seed, device, dtype),
                 )?)
             })?;
             let scheme = if name == "huginn-ar" {
@@ -120,10 +118,7 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                     cfg.clone(),
                     None,
                     opts("synthetic-llada")?,
-                    move |device, dtype| {
-                        llada::random_model(&c, seed, 3.0, 24.0, device, dtype)
-                            .map_err(|e| e.to_string())
-                    },
+                    move |device, dtype| llada::random_model(&c, seed, 3.0, 24.0, device, dtype),
                 )?)
             })?;
             let surelock = (name == "llada-surelock").then_some(SureLockParams {
@@ -158,9 +153,7 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                     cfg.clone(),
                     None,
                     opts("synthetic-armt")?,
-                    move |device, dtype| {
-                        armt::random_model(&c, seed, device, dtype).map_err(|e| e.to_string())
-                    },
+                    move |device, dtype| armt::random_model(&c, seed, device, dtype),
                 )?)
             })?;
             let scheme = SchemeParams::Ar(ArParams {
@@ -189,7 +182,6 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                     opts("synthetic-refusion")?,
                     move |device, dtype| {
                         qwen3::random_model(&c, seed, 1.0, 24.0, 0.0, device, dtype)
-                            .map_err(|e| e.to_string())
                     },
                 )?)
             })?;
@@ -221,10 +213,7 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                     cfg.clone(),
                     None,
                     opts("synthetic-llada2")?,
-                    move |device, dtype| {
-                        llada2::random_model(&c, seed, 24.0, device, dtype)
-                            .map_err(|e| e.to_string())
-                    },
+                    move |device, dtype| llada2::random_model(&c, seed, 24.0, device, dtype),
                     None,
                     None,
                 )?)

@@ -208,7 +208,6 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                     opts,
                     move |device, dtype| {
                         qwen3::random_model(&c, seed, 1.0, 1.0, 0.0, device, dtype)
-                            .map_err(|e| e.to_string())
                     },
                 )?)
             });
@@ -239,9 +238,7 @@ fn family(a: &Args, name: &str) -> Result<(Loader, usize, SchemeParams, u64)> {
                     cfg.clone(),
                     None,
                     opts,
-                    move |device, dtype| {
-                        huginn::random_model(&c, seed, device, dtype).map_err(|e| e.to_string())
-                    },
+                    move |device, dtype| huginn::random_model(&c, seed, device, dtype),
                 )?)
             });
             Ok((

@@ -127,9 +127,7 @@ fn models(a: &Args) -> Result<Served> {
                 fingerprint: Fingerprint::given(format!("synthetic-huginn-{seed}")),
                 ..a.target.load_options("synthetic-huginn")?
             },
-            move |device, dtype| {
-                huginn::random_model(&c, seed, device, dtype).map_err(|e| e.to_string())
-            },
+            move |device, dtype| huginn::random_model(&c, seed, device, dtype),
         )?)
     };
     Ok(Served {

@@ -108,7 +108,7 @@ fn main() -> Result<()> {
     let (model_cfg, seed) = (cfg.clone(), a.seed);
     eprintln!("building the synthetic model ({shape:?})");
     let served = serve_model(cfg, None, opts, move |device, dtype| {
-        synthetic::random_model(&model_cfg, seed, device, dtype).map_err(|e| e.to_string())
+        synthetic::random_model(&model_cfg, seed, device, dtype)
     })?;
 
     // Warm up both paths (allocator, thread pool) with a short context.

@@ -131,7 +131,6 @@ fn main() -> Result<()> {
     let model_cfg = cfg.clone();
     let served = serve_model(cfg, None, opts, move |device, dtype| {
         synthetic::random_model(&model_cfg, seed, qk, head, consensus, device, dtype)
-            .map_err(|e| e.to_string())
     })?;
 
     // Warm up (allocator, kernels) with one short request of each scheme.

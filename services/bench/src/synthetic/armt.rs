@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::armt::{Armt, ArmtConfig};
 use wavefront_models::candle_core::{DType, Device};
+use wavefront_schemes::SchemeError;
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -70,7 +71,7 @@ pub fn random_model(
     seed: u64,
     device: &Device,
     dtype: DType,
-) -> anyhow::Result<Armt> {
+) -> Result<Armt, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
         let n = shape.iter().product();

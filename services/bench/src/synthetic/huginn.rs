@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Huginn, HuginnConfig};
+use wavefront_schemes::SchemeError;
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -64,7 +65,7 @@ pub fn random_model(
     seed: u64,
     device: &Device,
     dtype: DType,
-) -> anyhow::Result<Huginn> {
+) -> Result<Huginn, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let std = cfg.init_values.std;
     let depth = cfg.n_layers_in_prelude

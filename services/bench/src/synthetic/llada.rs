@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Llada, LladaConfig};
+use wavefront_schemes::SchemeError;
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -120,7 +121,7 @@ pub fn random_model(
     head_scale: f64,
     device: &Device,
     dtype: DType,
-) -> anyhow::Result<Llada> {
+) -> Result<Llada, SchemeError> {
     let vb = var_builder(
         cfg.checkpoint_tensors(),
         device,

@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Llada2, Llada2Config};
+use wavefront_schemes::SchemeError;
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -72,7 +73,7 @@ pub fn random_model(
     head_scale: f64,
     device: &Device,
     dtype: DType,
-) -> anyhow::Result<Llada2> {
+) -> Result<Llada2, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
         let n: usize = shape.iter().product();

@@ -13,6 +13,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::{Qwen3, Qwen3Config};
+use wavefront_schemes::SchemeError;
 
 /// Sizes of the synthetic model.
 #[derive(Debug, Clone)]
@@ -78,7 +79,7 @@ pub fn random_model(
     consensus: f64,
     device: &Device,
     dtype: DType,
-) -> anyhow::Result<Qwen3> {
+) -> Result<Qwen3, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let d = cfg.hidden_size as f64;
     let a = (3.0 / d).sqrt() as f32;

@@ -87,7 +87,8 @@ pub struct ForwardOutput {
     pub steps: usize,
 }
 
-/// A loaded ARMT.
+/// A loaded ARMT. A clone shares the weights and the slot pools of memories and streams.
+#[derive(Clone)]
 pub struct Armt {
     cfg: ArmtConfig,
     /// `embed_tokens` and `lm_head` (one weight when tied).

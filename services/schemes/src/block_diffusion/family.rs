@@ -5,74 +5,46 @@
 //! ids of the family's pool, which holds the finished blocks' K/V.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_engine::{
+    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Planned, SlotId,
+};
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::Llada2;
 
 use super::program::{BdPlan, BdProgram};
+use crate::masked_diffusion::FAMILY;
+use crate::packing::head_rows;
 use crate::paging;
-use crate::tick::{entries, head_rows, to_candle};
+use crate::SchemeError;
 
-pub type Entry<'a> = crate::tick::Entry<'a, BdProgram>;
-
-/// Runs one step of every program in `batch` in one packed forward; returns the rows computed.
-/// Under a row budget (`max_batch_rows`), a step whose uncached prompt blocks do not fit runs a
-/// chunk of whole prompt blocks instead (see [`BdPlan`]), the others' steps whole.
-pub fn tick(
+/// Runs every plan of `work` in one packed forward and one head call over the masked rows of
+/// every current block; returns each plan's logits `[logit_rows, vocab]` in float32.
+pub(crate) fn run(
     model: &Llada2,
-    batch: &mut [Entry<'_>],
-    max_batch_rows: Option<usize>,
-) -> candle_core::Result<usize> {
-    if batch.is_empty() {
-        return Ok(0);
-    }
-    // Steps with uncached blocks before the current one are prefills that may be chunked.
-    let rows: Vec<(usize, usize)> = batch.iter().map(|e| e.program.step_rows()).collect();
-    let fixed: usize = rows.iter().filter(|r| r.0 == 0).map(|r| r.1).sum();
-    let prefills: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].0 > 0).collect();
-    let wants: Vec<usize> = prefills.iter().map(|&i| rows[i].0 + rows[i].1).collect();
-    let takes = crate::tick::prefill_rows(max_batch_rows, fixed, &wants);
-    let mut plans: Vec<Option<BdPlan>> = batch
+    work: &mut [Planned<'_, BdProgram, BdPlan>],
+) -> Result<Vec<Tensor>, SchemeError> {
+    let ids: Vec<u32> = work
         .iter()
-        .map(|e| (e.program.step_rows().0 == 0).then(|| e.program.plan()))
+        .flat_map(|w| w.plan.ids.iter().copied())
         .collect();
-    for ((&i, &want), take) in prefills.iter().zip(&wants).zip(takes) {
-        let p = &batch[i].program;
-        let block = rows[i].1;
-        plans[i] = if take >= want {
-            Some(p.plan())
-        } else if take > 0 {
-            // Whole blocks, at least one (a forced single row becomes one block).
-            Some(p.plan_chunk(take.max(block)))
-        } else {
-            None
-        };
-    }
-    let mut batch: Vec<&mut Entry<'_>> = batch
-        .iter_mut()
-        .zip(&plans)
-        .filter(|(_, p)| p.is_some())
-        .map(|(e, _)| e)
-        .collect();
-    let plans: Vec<BdPlan> = plans.into_iter().flatten().collect();
-    let ids: Vec<u32> = plans.iter().flat_map(|p| p.ids.iter().copied()).collect();
     let hidden = {
-        let mut seqs = Vec::with_capacity(plans.len());
-        for (e, p) in batch.iter_mut().zip(&plans) {
-            seqs.push(e.program.sequence(p));
+        let mut seqs = Vec::with_capacity(work.len());
+        for w in work.iter_mut() {
+            seqs.push(w.program.sequence(&w.plan));
         }
-        model.forward(&ids, &mut seqs).map_err(to_candle)?
+        model.forward(&ids, &mut seqs)?
     };
     let mut select = Vec::new();
     let mut offset = 0;
-    for p in &plans {
-        select.extend(p.logit_rows.iter().map(|&r| (offset + r) as u32));
-        offset += p.ids.len();
+    for w in work.iter() {
+        select.extend(w.plan.logit_rows.iter().map(|&r| (offset + r) as u32));
+        offset += w.plan.ids.len();
     }
     let logits = head_rows(&hidden, &select, |rows| model.logits(rows))?;
     let mut at = 0;
-    for (e, p) in batch.iter_mut().zip(&plans) {
-        let k = p.logit_rows.len();
+    let mut outputs = Vec::with_capacity(work.len());
+    for w in work.iter() {
+        let k = w.plan.logit_rows.len();
         let mine = match &logits {
             Some(l) if k > 0 => l.narrow(0, at, k)?,
             _ => Tensor::zeros(
@@ -82,19 +54,15 @@ pub fn tick(
             )?,
         };
         at += k;
-        if let Err(err) = e.program.commit(p, &mine, e.outbox) {
-            e.outbox.fail(FamilyError::commit("block-diffusion", err));
-        }
+        outputs.push(mine);
     }
-    Ok(ids.len())
+    Ok(outputs)
 }
 
 /// The family: owns the model and the page pool of its requests' caches on the engine thread.
 pub struct BlockDiffusionFamily {
     model: Llada2,
     pool: KvPool,
-    max_batch_rows: Option<usize>,
-    last_rows: Option<usize>,
 }
 
 impl BlockDiffusionFamily {
@@ -102,15 +70,11 @@ impl BlockDiffusionFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
-            max_batch_rows: None,
-            last_rows: None,
         }
     }
 
-    /// Caps the rows of a tick: prompts prefill in chunks of whole blocks.
-    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
-        self.max_batch_rows = rows;
-        self
+    pub fn model(&self) -> &Llada2 {
+        &self.model
     }
 
     /// Pages of `page` buffer rows (the planner's page size).
@@ -136,24 +100,59 @@ impl paging::OneCache for BdProgram {
 
 impl Family for BlockDiffusionFamily {
     type Program = BdProgram;
+    type Plan = BdPlan;
+    type Output = Tensor;
 
     fn export(&mut self, a: &mut Active<BdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, "block-diffusion")
+        crate::migrate::export(&a.program, FAMILY)
     }
 
-    fn tick(&mut self, batch: &mut [&mut Active<BdProgram>]) -> Result<(), FamilyError> {
-        for a in batch.iter_mut() {
-            paging::bind_one(a, &self.pool);
+    /// A step with uncached blocks before the current one is a prefill that may run in chunks of
+    /// whole blocks; every other step runs its block whole.
+    fn demand(&self, a: &Active<BdProgram>) -> Demand {
+        let p = &a.program;
+        if p.is_done() {
+            return Demand::Idle;
         }
-        let mut entries = entries(batch, |p| !p.is_done());
-        let rows =
-            tick(&self.model, &mut entries, self.max_batch_rows).map_err(FamilyError::forward)?;
-        self.last_rows = Some(rows);
-        Ok(())
+        match p.step_rows() {
+            (0, block) => Demand::Whole(block),
+            (before, block) => Demand::Prefill(before + block),
+        }
     }
 
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.last_rows
+    fn plan(
+        &mut self,
+        a: &mut Active<BdProgram>,
+        rows: usize,
+    ) -> Result<Option<BdPlan>, FamilyError> {
+        paging::bind_one(a, &self.pool);
+        let p = &a.program;
+        let (before, block) = p.step_rows();
+        Ok(Some(if rows >= before + block {
+            p.plan()
+        } else {
+            // Whole blocks, at least one (a forced single row becomes one block).
+            p.plan_chunk(rows.max(block))
+        }))
+    }
+
+    /// One forward group: every program's step in one packed forward and one head call.
+    fn run(&mut self, work: &mut [Planned<'_, BdProgram, BdPlan>]) -> Vec<Group<Tensor>> {
+        vec![Group::all(
+            work.len(),
+            run(&self.model, work).map_err(FamilyError::forward),
+        )]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<BdProgram>,
+        plan: BdPlan,
+        logits: Tensor,
+    ) -> Result<(), FamilyError> {
+        a.program
+            .commit(&plan, &logits, &mut a.outbox)
+            .map_err(|e| FamilyError::commit(FAMILY, e))
     }
 
     fn slots_needed(&self, a: &Active<BdProgram>) -> usize {
@@ -165,11 +164,11 @@ impl Family for BlockDiffusionFamily {
     }
 
     fn preempt(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        paging::preempt_one(a, &self.pool, "block-diffusion")
+        paging::preempt_one(a, &self.pool, FAMILY)
     }
 
     fn resume(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        paging::resume_one(a, &self.pool, "block-diffusion")
+        paging::resume_one(a, &self.pool, FAMILY)
     }
 
     fn stop(&mut self, a: &mut Active<BdProgram>) {

@@ -12,10 +12,10 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{Llada2, Llada2Config, ModelFiles};
 
-use super::{tick, BdProgram, Llada2Planner};
+use super::{BdProgram, BlockDiffusionFamily, Llada2Planner};
 use crate::request::{BlockDiffusionParams, GenerateSpec, SchemeParams};
 use crate::served::Planner;
-use crate::test_support::{spec, tick_until_done};
+use crate::test_support::{run_to_end, spec};
 
 struct Fixture {
     model: Llada2,
@@ -188,8 +188,8 @@ fn every_run_matches_upstream_forward_by_forward() -> Result<()> {
     let runs = runs(&fx)?;
     ensure!(runs.len() == 12);
     for (r, s) in &runs {
-        let mut p = [program(&fx, s.clone())?];
-        tick_until_done(&mut p, |batch| tick(&fx.model, batch, None).map(drop))?;
+        let mut p = vec![program(&fx, s.clone())?];
+        run_to_end(BlockDiffusionFamily::new(fx.model.clone()), &mut p)?;
         check(&fx, r, &p[0])?;
     }
     Ok(())
@@ -203,9 +203,7 @@ fn every_run_packed_into_the_same_ticks_matches_upstream() -> Result<()> {
         .iter()
         .map(|(_, s)| program(&fx, s.clone()))
         .collect::<Result<Vec<_>>>()?;
-    tick_until_done(&mut programs, |batch| {
-        tick(&fx.model, batch, None).map(drop)
-    })?;
+    run_to_end(BlockDiffusionFamily::new(fx.model.clone()), &mut programs)?;
     for ((r, _), p) in runs.iter().zip(&programs) {
         check(&fx, r, p)?;
     }

@@ -34,7 +34,7 @@ use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
 use wavefront_models::{Llada2, Llada2Config, ModelFiles, TextTokenizer};
 
-pub use self::family::{tick, BlockDiffusionFamily, Entry};
+pub use self::family::BlockDiffusionFamily;
 pub use self::program::{BdProgram, BdStep};
 use self::program::{Sampler, Settings};
 use crate::kv_slot::KvSlot;
@@ -86,7 +86,7 @@ impl Llada2Planner {
         }
         let info = ModelInfo {
             name,
-            family: "masked_diffusion",
+            family: crate::masked_diffusion::FAMILY,
             schemes: vec!["block-diffusion"],
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_position_embeddings,
@@ -261,7 +261,7 @@ pub fn serve_model<L>(
     eos: Option<u32>,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
-    L: FnOnce(&Device, DType) -> Result<Llada2, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<Llada2, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
         Llada2Planner::new(cfg.clone(), opts.name.clone(), opts.dtype, mask, eos)?
@@ -271,10 +271,8 @@ where
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada2::config, BlockDiffusionFamily::new);
-    let (page, rows) = (opts.kv_page_size, opts.max_batch_rows);
-    let make = move |device: &Device, dtype| {
-        make(device, dtype).map(|f| f.with_page_size(page).with_max_batch_rows(rows))
-    };
+    let page = opts.kv_page_size;
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -29,6 +29,7 @@ use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use crate::masked_diffusion::low_confidence_top_k;
 use crate::masked_diffusion::posterior_greedy;
 use crate::sampling::TokenSampler;
+use crate::SchemeError;
 
 /// The sampler: the request's (temperature, top-k, top-p, its own generator).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -55,7 +56,7 @@ pub(crate) struct Settings {
 /// (blocks see only earlier blocks, so a prompt prefilled in chunks of whole blocks gives the
 /// same K/V as in one call).
 #[derive(Debug)]
-pub(crate) struct BdPlan {
+pub struct BdPlan {
     pub(crate) ids: Vec<u32>,
     /// First buffer index of the rows (the rows are `from..window`).
     pub(crate) from: usize,
@@ -251,7 +252,7 @@ impl BdProgram {
         plan: &BdPlan,
         logits: &Tensor,
         outbox: &mut Outbox,
-    ) -> candle_core::Result<()> {
+    ) -> Result<(), SchemeError> {
         let rows = plan.window - plan.from;
         self.stats.forward_passes += 1;
         self.stats.push_series("active_rows", rows as u32);

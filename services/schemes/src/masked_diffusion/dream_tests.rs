@@ -196,7 +196,7 @@ fn every_run_matches_upstream_step_by_step() -> Result<()> {
             got.len() == want.len() && got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-6),
             "timesteps {got:?}, upstream {want:?}"
         );
-        let mut p = [program(&fx, s.clone())?];
+        let mut p = vec![program(&fx, s.clone())?];
         run(&fx.model, &mut p)?;
         check(&fx, r, 0, 0, &p[0])?;
     }
@@ -349,7 +349,7 @@ fn low_confidence_reads_the_shifted_head() -> Result<()> {
             ..LowConfidenceParams::default()
         }),
     );
-    let mut p = [program(&fx, s)?];
+    let mut p = vec![program(&fx, s)?];
     run(&fx.model, &mut p)?;
     let first = &p[0].steps()[0];
     ensure!(first.committed.len() == 1);

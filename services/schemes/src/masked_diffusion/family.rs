@@ -8,37 +8,38 @@
 //! different canvases or schemes share the forward.
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_engine::{
+    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, SlotId,
+};
 use wavefront_models::slot_pool::SlotPool;
 use wavefront_models::transformer::{Keys, KvPool, SeqInput};
 
 use super::network::MdNetwork;
 use super::program::{MdProgram, StepPlan};
 use super::surelock::POSTERIOR_ARENA;
-use crate::tick::{entries, head_rows, to_candle};
+use super::FAMILY;
+use crate::packing::head_rows;
+use crate::SchemeError;
 
-/// One active program as a tick sees it.
-pub type Entry<'a> = crate::tick::Entry<'a, MdProgram>;
-
-/// Runs one step of every program in `batch` through `model` in one packed forward; returns the
-/// rows computed. A failure of the forward fails the tick; a program's own failure goes to its
-/// outbox.
-pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Result<usize> {
-    if batch.is_empty() {
-        return Ok(0);
-    }
-    let plans: Vec<StepPlan> = batch.iter().map(|e| e.program.plan()).collect();
+/// Runs every plan of `plans` (with its program, for SureLock's cached keys) in one packed
+/// forward and one head call over every row any plan reads; returns each plan's logits
+/// `[logit_rows, head_rows]` in float32, classifier-free guidance applied.
+pub(crate) fn run<M: MdNetwork>(
+    model: &M,
+    work: &mut [Planned<'_, MdProgram, StepPlan>],
+) -> Result<Vec<Tensor>, SchemeError> {
     let mut ids = Vec::new();
-    for p in &plans {
-        ids.extend_from_slice(&p.ids);
-        if let Some(u) = &p.uncond_ids {
+    for w in work.iter() {
+        ids.extend_from_slice(&w.plan.ids);
+        if let Some(u) = &w.plan.uncond_ids {
             ids.extend_from_slice(u);
         }
     }
     let hidden = {
-        let mut seqs = Vec::with_capacity(plans.len() * 2);
-        for (e, p) in batch.iter_mut().zip(&plans) {
-            let keys = match (p.buffer_len, e.program.surelock.as_mut()) {
+        let mut seqs = Vec::with_capacity(work.len() * 2);
+        for w in work.iter_mut() {
+            let Planned { program, plan: p } = w;
+            let keys = match (p.buffer_len, program.surelock.as_mut()) {
                 (Some(len), Some(sl)) => Keys::Buffer {
                     cache: &mut sl.cache,
                     len,
@@ -60,13 +61,14 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
                 });
             }
         }
-        model.forward(&ids, &mut seqs).map_err(to_candle)?
+        model.forward(&ids, &mut seqs)?
     };
 
     // One head call over every row any program reads.
     let mut select = Vec::new();
     let mut offset = 0;
-    for p in &plans {
+    for w in work.iter() {
+        let p = &w.plan;
         let n = p.index.len();
         select.extend(p.logit_rows.iter().map(|&r| (offset + r) as u32));
         offset += n;
@@ -78,14 +80,10 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
     let logits = head_rows(&hidden, &select, |rows| model.logits(rows))?;
 
     let mut at = 0;
-    for (e, p) in batch.iter_mut().zip(&plans) {
+    let mut outputs = Vec::with_capacity(work.len());
+    for w in work.iter() {
+        let p = &w.plan;
         let k = p.logit_rows.len();
-        let copies: u64 = if p.uncond_ids.is_some() { 2 } else { 1 };
-        let (rows, dense) = (p.index.len() as u64, p.dense_rows as u64);
-        e.program.account(
-            copies * model.algorithmic_flops(rows, dense),
-            copies * model.algorithmic_flops(dense, dense),
-        );
         let mine = match &logits {
             Some(l) if k > 0 => {
                 let cond = l.narrow(0, at, k)?;
@@ -94,7 +92,7 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
                     let un = l.narrow(0, at, k)?;
                     at += k;
                     // Upstream: un_logits + (cfg_scale + 1) * (logits - un_logits).
-                    let scale = f64::from(e.program.cfg_scale) + 1.0;
+                    let scale = f64::from(w.program.cfg_scale) + 1.0;
                     (&un + ((cond - &un)? * scale)?)?
                 } else {
                     cond
@@ -106,11 +104,9 @@ pub fn tick<M: MdNetwork>(model: &M, batch: &mut [Entry<'_>]) -> candle_core::Re
                 model.device(),
             )?,
         };
-        if let Err(err) = e.program.commit(p, &mine, e.outbox) {
-            e.outbox.fail(FamilyError::commit("masked-diffusion", err));
-        }
+        outputs.push(mine);
     }
-    Ok(ids.len())
+    Ok(outputs)
 }
 
 /// The family: owns the model on the engine thread, the pool of SureLock's caches (a page is
@@ -123,10 +119,13 @@ pub struct MaskedDiffusionFamily<M> {
     pool: KvPool,
     /// SureLock's previous posteriors: a slot is one position's float32 log-posteriors.
     posteriors: SlotPool,
-    last_rows: Option<usize>,
 }
 
 impl<M: MdNetwork> MaskedDiffusionFamily<M> {
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
     pub fn new(model: M) -> Self {
         let posteriors = SlotPool::new(
             &[model.head_rows()],
@@ -138,7 +137,6 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
             model,
             pool: KvPool::shared(1),
             posteriors,
-            last_rows: None,
         }
     }
 
@@ -155,19 +153,49 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
 
 impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     type Program = MdProgram;
+    type Plan = StepPlan;
+    type Output = Tensor;
 
     fn export(&mut self, a: &mut Active<MdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, "masked-diffusion")
+        crate::migrate::export(&a.program, FAMILY)
     }
 
-    fn tick(&mut self, batch: &mut [&mut Active<MdProgram>]) -> Result<(), FamilyError> {
-        for a in batch.iter_mut() {
-            self.bind(a);
-        }
-        let mut entries = entries(batch, |_| true);
-        let rows = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
-        self.last_rows = Some(rows);
-        Ok(())
+    fn demand(&self, a: &Active<MdProgram>) -> Demand {
+        Demand::Whole(a.program.step_rows())
+    }
+
+    fn plan(
+        &mut self,
+        a: &mut Active<MdProgram>,
+        _rows: usize,
+    ) -> Result<Option<StepPlan>, FamilyError> {
+        self.bind(a);
+        Ok(Some(a.program.plan()))
+    }
+
+    /// One forward group: every program's step in one packed forward and one head call.
+    fn run(&mut self, work: &mut [Planned<'_, MdProgram, StepPlan>]) -> Vec<Group<Tensor>> {
+        vec![Group::all(
+            work.len(),
+            run(&self.model, work).map_err(FamilyError::forward),
+        )]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<MdProgram>,
+        plan: StepPlan,
+        logits: Tensor,
+    ) -> Result<(), FamilyError> {
+        let copies: u64 = if plan.uncond_ids.is_some() { 2 } else { 1 };
+        let (rows, dense) = (plan.index.len() as u64, plan.dense_rows as u64);
+        a.program.account(
+            copies * self.model.algorithmic_flops(rows, dense),
+            copies * self.model.algorithmic_flops(dense, dense),
+        );
+        a.program
+            .commit(&plan, &logits, &mut a.outbox)
+            .map_err(|e| FamilyError::commit(FAMILY, e))
     }
 
     /// What it holds (its reservation, shrinking after each tick through `reclaim`); for a
@@ -183,10 +211,10 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         let Some(sl) = &mut a.program.surelock else {
             return Ok(Moved::default());
         };
-        let mut moved = crate::paging::swap_out(&mut sl.cache, "masked-diffusion")?;
+        let mut moved = crate::paging::swap_out(&mut sl.cache, FAMILY)?;
         moved.bytes += sl
             .previous_to_host()
-            .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
+            .map_err(|e| FamilyError::program(FAMILY, Phase::Preempt, e))?;
         Ok(moved)
     }
 
@@ -195,19 +223,15 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         let Some(sl) = &mut a.program.surelock else {
             return Ok(Moved::default());
         };
-        let mut moved = crate::paging::swap_in(&mut sl.cache, "masked-diffusion")?;
+        let mut moved = crate::paging::swap_in(&mut sl.cache, FAMILY)?;
         moved.bytes += sl
             .previous_to_pool()
-            .map_err(|e| FamilyError::commit("masked-diffusion", e))?;
+            .map_err(|e| FamilyError::program(FAMILY, Phase::Resume, e))?;
         Ok(moved)
     }
 
     fn stop(&mut self, a: &mut Active<MdProgram>) {
         a.program.finish(FinishReason::StopString, &mut a.outbox);
-    }
-
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.last_rows
     }
 
     /// Slots a request no longer needs: all of the rows a stop token cut off, and the

@@ -190,7 +190,7 @@ fn all_goldens_match_packed_into_the_same_ticks() -> Result<()> {
     Ok(())
 }
 
-fn run_programs(model: &wavefront_models::Llada, programs: &mut [MdProgram]) -> Result<()> {
+fn run_programs(model: &wavefront_models::Llada, programs: &mut Vec<MdProgram>) -> Result<()> {
     run(model, programs)?;
     Ok(())
 }

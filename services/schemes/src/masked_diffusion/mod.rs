@@ -96,7 +96,7 @@ use wavefront_models::{Dream, DreamConfig, Llada, LladaConfig, ModelFiles, TextT
 
 use self::canvas::Canvas;
 use self::diffusion_generate::DiffusionGenerate;
-pub use self::family::{tick, Entry, MaskedDiffusionFamily};
+pub use self::family::MaskedDiffusionFamily;
 pub(crate) use self::low_confidence::top_k as low_confidence_top_k;
 use self::low_confidence::LowConfidence;
 pub use self::network::{MdNetwork, Shape};
@@ -106,6 +106,7 @@ pub use self::program::{MdProgram, StepRecord};
 use self::surelock::SureLock;
 use self::wino::Wino;
 use crate::kv_slot::KvSlot;
+use crate::registry::FamilyKind;
 use crate::request::{
     bad, DiffusionGenerateParams, DreamAlg, GenerateSpec, LowConfidenceParams, SchemeParams,
     SureLockParams, WinoParams,
@@ -115,6 +116,9 @@ use crate::served::{
     Planner, ServedModel,
 };
 use crate::SchemeError;
+
+/// This family's name.
+pub(crate) const FAMILY: &str = FamilyKind::MaskedDiffusion.name();
 
 /// Validates requests against a masked-diffusion network's config and builds programs.
 pub struct MdPlanner {
@@ -145,7 +149,7 @@ impl MdPlanner {
         };
         let info = ModelInfo {
             name,
-            family: "masked_diffusion",
+            family: FAMILY,
             schemes,
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_context,
@@ -480,7 +484,7 @@ pub fn serve_model<L>(
     load: L,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
-    L: FnOnce(&Device, DType) -> Result<Llada, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<Llada, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
         MdPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)

@@ -23,6 +23,7 @@ use super::low_confidence::{self, LowConfidence};
 use super::posterior::log_probs;
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
+use crate::SchemeError;
 
 /// The sampler a program runs.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -35,7 +36,7 @@ pub(crate) enum Decoder {
 
 /// What one step computes, as planned before the forward.
 #[derive(Debug)]
-pub(crate) struct StepPlan {
+pub struct StepPlan {
     /// Token of each row.
     pub(crate) ids: Vec<u32>,
     /// Buffer index of each row.
@@ -209,6 +210,20 @@ impl MdProgram {
         }
     }
 
+    /// Rows the next step computes: the canvas less its locked positions, with WINO's shadow
+    /// block, twice with classifier-free guidance.
+    pub(crate) fn step_rows(&self) -> usize {
+        let shadow = match &self.decoder {
+            Decoder::Wino(_) => self.canvas.block_length,
+            Decoder::LowConfidence(_) | Decoder::DiffusionGenerate(_) => 0,
+        };
+        let skipped = self.surelock.as_ref().map_or(0, |s| {
+            (0..self.canvas.len()).filter(|&i| s.skips(i)).count()
+        });
+        let copies = if self.cfg_scale > 0.0 { 2 } else { 1 };
+        (self.canvas.len() - skipped + shadow) * copies
+    }
+
     /// Rows and keys of the next step.
     pub(crate) fn plan(&self) -> StepPlan {
         let c = &self.canvas;
@@ -300,7 +315,7 @@ impl MdProgram {
         plan: &StepPlan,
         logits: &Tensor,
         outbox: &mut Outbox,
-    ) -> candle_core::Result<()> {
+    ) -> Result<(), SchemeError> {
         self.stats.forward_passes += 1;
         let copies = if plan.uncond_ids.is_some() { 2 } else { 1 };
         self.stats
@@ -384,9 +399,7 @@ impl MdProgram {
                     })
                     .collect();
                 let canvas = &self.canvas;
-                record.locked = sl
-                    .observe(&lp, &positions, &eligible, |p| !canvas.is_mask(p))
-                    .map_err(crate::tick::to_candle)?;
+                record.locked = sl.observe(&lp, &positions, &eligible, |p| !canvas.is_mask(p))?;
             }
             self.stats
                 .push_series("locked_per_step", record.locked.len() as u32);
@@ -434,7 +447,7 @@ impl MdProgram {
     }
 
     /// Cuts, streams, and moves to the next step, block or the end.
-    fn advance(&mut self, outbox: &mut Outbox) -> candle_core::Result<()> {
+    fn advance(&mut self, outbox: &mut Outbox) -> Result<(), SchemeError> {
         match &mut self.decoder {
             Decoder::LowConfidence(lc) => {
                 // Cut only once everything before the stop is committed: until then the

@@ -497,7 +497,6 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
 /// (20 rows, 2 layers, 4 posterior slots a row), and served: every slot back at the end.
 #[test]
 fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
-    use wavefront_engine::Outbox;
     let (model, planner) = fixture()?;
     let s = spec(
         prompt(4, 0),
@@ -508,17 +507,15 @@ fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
             ..low_confidence(16, 16)
         }),
     );
-    let mut p = planner.prepare(s.clone())?.program;
+    let p = planner.prepare(s.clone())?.program;
     let start = p.slots_needed();
     ensure!(start == 20 * (1 + 2 + 4), "{start}");
-    let mut outbox = Outbox::default();
+    let mut driver = wavefront_engine::Standalone::new(super::MaskedDiffusionFamily::new(model));
+    driver.add(p);
     let mut needs = vec![start];
-    while !outbox.is_done() {
-        let mut batch = [super::Entry {
-            program: &mut p,
-            outbox: &mut outbox,
-        }];
-        super::tick(&model, &mut batch)?;
+    while !driver.is_done(0) {
+        driver.tick();
+        let p = driver.program(0);
         needs.push(p.slots_needed());
         // The previous posteriors are pool slots, one per row that may still lock.
         let sl = p.surelock.as_ref().expect("surelock");
@@ -526,6 +523,8 @@ fn locked_posteriors_and_cut_rows_give_their_slots_back() -> Result<()> {
         ensure!(pool.in_use() == sl.previous_rows());
         ensure!(sl.previous_rows() <= p.tokens().len() - sl.locked_count());
     }
+    let (_, mut programs) = driver.into_parts();
+    let p = programs.remove(0);
     let locked = p.locked().len();
     let pool = p
         .surelock

@@ -1,5 +1,5 @@
 //! Helpers shared by the masked-diffusion tests: the LLaDA fixture (tests/fixtures/llada), request
-//! builders and a direct tick loop (the event sink, outcome collection and request spec are
+//! builders and a family run without an engine (the event sink, outcome collection and request spec are
 //! shared by every family).
 
 use std::collections::HashMap;
@@ -11,10 +11,10 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{Llada, LladaConfig, ModelFiles};
 
-use super::{tick, MdPlanner, MdProgram};
+use super::{MaskedDiffusionFamily, MdPlanner, MdProgram};
 use crate::request::{GenerateSpec, LowConfidenceParams, SureLockParams, WinoParams};
 use crate::served::Planner;
-use crate::test_support::tick_until_done;
+use crate::test_support::run_to_end;
 
 pub fn fixture_dir() -> PathBuf {
     wavefront_models::device::test_fixture("llada")
@@ -95,10 +95,14 @@ pub fn program(planner: &MdPlanner, spec: GenerateSpec) -> Result<MdProgram> {
     Ok(p)
 }
 
-/// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
-/// was part of.
-pub fn run<M: super::MdNetwork>(model: &M, programs: &mut [MdProgram]) -> Result<Vec<usize>> {
-    tick_until_done(programs, |batch| tick(model, batch).map(drop))
+/// Runs `programs` packed into the same ticks of a family serving `model` until all finish;
+/// returns how many ticks each was part of.
+pub fn run<M: super::MdNetwork + Clone>(
+    model: &M,
+    programs: &mut Vec<MdProgram>,
+) -> Result<Vec<usize>> {
+    let (_, ticks) = run_to_end(MaskedDiffusionFamily::new(model.clone()), programs)?;
+    Ok(ticks)
 }
 
 pub use crate::test_support::{collect, spec};

@@ -21,8 +21,8 @@
 //! raw state as here, `generate_minimal` copies `latent_states`, i.e. the
 //! state after the final norm `ln_f`); no golden covers either.
 //!
-//! One tick advances every active request by one token. All requests' rows
-//! share each prelude, core and coda call; at core iteration `t` only the
+//! One step advances a request by one token (or a chunk of its prefill). The steps of every
+//! request in a tick share each prelude, core and coda call ([`run`]); at core iteration `t` only the
 //! requests still iterating take part, so static requests with different
 //! `num_steps` and adaptive requests that exit early pack together.
 
@@ -33,8 +33,9 @@ use wavefront_models::{relative_change, Huginn, HuginnCache};
 use super::draws::DrawSource;
 pub use super::packed::NextToken;
 use super::packed::{cat_rows, core_call, next_tokens, seq_rows};
+use crate::packing::ends_after;
 use crate::sampling::TokenSampler;
-use crate::tick::{ends_after, to_candle};
+use crate::SchemeError;
 
 /// One request's autoregressive decoding state.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -56,9 +57,6 @@ pub struct ArProgram {
     pub(crate) generated: usize,
     pub(crate) stats: Stats,
 }
-
-/// One active AR request as the tick sees it.
-pub type Entry<'a> = crate::tick::Entry<'a, ArProgram>;
 
 /// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
 /// initial states, recurrences and exit rule, and whether the head reads its last row.
@@ -103,14 +101,18 @@ impl ArProgram {
     /// The plan of the next `rows` pending positions (a chunk of a static prefill when fewer
     /// than it has). Takes the positions' initial states: draws from the request's source, or
     /// its warm state.
-    pub fn plan(&mut self, rows: usize, dim: usize) -> Result<ArPlan, String> {
+    pub fn plan(&mut self, rows: usize, dim: usize) -> Result<ArPlan, SchemeError> {
         let n = rows.min(self.pending.len());
         if n == 0 {
-            return Err("an AR plan of no rows".into());
+            return Err(SchemeError::inconsistent("an AR plan of no rows"));
         }
         let init = match self.warm_state.take() {
             Some(w) if n == 1 => ArInit::Warm(w),
-            Some(_) => return Err("a warm state seeds exactly one new position".into()),
+            Some(_) => {
+                return Err(SchemeError::inconsistent(
+                    "a warm state seeds exactly one new position",
+                ))
+            }
             None => ArInit::Drawn(self.draws.next(n, dim, false)?),
         };
         Ok(ArPlan {
@@ -132,18 +134,23 @@ impl ArProgram {
         plan: &ArPlan,
         out: ArOutput,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         self.stats.forward_passes += 1;
         let Some(next) = out.next else {
             if plan.reads {
-                return Err("the head read no row of a whole plan".into());
+                return Err(SchemeError::inconsistent(
+                    "the head read no row of a whole plan",
+                ));
             }
             // A chunk of the prefill: its positions are cached, the rest runs next.
             self.pending.drain(..plan.ids.len());
             return Ok(());
         };
         if self.continuous_compute {
-            self.warm_state = Some(out.last_state.ok_or("no final state to continue from")?);
+            self.warm_state = Some(
+                out.last_state
+                    .ok_or_else(|| SchemeError::inconsistent("no final state to continue from"))?,
+            );
         }
         let tok = match next {
             NextToken::Argmax(t) => t,
@@ -169,52 +176,10 @@ impl ArProgram {
     }
 }
 
-/// Runs one token for every program in `batch` through `model` in packed calls.
-pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
-    let rows: Vec<usize> = batch.iter().map(|a| a.program.pending.len()).collect();
-    tick_rows(model, batch, &rows)
-}
-
 /// Whether `p`'s next call may run in chunks: a prefill at a static recurrence (an adaptive
 /// exit averages the latent change over the positions of the call, so it runs whole).
 pub(crate) fn chunkable(p: &ArProgram) -> bool {
     p.pending.len() > 1 && p.exit_threshold.is_none()
-}
-
-/// [`tick`] over the first `rows[i]` pending positions of program `i`: every program plans,
-/// the plans run in packed forwards ([`run`]), and each program commits its output. A chunk of
-/// a static prefill (fewer rows than pending) caches its positions and chooses no token;
-/// positions, draws and states are those of the whole prefill.
-pub fn tick_rows(
-    model: &Huginn,
-    batch: &mut [Entry<'_>],
-    rows: &[usize],
-) -> candle_core::Result<()> {
-    if batch.is_empty() {
-        return Ok(());
-    }
-    let dim = model.config().n_embd;
-    let plans = batch
-        .iter_mut()
-        .zip(rows)
-        .map(|(a, &n)| a.program.plan(n, dim))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(candle_core::Error::Msg)?;
-    let outputs = {
-        let mut caches: Vec<&mut HuginnCache> =
-            batch.iter_mut().map(|a| &mut a.program.cache).collect();
-        run(model, &plans, &mut caches)?
-    };
-    // A program that cannot apply its output fails alone, as the other families' do.
-    for ((a, plan), out) in batch.iter_mut().zip(&plans).zip(outputs) {
-        if let Err(err) = a.program.commit(plan, out, a.outbox) {
-            a.outbox.fail(wavefront_engine::FamilyError::commit(
-                "recurrent-depth ar",
-                err,
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// The packed forwards of `plans` (one per cache of `caches`): one prelude call over every
@@ -222,9 +187,9 @@ pub fn tick_rows(
 /// call over the last rows of whole plans. Writes each plan's K/V into its cache.
 pub fn run(
     model: &Huginn,
-    plans: &[ArPlan],
+    plans: &[&ArPlan],
     caches: &mut [&mut HuginnCache],
-) -> candle_core::Result<Vec<ArOutput>> {
+) -> Result<Vec<ArOutput>, SchemeError> {
     let device = model.device().clone();
     let dtype = model.dtype();
     let dim = model.config().n_embd;
@@ -233,10 +198,10 @@ pub fn run(
     let ids: Vec<u32> = plans.iter().flat_map(|p| p.ids.iter().copied()).collect();
 
     // Prelude over every row of every plan.
-    let emb = model.embed(&ids).map_err(to_candle)?;
+    let emb = model.embed(&ids)?;
     let injected = {
         let mut seqs = seq_rows(caches, &starts, &lens);
-        model.prelude(&emb, &mut seqs).map_err(to_candle)?
+        model.prelude(&emb, &mut seqs)?
     };
 
     // Initial states: the drawn rows of every plan in one host-to-device copy; warm states as
@@ -306,11 +271,7 @@ pub fn run(
         )?;
         // Adaptive members need their exit value: one small host copy.
         let change = if members.iter().any(|&i| plans[i].exit_threshold.is_some()) {
-            Some(
-                relative_change(&next, &s)
-                    .map_err(to_candle)?
-                    .to_vec1::<f32>()?,
-            )
+            Some(relative_change(&next, &s)?.to_vec1::<f32>()?)
         } else {
             None
         };
@@ -333,7 +294,7 @@ pub fn run(
     let final_state = cat_rows(&states)?;
     let hidden = {
         let mut seqs = seq_rows(caches, &starts, &lens);
-        model.coda(&final_state, &mut seqs).map_err(to_candle)?
+        model.coda(&final_state, &mut seqs)?
     };
     let whole: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].reads).collect();
     let mut next: Vec<Option<NextToken>> = vec![None; plans.len()];
@@ -343,7 +304,7 @@ pub fn run(
             .map(|&i| (offsets[i] + lens[i] - 1) as u32)
             .collect();
         let last = hidden.index_select(&Tensor::new(last_rows.as_slice(), &device)?, 0)?;
-        let logits = model.lm_head(&last).map_err(to_candle)?;
+        let logits = model.lm_head(&last)?;
         let greedy = whole.iter().all(|&i| plans[i].greedy);
         for (&i, verdict) in whole.iter().zip(next_tokens(&logits, greedy)?) {
             next[i] = Some(verdict);

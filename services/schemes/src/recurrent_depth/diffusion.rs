@@ -56,6 +56,7 @@ use super::draws::DrawSource;
 use super::packed::{cat_rows, core_call, next_tokens, offsets, seq_rows, NextToken};
 use crate::request::FreezeTest;
 use crate::sampling::TokenSampler;
+use crate::SchemeError;
 
 /// Outer steps after which a request stops (upstream `max_diffusion_steps`).
 pub const MAX_SAMPLER_STEPS: u64 = 4096;
@@ -183,6 +184,13 @@ impl DiffusionProgram {
         }
     }
 
+    /// Whether the next wavefront would run past `block_size` positions (the RoPE table).
+    pub(crate) fn leaves_context(&self, block_size: usize) -> bool {
+        self.wave
+            .as_ref()
+            .is_some_and(|w| self.cache.len() + w.rows > block_size)
+    }
+
     /// Tokens frozen after the prompt.
     pub fn generated(&self) -> &[u32] {
         &self.frozen[self.prompt_len..]
@@ -235,9 +243,6 @@ impl DiffusionProgram {
         outbox.finish(reason, stats);
     }
 }
-
-/// One active diffusion-forcing request as the tick sees it.
-pub type Entry<'a> = crate::tick::Entry<'a, DiffusionProgram>;
 
 /// What one request runs this tick, as plain data ([`DiffusionProgram::plan`]): its prefill or
 /// one outer step of its wavefront, with every random draw the step takes already drawn from
@@ -304,7 +309,7 @@ pub struct DfOutput {
 impl DiffusionProgram {
     /// The plan of the next tick: the prefill, or one outer step of the wavefront (its states
     /// and momentum embeddings read from the cache's latent pages).
-    pub fn plan(&mut self, dim: usize, heads: usize) -> Result<DfPlan, String> {
+    pub fn plan(&mut self, dim: usize, heads: usize) -> Result<DfPlan, SchemeError> {
         let greedy = self.sampler.is_greedy();
         let Some(w) = &self.wave else {
             let len = self.prompt_len;
@@ -329,14 +334,13 @@ impl DiffusionProgram {
             });
         };
         let (start, len) = (self.cache.len(), w.rows);
-        let (z, e_old) = self
-            .cache
-            .read_latents(len, w.e_rows.unwrap_or(0))
-            .map_err(|e| e.to_string())?;
+        let (z, e_old) = self.cache.read_latents(len, w.e_rows.unwrap_or(0))?;
         let (eta, beta) = (self.settings.ema_embeds, self.settings.state_noise_mixing);
         let behind = |from: usize| {
             start.checked_sub(from).ok_or_else(|| {
-                format!("the wavefront starts at {start}, before its previous step's {from}")
+                SchemeError::inconsistent(format!(
+                    "the wavefront starts at {start}, before its previous step's {from}"
+                ))
             })
         };
         let since_c_old = behind(w.c_old)?;
@@ -394,7 +398,7 @@ impl DiffusionProgram {
         plan: &DfPlan,
         out: DfOutput,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         let tokens: Vec<u32> = out
             .decoded
             .into_iter()
@@ -404,15 +408,17 @@ impl DiffusionProgram {
             })
             .collect();
         if plan.prefill {
-            let y = *tokens.first().ok_or("the prefill decoded no row")?;
+            let y = *tokens
+                .first()
+                .ok_or_else(|| SchemeError::inconsistent("the prefill decoded no row"))?;
             self.frozen.push(y);
             self.cur = self.frozen.clone();
             let mut counter = Vec::new();
             add_recurrences(&mut counter, 0, self.prompt_len + 1, plan.core_steps);
-            let z = out.first_state.ok_or("the prefill made no first state")?;
-            self.cache
-                .write_latents(&z, None, plan.heads)
-                .map_err(|e| e.to_string())?;
+            let z = out
+                .first_state
+                .ok_or_else(|| SchemeError::inconsistent("the prefill made no first state"))?;
+            self.cache.write_latents(&z, None, plan.heads)?;
             self.wave = Some(Wave {
                 rows: 1,
                 prev_start: self.prompt_len,
@@ -433,7 +439,9 @@ impl DiffusionProgram {
             let t = self.placeholders.random_range(0..vocab);
             self.cur.push(t);
         }
-        let (mut z, standing) = out.next.ok_or("a wavefront step made no next states")?;
+        let (mut z, standing) = out
+            .next
+            .ok_or_else(|| SchemeError::inconsistent("a wavefront step made no next states"))?;
         if standing {
             self.cur.truncate(c + plan.max_wavefront);
             self.stats.add_counter("standing_waves", 1);
@@ -442,15 +450,15 @@ impl DiffusionProgram {
         let w = self
             .wave
             .as_mut()
-            .ok_or("a wavefront step without a wavefront")?;
+            .ok_or_else(|| SchemeError::inconsistent("a wavefront step without a wavefront"))?;
         add_recurrences(&mut w.counter, c, len, plan.core_steps);
-        let zlen = z.dim(0).map_err(|e| e.to_string())?;
+        let zlen = z.dim(0)?;
         match out.criterion.iter().rposition(|&v| v < exit_t) {
             Some(last) => {
                 let frozen_to = c + last + 1;
                 self.frozen = self.cur[..frozen_to].to_vec();
                 self.cache.truncate(frozen_to - 1);
-                z = z.narrow(0, last, zlen - last).map_err(|e| e.to_string())?;
+                z = z.narrow(0, last, zlen - last)?;
                 w.prev_start = frozen_to - 1;
             }
             None => {
@@ -460,15 +468,14 @@ impl DiffusionProgram {
         }
         // Without momentum there are no embeddings to keep (`mixed` is `None` at every step).
         let e_rows = match &out.mixed {
-            Some(e) => Some(e.dim(0).map_err(|e| e.to_string())?),
+            Some(e) => Some(e.dim(0)?),
             None => None,
         };
-        w.rows = z.dim(0).map_err(|e| e.to_string())?;
+        w.rows = z.dim(0)?;
         w.e_rows = e_rows;
         w.c_old = c;
         self.cache
-            .write_latents(&z, out.mixed.as_ref(), plan.heads)
-            .map_err(|e| e.to_string())?;
+            .write_latents(&z, out.mixed.as_ref(), plan.heads)?;
         self.stats.forward_passes += 1;
         self.stats.recurrence_steps += plan.core_steps as u64;
         self.stats.add_counter("sampler_steps", 1);
@@ -480,10 +487,6 @@ impl DiffusionProgram {
         }
         Ok(())
     }
-}
-
-fn msg(e: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
 }
 
 /// Host rows `rows × dim` as a tensor on `device` in `dtype`.
@@ -498,55 +501,15 @@ fn rows_tensor(
         .to_dtype(dtype)
 }
 
-/// Runs one outer step (or the prefill) of every program in `batch` in packed calls: each
-/// program plans, the plans run together ([`run`]), and each program commits its output.
-pub fn tick(model: &Huginn, batch: &mut [Entry<'_>]) -> candle_core::Result<()> {
-    let block_size = model.config().block_size;
-    let dim = model.config().n_embd;
-    let heads = model.config().n_heads;
-    // Requests whose next wavefront would leave the RoPE table stop here.
-    let mut entries: Vec<&mut Entry<'_>> = Vec::with_capacity(batch.len());
-    let mut plans = Vec::with_capacity(batch.len());
-    for e in batch.iter_mut() {
-        let p = &mut *e.program;
-        if let Some(w) = &p.wave {
-            if p.cache.len() + w.rows > block_size {
-                p.finish(e.outbox, FinishReason::ContextLimit);
-                continue;
-            }
-        }
-        plans.push(p.plan(dim, heads).map_err(candle_core::Error::Msg)?);
-        entries.push(e);
-    }
-    if entries.is_empty() {
-        return Ok(());
-    }
-    let outputs = {
-        let mut caches: Vec<&mut HuginnCache> =
-            entries.iter_mut().map(|e| &mut e.program.cache).collect();
-        run(model, &plans, &mut caches)?
-    };
-    // A program that cannot apply its output fails alone, as the other families' do.
-    for ((e, plan), out) in entries.iter_mut().zip(&plans).zip(outputs) {
-        if let Err(err) = e.program.commit(plan, out, e.outbox) {
-            e.outbox.fail(wavefront_engine::FamilyError::commit(
-                "recurrent-depth",
-                err,
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// The packed forwards of `plans` (one per cache of `caches`): the cache-free preludes that seed
 /// momentum, one prelude call over every row, one core call per recurrence over the plans still
 /// iterating, one coda call, one head call over every decoded row, and one freeze criterion
 /// over every compared row. Writes each plan's KV into its cache.
 pub fn run(
     model: &Huginn,
-    plans: &[DfPlan],
+    plans: &[&DfPlan],
     caches: &mut [&mut HuginnCache],
-) -> candle_core::Result<Vec<DfOutput>> {
+) -> Result<Vec<DfOutput>, SchemeError> {
     let device = model.device().clone();
     let dtype = model.dtype();
     let dim = model.config().n_embd;
@@ -578,9 +541,7 @@ pub fn run(
                 .zip(&seed_lens)
                 .map(|(cache, &n)| SeqRows::new(cache, 0, n))
                 .collect();
-            model
-                .prelude(&model.embed(&seed_ids).map_err(msg)?, &mut seqs)
-                .map_err(msg)?
+            model.prelude(&model.embed(&seed_ids)?, &mut seqs)?
         };
         for ((&i, o), &n) in seeded.iter().zip(offsets(&seed_lens)).zip(&seed_lens) {
             seeds[i] = Some(e_old.narrow(0, o, n)?);
@@ -590,9 +551,7 @@ pub fn run(
     // Prelude over prompts and wavefronts.
     let e_new = {
         let mut seqs = seq_rows(caches, &starts, &lens);
-        model
-            .prelude(&model.embed(&ids).map_err(msg)?, &mut seqs)
-            .map_err(msg)?
+        model.prelude(&model.embed(&ids)?, &mut seqs)?
     };
 
     // Injected embeddings (with momentum) and states (fresh, or noise-mixed) per plan.
@@ -662,7 +621,7 @@ pub fn run(
     // the last prompt row of a prefill, every row of a wavefront.
     let hidden = {
         let mut seqs = seq_rows(caches, &starts, &lens);
-        model.coda(&cat_rows(&states)?, &mut seqs).map_err(msg)?
+        model.coda(&cat_rows(&states)?, &mut seqs)?
     };
     let mut rows: Vec<u32> = Vec::new();
     let mut decoded_lens = Vec::with_capacity(plans.len());
@@ -671,9 +630,8 @@ pub fn run(
         rows.extend((offs[i] + first..offs[i] + lens[i]).map(|r| r as u32));
         decoded_lens.push(lens[i] - first);
     }
-    let logits = model
-        .lm_head(&hidden.index_select(&Tensor::new(rows.as_slice(), &device)?, 0)?)
-        .map_err(msg)?;
+    let logits =
+        model.lm_head(&hidden.index_select(&Tensor::new(rows.as_slice(), &device)?, 0)?)?;
     let mut decoded = next_tokens(&logits, plans.iter().all(|pl| pl.greedy))?;
 
     // Next wavefront states: this step's and the fresh ones, capped; the freeze criteria of
@@ -714,9 +672,7 @@ pub fn run(
     let crit: Vec<f32> = if new_parts.is_empty() {
         Vec::new()
     } else {
-        relative_change(&cat_rows(&new_parts)?, &cat_rows(&prev_parts)?)
-            .map_err(msg)?
-            .to_vec1()?
+        relative_change(&cat_rows(&new_parts)?, &cat_rows(&prev_parts)?)?.to_vec1()?
     };
 
     let mut outputs = Vec::with_capacity(plans.len());

@@ -13,6 +13,7 @@ use crate::migrate::RequestRng;
 use rand::{Rng, SeedableRng};
 
 use crate::request::ReplayDraws;
+use crate::SchemeError;
 
 /// Where a request's initial states come from.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -60,7 +61,7 @@ impl DrawSource {
     /// The next `rows` draws of width `dim`, row-major. `bf16` rounds each
     /// value to bfloat16 precision (upstream draws new diffusion positions in
     /// bfloat16); replayed rows are already rounded.
-    pub fn next(&mut self, rows: usize, dim: usize, bf16: bool) -> Result<Vec<f32>, String> {
+    pub fn next(&mut self, rows: usize, dim: usize, bf16: bool) -> Result<Vec<f32>, SchemeError> {
         match self {
             Self::Zeros => Ok(vec![0.0; rows * dim]),
             Self::Seeded { rng, std, scale } => {
@@ -73,17 +74,17 @@ impl DrawSource {
             }
             Self::Replay { draws, next_row } => {
                 if draws.dim != dim {
-                    return Err(format!(
-                        "replayed draws have width {} but the model needs {dim}",
+                    return Err(SchemeError::Draws(format!(
+                        "have width {} but the model needs {dim}",
                         draws.dim
-                    ));
+                    )));
                 }
                 if *next_row + rows > draws.rows() {
-                    return Err(format!(
-                        "replayed draws exhausted: {} rows recorded, {} needed",
+                    return Err(SchemeError::Draws(format!(
+                        "exhausted: {} rows recorded, {} needed",
                         draws.rows(),
                         *next_row + rows
-                    ));
+                    )));
                 }
                 let out = draws.data[*next_row * dim..(*next_row + rows) * dim].to_vec();
                 *next_row += rows;

@@ -14,12 +14,13 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Tensor};
 use serde_json::Value;
-use wavefront_engine::{Event, EventSink, Outbox, SinkError};
+use wavefront_engine::{Event, EventSink, SinkError};
 use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
-use super::ar::{self, ArProgram};
-use super::diffusion::{self, DiffusionProgram};
+use super::ar::ArProgram;
+use super::diffusion::DiffusionProgram;
+use super::test_support::Driver;
 use super::{HuginnPlanner, Program};
 use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
@@ -215,27 +216,22 @@ fn prepare(planner: &HuginnPlanner, case: &Case) -> Result<Program> {
 }
 
 /// Runs AR `programs` packed into the same ticks until all finish; returns each one's tokens.
-fn run_ar(model: &Huginn, programs: &mut [ArProgram]) -> Result<Vec<Vec<u32>>> {
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+fn run_ar(model: &Huginn, programs: Vec<ArProgram>) -> Result<Vec<Vec<u32>>> {
     let mut tokens = vec![Vec::new(); programs.len()];
-    loop {
-        let mut batch: Vec<ar::Entry<'_>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .filter(|(_, o)| !o.is_done())
-            .map(|(program, outbox)| ar::Entry { program, outbox })
-            .collect();
-        if batch.is_empty() {
-            return Ok(tokens);
-        }
-        ar::tick(model, &mut batch)?;
-        drop(batch);
-        for (i, p) in programs.iter().enumerate() {
-            if tokens[i].len() < p.generated {
-                tokens[i].push(p.pending[0]);
+    let mut driver = Driver::new(model);
+    for p in programs {
+        driver.add(Program::Ar(p));
+    }
+    while !driver.all_done() {
+        driver.tick()?;
+        for (i, tokens) in tokens.iter_mut().enumerate() {
+            let p = driver.ar(i);
+            if tokens.len() < p.generated {
+                tokens.push(p.pending[0]);
             }
         }
     }
+    Ok(tokens)
 }
 
 fn ar_programs(planner: &HuginnPlanner, cases: &[Case]) -> Result<Vec<ArProgram>> {
@@ -253,10 +249,7 @@ fn ar_programs_match_upstream_alone() -> Result<()> {
     let (model, planner, fx) = fixture()?;
     for name in AR_CASES {
         let case = fx.ar_case(name)?;
-        let got = run_ar(
-            &model,
-            &mut ar_programs(&planner, std::slice::from_ref(&case))?,
-        )?;
+        let got = run_ar(&model, ar_programs(&planner, std::slice::from_ref(&case))?)?;
         ensure!(
             got[0] == case.tokens,
             "{name}: {:?}, upstream {:?}",
@@ -274,7 +267,7 @@ fn ar_programs_match_upstream_packed_together() -> Result<()> {
         .iter()
         .map(|n| fx.ar_case(n))
         .collect::<Result<Vec<_>>>()?;
-    let got = run_ar(&model, &mut ar_programs(&planner, &cases)?)?;
+    let got = run_ar(&model, ar_programs(&planner, &cases)?)?;
     for (case, got) in cases.iter().zip(got) {
         ensure!(
             got == case.tokens,
@@ -288,26 +281,20 @@ fn ar_programs_match_upstream_packed_together() -> Result<()> {
 
 /// Runs diffusion `programs` packed into the same ticks until all finish, checking each outer
 /// step's cache and frozen lengths against the trace, then the frozen tokens.
-fn run_diffusion(model: &Huginn, cases: &[Case], programs: &mut [DiffusionProgram]) -> Result<()> {
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+fn run_diffusion(model: &Huginn, cases: &[Case], programs: Vec<DiffusionProgram>) -> Result<()> {
     let mut steps = vec![0usize; programs.len()];
+    let mut driver = Driver::new(model);
+    for p in programs {
+        driver.add(Program::Diffusion(p));
+    }
     let mut ticks = 0;
-    loop {
-        let active: Vec<bool> = outboxes.iter().map(|o| !o.is_done()).collect();
-        let mut batch: Vec<diffusion::Entry<'_>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .filter(|(_, o)| !o.is_done())
-            .map(|(program, outbox)| diffusion::Entry { program, outbox })
-            .collect();
-        if batch.is_empty() {
-            break;
-        }
-        diffusion::tick(model, &mut batch)?;
-        drop(batch);
+    while !driver.all_done() {
+        let active: Vec<bool> = (0..cases.len()).map(|i| !driver.is_done(i)).collect();
+        driver.tick()?;
         if ticks > 0 {
             // Tick 0 is the prefill; tick k > 0 is outer step k - 1.
-            for (i, p) in programs.iter().enumerate().filter(|(i, _)| active[*i]) {
+            for i in (0..cases.len()).filter(|&i| active[i]) {
+                let p = driver.df(i);
                 let case = &cases[i];
                 let want = case.trace.get(steps[i]).copied();
                 let got = (p.cache.len(), p.frozen.len());
@@ -322,7 +309,8 @@ fn run_diffusion(model: &Huginn, cases: &[Case], programs: &mut [DiffusionProgra
         }
         ticks += 1;
     }
-    for ((case, p), &n) in cases.iter().zip(programs.iter()).zip(&steps) {
+    let programs: Vec<&DiffusionProgram> = (0..cases.len()).map(|i| driver.df(i)).collect();
+    for ((case, p), &n) in cases.iter().zip(programs).zip(&steps) {
         ensure!(
             n == case.trace.len(),
             "{}: {n} outer steps, upstream {}",
@@ -355,7 +343,7 @@ fn diffusion_programs_match_upstream_alone() -> Result<()> {
     let (model, planner, fx) = fixture()?;
     for name in DIFFUSION_CASES {
         let case = [fx.diffusion_case(name)?];
-        run_diffusion(&model, &case, &mut diffusion_programs(&planner, &case)?)?;
+        run_diffusion(&model, &case, diffusion_programs(&planner, &case)?)?;
     }
     Ok(())
 }
@@ -367,7 +355,7 @@ fn diffusion_programs_match_upstream_packed_together() -> Result<()> {
         .iter()
         .map(|n| fx.diffusion_case(n))
         .collect::<Result<Vec<_>>>()?;
-    run_diffusion(&model, &cases, &mut diffusion_programs(&planner, &cases)?)
+    run_diffusion(&model, &cases, diffusion_programs(&planner, &cases)?)
 }
 
 #[test]
@@ -524,20 +512,14 @@ fn aligned_freeze_test_and_seeded_draws_finish() -> Result<()> {
     case.spec.sampling.seed = 7;
     let mut outputs = Vec::new();
     for _ in 0..2 {
-        let mut programs = diffusion_programs(&planner, std::slice::from_ref(&case))?;
-        let mut outbox = Outbox::default();
-        let mut ticks = 0;
-        while !outbox.is_done() {
-            let mut batch = [diffusion::Entry {
-                program: &mut programs[0],
-                outbox: &mut outbox,
-            }];
-            diffusion::tick(&model, &mut batch)?;
-            ticks += 1;
-            ensure!(ticks < 1000, "no progress");
+        let programs = diffusion_programs(&planner, std::slice::from_ref(&case))?;
+        let mut driver = Driver::new(&model);
+        for p in programs {
+            driver.add(Program::Diffusion(p));
         }
-        ensure!(programs[0].generated().len() >= case.spec.max_new_tokens);
-        outputs.push(programs[0].generated().to_vec());
+        ensure!(driver.run(999)?, "no progress");
+        ensure!(driver.df(0).generated().len() >= case.spec.max_new_tokens);
+        outputs.push(driver.df(0).generated().to_vec());
     }
     ensure!(outputs[0] == outputs[1], "same seed, different output");
     Ok(())

@@ -79,7 +79,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{
-    Active, Family, FamilyError, FinishReason, Moved, Prepared, RequestError, SlotId, Stats,
+    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, Prepared,
+    RequestError, SlotId, Stats,
 };
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::{
@@ -87,6 +88,7 @@ use wavefront_models::{
 };
 
 use crate::paging;
+use crate::registry::FamilyKind;
 use crate::request::{ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -96,6 +98,9 @@ use crate::served::{
 use crate::SchemeError;
 use ar::ArProgram;
 use draws::DrawSource;
+
+/// This family's name.
+pub(crate) const FAMILY: &str = FamilyKind::RecurrentDepth.name();
 
 /// Upper bound on recurrence steps per token a request may ask for.
 pub const MAX_NUM_STEPS: usize = 1024;
@@ -122,7 +127,7 @@ impl HuginnPlanner {
     pub fn new(cfg: HuginnConfig, name: String, tokenizer: Option<&TextTokenizer>) -> Self {
         let info = ModelInfo {
             name,
-            family: "recurrent_depth",
+            family: FAMILY,
             schemes: vec!["ar", "diffusion-forcing"],
             vocab_size: cfg.vocab_size,
             max_context: cfg.block_size,
@@ -352,8 +357,12 @@ impl Planner for HuginnPlanner {
 
     /// Huginn's recipe: encode with the template `<|begin_text|> $A
     /// <|end_text|>` and drop the trailing `<|end_text|>`.
-    fn encode_prompt(&self, tokenizer: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
-        let mut ids = tokenizer.encode(text, true).map_err(|e| e.to_string())?;
+    fn encode_prompt(
+        &self,
+        tokenizer: &TextTokenizer,
+        text: &str,
+    ) -> Result<Vec<u32>, SchemeError> {
+        let mut ids = tokenizer.encode(text, true)?;
         if self.end_text_id.is_some() && ids.last().copied() == self.end_text_id {
             ids.pop();
         }
@@ -361,15 +370,29 @@ impl Planner for HuginnPlanner {
     }
 }
 
+/// A recurrent-depth step as plain data: one token (or a chunk of a prefill) of `ar`, or the
+/// prefill or one outer step of diffusion forcing.
+#[derive(Debug)]
+pub enum HuginnPlan {
+    Ar(ar::ArPlan),
+    Diffusion(diffusion::DfPlan),
+}
+
+/// What the packed forwards produced for one [`HuginnPlan`].
+#[derive(Debug)]
+pub enum HuginnOutput {
+    Ar(ar::ArOutput),
+    Diffusion(diffusion::DfOutput),
+}
+
 /// The family: owns the model and the page pool of its requests' caches on the engine thread.
 /// Slot ids granted by the engine are page ids of the pool (K/V pages, and a diffusion-forcing
-/// request's latent pages, which hold its wavefront's states).
+/// request's latent pages, which hold its wavefront's states). Each scheme's steps run in a
+/// forward group of their own: one prelude, one core call per recurrence and one coda call
+/// over every request of the scheme.
 pub struct HuginnFamily {
     model: Huginn,
     pool: KvPool,
-    max_batch_rows: Option<usize>,
-    /// Positions the last tick ran through the model (metrics).
-    last_rows: Option<usize>,
     /// Tests: the scheme group whose next forward fails.
     #[cfg(test)]
     pub(crate) fail_next: Option<&'static str>,
@@ -380,8 +403,6 @@ impl HuginnFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
-            max_batch_rows: None,
-            last_rows: None,
             #[cfg(test)]
             fail_next: None,
         }
@@ -393,10 +414,8 @@ impl HuginnFamily {
         self
     }
 
-    /// Caps the rows of a tick: static `ar` prefills run in chunks of what the rest leaves.
-    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
-        self.max_batch_rows = rows;
-        self
+    pub fn model(&self) -> &Huginn {
+        &self.model
     }
 
     /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
@@ -418,15 +437,20 @@ impl HuginnFamily {
             // Diffusion forcing's states are in its cache's pages: they move with them.
             Program::Diffusion(_) => Ok(()),
         };
-        moved.map_err(|e| FamilyError::commit("recurrent-depth", e))
+        let phase = if device.is_cpu() {
+            Phase::Preempt
+        } else {
+            Phase::Resume
+        };
+        moved.map_err(|e| FamilyError::program(FAMILY, phase, e))
     }
 
     /// A fault injected by a test into `group`'s next forward.
-    fn injected(&mut self, group: &'static str) -> candle_core::Result<()> {
+    fn injected(&mut self, group: &'static str) -> Result<(), SchemeError> {
         #[cfg(test)]
         if self.fail_next == Some(group) {
             self.fail_next = None;
-            return Err(candle_core::Error::Msg(format!(
+            return Err(SchemeError::Unsupported(format!(
                 "injected failure of the {group} forward"
             )));
         }
@@ -435,103 +459,124 @@ impl HuginnFamily {
     }
 }
 
-/// Fails every request of a scheme group whose forward returned an error (the other groups of
-/// the tick are not affected).
-fn fail_group_on_error<P>(
-    scheme: &'static str,
-    ran: candle_core::Result<()>,
-    group: &mut [crate::tick::Entry<'_, P>],
-) {
-    let Err(e) = ran else { return };
-    let error = FamilyError::forward(e);
-    tracing::warn!(%error, scheme, requests = group.len(), "forward failed; failing its requests");
-    for entry in group {
-        entry.outbox.fail(error.clone());
-    }
-}
-
 impl Family for HuginnFamily {
     type Program = Program;
+    type Plan = HuginnPlan;
+    type Output = HuginnOutput;
 
-    fn export(&mut self, a: &mut Active<Program>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, "recurrent-depth")
+    /// A static `ar` prefill may run in chunks (an adaptive exit averages the latent change over
+    /// the positions of the call, so its prefill runs whole); every other step runs whole.
+    fn demand(&self, a: &Active<Program>) -> Demand {
+        match &a.program {
+            Program::Ar(p) if ar::chunkable(p) => Demand::Prefill(p.pending.len()),
+            Program::Ar(p) => Demand::Whole(p.pending.len()),
+            Program::Diffusion(p) => Demand::Whole(p.next_rows()),
+        }
     }
 
-    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
-        for a in batch.iter_mut() {
-            self.bind(a);
-        }
-        // Group the batch by scheme; each group runs its packed calls.
-        let mut ar_group: Vec<ar::Entry<'_>> = Vec::with_capacity(batch.len());
-        let mut diffusion_group: Vec<diffusion::Entry<'_>> = Vec::new();
-        let mut rows = 0;
-        for a in batch.iter_mut() {
-            let Active {
-                program, outbox, ..
-            } = &mut **a;
-            match program {
-                Program::Ar(p) => {
-                    rows += p.pending.len();
-                    ar_group.push(ar::Entry { program: p, outbox })
+    fn plan(
+        &mut self,
+        a: &mut Active<Program>,
+        rows: usize,
+    ) -> Result<Option<HuginnPlan>, FamilyError> {
+        self.bind(a);
+        let cfg = self.model.config();
+        let planned = match &mut a.program {
+            Program::Ar(p) => p.plan(rows, cfg.n_embd).map(HuginnPlan::Ar),
+            Program::Diffusion(p) => {
+                // A request whose next wavefront would leave the RoPE table stops here.
+                if p.leaves_context(cfg.block_size) {
+                    p.finish(&mut a.outbox, FinishReason::ContextLimit);
+                    return Ok(None);
                 }
-                Program::Diffusion(p) => {
-                    rows += p.next_rows();
-                    diffusion_group.push(diffusion::Entry { program: p, outbox })
+                p.plan(cfg.n_embd, cfg.n_heads).map(HuginnPlan::Diffusion)
+            }
+        };
+        planned
+            .map(Some)
+            .map_err(|e| FamilyError::program(FAMILY, Phase::Plan, e))
+    }
+
+    /// Two forward groups: every `ar` step, and every diffusion-forcing step. A failure of one
+    /// group's forwards fails its requests only.
+    fn run(&mut self, work: &mut [Planned<'_, Program, HuginnPlan>]) -> Vec<Group<HuginnOutput>> {
+        let (mut ar_members, mut ar_plans, mut ar_caches) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut df_members, mut df_plans, mut df_caches) = (Vec::new(), Vec::new(), Vec::new());
+        let mut mismatched = Vec::new();
+        for (i, w) in work.iter_mut().enumerate() {
+            let Planned { program, plan } = w;
+            match (plan, &mut **program) {
+                (HuginnPlan::Ar(plan), Program::Ar(p)) => {
+                    ar_members.push(i);
+                    ar_plans.push(&*plan);
+                    ar_caches.push(&mut p.cache);
                 }
+                (HuginnPlan::Diffusion(plan), Program::Diffusion(p)) => {
+                    df_members.push(i);
+                    df_plans.push(&*plan);
+                    df_caches.push(&mut p.cache);
+                }
+                _ => mismatched.push(i),
             }
         }
-        // A row budget: static prefills run in chunks of what the rest of the tick leaves
-        // (the decoding steps, adaptive prefills and wavefronts run whole).
-        let chunked: Vec<usize> = (0..ar_group.len())
-            .filter(|&i| ar::chunkable(ar_group[i].program))
-            .collect();
-        let fixed = rows
-            - chunked
-                .iter()
-                .map(|&i| ar_group[i].program.pending.len())
-                .sum::<usize>();
-        let wants: Vec<usize> = chunked
-            .iter()
-            .map(|&i| ar_group[i].program.pending.len())
-            .collect();
-        let mut take: Vec<usize> = ar_group.iter().map(|e| e.program.pending.len()).collect();
-        for (&i, t) in chunked.iter().zip(crate::tick::prefill_rows(
-            self.max_batch_rows,
-            fixed,
-            &wants,
-        )) {
-            take[i] = t;
-        }
-        let mut ar_rows = Vec::with_capacity(ar_group.len());
-        let mut ar_group: Vec<ar::Entry<'_>> = ar_group
-            .into_iter()
-            .zip(&take)
-            .filter(|(_, &t)| t > 0)
-            .map(|(e, &t)| {
-                ar_rows.push(t);
-                e
-            })
-            .collect();
-        self.last_rows = Some(fixed + chunked.iter().map(|&i| take[i]).sum::<usize>());
-        // Each scheme's packed calls are a forward of their own: one that fails fails only the
-        // requests in it, and the other group still runs.
-        if !ar_group.is_empty() {
-            let ran = self
+        let mut groups = Vec::with_capacity(3);
+        if !ar_members.is_empty() {
+            let outputs = self
                 .injected("ar")
-                .and_then(|()| ar::tick_rows(&self.model, &mut ar_group, &ar_rows));
-            fail_group_on_error("ar", ran, &mut ar_group);
+                .and_then(|()| ar::run(&self.model, &ar_plans, &mut ar_caches))
+                .map(|o| o.into_iter().map(HuginnOutput::Ar).collect())
+                .map_err(FamilyError::forward);
+            groups.push(Group {
+                members: ar_members,
+                outputs,
+            });
         }
-        if !diffusion_group.is_empty() {
-            let ran = self
+        if !df_members.is_empty() {
+            let outputs = self
                 .injected("diffusion-forcing")
-                .and_then(|()| diffusion::tick(&self.model, &mut diffusion_group));
-            fail_group_on_error("diffusion-forcing", ran, &mut diffusion_group);
+                .and_then(|()| diffusion::run(&self.model, &df_plans, &mut df_caches))
+                .map(|o| o.into_iter().map(HuginnOutput::Diffusion).collect())
+                .map_err(FamilyError::forward);
+            groups.push(Group {
+                members: df_members,
+                outputs,
+            });
         }
-        Ok(())
+        if !mismatched.is_empty() {
+            groups.push(Group {
+                members: mismatched,
+                outputs: Err(FamilyError::program(
+                    FAMILY,
+                    Phase::Plan,
+                    SchemeError::inconsistent("a plan of another scheme than its program"),
+                )),
+            });
+        }
+        groups
     }
 
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.last_rows
+    fn commit(
+        &mut self,
+        a: &mut Active<Program>,
+        plan: HuginnPlan,
+        output: HuginnOutput,
+    ) -> Result<(), FamilyError> {
+        let done = match (&mut a.program, plan, output) {
+            (Program::Ar(p), HuginnPlan::Ar(plan), HuginnOutput::Ar(out)) => {
+                p.commit(&plan, out, &mut a.outbox)
+            }
+            (Program::Diffusion(p), HuginnPlan::Diffusion(plan), HuginnOutput::Diffusion(out)) => {
+                p.commit(&plan, out, &mut a.outbox)
+            }
+            _ => Err(SchemeError::inconsistent(
+                "an output of another scheme than its program",
+            )),
+        };
+        done.map_err(|e| FamilyError::commit(FAMILY, e))
+    }
+
+    fn export(&mut self, a: &mut Active<Program>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, FAMILY)
     }
 
     fn slots_needed(&self, a: &Active<Program>) -> usize {
@@ -549,14 +594,14 @@ impl Family for HuginnFamily {
     fn preempt(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
         // A request preempted before its first tick moves its (empty) cache into the pool.
         self.bind(a);
-        let moved = paging::swap_out(a.program.state_cache(), "recurrent-depth")?;
+        let moved = paging::swap_out(a.program.state_cache(), FAMILY)?;
         self.move_latents(a, &Device::Cpu)?;
         Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<Program>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let moved = paging::swap_in(a.program.state_cache(), "recurrent-depth")?;
+        let moved = paging::swap_in(a.program.state_cache(), FAMILY)?;
         let device = self.model.device().clone();
         self.move_latents(a, &device)?;
         Ok(moved)
@@ -590,13 +635,11 @@ pub fn serve_model<L>(
     load: L,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
-    L: FnOnce(&Device, DType) -> Result<Huginn, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<Huginn, SchemeError> + Send + 'static,
 {
     let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
-    let (rows, page) = (opts.max_batch_rows, opts.kv_page_size);
-    let make = move |device: &Device, dtype| {
-        make(device, dtype).map(|f| f.with_max_batch_rows(rows).with_page_size(page))
-    };
+    let page = opts.kv_page_size;
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     serve_family(cfg, tokenizer, opts, make)
 }
 
@@ -610,7 +653,7 @@ pub(crate) fn serve_family<F, M>(
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
     F: Family<Program = Program>,
-    M: FnOnce(&Device, DType) -> Result<F, String> + Send + 'static,
+    M: FnOnce(&Device, DType) -> Result<F, SchemeError> + Send + 'static,
 {
     let m = opts.occupancy_multiplier;
     if !m.is_finite() || m <= 0.0 {

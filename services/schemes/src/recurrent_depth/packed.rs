@@ -4,7 +4,7 @@
 use candle_core::{DType, Tensor};
 use wavefront_models::{Huginn, HuginnCache, SeqRows};
 
-use crate::tick::to_candle;
+use crate::SchemeError;
 
 /// The head's output for a decoded row.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,7 +62,7 @@ pub(crate) fn core_call(
     injected: &[Tensor],
     members: &[usize],
     t: usize,
-) -> candle_core::Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor), SchemeError> {
     let s = cat_rows(
         &members
             .iter()
@@ -86,7 +86,7 @@ pub(crate) fn core_call(
             rest = tail;
             base = i + 1;
         }
-        model.core_step(&s, &e, &mut seqs).map_err(to_candle)?
+        model.core_step(&s, &e, &mut seqs)?
     };
     let mut row = 0;
     for &i in members {

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
-use wavefront_engine::{Outbox, RequestError};
+use wavefront_engine::RequestError;
 use wavefront_models::Huginn;
 
-use super::ar::{self, ArProgram};
-use super::diffusion::{self, DiffusionProgram};
+use super::ar::ArProgram;
+use super::diffusion::DiffusionProgram;
 use super::test_support::*;
 use super::{HuginnPlanner, Program};
 use crate::request::{
@@ -37,44 +37,28 @@ fn df_program(planner: &HuginnPlanner, spec: GenerateSpec) -> Result<DiffusionPr
 }
 
 /// Runs one AR program to the end; returns its tokens.
-fn run_ar(model: &Huginn, p: &mut ArProgram) -> Result<Vec<u32>> {
-    let mut outbox = Outbox::default();
+fn run_ar(model: &Huginn, p: ArProgram) -> Result<Vec<u32>> {
+    let mut driver = Driver::new(model);
+    driver.add(Program::Ar(p));
     let mut tokens = Vec::new();
-    while !outbox.is_done() {
-        ar::tick(
-            model,
-            &mut [ar::Entry {
-                program: p,
-                outbox: &mut outbox,
-            }],
-        )?;
-        tokens.push(p.pending[0]);
+    while !driver.all_done() {
+        driver.tick()?;
+        tokens.push(driver.ar(0).pending[0]);
     }
     Ok(tokens)
 }
 
-/// Runs `ticks` diffusion ticks (or until the program finishes); returns whether it finished.
-fn tick_df(
-    model: &Huginn,
-    p: &mut DiffusionProgram,
-    outbox: &mut Outbox,
-    ticks: usize,
-) -> Result<bool> {
-    for _ in 0..ticks {
-        if outbox.is_done() {
-            break;
-        }
-        diffusion::tick(model, &mut [diffusion::Entry { program: p, outbox }])?;
-    }
-    Ok(outbox.is_done())
+/// `p` alone in a driver.
+fn df_driver(model: &Huginn, p: DiffusionProgram) -> Driver {
+    let mut driver = Driver::new(model);
+    driver.add(Program::Diffusion(p));
+    driver
 }
 
-fn run_df(model: &Huginn, p: &mut DiffusionProgram) -> Result<Vec<u32>> {
-    let mut outbox = Outbox::default();
-    ensure!(
-        tick_df(model, p, &mut outbox, 2000)?,
-        "no convergence in 2000 ticks"
-    );
+fn run_df(model: &Huginn, p: DiffusionProgram) -> Result<Vec<u32>> {
+    let mut driver = df_driver(model, p);
+    ensure!(driver.run(2000)?, "no convergence in 2000 ticks");
+    let p = driver.df(0);
     Ok(p.generated()[..p.generated().len().min(p.max_new_tokens)].to_vec())
 }
 
@@ -119,7 +103,7 @@ fn diffusion_with_a_unit_wavefront_reduces_to_ar_only_for_its_first_steps() -> R
                 ..ArParams::default()
             }),
         );
-        let ar_tokens = run_ar(&model, &mut ar_program(&planner, ar_spec)?)?;
+        let ar_tokens = run_ar(&model, ar_program(&planner, ar_spec)?)?;
 
         let df_spec = spec(prompt_ids.clone(), 8, seed, df_as_ar(r, 1, init_scale));
         match planner.prepare(df_spec.clone()) {
@@ -132,8 +116,9 @@ fn diffusion_with_a_unit_wavefront_reduces_to_ar_only_for_its_first_steps() -> R
             spec(prompt_ids.clone(), 8, seed, df_as_ar(r, 2, init_scale)),
         )?;
         unit.settings.max_wavefront = 1;
-        let mut outbox = Outbox::default();
-        ensure!(!tick_df(&model, &mut unit, &mut outbox, 40)?);
+        let mut driver = df_driver(&model, unit);
+        ensure!(!driver.run(40)?);
+        let unit = driver.df(0);
         ensure!(
             unit.generated() == &ar_tokens[..1],
             "{:?} vs {ar_tokens:?}",
@@ -146,12 +131,13 @@ fn diffusion_with_a_unit_wavefront_reduces_to_ar_only_for_its_first_steps() -> R
         );
 
         // Two positions: after one outer step the guess for position L + 1 is AR's second token.
-        let mut two = df_program(
+        let two = df_program(
             &planner,
             spec(prompt_ids.clone(), 8, seed, df_as_ar(r, 2, init_scale)),
         )?;
-        let mut outbox = Outbox::default();
-        tick_df(&model, &mut two, &mut outbox, 2)?;
+        let mut driver = df_driver(&model, two);
+        driver.run(2)?;
+        let two = driver.df(0);
         ensure!(
             two.frozen[l] == ar_tokens[0] && two.cur.get(l + 1) == Some(&ar_tokens[1]),
             "seed {seed}: frozen {:?}, guesses {:?}, AR {ar_tokens:?}",
@@ -197,8 +183,8 @@ fn continuous_compute_warm_starts_instead_of_drawing() -> Result<()> {
             s.replay_draws = Some(replay(l, dim, 0.3));
             s
         };
-        let a = run_ar(&model, &mut ar_program(&planner, ar(true))?)?;
-        let b = run_ar(&model, &mut ar_program(&planner, ar(true))?)?;
+        let a = run_ar(&model, ar_program(&planner, ar(true))?)?;
+        let b = run_ar(&model, ar_program(&planner, ar(true))?)?;
         ensure!(a.len() == 10 && a == b, "{a:?} vs {b:?}");
         ensure!(
             planner.prepare(ar(false)).is_err(),
@@ -218,13 +204,12 @@ fn continuous_compute_warm_starts_instead_of_drawing() -> Result<()> {
         s.replay_draws = Some(replay(l + 1, dim, 0.9));
         s
     };
-    let a = run_df(&model, &mut df_program(&planner, df(true))?)?;
-    let b = run_df(&model, &mut df_program(&planner, df(true))?)?;
+    let a = run_df(&model, df_program(&planner, df(true))?)?;
+    let b = run_df(&model, df_program(&planner, df(true))?)?;
     ensure!(a.len() == 10 && a == b, "{a:?} vs {b:?}");
-    let mut off = df_program(&planner, df(false))?;
-    let mut outbox = Outbox::default();
+    let off = df_program(&planner, df(false))?;
     ensure!(
-        tick_df(&model, &mut off, &mut outbox, 2000).is_err(),
+        df_driver(&model, off).run(2000).is_err(),
         "off: draws a fresh state for every new position"
     );
     Ok(())
@@ -292,8 +277,8 @@ fn headway_above_one_fills_placeholders_reproducibly() -> Result<()> {
                 ..diffusion(12, FreezeTest::Aligned)
             }),
         );
-        let a = run_df(&model, &mut df_program(&planner, s.clone())?)?;
-        let b = run_df(&model, &mut df_program(&planner, s)?)?;
+        let a = run_df(&model, df_program(&planner, s.clone())?)?;
+        let b = run_df(&model, df_program(&planner, s)?)?;
         ensure!(a.len() == 12 && a == b, "headway {headway}: {a:?} vs {b:?}");
     }
     Ok(())

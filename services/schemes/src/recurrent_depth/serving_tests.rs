@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
-use wavefront_engine::{Active, EngineError, Event, Family, FamilyError, Moved, RequestId, SlotId};
+use wavefront_engine::{
+    Active, Demand, EngineError, Event, Family, FamilyError, Group, Moved, Planned, RequestId,
+    SlotId,
+};
 use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::Huginn;
 
@@ -231,34 +234,55 @@ struct Audited {
 
 impl Family for Audited {
     type Program = Program;
+    type Plan = <HuginnFamily as Family>::Plan;
+    type Output = <HuginnFamily as Family>::Output;
 
-    fn tick(&mut self, batch: &mut [&mut Active<Program>]) -> Result<(), FamilyError> {
+    fn demand(&self, a: &Active<Program>) -> Demand {
+        self.inner.demand(a)
+    }
+
+    fn plan(
+        &mut self,
+        a: &mut Active<Program>,
+        rows: usize,
+    ) -> Result<Option<Self::Plan>, FamilyError> {
         {
             let mut l = self.ledger.lock().expect("ledger");
-            for a in batch.iter() {
-                let held = l.live.get(&a.id).cloned().unwrap_or_default();
-                if !a.slots.starts_with(&held) {
-                    let msg = format!("{} lost slots while running", a.id);
-                    l.violations.push(msg);
-                }
-                let mine: HashSet<SlotId> = a.slots.iter().copied().collect();
-                if mine.len() != a.slots.len() {
-                    let msg = format!("{} holds a slot twice", a.id);
-                    l.violations.push(msg);
-                }
-                let clash: Vec<String> = l
-                    .live
-                    .iter()
-                    .filter(|(other, s)| **other != a.id && s.iter().any(|x| mine.contains(x)))
-                    .map(|(other, _)| format!("{} shares a slot with {other}", a.id))
-                    .collect();
-                l.violations.extend(clash);
-                l.live.insert(a.id, a.slots.clone());
-                let most = l.reserved.entry(a.id).or_default();
-                *most = (*most).max(a.slots.len());
+            let held = l.live.get(&a.id).cloned().unwrap_or_default();
+            if !a.slots.starts_with(&held) {
+                let msg = format!("{} lost slots while running", a.id);
+                l.violations.push(msg);
             }
+            let mine: HashSet<SlotId> = a.slots.iter().copied().collect();
+            if mine.len() != a.slots.len() {
+                let msg = format!("{} holds a slot twice", a.id);
+                l.violations.push(msg);
+            }
+            let clash: Vec<String> = l
+                .live
+                .iter()
+                .filter(|(other, s)| **other != a.id && s.iter().any(|x| mine.contains(x)))
+                .map(|(other, _)| format!("{} shares a slot with {other}", a.id))
+                .collect();
+            l.violations.extend(clash);
+            l.live.insert(a.id, a.slots.clone());
+            let most = l.reserved.entry(a.id).or_default();
+            *most = (*most).max(a.slots.len());
         }
-        self.inner.tick(batch)
+        self.inner.plan(a, rows)
+    }
+
+    fn run(&mut self, work: &mut [Planned<'_, Program, Self::Plan>]) -> Vec<Group<Self::Output>> {
+        self.inner.run(work)
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<Program>,
+        plan: Self::Plan,
+        output: Self::Output,
+    ) -> Result<(), FamilyError> {
+        self.inner.commit(a, plan, output)
     }
 
     fn release(&mut self, a: &mut Active<Program>) {
@@ -270,10 +294,6 @@ impl Family for Audited {
         }
         drop(l);
         self.inner.release(a);
-    }
-
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.inner.last_tick_rows()
     }
 
     fn slots_needed(&self, a: &Active<Program>) -> usize {
@@ -413,10 +433,8 @@ fn run_mix(
     let audit = ledger.clone();
     let model_cfg = cfg.clone();
     let served = serve_family(cfg, None, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        let model = Huginn::load(vb, model_cfg).map_err(|e| e.to_string())?;
+        let vb = files.var_builder(dtype, device)?;
+        let model = Huginn::load(vb, model_cfg)?;
         Ok(Audited {
             inner: HuginnFamily::new(model),
             ledger: audit,
@@ -641,10 +659,8 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
         ..LoadOptions::default()
     };
     let served = serve_family(cfg, None, opts, move |device, dtype| {
-        let vb = files
-            .var_builder(dtype, device)
-            .map_err(|e| e.to_string())?;
-        let model = Huginn::load(vb, model_cfg).map_err(|e| e.to_string())?;
+        let vb = files.var_builder(dtype, device)?;
+        let model = Huginn::load(vb, model_cfg)?;
         let mut family = HuginnFamily::new(model);
         family.fail_next = Some("diffusion-forcing");
         Ok(family)
@@ -665,7 +681,8 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
     match &failed {
         EngineError::StepFailed(FamilyError::Forward(m)) => {
             ensure!(
-                m.contains("injected failure of the diffusion-forcing forward"),
+                m.to_string()
+                    .contains("injected failure of the diffusion-forcing forward"),
                 "{m}"
             )
         }

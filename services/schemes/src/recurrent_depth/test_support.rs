@@ -3,12 +3,15 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::DType;
+use wavefront_engine::{Event, Standalone};
 use wavefront_models::device::test_device;
 use wavefront_models::{Huginn, HuginnConfig, ModelFiles};
 
-use super::HuginnPlanner;
+use super::ar::ArProgram;
+use super::diffusion::DiffusionProgram;
+use super::{HuginnFamily, HuginnPlanner, Program};
 use crate::request::{ArParams, DiffusionForcingParams, FreezeTest, SchemeParams};
 
 pub fn fixture_dir() -> PathBuf {
@@ -65,3 +68,63 @@ pub fn diffusion(max_wavefront: usize, freeze_test: FreezeTest) -> DiffusionForc
 }
 
 pub use crate::test_support::{collect, spec, TestSink};
+
+/// Huginn programs stepped through the family's plan → run → commit without an engine, and
+/// looked at between ticks.
+pub struct Driver(pub Standalone<HuginnFamily>);
+
+impl Driver {
+    pub fn new(model: &Huginn) -> Self {
+        Self(Standalone::new(HuginnFamily::new(model.clone())))
+    }
+
+    pub fn add(&mut self, p: Program) -> usize {
+        self.0.add(p)
+    }
+
+    pub fn ar(&self, i: usize) -> &ArProgram {
+        match self.0.program(i) {
+            Program::Ar(p) => p,
+            Program::Diffusion(_) => panic!("program {i} is not an AR program"),
+        }
+    }
+
+    pub fn df(&self, i: usize) -> &DiffusionProgram {
+        match self.0.program(i) {
+            Program::Diffusion(p) => p,
+            Program::Ar(_) => panic!("program {i} is not a diffusion program"),
+        }
+    }
+
+    pub fn is_done(&self, i: usize) -> bool {
+        self.0.is_done(i)
+    }
+
+    pub fn all_done(&self) -> bool {
+        (0..self.0.len()).all(|i| self.0.is_done(i))
+    }
+
+    /// One tick of every program still running; a request that failed is an error.
+    pub fn tick(&mut self) -> Result<()> {
+        self.0.tick();
+        for i in 0..self.0.len() {
+            for e in self.0.active(i).outbox.events() {
+                if let Event::Failed(e) = e {
+                    bail!("request {i} failed: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Up to `ticks` ticks, until every program is done; returns whether they are.
+    pub fn run(&mut self, ticks: usize) -> Result<bool> {
+        for _ in 0..ticks {
+            if self.all_done() {
+                break;
+            }
+            self.tick()?;
+        }
+        Ok(self.all_done())
+    }
+}

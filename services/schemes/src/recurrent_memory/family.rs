@@ -20,56 +20,37 @@
 //! alone or batched.
 
 use candle_core::{DType, Device, Tensor};
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_engine::{
+    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, SlotId,
+};
 use wavefront_models::armt::{Armt, CellInput, MemoryView, StepShape};
 use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
 
 use super::program::{ArmtOutput, ArmtPlan, ArmtProgram};
+use super::FAMILY;
 use crate::paging;
-use crate::tick::{entries, to_candle};
+use crate::SchemeError;
 
-/// One active program as a tick sees it.
-pub type Entry<'a> = crate::tick::Entry<'a, ArmtProgram>;
-
-/// What one tick computed.
+/// What one run of the packed calls computed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TickReport {
+pub struct RunReport {
     /// Rows through the model: every cell's and every packed row.
     pub rows: usize,
     /// The grouped step's shape, when one ran.
     pub grouped: Option<StepShape>,
 }
 
-/// Runs one tick of every program in `batch` (see the module doc): each program plans, the
-/// plans run packed ([`run`]), and each program commits its output. A failure of a packed call
-/// fails the tick; a program's own failure to commit goes to its outbox.
-pub fn tick(model: &Armt, batch: &mut [Entry<'_>]) -> candle_core::Result<TickReport> {
-    let n_layers = model.config().n_layers();
-    for e in batch.iter_mut() {
-        if e.program.memory.is_none() {
-            e.program.memory = Some(model.new_memory().map_err(to_candle)?);
-        }
-    }
-    let plans: Vec<ArmtPlan> = batch.iter().map(|e| e.program.plan(n_layers)).collect();
-    let (outputs, report) = run(model, batch, &plans)?;
-    for ((e, plan), out) in batch.iter_mut().zip(&plans).zip(outputs) {
-        if let Err(err) = e.program.commit(plan, out, n_layers, e.outbox) {
-            e.outbox.fail(FamilyError::commit("recurrent-memory", err));
-        }
-    }
-    Ok(report)
-}
-
-/// Runs `plans` (one per entry of `batch`, in order) in packed calls: one grouped step for every
-/// diagonal, one pass through the layers for every sequential segment and decoding token, one
-/// head call over the rows that choose a token. Writes only what the forwards themselves write
-/// (caches); memories, residual streams and tokens go to each program in its [`ArmtOutput`].
+/// Runs the plans of `work` in packed calls: one grouped step for every diagonal, one pass
+/// through the layers for every sequential segment and decoding token, one head call over the
+/// rows that choose a token. Writes only what the forwards themselves write (caches); memories,
+/// residual streams and tokens go to each program in its [`ArmtOutput`].
 pub fn run(
     model: &Armt,
-    batch: &mut [Entry<'_>],
-    plans: &[ArmtPlan],
-) -> candle_core::Result<(Vec<ArmtOutput>, TickReport)> {
-    let mut report = TickReport::default();
+    work: &mut [Planned<'_, ArmtProgram, ArmtPlan>],
+) -> Result<(Vec<ArmtOutput>, RunReport), SchemeError> {
+    let mut report = RunReport::default();
+    let plans: Vec<ArmtPlan> = work.iter().map(|w| w.plan.clone()).collect();
+    let plans = plans.as_slice();
     let mut outputs: Vec<ArmtOutput> = plans.iter().map(|_| ArmtOutput::default()).collect();
     // Rows whose logits choose a token: (entry, hidden row [1, d]).
     let mut heads: Vec<(usize, Tensor)> = Vec::new();
@@ -79,7 +60,7 @@ pub fn run(
     if !diagonal.is_empty() {
         grouped_step(
             model,
-            batch,
+            work,
             plans,
             &diagonal,
             &mut outputs,
@@ -93,7 +74,7 @@ pub fn run(
     if !packed.is_empty() {
         layer_pass(
             model,
-            batch,
+            work,
             plans,
             &packed,
             &mut outputs,
@@ -105,8 +86,8 @@ pub fn run(
         return Ok((outputs, report));
     }
     let rows: Vec<Tensor> = heads.iter().map(|(_, r)| r.clone()).collect();
-    let logits = model.logits(&Tensor::cat(&rows, 0)?).map_err(to_candle)?;
-    let greedy = heads.iter().all(|(i, _)| batch[*i].program.is_greedy());
+    let logits = model.logits(&Tensor::cat(&rows, 0)?)?;
+    let greedy = heads.iter().all(|(i, _)| work[*i].program.is_greedy());
     let tokens: Option<Vec<u32>> = if greedy {
         Some(
             logits
@@ -120,7 +101,7 @@ pub fn run(
     for (k, (i, _)) in heads.iter().enumerate() {
         let out = &mut outputs[*i];
         out.token = tokens.as_ref().map(|t| t[k]);
-        if out.token.is_none() || batch[*i].program.records_logits() {
+        if out.token.is_none() || work[*i].program.records_logits() {
             out.logits = Some(logits.get(k)?.to_vec1::<f32>()?);
         }
     }
@@ -130,13 +111,13 @@ pub fn run(
 /// The diagonals of `members`, in one grouped call.
 fn grouped_step(
     model: &Armt,
-    batch: &mut [Entry<'_>],
+    work: &mut [Planned<'_, ArmtProgram, ArmtPlan>],
     plans: &[ArmtPlan],
     members: &[usize],
     outputs: &mut [ArmtOutput],
     heads: &mut Vec<(usize, Tensor)>,
-    report: &mut TickReport,
-) -> candle_core::Result<()> {
+    report: &mut RunReport,
+) -> Result<(), SchemeError> {
     let n_layers = model.config().n_layers();
     // (entry, segment, layer) of every cell, and the residual stream entering it.
     let mut placed: Vec<(usize, usize, usize)> = Vec::new();
@@ -145,14 +126,16 @@ fn grouped_step(
         let ArmtPlan::Diagonal { cells } = &plans[i] else {
             continue;
         };
-        let p = &*batch[i].program;
+        let p = &*work[i].program;
         for &(s, l) in cells {
             let h = match p.inflight.get(&s) {
                 Some(h) => h.tensor().clone(),
-                None if l == 0 => model
-                    .segment_input(p.segment_ids(s), !p.is_prompt_segment(s))
-                    .map_err(to_candle)?,
-                None => candle_core::bail!("segment {s} is not in flight before layer {l}"),
+                None if l == 0 => model.segment_input(p.segment_ids(s), !p.is_prompt_segment(s))?,
+                None => {
+                    return Err(SchemeError::inconsistent(format!(
+                        "segment {s} is not in flight before layer {l}"
+                    )))
+                }
             };
             placed.push((i, s, l));
             hidden.push(h);
@@ -163,7 +146,7 @@ fn grouped_step(
             .iter()
             .zip(hidden)
             .map(|(&(i, s, l), hidden)| {
-                let p = &*batch[i].program;
+                let p = &*work[i].program;
                 let prompt = p.is_prompt_segment(s);
                 CellInput {
                     layer: l,
@@ -178,14 +161,14 @@ fn grouped_step(
             .iter()
             .map(|c| c.hidden.dim(0).unwrap_or(0))
             .sum::<usize>();
-        model.grouped_step(&cells).map_err(to_candle)?
+        model.grouped_step(&cells)?
     };
     report.grouped = Some(shape);
     for (&(i, s, l), out) in placed.iter().zip(cells_out) {
-        let p = &mut *batch[i].program;
+        let p = &mut *work[i].program;
         if let Some(kv) = out.kv {
             // The prompt segment's keys: written by the forward, as a packed pass writes them.
-            model.store_kv(&mut p.cache, l, kv).map_err(to_candle)?;
+            model.store_kv(&mut p.cache, l, kv)?;
         }
         if l + 1 == n_layers && p.is_prompt_segment(s) {
             let n = out.hidden.dim(0)?;
@@ -193,7 +176,7 @@ fn grouped_step(
         }
         // A stream a layer above still reads waits in a pool slot; the top layer's is dropped.
         let hidden = if l + 1 < n_layers {
-            model.pooled_stream(&out.hidden).map_err(to_candle)?
+            model.pooled_stream(&out.hidden)?
         } else {
             out.hidden.into()
         };
@@ -205,18 +188,18 @@ fn grouped_step(
 /// Sequential segments and decoding tokens of `members` through every layer.
 fn layer_pass(
     model: &Armt,
-    batch: &mut [Entry<'_>],
+    work: &mut [Planned<'_, ArmtProgram, ArmtPlan>],
     plans: &[ArmtPlan],
     members: &[usize],
     outputs: &mut [ArmtOutput],
     heads: &mut Vec<(usize, Tensor)>,
-    report: &mut TickReport,
-) -> candle_core::Result<()> {
+    report: &mut RunReport,
+) -> Result<(), SchemeError> {
     // Each member's input rows, and whether its last row chooses a token.
     let mut xs = Vec::with_capacity(members.len());
     let mut choose = Vec::with_capacity(members.len());
     for &i in members {
-        let p = &*batch[i].program;
+        let p = &*work[i].program;
         let x = match &plans[i] {
             ArmtPlan::Segment { segment, prompt } => {
                 choose.push(*prompt);
@@ -226,9 +209,12 @@ fn layer_pass(
                 choose.push(true);
                 model.embed(&[*token])
             }
-            _ => candle_core::bail!("a packed pass got a diagonal or idle plan"),
-        }
-        .map_err(to_candle)?;
+            _ => {
+                return Err(SchemeError::inconsistent(
+                    "a packed pass got a diagonal or idle plan",
+                ))
+            }
+        }?;
         xs.push(x);
     }
     let rows: Vec<usize> = xs
@@ -239,7 +225,7 @@ fn layer_pass(
     let (out, writes) = {
         let mut seqs = Vec::with_capacity(members.len());
         let mut mems = Vec::with_capacity(members.len());
-        for (k, e) in batch
+        for (k, e) in work
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| members.contains(i))
@@ -276,9 +262,7 @@ fn layer_pass(
             mems.push(MemoryView { layers, write });
         }
         let x = Tensor::cat(&xs, 0)?;
-        model
-            .forward_layers_deferred(&x, &mut seqs, &mems)
-            .map_err(to_candle)?
+        model.forward_layers_deferred(&x, &mut seqs, &mems)?
     };
     let mut offset = 0;
     for ((k, &i), w) in members.iter().enumerate().zip(writes) {
@@ -299,7 +283,8 @@ fn layer_pass(
 pub struct RecurrentMemoryFamily {
     model: Armt,
     pool: KvPool,
-    last_rows: Option<usize>,
+    /// What the last run computed (tests look at its grouped step).
+    last_run: RunReport,
 }
 
 impl RecurrentMemoryFamily {
@@ -307,8 +292,17 @@ impl RecurrentMemoryFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
-            last_rows: None,
+            last_run: RunReport::default(),
         }
+    }
+
+    pub fn model(&self) -> &Armt {
+        &self.model
+    }
+
+    /// What the last run of the packed calls computed.
+    pub fn last_run(&self) -> RunReport {
+        self.last_run
     }
 
     /// Pages of `page` positions (the planner's page size).
@@ -335,27 +329,20 @@ impl RecurrentMemoryFamily {
         resuming: bool,
     ) -> Result<(), FamilyError> {
         moved.bytes += a.program.state_bytes() as u64;
-        let err = |e: String| FamilyError::commit("recurrent-memory", e);
         if !resuming {
             // Copies: the slots go back with the originals.
             return a
                 .program
                 .move_state(&Device::Cpu)
-                .map_err(|e| err(e.to_string()));
+                .map_err(|e| FamilyError::program(FAMILY, Phase::Preempt, e));
         }
+        let err = |e| FamilyError::program(FAMILY, Phase::Resume, e);
         let p = &mut a.program;
         if let Some(memory) = &p.memory {
-            let pooled = self
-                .model
-                .pooled_memory(memory)
-                .map_err(|e| err(e.to_string()))?;
-            p.memory = Some(pooled);
+            p.memory = Some(self.model.pooled_memory(memory).map_err(err)?);
         }
         for x in p.inflight.values_mut() {
-            *x = self
-                .model
-                .pooled_stream(x.tensor())
-                .map_err(|e| err(e.to_string()))?;
+            *x = self.model.pooled_stream(x.tensor()).map_err(err)?;
         }
         Ok(())
     }
@@ -363,19 +350,58 @@ impl RecurrentMemoryFamily {
 
 impl Family for RecurrentMemoryFamily {
     type Program = ArmtProgram;
+    type Plan = ArmtPlan;
+    type Output = ArmtOutput;
 
     fn export(&mut self, a: &mut Active<ArmtProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, "recurrent-memory")
+        crate::migrate::export(&a.program, FAMILY)
     }
 
-    fn tick(&mut self, batch: &mut [&mut Active<ArmtProgram>]) -> Result<(), FamilyError> {
-        for a in batch.iter_mut() {
-            self.bind(a);
+    fn demand(&self, a: &Active<ArmtProgram>) -> Demand {
+        let cfg = self.model.config();
+        match a.program.step_rows(cfg.n_layers(), cfg.num_mem_tokens()) {
+            0 => Demand::Idle,
+            rows => Demand::Whole(rows),
         }
-        let mut entries = entries(batch, |_| true);
-        let report = tick(&self.model, &mut entries).map_err(FamilyError::forward)?;
-        self.last_rows = Some(report.rows);
-        Ok(())
+    }
+
+    fn plan(
+        &mut self,
+        a: &mut Active<ArmtProgram>,
+        _rows: usize,
+    ) -> Result<Option<ArmtPlan>, FamilyError> {
+        self.bind(a);
+        if a.program.memory.is_none() {
+            let memory = self
+                .model
+                .new_memory()
+                .map_err(|e| FamilyError::program(FAMILY, Phase::Plan, e))?;
+            a.program.memory = Some(memory);
+        }
+        Ok(Some(a.program.plan(self.model.config().n_layers())))
+    }
+
+    /// One forward group: the grouped step, the layer pass and the head call share the tick.
+    fn run(&mut self, work: &mut [Planned<'_, ArmtProgram, ArmtPlan>]) -> Vec<Group<ArmtOutput>> {
+        let outputs = run(&self.model, work)
+            .map(|(outputs, report)| {
+                self.last_run = report;
+                outputs
+            })
+            .map_err(FamilyError::forward);
+        vec![Group::all(work.len(), outputs)]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<ArmtProgram>,
+        plan: ArmtPlan,
+        output: ArmtOutput,
+    ) -> Result<(), FamilyError> {
+        let n_layers = self.model.config().n_layers();
+        a.program
+            .commit(&plan, output, n_layers, &mut a.outbox)
+            .map_err(|e| FamilyError::commit(FAMILY, e))
     }
 
     fn release(&mut self, program: &mut Active<ArmtProgram>) {
@@ -384,10 +410,6 @@ impl Family for RecurrentMemoryFamily {
 
     fn stop(&mut self, a: &mut Active<ArmtProgram>) {
         a.program.finish(FinishReason::StopString, &mut a.outbox);
-    }
-
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.last_rows
     }
 
     fn slots_needed(&self, a: &Active<ArmtProgram>) -> usize {
@@ -402,14 +424,14 @@ impl Family for RecurrentMemoryFamily {
 
     fn preempt(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let mut moved = paging::swap_out(&mut a.program.cache, "recurrent-memory")?;
+        let mut moved = paging::swap_out(&mut a.program.cache, FAMILY)?;
         self.move_state(a, &mut moved, false)?;
         Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<ArmtProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let mut moved = paging::swap_in(&mut a.program.cache, "recurrent-memory")?;
+        let mut moved = paging::swap_in(&mut a.program.cache, FAMILY)?;
         self.move_state(a, &mut moved, true)?;
         Ok(moved)
     }

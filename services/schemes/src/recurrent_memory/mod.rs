@@ -72,10 +72,11 @@ use wavefront_models::armt::{Armt, ArmtConfig};
 use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
-pub use self::family::{tick, Entry, RecurrentMemoryFamily, TickReport};
+pub use self::family::{RecurrentMemoryFamily, RunReport};
 use self::program::Paging;
 pub use self::program::{ArmtOutput, ArmtPlan, ArmtProgram};
 use crate::kv_slot::KvSlot;
+use crate::registry::FamilyKind;
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -83,6 +84,9 @@ use crate::served::{
     ModelInfo, Planner, ServedModel,
 };
 use crate::SchemeError;
+
+/// This family's name.
+pub(crate) const FAMILY: &str = FamilyKind::RecurrentMemory.name();
 
 /// The context limit of a recurrent-memory model when the load options set none. The memory
 /// a request holds does not depend on its length; this bounds the work of one request.
@@ -107,7 +111,7 @@ impl ArmtPlanner {
     pub fn new(cfg: ArmtConfig, name: String, dtype: DType, max_context: usize) -> Self {
         let info = ModelInfo {
             name,
-            family: "recurrent_memory",
+            family: FAMILY,
             schemes: vec!["ar"],
             vocab_size: cfg.vocab_size(),
             max_context,
@@ -295,7 +299,7 @@ pub fn serve_model<L>(
     load: L,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
-    L: FnOnce(&Device, DType) -> Result<Armt, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<Armt, SchemeError> + Send + 'static,
 {
     let max_context = opts
         .max_context_tokens

@@ -8,8 +8,9 @@ use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::slot_pool::Pooled;
 use wavefront_models::transformer::KvCache;
 
+use crate::packing::ends_after;
 use crate::sampling::TokenSampler;
-use crate::tick::ends_after;
+use crate::SchemeError;
 
 /// Where a request stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -245,6 +246,29 @@ impl ArmtProgram {
         outbox.finish(reason, stats);
     }
 
+    /// Rows the next step computes: every cell's segment (with `mem_tokens` memory rows for a
+    /// memory segment), or one decoding row.
+    pub(crate) fn step_rows(&self, n_layers: usize, mem_tokens: usize) -> usize {
+        let segment_rows = |s: usize| {
+            let extra = if self.is_prompt_segment(s) {
+                0
+            } else {
+                mem_tokens
+            };
+            self.segment_ids(s).len() + extra
+        };
+        match self.phase {
+            Phase::Done => 0,
+            Phase::Decode => 1,
+            Phase::Prefill if self.diagonal => self
+                .diagonal_cells(n_layers)
+                .into_iter()
+                .map(|(s, _)| segment_rows(s))
+                .sum(),
+            Phase::Prefill => segment_rows(self.next_segment),
+        }
+    }
+
     /// The work of the next tick.
     pub(crate) fn plan(&self, n_layers: usize) -> ArmtPlan {
         match self.phase {
@@ -272,22 +296,22 @@ impl ArmtProgram {
         out: ArmtOutput,
         n_layers: usize,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
-        let err = |e: wavefront_models::ModelError| e.to_string();
+    ) -> Result<(), SchemeError> {
+        let no_memories = || SchemeError::inconsistent("no memories");
         match plan {
             ArmtPlan::Idle => return Ok(()),
             ArmtPlan::Diagonal { cells } => {
                 if out.cells.len() != cells.len() {
-                    return Err(format!(
+                    return Err(SchemeError::inconsistent(format!(
                         "{} cell outputs for {} cells",
                         out.cells.len(),
                         cells.len()
-                    ));
+                    )));
                 }
-                let memory = self.memory.as_mut().ok_or("no memories")?;
+                let memory = self.memory.as_mut().ok_or_else(no_memories)?;
                 for (&(s, l), (hidden, update)) in cells.iter().zip(out.cells) {
                     if let Some(u) = update {
-                        memory[l].apply(u).map_err(err)?;
+                        memory[l].apply(u)?;
                     }
                     if l + 1 < n_layers {
                         self.inflight.insert(s, hidden);
@@ -300,14 +324,13 @@ impl ArmtProgram {
                 self.stats.push_series("cells_per_step", cells.len() as u32);
             }
             ArmtPlan::Segment { .. } => {
-                let memory = self.memory.as_mut().ok_or("no memories")?;
+                let memory = self.memory.as_mut().ok_or_else(no_memories)?;
                 for (l, u) in out.writes.into_iter().enumerate() {
                     if let Some(u) = u {
                         memory
                             .get_mut(l)
-                            .ok_or("a write past the layers")?
-                            .apply(u)
-                            .map_err(err)?;
+                            .ok_or_else(|| SchemeError::inconsistent("a write past the layers"))?
+                            .apply(u)?;
                     }
                 }
                 self.next_segment += 1;
@@ -529,7 +552,7 @@ mod commit_tests {
         let err = p
             .commit(&plan, ArmtOutput::default(), LAYERS, &mut outbox)
             .unwrap_err();
-        assert!(err.contains("cell outputs"), "{err}");
+        assert!(err.to_string().contains("cell outputs"), "{err}");
     }
 
     fn h1_top() -> Tensor {

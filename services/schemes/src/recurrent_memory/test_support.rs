@@ -6,13 +6,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use wavefront_engine::Outbox;
+use wavefront_engine::Standalone;
 use wavefront_models::armt::Armt;
 use wavefront_models::device::test_device;
 use wavefront_models::ModelFiles;
 
 use super::program::Record;
-use super::{tick, ArmtPlanner, ArmtProgram, Entry, DEFAULT_MAX_CONTEXT_TOKENS};
+use super::{ArmtPlanner, ArmtProgram, RecurrentMemoryFamily, DEFAULT_MAX_CONTEXT_TOKENS};
 use crate::request::{ArParams, Execution, GenerateSpec, SamplingParams, SchemeParams};
 use crate::served::Planner;
 
@@ -115,7 +115,13 @@ pub fn run(model: &Armt, programs: Vec<ArmtProgram>, join: &[usize]) -> Result<R
     for p in &mut programs {
         p.record();
     }
-    let mut outboxes: Vec<Outbox> = programs.iter().map(|_| Outbox::default()).collect();
+    let mut waiting: Vec<(usize, ArmtProgram)> = programs
+        .into_iter()
+        .enumerate()
+        .map(|(k, p)| (join.get(k).copied().unwrap_or(0), p))
+        .collect();
+    waiting.reverse();
+    let mut driver = Standalone::new(RecurrentMemoryFamily::new(model.clone()));
     let mut out = Run {
         records: Vec::new(),
         ticks: 0,
@@ -123,38 +129,40 @@ pub fn run(model: &Armt, programs: Vec<ArmtProgram>, join: &[usize]) -> Result<R
         cells: Vec::new(),
     };
     for t in 0..100_000 {
-        if outboxes.iter().all(Outbox::is_done) {
+        while waiting.last().is_some_and(|(at, _)| *at <= t) {
+            let (_, p) = waiting.pop().context("a waiting program")?;
+            driver.add(p);
+        }
+        if waiting.is_empty() && (0..driver.len()).all(|i| driver.is_done(i)) {
             out.ticks = t;
+            let (_, programs) = driver.into_parts();
             out.records = programs
                 .iter()
                 .map(|p| p.recorded().cloned().context("recorded"))
                 .collect::<Result<_>>()?;
             return Ok(out);
         }
-        let mut batch: Vec<Entry<'_>> = programs
-            .iter_mut()
-            .zip(outboxes.iter_mut())
-            .enumerate()
-            .filter(|(k, (_, o))| !o.is_done() && join.get(*k).copied().unwrap_or(0) <= t)
-            .map(|(_, (program, outbox))| Entry { program, outbox })
-            .collect();
-        if batch.is_empty() {
+        if (0..driver.len()).all(|i| driver.is_done(i)) {
             continue;
         }
-        let report = tick(model, &mut batch)?;
-        drop(batch);
+        let ran = driver.tick().planned > 0;
+        let report = driver.family().last_run();
         // Residual streams waiting between layers live in the model's stream pool, one slot
         // each; a stream that left the top layer gave its slot back.
-        let inflight: usize = programs.iter().map(|p| p.inflight.len()).sum();
-        ensure!(programs
-            .iter()
-            .all(|p| p.inflight.values().all(|x| x.is_pooled())));
+        let inflight: usize = (0..driver.len())
+            .map(|i| driver.program(i).inflight.len())
+            .sum();
+        ensure!((0..driver.len()).all(|i| driver
+            .program(i)
+            .inflight
+            .values()
+            .all(|x| x.is_pooled())));
         ensure!(
             model.stream_pool().in_use() == inflight,
             "{} stream slots held for {inflight} streams",
             model.stream_pool().in_use()
         );
-        if let Some(shape) = report.grouped {
+        if let (true, Some(shape)) = (ran, report.grouped) {
             out.grouped_steps += 1;
             out.cells.push(shape.cells);
         }

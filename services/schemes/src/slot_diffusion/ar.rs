@@ -8,8 +8,9 @@ use wavefront_engine::{Outbox, Stats};
 use wavefront_models::transformer::KvCache;
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
+use crate::packing::ends_after;
 use crate::sampling::TokenSampler;
-use crate::tick::ends_after;
+use crate::SchemeError;
 
 /// One autoregressive request.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -85,7 +86,7 @@ impl ArDecode {
         outs: &[Vec<ReadOut>],
         stats: &mut Stats,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         let ran = call.rows.first().map_or(0, |r| r.ids.len());
         if ran < self.pending.len() {
             // A chunk of the prompt: its K/V are cached; the rest runs next.
@@ -95,7 +96,7 @@ impl ArDecode {
         let o = outs
             .first()
             .and_then(|r| r.first())
-            .ok_or("the call returned no logits")?;
+            .ok_or_else(|| SchemeError::inconsistent("the call returned no logits"))?;
         let token = match &o.logits {
             Some(logits) => self.sampler.sample(logits),
             None => o.argmax,

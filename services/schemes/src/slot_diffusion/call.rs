@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor, D};
 
 /// Which cache a row extends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CacheUse {
+pub enum CacheUse {
     /// Row `i` of parallel iterative completion: segment `i` after the committed cache (in its
     /// pages), over the committed rows and itself only.
     Segment(usize),
@@ -23,7 +23,7 @@ pub(crate) enum CacheUse {
 
 /// A logit row a program reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RowRead {
+pub struct RowRead {
     /// Index of the position within its row's input.
     pub(crate) at: usize,
     /// Token whose softmax probability is read (`None`: only argmax and maximum).
@@ -52,7 +52,7 @@ impl RowRead {
 
 /// One row of a call.
 #[derive(Debug, Clone)]
-pub(crate) struct CallRow {
+pub struct CallRow {
     pub(crate) ids: Vec<u32>,
     pub(crate) positions: Vec<u32>,
     pub(crate) cache: CacheUse,
@@ -61,7 +61,7 @@ pub(crate) struct CallRow {
 
 /// A program's next model call.
 #[derive(Debug, Clone)]
-pub(crate) struct Call {
+pub struct Call {
     pub(crate) rows: Vec<CallRow>,
 }
 
@@ -77,7 +77,7 @@ impl Call {
 
 /// What a read row gave.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ReadOut {
+pub struct ReadOut {
     pub(crate) argmax: u32,
     /// Softmax probability of the argmax.
     pub(crate) max_prob: f32,

@@ -11,74 +11,48 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{Active, Family, FamilyError, FinishReason, Moved, SlotId};
+use wavefront_engine::{
+    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Planned, SlotId,
+};
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
 use super::program::SdProgram;
+use super::FAMILY;
+use crate::packing::head_rows;
 use crate::paging;
-use crate::tick::{entries, head_rows, to_candle};
+use crate::SchemeError;
 
-/// One active program as a tick sees it.
-pub type Entry<'a> = crate::tick::Entry<'a, SdProgram>;
-
-/// Runs the next call of every program in `batch` through `model` in one packed forward;
-/// returns the rows computed. A failure of the forward fails the tick; a program's own failure
-/// goes to its outbox. With a row budget (`max_batch_rows`), `ar` prefills run in chunks of
-/// what the other calls leave, and one that gets no row waits for the next tick.
-pub fn tick(
+/// Runs every call of `work` in one packed forward and one head call over every row any
+/// program reads; returns each call's reads, row by row.
+pub(crate) fn run(
     model: &Qwen3,
-    batch: &mut [Entry<'_>],
-    max_batch_rows: Option<usize>,
-) -> candle_core::Result<usize> {
-    let prefills: Vec<(usize, usize)> = batch
+    work: &mut [Planned<'_, SdProgram, Call>],
+) -> Result<Vec<Vec<Vec<ReadOut>>>, SchemeError> {
+    let ids: Vec<u32> = work
         .iter()
-        .enumerate()
-        .filter_map(|(i, e)| e.program.prefill_rows().map(|n| (i, n)))
-        .collect();
-    let mut calls: Vec<Option<Call>> = batch
-        .iter_mut()
-        .map(|e| (e.program.prefill_rows().is_none()).then(|| e.program.next_call(None)))
-        .collect();
-    let fixed: usize = calls.iter().flatten().map(Call::tokens).sum();
-    let wants: Vec<usize> = prefills.iter().map(|p| p.1).collect();
-    for (&(i, _), take) in
-        prefills
-            .iter()
-            .zip(crate::tick::prefill_rows(max_batch_rows, fixed, &wants))
-    {
-        if take > 0 {
-            calls[i] = Some(batch[i].program.next_call(Some(take)));
-        }
-    }
-    let mut batch: Vec<&mut Entry<'_>> = batch
-        .iter_mut()
-        .zip(&calls)
-        .filter(|(_, c)| c.is_some())
-        .map(|(e, _)| e)
-        .collect();
-    let calls: Vec<Call> = calls.into_iter().flatten().collect();
-    let ids: Vec<u32> = calls
-        .iter()
-        .flat_map(|c| c.rows.iter().flat_map(|r| r.ids.iter().copied()))
+        .flat_map(|w| w.plan.rows.iter().flat_map(|r| r.ids.iter().copied()))
         .collect();
     if ids.is_empty() {
-        return Ok(0);
+        return Ok(work
+            .iter()
+            .map(|w| vec![Vec::new(); w.plan.rows.len()])
+            .collect());
     }
     let hidden = {
         let mut seqs = Vec::new();
-        for (e, c) in batch.iter_mut().zip(&calls) {
-            seqs.extend(e.program.sequences(c).map_err(candle_core::Error::Msg)?);
+        for w in work.iter_mut() {
+            seqs.extend(w.program.sequences(&w.plan)?);
         }
-        model.forward(&ids, &mut seqs).map_err(to_candle)?
+        model.forward(&ids, &mut seqs)?
     };
 
     // One head call over every row any program reads.
     let (mut select, mut targets, mut full) = (Vec::new(), Vec::new(), Vec::new());
     let mut offset = 0;
-    for c in &calls {
-        for row in &c.rows {
+    for w in work.iter() {
+        for row in &w.plan.rows {
             for rd in &row.reads {
                 if rd.full {
                     full.push(select.len() as u32);
@@ -106,9 +80,10 @@ pub fn tick(
     full_rows.reverse();
 
     let mut at = 0;
-    for (e, c) in batch.iter_mut().zip(&calls) {
-        let mut outs = Vec::with_capacity(c.rows.len());
-        for row in &c.rows {
+    let mut outputs = Vec::with_capacity(work.len());
+    for w in work.iter() {
+        let mut outs = Vec::with_capacity(w.plan.rows.len());
+        for row in &w.plan.rows {
             let mut mine = Vec::with_capacity(row.reads.len());
             for rd in &row.reads {
                 let [argmax, max_prob, target_prob] = reduced[at];
@@ -126,12 +101,10 @@ pub fn tick(
             }
             outs.push(mine);
         }
-        if let Err(err) = e.program.commit(c, &outs, e.outbox) {
-            e.outbox.fail(FamilyError::commit("slot-diffusion", err));
-        }
+        outputs.push(outs);
     }
-    debug_assert_eq!(at, calls.iter().map(Call::reads).sum::<usize>());
-    Ok(ids.len())
+    debug_assert_eq!(at, work.iter().map(|w| w.plan.reads()).sum::<usize>());
+    Ok(outputs)
 }
 
 /// The family: owns the model and the page pool of its requests' committed caches on the
@@ -139,8 +112,6 @@ pub fn tick(
 pub struct SlotDiffusionFamily {
     model: Qwen3,
     pool: KvPool,
-    max_batch_rows: Option<usize>,
-    last_rows: Option<usize>,
 }
 
 impl SlotDiffusionFamily {
@@ -148,8 +119,6 @@ impl SlotDiffusionFamily {
         Self {
             model,
             pool: KvPool::shared(PAGE_SIZE),
-            max_batch_rows: None,
-            last_rows: None,
         }
     }
 
@@ -159,10 +128,8 @@ impl SlotDiffusionFamily {
         self
     }
 
-    /// Caps the rows of a tick: `ar` prefills run in chunks of what the rest leaves.
-    pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
-        self.max_batch_rows = rows;
-        self
+    pub fn model(&self) -> &Qwen3 {
+        &self.model
     }
 }
 
@@ -182,24 +149,57 @@ impl paging::OneCache for SdProgram {
 
 impl Family for SlotDiffusionFamily {
     type Program = SdProgram;
+    type Plan = Call;
+    type Output = Vec<Vec<ReadOut>>;
 
     fn export(&mut self, a: &mut Active<SdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, "slot-diffusion")
+        crate::migrate::export(&a.program, FAMILY)
     }
 
-    fn tick(&mut self, batch: &mut [&mut Active<SdProgram>]) -> Result<(), FamilyError> {
-        for a in batch.iter_mut() {
-            paging::bind_one(a, &self.pool);
+    /// An `ar` request's prompt may run in chunks; every other call runs whole.
+    fn demand(&self, a: &Active<SdProgram>) -> Demand {
+        let p = &a.program;
+        if p.is_done() {
+            return Demand::Idle;
         }
-        let mut entries = entries(batch, |p| !p.is_done());
-        let rows =
-            tick(&self.model, &mut entries, self.max_batch_rows).map_err(FamilyError::forward)?;
-        self.last_rows = Some(rows);
-        Ok(())
+        match p.prefill_rows() {
+            Some(rows) => Demand::Prefill(rows),
+            None => Demand::Whole(p.next_call_rows()),
+        }
     }
 
-    fn last_tick_rows(&self) -> Option<usize> {
-        self.last_rows
+    fn plan(
+        &mut self,
+        a: &mut Active<SdProgram>,
+        rows: usize,
+    ) -> Result<Option<Call>, FamilyError> {
+        paging::bind_one(a, &self.pool);
+        let p = &mut a.program;
+        let call = match p.prefill_rows() {
+            Some(_) => p.next_call(Some(rows)),
+            None => p.next_call(None),
+        };
+        debug_assert_eq!(call.tokens(), rows, "a call of other rows than its demand");
+        Ok(Some(call))
+    }
+
+    /// One forward group: every program's call in one packed forward and one head call.
+    fn run(&mut self, work: &mut [Planned<'_, SdProgram, Call>]) -> Vec<Group<Vec<Vec<ReadOut>>>> {
+        vec![Group::all(
+            work.len(),
+            run(&self.model, work).map_err(FamilyError::forward),
+        )]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<SdProgram>,
+        call: Call,
+        outs: Vec<Vec<ReadOut>>,
+    ) -> Result<(), FamilyError> {
+        a.program
+            .commit(&call, &outs, &mut a.outbox)
+            .map_err(|e| FamilyError::commit(FAMILY, e))
     }
 
     fn slots_needed(&self, a: &Active<SdProgram>) -> usize {
@@ -211,11 +211,11 @@ impl Family for SlotDiffusionFamily {
     }
 
     fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        paging::preempt_one(a, &self.pool, "slot-diffusion")
+        paging::preempt_one(a, &self.pool, FAMILY)
     }
 
     fn resume(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        paging::resume_one(a, &self.pool, "slot-diffusion")
+        paging::resume_one(a, &self.pool, FAMILY)
     }
 
     fn stop(&mut self, a: &mut Active<SdProgram>) {

@@ -305,13 +305,13 @@ fn every_run_matches_upstream_alone_and_packed_together() -> Result<()> {
     let runs = runs(&golden);
     assert_eq!(runs.len(), 8);
     for run in &runs {
-        let mut p = [program(&planner, run_spec(run, rule_for(run)))?];
+        let mut p = vec![program(&planner, run_spec(run, rule_for(run)))?];
         let ticks = run_model(&model, &mut p)?;
         check(run, &p[0])?;
         // One model call per tick.
         ensure!(ticks[0] == p[0].calls().len());
         // Without recording, calls read only the logits their decisions need: same run.
-        let mut quiet = [planner.prepare(run_spec(run, rule_for(run)))?.program];
+        let mut quiet = vec![planner.prepare(run_spec(run, rule_for(run)))?.program];
         let quiet_ticks = run_model(&model, &mut quiet)?;
         ensure!(quiet_ticks == ticks);
         check_buffer(run, &quiet[0])?;
@@ -338,7 +338,7 @@ fn the_aligned_eos_rule_generates_the_slots_left_of_the_eos() -> Result<()> {
         .iter()
         .find(|r| r["name"] == "eos_quirk_b16")
         .context("eos_quirk_b16")?;
-    let mut p = [program(&planner, run_spec(run, EosRule::Aligned))?];
+    let mut p = vec![program(&planner, run_spec(run, EosRule::Aligned))?];
     run_model(&model, &mut p)?;
     let upstream = run["trace"].as_array().context("trace")?;
     let got = p[0].iterations();
@@ -369,13 +369,13 @@ fn the_aligned_eos_rule_generates_the_slots_left_of_the_eos() -> Result<()> {
     ensure!(calls > 20, "{calls} calls");
     // Every other run is identical under both rules.
     for run in runs.iter().filter(|r| r["name"] != "eos_quirk_b16") {
-        let mut p = [program(&planner, run_spec(run, EosRule::Upstream))?];
+        let mut p = vec![program(&planner, run_spec(run, EosRule::Upstream))?];
         run_model(&model, &mut p)?;
         check(run, &p[0])?;
     }
     Ok(())
 }
 
-fn run_model(model: &wavefront_models::Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
+fn run_model(model: &wavefront_models::Qwen3, programs: &mut Vec<SdProgram>) -> Result<Vec<usize>> {
     run(model, programs)
 }

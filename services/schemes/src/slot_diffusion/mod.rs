@@ -88,12 +88,13 @@ use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
-pub use self::family::{tick, Entry, SlotDiffusionFamily};
+pub use self::family::SlotDiffusionFamily;
 pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
 use crate::kv_slot::KvSlot;
+use crate::registry::FamilyKind;
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{
@@ -102,6 +103,8 @@ use crate::served::{
 };
 use crate::SchemeError;
 
+/// This family's name.
+pub(crate) const FAMILY: &str = FamilyKind::SlotDiffusion.name();
 /// Validates requests against a ReFusion config and builds programs.
 pub struct RefusionPlanner {
     cfg: Qwen3Config,
@@ -127,7 +130,7 @@ impl RefusionPlanner {
         })?;
         let info = ModelInfo {
             name,
-            family: "slot_diffusion",
+            family: FAMILY,
             schemes: vec!["plan-infill", "ar"],
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_position_embeddings,
@@ -335,7 +338,7 @@ pub fn serve_model<L>(
     load: L,
 ) -> Result<Arc<dyn ServedModel>, SchemeError>
 where
-    L: FnOnce(&Device, DType) -> Result<Qwen3, String> + Send + 'static,
+    L: FnOnce(&Device, DType) -> Result<Qwen3, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
         RefusionPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)?
@@ -345,10 +348,8 @@ where
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Qwen3::config, SlotDiffusionFamily::new);
-    let (rows, page) = (opts.max_batch_rows, opts.kv_page_size);
-    let make = move |device: &Device, dtype| {
-        make(device, dtype).map(|f| f.with_max_batch_rows(rows).with_page_size(page))
-    };
+    let page = opts.kv_page_size;
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

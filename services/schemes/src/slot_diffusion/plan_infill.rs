@@ -38,6 +38,7 @@ use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use super::canvas::Canvas;
 use crate::request::EosRule;
 use crate::sampling::TokenSampler;
+use crate::SchemeError;
 
 /// The request's fixed settings.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -248,6 +249,26 @@ impl PlanInfill {
     }
 
     /// The next model call.
+    /// Rows [`Self::next_call`] computes: the planning call's masked slots (and the prompt on
+    /// the first call), the verification call's drafts, or every selected slot's unaccepted
+    /// tokens in iterative completion.
+    pub(crate) fn next_call_rows(&self) -> usize {
+        let s = self.s.slot_size;
+        match &self.phase {
+            Phase::Plan => {
+                let prompt = if self.main.is_empty() {
+                    self.prompt.len()
+                } else {
+                    0
+                };
+                prompt + self.pool.len() * s
+            }
+            Phase::Verify(sel) => sel.drafts.iter().map(Vec::len).sum(),
+            Phase::Infill(inf) => inf.rows.len() * (s - inf.acc),
+            Phase::Done => 0,
+        }
+    }
+
     pub(crate) fn next_call(&mut self) -> Call {
         let s = self.s.slot_size;
         let rows = match &self.phase {
@@ -365,7 +386,7 @@ impl PlanInfill {
     /// one causal sequence; iterative completion as one sequence of every row's unaccepted
     /// tokens, each in its own segment (row `r` at `committed + r · slot_size`), seeing the
     /// committed buffer and its own segment (the segment's accepted prefix from the cache).
-    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
+    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, SchemeError> {
         let committed = self.buffer_ids.len();
         let s = self.s.slot_size;
         match call.rows.as_slice() {
@@ -386,7 +407,9 @@ impl PlanInfill {
                 let (mut index, mut positions) = (Vec::new(), Vec::new());
                 for (r, row) in rows.iter().enumerate() {
                     if row.cache != CacheUse::Segment(r) || row.ids.len() > s {
-                        return Err(format!("row {r} of the call is not segment {r}'s"));
+                        return Err(SchemeError::inconsistent(format!(
+                            "row {r} of the call is not segment {r}'s"
+                        )));
                     }
                     // The row's tokens are its segment's last ones (past the accepted prefix).
                     let first = committed + r * s + (s - row.ids.len());
@@ -417,7 +440,7 @@ impl PlanInfill {
         outs: &[Vec<ReadOut>],
         stats: &mut Stats,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         if let Some(rec) = self.record.as_mut().and_then(|r| r.calls.last_mut()) {
             rec.reads = call
                 .rows
@@ -445,12 +468,12 @@ impl PlanInfill {
                     self.phase = Phase::Infill(inf);
                 }
             }
-            Phase::Done => return Err("a finished program was ticked".into()),
+            Phase::Done => return Err(SchemeError::inconsistent("a finished program was ticked")),
         }
         Ok(())
     }
 
-    fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), String> {
+    fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), SchemeError> {
         let s = self.s.slot_size;
         let outs = &outs[0];
         let mut drafts = Vec::with_capacity(self.pool.len());
@@ -479,9 +502,7 @@ impl PlanInfill {
         }
         // The call wrote its rows after the committed ones: the first call's prompt rows are
         // committed from now on, the masked slots' rows are cut.
-        self.main
-            .truncate(self.buffer_ids.len())
-            .map_err(|e| e.to_string())?;
+        self.main.truncate(self.buffer_ids.len())?;
         stats.add_counter("iterations", 1);
         stats.add_counter("slots_selected", picked.len() as u64);
         stats.push_series("slots_selected_per_iteration", picked.len() as u32);
@@ -513,7 +534,7 @@ impl PlanInfill {
         outs: &[Vec<ReadOut>],
         stats: &mut Stats,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         let s = self.s.slot_size;
         let k = sel.picked.len();
         let flat: Vec<u32> = sel.drafts.concat();
@@ -529,7 +550,9 @@ impl PlanInfill {
         let mut reads = outs[0].iter();
         for f in 0..k * s - 1 {
             if (f + 1) % s != 0 {
-                let o = reads.next().ok_or("verify call returned too few rows")?;
+                let o = reads.next().ok_or_else(|| {
+                    SchemeError::inconsistent("verify call returned too few rows")
+                })?;
                 probs[(f + 1) / s][(f + 1) % s] = o.target_prob;
             }
         }
@@ -556,9 +579,7 @@ impl PlanInfill {
         let Some(n) = commit_len else {
             // Iterative completion: one row per selected slot, each in its own segment after the
             // committed rows (the verification K/V are cut).
-            self.main
-                .truncate(self.buffer_ids.len())
-                .map_err(|e| e.to_string())?;
+            self.main.truncate(self.buffer_ids.len())?;
             let rows = sel
                 .picked
                 .iter()
@@ -657,7 +678,7 @@ impl PlanInfill {
         inf: &mut Infill,
         call: &Call,
         outs: &[Vec<ReadOut>],
-    ) -> Result<bool, String> {
+    ) -> Result<bool, SchemeError> {
         let (s, acc) = (self.s.slot_size, inf.acc);
         let mut verify_probs = Vec::with_capacity(inf.rows.len());
         for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
@@ -727,13 +748,13 @@ impl PlanInfill {
         inf: Infill,
         stats: &mut Stats,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         let s = self.s.slot_size;
         if inf.acc != s {
-            return Err(format!(
+            return Err(SchemeError::inconsistent(format!(
                 "iterative completion ended with {} of {s} tokens accepted",
                 inf.acc
-            ));
+            )));
         }
         stats.add_counter("infill_steps", inf.steps as u64);
         let mut tokens: Vec<u32> = inf.rows.iter().flat_map(|r| r.tokens.clone()).collect();
@@ -783,16 +804,16 @@ impl PlanInfill {
         tokens: &[u32],
         stats: &mut Stats,
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         let keep = self.buffer_ids.len() + tokens.len();
         if self.main.len() < keep {
-            return Err(format!(
+            return Err(SchemeError::inconsistent(format!(
                 "{} rows to commit in place, {} written",
                 tokens.len(),
                 self.main.len().saturating_sub(self.buffer_ids.len())
-            ));
+            )));
         }
-        self.main.truncate(keep).map_err(|e| e.to_string())?;
+        self.main.truncate(keep)?;
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);
         self.canvas.commit(positions, tokens);

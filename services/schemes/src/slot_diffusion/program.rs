@@ -8,6 +8,7 @@ use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use super::ar::ArDecode;
 use super::call::{Call, CallRow, ReadOut};
 use super::plan_infill::{CallRecord, IterationRecord, PlanInfill, Recorder};
+use crate::SchemeError;
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) enum Scheme {
@@ -107,6 +108,14 @@ impl SdProgram {
         }
     }
 
+    /// Rows the next call computes (an `ar` request's whole pending prefill).
+    pub(crate) fn next_call_rows(&self) -> usize {
+        match &self.scheme {
+            Scheme::PlanInfill(p) => p.next_call_rows(),
+            Scheme::Ar(a) => a.pending(),
+        }
+    }
+
     /// The next model call; `rows` caps an `ar` prefill's (a chunk of its prompt).
     pub(crate) fn next_call(&mut self, rows: Option<usize>) -> Call {
         let call = match &mut self.scheme {
@@ -121,11 +130,14 @@ impl SdProgram {
 
     /// The attention sequences of `call`'s rows, in row order, written in place in the program's
     /// cache (see [`PlanInfill::sequences`]).
-    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, String> {
+    pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, SchemeError> {
         match &mut self.scheme {
             Scheme::PlanInfill(p) => p.sequences(call),
             Scheme::Ar(a) => {
-                let row = call.rows.first().ok_or("an empty call")?;
+                let row = call
+                    .rows
+                    .first()
+                    .ok_or_else(|| SchemeError::inconsistent("an empty call"))?;
                 let start = a.cache.len();
                 Ok(vec![seq(
                     row,
@@ -144,7 +156,7 @@ impl SdProgram {
         call: &Call,
         outs: &[Vec<ReadOut>],
         outbox: &mut Outbox,
-    ) -> Result<(), String> {
+    ) -> Result<(), SchemeError> {
         match &mut self.scheme {
             Scheme::PlanInfill(p) => p.commit(call, outs, &mut self.stats, outbox),
             Scheme::Ar(a) => a.commit(call, outs, &mut self.stats, outbox),

@@ -1,5 +1,5 @@
 //! Helpers shared by the slot-diffusion tests: the ReFusion fixture (tests/fixtures/refusion),
-//! request builders and a direct tick loop.
+//! request builders and a family run without an engine.
 
 use std::path::PathBuf;
 
@@ -9,10 +9,10 @@ use serde_json::Value;
 use wavefront_models::device::test_device;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config};
 
-use super::{tick, RefusionPlanner, SdProgram};
+use super::{RefusionPlanner, SdProgram, SlotDiffusionFamily};
 use crate::request::{EosRule, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
 use crate::served::Planner;
-use crate::test_support::tick_until_done;
+use crate::test_support::run_to_end;
 
 pub fn fixture_dir() -> PathBuf {
     wavefront_models::device::test_fixture("refusion")
@@ -74,8 +74,9 @@ pub fn program(planner: &RefusionPlanner, spec: GenerateSpec) -> Result<SdProgra
 
 /// Runs `programs` packed into the same ticks until all finish; returns how many ticks each
 /// was part of.
-pub fn run(model: &Qwen3, programs: &mut [SdProgram]) -> Result<Vec<usize>> {
-    tick_until_done(programs, |batch| tick(model, batch, None).map(drop))
+pub fn run(model: &Qwen3, programs: &mut Vec<SdProgram>) -> Result<Vec<usize>> {
+    let (_, ticks) = run_to_end(SlotDiffusionFamily::new(model.clone()), programs)?;
+    Ok(ticks)
 }
 
 pub use crate::test_support::collect;

@@ -1,0 +1,42 @@
+//! What every family's packed forwards share: the one head call over the rows programs read,
+//! the autoregressive end test, and model errors as candle errors inside a forward.
+
+use candle_core::Tensor;
+use wavefront_engine::FinishReason;
+use wavefront_models::ModelError;
+
+/// One head call over the rows programs read: `head` over rows `select` of `hidden`, in that
+/// order; `None` when no row is read.
+pub(crate) fn head_rows(
+    hidden: &Tensor,
+    select: &[u32],
+    head: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>,
+) -> candle_core::Result<Option<Tensor>> {
+    if select.is_empty() {
+        return Ok(None);
+    }
+    let rows = hidden.index_select(&Tensor::new(select, hidden.device())?, 0)?;
+    head(&rows).map(Some).map_err(to_candle)
+}
+
+/// Whether an autoregressive request ends after taking `token` as its `generated`-th new
+/// token: on one of its stop tokens, or at `max_new_tokens`.
+pub(crate) fn ends_after(
+    token: u32,
+    stop_token_ids: &[u32],
+    generated: usize,
+    max_new_tokens: usize,
+) -> Option<FinishReason> {
+    if stop_token_ids.contains(&token) {
+        Some(FinishReason::StopToken)
+    } else if generated >= max_new_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// A model error as a candle error, so a tick's `?` carries both.
+pub(crate) fn to_candle(e: ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
