@@ -19,6 +19,8 @@
 
 pub mod block_diffusion;
 pub mod error;
+#[cfg(test)]
+mod fault_tests;
 mod kv_slot;
 pub mod masked_diffusion;
 pub mod migrate;

@@ -454,3 +454,15 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
     served.shutdown();
     Ok(())
 }
+
+/// A fault in one request's plan, forward or commit fails that request only, beside another.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let fx = fixture()?;
+    let runs = runs(&fx)?;
+    crate::fault_tests::assert_faults_fail_only_their_request(
+        || Ok(BlockDiffusionFamily::new(fx.model.clone())),
+        || Ok(fx.planner.prepare(runs[0].1.clone())?.program),
+        || Ok(fx.planner.prepare(runs[1].1.clone())?.program),
+    )
+}

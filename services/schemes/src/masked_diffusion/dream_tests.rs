@@ -493,3 +493,18 @@ fn fx_json() -> Result<Value> {
         dir.join("golden.json"),
     )?)?)
 }
+
+/// A fault in one request's plan, forward or commit fails that request only, beside another
+/// `diffusion-generate` request.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let fx = fixture()?;
+    let r = fx.run("entropy.chat.n32.s16")?;
+    let s = run_spec(&fx, r, ids(&r["input_ids"][0]))?;
+    let other = spec(super::test_support::prompt(9, 3), 16, 5, s.scheme.clone());
+    crate::fault_tests::assert_faults_fail_only_their_request(
+        || Ok(super::MaskedDiffusionFamily::new(fx.model.clone())),
+        || Ok(fx.planner.prepare(s.clone())?.program),
+        || Ok(fx.planner.prepare(other.clone())?.program),
+    )
+}

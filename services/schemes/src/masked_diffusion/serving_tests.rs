@@ -571,3 +571,34 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
     served.shutdown();
     Ok(())
 }
+
+/// A fault in one request's plan, forward or commit fails that request only, beside a request of
+/// another scheme: low-confidence, WINO, and low-confidence with SureLock.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let lc = spec(
+        prompt(5, 0),
+        8,
+        0,
+        SchemeParams::LowConfidence(low_confidence(8, 8)),
+    );
+    let sl = spec(
+        prompt(6, 1),
+        8,
+        0,
+        SchemeParams::LowConfidence(LowConfidenceParams {
+            surelock: surelock(5e-2, None),
+            ..low_confidence(8, 8)
+        }),
+    );
+    let w = spec(prompt(4, 2), 8, 0, SchemeParams::Wino(wino(8)));
+    for (faulty, ok) in [(lc.clone(), w.clone()), (w, sl.clone()), (sl, lc)] {
+        crate::fault_tests::assert_faults_fail_only_their_request(
+            || Ok(super::MaskedDiffusionFamily::new(model.clone())),
+            || Ok(planner.prepare(faulty.clone())?.program),
+            || Ok(planner.prepare(ok.clone())?.program),
+        )?;
+    }
+    Ok(())
+}

@@ -722,3 +722,25 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
     served.shutdown();
     Ok(())
 }
+
+/// A fault in one request's plan, forward or commit fails that request only: both schemes, each
+/// beside a request of the other scheme (another forward group) and of its own (the same one).
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let (model, planner) = fixture_model_and_planner()?;
+    let ar = |salt| spec(prompt(5, salt), 6, 1, ar_static(4, "full"));
+    let df = spec(
+        prompt(6, 7),
+        6,
+        8,
+        SchemeParams::DiffusionForcing(diffusion(8, FreezeTest::Aligned)),
+    );
+    for (faulty, ok) in [(ar(0), df.clone()), (df.clone(), ar(3)), (ar(1), ar(2))] {
+        crate::fault_tests::assert_faults_fail_only_their_request(
+            || Ok(HuginnFamily::new(model.clone())),
+            || Ok(planner.prepare(faulty.clone())?.program),
+            || Ok(planner.prepare(ok.clone())?.program),
+        )?;
+    }
+    Ok(())
+}

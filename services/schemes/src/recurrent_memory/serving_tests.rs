@@ -410,3 +410,20 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
     served.shutdown();
     Ok(())
 }
+
+/// A fault in one request's plan, forward or commit fails that request only, beside a request of
+/// the other execution.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let diag = spec(prompt(40, 0), 4, Execution::Diagonal);
+    let seq = spec(prompt(30, 1), 4, Execution::Sequential);
+    for (faulty, ok) in [(diag.clone(), seq.clone()), (seq, diag)] {
+        crate::fault_tests::assert_faults_fail_only_their_request(
+            || Ok(super::RecurrentMemoryFamily::new(model.clone())),
+            || Ok(planner.prepare(faulty.clone())?.program),
+            || Ok(planner.prepare(ok.clone())?.program),
+        )?;
+    }
+    Ok(())
+}

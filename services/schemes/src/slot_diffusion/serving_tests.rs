@@ -688,3 +688,20 @@ fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()
     served.shutdown();
     Ok(())
 }
+
+/// A fault in one request's plan, forward or commit fails that request only, beside a request of
+/// the other scheme.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let (model, planner) = fixture()?;
+    let pi = spec(prompt(6, 0), 16, plan_infill(4, 1, 0.9, 0.9));
+    let ar = spec(prompt(5, 1), 6, SchemeParams::Ar(ArParams::default()));
+    for (faulty, ok) in [(pi.clone(), ar.clone()), (ar, pi)] {
+        crate::fault_tests::assert_faults_fail_only_their_request(
+            || Ok(super::SlotDiffusionFamily::new(model.clone())),
+            || Ok(planner.prepare(faulty.clone())?.program),
+            || Ok(planner.prepare(ok.clone())?.program),
+        )?;
+    }
+    Ok(())
+}
