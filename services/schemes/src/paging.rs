@@ -1,62 +1,166 @@
 //! What every family with paged caches does with the engine's slots: hand a request's newly
 //! granted slots to its cache (the slot ids are page ids of the family's pool), and move the
 //! cache's pages to host memory and back when the engine preempts and resumes the request.
+//! Families whose programs hold one cache (block and slot diffusion) share the whole slot cycle
+//! ([`OneCacheFamily`]); Huginn, ARMT and SureLock call the pieces with their own state.
 
-use wavefront_engine::{Active, FamilyError, Moved, SlotId};
-use wavefront_models::transformer::{KvCache, KvPool, PagedCache};
+use wavefront_engine::{
+    Active, Demand, Family, FamilyError, Group, Moved, Outbox, Phase, Planned, SlotId,
+};
+use wavefront_models::transformer::{KvCache, KvPool, PagedCache, PAGE_SIZE};
 
-/// A program whose paged state is one K/V cache (slot diffusion, block diffusion): its family's
-/// part of the engine's slot cycle is the same for all of them ([`bind_one`], [`needed_one`],
-/// [`reclaim_one`], [`preempt_one`], [`resume_one`]).
-pub(crate) trait OneCache {
+use crate::SchemeError;
+
+/// A program whose paged state is one K/V cache (slot diffusion, block diffusion): the slot cycle
+/// of its family is [`OneCacheFamily`]'s, the same for all of them.
+pub trait OneCache {
     fn cache(&mut self) -> &mut KvCache;
     /// Pages the cache holds after the next step at most, in pages of `page` rows.
     fn pages_needed(&self, page: usize) -> usize;
     fn is_done(&self) -> bool;
 }
 
-/// Hands the slots granted to `a` since the last look to its cache (moved into `pool` on first
-/// sight: programs are built outside the engine thread).
-pub(crate) fn bind_one<P: OneCache>(a: &mut Active<P>, pool: &KvPool) {
-    let new = a.take_new_slots();
-    bind(a.program.cache(), pool, new);
+/// What a family of one-cache programs does besides the slot cycle: its network's steps.
+pub trait Stepper: Send + 'static {
+    type Program: OneCache + serde::Serialize + Send + 'static;
+    type Plan;
+    type Output;
+    /// The family's name, for errors.
+    const FAMILY: &'static str;
+
+    fn demand(&self, program: &Self::Program) -> Demand;
+    fn plan(&self, program: &mut Self::Program, rows: usize) -> Result<Self::Plan, SchemeError>;
+    /// Every plan of the tick in one forward group.
+    fn run(
+        &self,
+        work: &mut [Planned<'_, Self::Program, Self::Plan>],
+    ) -> Result<Vec<Self::Output>, SchemeError>;
+    fn commit(
+        &self,
+        program: &mut Self::Program,
+        plan: Self::Plan,
+        output: Self::Output,
+        outbox: &mut Outbox,
+    ) -> Result<(), SchemeError>;
+    /// The transport stopped the request: it finishes now with its statistics.
+    fn stop(&self, program: &mut Self::Program, outbox: &mut Outbox);
 }
 
-/// `Family::slots_needed`: what the next step's pages reach (a finished program keeps what it
-/// holds until the engine retires it).
-pub(crate) fn needed_one<P: OneCache>(a: &Active<P>, pool: &KvPool) -> usize {
-    if a.program.is_done() {
-        return a.slots.len();
+/// A family whose programs each hold one paged K/V cache: the stepper `S` plans, runs and
+/// commits; the family hands granted slots to the caches as pages of its pool, asks for the
+/// pages the next step reaches, gives back the ones it will not, and moves the pages to host
+/// memory and back when the engine preempts and resumes a request.
+pub struct OneCacheFamily<S> {
+    stepper: S,
+    pool: KvPool,
+}
+
+impl<S: Stepper> OneCacheFamily<S> {
+    pub(crate) fn with_stepper(stepper: S) -> Self {
+        Self {
+            stepper,
+            pool: KvPool::shared(PAGE_SIZE),
+        }
     }
-    a.program.pages_needed(pool.page_size()).max(a.slots.len())
+
+    /// Pages of `page` buffer rows (the planner's page size).
+    pub fn with_page_size(mut self, page: usize) -> Self {
+        self.pool = KvPool::shared(page.max(1));
+        self
+    }
+
+    pub(crate) fn stepper(&self) -> &S {
+        &self.stepper
+    }
+
+    /// Hands the slots granted to `a` since the last look to its cache (moved into the pool on
+    /// first sight: programs are built outside the engine thread).
+    fn bind(&self, a: &mut Active<S::Program>) {
+        let new = a.take_new_slots();
+        bind(a.program.cache(), &self.pool, new);
+    }
 }
 
-/// `Family::reclaim`: the granted pages the next step will not use.
-pub(crate) fn reclaim_one<P: OneCache>(a: &mut Active<P>, pool: &KvPool) -> Vec<SlotId> {
-    let need = a.keeps(a.program.pages_needed(pool.page_size()));
-    let held = a.slots.len();
-    reclaim(a.program.cache(), held, need)
-}
+impl<S: Stepper> Family for OneCacheFamily<S> {
+    type Program = S::Program;
+    type Plan = S::Plan;
+    type Output = S::Output;
 
-/// `Family::preempt`: the cache's pages to host memory (a request preempted before its first
-/// tick moves its empty cache into the pool first).
-pub(crate) fn preempt_one<P: OneCache>(
-    a: &mut Active<P>,
-    pool: &KvPool,
-    scheme: &'static str,
-) -> Result<Moved, FamilyError> {
-    bind_one(a, pool);
-    swap_out(a.program.cache(), scheme)
-}
+    fn demand(&self, a: &Active<S::Program>) -> Demand {
+        if a.program.is_done() {
+            return Demand::Idle;
+        }
+        self.stepper.demand(&a.program)
+    }
 
-/// `Family::resume`: the pages back into the slots granted now.
-pub(crate) fn resume_one<P: OneCache>(
-    a: &mut Active<P>,
-    pool: &KvPool,
-    scheme: &'static str,
-) -> Result<Moved, FamilyError> {
-    bind_one(a, pool);
-    swap_in(a.program.cache(), scheme)
+    fn plan(
+        &mut self,
+        a: &mut Active<S::Program>,
+        rows: usize,
+    ) -> Result<Option<S::Plan>, FamilyError> {
+        self.bind(a);
+        self.stepper
+            .plan(&mut a.program, rows)
+            .map(Some)
+            .map_err(|e| FamilyError::program(S::FAMILY, Phase::Plan, e))
+    }
+
+    fn run(&mut self, work: &mut [Planned<'_, S::Program, S::Plan>]) -> Vec<Group<S::Output>> {
+        vec![Group::all(
+            work.len(),
+            self.stepper.run(work).map_err(FamilyError::forward),
+        )]
+    }
+
+    fn commit(
+        &mut self,
+        a: &mut Active<S::Program>,
+        plan: S::Plan,
+        output: S::Output,
+    ) -> Result<(), FamilyError> {
+        self.stepper
+            .commit(&mut a.program, plan, output, &mut a.outbox)
+            .map_err(|e| FamilyError::commit(S::FAMILY, e))
+    }
+
+    fn stop(&mut self, a: &mut Active<S::Program>) {
+        self.stepper.stop(&mut a.program, &mut a.outbox);
+    }
+
+    fn export(&mut self, a: &mut Active<S::Program>) -> Result<Vec<u8>, FamilyError> {
+        crate::migrate::export(&a.program, S::FAMILY)
+    }
+
+    /// What the next step's pages reach (a finished program keeps what it holds until the
+    /// engine retires it).
+    fn slots_needed(&self, a: &Active<S::Program>) -> usize {
+        if a.program.is_done() {
+            return a.slots.len();
+        }
+        a.program
+            .pages_needed(self.pool.page_size())
+            .max(a.slots.len())
+    }
+
+    /// The granted pages the next step will not use.
+    fn reclaim(&mut self, a: &mut Active<S::Program>) -> Vec<SlotId> {
+        let need = a.keeps(a.program.pages_needed(self.pool.page_size()));
+        let held = a.slots.len();
+        reclaim(a.program.cache(), held, need)
+    }
+
+    /// The cache's pages to host memory (a request preempted before its first tick moves its
+    /// empty cache into the pool first).
+    fn preempt(&mut self, a: &mut Active<S::Program>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        swap_out(a.program.cache(), S::FAMILY)
+    }
+
+    /// The pages back into the slots granted now.
+    fn resume(&mut self, a: &mut Active<S::Program>) -> Result<Moved, FamilyError> {
+        self.bind(a);
+        swap_in(a.program.cache(), S::FAMILY)
+    }
 }
 
 /// Gives `cache` the slots `new` as pages of `pool`. A cache still in the private pool it was
@@ -74,14 +178,14 @@ pub(crate) fn bind<C: PagedCache>(cache: &mut C, pool: &KvPool, new: Vec<SlotId>
     cache.grant_pages(new.into_iter().map(|s| s.0).collect());
 }
 
-/// Moves `cache`'s pages to host memory (preemption); `scheme` names the failure.
+/// Moves `cache`'s pages to host memory (preemption); `family` names the failure.
 pub(crate) fn swap_out<C: PagedCache>(
     cache: &mut C,
-    scheme: &'static str,
+    family: &'static str,
 ) -> Result<Moved, FamilyError> {
     let bytes = cache
         .swap_out()
-        .map_err(|e| FamilyError::commit(scheme, e))?;
+        .map_err(|e| FamilyError::program(family, Phase::Preempt, e))?;
     Ok(Moved {
         bytes: bytes as u64,
         recomputed_rows: 0,
@@ -91,11 +195,11 @@ pub(crate) fn swap_out<C: PagedCache>(
 /// Moves `cache`'s pages back into the pages it was granted (resumption).
 pub(crate) fn swap_in<C: PagedCache>(
     cache: &mut C,
-    scheme: &'static str,
+    family: &'static str,
 ) -> Result<Moved, FamilyError> {
     let bytes = cache
         .swap_in()
-        .map_err(|e| FamilyError::commit(scheme, e))?;
+        .map_err(|e| FamilyError::program(family, Phase::Resume, e))?;
     Ok(Moved {
         bytes: bytes as u64,
         recomputed_rows: 0,

@@ -5,16 +5,13 @@
 //! ids of the family's pool, which holds the finished blocks' K/V.
 
 use candle_core::Tensor;
-use wavefront_engine::{
-    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Planned, SlotId,
-};
-use wavefront_models::transformer::{KvPool, PAGE_SIZE};
+use wavefront_engine::{Demand, FinishReason, Outbox, Planned};
 use wavefront_models::Llada2;
 
 use super::program::{BdPlan, BdProgram};
 use crate::masked_diffusion::FAMILY;
 use crate::packing::head_rows;
-use crate::paging;
+use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
 
 /// Runs every plan of `work` in one packed forward and one head call over the masked rows of
@@ -59,28 +56,22 @@ pub(crate) fn run(
     Ok(outputs)
 }
 
-/// The family: owns the model and the page pool of its requests' caches on the engine thread.
-pub struct BlockDiffusionFamily {
+/// LLaDA2.0's steps: one packed forward and one head call per tick.
+pub struct BlockDiffusion {
     model: Llada2,
-    pool: KvPool,
 }
 
-impl BlockDiffusionFamily {
+/// The family: the model's steps, and the page pool of its requests' caches on the engine
+/// thread (the slot cycle every one-cache family shares).
+pub type BlockDiffusionFamily = OneCacheFamily<BlockDiffusion>;
+
+impl OneCacheFamily<BlockDiffusion> {
     pub fn new(model: Llada2) -> Self {
-        Self {
-            model,
-            pool: KvPool::shared(PAGE_SIZE),
-        }
+        Self::with_stepper(BlockDiffusion { model })
     }
 
     pub fn model(&self) -> &Llada2 {
-        &self.model
-    }
-
-    /// Pages of `page` buffer rows (the planner's page size).
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.pool = KvPool::shared(page.max(1));
-        self
+        &self.stepper().model
     }
 }
 
@@ -98,80 +89,46 @@ impl paging::OneCache for BdProgram {
     }
 }
 
-impl Family for BlockDiffusionFamily {
+impl Stepper for BlockDiffusion {
     type Program = BdProgram;
     type Plan = BdPlan;
     type Output = Tensor;
-
-    fn export(&mut self, a: &mut Active<BdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, FAMILY)
-    }
+    const FAMILY: &'static str = FAMILY;
 
     /// A step with uncached blocks before the current one is a prefill that may run in chunks of
     /// whole blocks; every other step runs its block whole.
-    fn demand(&self, a: &Active<BdProgram>) -> Demand {
-        let p = &a.program;
-        if p.is_done() {
-            return Demand::Idle;
-        }
+    fn demand(&self, p: &BdProgram) -> Demand {
         match p.step_rows() {
             (0, block) => Demand::Whole(block),
             (before, block) => Demand::Prefill(before + block),
         }
     }
 
-    fn plan(
-        &mut self,
-        a: &mut Active<BdProgram>,
-        rows: usize,
-    ) -> Result<Option<BdPlan>, FamilyError> {
-        paging::bind_one(a, &self.pool);
-        let p = &a.program;
+    fn plan(&self, p: &mut BdProgram, rows: usize) -> Result<BdPlan, SchemeError> {
         let (before, block) = p.step_rows();
-        Ok(Some(if rows >= before + block {
+        Ok(if rows >= before + block {
             p.plan()
         } else {
             // Whole blocks, at least one (a forced single row becomes one block).
             p.plan_chunk(rows.max(block))
-        }))
+        })
     }
 
-    /// One forward group: every program's step in one packed forward and one head call.
-    fn run(&mut self, work: &mut [Planned<'_, BdProgram, BdPlan>]) -> Vec<Group<Tensor>> {
-        vec![Group::all(
-            work.len(),
-            run(&self.model, work).map_err(FamilyError::forward),
-        )]
+    fn run(&self, work: &mut [Planned<'_, BdProgram, BdPlan>]) -> Result<Vec<Tensor>, SchemeError> {
+        run(&self.model, work)
     }
 
     fn commit(
-        &mut self,
-        a: &mut Active<BdProgram>,
+        &self,
+        p: &mut BdProgram,
         plan: BdPlan,
         logits: Tensor,
-    ) -> Result<(), FamilyError> {
-        a.program
-            .commit(&plan, &logits, &mut a.outbox)
-            .map_err(|e| FamilyError::commit(FAMILY, e))
+        outbox: &mut Outbox,
+    ) -> Result<(), SchemeError> {
+        p.commit(&plan, &logits, outbox)
     }
 
-    fn slots_needed(&self, a: &Active<BdProgram>) -> usize {
-        paging::needed_one(a, &self.pool)
-    }
-
-    fn reclaim(&mut self, a: &mut Active<BdProgram>) -> Vec<SlotId> {
-        paging::reclaim_one(a, &self.pool)
-    }
-
-    fn preempt(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        paging::preempt_one(a, &self.pool, FAMILY)
-    }
-
-    fn resume(&mut self, a: &mut Active<BdProgram>) -> Result<Moved, FamilyError> {
-        paging::resume_one(a, &self.pool, FAMILY)
-    }
-
-    fn stop(&mut self, a: &mut Active<BdProgram>) {
-        a.program.finish(FinishReason::StopString, &mut a.outbox);
+    fn stop(&self, p: &mut BdProgram, outbox: &mut Outbox) {
+        p.finish(FinishReason::StopString, outbox);
     }
 }

@@ -11,17 +11,14 @@
 //! the device and copied to the host together (full rows only for sampled rows).
 
 use candle_core::Tensor;
-use wavefront_engine::{
-    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Planned, SlotId,
-};
-use wavefront_models::transformer::{KvPool, PAGE_SIZE};
+use wavefront_engine::{Demand, FinishReason, Outbox, Planned};
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
 use super::program::SdProgram;
 use super::FAMILY;
 use crate::packing::head_rows;
-use crate::paging;
+use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
 
 /// Runs every call of `work` in one packed forward and one head call over every row any
@@ -107,29 +104,23 @@ pub(crate) fn run(
     Ok(outputs)
 }
 
-/// The family: owns the model and the page pool of its requests' committed caches on the
-/// engine thread. Slot ids granted by the engine are page ids of the pool.
-pub struct SlotDiffusionFamily {
+/// ReFusion's calls: one packed forward and one head call per tick.
+pub struct SlotDiffusion {
     model: Qwen3,
-    pool: KvPool,
 }
 
-impl SlotDiffusionFamily {
-    pub fn new(model: Qwen3) -> Self {
-        Self {
-            model,
-            pool: KvPool::shared(PAGE_SIZE),
-        }
-    }
+/// The family: the model's calls, and the page pool of its requests' committed caches on the
+/// engine thread (the slot cycle every one-cache family shares). Slot ids granted by the engine
+/// are page ids of the pool.
+pub type SlotDiffusionFamily = OneCacheFamily<SlotDiffusion>;
 
-    /// Pages of `page` buffer rows (the planner's page size).
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.pool = KvPool::shared(page.max(1));
-        self
+impl OneCacheFamily<SlotDiffusion> {
+    pub fn new(model: Qwen3) -> Self {
+        Self::with_stepper(SlotDiffusion { model })
     }
 
     pub fn model(&self) -> &Qwen3 {
-        &self.model
+        &self.stepper().model
     }
 }
 
@@ -147,79 +138,48 @@ impl paging::OneCache for SdProgram {
     }
 }
 
-impl Family for SlotDiffusionFamily {
+impl Stepper for SlotDiffusion {
     type Program = SdProgram;
     type Plan = Call;
     type Output = Vec<Vec<ReadOut>>;
-
-    fn export(&mut self, a: &mut Active<SdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, FAMILY)
-    }
+    const FAMILY: &'static str = FAMILY;
 
     /// An `ar` request's prompt may run in chunks; every other call runs whole.
-    fn demand(&self, a: &Active<SdProgram>) -> Demand {
-        let p = &a.program;
-        if p.is_done() {
-            return Demand::Idle;
-        }
+    fn demand(&self, p: &SdProgram) -> Demand {
         match p.prefill_rows() {
             Some(rows) => Demand::Prefill(rows),
             None => Demand::Whole(p.next_call_rows()),
         }
     }
 
-    fn plan(
-        &mut self,
-        a: &mut Active<SdProgram>,
-        rows: usize,
-    ) -> Result<Option<Call>, FamilyError> {
-        paging::bind_one(a, &self.pool);
-        let p = &mut a.program;
+    fn plan(&self, p: &mut SdProgram, rows: usize) -> Result<Call, SchemeError> {
         let call = match p.prefill_rows() {
             Some(_) => p.next_call(Some(rows)),
             None => p.next_call(None),
         };
         debug_assert_eq!(call.tokens(), rows, "a call of other rows than its demand");
-        Ok(Some(call))
+        Ok(call)
     }
 
-    /// One forward group: every program's call in one packed forward and one head call.
-    fn run(&mut self, work: &mut [Planned<'_, SdProgram, Call>]) -> Vec<Group<Vec<Vec<ReadOut>>>> {
-        vec![Group::all(
-            work.len(),
-            run(&self.model, work).map_err(FamilyError::forward),
-        )]
+    fn run(
+        &self,
+        work: &mut [Planned<'_, SdProgram, Call>],
+    ) -> Result<Vec<Vec<Vec<ReadOut>>>, SchemeError> {
+        run(&self.model, work)
     }
 
     fn commit(
-        &mut self,
-        a: &mut Active<SdProgram>,
+        &self,
+        p: &mut SdProgram,
         call: Call,
         outs: Vec<Vec<ReadOut>>,
-    ) -> Result<(), FamilyError> {
-        a.program
-            .commit(&call, &outs, &mut a.outbox)
-            .map_err(|e| FamilyError::commit(FAMILY, e))
+        outbox: &mut Outbox,
+    ) -> Result<(), SchemeError> {
+        p.commit(&call, &outs, outbox)
     }
 
-    fn slots_needed(&self, a: &Active<SdProgram>) -> usize {
-        paging::needed_one(a, &self.pool)
-    }
-
-    fn reclaim(&mut self, a: &mut Active<SdProgram>) -> Vec<SlotId> {
-        paging::reclaim_one(a, &self.pool)
-    }
-
-    fn preempt(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        paging::preempt_one(a, &self.pool, FAMILY)
-    }
-
-    fn resume(&mut self, a: &mut Active<SdProgram>) -> Result<Moved, FamilyError> {
-        paging::resume_one(a, &self.pool, FAMILY)
-    }
-
-    fn stop(&mut self, a: &mut Active<SdProgram>) {
-        let stats = std::mem::take(&mut a.program.stats);
-        a.outbox.finish(FinishReason::StopString, stats);
+    fn stop(&self, p: &mut SdProgram, outbox: &mut Outbox) {
+        let stats = std::mem::take(&mut p.stats);
+        outbox.finish(FinishReason::StopString, stats);
     }
 }
