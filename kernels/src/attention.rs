@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 /// Which keys a query may attend to, on buffer indices (the same rules as the model crate's
 /// `MaskRule`).
@@ -107,7 +107,7 @@ impl RaggedLayout {
     }
 
     /// Checks that the sequences tile the rows and stay inside the keys.
-    pub fn validate(&self) -> Result<(), ShapeError> {
+    pub fn validate(&self) -> Result<(), KernelError> {
         check(
             self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
             || {
@@ -172,7 +172,7 @@ pub fn ragged_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-) -> Result<Vec<f32>, ShapeError> {
+) -> Result<Vec<f32>, KernelError> {
     layout.validate()?;
     let (h, hkv, d) = (layout.n_heads, layout.n_kv_heads, layout.head_dim);
     check(q.len() == layout.rows() * h * d, || {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -14,7 +14,7 @@ use half::bf16;
 use crate::attention::RaggedLayout;
 use crate::grouped::{self, Group};
 use crate::softmax_stats::RowStats;
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const GROUPED: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped.ptx"));
@@ -108,15 +108,6 @@ impl LayoutTables {
             key_index: &self.key_index,
         }
     }
-}
-
-/// A kernel failure: bad shapes or a CUDA error.
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error(transparent)]
-    Shape(#[from] ShapeError),
-    #[error("cuda: {0}")]
-    Driver(#[from] DriverError),
 }
 
 /// An element type the kernels are instantiated for.

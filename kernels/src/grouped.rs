@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 /// One group: contiguous rows of `x` and the index of its weight in the stack.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub fn validate(
     n: usize,
     x_len: usize,
     w_len: usize,
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     check(x_len == rows * k, || {
         format!("x has {x_len} values, want {rows}x{k}")
     })?;
@@ -58,7 +58,7 @@ pub fn grouped_matmul(
     layers: usize,
     k: usize,
     n: usize,
-) -> Result<Vec<f32>, ShapeError> {
+) -> Result<Vec<f32>, KernelError> {
     let rows = groups.last().map_or(0, |g| g.rows.end as usize);
     validate(groups, rows, layers, k, n, x.len(), w.len())?;
     let mut y = vec![0f32; rows * n];

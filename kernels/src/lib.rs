@@ -26,15 +26,23 @@ pub mod softmax_stats;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-/// A kernel input that does not describe a valid problem.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("kernel input: {0}")]
-pub struct ShapeError(pub String);
+/// Why a kernel did not run: an input that does not describe a valid problem, the CPU pool
+/// sized twice, or a CUDA error.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("kernel input: {0}")]
+    Shape(String),
+    #[error("the CPU kernels' thread pool was already started")]
+    PoolStarted,
+    #[cfg(feature = "cuda")]
+    #[error("cuda: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+}
 
-pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), ShapeError> {
+pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), KernelError> {
     if cond {
         Ok(())
     } else {
-        Err(ShapeError(msg()))
+        Err(KernelError::Shape(msg()))
     }
 }

@@ -6,7 +6,7 @@
 //! lock test). Optionally the rows' log-probabilities are written out, to be the next step's
 //! `prev` without leaving the device. Everything is float32.
 
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 /// What one row reduces to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,7 +25,7 @@ pub fn softmax_stats(
     vocab: usize,
     prev: Option<&[f32]>,
     mut log_probs_out: Option<&mut [f32]>,
-) -> Result<Vec<RowStats>, ShapeError> {
+) -> Result<Vec<RowStats>, KernelError> {
     check(vocab > 0 && logits.len().is_multiple_of(vocab), || {
         format!("{} logits are not rows of {vocab}", logits.len())
     })?;

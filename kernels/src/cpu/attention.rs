@@ -18,7 +18,7 @@
 use std::ops::Range;
 
 use crate::attention::Mask;
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 use super::matmul::{gemm_panels, NR};
 use super::simd::{self, Isa};
@@ -82,7 +82,7 @@ pub fn attention(
     rows: usize,
     seqs: &[SeqAttention],
     out: &mut [f32],
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     attention_with(Isa::get(), super::threads(), heads, q, rows, seqs, out)
 }
 
@@ -95,7 +95,7 @@ pub fn attention_with(
     rows: usize,
     seqs: &[SeqAttention],
     out: &mut [f32],
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     let Heads {
         n_heads: h,
         n_kv_heads: hkv,

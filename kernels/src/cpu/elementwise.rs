@@ -3,7 +3,7 @@
 
 use super::simd::{self, Isa};
 use super::{split, threads, SendPtr};
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 /// Elements below which one thread does the whole call.
 const PARALLEL_FROM: usize = 1 << 15;
@@ -21,7 +21,7 @@ fn over_rows(n_rows: usize, elems: usize, f: impl Fn(std::ops::Range<usize>) + S
 
 /// `out[r][j] = silu(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]` (the gate
 /// and up projections side by side): `silu(g) = g / (exp(-g) + 1)`.
-pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
     check(hidden > 0 && gu.len().is_multiple_of(2 * hidden), || {
         format!("{} values are not rows of 2 x {hidden}", gu.len())
     })?;
@@ -45,7 +45,7 @@ pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), ShapeE
 
 /// `out[r] = w · x[r] / sqrt(mean(x[r]²) + eps)` for rows `x` `[rows, dim]`, the statistic
 /// accumulated in the canonical lane order.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), ShapeError> {
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), KernelError> {
     let dim = w.len();
     check(
         dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(),
@@ -77,7 +77,7 @@ pub fn softmax(x: &mut [f32]) {
 /// Per row of `x` `[rows, width]`: the maximum, the first index holding it, and
 /// `Σ exp(x - max)` (canonical lane order): a row's softmax maximum is `1 / sum`, its
 /// log-softmax `x - max - ln(sum)`.
-pub fn row_stats(x: &[f32], width: usize) -> Result<Vec<(f32, usize, f32)>, ShapeError> {
+pub fn row_stats(x: &[f32], width: usize) -> Result<Vec<(f32, usize, f32)>, KernelError> {
     check(width > 0 && x.len().is_multiple_of(width), || {
         format!("{} values are not rows of {width}", x.len())
     })?;
@@ -130,7 +130,7 @@ pub fn split_heads(
     q: &mut [f32],
     k: &mut [f32],
     v: &mut [f32],
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     let (h, hkv, d, rot) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim);
     let width = (h + 2 * hkv) * d;
     check(d % 2 == 0 && qkv.len() == rows * width, || {

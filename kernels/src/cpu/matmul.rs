@@ -20,7 +20,7 @@
 //! Work split: the panels are cut into contiguous runs, one per pool thread (each thread
 //! streams its own part of the weights); with fewer panels than threads the rows are split.
 
-use crate::{check, ShapeError};
+use crate::{check, KernelError};
 
 use super::simd::Isa;
 use super::{split, SendPtr};
@@ -76,7 +76,7 @@ pub fn bf16_to_f32(x: u16) -> f32 {
 
 impl PackedWeight {
     /// Packs `w` (row-major `[n, k]`).
-    pub fn pack(w: &[f32], n: usize, k: usize, dtype: WeightDtype) -> Result<Self, ShapeError> {
+    pub fn pack(w: &[f32], n: usize, k: usize, dtype: WeightDtype) -> Result<Self, KernelError> {
         check(w.len() == n * k, || {
             format!("weight has {} values, want {n}x{k}", w.len())
         })?;
@@ -115,7 +115,7 @@ impl PackedWeight {
 
     /// Packs `b` (row-major `[k, n]`, the transposed layout: `y = x · b`) as float32, for a
     /// product whose right operand is made per call (e.g. a memory matrix).
-    pub fn pack_kn(b: &[f32], k: usize, n: usize) -> Result<Self, ShapeError> {
+    pub fn pack_kn(b: &[f32], k: usize, n: usize) -> Result<Self, KernelError> {
         check(b.len() == k * n, || {
             format!("operand has {} values, want {k}x{n}", b.len())
         })?;
@@ -162,7 +162,7 @@ impl PackedWeight {
 
     /// Weight row `j` (`k` values, as stored: bf16 weights come back rounded), e.g. an
     /// embedding row of a head tied to the embeddings.
-    pub fn row_into(&self, j: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+    pub fn row_into(&self, j: usize, out: &mut [f32]) -> Result<(), KernelError> {
         check(j < self.n, || format!("row {j} of a {}-row weight", self.n))?;
         check(out.len() == self.k, || {
             format!("row buffer of {}, want {}", out.len(), self.k)
@@ -199,7 +199,7 @@ pub fn linear(
     w: &PackedWeight,
     bias: Option<&[f32]>,
     y: &mut [f32],
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     linear_with(Isa::get(), super::threads(), x, m, w, bias, y)
 }
 
@@ -212,7 +212,7 @@ pub fn linear_with(
     w: &PackedWeight,
     bias: Option<&[f32]>,
     y: &mut [f32],
-) -> Result<(), ShapeError> {
+) -> Result<(), KernelError> {
     let (n, k) = (w.n, w.k);
     check(x.len() == m * k, || {
         format!("x has {} values, want {m}x{k}", x.len())

@@ -31,7 +31,7 @@ pub fn threads() -> usize {
 
 /// Sets the size of the pool the kernels run on ([`pool`]). Call once at start-up, before any
 /// kernel runs; `Err` when the pool was already started.
-pub fn init_threads(n: usize) -> Result<(), String> {
+pub fn init_threads(n: usize) -> Result<(), crate::KernelError> {
     pool::init(n.max(1))
 }
 

@@ -205,12 +205,12 @@ pub fn pool() -> &'static Pool {
 }
 
 /// Sizes the pool; `Err` when it already exists.
-pub fn init(threads: usize) -> Result<(), String> {
+pub fn init(threads: usize) -> Result<(), crate::KernelError> {
     let mut fresh = Some(threads);
     POOL.get_or_init(|| Pool::new(fresh.take().expect("first init")));
     match fresh {
         None => Ok(()),
-        Some(_) => Err("the CPU kernels' thread pool was already started".into()),
+        Some(_) => Err(crate::KernelError::PoolStarted),
     }
 }
 

@@ -84,8 +84,7 @@ impl ChatTemplate {
             SyntaxConfig::builder()
                 .trim_blocks(true)
                 .lstrip_blocks(true)
-                .build()
-                .map_err(|e| err(e.to_string()))?,
+                .build()?,
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -94,8 +93,7 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
-        env.add_template("chat", &self.source)
-            .map_err(|e| err(e.to_string()))?;
+        env.add_template("chat", &self.source)?;
         Ok(env)
     }
 
@@ -113,9 +111,7 @@ impl ChatTemplate {
             .collect();
         ctx.insert("messages", Value::from(Serde(messages)));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
-        env.get_template("chat")
-            .and_then(|t| t.render(ctx))
-            .map_err(|e| err(e.to_string()))
+        Ok(env.get_template("chat").and_then(|t| t.render(ctx))?)
     }
 }
 

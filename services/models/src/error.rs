@@ -47,9 +47,35 @@ pub enum ModelError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 
-    /// The tokenizer could not be loaded or failed to encode/decode.
+    /// A kernel of `wavefront-kernels` refused its inputs or failed on the device.
+    #[error(transparent)]
+    Kernel(#[from] wavefront_kernels::KernelError),
+
+    /// The tokenizer files do not describe a usable tokenizer.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+
+    /// The tokenizer library failed to load, encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenize(#[source] tokenizers::Error),
+
+    /// A tokenizer file the tokenizer library cannot read.
+    #[error(
+        "tokenizer: {file}: {source} (the file is truncated or not a Hugging Face tokenizer.json)"
+    )]
+    TokenizerFile {
+        file: &'static str,
+        #[source]
+        source: tokenizers::Error,
+    },
+
+    /// An attention path that does not exist (`--attention`).
+    #[error("unknown attention kernel {name:?}: expected one of {expected}")]
+    UnknownAttentionKernel { name: String, expected: String },
+
+    /// The checkpoint's chat template does not parse, or does not render these messages.
+    #[error("chat template: {0}")]
+    ChatTemplate(#[from] minijinja::Error),
 
     /// The model family, a config flag or a requested feature is not implemented.
     #[error("unsupported: {0}")]

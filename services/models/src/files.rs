@@ -268,6 +268,10 @@ impl ModelFiles {
             ModelError::Tokenizer(m) => ModelError::Tokenizer(format!(
                 "{TOKENIZER}: {m} (the file is truncated or not a Hugging Face tokenizer.json)"
             )),
+            ModelError::Tokenize(source) => ModelError::TokenizerFile {
+                file: TOKENIZER,
+                source,
+            },
             other => other,
         })?;
         let template = match self.tokenizer_config_json.as_deref() {

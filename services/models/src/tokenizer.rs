@@ -34,7 +34,7 @@ impl std::fmt::Debug for TextTokenizer {
 }
 
 fn tok_err(e: tokenizers::Error) -> ModelError {
-    ModelError::Tokenizer(e.to_string())
+    ModelError::Tokenize(e)
 }
 
 impl TextTokenizer {

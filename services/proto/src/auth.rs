@@ -24,7 +24,7 @@ impl Secrets {
     /// Secrets from a comma-separated list and the lines of an optional file (blank lines and
     /// lines starting with `#` skipped). A secret must be visible ASCII, so that it can travel in
     /// a header.
-    pub fn parse(list: &[String], file_text: Option<&str>) -> Result<Self, String> {
+    pub fn parse(list: &[String], file_text: Option<&str>) -> Result<Self, crate::ProtoError> {
         let mut keys = Vec::new();
         let from_file = file_text
             .into_iter()
@@ -36,7 +36,9 @@ impl Secrets {
                 continue;
             }
             if !k.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err("a key holds a space or a character outside visible ASCII".into());
+                return Err(crate::ProtoError::Secret(
+                    "a key holds a space or a character outside visible ASCII",
+                ));
             }
             keys.push(k.as_bytes().to_vec());
         }

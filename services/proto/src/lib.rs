@@ -7,6 +7,14 @@
 pub mod auth;
 pub mod codec;
 
+/// Errors of this crate: configuration it refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    /// A credential (`--api-key`, `--worker-token`) that cannot travel in a header.
+    #[error("{0}")]
+    Secret(&'static str),
+}
+
 pub mod v1 {
     tonic::include_proto!("wavefront.v1");
 }

@@ -22,4 +22,4 @@ pub mod tls;
 pub use discovery::{Discovery, DiscoveryConfig, WorkerEntry};
 pub use openai::serve_http;
 pub use service::{serve, RouterService};
-pub use tls::{ServerTls, WorkerTls};
+pub use tls::{ServerTls, TlsError, WorkerTls};

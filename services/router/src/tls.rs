@@ -25,44 +25,66 @@ impl std::fmt::Debug for ServerTls {
     }
 }
 
+/// Why certificates and keys do not make a TLS configuration: the error of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("the certificate file holds no certificate")]
+    NoCertificate,
+    #[error("{what}: {source}")]
+    Invalid {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl TlsError {
+    fn new(what: &'static str, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Invalid {
+            what,
+            source: Box::new(source),
+        }
+    }
+}
+
 impl ServerTls {
     /// Checks the PEMs (a chain, a private key that rustls can use) and prepares both fronts.
     pub fn from_pem(
         cert_pem: Vec<u8>,
         key_pem: Vec<u8>,
         client_ca_pem: Option<Vec<u8>>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, TlsError> {
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
             .collect::<Result<_, _>>()
-            .map_err(|e| format!("the certificate file is not PEM certificates: {e}"))?;
+            .map_err(|e| TlsError::new("the certificate file is not PEM certificates", e))?;
         if chain.is_empty() {
-            return Err("the certificate file holds no certificate".into());
+            return Err(TlsError::NoCertificate);
         }
         let key = PrivateKeyDer::from_pem_slice(&key_pem)
-            .map_err(|e| format!("the key file holds no PEM private key: {e}"))?;
+            .map_err(|e| TlsError::new("the key file holds no PEM private key", e))?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| TlsError::new("no protocol version", e))?;
         let builder = match &client_ca_pem {
             None => builder.with_no_client_auth(),
             Some(ca) => {
                 let mut roots = rustls::RootCertStore::empty();
                 for c in CertificateDer::pem_slice_iter(ca) {
-                    let c = c.map_err(|e| format!("the client CA file is not PEM: {e}"))?;
+                    let c = c.map_err(|e| TlsError::new("the client CA file is not PEM", e))?;
                     roots
                         .add(c)
-                        .map_err(|e| format!("bad client CA certificate: {e}"))?;
+                        .map_err(|e| TlsError::new("bad client CA certificate", e))?;
                 }
                 let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots))
                     .build()
-                    .map_err(|e| format!("client CA: {e}"))?;
+                    .map_err(|e| TlsError::new("client CA", e))?;
                 builder.with_client_cert_verifier(verifier)
             }
         };
         let mut http = builder
             .with_single_cert(chain, key)
-            .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
+            .map_err(|e| TlsError::new("the certificate and key do not make a TLS identity", e))?;
         http.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Self {
             cert_pem,

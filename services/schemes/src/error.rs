@@ -2,7 +2,7 @@
 //! cannot go on (per-request validation errors are [`wavefront_engine::RequestError`]; the
 //! engine sees a failed step as a [`wavefront_engine::FamilyError`] whose cause is one of these).
 
-use wavefront_engine::EngineError;
+use wavefront_engine::{Cause, EngineError};
 use wavefront_models::ModelError;
 
 #[derive(Debug, thiserror::Error)]
@@ -34,7 +34,14 @@ pub enum SchemeError {
     },
     /// The checkpoint's fingerprint could not be computed.
     #[error("the checkpoint has no fingerprint: {0}")]
-    Fingerprint(String),
+    Fingerprint(Cause),
+    /// The thread computing the fingerprint died.
+    #[error("the fingerprint computation failed")]
+    FingerprintThread,
+    /// A model not loaded from a checkpoint (a benchmark's synthetic weights) has no
+    /// fingerprint, so its requests cannot move.
+    #[error("this model was not loaded from a checkpoint; it has no fingerprint")]
+    NoFingerprint,
     /// The prompt cannot be served as sent (too long, no tokenizer).
     #[error("{0}")]
     Prompt(String),

@@ -190,19 +190,19 @@ impl DreamAlg {
 }
 
 impl std::str::FromStr for DreamAlg {
-    type Err = String;
+    type Err = RequestError;
 
     /// `origin`, `maskgit_plus`, `topk_margin`, `entropy`, or empty (entropy).
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, RequestError> {
         match s {
             "origin" => Ok(DreamAlg::Origin),
             "maskgit_plus" => Ok(DreamAlg::MaskgitPlus),
             "topk_margin" => Ok(DreamAlg::TopkMargin),
             "" | "entropy" => Ok(DreamAlg::Entropy),
-            other => Err(format!(
+            other => Err(RequestError::InvalidArgument(format!(
                 "diffusion_generate.alg must be `origin`, `maskgit_plus`, `topk_margin` or \
                  `entropy` (empty is entropy), got {other:?}"
-            )),
+            ))),
         }
     }
 }
@@ -363,17 +363,17 @@ impl Execution {
 }
 
 impl std::str::FromStr for Execution {
-    type Err = String;
+    type Err = RequestError;
 
     /// `sequential`, `diagonal`, `auto` or empty (auto).
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, RequestError> {
         match s {
             "" | "auto" => Ok(Execution::Auto),
             "sequential" => Ok(Execution::Sequential),
             "diagonal" => Ok(Execution::Diagonal),
-            other => Err(format!(
+            other => Err(RequestError::InvalidArgument(format!(
                 "ar.execution must be `sequential`, `diagonal` or `auto` (empty is auto), got {other:?}"
-            )),
+            ))),
         }
     }
 }

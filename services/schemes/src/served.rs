@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{
-    Carried, Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, ExportReply,
-    Family, Prepared, RequestError, RequestId, Submission,
+    Carried, Cause, Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink,
+    ExportReply, Family, Prepared, RequestError, RequestId, Submission,
 };
 use wavefront_models::candle_nn::VarBuilder;
 use wavefront_models::transformer::{
@@ -143,7 +143,7 @@ pub trait ServedModel: Send + Sync {
 pub struct Fingerprint(Option<Arc<FingerprintJob>>);
 
 struct FingerprintJob {
-    value: OnceLock<Result<String, String>>,
+    value: OnceLock<Result<String, Cause>>,
     job: Mutex<Option<std::thread::JoinHandle<Result<String, ModelError>>>>,
 }
 
@@ -167,7 +167,7 @@ impl Fingerprint {
             .spawn(move || files.fingerprint());
         let (value, job) = match job {
             Ok(h) => (OnceLock::new(), Some(h)),
-            Err(e) => (OnceLock::from(Err(e.to_string())), None),
+            Err(e) => (OnceLock::from(Err(Cause::new(e))), None),
         };
         Self(Some(Arc::new(FingerprintJob {
             value,
@@ -186,9 +186,7 @@ impl Fingerprint {
 
     /// The fingerprint, waiting for it if it is still being computed.
     pub fn get(&self) -> Result<String, SchemeError> {
-        let job = self.0.as_ref().ok_or_else(|| {
-            SchemeError::Fingerprint("this model was not loaded from a checkpoint".into())
-        })?;
+        let job = self.0.as_ref().ok_or(SchemeError::NoFingerprint)?;
         job.value
             .get_or_init(|| {
                 let handle = job
@@ -197,8 +195,8 @@ impl Fingerprint {
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take();
                 match handle.map(|h| h.join()) {
-                    Some(Ok(r)) => r.map_err(|e| e.to_string()),
-                    _ => Err("the fingerprint computation failed".into()),
+                    Some(Ok(r)) => r.map_err(Cause::new),
+                    _ => Err(Cause::new(SchemeError::FingerprintThread)),
                 }
             })
             .clone()

@@ -33,6 +33,14 @@ pub enum TelemetryError {
     Exporter(String, String),
     #[error("a global subscriber is already installed: {0}")]
     AlreadyInstalled(String),
+    #[error("log format must be `text` or `json`, got {0:?}")]
+    LogFormat(String),
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: metrics_exporter_prometheus::BuildError,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -43,14 +51,12 @@ pub enum LogFormat {
 }
 
 impl std::str::FromStr for LogFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = TelemetryError;
+    fn from_str(s: &str) -> Result<Self, TelemetryError> {
         match s {
             "text" => Ok(Self::Text),
             "json" => Ok(Self::Json),
-            other => Err(format!(
-                "log format must be `text` or `json`, got {other:?}"
-            )),
+            other => Err(TelemetryError::LogFormat(other.to_owned())),
         }
     }
 }

@@ -130,7 +130,7 @@ fn describe() {
 
 /// Installs the global recorder and serves `/metrics` on `addr`. Must run
 /// inside a tokio runtime.
-pub fn install_prometheus(addr: SocketAddr) -> Result<(), String> {
+pub fn install_prometheus(addr: SocketAddr) -> Result<(), crate::TelemetryError> {
     let latency = [
         0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
     ];
@@ -146,9 +146,8 @@ pub fn install_prometheus(addr: SocketAddr) -> Result<(), String> {
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_DURATION.into()), &tick))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_REQUESTS.into()), &counts))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_ROWS.into()), &counts))
-        .map_err(|e| e.to_string())?
-        .install()
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+        .and_then(|b| b.install())
+        .map_err(|source| crate::TelemetryError::Metrics { addr, source })?;
     describe();
     Ok(())
 }

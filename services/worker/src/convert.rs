@@ -1,5 +1,6 @@
 //! Protobuf <-> domain conversions (the only place both kinds of type meet).
 
+use crate::status::from_request_error;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -68,7 +69,7 @@ pub fn spec_from_proto(
             init_scale: a.init_scale,
             exit_threshold: a.exit_threshold,
             continuous_compute: a.continuous_compute,
-            execution: a.execution.parse().map_err(Status::invalid_argument)?,
+            execution: a.execution.parse().map_err(|e| from_request_error(&e))?,
         }),
         Some(pb::generate_request::Scheme::DiffusionForcing(d)) => {
             let def = DiffusionForcingParams::default();
@@ -135,7 +136,7 @@ pub fn spec_from_proto(
         Some(pb::generate_request::Scheme::DiffusionGenerate(d)) => {
             let def = DiffusionGenerateParams::default();
             SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
-                alg: d.alg.parse().map_err(Status::invalid_argument)?,
+                alg: d.alg.parse().map_err(|e| from_request_error(&e))?,
                 steps: d.steps.map(|n| n as usize),
                 eps: d.eps.unwrap_or(def.eps),
                 alg_temp: d.alg_temp.unwrap_or(def.alg_temp),

@@ -33,9 +33,10 @@ pub fn from_scheme_error(e: &SchemeError) -> Status {
         SchemeError::Prompt(_) | SchemeError::Model(_) | SchemeError::Draws(_) => {
             Status::invalid_argument(e.to_string())
         }
-        SchemeError::Unsupported(_) | SchemeError::Fingerprint(_) => {
-            Status::failed_precondition(e.to_string())
-        }
+        SchemeError::Unsupported(_)
+        | SchemeError::Fingerprint(_)
+        | SchemeError::FingerprintThread
+        | SchemeError::NoFingerprint => Status::failed_precondition(e.to_string()),
         SchemeError::State { .. } => Status::invalid_argument(e.to_string()),
         SchemeError::Engine(inner) => from_engine_error(inner),
         SchemeError::Tensor(_) | SchemeError::InvalidOption(_) | SchemeError::Inconsistent(_) => {

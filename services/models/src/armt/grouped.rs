@@ -612,7 +612,7 @@ mod tests {
             })
             .collect();
         let want = grouped_matmul(&spec, &x, &w, layers, inp, out)
-            .map_err(|e| crate::error::ModelError::Shape(e.to_string()))?;
+            .map_err(crate::error::ModelError::from)?;
         assert_eq!(got.len(), want.len());
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");

@@ -160,8 +160,7 @@ pub(crate) fn attend(
         scale,
         rows_out,
     };
-    attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out)
-        .map_err(|e| ModelError::Shape(e.to_string()))?;
+    attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out).map_err(ModelError::from)?;
     Ok(if rows_out {
         Tensor::from_vec(out, (n, h * d), &Device::Cpu)?
     } else {
@@ -187,7 +186,7 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
             hidden,
             &mut out,
         )
-        .map_err(|e| ModelError::Shape(e.to_string()))?;
+        .map_err(ModelError::from)?;
     }
     let mut shape = gu.dims().to_vec();
     shape[last] = hidden;
@@ -207,7 +206,7 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
             eps,
             &mut out,
         )
-        .map_err(|e| ModelError::Shape(e.to_string()))?;
+        .map_err(ModelError::from)?;
     }
     Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
 }
@@ -256,7 +255,7 @@ pub(crate) fn split_heads(
             &mut k,
             &mut v,
         )
-        .map_err(|e| ModelError::Shape(e.to_string()))?;
+        .map_err(ModelError::from)?;
     }
     Ok((
         Tensor::from_vec(q, (h, n, d), &Device::Cpu)?,
@@ -288,7 +287,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 k,
                 n,
             )
-            .map_err(|e| ModelError::Shape(e.to_string()))?;
+            .map_err(ModelError::from)?;
             wavefront_kernels::cpu::matmul::linear(
                 &av[c * m * k..(c + 1) * m * k],
                 m,
@@ -296,7 +295,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 None,
                 &mut out[c * m * n..(c + 1) * m * n],
             )
-            .map_err(|e| ModelError::Shape(e.to_string()))?;
+            .map_err(ModelError::from)?;
         }
     }
     let mut shape = a.dims().to_vec();
@@ -314,6 +313,6 @@ pub fn row_stats(logits: &Tensor) -> Result<Option<Vec<(f32, usize, f32)>>> {
     let b = Borrowed::new(&l)?;
     let width = l.dim(1)?;
     let stats = wavefront_kernels::cpu::elementwise::row_stats(&b.tail()?[..l.elem_count()], width)
-        .map_err(|e| ModelError::Shape(e.to_string()))?;
+        .map_err(ModelError::from)?;
     Ok(Some(stats))
 }

@@ -66,8 +66,7 @@ impl Linear {
         }
         let weight = if weight.device().is_cpu() && weight.dtype() == DType::F32 {
             let packed = with_cpu_f32(&weight, |w| {
-                PackedWeight::pack(w, n, k, WeightDtype::F32)
-                    .map_err(|e| ModelError::Shape(e.to_string()))
+                PackedWeight::pack(w, n, k, WeightDtype::F32).map_err(ModelError::from)
             })?;
             Weight::Packed(Arc::new(packed))
         } else {
@@ -92,8 +91,8 @@ impl Linear {
         if let Weight::Packed(p) = &self.weight {
             if p.dtype() != dtype {
                 let (n, k) = (p.out_features(), p.in_features());
-                let repacked = PackedWeight::pack(&p.unpack(), n, k, dtype)
-                    .map_err(|e| ModelError::Shape(e.to_string()))?;
+                let repacked =
+                    PackedWeight::pack(&p.unpack(), n, k, dtype).map_err(ModelError::from)?;
                 self.weight = Weight::Packed(Arc::new(repacked));
             }
         }
@@ -179,8 +178,7 @@ impl Linear {
                 let mut y = super::cpu::output(m * n);
                 let bias = self.bias_f32.as_deref().map(Vec::as_slice);
                 with_cpu_f32(x, |xs| {
-                    matmul::linear(xs, m, p, bias, &mut y)
-                        .map_err(|e| ModelError::Shape(e.to_string()))
+                    matmul::linear(xs, m, p, bias, &mut y).map_err(ModelError::from)
                 })?;
                 let mut shape = dims.to_vec();
                 *shape.last_mut().expect("non-empty") = n;
@@ -208,8 +206,7 @@ impl Linear {
             Weight::Packed(p) => {
                 let mut out = vec![0f32; ids.len() * k];
                 for (row, &id) in out.chunks_mut(k.max(1)).zip(ids) {
-                    p.row_into(id as usize, row)
-                        .map_err(|e| ModelError::Shape(e.to_string()))?;
+                    p.row_into(id as usize, row).map_err(ModelError::from)?;
                 }
                 Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
             }

@@ -48,16 +48,16 @@ impl fmt::Display for AttentionKernel {
 }
 
 impl FromStr for AttentionKernel {
-    type Err = String;
+    type Err = ModelError;
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self> {
         match s {
             "sdpa" => Ok(AttentionKernel::Sdpa),
             "ragged" => Ok(AttentionKernel::Ragged),
-            other => Err(format!(
-                "unknown attention kernel {other:?}: expected one of {}",
-                Self::NAMES.join(", ")
-            )),
+            other => Err(ModelError::UnknownAttentionKernel {
+                name: other.to_owned(),
+                expected: Self::NAMES.join(", "),
+            }),
         }
     }
 }
@@ -130,9 +130,7 @@ impl RaggedPlan {
             layout.row_index.extend(rows);
             layout.key_index.extend(keys);
         }
-        layout
-            .validate()
-            .map_err(|e| ModelError::Shape(e.to_string()))?;
+        layout.validate().map_err(ModelError::from)?;
         let tables = Self::upload(&layout, device)?;
         Ok(Self { layout, tables })
     }
@@ -324,7 +322,7 @@ impl CustomOp1 for RaggedOp {
         };
         let (k, v) = (cat(|r| &r.k)?, cat(|r| &r.v)?);
         let out = ragged_attention(&layout, cpu_values(s, l)?, &k, &v)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            .map_err(candle_core::Error::wrap)?;
         Ok((CpuStorage::F32(out), self.shape()))
     }
 
