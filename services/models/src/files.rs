@@ -204,9 +204,9 @@ impl ModelFiles {
         })
     }
 
-    /// The family named by `config.json`; a Llama backbone with an `armt_config.json` beside it
-    /// is an ARMT ([`ModelFamily::RecurrentMemory`]).
-    pub fn family(&self) -> Result<ModelFamily> {
+    /// The network `config.json` names, detected once here (every caller branches on this value,
+    /// never on config names); a Llama backbone with an `armt_config.json` beside it is an ARMT.
+    pub fn architecture(&self) -> Result<Architecture> {
         let config = self.config_value()?;
         if !config.is_object() {
             return Err(ModelError::Config {
@@ -219,26 +219,19 @@ impl ModelFiles {
         let model_type = config.get("model_type").and_then(|v| v.as_str());
         if model_type == Some("llama") {
             if self.armt_config_json.is_some() {
-                return Ok(ModelFamily::RecurrentMemory);
+                return Ok(Architecture::Armt);
             }
             return Err(ModelError::Unsupported(format!(
                 "a Llama {CONFIG} is served as an ARMT only with its {ARMT_CONFIG} beside it, \
                  and the directory has none"
             )));
         }
-        detect_family(&config)
+        detect_architecture(&config)
     }
 
-    /// Whether `config.json`'s `model_type` or an entry of its `architectures` contains
-    /// `needle` (lower case): which network of a family the checkpoint is.
-    pub fn names_contain(&self, needle: &str) -> bool {
-        self.config_value()
-            .map(|c| {
-                config_names(&c)
-                    .iter()
-                    .any(|n| n.to_ascii_lowercase().contains(needle))
-            })
-            .unwrap_or(false)
+    /// The family of [`Self::architecture`].
+    pub fn family(&self) -> Result<ModelFamily> {
+        Ok(self.architecture()?.family())
     }
 
     /// The raw `generation_config.json` text, if the directory has one.
@@ -411,7 +404,8 @@ fn shard_paths(dir: &Path, index_json: &str) -> Result<Vec<PathBuf>> {
     Ok(shards.into_iter().map(|s| dir.join(s)).collect())
 }
 
-/// Model families the serving system knows about.
+/// Model families the serving system knows about; [`ModelFamily::name`] is the name clients
+/// see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ModelFamily {
@@ -427,6 +421,49 @@ pub enum ModelFamily {
     /// Slot-diffusion language models (ReFusion): a causal Qwen3 with a mask token, fed
     /// non-contiguous position ids.
     SlotDiffusion,
+}
+
+impl ModelFamily {
+    /// The family's name in the API (`ListModels`, `/v1/models`), metrics, logs and errors:
+    /// defined here only.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ModelFamily::RecurrentDepth => "recurrent_depth",
+            ModelFamily::MaskedDiffusion => "masked_diffusion",
+            ModelFamily::RecurrentMemory => "recurrent_memory",
+            ModelFamily::SlotDiffusion => "slot_diffusion",
+        }
+    }
+}
+
+/// The network a checkpoint holds: which model code loads it and which family serves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    /// Huginn-0125 (`huginn_raven`).
+    Huginn,
+    /// LLaDA (`llada`).
+    Llada,
+    /// Dream (`Dream`: Qwen2 run bidirectionally).
+    Dream,
+    /// LLaDA2.0 (`llada2_moe`: mixture of experts, block diffusion).
+    Llada2Moe,
+    /// ARMT on a Llama backbone (`llama` plus `armt_config.json`).
+    Armt,
+    /// ReFusion (Qwen3 with a `mask_token_id`).
+    Refusion,
+}
+
+impl Architecture {
+    pub const fn family(self) -> ModelFamily {
+        match self {
+            Architecture::Huginn => ModelFamily::RecurrentDepth,
+            Architecture::Llada | Architecture::Dream | Architecture::Llada2Moe => {
+                ModelFamily::MaskedDiffusion
+            }
+            Architecture::Armt => ModelFamily::RecurrentMemory,
+            Architecture::Refusion => ModelFamily::SlotDiffusion,
+        }
+    }
 }
 
 /// The non-empty `model_type` and `architectures` entries of a `config.json`, in that order.
@@ -446,14 +483,19 @@ fn config_names(config: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
-/// Picks the family from `model_type` (preferred) or `architectures` of a `config.json`.
+/// The family of [`detect_architecture`].
+pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
+    Ok(detect_architecture(config)?.family())
+}
+
+/// Picks the network from `model_type` (preferred) or `architectures` of a `config.json`.
 ///
 /// A Qwen3 config with a `mask_token_id` (which ReFusion's `train.py` adds) is ReFusion. The
 /// upstream ARMT served here has a plain Llama `config.json`; only its directory tells it apart
 /// ([`ModelFiles::family`]). Families that are recognised but not implemented (the later HF-style
 /// `model_type: armt` rewrite, plain Qwen3) are reported as [`ModelError::Unsupported`] naming
 /// the family.
-pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
+pub fn detect_architecture(config: &serde_json::Value) -> Result<Architecture> {
     let model_type = config
         .get("model_type")
         .and_then(|v| v.as_str())
@@ -466,15 +508,20 @@ pub fn detect_family(config: &serde_json::Value) -> Result<ModelFamily> {
     for name in config_names(config) {
         let lower = name.to_ascii_lowercase();
         if lower.contains("huginn") || lower.contains("raven") {
-            return Ok(ModelFamily::RecurrentDepth);
+            return Ok(Architecture::Huginn);
         }
-        if lower.contains("llada") || lower.contains("dream") {
-            // LLaDA, LLaDA2.0 (`llada2_moe`) and Dream.
-            return Ok(ModelFamily::MaskedDiffusion);
+        if lower.contains("llada2") {
+            return Ok(Architecture::Llada2Moe);
+        }
+        if lower.contains("llada") {
+            return Ok(Architecture::Llada);
+        }
+        if lower.contains("dream") {
+            return Ok(Architecture::Dream);
         }
         let has_mask = config.get("mask_token_id").is_some_and(|v| !v.is_null());
         if lower.contains("refusion") || (lower.contains("qwen3") && has_mask) {
-            return Ok(ModelFamily::SlotDiffusion);
+            return Ok(Architecture::Refusion);
         }
         for (needle, family) in [
             (

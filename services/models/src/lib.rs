@@ -38,7 +38,7 @@ pub use armt::{Armt, ArmtConfig};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use dream::{Dream, DreamConfig};
 pub use error::ModelError;
-pub use files::{detect_family, ModelFamily, ModelFiles};
+pub use files::{detect_architecture, detect_family, Architecture, ModelFamily, ModelFiles};
 pub use huginn::{
     relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };

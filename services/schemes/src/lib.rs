@@ -21,9 +21,12 @@ pub mod block_diffusion;
 pub mod error;
 #[cfg(test)]
 mod fault_tests;
+pub mod fingerprint;
 mod kv_slot;
+pub mod launch;
 pub mod masked_diffusion;
 pub mod migrate;
+pub mod options;
 mod packing;
 mod paging;
 pub mod recurrent_depth;
@@ -37,11 +40,13 @@ pub mod slot_diffusion;
 mod test_support;
 
 pub use error::SchemeError;
+pub use fingerprint::Fingerprint;
+pub use launch::Served;
+pub use options::{KvReserve, LoadOptions};
+pub use registry::load_model;
 pub use request::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg,
     EosRule, Execution, FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking,
     ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
 };
-pub use served::{
-    load_model, Fingerprint, KvReserve, LoadOptions, ModelInfo, Planner, Served, ServedModel,
-};
+pub use served::{ModelInfo, Planner, ServedModel};

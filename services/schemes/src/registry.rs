@@ -1,22 +1,39 @@
-//! The families served here, named once.
+//! Which family serves a checkpoint. The network is detected once, from the checkpoint's files
+//! ([`ModelFiles::architecture`]), into a typed value; each architecture's family module loads
+//! it and starts its engine. Nothing else in this crate looks at config names.
 
-/// A model family as clients see it (`ListModels`' `family`, `/v1/models`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FamilyKind {
-    RecurrentDepth,
-    RecurrentMemory,
-    MaskedDiffusion,
-    SlotDiffusion,
-}
+use std::sync::Arc;
 
-impl FamilyKind {
-    /// The family's name in the API, metrics and logs.
-    pub const fn name(self) -> &'static str {
-        match self {
-            FamilyKind::RecurrentDepth => "recurrent_depth",
-            FamilyKind::RecurrentMemory => "recurrent_memory",
-            FamilyKind::MaskedDiffusion => "masked_diffusion",
-            FamilyKind::SlotDiffusion => "slot_diffusion",
+use wavefront_models::{Architecture, ModelFamily, ModelFiles};
+
+use crate::fingerprint::Fingerprint;
+use crate::options::LoadOptions;
+use crate::served::ServedModel;
+use crate::SchemeError;
+
+/// Loads `files` with the family of its architecture and starts its engine.
+pub fn load_model(
+    files: ModelFiles,
+    mut opts: LoadOptions,
+) -> Result<Arc<dyn ServedModel>, SchemeError> {
+    let architecture = files.architecture()?;
+    opts.fingerprint = Fingerprint::of(&files);
+    let family = architecture.family();
+    if family != ModelFamily::RecurrentMemory {
+        if let Some(n) = opts.max_context_tokens {
+            tracing::warn!(
+                max_context_tokens = n,
+                family = family.name(),
+                "the context-length option applies to recurrent-memory models only; ignored"
+            );
         }
+    }
+    match architecture {
+        Architecture::Huginn => crate::recurrent_depth::serve(files, opts),
+        Architecture::Llada => crate::masked_diffusion::serve(files, opts),
+        Architecture::Dream => crate::masked_diffusion::serve_dream(files, opts),
+        Architecture::Llada2Moe => crate::block_diffusion::serve(files, opts),
+        Architecture::Armt => crate::recurrent_memory::serve(files, opts),
+        Architecture::Refusion => crate::slot_diffusion::serve(files, opts),
     }
 }

@@ -15,8 +15,10 @@ use wavefront_engine::{
 };
 use wavefront_models::ModelFiles;
 
+use crate::options::LoadOptions;
+use crate::registry::load_model;
 use crate::request::{GenerateSpec, SchemeParams};
-use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::served::{Planner, ServedModel};
 
 /// A sink over a bounded std channel; `closed` marks the client gone (the engine's reap path),
 /// dropping the receiver makes sends fail (the delivery path), `stop` is a transport's stop

@@ -10,9 +10,9 @@
 //! Protobuf types stop here: [`convert`] turns requests into
 //! [`wavefront_schemes::GenerateSpec`] and results back, [`status`] is the
 //! one mapping from domain errors to gRPC status codes, and [`output`]
-//! assembles streamed tokens into text (incremental detokenisation, stop
-//! strings). The same [`output::generate_blocking`] path backs the offline
-//! `wavefront run` command.
+//! assembles a request's response from its engine events (incremental detokenisation, stop
+//! strings, the final response) once, for every sink: the gRPC stream ([`stream`]), the unary
+//! call (the stream collected) and the offline `wavefront run` ([`output::generate_blocking`]).
 
 pub mod convert;
 pub mod limits;
@@ -21,8 +21,10 @@ pub mod output;
 pub mod server;
 pub mod service;
 pub mod status;
+pub mod stream;
+pub mod worker_api;
 
 pub use limits::RequestLimits;
-pub use output::{generate_blocking, Finished, OutputAssembler};
+pub use output::{generate_blocking, Assembly, Finished, OutputAssembler, Reply};
 pub use server::{serve, WorkerConfig};
 pub use service::WorkerService;

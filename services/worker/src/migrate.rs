@@ -27,11 +27,10 @@ use wavefront_engine::{Carried, EngineError, RequestId};
 use wavefront_proto::worker::v1 as wpb;
 use wavefront_schemes::migrate::STATE_VERSION;
 
-use crate::output::OutputAssembler;
-use crate::service::{
-    response_stream, EventStream, StreamState, TokioSink, WorkerService, EVENT_BUFFER,
-};
+use crate::output::{Assembly, OutputAssembler};
+use crate::service::WorkerService;
 use crate::status::from_engine_error;
+use crate::stream::{response_stream, EventStream, StreamState, TokioSink, EVENT_BUFFER};
 
 /// The response header that names a request's engine id (what `ExportRequest` takes).
 pub const REQUEST_ID_HEADER: &str = "x-wavefront-request-id";
@@ -42,15 +41,6 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// How long an export waits for the request's stream to reach the stop (the router reads it
 /// while it waits).
 const PARK_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// What a request's stream hands its export when it reaches the stop.
-pub(crate) struct Parked {
-    pub(crate) output: wpb::OutputState,
-    pub(crate) scheme: &'static str,
-    pub(crate) seed: u64,
-    /// A stop string already ended the response: the request is finishing, not moving.
-    pub(crate) stopped: bool,
-}
 
 pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<wpb::MigrationChunk, Status>> + Send>>;
 
@@ -320,8 +310,7 @@ pub(crate) async fn resume(
         messages: 0,
         model,
         rx: Some(rx),
-        stop,
-        out: output,
+        response: Assembly::new(output, stop, header.seed),
         pending: VecDeque::new(),
         seed: header.seed,
         scheme,

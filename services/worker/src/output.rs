@@ -207,6 +207,121 @@ pub fn decoder(model: &dyn ServedModel) -> impl Fn(&[u32]) -> String + '_ {
     move |ids: &[u32]| model.decode(ids)
 }
 
+/// What an engine event means to the client once text is assembled and stop strings applied.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Newly final tokens and the text they complete (the held-back text at the end comes as a
+    /// delta with no tokens).
+    Delta(Delta),
+    /// A view of the canvas (requests that asked for one).
+    Canvas(CanvasFrame),
+    /// The request stopped at a step boundary to move to another worker.
+    Parked,
+    /// The response is complete.
+    Done(Finished),
+    /// The request failed.
+    Failed(EngineError),
+}
+
+/// One request's response, assembled from its engine events: the one place text deltas, stop
+/// strings and the final response are decided. The gRPC stream ([`crate::stream`]), the unary
+/// call (the stream collected) and the offline `wavefront run` ([`generate_blocking`]) are
+/// sinks of its [`Reply`]s.
+pub struct Assembly {
+    pub(crate) out: OutputAssembler,
+    /// Raised when a stop string ended the text: the engine finishes the request at its next
+    /// step and sends its statistics.
+    stop: Arc<AtomicBool>,
+    seed: u64,
+    ended: bool,
+}
+
+impl Assembly {
+    pub fn new(out: OutputAssembler, stop: Arc<AtomicBool>, seed: u64) -> Self {
+        Self {
+            out,
+            stop,
+            seed,
+            ended: false,
+        }
+    }
+
+    /// Whether the response is complete (done or failed).
+    pub fn is_ended(&self) -> bool {
+        self.ended
+    }
+
+    pub fn output(&self) -> &OutputAssembler {
+        &self.out
+    }
+
+    fn done(&mut self, finish_reason: FinishReason, stats: Stats) -> Reply {
+        self.ended = true;
+        Reply::Done(Finished {
+            token_ids: self.out.token_ids().to_vec(),
+            text: self.out.text().to_owned(),
+            finish_reason,
+            stats,
+            seed: self.seed,
+        })
+    }
+
+    /// The replies `event` makes; `None` is an engine that went away.
+    pub fn on_event(
+        &mut self,
+        event: Option<Event>,
+        decode: &dyn Fn(&[u32]) -> String,
+    ) -> Vec<Reply> {
+        if self.ended {
+            return Vec::new();
+        }
+        let stopped = self.out.is_stopped();
+        match event {
+            // Tokens and frames the engine made before it saw the stop are not the response's.
+            Some(Event::Tokens(_) | Event::Canvas(_)) if stopped => Vec::new(),
+            Some(Event::Tokens(ids)) => {
+                let delta = self.out.push(&ids, decode);
+                if delta.stopped {
+                    self.stop.store(true, Ordering::Release);
+                }
+                vec![Reply::Delta(delta)]
+            }
+            Some(Event::Canvas(frame)) => vec![Reply::Canvas(frame)],
+            Some(Event::Parked) => vec![Reply::Parked],
+            Some(Event::Finished { stats, .. }) if stopped => {
+                let stats = self.out.stopped_stats(stats);
+                vec![self.done(FinishReason::StopString, stats)]
+            }
+            // The response was complete when the request failed or the engine went away.
+            Some(Event::Failed(_)) | None if stopped => {
+                let stats = self.out.stopped_stats(Stats::default());
+                vec![self.done(FinishReason::StopString, stats)]
+            }
+            Some(Event::Finished { reason, stats }) => {
+                let rest = self.out.finish(decode);
+                let mut replies = Vec::with_capacity(2);
+                if !rest.is_empty() {
+                    replies.push(Reply::Delta(Delta {
+                        token_ids: Vec::new(),
+                        text: rest,
+                        stopped: false,
+                    }));
+                }
+                replies.push(self.done(reason, stats));
+                replies
+            }
+            Some(Event::Failed(e)) => {
+                self.ended = true;
+                vec![Reply::Failed(e)]
+            }
+            None => {
+                self.ended = true;
+                vec![Reply::Failed(EngineError::ShutDown)]
+            }
+        }
+    }
+}
+
 /// A sink over a bounded std channel, for callers without an async runtime, with the flags
 /// that say the caller left (`closed`) or that a stop string ended the response (`stop`).
 struct StdSink {
@@ -253,57 +368,21 @@ pub fn generate_blocking(
     };
     model.submit(spec, Box::new(sink), deadline, tracing::Span::current())?;
     let decode = decoder(model);
-    let mut out = OutputAssembler::new(stop_strings);
-    let finished = |out: &OutputAssembler, finish_reason, stats| Finished {
-        token_ids: out.token_ids().to_vec(),
-        text: out.text().to_owned(),
-        finish_reason,
-        stats,
-        seed,
-    };
+    let mut response = Assembly::new(OutputAssembler::new(stop_strings), stop, seed);
     loop {
-        let Ok(event) = rx.recv() else {
+        let event = rx.recv().ok();
+        if event.is_none() {
             closed.store(true, Ordering::Release);
-            return Err(EngineError::ShutDown);
-        };
-        match event {
-            // Tokens and frames the engine made before it saw the stop are not the response's.
-            Event::Tokens(_) | Event::Canvas(_) if out.is_stopped() => {}
-            Event::Tokens(ids) => {
-                let delta = out.push(&ids, &decode);
-                on_delta(&delta);
-                if delta.stopped {
-                    // The engine finishes the request at its next step and sends its stats.
-                    stop.store(true, Ordering::Release);
-                }
+        }
+        for reply in response.on_event(event, &decode) {
+            match reply {
+                Reply::Delta(d) => on_delta(&d),
+                Reply::Canvas(frame) => on_canvas(&frame),
+                // Nothing offline exports a request.
+                Reply::Parked => {}
+                Reply::Done(finished) => return Ok(finished),
+                Reply::Failed(e) => return Err(e),
             }
-            Event::Canvas(frame) => on_canvas(&frame),
-            // Nothing offline exports a request.
-            Event::Parked => {}
-            Event::Finished { stats, .. } if out.is_stopped() => {
-                return Ok(finished(
-                    &out,
-                    FinishReason::StopString,
-                    out.stopped_stats(stats),
-                ));
-            }
-            Event::Finished { reason, stats } => {
-                let rest = out.finish(&decode);
-                if !rest.is_empty() {
-                    on_delta(&Delta {
-                        token_ids: Vec::new(),
-                        text: rest,
-                        stopped: false,
-                    });
-                }
-                return Ok(finished(&out, reason, stats));
-            }
-            // The response was complete when the request failed (a deadline while stopping).
-            Event::Failed(_) if out.is_stopped() => {
-                let stats = out.stopped_stats(Stats::default());
-                return Ok(finished(&out, FinishReason::StopString, stats));
-            }
-            Event::Failed(e) => return Err(e),
         }
     }
 }

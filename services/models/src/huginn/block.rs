@@ -14,61 +14,49 @@ use candle_nn::VarBuilder;
 
 use std::sync::Arc;
 
-use super::cache::CacheSlot;
+use super::cache::{CacheSlot, SeqRows};
 use super::config::HuginnConfig;
-use super::SeqRows;
 use crate::error::{ModelError, Result};
 use crate::transformer::cpu;
 use crate::transformer::parallel::{
     column_range, head_ranges, on_rank, reduce, slice, Collective, TensorParallel,
 };
 pub(crate) use crate::transformer::{get, linear, Linear, RmsNorm};
+use crate::transformer::{GatedMlp, RopeTable};
 use wavefront_kernels::attention::Mask;
 
-/// Gated MLP: `[g | u] = x @ fc^T`, `proj(silu(g) * u)`; under tensor parallelism one per rank
-/// over its columns (its rows of `g` and of `u`, its columns of `proj`).
-#[derive(Debug, Clone)]
-struct GatedMlp {
-    fc: Linear,
-    proj: Linear,
-    hidden: usize,
-}
-
-impl GatedMlp {
-    fn load(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Vec<Self>> {
-        let (e, i) = (cfg.n_embd, cfg.intermediate_size);
-        let fc = get(&vb.pp("fc"), &[2 * i, e], "weight")?;
-        let proj = get(&vb.pp("proj"), &[e, i], "weight")?;
-        if tp.is_single() {
-            return Ok(vec![Self {
-                fc: Linear::new(fc, None)?,
-                proj: Linear::new(proj, None)?,
-                hidden: i,
-            }]);
-        }
-        (0..tp.world)
-            .map(|rank| {
-                let c = column_range(i, tp.world, rank)?;
-                let rows = Tensor::cat(
-                    &[
-                        fc.narrow(0, c.start, c.len())?,
-                        fc.narrow(0, i + c.start, c.len())?,
-                    ],
-                    0,
-                )?;
-                let proj = slice(&proj, 1, &c, 1)?;
-                Ok(Self {
-                    fc: Linear::new(on_rank(tp.comm.as_ref(), rank, &rows)?, None)?,
-                    proj: Linear::new(on_rank(tp.comm.as_ref(), rank, &proj)?, None)?,
-                    hidden: c.len(),
-                })
-            })
-            .collect()
+/// The gated MLP of a sandwich block: `[g | u] = x @ fc^T`, `proj(silu(g) * u)` (the shared
+/// [`GatedMlp`] over the checkpoint's fused `fc`); under tensor parallelism one per rank over its
+/// columns (its rows of `g` and of `u`, its columns of `proj`).
+fn load_mlp(vb: VarBuilder, cfg: &HuginnConfig, tp: &TensorParallel) -> Result<Vec<GatedMlp>> {
+    let (e, i) = (cfg.n_embd, cfg.intermediate_size);
+    let fc = get(&vb.pp("fc"), &[2 * i, e], "weight")?;
+    let proj = get(&vb.pp("proj"), &[e, i], "weight")?;
+    if tp.is_single() {
+        return Ok(vec![GatedMlp::fused(
+            Linear::new(fc, None)?,
+            Linear::new(proj, None)?,
+            i,
+        )]);
     }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        crate::transformer::gated_mlp(&self.fc, &self.proj, self.hidden, x)
-    }
+    (0..tp.world)
+        .map(|rank| {
+            let c = column_range(i, tp.world, rank)?;
+            let rows = Tensor::cat(
+                &[
+                    fc.narrow(0, c.start, c.len())?,
+                    fc.narrow(0, i + c.start, c.len())?,
+                ],
+                0,
+            )?;
+            let proj = slice(&proj, 1, &c, 1)?;
+            Ok(GatedMlp::fused(
+                Linear::new(on_rank(tp.comm.as_ref(), rank, &rows)?, None)?,
+                Linear::new(on_rank(tp.comm.as_ref(), rank, &proj)?, None)?,
+                c.len(),
+            ))
+        })
+        .collect()
 }
 
 /// Per-call bookkeeping of packed rows: each sequence's row range and RoPE angles per row.
@@ -99,23 +87,23 @@ impl RowLayout {
             if s.len == 0 {
                 return Err(ModelError::Shape("a sequence contributes no rows".into()));
             }
-            if s.start + s.len > rope.max_positions {
+            if s.start + s.len > rope.max_positions() {
                 return Err(ModelError::Shape(format!(
                     "position {} beyond the RoPE table (block_size {})",
                     s.start + s.len - 1,
-                    rope.max_positions
+                    rope.max_positions()
                 )));
             }
             offsets.push(offset);
             offset += s.len;
             positions.extend((s.start..s.start + s.len).map(|p| p as u32));
-            masks.push(causal_mask(s.len, s.start + s.len, rope.cos.device())?);
+            masks.push(causal_mask(s.len, s.start + s.len, rope.device())?);
         }
-        let idx = Tensor::from_vec(positions, rows, rope.cos.device())?;
+        let (cos, sin) = rope.rows(&positions)?;
         Ok(Self {
             offsets,
-            cos: rope.cos.index_select(&idx, 0)?,
-            sin: rope.sin.index_select(&idx, 0)?,
+            cos,
+            sin,
             masks,
         })
     }
@@ -144,42 +132,6 @@ fn causal_mask(q: usize, t: usize, device: &Device) -> Result<Option<Tensor>> {
         })
         .collect();
     Ok(Some(Tensor::from_vec(data, (q, t), device)?))
-}
-
-/// RoPE angles `pos * base^(-2i / head_dim)` for every position below `block_size`, float32.
-#[derive(Debug, Clone)]
-pub(crate) struct RopeTable {
-    cos: Tensor,
-    sin: Tensor,
-    max_positions: usize,
-}
-
-impl RopeTable {
-    pub(crate) fn new(cfg: &HuginnConfig, device: &Device) -> Result<Self> {
-        let d = cfg.head_dim();
-        let half = d / 2;
-        let n = cfg.block_size;
-        // Same float32 arithmetic as upstream `precompute_freqs_cis`.
-        let base = cfg.rope_base as f32;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
-            .collect();
-        let entries = crate::transformer::rope_entries(n, half)?;
-        let mut cos = Vec::with_capacity(entries);
-        let mut sin = Vec::with_capacity(entries);
-        for p in 0..n {
-            for &f in &inv_freq {
-                let angle = p as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-        Ok(Self {
-            cos: Tensor::from_vec(cos, (n, half), device)?,
-            sin: Tensor::from_vec(sin, (n, half), device)?,
-            max_positions: n,
-        })
-    }
 }
 
 /// Causal self-attention with q/k bias and interleaved RoPE.
@@ -473,8 +425,7 @@ impl crate::transformer::StoreWeights for SandwichBlock {
             s.proj.store_as(dtype)?;
         }
         for m in &mut self.mlp {
-            m.fc.store_as(dtype)?;
-            m.proj.store_as(dtype)?;
+            m.store_weights(dtype)?;
         }
         Ok(())
     }
@@ -487,7 +438,7 @@ impl SandwichBlock {
             norm_1: RmsNorm::load(vb.pp("norm_1"), e, eps)?,
             attn: Attention::load(vb.pp("attn"), cfg, tp)?,
             norm_2: RmsNorm::load(vb.pp("norm_2"), e, eps)?,
-            mlp: GatedMlp::load(vb.pp("mlp"), cfg, tp)?,
+            mlp: load_mlp(vb.pp("mlp"), cfg, tp)?,
             comm: tp.comm.clone(),
             norm_3: RmsNorm::load(vb.pp("norm_3"), e, eps)?,
             norm_4: RmsNorm::load(vb.pp("norm_4"), e, eps)?,

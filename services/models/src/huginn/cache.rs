@@ -866,6 +866,37 @@ impl<'de> serde::Deserialize<'de> for HuginnCache {
     }
 }
 
+/// The rows one sequence contributes to a packed call.
+#[derive(Debug)]
+pub struct SeqRows<'a> {
+    /// This sequence's KV cache.
+    pub cache: &'a mut HuginnCache,
+    /// Absolute position of this sequence's first row.
+    pub start: usize,
+    /// Number of rows of this sequence in the packed tensor (contiguous, in slice order).
+    pub len: usize,
+    /// 0-based recurrence index, used by [`Huginn::core_step`] for the cache slot.
+    pub recurrence: usize,
+}
+
+impl<'a> SeqRows<'a> {
+    /// Rows `start..start + len` of `cache`, recurrence 0.
+    pub fn new(cache: &'a mut HuginnCache, start: usize, len: usize) -> Self {
+        Self {
+            cache,
+            start,
+            len,
+            recurrence: 0,
+        }
+    }
+
+    /// The same rows at recurrence `recurrence`.
+    pub fn at_recurrence(mut self, recurrence: usize) -> Self {
+        self.recurrence = recurrence;
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

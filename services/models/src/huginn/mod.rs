@@ -24,44 +24,15 @@ mod config;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 
-use self::block::{get, linear, Linear, RmsNorm, RopeTable, RowLayout, SandwichBlock};
+use self::block::{get, linear, Linear, RmsNorm, RowLayout, SandwichBlock};
+pub use self::cache::SeqRows;
 pub use self::cache::{CacheSlot, CacheStrategy, HuginnCache};
 pub use self::config::{HuginnConfig, InitValues};
 use crate::error::{ModelError, Result};
+use crate::transformer::RopeTable;
 use crate::transformer::{
     AttentionKernel, EmbedHead, SelectAttention, StoreWeights, TensorParallel, WeightDtype,
 };
-
-/// The rows one sequence contributes to a packed call.
-#[derive(Debug)]
-pub struct SeqRows<'a> {
-    /// This sequence's KV cache.
-    pub cache: &'a mut HuginnCache,
-    /// Absolute position of this sequence's first row.
-    pub start: usize,
-    /// Number of rows of this sequence in the packed tensor (contiguous, in slice order).
-    pub len: usize,
-    /// 0-based recurrence index, used by [`Huginn::core_step`] for the cache slot.
-    pub recurrence: usize,
-}
-
-impl<'a> SeqRows<'a> {
-    /// Rows `start..start + len` of `cache`, recurrence 0.
-    pub fn new(cache: &'a mut HuginnCache, start: usize, len: usize) -> Self {
-        Self {
-            cache,
-            start,
-            len,
-            recurrence: 0,
-        }
-    }
-
-    /// The same rows at recurrence `recurrence`.
-    pub fn at_recurrence(mut self, recurrence: usize) -> Self {
-        self.recurrence = recurrence;
-        self
-    }
-}
 
 /// A loaded Huginn model.
 #[derive(Debug, Clone)]
@@ -137,7 +108,7 @@ impl Huginn {
         let coda = blocks("coda", cfg.n_layers_in_coda)?;
         let adapter = linear(&t.pp("adapter"), 2 * e, e, cfg.bias)?;
         let ln_f = RmsNorm::load(t.pp("ln_f"), e, cfg.norm_eps)?;
-        let rope = RopeTable::new(&cfg, vb.device())?;
+        let rope = RopeTable::new(cfg.head_dim(), cfg.rope_base, cfg.block_size, vb.device())?;
         Ok(Self {
             cfg,
             io,

@@ -492,7 +492,7 @@ fn sdpa(
         Tensor::cat(&scores, 2)?
     };
     let t: usize = lens.iter().sum();
-    let scores = (scores.to_dtype(super::layers::at_least_f32(dtype))? * scale)?;
+    let scores = (scores.to_dtype(super::linear::at_least_f32(dtype))? * scale)?;
     let scores = match mask {
         Some(m) => scores
             .reshape((hkv, rep, l, t))?

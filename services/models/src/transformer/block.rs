@@ -81,18 +81,6 @@ impl BlockConfig {
     }
 }
 
-/// Embedding rows of `ids` from `table` `[rows, E]`; an id outside the table is refused.
-pub(crate) fn embed_tokens(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-    let rows = table.dim(0)?;
-    if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
-        return Err(ModelError::Shape(format!(
-            "token id {id} outside the embedding of {rows} rows"
-        )));
-    }
-    let idx = Tensor::new(ids, table.device())?;
-    Ok(table.index_select(&idx, 0)?)
-}
-
 /// `blocks` in order over packed rows `x` `[N, E]` of `seqs` (positions from `rope`), then the
 /// final `norm`: the hidden rows fed to the head. Buffer sequences' caches hold this call's keys
 /// afterwards.
@@ -535,8 +523,7 @@ impl super::StoreWeights for Block {
             s.w.qkv.store_as(dtype)?;
             s.w.o.store_as(dtype)?;
             if let Some(m) = &mut s.w.mlp {
-                m.gate_up.store_as(dtype)?;
-                m.down.store_as(dtype)?;
+                m.store_weights(dtype)?;
             }
         }
         if let Some(moe) = &mut self.moe {

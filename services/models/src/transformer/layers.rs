@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 
-use super::linear::Linear;
+use super::linear::{at_least_f32, Linear};
 
 use crate::error::{ModelError, Result};
 
@@ -108,16 +108,6 @@ impl RmsNorm {
     }
 }
 
-/// The precision statistics and rotations are computed in: float32, or float64 for a float64
-/// model (the reference the numerics are measured against).
-pub(crate) fn at_least_f32(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// Gated SiLU MLP: `down(silu(gate(x)) * up(x))`, with gate and up fused into one product
 /// (`[gate | up]`, `2 · hidden` outputs).
 #[derive(Debug, Clone)]
@@ -150,6 +140,21 @@ impl GatedMlp {
             down,
             hidden,
         })
+    }
+
+    /// The MLP of a fused `[gate | up]` product (`hidden` columns each) and `down`.
+    pub(crate) fn fused(gate_up: Linear, down: Linear, hidden: usize) -> Self {
+        Self {
+            gate_up,
+            down,
+            hidden,
+        }
+    }
+
+    /// Stores the CPU weights as `dtype` ([`crate::transformer::StoreWeights`]).
+    pub(crate) fn store_weights(&mut self, dtype: super::linear::WeightDtype) -> Result<()> {
+        self.gate_up.store_as(dtype)?;
+        self.down.store_as(dtype)
     }
 
     /// The MLP with its weights on `device`.

@@ -214,6 +214,28 @@ impl Linear {
     }
 }
 
+/// Embedding rows of `ids` from `table` `[rows, E]`; an id outside the table is refused.
+pub(crate) fn embed_tokens(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    let rows = table.dim(0)?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
+        return Err(ModelError::Shape(format!(
+            "token id {id} outside the embedding of {rows} rows"
+        )));
+    }
+    let idx = Tensor::new(ids, table.device())?;
+    Ok(table.index_select(&idx, 0)?)
+}
+
+/// The precision statistics and rotations are computed in: float32, or float64 for a float64
+/// model (the reference the numerics are measured against).
+pub(crate) fn at_least_f32(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,7 +405,7 @@ impl EmbedHead {
     /// Embedding rows of `ids` `[ids.len(), E]`; an id outside the table is refused.
     pub(crate) fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         match &self.table {
-            Some(t) => super::embed_tokens(t, ids),
+            Some(t) => embed_tokens(t, ids),
             None => Ok(self.head.rows(ids)?.to_dtype(self.dtype)?),
         }
     }
@@ -392,7 +414,7 @@ impl EmbedHead {
     /// model, the numerics reference).
     pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let y = self.head.forward(hidden)?;
-        Ok(y.to_dtype(super::layers::at_least_f32(y.dtype()))?)
+        Ok(y.to_dtype(at_least_f32(y.dtype()))?)
     }
 
     /// Stores the head (and a tied table with it) as `dtype` when packed.

@@ -25,6 +25,7 @@
 
 mod attention;
 mod block;
+mod collective;
 pub mod cpu;
 pub(crate) mod kv_cache;
 mod layers;
@@ -39,11 +40,10 @@ mod stack;
 
 pub(crate) use attention::commit_buffers;
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
-pub(crate) use block::{embed_tokens, BlockWeights, ShardRange, ShardWeights};
 pub use block::{Block, BlockConfig, BlockNames};
+pub(crate) use block::{BlockWeights, ShardRange, ShardWeights};
 pub(crate) use kv_cache::merge_runs;
 pub use kv_cache::{KvPool, PagedCache, PAGE_SIZE};
-pub(crate) use layers::rope_entries;
 pub(crate) use layers::{gated_mlp, GatedMlp};
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub(crate) use linear::{EmbedHead, LinearStack};

@@ -4,7 +4,7 @@
 //! The sum lands on rank 0, where the single controller keeps the replicated residual stream
 //! (norms, embeddings, the head), so each row-parallel layer ends in one `ncclReduce` to root 0
 //! rather than an all-reduce: the other ranks would drop their copies, and the next layer's
-//! normed input reaches them by a peer copy ([`super::parallel::on_rank`]). With one rank the
+//! normed input reaches them by a peer copy ([`super::collective::on_rank`]). With one rank the
 //! reduce still runs (a device-to-device copy through the library), which is what a one-GPU
 //! machine can check of this path.
 //!
@@ -21,7 +21,7 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::result::{group_end, group_start};
 use cudarc::nccl::{Comm, NcclType, ReduceOp};
 
-use super::parallel::Collective;
+use super::collective::Collective;
 use crate::error::{ModelError, Result};
 
 /// Sums the ranks' partials with NCCL; rank `r` lives on `devices[r]`.

@@ -6,10 +6,9 @@
 
 use candle_core::Tensor;
 use wavefront_engine::{Demand, FinishReason, Outbox, Planned};
-use wavefront_models::Llada2;
+use wavefront_models::{Llada2, ModelFamily};
 
 use super::program::{BdPlan, BdProgram};
-use crate::masked_diffusion::FAMILY;
 use crate::packing::head_rows;
 use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
@@ -55,6 +54,9 @@ pub(crate) fn run(
     }
     Ok(outputs)
 }
+
+/// This family's name.
+const FAMILY: &str = ModelFamily::MaskedDiffusion.name();
 
 /// LLaDA2.0's steps: one packed forward and one head call per tick.
 pub struct BlockDiffusion {

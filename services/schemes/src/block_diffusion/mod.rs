@@ -38,11 +38,10 @@ pub use self::family::BlockDiffusionFamily;
 pub use self::program::{BdProgram, BdStep};
 use self::program::{Sampler, Settings};
 use crate::kv_slot::KvSlot;
+use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
+use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, BlockDiffusionParams, GenerateSpec, SchemeParams};
-use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
-    ModelInfo, Planner, ServedModel,
-};
+use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
 
 /// Upstream `generate()`'s ids when none is named (the real LLaDA2.0 vocabulary's).
@@ -86,7 +85,7 @@ impl Llada2Planner {
         }
         let info = ModelInfo {
             name,
-            family: crate::masked_diffusion::FAMILY,
+            family: wavefront_models::ModelFamily::MaskedDiffusion.name(),
             schemes: vec!["block-diffusion"],
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_position_embeddings,

@@ -39,7 +39,7 @@ use rand::Rng;
 
 use super::canvas::Canvas;
 use super::low_confidence::top_k;
-use super::program::{StepInputs, StepRecord};
+use super::step::{StepInputs, StepRecord};
 use crate::request::DreamAlg;
 
 /// `torch.linspace(start, end, n)` in float32, as its CPU kernel computes it: the first half

@@ -13,13 +13,16 @@ use wavefront_engine::{
 };
 use wavefront_models::slot_pool::SlotPool;
 use wavefront_models::transformer::{Keys, KvPool, SeqInput};
+use wavefront_models::ModelFamily;
 
 use super::network::MdNetwork;
 use super::program::{MdProgram, StepPlan};
 use super::surelock::POSTERIOR_ARENA;
-use super::FAMILY;
 use crate::packing::head_rows;
 use crate::SchemeError;
+
+/// This family's name.
+const FAMILY: &str = ModelFamily::MaskedDiffusion.name();
 
 /// Runs every plan of `plans` (with its program, for SureLock's cached keys) in one packed
 /// forward and one head call over every row any plan reads; returns each plan's logits

@@ -12,7 +12,7 @@ use candle_core::DType;
 use serde_json::Value;
 use wavefront_models::transformer::{AttentionKernel, SelectAttention};
 
-use super::program::StepRecord;
+use super::step::StepRecord;
 use super::surelock::percentile;
 use super::test_support::*;
 use super::MdProgram;

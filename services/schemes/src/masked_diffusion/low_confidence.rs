@@ -25,7 +25,7 @@ use rand::Rng;
 
 use super::canvas::Canvas;
 use super::posterior::decode_rows;
-use super::program::{StepInputs, StepRecord};
+use super::step::{StepInputs, StepRecord};
 use crate::request::Remasking;
 
 /// Tokens committed at each of a block's `steps` steps for `masked` masks (upstream

@@ -76,6 +76,7 @@ mod canvas;
 mod diffusion_generate;
 mod low_confidence;
 mod posterior;
+mod step;
 mod surelock;
 mod wino;
 
@@ -102,23 +103,23 @@ use self::low_confidence::LowConfidence;
 pub use self::network::{MdNetwork, Shape};
 pub(crate) use self::posterior::greedy as posterior_greedy;
 use self::program::Decoder;
-pub use self::program::{MdProgram, StepRecord};
+pub use self::program::MdProgram;
+pub use self::step::StepRecord;
 use self::surelock::SureLock;
 use self::wino::Wino;
 use crate::kv_slot::KvSlot;
-use crate::registry::FamilyKind;
+use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
+use crate::options::LoadOptions;
 use crate::request::{
     bad, DiffusionGenerateParams, DreamAlg, GenerateSpec, LowConfidenceParams, SchemeParams,
     SureLockParams, WinoParams,
 };
-use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, LoadOptions, ModelInfo,
-    Planner, ServedModel,
-};
+use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
+use wavefront_models::ModelFamily;
 
 /// This family's name.
-pub(crate) const FAMILY: &str = FamilyKind::MaskedDiffusion.name();
+pub(crate) const FAMILY: &str = ModelFamily::MaskedDiffusion.name();
 
 /// Validates requests against a masked-diffusion network's config and builds programs.
 pub struct MdPlanner {
@@ -460,15 +461,9 @@ impl Planner for MdPlanner {
     }
 }
 
-/// Loads a LLaDA or Dream checkpoint (by its config's `model_type`) and starts its engine.
+/// Loads a LLaDA checkpoint and starts its engine (Dream: [`serve_dream`]; LLaDA2.0:
+/// [`crate::block_diffusion::serve`]; [`crate::registry`] picks).
 pub fn serve(files: ModelFiles, opts: LoadOptions) -> Result<Arc<dyn ServedModel>, SchemeError> {
-    // One family, three networks: LLaDA2.0 (`llada2_moe`), Dream, LLaDA.
-    if files.names_contain("llada2") {
-        return crate::block_diffusion::serve(files, opts);
-    }
-    if files.names_contain("dream") {
-        return serve_dream(files, opts);
-    }
     let cfg = LladaConfig::from_json(files.config_json())?;
     let tokenizer = optional_tokenizer(&files);
     let load = checkpoint_loader(files, cfg.clone(), &opts, Llada::load_parallel);

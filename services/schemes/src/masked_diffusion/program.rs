@@ -21,6 +21,7 @@ use super::canvas::Canvas;
 use super::diffusion_generate::{self, DiffusionGenerate};
 use super::low_confidence::{self, LowConfidence};
 use super::posterior::log_probs;
+use super::step::{StepInputs, StepRecord};
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
 use crate::SchemeError;
@@ -56,29 +57,6 @@ pub struct StepPlan {
     pub(crate) uncond_ids: Option<Vec<u32>>,
     /// Rows a step without SureLock computes (the whole buffer).
     pub(crate) dense_rows: usize,
-}
-
-/// What one step decided; kept when recording is on (tests compare it with upstream traces).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StepRecord {
-    /// Positions unmasked (low-confidence) or drafted (WINO), in decision order.
-    pub committed: Vec<usize>,
-    /// Their tokens.
-    pub tokens: Vec<u32>,
-    /// Positions revoked (WINO).
-    pub revoked: Vec<usize>,
-    /// Positions locked (SureLock).
-    pub locked: Vec<usize>,
-    /// WINO's draft rule: "threshold", "topk_max_accept" or "argmax_fallback".
-    pub branch: Option<&'static str>,
-    /// WINO: whether the revocation cap applied.
-    pub remask_capped: bool,
-    /// WINO: the step's draft cap and `last_accept`.
-    pub max_accept: usize,
-    pub last_accept: usize,
-    /// `diffusion-generate` (confidence algorithms): every candidate's confidence, in position
-    /// order.
-    pub confidence: Vec<(usize, f32)>,
 }
 
 /// One request's decoding state.
@@ -536,22 +514,5 @@ impl MdProgram {
             self.stats.add_counter("flops_ratio_ppm", ppm);
         }
         outbox.finish(reason, std::mem::take(&mut self.stats));
-    }
-}
-
-/// What a decoder's step reads.
-pub(crate) struct StepInputs<'a> {
-    /// Logits of the plan's logit rows.
-    pub(crate) logits: &'a Tensor,
-    /// Logit row of each buffer index.
-    pub(crate) row_of: &'a HashMap<usize, usize>,
-    /// Masked positions before the block's end at the step's input.
-    pub(crate) candidates: &'a [usize],
-}
-
-impl StepInputs<'_> {
-    /// Logit rows of buffer indices (each must have one).
-    pub(crate) fn rows(&self, buffer: impl Iterator<Item = usize>) -> Vec<u32> {
-        buffer.map(|b| self.row_of[&b] as u32).collect()
     }
 }

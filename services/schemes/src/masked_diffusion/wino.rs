@@ -30,7 +30,7 @@ use candle_core::{DType, Tensor};
 use super::canvas::Canvas;
 use super::low_confidence::top_k;
 use super::posterior::{decode_rows, token_probs};
-use super::program::{StepInputs, StepRecord};
+use super::step::{StepInputs, StepRecord};
 
 /// `last_accept` at the start of every block (upstream constant).
 pub(crate) const FIRST_LAST_ACCEPT: usize = 30;

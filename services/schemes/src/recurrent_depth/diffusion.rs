@@ -158,7 +158,7 @@ impl DiffusionProgram {
             wave: None,
             stats: Stats::default(),
             latent_pages: 0,
-            latent_page: (super::PAGE_SIZE, 1.0),
+            latent_page: (wavefront_models::transformer::PAGE_SIZE, 1.0),
         }
     }
 
@@ -703,126 +703,6 @@ fn add_recurrences(counter: &mut Vec<u32>, from: usize, n: usize, by: usize) {
     }
     for c in &mut counter[from..from + n] {
         *c += by as u32;
-    }
-}
-
-impl super::HuginnPlanner {
-    /// Validates diffusion-forcing parameters and builds the program.
-    pub(super) fn prepare_diffusion(
-        &self,
-        spec: crate::request::GenerateSpec,
-        d: &crate::request::DiffusionForcingParams,
-    ) -> Result<wavefront_engine::Prepared<super::Program>, wavefront_engine::RequestError> {
-        use wavefront_models::CacheStrategy;
-        let bad = |m: String| Err(wavefront_engine::RequestError::InvalidArgument(m));
-        let max_steps = super::MAX_NUM_STEPS;
-        let num_steps = d.num_steps.unwrap_or(self.cfg.mean_recurrence);
-        if num_steps == 0 || num_steps > max_steps {
-            return bad(format!(
-                "diffusion_forcing.num_steps must be in 1..={max_steps}, got {num_steps}"
-            ));
-        }
-        if d.inner_recurrence == 0 || d.inner_recurrence > max_steps {
-            return bad(format!(
-                "diffusion_forcing.inner_recurrence must be in 1..={max_steps}, got {}",
-                d.inner_recurrence
-            ));
-        }
-        if !d.exit_t.is_finite() || d.exit_t <= 0.0 || d.exit_t > 1.0 {
-            return bad(format!(
-                "diffusion_forcing.exit_t must be in (0, 1], got {}",
-                d.exit_t
-            ));
-        }
-        if !d.ema_embeds.is_finite() || !(0.0..1.0).contains(&d.ema_embeds) {
-            return bad(format!(
-                "diffusion_forcing.ema_embeds must be in [0, 1), got {}",
-                d.ema_embeds
-            ));
-        }
-        if !d.state_noise_mixing.is_finite() || !(0.0..=1.0).contains(&d.state_noise_mixing) {
-            return bad(format!(
-                "diffusion_forcing.state_noise_mixing must be in [0, 1], got {}",
-                d.state_noise_mixing
-            ));
-        }
-        if d.max_wavefront < 2 || d.max_wavefront > self.cfg.block_size {
-            return bad(format!(
-                "diffusion_forcing.max_wavefront must be in 2..={} (a wavefront of one position never freezes), got {}",
-                self.cfg.block_size, d.max_wavefront
-            ));
-        }
-        if d.headway == 0 || d.headway > d.max_wavefront {
-            return bad(format!(
-                "diffusion_forcing.headway must be in 1..=max_wavefront ({}), got {}",
-                d.max_wavefront, d.headway
-            ));
-        }
-        if !d.init_scale.is_finite() || !(0.0..=100.0).contains(&d.init_scale) {
-            return bad(format!(
-                "diffusion_forcing.init_scale must be in [0, 100], got {}",
-                d.init_scale
-            ));
-        }
-        let core = self.cfg.n_layers_in_recurrent_block;
-        let shared = format!("latest-m4-compress-s{core}");
-        let name = match d.cache_lookup_strategy.as_str() {
-            "" => shared.as_str(),
-            name => name,
-        };
-        let strategy: CacheStrategy = name.parse().map_err(|e| {
-            wavefront_engine::RequestError::InvalidArgument(format!(
-                "diffusion_forcing.cache_lookup_strategy: {e}"
-            ))
-        })?;
-        if !matches!(strategy, CacheStrategy::Compress { stride, .. } if stride == core) {
-            return bad(format!(
-                "diffusion_forcing.cache_lookup_strategy must share core KV slots across recurrences \
-                 (`{shared}`, the default), got `{name}`"
-            ));
-        }
-        let draws = match (&spec.replay_draws, d.init_scale) {
-            (_, 0.0) => DrawSource::Zeros,
-            // Rows are consumed in upstream's call order; running out fails the request.
-            (Some(r), _) => DrawSource::replay(r.clone()),
-            (None, s) => DrawSource::seeded(
-                spec.sampling.seed,
-                self.cfg.init_std(f64::from(s)),
-                self.cfg.embed_scale(),
-            ),
-        };
-        // K/V pages: the wavefront may run up to `max_wavefront` positions past the frozen ones
-        // (never past the context). Latent pages: the wavefront's states (see the module doc).
-        let positions = (spec.prompt_ids.len() + spec.max_new_tokens + d.max_wavefront)
-            .min(self.cfg.block_size);
-        let latent_pages = self.latent_slots(d.max_wavefront).div_ceil(self.page);
-        let max_slots = self.kv_pages(positions, strategy, num_steps) + latent_pages;
-        let prompt_tokens = spec.prompt_ids.len();
-        let settings = DiffusionSettings {
-            num_steps,
-            inner_recurrence: d.inner_recurrence,
-            exit_t: d.exit_t,
-            ema_embeds: f64::from(d.ema_embeds),
-            state_noise_mixing: f64::from(d.state_noise_mixing),
-            headway: d.headway,
-            max_wavefront: d.max_wavefront,
-            freeze_test: d.freeze_test,
-            continuous_compute: d.continuous_compute,
-            vocab_size: self.cfg.vocab_size,
-        };
-        let mut program = DiffusionProgram::new(
-            spec.prompt_ids,
-            self.cache(strategy),
-            settings,
-            draws,
-            TokenSampler::new(spec.sampling),
-            spec.sampling.seed,
-            spec.max_new_tokens,
-            self.stop_ids(spec.stop_token_ids),
-        );
-        program.latent_pages = latent_pages;
-        program.latent_page = (self.page, f64::from(self.occupancy_multiplier));
-        Ok(self.prepared(super::Program::Diffusion(program), max_slots, prompt_tokens))
     }
 }
 

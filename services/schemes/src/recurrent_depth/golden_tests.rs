@@ -22,11 +22,12 @@ use super::ar::ArProgram;
 use super::diffusion::DiffusionProgram;
 use super::test_support::Driver;
 use super::{HuginnPlanner, Program};
+use crate::options::LoadOptions;
 use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SamplingParams,
     SchemeParams,
 };
-use crate::served::{LoadOptions, Planner};
+use crate::served::Planner;
 
 const AR_CASES: [&str; 8] = [
     "ar_static_s4_full",
@@ -422,7 +423,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
         max_active: cases.len(),
         ..LoadOptions::default()
     };
-    let served = crate::served::load_model(ModelFiles::from_dir(fixture_dir())?, opts)?;
+    let served = crate::registry::load_model(ModelFiles::from_dir(fixture_dir())?, opts)?;
     let receivers = cases
         .iter()
         .map(|case| {

@@ -11,10 +11,12 @@ use super::ar::ArProgram;
 use super::diffusion::DiffusionProgram;
 use super::test_support::*;
 use super::{HuginnPlanner, Program};
+use crate::options::LoadOptions;
+use crate::registry::load_model;
 use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, ReplayDraws, SchemeParams,
 };
-use crate::served::{load_model, LoadOptions, Planner};
+use crate::served::Planner;
 
 fn ar_program(planner: &HuginnPlanner, spec: GenerateSpec) -> Result<ArProgram> {
     match planner.prepare(spec) {

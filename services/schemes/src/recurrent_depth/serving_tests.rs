@@ -19,10 +19,12 @@ use wavefront_models::Huginn;
 
 use super::test_support::*;
 use super::{serve_family, HuginnFamily, Program};
+use crate::options::LoadOptions;
+use crate::registry::load_model;
 use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
 };
-use crate::served::{load_model, LoadOptions, Planner, ServedModel};
+use crate::served::{Planner, ServedModel};
 use crate::test_support::{assert_joining_requests_match_alone, collect, refusal, serve, submit};
 use crate::SchemeError;
 

@@ -25,11 +25,14 @@ use wavefront_engine::{
 };
 use wavefront_models::armt::{Armt, CellInput, MemoryView, StepShape};
 use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
+use wavefront_models::ModelFamily;
 
 use super::program::{ArmtOutput, ArmtPlan, ArmtProgram};
-use super::FAMILY;
 use crate::paging;
 use crate::SchemeError;
+
+/// This family's name.
+const FAMILY: &str = ModelFamily::RecurrentMemory.name();
 
 /// What one run of the packed calls computed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

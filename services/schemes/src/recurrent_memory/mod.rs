@@ -76,17 +76,16 @@ pub use self::family::{RecurrentMemoryFamily, RunReport};
 use self::program::Paging;
 pub use self::program::{ArmtOutput, ArmtPlan, ArmtProgram};
 use crate::kv_slot::KvSlot;
-use crate::registry::FamilyKind;
+use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
+use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
-use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
-    ModelInfo, Planner, ServedModel,
-};
+use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
+use wavefront_models::ModelFamily;
 
 /// This family's name.
-pub(crate) const FAMILY: &str = FamilyKind::RecurrentMemory.name();
+pub(crate) const FAMILY: &str = ModelFamily::RecurrentMemory.name();
 
 /// The context limit of a recurrent-memory model when the load options set none. The memory
 /// a request holds does not depend on its length; this bounds the work of one request.

@@ -13,8 +13,10 @@ use wavefront_engine::{FinishReason, RequestError};
 
 use super::test_support::*;
 use super::ArmtPlanner;
+use crate::options::LoadOptions;
+use crate::registry::load_model;
 use crate::request::{ArParams, Execution, GenerateSpec, LowConfidenceParams, SchemeParams};
-use crate::served::{load_model, LoadOptions, Planner};
+use crate::served::Planner;
 use crate::test_support::{
     assert_invalid, refused_as_too_large, serve, submit, wait_for_free_slots,
 };

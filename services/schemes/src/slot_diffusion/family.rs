@@ -12,14 +12,17 @@
 
 use candle_core::Tensor;
 use wavefront_engine::{Demand, FinishReason, Outbox, Planned};
+use wavefront_models::ModelFamily;
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
 use super::program::SdProgram;
-use super::FAMILY;
 use crate::packing::head_rows;
 use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
+
+/// This family's name.
+const FAMILY: &str = ModelFamily::SlotDiffusion.name();
 
 /// Runs every call of `work` in one packed forward and one head call over every row any
 /// program reads; returns each call's reads, row by row.

@@ -89,22 +89,21 @@ use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
 pub use self::family::SlotDiffusionFamily;
-pub use self::plan_infill::{CallRecord, IterationRecord, StepRecord};
+pub use self::plan_infill::{CallRecord, CompletionRecord, IterationRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
 use crate::kv_slot::KvSlot;
-use crate::registry::FamilyKind;
+use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
+use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
-use crate::served::{
-    checked_family, checkpoint_loader, optional_tokenizer, start_served, KvReserve, LoadOptions,
-    ModelInfo, Planner, ServedModel,
-};
+use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
+use wavefront_models::ModelFamily;
 
 /// This family's name.
-pub(crate) const FAMILY: &str = FamilyKind::SlotDiffusion.name();
+pub(crate) const FAMILY: &str = ModelFamily::SlotDiffusion.name();
 /// Validates requests against a ReFusion config and builds programs.
 pub struct RefusionPlanner {
     cfg: Qwen3Config,

@@ -70,7 +70,7 @@ pub struct IterationRecord {
     pub verify_prefix_len: usize,
     /// "prefix" or "iterative".
     pub path: &'static str,
-    pub steps: Vec<StepRecord>,
+    pub steps: Vec<CompletionRecord>,
     pub committed_tokens: Vec<u32>,
     pub committed_pos: Vec<u32>,
     pub eos: bool,
@@ -82,7 +82,7 @@ pub struct IterationRecord {
 
 /// One draft + verify step of iterative completion.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct StepRecord {
+pub struct CompletionRecord {
     pub accepted_prefix_len_before: usize,
     pub draft_input: Vec<Vec<u32>>,
     pub draft_out: Vec<Vec<u32>>,
@@ -637,9 +637,9 @@ impl PlanInfill {
 
     fn commit_draft(&mut self, inf: &mut Infill, call: &Call, outs: &[Vec<ReadOut>]) {
         let acc = inf.acc;
-        let mut step = StepRecord {
+        let mut step = CompletionRecord {
             accepted_prefix_len_before: acc,
-            ..StepRecord::default()
+            ..CompletionRecord::default()
         };
         for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
             let o = by_position(c, o);

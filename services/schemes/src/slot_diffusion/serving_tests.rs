@@ -549,11 +549,11 @@ fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
     ensure!(planner.with_tensor_parallel(4).slot_bytes() == 16 * 2 * 16 * 4);
     // Rows of K/V the pool holds: the same split over 2 ranks, half replicated over 4.
     let rows = |world: usize| -> Result<usize> {
-        let served = crate::served::load_model(
+        let served = crate::registry::load_model(
             fixture_files()?,
-            crate::served::LoadOptions {
+            crate::options::LoadOptions {
                 tensor_parallel: world,
-                ..crate::served::LoadOptions::default()
+                ..crate::options::LoadOptions::default()
             },
         )?;
         let total = served.load().total_slots;
@@ -587,7 +587,8 @@ fn a_transport_stop_finishes_with_the_programs_stats() -> Result<()> {
 /// runs two requests one at a time.
 #[test]
 fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
-    use crate::served::{load_model, KvReserve, LoadOptions};
+    use crate::options::{KvReserve, LoadOptions};
+    use crate::registry::load_model;
     let (_, planner) = fixture()?;
     // A request that runs long enough to be watched: the first prompt whose answer has no
     // end-of-sequence token in its 40 tokens.

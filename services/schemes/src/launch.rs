@@ -1,0 +1,288 @@
+//! Starting a family's engine: the generic [`ServedModel`] over a planner and an engine handle
+//! ([`Served`]), the slot pool sized from the memory budget ([`start_served`]), and the
+//! engine-thread constructors of a checkpoint's model and its family.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use wavefront_engine::{
+    Carried, Engine, EngineConfig, EngineError, EngineHandle, EngineLoad, EventSink, ExportReply,
+    Family, Prepared, RequestError, RequestId, Submission,
+};
+use wavefront_models::candle_nn::VarBuilder;
+use wavefront_models::transformer::{SelectAttention, StoreWeights, TensorParallel};
+use wavefront_models::{ChatMessage, ModelError, ModelFiles, TextTokenizer};
+
+use crate::fingerprint::Fingerprint;
+use crate::options::LoadOptions;
+use crate::request::GenerateSpec;
+use crate::served::{no_tokenizer, ModelInfo, Planner, ServedModel};
+use crate::SchemeError;
+
+/// Refuses, before tokenizing, a text of `bytes` bytes that must become more tokens than a
+/// context of `max_context` holds.
+fn too_long(tok: &TextTokenizer, bytes: usize, max_context: usize) -> Result<(), SchemeError> {
+    let at_least = tok.min_tokens(bytes);
+    if at_least > max_context {
+        return Err(SchemeError::Prompt(format!(
+            "the prompt's {bytes} bytes make at least {at_least} tokens, more than the \
+             {max_context} this model accepts (prompt plus max_new_tokens); shorten it"
+        )));
+    }
+    Ok(())
+}
+
+/// The generic [`ServedModel`]: a planner plus the engine running its family.
+pub struct Served<P: Planner> {
+    planner: Arc<P>,
+    handle: EngineHandle<P::Program>,
+    tokenizer: Option<TextTokenizer>,
+    /// Where imported state goes back to when it resumes.
+    device: Device,
+    fingerprint: Fingerprint,
+    /// The settings part of [`ServedModel::migration_key`].
+    settings: String,
+}
+
+impl<P: Planner> Served<P> {
+    pub fn new(
+        planner: Arc<P>,
+        handle: EngineHandle<P::Program>,
+        tokenizer: Option<TextTokenizer>,
+    ) -> Self {
+        Self {
+            planner,
+            handle,
+            tokenizer,
+            device: Device::Cpu,
+            fingerprint: Fingerprint::default(),
+            settings: String::new(),
+        }
+    }
+
+    /// Lets requests move to and from other workers serving the same checkpoint
+    /// (`fingerprint`) with the same `opts`.
+    fn movable(mut self, fingerprint: Fingerprint, opts: &LoadOptions) -> Self {
+        self.device = opts.device.clone();
+        self.fingerprint = fingerprint;
+        self.settings = format!(
+            "dtype={:?};weights={:?};attention={:?};tensor_parallel={};kv_page_size={};device={}",
+            opts.dtype,
+            opts.weight_dtype,
+            opts.attention,
+            opts.tensor_parallel,
+            opts.kv_page_size,
+            if opts.device.is_cpu() { "cpu" } else { "gpu" },
+        );
+        self
+    }
+}
+
+impl<P: Planner> ServedModel for Served<P> {
+    fn info(&self) -> &ModelInfo {
+        self.planner.info()
+    }
+
+    fn tokenizer(&self) -> Option<&TextTokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
+        too_long(tok, text.len(), self.info().max_context)?;
+        self.planner.encode_prompt(tok, text)
+    }
+
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, SchemeError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
+        let bytes = messages.iter().map(|m| m.content.len()).sum();
+        too_long(tok, bytes, self.info().max_context)?;
+        Ok(tok.encode_chat(messages)?)
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids, false).ok())
+            .unwrap_or_default()
+    }
+
+    fn submit(
+        &self,
+        spec: GenerateSpec,
+        sink: Box<dyn EventSink>,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Result<RequestId, EngineError> {
+        let prepared = self.planner.prepare(spec)?;
+        self.handle.submit(Submission {
+            prepared,
+            sink,
+            deadline,
+            span,
+        })
+    }
+
+    fn load(&self) -> EngineLoad {
+        self.handle.load()
+    }
+
+    fn check_room(&self) -> Result<(), EngineError> {
+        self.handle.check_room()
+    }
+
+    fn shutdown(&self) {
+        self.handle.shutdown();
+    }
+
+    fn migration_key(&self) -> Result<String, SchemeError> {
+        Ok(format!("{};{}", self.fingerprint.get()?, self.settings))
+    }
+
+    fn export(&self, id: RequestId, reply: ExportReply) {
+        self.handle.export(id, reply);
+    }
+
+    fn finish_export(
+        &self,
+        id: RequestId,
+        moved: bool,
+        reply: Box<dyn FnOnce(Result<(), EngineError>) + Send>,
+    ) {
+        self.handle.finish_export(id, moved, reply);
+    }
+
+    fn import(
+        &self,
+        state: &[u8],
+        carried: Carried,
+        sink: Box<dyn EventSink>,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Result<RequestId, EngineError> {
+        let program: P::Program = crate::migrate::decode(state, &self.device)
+            .map_err(|e| EngineError::Invalid(RequestError::InvalidArgument(e.to_string())))?;
+        self.handle.submit(Submission {
+            prepared: Prepared::imported(program, carried),
+            sink,
+            deadline,
+            span,
+        })
+    }
+}
+
+/// The tokenizer of `files`; without a usable one only token-id prompts work.
+pub(crate) fn optional_tokenizer(files: &ModelFiles) -> Option<TextTokenizer> {
+    match files.tokenizer() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(error = %e, "no usable tokenizer: only token-id prompts will work");
+            None
+        }
+    }
+}
+
+/// Sizes the slot pool from the memory budget (`bytes_per_slot` each) and
+/// starts the engine of `planner`'s model; the family is built by `make` on
+/// the engine thread. Admission keeps `watermark_permille` thousandths of the
+/// pool free for running requests to grow into (0 for families that reserve
+/// a request's slots at admission).
+pub(crate) fn start_served<P, F, M>(
+    planner: Arc<P>,
+    tokenizer: Option<TextTokenizer>,
+    opts: &LoadOptions,
+    bytes_per_slot: usize,
+    watermark_permille: usize,
+    make: M,
+) -> Result<Arc<dyn ServedModel>, SchemeError>
+where
+    P: Planner,
+    F: Family<Program = P::Program>,
+    M: FnOnce(&Device, DType) -> Result<F, SchemeError> + Send + 'static,
+{
+    let total_slots = usize::try_from(opts.memory_budget_bytes / bytes_per_slot as u64)
+        .unwrap_or(usize::MAX)
+        .min(u32::MAX as usize);
+    if total_slots == 0 {
+        return Err(SchemeError::InvalidOption(format!(
+            "memory budget of {} bytes holds no slot ({bytes_per_slot} bytes each)",
+            opts.memory_budget_bytes
+        )));
+    }
+    let engine_cfg = EngineConfig {
+        total_slots,
+        queue_capacity: opts.queue_capacity,
+        max_active: opts.max_active,
+        watermark_slots: total_slots * watermark_permille / 1000,
+        max_batch_rows: opts.max_batch_rows,
+    };
+    let (device, dtype) = (opts.device.clone(), opts.dtype);
+    tracing::info!(
+        model = %opts.name,
+        family = planner.info().family,
+        total_slots,
+        bytes_per_slot,
+        ?dtype,
+        "starting engine"
+    );
+    let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))?;
+    Ok(Arc::new(
+        Served::new(planner, handle, tokenizer).movable(opts.fingerprint.clone(), opts),
+    ))
+}
+
+/// The engine-thread loader of a checkpoint: builds the model of config `cfg` from the weights
+/// of `files` (in the engine's device and dtype) with `load_parallel`, split over
+/// `opts.tensor_parallel` ranks joined by `opts.collective` (made on the engine thread, which
+/// drives every rank).
+pub(crate) fn checkpoint_loader<C, M>(
+    files: ModelFiles,
+    cfg: C,
+    opts: &LoadOptions,
+    load_parallel: fn(VarBuilder<'static>, C, &TensorParallel) -> Result<M, ModelError>,
+) -> impl FnOnce(&Device, DType) -> Result<M, SchemeError> + Send + 'static
+where
+    C: Send + 'static,
+    M: 'static,
+{
+    let (world, kind) = (opts.tensor_parallel, opts.collective);
+    move |device, dtype| {
+        let tp = TensorParallel::for_device(kind, world, device)?;
+        let vb = files.var_builder(dtype, device)?;
+        Ok(load_parallel(vb, cfg, &tp)?)
+    }
+}
+
+/// The engine-thread constructor of a family wrapping one model: runs `load` (a checkpoint, or
+/// a bench's synthetic weights), refuses a model whose config (`config_of`) is not `cfg`, the
+/// config requests are planned with, sets its attention path to `opts.attention` (a model that
+/// cannot take it refuses to start) and its CPU weights' storage to `opts.weight_dtype`, and
+/// wraps the model with `wrap`. Hand the result to
+/// [`start_served`].
+pub(crate) fn checked_family<C, M, F, L>(
+    cfg: C,
+    opts: &LoadOptions,
+    load: L,
+    config_of: fn(&M) -> &C,
+    wrap: fn(M) -> F,
+) -> impl FnOnce(&Device, DType) -> Result<F, SchemeError> + Send + 'static
+where
+    C: PartialEq + Send + 'static,
+    M: SelectAttention + StoreWeights + 'static,
+    F: 'static,
+    L: FnOnce(&Device, DType) -> Result<M, SchemeError> + Send + 'static,
+{
+    let (attention, weight_dtype) = (opts.attention, opts.weight_dtype);
+    move |device, dtype| {
+        let mut model = load(device, dtype)?;
+        if config_of(&model) != &cfg {
+            return Err(SchemeError::InvalidOption(
+                "the loaded model's config differs from the one requests are planned with".into(),
+            ));
+        }
+        model.select_attention(attention)?;
+        model.store_weights(weight_dtype)?;
+        Ok(wrap(model))
+    }
+}
