@@ -62,7 +62,7 @@ pub enum CellState {
 
 /// Canvas positions with their tokens and states: either the whole generated region (`full`,
 /// masked diffusion after every step) or the positions one step made final, in the order the
-/// decoder committed them (slot diffusion's out-of-order slots).
+/// decoder committed them (slot diffusion's spans, committed out of order).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CanvasFrame {
     /// Positions relative to the first generated position.

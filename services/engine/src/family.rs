@@ -1,7 +1,7 @@
 //! The contract between the engine and a model family: a tick is **plan → run → commit**.
 //!
 //! A *program* is one request's decoding state machine (static autoregression, a
-//! diffusion-forcing wavefront, a masked-diffusion canvas, a slot planner, a segment schedule).
+//! diffusion-forcing wavefront, a masked-diffusion canvas, a span planner, a segment schedule).
 //! A *family* owns the model and the storage its programs' state lives in. Every tick, for the
 //! programs that run ([`crate::tick::run_tick`], called by the scheduler):
 //!

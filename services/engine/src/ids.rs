@@ -12,8 +12,9 @@ impl fmt::Display for RequestId {
     }
 }
 
-/// One fungible unit of device memory in the [`crate::SlotPool`]: it holds
-/// one row's state (a latent state, an active position, a token slot, a cell).
+/// One fungible unit of device memory in the [`crate::SlotPool`] (a *slot*): for the families
+/// with caches a K/V page, for masked diffusion one buffer row's K/V in one layer; the state that
+/// is not K/V (memories, residual streams, posteriors) is counted in slots too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SlotId(pub u32);
 

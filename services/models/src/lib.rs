@@ -18,6 +18,7 @@
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
 //! * [`qwen3`]: Qwen3 with explicit position ids, the backbone of ReFusion (Li et al., 2025).
 
+pub mod arena;
 pub mod armt;
 pub mod chat;
 mod config;
@@ -29,7 +30,6 @@ pub mod huginn;
 pub mod llada;
 pub mod llada2;
 pub mod qwen3;
-pub mod slot_pool;
 pub mod state;
 pub mod tokenizer;
 pub mod transformer;
@@ -40,7 +40,7 @@ pub use dream::{Dream, DreamConfig};
 pub use error::ModelError;
 pub use files::{detect_architecture, detect_family, Architecture, ModelFamily, ModelFiles};
 pub use huginn::{
-    relative_change, CacheSlot, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
+    relative_change, CacheLayer, CacheStrategy, Huginn, HuginnCache, HuginnConfig, SeqRows,
 };
 pub use llada::{Llada, LladaConfig};
 pub use llada2::{Llada2, Llada2Config};

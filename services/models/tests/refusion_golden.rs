@@ -105,7 +105,7 @@ fn forward_at_non_contiguous_positions_matches_upstream() -> Result<()> {
 
 /// Logits in one call, split over the cache and at contiguous positions against upstream; with
 /// one rank also every layer's cached K/V (with more, a layer's K/V is spread over the ranks'
-/// cache slots).
+/// cache layers).
 fn check_forward(golden: &Golden, model: &Qwen3, label: &str) -> Result<()> {
     let ids = golden.ids("fwd.input_ids")?;
     let pos = golden.ids("fwd.position_ids")?;

@@ -22,7 +22,7 @@ pub mod error;
 #[cfg(test)]
 mod fault_tests;
 pub mod fingerprint;
-mod kv_slot;
+mod kv_row;
 pub mod launch;
 pub mod masked_diffusion;
 pub mod migrate;

@@ -282,8 +282,8 @@ pub enum EosRule {
     #[default]
     Aligned,
     /// Reproduce upstream `generate_refusion()`, which removes `range(first_eos_block_idx, n)`
-    /// with a *row* index among the selected slots used as an index into the pool, so
-    /// undecoded slots left of the EOS can be dropped and never generated (tests only).
+    /// with a *row* index among the selected spans used as an index into the pool, so
+    /// undecoded spans left of the EOS can be dropped and never generated (tests only).
     Upstream,
 }
 
@@ -291,13 +291,13 @@ pub enum EosRule {
 /// request's `max_new_tokens`, the sampling temperature is `SamplingParams::temperature`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PlanInfillParams {
-    /// Tokens per slot; must divide the block length.
-    pub slot_size: usize,
+    /// Tokens per span (the API's `slot_size`); must divide the block length.
+    pub span_size: usize,
     /// Number of semi-autoregressive blocks (not their length); must divide `gen_length`.
     pub serial_num_blocks: usize,
-    /// A slot is selected when the probability of its first drafted token exceeds this, in
-    /// (0, 1]; when none does, the single most confident slot is.
-    pub slot_threshold: f32,
+    /// A span is selected when the probability of its first drafted token exceeds this (the
+    /// API's `slot_threshold`), in (0, 1]; when none does, the single most confident span is.
+    pub span_threshold: f32,
     /// A drafted token is accepted when its autoregressive probability exceeds this, in (0, 1].
     pub token_threshold: f32,
     pub eos_rule: EosRule,
@@ -307,9 +307,9 @@ impl Default for PlanInfillParams {
     /// Upstream `generate_refusion()`'s defaults.
     fn default() -> Self {
         Self {
-            slot_size: 8,
+            span_size: 8,
             serial_num_blocks: 2,
-            slot_threshold: 0.9,
+            span_threshold: 0.9,
             token_threshold: 0.9,
             eos_rule: EosRule::Aligned,
         }

@@ -124,11 +124,11 @@ pub fn spec_from_proto(
         Some(pb::generate_request::Scheme::PlanInfill(p)) => {
             let def = PlanInfillParams::default();
             SchemeParams::PlanInfill(PlanInfillParams {
-                slot_size: p.slot_size.map_or(def.slot_size, |n| n as usize),
+                span_size: p.slot_size.map_or(def.span_size, |n| n as usize),
                 serial_num_blocks: p
                     .serial_num_blocks
                     .map_or(def.serial_num_blocks, |n| n as usize),
-                slot_threshold: p.slot_threshold.unwrap_or(def.slot_threshold),
+                span_threshold: p.slot_threshold.unwrap_or(def.span_threshold),
                 token_threshold: p.token_threshold.unwrap_or(def.token_threshold),
                 ..def
             })
@@ -480,9 +480,9 @@ mod slot_diffusion_tests {
         assert_eq!(
             spec.scheme,
             SchemeParams::PlanInfill(PlanInfillParams {
-                slot_size: 4,
+                span_size: 4,
                 serial_num_blocks: 2,
-                slot_threshold: 0.8,
+                span_threshold: 0.8,
                 token_threshold: 0.2,
                 ..PlanInfillParams::default()
             })

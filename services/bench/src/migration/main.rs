@@ -186,7 +186,7 @@ fn case(a: &Args, name: &str) -> Result<(Pair, GenerateSpec)> {
                 )?)
             })?;
             let scheme = SchemeParams::PlanInfill(PlanInfillParams {
-                slot_size: 4,
+                span_size: 4,
                 serial_num_blocks: 4,
                 ..PlanInfillParams::default()
             });

@@ -94,9 +94,9 @@ impl Workload {
         let prompt_ids = run::random_prompt(a.seed, i, a.prompt_len, 0..(a.vocab_size - 2) as u32);
         let scheme = match self {
             Workload::PlanInfill => SchemeParams::PlanInfill(PlanInfillParams {
-                slot_size: a.slot_size,
+                span_size: a.slot_size,
                 serial_num_blocks: a.serial_num_blocks,
-                slot_threshold: a.slot_threshold,
+                span_threshold: a.slot_threshold,
                 token_threshold: a.token_threshold,
                 ..PlanInfillParams::default()
             }),

@@ -21,27 +21,27 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::arena::{ArenaPool, Pooled};
 use crate::error::Result;
-use crate::slot_pool::{Pooled, SlotPool};
 use crate::transformer::cpu::matmul;
 
-/// Memory slots per arena (one `A` and one `z` arena of that many slots per layer).
-const ARENA_SLOTS: usize = 8;
+/// Memory entries per arena (one `A` and one `z` arena of that many entries per layer).
+const ARENA_ENTRIES: usize = 8;
 
-/// A model's memory slots: per layer, a [`SlotPool`] of `A` `[d_key, d]` and one of `z`
-/// `[d_key]` (float32, on the model's device), made [`ARENA_SLOTS`] at a time as the number of
+/// A model's memory entries: per layer, a [`ArenaPool`] of `A` `[d_key, d]` and one of `z`
+/// `[d_key]` (float32, on the model's device), made [`ARENA_ENTRIES`] at a time as the number of
 /// requests holding memories grows and reused as they end. A request's memory of a layer is one
-/// slot of each ([`MemoryPool::take`]); the slots go back when the last handle to them is
+/// entry of each ([`MemoryPool::take`]); the entries go back when the last handle to them is
 /// dropped (the request ended, failed, was cancelled or preempted), so none can leak.
 #[derive(Clone, Debug)]
 pub struct MemoryPool {
-    layers: Vec<(SlotPool, SlotPool)>,
+    layers: Vec<(ArenaPool, ArenaPool)>,
 }
 
 impl MemoryPool {
     /// An empty pool for `layers` layers of memories `[d_key, d]` on `device`.
     pub fn new(layers: usize, d_key: usize, d: usize, device: &Device) -> Self {
-        let pool = |shape: &[usize]| SlotPool::new(shape, DType::F32, device, ARENA_SLOTS);
+        let pool = |shape: &[usize]| ArenaPool::new(shape, DType::F32, device, ARENA_ENTRIES);
         Self {
             layers: (0..layers)
                 .map(|_| (pool(&[d_key, d]), pool(&[d_key])))
@@ -50,8 +50,8 @@ impl MemoryPool {
     }
 
     /// Slots made, over every layer.
-    pub fn slots(&self) -> usize {
-        self.layers.iter().map(|(a, _)| a.slots()).sum()
+    pub fn entries(&self) -> usize {
+        self.layers.iter().map(|(a, _)| a.entries()).sum()
     }
 
     /// Slots held by memories, over every layer.
@@ -59,13 +59,13 @@ impl MemoryPool {
         self.layers.iter().map(|(a, _)| a.in_use()).sum()
     }
 
-    fn layer(&self, layer: usize) -> Result<&(SlotPool, SlotPool)> {
+    fn layer(&self, layer: usize) -> Result<&(ArenaPool, ArenaPool)> {
         self.layers
             .get(layer)
             .ok_or_else(|| crate::error::ModelError::Shape(format!("no memory layer {layer}")))
     }
 
-    /// A never-written memory of `layer` in a slot of this pool (zeroed).
+    /// A never-written memory of `layer` in an entry of this pool (zeroed).
     pub fn take(&self, layer: usize) -> Result<LayerMemory> {
         let (a, z) = self.layer(layer)?;
         Ok(LayerMemory {
@@ -75,7 +75,7 @@ impl MemoryPool {
         })
     }
 
-    /// `memory` (held anywhere: host memory after a preemption or a move) copied into a slot of
+    /// `memory` (held anywhere: host memory after a preemption or a move) copied into an entry of
     /// this pool for `layer`.
     pub fn adopt(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
         let (a, z) = self.layer(layer)?;
@@ -87,7 +87,7 @@ impl MemoryPool {
     }
 }
 
-/// One layer's associative memory of one request: in [`MemoryPool`] slots while its request
+/// One layer's associative memory of one request: in [`MemoryPool`] entries while its request
 /// runs, in tensors of its own while it is preempted or moves.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct LayerMemory {
@@ -127,7 +127,7 @@ impl LayerMemory {
     }
 
     /// The same memory in tensors of its own on `device` (host memory while its request is
-    /// preempted): a copy, never a view of a pool slot (the slot goes back when `self` is
+    /// preempted): a copy, never a view of a pool entry (the entry goes back when `self` is
     /// dropped).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
@@ -137,7 +137,7 @@ impl LayerMemory {
         })
     }
 
-    /// Whether it lives in a pool slot.
+    /// Whether it lives in a pool entry.
     pub fn is_pooled(&self) -> bool {
         self.a.is_pooled()
     }
@@ -167,7 +167,7 @@ impl LayerMemory {
         self.written
     }
 
-    /// Adds a write (in its pool slot when it has one).
+    /// Adds a write (in its pool entry when it has one).
     pub fn apply(&mut self, u: MemoryUpdate) -> Result<()> {
         let a = (self.a() + u.delta_a)?;
         let z = (self.z() + u.delta_z)?;
@@ -273,17 +273,17 @@ mod tests {
         t.flatten_all().unwrap().to_vec1().unwrap()
     }
 
-    /// Memories live in pool slots: a write lands in the slot, a dropped memory gives its slot
-    /// back, a reused slot starts from zero, a copy to host memory is independent of the slot,
-    /// and adopting a copy puts its values (and its written flag) back in a slot.
+    /// Memories live in pool entries: a write lands in the entry, a dropped memory gives its entry
+    /// back, a reused entry starts from zero, a copy to host memory is independent of the entry,
+    /// and adopting a copy puts its values (and its written flag) back in an entry.
     #[test]
-    fn memories_live_in_pool_slots_that_come_back_clean() -> Result<()> {
+    fn memories_live_in_pool_entries_that_come_back_clean() -> Result<()> {
         let pool = MemoryPool::new(2, 3, 4, &Device::Cpu);
         let mut m = pool.take(1)?;
         assert!(m.is_pooled() && !m.is_written());
         assert_eq!(
-            (pool.slots(), pool.in_use()),
-            (ARENA_SLOTS, 1),
+            (pool.entries(), pool.in_use()),
+            (ARENA_ENTRIES, 1),
             "made as needed"
         );
         let delta_a = Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((3, 4))?;
@@ -297,23 +297,23 @@ mod tests {
         assert!(!host.is_pooled());
         drop(m);
         assert_eq!(pool.in_use(), 0, "the slot came back");
-        // The same slot again: clean, and writing it leaves the host copy alone.
+        // The same entry again: clean, and writing it leaves the host copy alone.
         let mut again = pool.take(1)?;
         assert_eq!(values(again.a()), vec![0.0; 12]);
         again.apply(MemoryUpdate::new(delta_a.clone(), delta_z.clone()))?;
         assert_eq!(values(host.a()), values(&(&delta_a * 2.0)?));
-        // Adopting the host copy into another slot.
+        // Adopting the host copy into another entry.
         let back = pool.adopt(1, &host)?;
         assert!(back.is_pooled() && back.is_written());
         assert_eq!(values(back.a()), values(host.a()));
         assert_eq!(values(back.z()), values(host.z()));
         assert_eq!(pool.in_use(), 2);
         // More requests than an arena holds: a second arena.
-        let many: Vec<LayerMemory> = (0..ARENA_SLOTS)
+        let many: Vec<LayerMemory> = (0..ARENA_ENTRIES)
             .map(|_| pool.take(0))
             .collect::<Result<_>>()?;
         let extra = pool.take(0)?;
-        assert_eq!(pool.slots(), 3 * ARENA_SLOTS);
+        assert_eq!(pool.entries(), 3 * ARENA_ENTRIES);
         drop((many, extra, again, back));
         assert_eq!(pool.in_use(), 0);
         assert!(pool.take(2).is_err(), "two layers");

@@ -50,8 +50,8 @@ pub use self::grouped::{CellInput, CellOutput, StepShape};
 use self::grouped::{GroupedContext, Linears, Stacked};
 use self::memory::{dpfp, read_term, updates, write_delta, WriteInputs};
 pub use self::memory::{LayerMemory, MemoryPool, MemoryUpdate};
+use crate::arena::{ArenaPool, Pooled};
 use crate::error::{ModelError, Result};
-use crate::slot_pool::{Pooled, SlotPool};
 use crate::transformer::{
     commit_buffers, get, AttentionKernel, Block, BlockConfig, BlockWeights, EmbedHead, KvCache,
     LinearStack, MaskRule, PackedLayout, RmsNorm, RopeTable, SelectAttention, SeqInput,
@@ -103,7 +103,7 @@ pub struct Armt {
     memories: MemoryPool,
     /// The slots diagonal execution's residual streams between two layers live in
     /// ([`Armt::pooled_stream`]): one cell's rows each.
-    streams: SlotPool,
+    streams: ArenaPool,
     attention: AttentionKernel,
 }
 
@@ -292,7 +292,7 @@ impl Armt {
         let rope = cfg.rope_table(vb.device())?;
         let empty = LayerMemory::zeros(cfg.d_key(), d, vb.device())?;
         let memories = MemoryPool::new(cfg.n_layers(), cfg.d_key(), d, vb.device());
-        let streams = SlotPool::new(&[cfg.cell_rows(), d], io.dtype(), vb.device(), 8);
+        let streams = ArenaPool::new(&[cfg.cell_rows(), d], io.dtype(), vb.device(), 8);
         Ok(Self {
             cfg,
             io,
@@ -352,7 +352,7 @@ impl Armt {
     }
 
     /// The slots diagonal residual streams live in.
-    pub fn stream_pool(&self) -> &SlotPool {
+    pub fn stream_pool(&self) -> &ArenaPool {
         &self.streams
     }
 

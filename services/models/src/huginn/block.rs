@@ -14,7 +14,7 @@ use candle_nn::VarBuilder;
 
 use std::sync::Arc;
 
-use super::cache::{CacheSlot, SeqRows};
+use super::cache::{CacheLayer, SeqRows};
 use super::config::HuginnConfig;
 use crate::error::{ModelError, Result};
 use crate::transformer::cpu;
@@ -138,8 +138,8 @@ fn causal_mask(q: usize, t: usize, device: &Device) -> Result<Option<Tensor>> {
 ///
 /// Under tensor parallelism each rank holds its heads' rows of `Wqkv` (and of the q/k bias) and
 /// their columns of `proj`, on its device. The heads are gathered on rank 0 for the cache write
-/// and the attention itself, because one cache slot holds every head (the lookup strategies remap
-/// slots, not heads); the output projection runs per rank and the collective sums the partials.
+/// and the attention itself, because one cache layer holds every head (the lookup strategies remap
+/// layers, not heads); the output projection runs per rank and the collective sums the partials.
 #[derive(Debug, Clone)]
 struct Attention {
     shards: Vec<AttnShard>,
@@ -212,7 +212,7 @@ impl Attention {
         x: &Tensor,
         layout: &RowLayout,
         seqs: &mut [SeqRows],
-        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+        layer: &dyn Fn(&SeqRows) -> CacheLayer,
     ) -> Result<Tensor> {
         let n = x.dim(0)?;
         let d = self.head_dim;
@@ -246,13 +246,13 @@ impl Attention {
         let scale = 1.0 / (d as f64).sqrt();
         if cpu::on_cpu_f32(&q) && self.shards.len() == 1 {
             // The kernel writes the rows the output projection reads.
-            let y = self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot, true)?;
+            let y = self.attend_cpu(&q, &k, &v, scale, layout, seqs, layer, true)?;
             return self.shards[0].proj.forward(&y);
         }
         let y = if cpu::on_cpu_f32(&q) {
-            self.attend_cpu(&q, &k, &v, scale, layout, seqs, slot, false)?
+            self.attend_cpu(&q, &k, &v, scale, layout, seqs, layer, false)?
         } else {
-            self.attend_sdpa(&q, &k, &v, scale, layout, seqs, slot)?
+            self.attend_sdpa(&q, &k, &v, scale, layout, seqs, layer)?
         };
         // Each rank projects its heads; the collective sums the partials.
         let mut partials = Vec::with_capacity(self.shards.len());
@@ -273,9 +273,9 @@ impl Attention {
         reduce(comm, partials)
     }
 
-    /// Writes every sequence's keys and values `[H, N, D]` to its cache slot and attends with
-    /// the CPU kernel over the slot's runs, read in place; returns `[H, N, D]`, or `[N, H · D]`
-    /// with `rows_out`. Query `i` of a sequence whose slot
+    /// Writes every sequence's keys and values `[H, N, D]` to its cache layer and attends with
+    /// the CPU kernel over the layer's runs, read in place; returns `[H, N, D]`, or `[N, H · D]`
+    /// with `rows_out`. Query `i` of a sequence whose layer
     /// yields `t` keys sees keys `0..=t - len + i` (bottom-right causal, as the sdpa path).
     #[allow(clippy::too_many_arguments)]
     fn attend_cpu(
@@ -286,7 +286,7 @@ impl Attention {
         scale: f64,
         layout: &RowLayout,
         seqs: &mut [SeqRows],
-        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+        layer: &dyn Fn(&SeqRows) -> CacheLayer,
         rows_out: bool,
     ) -> Result<Tensor> {
         let single = seqs.len() == 1;
@@ -301,10 +301,10 @@ impl Attention {
                     v.narrow(1, off, seq.len)?.contiguous()?,
                 )
             };
-            let slot = slot(seq);
+            let layer = layer(seq);
             let upto = seq.start + seq.len;
-            seq.cache.write(slot, seq.start, &ks, &vs)?;
-            let runs = seq.cache.read_runs(slot, upto)?;
+            seq.cache.write(layer, seq.start, &ks, &vs)?;
+            let runs = seq.cache.read_runs(layer, upto)?;
             let t: usize = runs
                 .iter()
                 .map(|(k, _)| k.dim(1))
@@ -336,7 +336,7 @@ impl Attention {
         scale: f64,
         layout: &RowLayout,
         seqs: &mut [SeqRows],
-        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+        layer: &dyn Fn(&SeqRows) -> CacheLayer,
     ) -> Result<Tensor> {
         let single = seqs.len() == 1;
         let mut outs = Vec::with_capacity(seqs.len());
@@ -351,10 +351,10 @@ impl Attention {
                     v.narrow(1, off, seq.len)?.contiguous()?,
                 )
             };
-            let slot = slot(seq);
+            let layer = layer(seq);
             let upto = seq.start + seq.len;
-            seq.cache.write(slot, seq.start, &ks, &vs)?;
-            let (kc, vc) = seq.cache.read(slot, upto)?;
+            seq.cache.write(layer, seq.start, &ks, &vs)?;
+            let (kc, vc) = seq.cache.read(layer, upto)?;
             outs.push(attend(
                 &qs,
                 &kc,
@@ -450,11 +450,11 @@ impl SandwichBlock {
         x: &Tensor,
         layout: &RowLayout,
         seqs: &mut [SeqRows],
-        slot: &dyn Fn(&SeqRows) -> CacheSlot,
+        layer: &dyn Fn(&SeqRows) -> CacheLayer,
     ) -> Result<Tensor> {
         let a = self
             .attn
-            .forward(&self.norm_1.forward(x)?, layout, seqs, slot)?;
+            .forward(&self.norm_1.forward(x)?, layout, seqs, layer)?;
         let h = self.norm_2.forward(&(a + x)?)?;
         let h3 = self.norm_3.forward(&h)?;
         let comm = self.comm.as_ref();

@@ -2,28 +2,28 @@
 //!
 //! A recurrent-depth transformer (Geiping et al., 2025, "Scaling up Test-Time Compute with
 //! Latent Reasoning: A Recurrent Depth Approach") runs its core block many times per token, so a
-//! token has one key/value entry per *cache slot*: prelude layer i -> slot `Prelude(i)`, core
-//! layer j at recurrence r -> slot `Core(C·r + j)` (upstream step index `P + C·r + j`), coda
-//! layer i -> slot `Coda(i)`. Entries are keyed by absolute position; the sequence length
-//! advances when the first prelude slot is written (as upstream's `HuginnDynamicCache`).
+//! token has one key/value entry per *cache layer*: prelude layer i -> layer `Prelude(i)`, core
+//! layer j at recurrence r -> layer `Core(C·r + j)` (upstream step index `P + C·r + j`), coda
+//! layer i -> layer `Coda(i)`. Entries are keyed by absolute position; the sequence length
+//! advances when the first prelude layer is written (as upstream's `HuginnDynamicCache`).
 //!
 //! Lookup strategies (upstream `cache_lookup_strategy` strings, [`CacheStrategy`]):
-//! * `full` - every core slot separate. Positions missing from a slot are skipped (upstream
+//! * `full` - every core layer separate. Positions missing from a layer are skipped (upstream
 //!   behaviour).
-//! * `compress-sN` - core slot `f` is stored at `f mod N` ("KV-cache sharing" for N = C: each
+//! * `compress-sN` - core layer `f` is stored at `f mod N` ("KV-cache sharing" for N = C: each
 //!   core layer keeps the last recurrence computed for every position).
-//! * `latest-m4` (and the `latest-m4-` prefix) - a position lacking the requested core slot
+//! * `latest-m4` (and the `latest-m4-` prefix) - a position lacking the requested core layer
 //!   contributes its entry of the same core layer at the deepest earlier recurrence it computed
-//!   (the largest stored slot `f' <= f` with `f' = f mod C`), which is what adaptive per-token
-//!   exits need. Upstream hardcodes C = 4 and the first core slot 2 here; the flat core index
+//!   (the largest stored layer `f' <= f` with `f' = f mod C`), which is what adaptive per-token
+//!   exits need. Upstream hardcodes C = 4 and the first core layer 2 here; the flat core index
 //!   used in this module makes both follow the model's config (identical for the real model).
 //!
-//! Storage: per slot, a page table over positions (pages of [`PAGE_SIZE`] positions from a
+//! Storage: per layer, a page table over positions (pages of [`PAGE_SIZE`] positions from a
 //! [`KvPool`]: the model's shared pool when the engine grants the pages, else a private one)
 //! and a host-side bitmap of the positions present. A page is taken when a position in it is
-//! first written, so a slot that only some positions reach (a deep recurrence under adaptive
+//! first written, so a layer that only some positions reach (a deep recurrence under adaptive
 //! exits) holds only the pages of those positions. Attention reads runs of positions in place,
-//! one per page (holes resolved per position from their source slots); nothing is
+//! one per page (holes resolved per position from their source layers); nothing is
 //! concatenated as the sequence grows, and the cache never reads device memory back to the
 //! host.
 
@@ -36,17 +36,17 @@ use crate::error::{ModelError, Result};
 use crate::transformer::kv_cache::{HostPage, PageSupply};
 use crate::transformer::{KvPool, PagedCache, PAGE_SIZE};
 
-/// How core-block cache slots are stored and looked up (upstream `cache_lookup_strategy`).
+/// How core-block cache layers are stored and looked up (upstream `cache_lookup_strategy`).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
 )]
 pub enum CacheStrategy {
-    /// `full`: one slot per core layer and recurrence.
+    /// `full`: one layer per core layer and recurrence.
     #[default]
     Full,
     /// `latest-m4`: like `full`, but missing entries fall back to the deepest computed recurrence.
     LatestM4,
-    /// `compress-sN` / `latest-m4-compress-sN`: core slots shared modulo `stride`, with the
+    /// `compress-sN` / `latest-m4-compress-sN`: core layers shared modulo `stride`, with the
     /// latest-m4 fallback when `latest` is set.
     Compress { stride: usize, latest: bool },
 }
@@ -57,7 +57,7 @@ impl CacheStrategy {
         matches!(self, Self::LatestM4 | Self::Compress { latest: true, .. })
     }
 
-    /// Storage index of flat core slot `flat` (= C·recurrence + layer).
+    /// Storage index of flat core layer `flat` (= C·recurrence + layer).
     pub fn core_index(self, flat: usize) -> usize {
         match self {
             Self::Full | Self::LatestM4 => flat,
@@ -107,9 +107,9 @@ impl fmt::Display for CacheStrategy {
     }
 }
 
-/// The cache slot a layer invocation reads and writes.
+/// The cache layer a layer invocation reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CacheSlot {
+pub enum CacheLayer {
     /// Prelude layer `i`.
     Prelude(usize),
     /// Core layer `layer` at 0-based `recurrence`.
@@ -118,7 +118,7 @@ pub enum CacheSlot {
     Coda(usize),
 }
 
-/// A resolved storage slot (after the strategy's remapping).
+/// A resolved store (after the strategy's remapping).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum StoreKey {
     Prelude(usize),
@@ -128,7 +128,7 @@ enum StoreKey {
     Latent,
 }
 
-/// Keys and values of one slot: a page table over positions (a page holds
+/// Keys and values of one layer: a page table over positions (a page holds
 /// [`KvPool::page_size`] consecutive positions; pages no position of which was written are
 /// absent) and the positions written.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -190,7 +190,7 @@ impl fmt::Debug for HuginnCache {
             .field("strategy", &self.strategy)
             .field("len", &self.len)
             .field(
-                "core_slots",
+                "core_stores",
                 &self.core.iter().filter(|s| s.is_some()).count(),
             )
             .field("pages", &self.pages_used())
@@ -205,7 +205,7 @@ impl HuginnCache {
     }
 
     /// An empty cache over a private pool of pages of `page_size` positions (one page as long
-    /// as the sequence is one contiguous buffer per slot, as before paging: benchmarks compare
+    /// as the sequence is one contiguous buffer per layer, as before paging: benchmarks compare
     /// the two).
     pub fn with_page_size(strategy: CacheStrategy, page_size: usize) -> Self {
         Self::in_pool(strategy, KvPool::private(page_size))
@@ -251,7 +251,7 @@ impl HuginnCache {
         self.supply.page_size()
     }
 
-    /// Gives this cache pages (slot ids of the engine) to take as it grows.
+    /// Gives this cache pages (the engine's slot ids) to take as it grows.
     pub fn grant(&mut self, pages: impl IntoIterator<Item = u32>) {
         self.supply.grant(pages);
     }
@@ -282,9 +282,9 @@ impl HuginnCache {
         self.pages_used() + self.supply.spare()
     }
 
-    /// Pages the cache holds once positions `rows` are written to `core_stores` core slots as
-    /// well as every prelude and coda slot (`prelude` and `coda` layers), at most: the pages it
-    /// holds, plus a page for every slot whose page of a new position is not there yet (or was
+    /// Pages the cache holds once positions `rows` are written to `core_stores` core layers as
+    /// well as every prelude and coda layer (`prelude` and `coda` layers), at most: the pages it
+    /// holds, plus a page for every layer whose page of a new position is not there yet (or was
     /// swapped out).
     pub fn pages_after(
         &self,
@@ -295,7 +295,7 @@ impl HuginnCache {
     ) -> usize {
         let p = self.page_size();
         let new_pages = || (rows.start / p)..rows.end.div_ceil(p);
-        // Whether slot `key` holds page `i`: in the pool, or (swapped out) in host memory.
+        // Whether layer `key` holds page `i`: in the pool, or (swapped out) in host memory.
         let holds = |key: StoreKey, i: usize| match &self.swapped {
             Some(stores) => stores
                 .iter()
@@ -324,7 +324,7 @@ impl HuginnCache {
         total
     }
 
-    /// Drops every slot's entries at positions `>= len` (upstream `clear_last_k_entries`);
+    /// Drops every layer's entries at positions `>= len` (upstream `clear_last_k_entries`);
     /// pages wholly past them go back to the cache's spare ones.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
@@ -355,9 +355,9 @@ impl HuginnCache {
         self.pages_used() * self.supply.page_bytes()
     }
 
-    /// Whether position `pos` has an entry in `slot` (after remapping, without fallback).
-    pub fn has_entry(&self, slot: CacheSlot, pos: usize) -> bool {
-        match self.resolve(slot) {
+    /// Whether position `pos` has an entry in `layer` (after remapping, without fallback).
+    pub fn has_entry(&self, layer: CacheLayer, pos: usize) -> bool {
+        match self.resolve(layer) {
             Ok(key) => self.store(key).is_some_and(|s| s.has(pos)),
             Err(_) => false,
         }
@@ -379,7 +379,7 @@ impl HuginnCache {
             .flatten()
     }
 
-    /// Records the model's core depth C (needed to map core slots); fails on a mismatch.
+    /// Records the model's core depth C (needed to map core layers); fails on a mismatch.
     pub(crate) fn bind_core_layers(&mut self, core_layers: usize) -> Result<()> {
         match self.core_layers {
             None => {
@@ -395,15 +395,15 @@ impl HuginnCache {
 
     fn core_layers(&self) -> Result<usize> {
         self.core_layers.ok_or_else(|| {
-            ModelError::Cache("core slot used before the model bound its core depth".into())
+            ModelError::Cache("core layer used before the model bound its core depth".into())
         })
     }
 
-    fn resolve(&self, slot: CacheSlot) -> Result<StoreKey> {
-        Ok(match slot {
-            CacheSlot::Prelude(i) => StoreKey::Prelude(i),
-            CacheSlot::Coda(i) => StoreKey::Coda(i),
-            CacheSlot::Core { recurrence, layer } => {
+    fn resolve(&self, layer: CacheLayer) -> Result<StoreKey> {
+        Ok(match layer {
+            CacheLayer::Prelude(i) => StoreKey::Prelude(i),
+            CacheLayer::Coda(i) => StoreKey::Coda(i),
+            CacheLayer::Core { recurrence, layer } => {
                 let c = self.core_layers()?;
                 StoreKey::Core(self.strategy.core_index(c * recurrence + layer))
             }
@@ -420,7 +420,7 @@ impl HuginnCache {
         list.get(i).and_then(Option::as_ref)
     }
 
-    fn store_slot_mut(&mut self, key: StoreKey) -> &mut Option<KvStore> {
+    fn store_mut(&mut self, key: StoreKey) -> &mut Option<KvStore> {
         let (list, i) = match key {
             StoreKey::Prelude(i) => (&mut self.prelude, i),
             StoreKey::Core(i) => (&mut self.core, i),
@@ -434,12 +434,12 @@ impl HuginnCache {
     }
 
     /// Writes keys and values `[H, n, D]` (contiguous) of positions `start..start+n` into
-    /// `slot`, overwriting entries already there. Writing `Prelude(0)` appends: `start` must be
-    /// the current length, which then becomes `start + n`; other slots may only hold positions
+    /// `layer`, overwriting entries already there. Writing `Prelude(0)` appends: `start` must be
+    /// the current length, which then becomes `start + n`; other layers may only hold positions
     /// below the length.
     pub(crate) fn write(
         &mut self,
-        slot: CacheSlot,
+        layer: CacheLayer,
         start: usize,
         k: &Tensor,
         v: &Tensor,
@@ -455,7 +455,7 @@ impl HuginnCache {
         if self.swapped.is_some() {
             return Err(ModelError::Cache("the cache is swapped out".into()));
         }
-        let new_len = if slot == CacheSlot::Prelude(0) {
+        let new_len = if layer == CacheLayer::Prelude(0) {
             if start != self.len {
                 return Err(ModelError::Cache(format!(
                     "rows start at position {start} but the cache holds {} positions",
@@ -465,17 +465,17 @@ impl HuginnCache {
             start + n
         } else if start + n > self.len {
             return Err(ModelError::Cache(format!(
-                "{slot:?}: positions {start}..{} beyond the cached length {}",
+                "{layer:?}: positions {start}..{} beyond the cached length {}",
                 start + n,
                 self.len
             )));
         } else {
             self.len
         };
-        let key = self.resolve(slot)?;
+        let key = self.resolve(layer)?;
         let used = self.pages_used();
         let p = self.page_size();
-        let mut store = self.store_slot_mut(key).take().unwrap_or_default();
+        let mut store = self.store_mut(key).take().unwrap_or_default();
         let mut done = 0;
         let written = (|| {
             while done < n {
@@ -494,7 +494,7 @@ impl HuginnCache {
             store.present.resize(needed, false);
         }
         store.present[start..needed].fill(true);
-        *self.store_slot_mut(key) = Some(store);
+        *self.store_mut(key) = Some(store);
         written?;
         self.len = new_len;
         Ok(())
@@ -593,24 +593,28 @@ impl HuginnCache {
     }
 
     /// Keys and values `[H, T, D]` that queries ending at position `upto - 1` attend to in
-    /// `slot`: positions `0..upto` (T = `upto`), resolved with the lookup strategy. Under `full`,
-    /// positions missing from the slot are skipped, so T may be smaller than `upto`.
-    pub(crate) fn read(&self, slot: CacheSlot, upto: usize) -> Result<(Tensor, Tensor)> {
-        crate::transformer::merge_runs(&self.read_runs(slot, upto)?)
+    /// `layer`: positions `0..upto` (T = `upto`), resolved with the lookup strategy. Under `full`,
+    /// positions missing from the layer are skipped, so T may be smaller than `upto`.
+    pub(crate) fn read(&self, layer: CacheLayer, upto: usize) -> Result<(Tensor, Tensor)> {
+        crate::transformer::merge_runs(&self.read_runs(layer, upto)?)
     }
 
     /// [`HuginnCache::read`] without concatenating: the keys and values as runs of consecutive
     /// positions `[H, n_i, D]` (one per page, or per run of pages with consecutive ids), views
     /// into the pool (nothing is copied), in key order.
-    pub(crate) fn read_runs(&self, slot: CacheSlot, upto: usize) -> Result<Vec<(Tensor, Tensor)>> {
-        let key = self.resolve(slot)?;
+    pub(crate) fn read_runs(
+        &self,
+        layer: CacheLayer,
+        upto: usize,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        let key = self.resolve(layer)?;
         let store = self
             .store(key)
-            .ok_or_else(|| ModelError::Cache(format!("{slot:?} was never written")))?;
+            .ok_or_else(|| ModelError::Cache(format!("{layer:?} was never written")))?;
         let runs: Vec<(StoreKey, usize, usize)> = if store.covers(upto) {
             vec![(key, 0, upto)]
         } else {
-            self.hole_runs(slot, key, store, upto)?
+            self.hole_runs(layer, key, store, upto)?
         };
         let p = self.page_size();
         let mut pieces = Vec::with_capacity(runs.len() + upto / p);
@@ -621,7 +625,7 @@ impl HuginnCache {
                 let (pi, off) = (pos / p, pos % p);
                 let take = (p - off).min(start + n - pos);
                 let id = s.pages.get(pi).copied().flatten().ok_or_else(|| {
-                    ModelError::Cache(format!("{slot:?}: no page holds position {pos}"))
+                    ModelError::Cache(format!("{layer:?}: no page holds position {pos}"))
                 })?;
                 pieces.push((id, off, take));
                 pos += take;
@@ -634,7 +638,7 @@ impl HuginnCache {
     /// store, for a store with holes.
     fn hole_runs(
         &self,
-        slot: CacheSlot,
+        layer: CacheLayer,
         key: StoreKey,
         store: &KvStore,
         upto: usize,
@@ -659,7 +663,7 @@ impl HuginnCache {
                     continue; // upstream `full` silently skips missing positions
                 }
                 return Err(ModelError::Cache(format!(
-                    "{slot:?} has no entry for position {pos} under strategy `{}`",
+                    "{layer:?} has no entry for position {pos} under strategy `{}`",
                     self.strategy
                 )));
             };
@@ -670,13 +674,13 @@ impl HuginnCache {
         }
         if runs.is_empty() {
             return Err(ModelError::Cache(format!(
-                "{slot:?} has no entries below {upto}"
+                "{layer:?} has no entries below {upto}"
             )));
         }
         Ok(runs)
     }
 
-    /// Device and dtype of the cached tensors, if any slot was written.
+    /// Device and dtype of the cached tensors, if any layer was written.
     pub fn device_dtype(&self) -> Option<(Device, DType)> {
         let id = self
             .stores()
@@ -721,13 +725,8 @@ impl HuginnCache {
         let mut out = Vec::with_capacity(keys.len());
         let mut bytes = 0;
         for key in keys {
-            let pages = std::mem::take(
-                &mut self
-                    .store_slot_mut(key)
-                    .as_mut()
-                    .expect("listed above")
-                    .pages,
-            );
+            let pages =
+                std::mem::take(&mut self.store_mut(key).as_mut().expect("listed above").pages);
             let host = pages
                 .iter()
                 .map(|id| id.map(|id| self.supply.copy_out(id)).transpose())
@@ -764,7 +763,7 @@ impl HuginnCache {
                     None => None,
                 });
             }
-            if let Some(store) = self.store_slot_mut(key).as_mut() {
+            if let Some(store) = self.store_mut(key).as_mut() {
                 store.pages = pages;
             }
         }
@@ -855,9 +854,9 @@ impl<'de> serde::Deserialize<'de> for HuginnCache {
         c.coda = w.coda;
         c.latent = w.latent;
         for (key, _) in &w.swapped {
-            if c.store_slot_mut(*key).is_none() {
+            if c.store_mut(*key).is_none() {
                 return Err(D::Error::custom(
-                    "a Huginn cache's pages name a slot it lacks",
+                    "a Huginn cache's pages name a layer it lacks",
                 ));
             }
         }
@@ -875,7 +874,7 @@ pub struct SeqRows<'a> {
     pub start: usize,
     /// Number of rows of this sequence in the packed tensor (contiguous, in slice order).
     pub len: usize,
-    /// 0-based recurrence index, used by [`Huginn::core_step`] for the cache slot.
+    /// 0-based recurrence index, used by [`Huginn::core_step`] for the cache layer.
     pub recurrence: usize,
 }
 
@@ -965,10 +964,10 @@ mod tests {
         let mut cache = HuginnCache::new(CacheStrategy::Full);
         for pos in 0..40 {
             let b = block(2, 1, 4, pos as f32);
-            cache.write(CacheSlot::Prelude(0), pos, &b, &b).unwrap();
+            cache.write(CacheLayer::Prelude(0), pos, &b, &b).unwrap();
         }
         assert_eq!(cache.len(), 40);
-        let (k, _) = cache.read(CacheSlot::Prelude(0), 40).unwrap();
+        let (k, _) = cache.read(CacheLayer::Prelude(0), 40).unwrap();
         assert_eq!(
             positions_of(&k),
             (0..40).map(|p| p as f32).collect::<Vec<_>>()
@@ -976,10 +975,10 @@ mod tests {
         cache.truncate(10);
         assert_eq!(cache.len(), 10);
         let b = block(2, 1, 4, 0.0);
-        assert!(cache.write(CacheSlot::Prelude(0), 11, &b, &b).is_err());
-        cache.write(CacheSlot::Prelude(0), 10, &b, &b).unwrap();
+        assert!(cache.write(CacheLayer::Prelude(0), 11, &b, &b).is_err());
+        cache.write(CacheLayer::Prelude(0), 10, &b, &b).unwrap();
         assert_eq!(cache.len(), 11);
-        assert!(cache.write(CacheSlot::Prelude(1), 11, &b, &b).is_err());
+        assert!(cache.write(CacheLayer::Prelude(1), 11, &b, &b).is_err());
     }
 
     #[test]
@@ -989,21 +988,21 @@ mod tests {
         let b = |v: f32| block(1, 1, 2, v);
         // position 0 runs 3 recurrences, position 1 runs 1.
         cache
-            .write(CacheSlot::Prelude(0), 0, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 0, &b(0.0), &b(0.0))
             .unwrap();
         for r in 0..3 {
-            let slot = CacheSlot::Core {
+            let layer = CacheLayer::Core {
                 recurrence: r,
                 layer: 1,
             };
-            cache.write(slot, 0, &b(10.0 + r as f32), &b(0.0)).unwrap();
+            cache.write(layer, 0, &b(10.0 + r as f32), &b(0.0)).unwrap();
         }
         cache
-            .write(CacheSlot::Prelude(0), 1, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 1, &b(0.0), &b(0.0))
             .unwrap();
         cache
             .write(
-                CacheSlot::Core {
+                CacheLayer::Core {
                     recurrence: 0,
                     layer: 1,
                 },
@@ -1013,15 +1012,15 @@ mod tests {
             )
             .unwrap();
         cache
-            .write(CacheSlot::Prelude(0), 2, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 2, &b(0.0), &b(0.0))
             .unwrap();
         for r in 0..4 {
-            let slot = CacheSlot::Core {
+            let layer = CacheLayer::Core {
                 recurrence: r,
                 layer: 1,
             };
-            cache.write(slot, 2, &b(30.0 + r as f32), &b(0.0)).unwrap();
-            let (k, _) = cache.read(slot, 3).unwrap();
+            cache.write(layer, 2, &b(30.0 + r as f32), &b(0.0)).unwrap();
+            let (k, _) = cache.read(layer, 3).unwrap();
             let r0 = (r as f32).min(2.0);
             assert_eq!(positions_of(&k), vec![10.0 + r0, 20.0, 30.0 + r as f32]);
         }
@@ -1029,18 +1028,18 @@ mod tests {
         let mut shared = HuginnCache::new("latest-m4-compress-s4".parse().unwrap());
         shared.bind_core_layers(4).unwrap();
         shared
-            .write(CacheSlot::Prelude(0), 0, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 0, &b(0.0), &b(0.0))
             .unwrap();
         for r in 0..3 {
-            let slot = CacheSlot::Core {
+            let layer = CacheLayer::Core {
                 recurrence: r,
                 layer: 2,
             };
-            shared.write(slot, 0, &b(r as f32), &b(0.0)).unwrap();
+            shared.write(layer, 0, &b(r as f32), &b(0.0)).unwrap();
         }
         let (k, _) = shared
             .read(
-                CacheSlot::Core {
+                CacheLayer::Core {
                     recurrence: 0,
                     layer: 2,
                 },
@@ -1058,8 +1057,8 @@ mod tests {
         cache.grant((0..20).rev());
         for pos in 0..6 {
             let b = block(1, 1, 2, pos as f32);
-            cache.write(CacheSlot::Prelude(0), pos, &b, &b).unwrap();
-            let core = CacheSlot::Core {
+            cache.write(CacheLayer::Prelude(0), pos, &b, &b).unwrap();
+            let core = CacheLayer::Core {
                 recurrence: 0,
                 layer: 1,
             };
@@ -1067,7 +1066,7 @@ mod tests {
         }
         assert_eq!(cache.pages_used(), 4);
         let need = cache.pages_after(6..8, 2, 4, 2);
-        // Held: 4; the new rows' page 1 is missing from 6 slots (2 prelude, 3 core, 2 coda less
+        // Held: 4; the new rows' page 1 is missing from 6 layers (2 prelude, 3 core, 2 coda less
         // the two that have it).
         assert_eq!(need, 4 + 6);
         cache.swap_out().unwrap();
@@ -1075,7 +1074,7 @@ mod tests {
         assert_eq!(cache.pages_after(6..8, 2, 4, 2), need);
         cache.grant([7, 3, 11, 9]);
         cache.swap_in().unwrap();
-        let (k, _) = cache.read(CacheSlot::Prelude(0), 6).unwrap();
+        let (k, _) = cache.read(CacheLayer::Prelude(0), 6).unwrap();
         assert_eq!(
             positions_of(&k),
             (0..6).map(|p| p as f32).collect::<Vec<_>>()
@@ -1093,7 +1092,7 @@ mod tests {
         cache.bind_core_layers(4).unwrap();
         cache.grant((0..12).rev());
         let b = block(2, 3, 3, 1.0);
-        cache.write(CacheSlot::Prelude(0), 0, &b, &b).unwrap();
+        cache.write(CacheLayer::Prelude(0), 0, &b, &b).unwrap();
         let kv_need = cache.pages_after(3..5, 2, 4, 2);
         let rows = |n: usize, base: f32| {
             let v: Vec<f32> = (0..n * 6).map(|i| base + i as f32).collect();
@@ -1150,18 +1149,18 @@ mod tests {
         let mut cache = HuginnCache::new(CacheStrategy::Full);
         cache.bind_core_layers(4).unwrap();
         let b = |v: f32| block(1, 1, 2, v);
-        let slot = CacheSlot::Core {
+        let layer = CacheLayer::Core {
             recurrence: 1,
             layer: 0,
         };
         cache
-            .write(CacheSlot::Prelude(0), 0, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 0, &b(0.0), &b(0.0))
             .unwrap();
         cache
-            .write(CacheSlot::Prelude(0), 1, &b(0.0), &b(0.0))
+            .write(CacheLayer::Prelude(0), 1, &b(0.0), &b(0.0))
             .unwrap();
-        cache.write(slot, 1, &b(5.0), &b(0.0)).unwrap();
-        let (k, _) = cache.read(slot, 2).unwrap();
+        cache.write(layer, 1, &b(5.0), &b(0.0)).unwrap();
+        let (k, _) = cache.read(layer, 2).unwrap();
         assert_eq!(positions_of(&k), vec![5.0]);
     }
 }

@@ -26,7 +26,7 @@ use candle_nn::VarBuilder;
 
 use self::block::{get, linear, Linear, RmsNorm, RowLayout, SandwichBlock};
 pub use self::cache::SeqRows;
-pub use self::cache::{CacheSlot, CacheStrategy, HuginnCache};
+pub use self::cache::{CacheLayer, CacheStrategy, HuginnCache};
 pub use self::config::{HuginnConfig, InitValues};
 use crate::error::{ModelError, Result};
 use crate::transformer::RopeTable;
@@ -49,7 +49,7 @@ pub struct Huginn {
 }
 
 /// Huginn's sandwich blocks attend through their own per-row-group path (`block.rs`): its
-/// rows' keys live in the recurrent-depth cache slots, not in the shared transformer's buffers.
+/// rows' keys live in the recurrent-depth cache layers, not in the shared transformer's buffers.
 impl SelectAttention for Huginn {
     fn select_attention(&mut self, kernel: AttentionKernel) -> Result<()> {
         match kernel {
@@ -147,19 +147,19 @@ impl Huginn {
         Ok(self.io.embed(ids)?.affine(self.cfg.embed_scale(), 0.0)?)
     }
 
-    /// Prelude over packed embeddings: returns `e'` `[N, E]` and writes the prelude KV slots.
-    /// Writing prelude slot 0 appends: each sequence's `start` must equal its cache length.
+    /// Prelude over packed embeddings: returns `e'` `[N, E]` and writes the prelude KV layers.
+    /// Writing prelude layer 0 appends: each sequence's `start` must equal its cache length.
     pub fn prelude(&self, emb: &Tensor, seqs: &mut [SeqRows]) -> Result<Tensor> {
         let layout = RowLayout::new(&self.rope, emb.dim(0)?, seqs)?;
         let mut x = emb.clone();
         for (i, block) in self.prelude.iter().enumerate() {
-            x = block.forward(&x, &layout, seqs, &|_| CacheSlot::Prelude(i))?;
+            x = block.forward(&x, &layout, seqs, &|_| CacheLayer::Prelude(i))?;
         }
         Ok(x)
     }
 
     /// One recurrence: `core_blocks(adapter([state, injected]))` `[N, E]`. Sequence `i` writes
-    /// core layer j's KV in slot `Core { recurrence: seqs[i].recurrence, layer: j }` (upstream
+    /// core layer j's KV in layer `Core { recurrence: seqs[i].recurrence, layer: j }` (upstream
     /// step index `2 + 4·recurrence + j`, remapped by the cache strategy).
     pub fn core_step(
         &self,
@@ -177,7 +177,7 @@ impl Huginn {
             D::Minus1,
         )?)?;
         for (j, block) in self.core_block.iter().enumerate() {
-            x = block.forward(&x, &layout, seqs, &|s| CacheSlot::Core {
+            x = block.forward(&x, &layout, seqs, &|s| CacheLayer::Core {
                 recurrence: s.recurrence,
                 layer: j,
             })?;
@@ -191,12 +191,12 @@ impl Huginn {
     }
 
     /// `ln_f -> coda -> ln_f` on raw states: the hidden rows fed to the head `[N, E]`; writes the
-    /// coda KV slots.
+    /// coda KV layers.
     pub fn coda(&self, state: &Tensor, seqs: &mut [SeqRows]) -> Result<Tensor> {
         let layout = RowLayout::new(&self.rope, state.dim(0)?, seqs)?;
         let mut x = self.ln_f.forward(state)?;
         for (i, block) in self.coda.iter().enumerate() {
-            x = block.forward(&x, &layout, seqs, &|_| CacheSlot::Coda(i))?;
+            x = block.forward(&x, &layout, seqs, &|_| CacheLayer::Coda(i))?;
         }
         self.ln_f.forward(&x)
     }
@@ -208,7 +208,7 @@ impl Huginn {
     }
 
     /// `ln_f -> coda -> ln_f -> lm_head` on raw states: logits `[N, V]` (float32); writes the
-    /// coda KV slots.
+    /// coda KV layers.
     pub fn predict_from_latents(&self, state: &Tensor, seqs: &mut [SeqRows]) -> Result<Tensor> {
         self.lm_head(&self.coda(state, seqs)?)
     }

@@ -37,7 +37,7 @@ use wavefront_models::{Llada2, Llada2Config, ModelFiles, TextTokenizer};
 pub use self::family::BlockDiffusionFamily;
 pub use self::program::{BdProgram, BdStep};
 use self::program::{Sampler, Settings};
-use crate::kv_slot::KvSlot;
+use crate::kv_row::KvRow;
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, BlockDiffusionParams, GenerateSpec, SchemeParams};
@@ -54,7 +54,7 @@ pub struct Llada2Planner {
     info: ModelInfo,
     mask_id: u32,
     eos: Vec<u32>,
-    kv: KvSlot,
+    kv: KvRow,
     world: usize,
     reserve: KvReserve,
     page: usize,
@@ -91,7 +91,7 @@ impl Llada2Planner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
-            kv: KvSlot::new(&cfg.block_config(), dtype),
+            kv: KvRow::new(&cfg.block_config(), dtype),
             cfg,
             info,
             mask_id,

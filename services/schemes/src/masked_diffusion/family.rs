@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use wavefront_engine::{
     Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, SlotId,
 };
-use wavefront_models::slot_pool::SlotPool;
+use wavefront_models::arena::ArenaPool;
 use wavefront_models::transformer::{Keys, KvPool, SeqInput};
 use wavefront_models::ModelFamily;
 
@@ -121,7 +121,7 @@ pub struct MaskedDiffusionFamily<M> {
     model: M,
     pool: KvPool,
     /// SureLock's previous posteriors: a slot is one position's float32 log-posteriors.
-    posteriors: SlotPool,
+    posteriors: ArenaPool,
 }
 
 impl<M: MdNetwork> MaskedDiffusionFamily<M> {
@@ -130,7 +130,7 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
     }
 
     pub fn new(model: M) -> Self {
-        let posteriors = SlotPool::new(
+        let posteriors = ArenaPool::new(
             &[model.head_rows()],
             candle_core::DType::F32,
             model.device(),

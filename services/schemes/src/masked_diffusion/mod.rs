@@ -107,7 +107,7 @@ pub use self::program::MdProgram;
 pub use self::step::StepRecord;
 use self::surelock::SureLock;
 use self::wino::Wino;
-use crate::kv_slot::KvSlot;
+use crate::kv_row::KvRow;
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::LoadOptions;
 use crate::request::{
@@ -126,7 +126,7 @@ pub struct MdPlanner {
     cfg: Shape,
     info: ModelInfo,
     /// One position's K/V in one layer, over all tensor-parallel ranks.
-    kv: KvSlot,
+    kv: KvRow,
     /// Tensor-parallel ranks: a slot is one rank's share of a row's K/V in one layer.
     world: usize,
 }
@@ -156,7 +156,7 @@ impl MdPlanner {
             max_context: cfg.max_context,
         };
         Self {
-            kv: KvSlot::new(&cfg.block, dtype),
+            kv: KvRow::new(&cfg.block, dtype),
             cfg,
             info,
             world: 1,

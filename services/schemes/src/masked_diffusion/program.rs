@@ -91,7 +91,7 @@ pub(crate) struct SlotPlan {
     pub(crate) copies: usize,
     /// Rows after the canvas (WINO's shadow block).
     pub(crate) shadow: usize,
-    /// SureLock: cache slots per row (a page of one row in every layer and rank).
+    /// SureLock: cache layers per row (a page of one row in every layer and rank).
     pub(crate) cache: usize,
     /// SureLock: posterior slots per row.
     pub(crate) posterior: usize,

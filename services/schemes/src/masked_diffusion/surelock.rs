@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Tensor, D};
-use wavefront_models::slot_pool::{Pooled, SlotPool};
+use wavefront_models::arena::{ArenaPool, Pooled};
 use wavefront_models::transformer::KvCache;
 
 use crate::request::SureLockParams;
@@ -89,7 +89,7 @@ pub(crate) struct SureLock {
     /// The pool `prev` lives in (the family's, bound at the request's first tick; a private
     /// one for programs run without a family).
     #[serde(skip)]
-    pool: Option<SlotPool>,
+    pool: Option<ArenaPool>,
     /// `false` (tests): decide and record locks but keep computing every row, so the run stays
     /// identical to one without SureLock.
     pub(crate) apply: bool,
@@ -98,7 +98,7 @@ pub(crate) struct SureLock {
 impl SureLock {
     /// Uses `pool` for the previous posteriors from now on (those already held stay where
     /// they are until the next step rewrites them).
-    pub(crate) fn bind_pool(&mut self, pool: &SlotPool) {
+    pub(crate) fn bind_pool(&mut self, pool: &ArenaPool) {
         if self.pool.is_none() {
             self.pool = Some(pool.clone());
         }
@@ -137,7 +137,7 @@ impl SureLock {
 
     /// The pool the previous posteriors live in, once a step has run or a family bound one.
     #[cfg(test)]
-    pub(crate) fn posterior_pool(&self) -> Option<&SlotPool> {
+    pub(crate) fn posterior_pool(&self) -> Option<&ArenaPool> {
         self.pool.as_ref()
     }
 
@@ -215,7 +215,7 @@ impl SureLock {
         let pool = match &self.pool {
             Some(pool) => pool.clone(),
             None => {
-                let pool = SlotPool::new(
+                let pool = ArenaPool::new(
                     &[log_probs.dim(D::Minus1)?],
                     DType::F32,
                     log_probs.device(),

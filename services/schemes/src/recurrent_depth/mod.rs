@@ -25,7 +25,7 @@
 //! `2 · n_embd` values of the
 //! model dtype; the pool holds `memory_budget_bytes / (16 · 2 · n_embd · dtype
 //! size)` of them. A page holds either
-//! - the keys and values of 16 consecutive positions in one cache slot (a
+//! - the keys and values of 16 consecutive positions in one cache layer (a
 //!   prelude or coda layer, or a core layer at one recurrence), or
 //! - 16 rows of a diffusion-forcing request's wavefront: each position's
 //!   latent state in the key half (also the state the freeze test compares the
@@ -34,16 +34,16 @@
 //!
 //! The K/V pages are the family's page pool ([`HuginnFamily`]): slot ids are
 //! page ids, and a request's [`HuginnCache`] takes a page when a position in
-//! it is first written to a cache slot. Cache slots are the prelude and coda
+//! it is first written to a cache layer. Cache layers are the prelude and coda
 //! layers plus the core layers its `cache_lookup_strategy` keeps (every
 //! recurrence for `full` and `latest-m4`, `N` for `compress-sN`). Before each
 //! tick a request is granted the pages its next positions can reach
-//! ([`Program::pages_needed`]: a page for every cache slot whose page of a new
+//! ([`Program::pages_needed`]: a page for every cache layer whose page of a new
 //! position it does not hold yet), so an adaptive exit that stops early leaves
 //! the deeper slots' pages untaken; admission takes the first step's pages
 //! (the prompt's), not the worst case. The worst case (prompt +
 //! `max_new_tokens` positions, plus `max_wavefront` for diffusion forcing, in
-//! every cache slot) bounds what a request may ever hold: one larger than the
+//! every cache layer) bounds what a request may ever hold: one larger than the
 //! pool is refused at once.
 //!
 //! A diffusion-forcing request also holds latent pages for its wavefront's states:

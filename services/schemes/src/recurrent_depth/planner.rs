@@ -93,10 +93,10 @@ impl HuginnPlanner {
         HuginnCache::with_page_size(strategy, self.page)
     }
 
-    /// K/V pages `positions` positions take in every cache slot of `strategy` with `steps`
+    /// K/V pages `positions` positions take in every cache layer of `strategy` with `steps`
     /// recurrences.
     fn kv_pages(&self, positions: usize, strategy: CacheStrategy, steps: usize) -> usize {
-        positions.div_ceil(self.page) * cache_slots(&self.cfg, strategy, steps).total()
+        positions.div_ceil(self.page) * cache_layers(&self.cfg, strategy, steps).total()
     }
 
     /// The request running `program`, `max_slots` pages at most: its first step's pages at
@@ -191,26 +191,30 @@ impl HuginnPlanner {
     }
 }
 
-/// Cache slots (K/V stores) of one position: prelude, core and coda layers.
+/// Cache layers (K/V stores) of one position: prelude, core and coda layers.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct CacheSlots {
+pub(crate) struct CacheLayers {
     prelude: usize,
     core: usize,
     coda: usize,
 }
 
-impl CacheSlots {
+impl CacheLayers {
     fn total(self) -> usize {
         self.prelude + self.core + self.coda
     }
 }
 
-/// The cache slots one position occupies under `strategy` with `steps` recurrences: every
+/// The cache layers one position occupies under `strategy` with `steps` recurrences: every
 /// prelude and coda layer, and the core layers at every recurrence (`full`, `latest-m4`) or
 /// shared across recurrences (`compress-sN`: N).
-pub(crate) fn cache_slots(cfg: &HuginnConfig, strategy: CacheStrategy, steps: usize) -> CacheSlots {
+pub(crate) fn cache_layers(
+    cfg: &HuginnConfig,
+    strategy: CacheStrategy,
+    steps: usize,
+) -> CacheLayers {
     let core = cfg.n_layers_in_recurrent_block * steps;
-    CacheSlots {
+    CacheLayers {
         prelude: cfg.n_layers_in_prelude,
         core: match strategy {
             CacheStrategy::Compress { stride, .. } => core.min(stride),
@@ -230,7 +234,7 @@ impl Program {
     }
 
     /// Slots (pages) the request holds after its next tick at most: its cache's pages plus a
-    /// page for every cache slot the next positions reach in a page not held yet, and (diffusion
+    /// page for every cache layer the next positions reach in a page not held yet, and (diffusion
     /// forcing) the wavefront's latent pages.
     pub fn pages_needed(&self, cfg: &HuginnConfig) -> usize {
         let (cache, steps, rows, latent) = match self {
@@ -242,7 +246,7 @@ impl Program {
                 p.latent_pages_needed(),
             ),
         };
-        let s = cache_slots(cfg, cache.strategy(), steps);
+        let s = cache_layers(cfg, cache.strategy(), steps);
         let start = cache.len();
         cache.pages_after(start..start + rows, s.prelude, s.core, s.coda) + latent
     }

@@ -538,7 +538,7 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
         1,
         SchemeParams::DiffusionForcing(diffusion(w, FreezeTest::Aligned)),
     );
-    // Slots are pages of 16 positions of one cache slot (or 16 latent states).
+    // Slots are pages of 16 positions of one cache layer (or 16 latent states).
     // compress-s4: prelude 2 + coda 2 + 4 shared core layers.
     let kv = (prompt_len + max_new + w).div_ceil(PAGE_SIZE) * 8;
     for (m, latent) in [(1.0f32, 12_usize), (1.5, 18), (0.25, 3), (0.3, 4)] {

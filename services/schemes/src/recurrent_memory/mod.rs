@@ -75,7 +75,7 @@ use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 pub use self::family::{RecurrentMemoryFamily, RunReport};
 use self::program::Paging;
 pub use self::program::{ArmtOutput, ArmtPlan, ArmtProgram};
-use crate::kv_slot::KvSlot;
+use crate::kv_row::KvRow;
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
@@ -96,7 +96,7 @@ pub struct ArmtPlanner {
     cfg: ArmtConfig,
     info: ModelInfo,
     /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
-    kv: KvSlot,
+    kv: KvRow,
     /// Tensor-parallel ranks: each layer's cache is one page table per rank.
     world: usize,
     reserve: KvReserve,
@@ -116,7 +116,7 @@ impl ArmtPlanner {
             max_context,
         };
         Self {
-            kv: KvSlot::new(&cfg.block_config(), dtype),
+            kv: KvRow::new(&cfg.block_config(), dtype),
             cfg,
             info,
             world: 1,

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_models::arena::Pooled;
 use wavefront_models::armt::{LayerMemory, MemoryUpdate};
-use wavefront_models::slot_pool::Pooled;
 use wavefront_models::transformer::KvCache;
 
 use crate::packing::ends_after;

@@ -1,8 +1,8 @@
 //! The generated positions of one plan-and-infill request in *position* order, and what has been
 //! streamed of them.
 //!
-//! ReFusion commits slots in any order (its buffer is in commit order); a client reads text left
-//! to right. A position is *final* once its slot is committed (or, reproducing upstream's EOS
+//! ReFusion commits spans in any order (its buffer is in commit order); a client reads text left
+//! to right. A position is *final* once its span is committed (or, reproducing upstream's EOS
 //! quirk, dropped). Tokens stream only up to the first position that is not final, so a token is
 //! sent once every position before it is final, and the response is cut at the first stop token
 //! in position order (included): tokens committed at later positions before it was found are

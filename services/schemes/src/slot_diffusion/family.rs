@@ -1,12 +1,12 @@
 //! The slot-diffusion family (ReFusion): every engine tick runs the next model call of every
 //! active program in one packed forward.
 //!
-//! A program's call is a planning call (its block's masked slots), a verification call (its
-//! selected drafts), a draft or verify call of iterative completion (one row per selected slot,
+//! A program's call is a planning call (its block's masked spans), a verification call (its
+//! selected drafts), a draft or verify call of iterative completion (one row per selected span,
 //! each over its own copy of the request's cache), or an autoregressive step. Every row of every
 //! call becomes one attention sequence (causal in buffer order, its own position ids, its own
 //! keys), so projections, norms and the MLP run once over all rows of the tick while attention
-//! never mixes requests or slots. One head call then computes the logits of every row any
+//! never mixes requests or spans. One head call then computes the logits of every row any
 //! program reads; argmax, softmax maximum and the probability each read asks for are reduced on
 //! the device and copied to the host together (full rows only for sampled rows).
 

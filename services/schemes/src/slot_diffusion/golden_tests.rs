@@ -2,11 +2,11 @@
 //! of tests/fixtures/refusion/golden.json, see its README): every run's committed buffer (tokens
 //! and position ids, in commit order), every model call (batch rows, cache length, input ids,
 //! position ids, and the argmax and softmax maximum of every position the program reads) and the
-//! per-iteration trace (plan drafts and confidences, slot scores, selection, verification
+//! per-iteration trace (plan drafts and confidences, span scores, selection, verification
 //! probabilities and prefix, path, every completion step's inputs, outputs, flags and progress,
 //! commits, EOS), each run alone and all runs packed into the same ticks. `eos_quirk_b16` is
 //! matched with [`EosRule::Upstream`]; with the default rule it differs exactly where upstream's
-//! quirk drops a slot.
+//! quirk drops a span.
 
 use anyhow::{ensure, Context, Result};
 use serde_json::Value;
@@ -53,9 +53,9 @@ fn run_spec(run: &Value, eos_rule: EosRule) -> GenerateSpec {
         u32s(&run["prompt_ids"]),
         n("gen_length"),
         SchemeParams::PlanInfill(PlanInfillParams {
-            slot_size: n("slot_size"),
+            span_size: n("slot_size"),
             serial_num_blocks: n("serial_num_blocks"),
-            slot_threshold: f("slot_threshold"),
+            span_threshold: f("slot_threshold"),
             token_threshold: f("token_threshold"),
             eos_rule,
         }),
@@ -194,9 +194,9 @@ fn check_trace(run: &Value, program: &SdProgram) -> Result<()> {
             g.plan_conf
         );
         ensure!(
-            close(&g.slot_scores, &f32s(&w["slot_scores"])),
+            close(&g.span_scores, &f32s(&w["slot_scores"])),
             "{at}: scores {:?}",
-            g.slot_scores
+            g.span_scores
         );
         ensure!(
             g.selected == u32s(&w["selected_slot_start_pos"]),
@@ -327,10 +327,10 @@ fn every_run_matches_upstream_alone_and_packed_together() -> Result<()> {
     Ok(())
 }
 
-/// Upstream's EOS quirk drops slot 25 of `eos_quirk_b16`; the default rule generates it, so the
+/// Upstream's EOS quirk drops span 25 of `eos_quirk_b16`; the default rule generates it, so the
 /// output has no gap, and everything before the EOS iteration is upstream's.
 #[test]
-fn the_aligned_eos_rule_generates_the_slots_left_of_the_eos() -> Result<()> {
+fn the_aligned_eos_rule_generates_the_spans_left_of_the_eos() -> Result<()> {
     let golden = golden()?;
     let (model, planner) = fixture()?;
     let runs = runs(&golden);
@@ -364,7 +364,7 @@ fn the_aligned_eos_rule_generates_the_slots_left_of_the_eos() -> Result<()> {
         "a gap before the EOS: {positions:?}"
     );
     ensure!(positions[eos] >= 25, "{positions:?}");
-    // Calls: upstream's 20, plus the iterations that decode slot 25.
+    // Calls: upstream's 20, plus the iterations that decode span 25.
     let calls = p[0].calls().len();
     ensure!(calls > 20, "{calls} calls");
     // Every other run is identical under both rules.

@@ -1,15 +1,17 @@
 //! # Slot diffusion (ReFusion)
 //!
 //! Li, Guan, Wu, Li 2025, "ReFusion: A Diffusion Large Language Model with Parallel
-//! Autoregressive Decoding" (arXiv:2512.13586): a causal Qwen3 trained to fill masked *slots*
-//! (fixed-length runs of consecutive positions) in any order. Decoded slots are moved in front
+//! Autoregressive Decoding" (arXiv:2512.13586): a causal Qwen3 trained to fill masked *spans*
+//! (fixed-length runs of consecutive positions; the paper, the family's name and the API's
+//! `slot_size` / `slot_threshold` call them slots, a word this code keeps for the engine's unit
+//! of memory) in any order. Decoded spans are moved in front
 //! of the still-masked ones, each keeping its true position id (RoPE), so attention stays causal
 //! in buffer order and every decoded token's K/V is computed once and reused. Schemes served
 //! here:
 //! - `plan-infill` (upstream `generate_refusion()`): semi-autoregressive blocks, each decoded
-//!   by iterations of *plan* (a diffusion-style draft of all the block's masked slots; select
-//!   the slots whose first token is confident) and *infill* (verify the drafts autoregressively;
-//!   commit whole verified slots, or complete the selected slots in parallel, each over its own
+//!   by iterations of *plan* (a diffusion-style draft of all the block's masked spans; select
+//!   the spans whose first token is confident) and *infill* (verify the drafts autoregressively;
+//!   commit whole verified spans, or complete the selected spans in parallel, each over its own
 //!   copy of the cache, and stitch their K/V) ([`plan_infill`]);
 //! - `ar`: plain causal decoding of the same model with the same KV cache, one token per step
 //!   ([`ar`]), the baseline of `bench-slot-diffusion`.
@@ -19,50 +21,49 @@
 //! `token_threshold`, and the sampling temperature (Gumbel noise on planning drafts only; the
 //! infill loop is always greedy, as upstream). Defaults are upstream's function defaults:
 //! `slot_size` 8, `serial_num_blocks` 2, thresholds 0.9 / 0.9. Unlike upstream, which rounds
-//! `gen_length` up to a multiple of the slot size, a length that is not a multiple is refused,
+//! `gen_length` up to a multiple of the span size, a length that is not a multiple is refused,
 //! so the response never exceeds `max_new_tokens`.
 //!
 //! ## The engine's unit of work
 //!
 //! One tick runs one *model call* of every active request: its planning call (the block's masked
-//! slots, plus the prompt on the first call), its verification call (the selected drafts), one
-//! draft or verify call of iterative completion (one row per selected slot), or one
+//! spans, plus the prompt on the first call), its verification call (the selected drafts), one
+//! draft or verify call of iterative completion (one row per selected span), or one
 //! autoregressive step. Every row of every call is its own attention sequence over its own keys
-//! ([`family`]), so the parallel completion of one request's slots and the steps of other
+//! ([`family`]), so the parallel completion of one request's spans and the steps of other
 //! requests share one forward, and a request's result does not depend on its batch. The model
 //! calls of a request, their inputs and their number are exactly upstream's.
 //!
 //! ## End of sequence
 //!
 //! The model's `eos_token_id` and the request's `stop_token_ids` act as upstream's EOS: a stop
-//! token in the verified prefix or accepted during iterative completion removes its slot's
+//! token in the verified prefix or accepted during iterative completion removes its span's
 //! right-hand side from the block and ends decoding after the block. Tokens committed earlier
 //! at later positions stay in the buffer, as upstream; the *response* is the generated text in
 //! position order cut after the first stop token. Upstream's iterative-completion branch removes
 //! `range(first_eos_block_idx, n)` from the block's pool, with a row index among the selected
-//! slots used as a pool index, which can drop undecoded slots *left of* the EOS: they are never
+//! spans used as a pool index, which can drop undecoded spans *left of* the EOS: they are never
 //! generated and upstream's output has a gap. Here ([`crate::request::EosRule::Aligned`], the
-//! default) only the EOS slot and the slots to its right are removed, so the slots to its left
+//! default) only the EOS span and the spans to its right are removed, so the spans to its left
 //! are still generated and the output has no gap; [`crate::request::EosRule::Upstream`]
 //! reproduces the quirk (the golden `eos_quirk_b16` run) and is not exposed in the API.
 //!
 //! ## Streaming
 //!
-//! Slots are committed in any order; a token streams once every position before it is final
+//! Spans are committed in any order; a token streams once every position before it is final
 //! (committed), and the stream ends at the first stop token in position order ([`canvas`]).
-//! [`plan_infill::PlanInfill`]'s `commit_slots` is the one place where slots (positions and
+//! [`plan_infill::PlanInfill`]'s `commit_spans` is the one place where spans (positions and
 //! tokens, in commit order) become final.
 //!
 //! ## Slots
 //!
-//! The slot unit is one buffer row's key and value in one layer: `2 · n_kv_heads · head_dim`
-//! values of the model dtype. A `plan-infill` request reserves
-//! `(prompt + gen_length + block_length) · n_layers` slots: its committed cache (prompt and every
-//! generated token) plus the K/V a call appends after it (the planning call's masked slots, the
-//! verification call's drafts, or the rows of iterative completion, at most one block in all:
-//! each row in its own segment of the committed cache's pages, `MaskRule::SegmentCausal`). An
-//! `ar` request
-//! reserves `(prompt + max_new_tokens) · n_layers`. Per-call attention buffers are working
+//! A slot is a page: `--kv-page-size` buffer rows' keys and values in one layer of one
+//! tensor-parallel rank ([`RefusionPlanner::slot_bytes`]). A request takes, before each call,
+//! the pages its committed cache can reach after it (the committed buffer plus one block: the
+//! planning call's masked spans, the verification call's drafts, or the rows of iterative
+//! completion, each in its own segment of the committed cache's pages,
+//! `MaskRule::SegmentCausal`), at most `(prompt + gen_length + block_length)` rows per layer;
+//! an `ar` request at most `(prompt + max_new_tokens)`. Per-call attention buffers are working
 //! memory of the tick.
 
 pub mod family;
@@ -93,7 +94,7 @@ pub use self::plan_infill::{CallRecord, CompletionRecord, IterationRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
-use crate::kv_slot::KvSlot;
+use crate::kv_row::KvRow;
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::{KvReserve, LoadOptions};
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
@@ -110,7 +111,7 @@ pub struct RefusionPlanner {
     mask_id: u32,
     info: ModelInfo,
     /// One position's K/V in one layer, over all tensor-parallel ranks.
-    kv: KvSlot,
+    kv: KvRow,
     /// Tensor-parallel ranks: each layer's cache is one page table per rank.
     world: usize,
     reserve: KvReserve,
@@ -135,7 +136,7 @@ impl RefusionPlanner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
-            kv: KvSlot::new(&cfg.block_config(), dtype),
+            kv: KvRow::new(&cfg.block_config(), dtype),
             cfg,
             mask_id,
             info,
@@ -157,7 +158,7 @@ impl RefusionPlanner {
         self
     }
 
-    /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
+    /// Sizes spans for the model split over `world` tensor-parallel ranks (kv heads replicated
     /// on ranks when there are fewer than ranks take room in every rank's cache).
     pub fn with_tensor_parallel(mut self, world: usize) -> Self {
         self.kv = self.kv.with_world(world);
@@ -216,27 +217,27 @@ impl RefusionPlanner {
             );
         }
         let gen = spec.max_new_tokens;
-        let (slot, blocks) = (p.slot_size, p.serial_num_blocks);
-        if slot == 0 {
+        let (span, blocks) = (p.span_size, p.serial_num_blocks);
+        if span == 0 {
             return bad("plan_infill.slot_size must be at least 1".into());
         }
         if blocks == 0 {
             return bad("plan_infill.serial_num_blocks must be at least 1".into());
         }
         for (name, t) in [
-            ("slot_threshold", p.slot_threshold),
+            ("slot_threshold", p.span_threshold),
             ("token_threshold", p.token_threshold),
         ] {
             if !t.is_finite() || t <= 0.0 || t > 1.0 {
                 return bad(format!("plan_infill.{name} must be in (0, 1], got {t}"));
             }
         }
-        if !gen.is_multiple_of(slot) {
+        if !gen.is_multiple_of(span) {
             return bad(format!(
                 "max_new_tokens (gen_length, {gen}) must be a multiple of plan_infill.slot_size \
-                 ({slot}); use {} or {}",
-                gen / slot * slot,
-                gen.div_ceil(slot) * slot
+                 ({span}); use {} or {}",
+                gen / span * span,
+                gen.div_ceil(span) * span
             ));
         }
         if !gen.is_multiple_of(blocks) {
@@ -246,17 +247,17 @@ impl RefusionPlanner {
             ));
         }
         let block_length = gen / blocks;
-        if !block_length.is_multiple_of(slot) {
+        if !block_length.is_multiple_of(span) {
             return bad(format!(
-                "plan_infill.slot_size ({slot}) must divide the block length max_new_tokens / \
+                "plan_infill.slot_size ({span}) must divide the block length max_new_tokens / \
                  serial_num_blocks = {gen} / {blocks} = {block_length}"
             ));
         }
         let settings = Settings {
-            slot_size: slot,
+            span_size: span,
             block_length,
             blocks,
-            slot_threshold: p.slot_threshold,
+            span_threshold: p.span_threshold,
             token_threshold: p.token_threshold,
             mask_id: self.mask_id,
             eos_rule: p.eos_rule,

@@ -1,15 +1,15 @@
 //! One request's plan-and-infill program (ReFusion, Li et al., 2025; upstream
 //! `generate_refusion()`), as a state machine that issues one model call per engine tick.
 //!
-//! An *iteration* is: **plan** (one call over the block's still-masked slots, every token a
+//! An *iteration* is: **plan** (one call over the block's still-masked spans, every token a
 //! mask at its true position id, after the committed buffer; the draft of each position is the
-//! argmax of its own logits and a slot's score is the probability of its first draft token),
-//! **select** (every slot scoring above `slot_threshold`, or the single best one), **verify**
-//! (one call over the selected drafts concatenated in position order; token `j ≥ 1` of a slot is
+//! argmax of its own logits and a span's score is the probability of its first draft token),
+//! **select** (every span scoring above `slot_threshold`, or the single best one), **verify**
+//! (one call over the selected drafts concatenated in position order; token `j ≥ 1` of a span is
 //! accepted when the autoregressive probability from the token before it exceeds
-//! `token_threshold`, token 0 always), then either the **whole-slot fast path** (the leading
-//! accepted run covers a stop token or at least one whole slot: commit those slots with the
-//! verification K/V) or **parallel iterative completion** (one row per selected slot, each over
+//! `token_threshold`, token 0 always), then either the **whole-span fast path** (the leading
+//! accepted run covers a stop token or at least one whole span: commit those spans with the
+//! verification K/V) or **parallel iterative completion** (one row per selected span, each over
 //! the committed cache and itself only: a draft call re-predicts every unaccepted token from the
 //! partly re-masked row, a verify call accepts by threshold with the token after the accepted
 //! prefix forced, the common accepted prefix advances, until every row is complete; then the
@@ -26,8 +26,8 @@
 //! committed buffer and its own segment only ([`MaskRule::SegmentCausal`], upstream's batch
 //! rows over one shared cache): a step rewrites each segment past its accepted prefix, and the
 //! completed segments are the committed rows where they lie. Nothing is copied into the cache
-//! and no cache lives outside the pool. [`PlanInfill::commit_slots`] is the one place where
-//! slots become final.
+//! and no cache lives outside the pool. [`PlanInfill::commit_spans`] is the one place where
+//! spans become final.
 //!
 //! [`MaskRule::SegmentCausal`]: wavefront_models::transformer::MaskRule::SegmentCausal
 
@@ -43,10 +43,10 @@ use crate::SchemeError;
 /// The request's fixed settings.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Settings {
-    pub(crate) slot_size: usize,
+    pub(crate) span_size: usize,
     pub(crate) block_length: usize,
     pub(crate) blocks: usize,
-    pub(crate) slot_threshold: f32,
+    pub(crate) span_threshold: f32,
     pub(crate) token_threshold: f32,
     pub(crate) mask_id: u32,
     pub(crate) eos_rule: EosRule,
@@ -57,14 +57,14 @@ pub(crate) struct Settings {
 pub struct IterationRecord {
     pub block: usize,
     pub cache_len_before_plan: usize,
-    /// Start positions of the block's masked slots at planning.
+    /// Start positions of the block's masked spans at planning.
     pub remaining: Vec<u32>,
     pub plan_draft: Vec<Vec<u32>>,
     pub plan_conf: Vec<Vec<f32>>,
-    pub slot_scores: Vec<f32>,
-    /// Start positions of the selected slots.
+    pub span_scores: Vec<f32>,
+    /// Start positions of the selected spans.
     pub selected: Vec<u32>,
-    /// Per selected slot: token 0 its planning confidence, tokens 1.. the verification call's
+    /// Per selected span: token 0 its planning confidence, tokens 1.. the verification call's
     /// autoregressive probabilities.
     pub verify_probs: Vec<Vec<f32>>,
     pub verify_prefix_len: usize,
@@ -76,7 +76,7 @@ pub struct IterationRecord {
     pub eos: bool,
     /// Iterative path with a stop token: the row it was found in.
     pub eos_row: Option<usize>,
-    /// Start positions of undecoded slots left of the stop token that upstream's quirk drops.
+    /// Start positions of undecoded spans left of the stop token that upstream's quirk drops.
     pub dropped: Vec<u32>,
 }
 
@@ -90,7 +90,7 @@ pub struct CompletionRecord {
     /// Per row, index `t ≥ 1` relative to the step's start: the probability of token `t` from
     /// the logits at `t - 1` (index 0 is not computed and holds NaN).
     pub verify_probs: Vec<Vec<f32>>,
-    /// Accepted flags of all slot tokens per row after the step.
+    /// Accepted flags of all span tokens per row after the step.
     pub tags: Vec<Vec<bool>>,
     pub newly_accepted_len: usize,
 }
@@ -112,10 +112,10 @@ pub(crate) struct Recorder {
     pub(crate) calls: Vec<CallRecord>,
 }
 
-/// The slots selected by a plan, waiting for verification.
+/// The spans selected by a plan, waiting for verification.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Selection {
-    /// Pool indices of the selected slots, increasing.
+    /// Pool indices of the selected spans, increasing.
     picked: Vec<usize>,
     /// Their planning drafts, `slot_size` tokens each.
     drafts: Vec<Vec<u32>>,
@@ -123,7 +123,7 @@ struct Selection {
     first_conf: Vec<f32>,
 }
 
-/// One row of iterative completion: a selected slot, whose K/V live in its segment of the
+/// One row of iterative completion: a selected span, whose K/V live in its segment of the
 /// committed cache's pages (the accepted prefix, `acc` tokens, kept from step to step).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Row {
@@ -134,7 +134,7 @@ struct Row {
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Infill {
-    /// Pool indices of every originally selected slot.
+    /// Pool indices of every originally selected span.
     picked: Vec<usize>,
     rows: Vec<Row>,
     acc: usize,
@@ -164,7 +164,7 @@ pub struct PlanInfill {
     /// the call in flight.
     pub(crate) main: KvCache,
     block: usize,
-    /// Start positions of the current block's slots still to decode, increasing.
+    /// Start positions of the current block's spans still to decode, increasing.
     pool: Vec<u32>,
     /// A stop token was committed: finish once the current block's pool is empty.
     stop: bool,
@@ -215,19 +215,19 @@ impl PlanInfill {
             stream_canvas: false,
             s,
         };
-        me.pool = me.block_slots(0);
+        me.pool = me.block_spans(0);
         me
     }
 
-    fn block_slots(&self, block: usize) -> Vec<u32> {
+    fn block_spans(&self, block: usize) -> Vec<u32> {
         let start = self.prompt.len() + block * self.s.block_length;
-        (0..self.s.block_length / self.s.slot_size)
-            .map(|i| (start + i * self.s.slot_size) as u32)
+        (0..self.s.block_length / self.s.span_size)
+            .map(|i| (start + i * self.s.span_size) as u32)
             .collect()
     }
 
-    fn slot_positions(&self, start: u32) -> impl Iterator<Item = u32> {
-        start..start + self.s.slot_size as u32
+    fn span_positions(&self, start: u32) -> impl Iterator<Item = u32> {
+        start..start + self.s.span_size as u32
     }
 
     fn is_stop(&self, token: u32) -> bool {
@@ -249,11 +249,11 @@ impl PlanInfill {
     }
 
     /// The next model call.
-    /// Rows [`Self::next_call`] computes: the planning call's masked slots (and the prompt on
-    /// the first call), the verification call's drafts, or every selected slot's unaccepted
+    /// Rows [`Self::next_call`] computes: the planning call's masked spans (and the prompt on
+    /// the first call), the verification call's drafts, or every selected span's unaccepted
     /// tokens in iterative completion.
     pub(crate) fn next_call_rows(&self) -> usize {
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         match &self.phase {
             Phase::Plan => {
                 let prompt = if self.main.is_empty() {
@@ -270,7 +270,7 @@ impl PlanInfill {
     }
 
     pub(crate) fn next_call(&mut self) -> Call {
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         let rows = match &self.phase {
             Phase::Plan => {
                 let first = self.main.is_empty();
@@ -282,7 +282,7 @@ impl PlanInfill {
                 let offset = ids.len();
                 for &start in &self.pool {
                     ids.extend(std::iter::repeat_n(self.s.mask_id, s));
-                    positions.extend(self.slot_positions(start));
+                    positions.extend(self.span_positions(start));
                 }
                 let full = self.sampler.is_some();
                 let reads = (offset..ids.len())
@@ -303,7 +303,7 @@ impl PlanInfill {
                 let positions: Vec<u32> = sel
                     .picked
                     .iter()
-                    .flat_map(|&i| self.slot_positions(self.pool[i]))
+                    .flat_map(|&i| self.span_positions(self.pool[i]))
                     .collect();
                 let reads = (0..ids.len().saturating_sub(1))
                     .filter(|f| (f + 1) % s != 0)
@@ -324,7 +324,7 @@ impl PlanInfill {
                 let all = self.record.is_some();
                 let mut rows = Vec::with_capacity(inf.rows.len());
                 for (r, row) in inf.rows.iter().enumerate() {
-                    let positions: Vec<u32> = self.slot_positions(row.start).skip(acc).collect();
+                    let positions: Vec<u32> = self.span_positions(row.start).skip(acc).collect();
                     let (ids, reads): (Vec<u32>, Vec<RowRead>) = if inf.draft_next {
                         let ids = (acc..s)
                             .map(|t| {
@@ -388,7 +388,7 @@ impl PlanInfill {
     /// committed buffer and its own segment (the segment's accepted prefix from the cache).
     pub(crate) fn sequences(&mut self, call: &Call) -> Result<Vec<SeqInput<'_>>, SchemeError> {
         let committed = self.buffer_ids.len();
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         match call.rows.as_slice() {
             [row] if row.cache == CacheUse::Own => {
                 // The commit keeps what it accepts and cuts the rest.
@@ -474,12 +474,12 @@ impl PlanInfill {
     }
 
     fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), SchemeError> {
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         let outs = &outs[0];
         let mut drafts = Vec::with_capacity(self.pool.len());
         let mut conf = Vec::with_capacity(self.pool.len());
-        for slot in outs.chunks(s) {
-            let (d, c): (Vec<u32>, Vec<f32>) = slot
+        for span in outs.chunks(s) {
+            let (d, c): (Vec<u32>, Vec<f32>) = span
                 .iter()
                 .map(|o| match (&mut self.sampler, &o.logits) {
                     (Some(sampler), Some(logits)) => {
@@ -494,14 +494,14 @@ impl PlanInfill {
         }
         let scores: Vec<f32> = conf.iter().map(|c| c[0]).collect();
         let mut picked: Vec<usize> = (0..scores.len())
-            .filter(|&i| scores[i] > self.s.slot_threshold)
+            .filter(|&i| scores[i] > self.s.span_threshold)
             .collect();
         if picked.is_empty() {
             let best = (0..scores.len()).fold(0, |b, i| if scores[i] > scores[b] { i } else { b });
             picked.push(best);
         }
         // The call wrote its rows after the committed ones: the first call's prompt rows are
-        // committed from now on, the masked slots' rows are cut.
+        // committed from now on, the masked spans' rows are cut.
         self.main.truncate(self.buffer_ids.len())?;
         stats.add_counter("iterations", 1);
         stats.add_counter("slots_selected", picked.len() as u64);
@@ -513,7 +513,7 @@ impl PlanInfill {
                 remaining: self.pool.clone(),
                 plan_draft: drafts.clone(),
                 plan_conf: conf.clone(),
-                slot_scores: scores,
+                span_scores: scores,
                 selected: picked.iter().map(|&i| self.pool[i]).collect(),
                 ..IterationRecord::default()
             });
@@ -535,7 +535,7 @@ impl PlanInfill {
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         let k = sel.picked.len();
         let flat: Vec<u32> = sel.drafts.concat();
         let mut probs: Vec<Vec<f32>> = sel
@@ -577,7 +577,7 @@ impl PlanInfill {
             None => None,
         };
         let Some(n) = commit_len else {
-            // Iterative completion: one row per selected slot, each in its own segment after the
+            // Iterative completion: one row per selected span, each in its own segment after the
             // committed rows (the verification K/V are cut).
             self.main.truncate(self.buffer_ids.len())?;
             let rows = sel
@@ -611,24 +611,24 @@ impl PlanInfill {
             });
             return Ok(());
         };
-        // Fast path: whole slots of the verified prefix (cut at a stop token), with the K/V of
-        // the verification call, computed sequentially over the selected slots.
+        // Fast path: whole spans of the verified prefix (cut at a stop token), with the K/V of
+        // the verification call, computed sequentially over the selected spans.
         if let Some(cur) = &mut self.current {
             cur.path = "prefix";
         }
         stats.add_counter("prefix_path_iterations", 1);
-        let slots = n.div_ceil(s);
-        let positions: Vec<u32> = sel.picked[..slots]
+        let spans = n.div_ceil(s);
+        let positions: Vec<u32> = sel.picked[..spans]
             .iter()
-            .flat_map(|&i| self.slot_positions(self.pool[i]))
+            .flat_map(|&i| self.span_positions(self.pool[i]))
             .take(n)
             .collect();
         // The verification call's K/V are in place after the committed rows: keep the first n.
-        self.commit_slots(&positions, &flat[..n], stats, outbox)?;
-        let mut remove: Vec<usize> = sel.picked[..slots].to_vec();
+        self.commit_spans(&positions, &flat[..n], stats, outbox)?;
+        let mut remove: Vec<usize> = sel.picked[..spans].to_vec();
         if eos_at.is_some() {
-            // Every slot from the stop token's slot rightwards leaves the pool.
-            remove.extend(sel.picked[slots - 1]..self.pool.len());
+            // Every span from the stop token's span rightwards leaves the pool.
+            remove.extend(sel.picked[spans - 1]..self.pool.len());
             self.stop = true;
         }
         self.end_iteration(&remove, stats, outbox);
@@ -679,7 +679,7 @@ impl PlanInfill {
         call: &Call,
         outs: &[Vec<ReadOut>],
     ) -> Result<bool, SchemeError> {
-        let (s, acc) = (self.s.slot_size, inf.acc);
+        let (s, acc) = (self.s.span_size, inf.acc);
         let mut verify_probs = Vec::with_capacity(inf.rows.len());
         for ((row, o), c) in inf.rows.iter_mut().zip(outs).zip(&call.rows) {
             let o = by_position(c, o);
@@ -749,7 +749,7 @@ impl PlanInfill {
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
-        let s = self.s.slot_size;
+        let s = self.s.span_size;
         if inf.acc != s {
             return Err(SchemeError::inconsistent(format!(
                 "iterative completion ended with {} of {s} tokens accepted",
@@ -761,13 +761,13 @@ impl PlanInfill {
         let mut positions: Vec<u32> = inf
             .rows
             .iter()
-            .flat_map(|r| self.slot_positions(r.start))
+            .flat_map(|r| self.span_positions(r.start))
             .collect();
         if let Some(e) = tokens.iter().position(|&t| self.is_stop(t)) {
             tokens.truncate(e + 1);
             positions.truncate(e + 1);
         }
-        self.commit_slots(&positions, &tokens, stats, outbox)?;
+        self.commit_spans(&positions, &tokens, stats, outbox)?;
         let mut remove = inf.picked.clone();
         if let Some(r) = inf.eos_row {
             let from = match self.s.eos_rule {
@@ -775,13 +775,13 @@ impl PlanInfill {
                 // Upstream: `range(first_eos_block_idx, n)`, a row index used as a pool index.
                 EosRule::Upstream => r,
             };
-            let eos_slot = self.pool[inf.picked[r]];
+            let eos_span = self.pool[inf.picked[r]];
             let dropped: Vec<u32> = (from..self.pool.len())
-                .filter(|i| !inf.picked.contains(i) && self.pool[*i] < eos_slot)
+                .filter(|i| !inf.picked.contains(i) && self.pool[*i] < eos_span)
                 .map(|i| self.pool[i])
                 .collect();
             remove.extend(from..self.pool.len());
-            let s = self.s.slot_size as u32;
+            let s = self.s.span_size as u32;
             self.canvas
                 .drop_positions(dropped.iter().flat_map(|&p| p..p + s));
             if let Some(cur) = &mut self.current {
@@ -794,11 +794,11 @@ impl PlanInfill {
         Ok(())
     }
 
-    /// The one place where slots become final: appends tokens at their positions (in commit
+    /// The one place where spans become final: appends tokens at their positions (in commit
     /// order) to the buffer, keeps their K/V where the call wrote them (right after the
     /// committed rows) and cuts the rest, and streams the tokens that became final in position
     /// order.
-    fn commit_slots(
+    fn commit_spans(
         &mut self,
         positions: &[u32],
         tokens: &[u32],
@@ -817,8 +817,8 @@ impl PlanInfill {
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);
         self.canvas.commit(positions, tokens);
-        let slots = positions.len().div_ceil(self.s.slot_size);
-        stats.add_counter("slots_committed", slots as u64);
+        let spans = positions.len().div_ceil(self.s.span_size);
+        stats.add_counter("slots_committed", spans as u64);
         stats.add_counter("tokens_committed", tokens.len() as u64);
         stats.push_series("committed_per_iteration", tokens.len() as u32);
         if let Some(cur) = &mut self.current {
@@ -827,7 +827,7 @@ impl PlanInfill {
             cur.eos = tokens.iter().any(|&t| self.canvas.is_stop(t));
         }
         if self.stream_canvas {
-            // Out-of-order slot events: what this commit made final, in commit order, before
+            // Out-of-order span events: what this commit made final, in commit order, before
             // the in-order tokens it releases.
             let start = self.prompt.len() as u32;
             outbox.canvas(CanvasFrame {
@@ -844,7 +844,7 @@ impl PlanInfill {
         Ok(())
     }
 
-    /// Removes pool slots, then moves to the next iteration, block or the end.
+    /// Removes spans from the pool, then moves to the next iteration, block or the end.
     fn end_iteration(&mut self, remove: &[usize], stats: &mut Stats, outbox: &mut Outbox) {
         if let (Some(rec), Some(cur)) = (&mut self.record, self.current.take()) {
             rec.iterations.push(cur);
@@ -868,7 +868,7 @@ impl PlanInfill {
                 self.finish(FinishReason::Length, stats, outbox);
                 return;
             }
-            self.pool = self.block_slots(self.block);
+            self.pool = self.block_spans(self.block);
             stats.add_counter("blocks", 1);
         }
         self.phase = Phase::Plan;
@@ -957,10 +957,10 @@ mod tests {
     ) -> Result<()> {
         let (model, _) = fixture()?;
         let s = Settings {
-            slot_size: 4,
+            span_size: 4,
             block_length: 8,
             blocks: 1,
-            slot_threshold: 0.9,
+            span_threshold: 0.9,
             token_threshold: 0.5,
             mask_id: 511,
             eos_rule: EosRule::Aligned,
@@ -970,7 +970,7 @@ mod tests {
         let (mut stats, mut outbox) = (Stats::default(), Outbox::default());
         let committed = prompt.len();
 
-        // Plan: both slots score above the threshold; verify: only each slot's first token.
+        // Plan: both spans score above the threshold; verify: only each span's first token.
         // One call run and committed with the given reads (first token id, probability by row).
         let step = |p: &mut PlanInfill,
                     stats: &mut Stats,

@@ -1,8 +1,8 @@
 //! The slot-diffusion family behind the real engine thread: batch invariance across requests of
-//! both schemes with different prompt and generation lengths, slot sizes, block counts,
+//! both schemes with different prompt and generation lengths, span sizes, block counts,
 //! thresholds, temperatures and stop tokens, joining at different ticks; the golden runs'
 //! responses (position order, cut at the first EOS) and their streaming order; `ar` against a
-//! cache-free reference; slot accounting and request validation.
+//! cache-free reference; span accounting and request validation.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +42,7 @@ fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
     serve(fixture_files()?, "refusion-fixture", max_active)
 }
 
-/// Twelve requests over both schemes with different lengths, slot sizes, blocks, thresholds,
+/// Twelve requests over both schemes with different lengths, span sizes, blocks, thresholds,
 /// temperatures and stop tokens.
 fn mixed_requests() -> Vec<GenerateSpec> {
     vec![
@@ -110,7 +110,7 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     );
     // The request stop token acts as an EOS: the response ends at its first occurrence.
     ensure!(alone[7].reason == FinishReason::StopToken && alone[7].tokens.len() < 32);
-    // Every slot came back.
+    // Every span came back.
     wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
     served.shutdown();
     Ok(())
@@ -258,7 +258,7 @@ fn golden_runs_stream_in_position_order_and_stop_at_the_first_eos() -> Result<()
             }
         };
         if name == "eos_quirk_b16" {
-            // The aligned rule also generates slot 25 (whose first token is an EOS).
+            // The aligned rule also generates span 25 (whose first token is an EOS).
             ensure!(
                 tokens
                     == response(run)[..16]
@@ -347,11 +347,11 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     let (_, planner) = fixture()?;
     let base = || spec(prompt(4, 0), 16, plan_infill(4, 2, 0.8, 0.2));
     let with = |scheme| GenerateSpec { scheme, ..base() };
-    let p = |slot_size, serial_num_blocks, slot_threshold, token_threshold| {
+    let p = |span_size, serial_num_blocks, span_threshold, token_threshold| {
         plan_infill(
-            slot_size,
+            span_size,
             serial_num_blocks,
-            slot_threshold,
+            span_threshold,
             token_threshold,
         )
     };
@@ -412,9 +412,9 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
         ),
     ];
     assert_invalid(&planner, cases)?;
-    // Thresholds of exactly 1 are accepted (nothing passes; the best slot is the fallback).
+    // Thresholds of exactly 1 are accepted (nothing passes; the best span is the fallback).
     ensure!(planner.prepare(with(p(4, 2, 1.0, 1.0))).is_ok());
-    // Upstream's defaults (slot 8, 2 blocks) need a multiple of 16.
+    // Upstream's defaults (span 8, 2 blocks) need a multiple of 16.
     ensure!(planner
         .prepare(spec(prompt(4, 0), 32, pi(PlanInfillParams::default())))
         .is_ok());
@@ -440,25 +440,25 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
 /// The mixed requests served with the model split over 2 and 4 in-process tensor-parallel ranks
 /// decode what one rank decodes: every token, finish reason and per-call series (the planning,
 /// verification and completion calls read each rank's slice of the shared prefix caches and
-/// stitch them slot by slot).
+/// stitch them span by span).
 #[test]
 fn tensor_parallel_serving_decodes_what_one_rank_decodes() -> Result<()> {
     crate::test_support::assert_tensor_parallel_decodes_match(fixture_files, &mixed_requests())
 }
 
-/// With `stream_canvas`, every commit is sent as an out-of-order slot event: on each golden run
+/// With `stream_canvas`, every commit is sent as an out-of-order span event: on each golden run
 /// the events are exactly upstream's per-iteration committed positions (relative to the first
 /// generated position) and tokens, in commit order, each before the in-order tokens it releases;
 /// the response and statistics are those of the unwatched request.
 #[test]
-fn slot_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<()> {
+fn span_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<()> {
     let golden = golden()?;
     let served = fixture_served(8)?;
     let mut ahead = 0;
     for run in golden["generate"].as_array().context("runs")? {
         let name = run["name"].as_str().unwrap_or("?");
         if name == "eos_quirk_b16" {
-            continue; // upstream's EOS quirk; the default rule commits one more slot
+            continue; // upstream's EOS quirk; the default rule commits one more span
         }
         let plain = golden_spec(run)?;
         let want = collect(&submit(served.as_ref(), plain.clone())?, Vec::new())?;
@@ -536,7 +536,7 @@ fn slot_events_replay_upstream_commits_ahead_of_the_in_order_stream() -> Result<
 
 /// Split over more ranks than it has key/value heads (2 heads, 4 ranks), every rank caches a
 /// copy of the head its queries read: a slot takes twice the bytes and the same memory budget
-/// holds half the slots.
+/// holds half the spans.
 #[test]
 fn replicated_kv_heads_are_counted_in_the_slot_pool() -> Result<()> {
     // A slot is a page: 16 rows of one layer of one rank. The fixture's 2 kv heads are split
@@ -657,7 +657,7 @@ fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
         "two worst cases ran at once: {seen:?}"
     );
     // While one runs it holds all of its reservation (a request that has just finished is
-    // still counted until its last events go out, with its slots already back).
+    // still counted until its last events go out, with its spans already back).
     ensure!(
         seen.iter()
             .all(|&(active, free)| active == 0 || free >= total - worst),
@@ -675,7 +675,7 @@ fn a_worst_case_reservation_is_held_until_the_request_ends() -> Result<()> {
 
 /// Every request of the mix, moved to a second engine of the same checkpoint after its first
 /// event and back after its next (stopped at a step boundary, its state exported and resumed in
-/// other slots), produces exactly what it produces alone: tokens, finish reason and every
+/// other spans), produces exactly what it produces alone: tokens, finish reason and every
 /// statistic but timing, with its moves counted.
 #[test]
 fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {

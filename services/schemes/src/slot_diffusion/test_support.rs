@@ -47,15 +47,15 @@ pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
 }
 
 pub fn plan_infill(
-    slot_size: usize,
+    span_size: usize,
     serial_num_blocks: usize,
-    slot_threshold: f32,
+    span_threshold: f32,
     token_threshold: f32,
 ) -> SchemeParams {
     SchemeParams::PlanInfill(PlanInfillParams {
-        slot_size,
+        span_size,
         serial_num_blocks,
-        slot_threshold,
+        span_threshold,
         token_threshold,
         eos_rule: EosRule::Aligned,
     })

@@ -1,13 +1,13 @@
-//! The slot unit of the families that cache keys and values per position (masked diffusion,
-//! recurrent memory, slot diffusion): one position's key and value in one layer, over every
-//! tensor-parallel rank's cache.
+//! A K/V row: one position's key and value in one layer, over every tensor-parallel rank's
+//! cache. The families that cache keys and values per position (masked diffusion, recurrent
+//! memory, slot diffusion) size their slots from it (a page is `page size` rows).
 
 use candle_core::DType;
 use wavefront_models::transformer::{cached_kv_heads, BlockConfig};
 
-/// Bytes one K/V slot takes: `2 · kv heads cached · head_dim · dtype size`.
+/// Bytes one K/V row takes: `2 · kv heads cached · head_dim · dtype size`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct KvSlot {
+pub(crate) struct KvRow {
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -16,8 +16,8 @@ pub(crate) struct KvSlot {
     cached_heads: usize,
 }
 
-impl KvSlot {
-    /// The slot of a model with blocks `block` in `dtype`, not split.
+impl KvRow {
+    /// The row of a model with blocks `block` in `dtype`, not split.
     pub(crate) fn new(block: &BlockConfig, dtype: DType) -> Self {
         Self {
             n_heads: block.n_heads,
@@ -28,7 +28,7 @@ impl KvSlot {
         }
     }
 
-    /// The slot of the model split over `world` tensor-parallel ranks: kv heads replicated on
+    /// The row of the model split over `world` tensor-parallel ranks: kv heads replicated on
     /// ranks (when there are fewer of them than ranks) take room in every rank's cache.
     pub(crate) fn with_world(self, world: usize) -> Self {
         Self {

@@ -1,16 +1,17 @@
-//! Pools of fixed-shape state slots, for request state that is not K/V: ARMT's associative
+//! Arenas of fixed-shape entries, for request state that is not K/V: ARMT's associative
 //! memories and in-flight residual streams, SureLock's previous posteriors.
 //!
-//! A [`SlotPool`] holds arenas of `per_arena` slots of one shape and dtype on one device
-//! (`[per_arena, ..shape]`), made as the number of slots in use grows and reused as they come
-//! back; the pool never hands memory back while its model is served. A [`Slot`] is one index into
-//! it; it goes back to the pool when it is dropped, so a request that ends, fails, is cancelled,
-//! preempted or moved cannot leak one. [`Pooled`] is a tensor that lives in a slot while its
-//! request runs, or in storage of its own while the request is preempted, moved, or built by a
-//! test; it serializes as its values either way.
+//! An *arena* is one device allocation of `per_arena` entries of one shape and dtype
+//! (`[per_arena, ..shape]`). An [`ArenaPool`] holds the arenas of one shape, made as the number
+//! of entries in use grows and reused as they come back; the pool never hands memory back while
+//! its model is served. A [`Lease`] is one entry handed to a request; it goes back to the pool
+//! when it is dropped, so a request that ends, fails, is cancelled, preempted or moved cannot
+//! leak one. [`Pooled`] is a tensor that lives in a leased entry while its request runs, or in
+//! storage of its own while the request is preempted, moved, or built by a test; it serializes
+//! as its values either way.
 //!
-//! The engine counts these slots in its own units (see each family's slot plan); a pool's slot
-//! indices are the family's, not the engine's ids.
+//! The engine counts these entries in its own unit, slots (see each family's slot plan); an
+//! entry's index is the pool's, not an engine entry id.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -18,9 +19,9 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// Arenas of slots of one shape (see the module doc). Cloning shares the pool.
+/// Arenas of entries of one shape (see the module doc). Cloning shares the pool.
 #[derive(Clone)]
-pub struct SlotPool {
+pub struct ArenaPool {
     inner: Arc<Inner>,
 }
 
@@ -38,18 +39,18 @@ struct State {
     free: Vec<usize>,
 }
 
-impl std::fmt::Debug for SlotPool {
+impl std::fmt::Debug for ArenaPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlotPool")
+        f.debug_struct("ArenaPool")
             .field("shape", &self.inner.shape)
-            .field("slots", &self.slots())
+            .field("entries", &self.entries())
             .field("in_use", &self.in_use())
             .finish()
     }
 }
 
-impl SlotPool {
-    /// An empty pool of slots `shape` of `dtype` on `device`, made `per_arena` at a time.
+impl ArenaPool {
+    /// An empty pool of entries `shape` of `dtype` on `device`, made `per_arena` at a time.
     pub fn new(shape: &[usize], dtype: DType, device: &Device, per_arena: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -70,7 +71,7 @@ impl SlotPool {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The shape of one slot.
+    /// The shape of one entry.
     pub fn shape(&self) -> &[usize] {
         &self.inner.shape
     }
@@ -83,13 +84,13 @@ impl SlotPool {
         &self.inner.device
     }
 
-    /// Bytes of one slot.
-    pub fn slot_bytes(&self) -> usize {
+    /// Bytes of one entry.
+    pub fn entry_bytes(&self) -> usize {
         self.inner.shape.iter().product::<usize>() * self.inner.dtype.size_in_bytes()
     }
 
     /// Slots made.
-    pub fn slots(&self) -> usize {
+    pub fn entries(&self) -> usize {
         self.state().arenas.len() * self.inner.per_arena
     }
 
@@ -99,9 +100,9 @@ impl SlotPool {
         s.arenas.len() * self.inner.per_arena - s.free.len()
     }
 
-    /// A free slot; it holds its last owner's values (write it before reading it). Makes an
+    /// A free entry; it holds its last owner's values (write it before reading it). Makes an
     /// arena when none is free.
-    pub fn take(&self) -> Result<Slot> {
+    pub fn take(&self) -> Result<Lease> {
         let per = self.inner.per_arena;
         let mut s = self.state();
         if s.free.is_empty() {
@@ -112,10 +113,10 @@ impl SlotPool {
             s.arenas.push(arena);
             s.free.extend((base..base + per).rev());
         }
-        let index = s.free.pop().expect("a free slot");
+        let index = s.free.pop().expect("a free entry");
         let arena = s.arenas[index / per].clone();
         drop(s);
-        Ok(Slot {
+        Ok(Lease {
             pool: self.clone(),
             index,
             arena,
@@ -123,21 +124,21 @@ impl SlotPool {
     }
 }
 
-/// One slot of a [`SlotPool`]; it goes back to the pool when dropped.
-pub struct Slot {
-    pool: SlotPool,
+/// One entry of a [`ArenaPool`]; it goes back to the pool when dropped.
+pub struct Lease {
+    pool: ArenaPool,
     index: usize,
     arena: Tensor,
 }
 
-impl std::fmt::Debug for Slot {
+impl std::fmt::Debug for Lease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Slot({})", self.index)
+        write!(f, "Lease({})", self.index)
     }
 }
 
-impl Slot {
-    /// The slot's index in its pool.
+impl Lease {
+    /// The entry's index in its pool.
     pub fn index(&self) -> usize {
         self.index
     }
@@ -146,12 +147,12 @@ impl Slot {
         self.index % self.pool.inner.per_arena
     }
 
-    fn same_arena(&self, other: &Slot) -> bool {
+    fn same_arena(&self, other: &Lease) -> bool {
         Arc::ptr_eq(&self.pool.inner, &other.pool.inner)
             && self.index / self.pool.inner.per_arena == other.index / other.pool.inner.per_arena
     }
 
-    /// The slot's first `rows` entries along its first dimension (the whole slot for a
+    /// The entry's first `rows` entries along its first dimension (the whole entry for a
     /// one-dimensional shape and `rows` equal to it), as a view that sees later writes.
     pub fn view(&self, rows: usize) -> Result<Tensor> {
         let whole = self.arena.narrow(0, self.at(), 1)?.squeeze(0)?;
@@ -161,7 +162,7 @@ impl Slot {
         }
     }
 
-    /// Overwrites the slot's first `t.dim(0)` entries with `t` (the slot's shape, or fewer
+    /// Overwrites the entry's first `t.dim(0)` entries with `t` (the entry's shape, or fewer
     /// leading entries), converted to the pool's dtype and device.
     pub fn store(&self, t: &Tensor) -> Result<()> {
         let shape = self.pool.shape();
@@ -181,7 +182,7 @@ impl Slot {
                 );
         if !fits {
             return Err(ModelError::Shape(format!(
-                "a {:?} tensor does not fit a slot of {shape:?}",
+                "a {:?} tensor does not fit an entry of {shape:?}",
                 t.dims()
             )));
         }
@@ -190,35 +191,35 @@ impl Slot {
             .to_dtype(self.pool.dtype())?
             .contiguous()?
             .unsqueeze(0)?;
-        // The slot as `[1, ..shape]` (contiguous: a run of the arena), written from its start.
-        let slot = self.arena.narrow(0, self.at(), 1)?;
-        slot.slice_set(&t, usize::from(t.rank() > 1), 0)?;
+        // The entry as `[1, ..shape]` (contiguous: a run of the arena), written from its start.
+        let lease = self.arena.narrow(0, self.at(), 1)?;
+        lease.slice_set(&t, usize::from(t.rank() > 1), 0)?;
         Ok(())
     }
 }
 
-impl Drop for Slot {
+impl Drop for Lease {
     fn drop(&mut self) {
         self.pool.state().free.push(self.index);
     }
 }
 
-/// A tensor in a pool slot, or in storage of its own (see the module doc). Clones share the
-/// slot. Serializes as its values (`crate::state::tensor`).
+/// A tensor in a pool entry, or in storage of its own (see the module doc). Clones share the
+/// entry. Serializes as its values (`crate::state::tensor`).
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct Pooled {
     #[serde(with = "crate::state::tensor")]
     tensor: Tensor,
     #[serde(skip)]
-    slot: Option<Arc<Slot>>,
+    lease: Option<Arc<Lease>>,
 }
 
 impl std::fmt::Debug for Pooled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pooled")
             .field("dims", &self.tensor.dims())
-            .field("slot", &self.slot.as_ref().map(|s| s.index))
+            .field("lease", &self.lease.as_ref().map(|s| s.index))
             .finish()
     }
 }
@@ -232,35 +233,38 @@ impl From<Tensor> for Pooled {
 impl Pooled {
     /// `tensor` in storage of its own.
     pub fn own(tensor: Tensor) -> Self {
-        Self { tensor, slot: None }
+        Self {
+            tensor,
+            lease: None,
+        }
     }
 
-    /// A copy of `t` in a slot of `pool` (converted to the pool's dtype and device; `t` may
-    /// have fewer leading entries than the slot).
-    pub fn new_in(pool: &SlotPool, t: &Tensor) -> Result<Self> {
-        let slot = pool.take()?;
-        slot.store(t)?;
+    /// A copy of `t` in an entry of `pool` (converted to the pool's dtype and device; `t` may
+    /// have fewer leading entries than the entry).
+    pub fn new_in(pool: &ArenaPool, t: &Tensor) -> Result<Self> {
+        let lease = pool.take()?;
+        lease.store(t)?;
         let rows = if t.rank() == 0 { 0 } else { t.dim(0)? };
         Ok(Self {
-            tensor: slot.view(rows)?,
-            slot: Some(Arc::new(slot)),
+            tensor: lease.view(rows)?,
+            lease: Some(Arc::new(lease)),
         })
     }
 
-    /// A slot of `pool` set to zero.
-    pub fn zeros_in(pool: &SlotPool) -> Result<Self> {
+    /// A entry of `pool` set to zero.
+    pub fn zeros_in(pool: &ArenaPool) -> Result<Self> {
         let zeros = Tensor::zeros(pool.shape(), pool.dtype(), pool.device())?;
         Self::new_in(pool, &zeros)
     }
 
-    /// The values (a view of the slot when pooled: read it before the slot is written again).
+    /// The values (a view of the entry when pooled: read it before the entry is written again).
     pub fn tensor(&self) -> &Tensor {
         &self.tensor
     }
 
-    /// Whether it lives in a pool slot.
+    /// Whether it lives in a pool entry.
     pub fn is_pooled(&self) -> bool {
-        self.slot.is_some()
+        self.lease.is_some()
     }
 
     /// Bytes of its values.
@@ -268,7 +272,7 @@ impl Pooled {
         self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
     }
 
-    /// Replaces the values with `t` of the same shape: in place in the slot when pooled.
+    /// Replaces the values with `t` of the same shape: in place in the entry when pooled.
     pub fn set(&mut self, t: Tensor) -> Result<()> {
         if t.dims() != self.tensor.dims() {
             return Err(ModelError::Shape(format!(
@@ -277,8 +281,8 @@ impl Pooled {
                 t.dims()
             )));
         }
-        match &self.slot {
-            Some(slot) => slot.store(&t),
+        match &self.lease {
+            Some(lease) => lease.store(&t),
             None => {
                 self.tensor = t;
                 Ok(())
@@ -287,24 +291,24 @@ impl Pooled {
     }
 
     /// The same values in storage of their own on `device` (host memory while a request is
-    /// preempted): a copy, never a view of the slot, which goes back when `self` is dropped.
+    /// preempted): a copy, never a view of the entry, which goes back when `self` is dropped.
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self::own(self.tensor.to_device(device)?.copy()?))
     }
 
     /// Stacks `items` (each of one shape) along a new first dimension, copying each item's
-    /// values once: one gather when every item is a whole slot of the same arena, else one
+    /// values once: one gather when every item is a whole entry of the same arena, else one
     /// concatenation of the items' views.
     pub fn stack(items: &[&Pooled]) -> Result<Tensor> {
         let Some(first) = items.first() else {
             return Err(ModelError::Shape("nothing to stack".into()));
         };
-        let one_arena = first.slot.as_ref().and_then(|s0| {
+        let one_arena = first.lease.as_ref().and_then(|s0| {
             let whole = |p: &Pooled| s0.pool.shape().first() == p.tensor.dims().first();
             items
                 .iter()
                 .map(|p| {
-                    p.slot
+                    p.lease
                         .as_ref()
                         .filter(|s| whole(p) && s.same_arena(s0))
                         .map(|s| s.at() as u32)
@@ -312,9 +316,9 @@ impl Pooled {
                 .collect::<Option<Vec<u32>>>()
                 .map(|rows| (s0, rows))
         });
-        if let Some((slot, rows)) = one_arena {
-            let index = Tensor::new(rows.as_slice(), slot.arena.device())?;
-            return Ok(slot.arena.index_select(&index, 0)?);
+        if let Some((lease, rows)) = one_arena {
+            let index = Tensor::new(rows.as_slice(), lease.arena.device())?;
+            return Ok(lease.arena.index_select(&index, 0)?);
         }
         let views = items
             .iter()
@@ -336,14 +340,14 @@ mod tests {
     /// in place (views see it), a short one fills the leading rows, a host copy is independent,
     /// and stacking gathers from the arenas in the items' order.
     #[test]
-    fn slots_are_taken_written_in_place_given_back_and_stacked() -> Result<()> {
+    fn entries_are_taken_written_in_place_given_back_and_stacked() -> Result<()> {
         let cpu = Device::Cpu;
-        let pool = SlotPool::new(&[3, 2], DType::F32, &cpu, 4);
-        assert_eq!((pool.slots(), pool.in_use()), (0, 0));
+        let pool = ArenaPool::new(&[3, 2], DType::F32, &cpu, 4);
+        assert_eq!((pool.entries(), pool.in_use()), (0, 0));
         let t = |k: f32| Tensor::arange(k, k + 6.0, &cpu).unwrap().reshape((3, 2));
         let mut a = Pooled::new_in(&pool, &t(0.0)?)?;
         assert!(a.is_pooled());
-        assert_eq!((pool.slots(), pool.in_use()), (4, 1));
+        assert_eq!((pool.entries(), pool.in_use()), (4, 1));
         let view = a.tensor().clone();
         a.set(t(10.0)?)?;
         assert_eq!(values(&view), values(&t(10.0)?), "written in place");
@@ -351,14 +355,14 @@ mod tests {
         let host = a.to_device(&cpu)?;
         assert!(!host.is_pooled());
         drop(a);
-        assert_eq!(pool.in_use(), 0, "the slot came back");
+        assert_eq!(pool.in_use(), 0, "the lease came back");
         let short = Pooled::new_in(&pool, &t(20.0)?.narrow(0, 0, 2)?)?;
         assert_eq!(short.tensor().dims(), &[2, 2]);
         assert_eq!(values(short.tensor()), vec![20.0, 21.0, 22.0, 23.0]);
         assert_eq!(
             values(&host.tensor),
             values(&t(10.0)?),
-            "independent of the slot"
+            "independent of the lease"
         );
         assert!(Pooled::new_in(&pool, &Tensor::zeros((4, 2), DType::F32, &cpu)?).is_err());
         let zero = Pooled::zeros_in(&pool)?;
@@ -368,7 +372,7 @@ mod tests {
         let many: Vec<Pooled> = (0..5)
             .map(|k| Pooled::new_in(&pool, &t(100.0 * k as f32)?))
             .collect::<Result<_>>()?;
-        assert_eq!((pool.slots(), pool.in_use()), (8, 7));
+        assert_eq!((pool.entries(), pool.in_use()), (8, 7));
         let own = Pooled::own(t(7.0)?);
         let items: Vec<&Pooled> = vec![&many[4], &many[0], &many[1], &own, &many[2], &many[3]];
         let stacked = Pooled::stack(&items)?;
@@ -377,8 +381,8 @@ mod tests {
         assert_eq!(values(&stacked), expect);
         drop((many, short, zero));
         assert_eq!(pool.in_use(), 0);
-        // Whole slots of one arena, in any order: one gather.
-        let one = SlotPool::new(&[3, 2], DType::F32, &cpu, 8);
+        // Whole entries of one arena, in any order: one gather.
+        let one = ArenaPool::new(&[3, 2], DType::F32, &cpu, 8);
         let three: Vec<Pooled> = (0..3)
             .map(|k| Pooled::new_in(&one, &t(10.0 * k as f32)?))
             .collect::<Result<_>>()?;
@@ -391,7 +395,7 @@ mod tests {
     /// A pooled tensor serializes as its values and comes back as a tensor of its own.
     #[test]
     fn a_pooled_tensor_serializes_as_its_values() -> anyhow::Result<()> {
-        let pool = SlotPool::new(&[4], DType::F32, &Device::Cpu, 2);
+        let pool = ArenaPool::new(&[4], DType::F32, &Device::Cpu, 2);
         let p = Pooled::new_in(&pool, &Tensor::new(&[1f32, 2.0, 3.0, 4.0], &Device::Cpu)?)?;
         let bytes = postcard::to_allocvec(&p)?;
         let own = Pooled::own(p.tensor().copy()?);
