@@ -41,6 +41,7 @@ mod test_support;
 
 pub use error::SchemeError;
 pub use fingerprint::Fingerprint;
+pub use kv_row::{PageSizing, PagedPlanner};
 pub use launch::Served;
 pub use options::{KvReserve, LoadOptions};
 pub use registry::load_model;

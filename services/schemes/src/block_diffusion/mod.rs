@@ -37,9 +37,9 @@ use wavefront_models::{Llada2, Llada2Config, ModelFiles, TextTokenizer};
 pub use self::family::BlockDiffusionFamily;
 pub use self::program::{BdProgram, BdStep};
 use self::program::{Sampler, Settings};
-use crate::kv_row::KvRow;
+use crate::kv_row::{PageSizing, PagedPlanner};
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
-use crate::options::{KvReserve, LoadOptions};
+use crate::options::LoadOptions;
 use crate::request::{bad, BlockDiffusionParams, GenerateSpec, SchemeParams};
 use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
@@ -54,10 +54,7 @@ pub struct Llada2Planner {
     info: ModelInfo,
     mask_id: u32,
     eos: Vec<u32>,
-    kv: KvRow,
-    world: usize,
-    reserve: KvReserve,
-    page: usize,
+    sizing: PageSizing,
 }
 
 impl Llada2Planner {
@@ -91,44 +88,16 @@ impl Llada2Planner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
-            kv: KvRow::new(&cfg.block_config(), dtype),
+            sizing: PageSizing::new(&cfg.block_config(), dtype, cfg.num_hidden_layers),
             cfg,
             info,
             mask_id,
             eos: eos_ids,
-            world: 1,
-            reserve: KvReserve::OnDemand,
-            page: wavefront_models::transformer::PAGE_SIZE,
         })
-    }
-
-    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        self.kv = self.kv.with_world(world);
-        self.world = world.max(1);
-        self
-    }
-
-    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
-        self.reserve = reserve;
-        self
-    }
-
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.page = page.max(1);
-        self
-    }
-
-    /// Bytes of one slot: a page of rows' K/V in one layer of one rank.
-    pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes() * self.page / self.world
     }
 
     pub fn mask_id(&self) -> u32 {
         self.mask_id
-    }
-
-    fn kv_tables(&self) -> usize {
-        self.cfg.num_hidden_layers * self.world
     }
 
     fn prepare_block_diffusion(
@@ -185,19 +154,20 @@ impl Llada2Planner {
             draws: crate::sampling::TokenSampler::new(spec.sampling),
             upstream: p.upstream_sampler,
         };
-        let max_pages = self.kv_tables() * rows.div_ceil(self.page);
+        let max_pages = self.sizing.pages(rows);
         let prompt_tokens = spec.prompt_ids.len();
         let mut program = BdProgram::new(
             &spec.prompt_ids,
             gen,
             settings,
             sampler,
-            self.kv_tables(),
+            self.sizing.tables(),
             max_pages,
         );
         program.stream_canvas = spec.stream_canvas;
-        let first = program.pages_needed(self.page);
+        let first = program.pages_needed(self.sizing.page);
         Ok(self
+            .sizing
             .reserve
             .prepared(program, first, max_pages, prompt_tokens))
     }
@@ -274,4 +244,14 @@ where
     let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
+}
+
+impl PagedPlanner for Llada2Planner {
+    fn sizing(&self) -> &PageSizing {
+        &self.sizing
+    }
+
+    fn sizing_mut(&mut self) -> &mut PageSizing {
+        &mut self.sizing
+    }
 }

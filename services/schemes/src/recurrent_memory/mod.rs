@@ -69,15 +69,14 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError, Stats};
 use wavefront_models::armt::{Armt, ArmtConfig};
-use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelError, ModelFiles, TextTokenizer};
 
 pub use self::family::{RecurrentMemoryFamily, RunReport};
 use self::program::Paging;
 pub use self::program::{ArmtOutput, ArmtPlan, ArmtProgram};
-use crate::kv_row::KvRow;
+use crate::kv_row::{PageSizing, PagedPlanner};
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
-use crate::options::{KvReserve, LoadOptions};
+use crate::options::LoadOptions;
 use crate::request::{bad, ArParams, Execution, GenerateSpec, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{ModelInfo, Planner, ServedModel};
@@ -96,12 +95,7 @@ pub struct ArmtPlanner {
     cfg: ArmtConfig,
     info: ModelInfo,
     /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
-    kv: KvRow,
-    /// Tensor-parallel ranks: each layer's cache is one page table per rank.
-    world: usize,
-    reserve: KvReserve,
-    /// Positions a page holds.
-    page: usize,
+    sizing: PageSizing,
 }
 
 impl ArmtPlanner {
@@ -116,44 +110,10 @@ impl ArmtPlanner {
             max_context,
         };
         Self {
-            kv: KvRow::new(&cfg.block_config(), dtype),
+            sizing: PageSizing::new(&cfg.block_config(), dtype, cfg.n_layers()),
             cfg,
             info,
-            world: 1,
-            reserve: KvReserve::OnDemand,
-            page: PAGE_SIZE,
         }
-    }
-
-    /// Bytes of one slot: a page of positions' K and V in one layer of one tensor-parallel
-    /// rank.
-    pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes() * self.page / self.world
-    }
-
-    /// Positions a page holds (default [`PAGE_SIZE`]).
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.page = page.max(1);
-        self
-    }
-
-    /// Sizes slots for the model split over `world` tensor-parallel ranks (kv heads replicated
-    /// on ranks when there are fewer than ranks take room in every rank's cache).
-    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        self.kv = self.kv.with_world(world);
-        self.world = world.max(1);
-        self
-    }
-
-    /// Takes each request's worst case at admission instead of pages on demand.
-    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
-        self.reserve = reserve;
-        self
-    }
-
-    /// Page tables of a request's cache: one per layer and rank.
-    fn kv_tables(&self) -> usize {
-        self.cfg.n_layers() * self.world
     }
 
     /// Slots a request holds from admission to its end whatever it does: its memories and,
@@ -163,7 +123,8 @@ impl ArmtPlanner {
         let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
         let memory = layers * (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
         let inflight = if diagonal {
-            (layers.min(segments) * self.cfg.cell_rows() * d * self.kv.dtype_size()).div_ceil(unit)
+            (layers.min(segments) * self.cfg.cell_rows() * d * self.sizing.kv.dtype_size())
+                .div_ceil(unit)
         } else {
             0
         };
@@ -180,7 +141,7 @@ impl ArmtPlanner {
         diagonal: bool,
     ) -> usize {
         let rows = self.cfg.cell_rows().max(prompt_segment + max_new);
-        self.fixed_slots(segments, diagonal) + self.kv_tables() * rows.div_ceil(self.page)
+        self.fixed_slots(segments, diagonal) + self.sizing.pages(rows)
     }
 
     fn prepare_ar(
@@ -240,13 +201,14 @@ impl ArmtPlanner {
         );
         program.paging = Paging {
             fixed: self.fixed_slots(segments, diagonal),
-            tables: self.kv_tables(),
+            tables: self.sizing.tables(),
             cell_rows: self.cfg.cell_rows(),
             max: max_slots,
-            page: self.page,
+            page: self.sizing.page,
         };
         let first = program.pages_needed();
         Ok(self
+            .sizing
             .reserve
             .prepared(program, first, max_slots, prompt_tokens))
     }
@@ -320,4 +282,14 @@ where
     let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
+}
+
+impl PagedPlanner for ArmtPlanner {
+    fn sizing(&self) -> &PageSizing {
+        &self.sizing
+    }
+
+    fn sizing_mut(&mut self) -> &mut PageSizing {
+        &mut self.sizing
+    }
 }

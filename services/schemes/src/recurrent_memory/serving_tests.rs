@@ -13,6 +13,7 @@ use wavefront_engine::{FinishReason, RequestError};
 
 use super::test_support::*;
 use super::ArmtPlanner;
+use crate::kv_row::PagedPlanner;
 use crate::options::LoadOptions;
 use crate::registry::load_model;
 use crate::request::{ArParams, Execution, GenerateSpec, LowConfidenceParams, SchemeParams};

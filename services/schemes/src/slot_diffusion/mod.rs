@@ -85,7 +85,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::{Prepared, RequestError};
-use wavefront_models::transformer::PAGE_SIZE;
 use wavefront_models::{ModelFiles, Qwen3, Qwen3Config, TextTokenizer};
 
 use self::ar::ArDecode;
@@ -94,9 +93,9 @@ pub use self::plan_infill::{CallRecord, CompletionRecord, IterationRecord};
 use self::plan_infill::{PlanInfill, Settings};
 use self::program::Scheme;
 pub use self::program::SdProgram;
-use crate::kv_row::KvRow;
+use crate::kv_row::{PageSizing, PagedPlanner};
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
-use crate::options::{KvReserve, LoadOptions};
+use crate::options::LoadOptions;
 use crate::request::{bad, ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::sampling::TokenSampler;
 use crate::served::{ModelInfo, Planner, ServedModel};
@@ -111,12 +110,7 @@ pub struct RefusionPlanner {
     mask_id: u32,
     info: ModelInfo,
     /// One position's K/V in one layer, over all tensor-parallel ranks.
-    kv: KvRow,
-    /// Tensor-parallel ranks: each layer's cache is one page table per rank.
-    world: usize,
-    reserve: KvReserve,
-    /// Buffer rows a page holds.
-    page: usize,
+    sizing: PageSizing,
 }
 
 impl RefusionPlanner {
@@ -136,50 +130,16 @@ impl RefusionPlanner {
             max_context: cfg.max_position_embeddings,
         };
         Ok(Self {
-            kv: KvRow::new(&cfg.block_config(), dtype),
+            sizing: PageSizing::new(&cfg.block_config(), dtype, cfg.num_hidden_layers),
             cfg,
             mask_id,
             info,
-            world: 1,
-            reserve: KvReserve::OnDemand,
-            page: PAGE_SIZE,
         })
-    }
-
-    /// Bytes of one slot: a page of buffer rows' K and V in one layer of one tensor-parallel
-    /// rank.
-    pub fn slot_bytes(&self) -> usize {
-        self.kv.bytes() * self.page / self.world
-    }
-
-    /// Buffer rows a page holds (default [`PAGE_SIZE`]).
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.page = page.max(1);
-        self
-    }
-
-    /// Sizes spans for the model split over `world` tensor-parallel ranks (kv heads replicated
-    /// on ranks when there are fewer than ranks take room in every rank's cache).
-    pub fn with_tensor_parallel(mut self, world: usize) -> Self {
-        self.kv = self.kv.with_world(world);
-        self.world = world.max(1);
-        self
-    }
-
-    /// Takes each request's worst case at admission instead of pages on demand.
-    pub fn with_reserve(mut self, reserve: KvReserve) -> Self {
-        self.reserve = reserve;
-        self
-    }
-
-    /// Page tables of a request's cache: one per layer and rank.
-    fn kv_tables(&self) -> usize {
-        self.cfg.num_hidden_layers * self.world
     }
 
     /// Slots (pages) a cache of `rows` buffer rows takes.
     pub fn slots(&self, rows: usize) -> usize {
-        self.kv_tables() * rows.div_ceil(self.page)
+        self.sizing.pages(rows)
     }
 
     /// The request of `scheme`, its caches at most `max_rows` rows: its first step's pages at
@@ -191,9 +151,10 @@ impl RefusionPlanner {
         prompt_tokens: usize,
     ) -> Prepared<SdProgram> {
         let max_slots = self.slots(max_rows);
-        let program = SdProgram::new(scheme, self.kv_tables(), max_slots);
-        let first = program.pages_needed(self.page);
-        self.reserve
+        let program = SdProgram::new(scheme, self.sizing.tables(), max_slots);
+        let first = program.pages_needed(self.sizing.page);
+        self.sizing
+            .reserve
             .prepared(program, first, max_slots, prompt_tokens)
     }
 
@@ -352,4 +313,14 @@ where
     let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
+}
+
+impl PagedPlanner for RefusionPlanner {
+    fn sizing(&self) -> &PageSizing {
+        &self.sizing
+    }
+
+    fn sizing_mut(&mut self) -> &mut PageSizing {
+        &mut self.sizing
+    }
 }

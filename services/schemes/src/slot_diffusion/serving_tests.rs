@@ -14,6 +14,7 @@ use wavefront_engine::{CellState, Event, FinishReason};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::test_support::*;
+use crate::kv_row::PagedPlanner;
 use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
