@@ -189,11 +189,6 @@ impl<P: Send + 'static> EngineHandle<P> {
         &self.config
     }
 
-    /// Whether the engine thread is still running.
-    pub fn is_running(&self) -> bool {
-        !self.load.stopped.load(Ordering::Acquire)
-    }
-
     /// Asks the engine to stop request `id` at its next step boundary and export its state
     /// ([`Scheduler::export`]); `reply` gets the state, or why not. Blocks while the engine's
     /// command channel is full (call it off the async runtime's threads).

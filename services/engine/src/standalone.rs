@@ -31,12 +31,6 @@ impl<F: Family> Standalone<F> {
         }
     }
 
-    /// Shares `rows` per tick between the programs, as `--max-batch-rows` does.
-    pub fn with_max_rows(mut self, rows: Option<usize>) -> Self {
-        self.max_rows = rows;
-        self
-    }
-
     /// Adds a program; returns its index.
     pub fn add(&mut self, program: F::Program) -> usize {
         let i = self.active.len();
@@ -46,10 +40,6 @@ impl<F: Family> Standalone<F> {
 
     pub fn family(&self) -> &F {
         &self.family
-    }
-
-    pub fn family_mut(&mut self) -> &mut F {
-        &mut self.family
     }
 
     pub fn len(&self) -> usize {
@@ -65,16 +55,8 @@ impl<F: Family> Standalone<F> {
         &self.active[i]
     }
 
-    pub fn active_mut(&mut self, i: usize) -> &mut Active<F::Program> {
-        &mut self.active[i]
-    }
-
     pub fn program(&self, i: usize) -> &F::Program {
         &self.active[i].program
-    }
-
-    pub fn program_mut(&mut self, i: usize) -> &mut F::Program {
-        &mut self.active[i].program
     }
 
     /// Whether program `i` ended (finished or failed).

@@ -84,11 +84,6 @@ impl ArenaPool {
         &self.inner.device
     }
 
-    /// Bytes of one entry.
-    pub fn entry_bytes(&self) -> usize {
-        self.inner.shape.iter().product::<usize>() * self.inner.dtype.size_in_bytes()
-    }
-
     /// Slots made.
     pub fn entries(&self) -> usize {
         self.state().arenas.len() * self.inner.per_arena

@@ -246,11 +246,6 @@ impl Assembly {
         }
     }
 
-    /// Whether the response is complete (done or failed).
-    pub fn is_ended(&self) -> bool {
-        self.ended
-    }
-
     pub fn output(&self) -> &OutputAssembler {
         &self.out
     }

@@ -1,6 +1,6 @@
 //! The one mapping from domain errors to gRPC status codes.
 
-use tonic::{Code, Status};
+use tonic::Status;
 use wavefront_engine::{EngineError, RequestError};
 use wavefront_schemes::SchemeError;
 
@@ -45,7 +45,3 @@ pub fn from_scheme_error(e: &SchemeError) -> Status {
     }
 }
 
-/// Whether a status from a worker means "try another worker".
-pub fn is_retryable(code: Code) -> bool {
-    matches!(code, Code::Unavailable | Code::ResourceExhausted)
-}

@@ -30,7 +30,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
 use crate::transformer::kv_cache::{HostPage, PageSupply};
@@ -355,14 +355,6 @@ impl HuginnCache {
         self.pages_used() * self.supply.page_bytes()
     }
 
-    /// Whether position `pos` has an entry in `layer` (after remapping, without fallback).
-    pub fn has_entry(&self, layer: CacheLayer, pos: usize) -> bool {
-        match self.resolve(layer) {
-            Ok(key) => self.store(key).is_some_and(|s| s.has(pos)),
-            Err(_) => false,
-        }
-    }
-
     fn stores(&self) -> impl Iterator<Item = &KvStore> {
         self.prelude
             .iter()
@@ -680,16 +672,6 @@ impl HuginnCache {
         Ok(runs)
     }
 
-    /// Device and dtype of the cached tensors, if any layer was written.
-    pub fn device_dtype(&self) -> Option<(Device, DType)> {
-        let id = self
-            .stores()
-            .flat_map(|s| s.pages.iter().flatten())
-            .next()?;
-        let (k, _) = self.supply.view(*id, 0, 1).ok()?;
-        Some((k.device().clone(), k.dtype()))
-    }
-
     /// Whether the cache's pages are in host memory ([`Self::swap_out`]).
     pub fn is_swapped(&self) -> bool {
         self.swapped.is_some()
@@ -899,6 +881,7 @@ impl<'a> SeqRows<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     #[test]
     fn parses_upstream_strategy_strings() {

@@ -101,11 +101,6 @@ impl KvPool {
         self.inner.shared
     }
 
-    /// Pages ever written (the most held at once, for a shared pool).
-    pub fn pages_made(&self) -> usize {
-        self.state().written.iter().flatten().count()
-    }
-
     fn state(&self) -> MutexGuard<'_, PoolState> {
         // Every operation under the lock completes or changes nothing: a panic leaves it
         // consistent.
@@ -607,11 +602,6 @@ impl KvCache {
     /// The pool the cache's pages come from.
     pub fn pool(&self) -> &KvPool {
         self.supply.pool()
-    }
-
-    /// Pages `layers` layers of `len` indices take.
-    pub fn pages_for(&self, layers: usize, len: usize) -> usize {
-        layers * len.div_ceil(self.page_size())
     }
 
     /// Pages in the page tables.
