@@ -4,6 +4,7 @@
 mod diffusion_models;
 mod faults;
 mod harness;
+mod hostile;
 mod http;
 mod metrics;
 mod migration;

@@ -200,6 +200,9 @@ pub struct LimitArgs {
     /// Longest stop string, in bytes.
     #[arg(long, env = "WAVEFRONT_MAX_STOP_STRING_BYTES", default_value_t = wavefront_worker::limits::DEFAULT_MAX_STOP_STRING_BYTES)]
     pub max_stop_string_bytes: usize,
+    /// Most messages in one chat prompt.
+    #[arg(long, env = "WAVEFRONT_MAX_CHAT_MESSAGES", default_value_t = wavefront_worker::limits::DEFAULT_MAX_CHAT_MESSAGES)]
+    pub max_chat_messages: usize,
 }
 
 impl LimitArgs {
@@ -212,6 +215,7 @@ impl LimitArgs {
             max_new_tokens: self.max_new_tokens_limit,
             max_stop_sequences: self.max_stop_sequences,
             max_stop_string_bytes: self.max_stop_string_bytes,
+            max_chat_messages: self.max_chat_messages,
         })
     }
 }

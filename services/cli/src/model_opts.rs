@@ -80,6 +80,11 @@ pub struct ModelArgs {
     /// wavefronts and plan-and-infill calls run whole and count against it.
     #[arg(long, env = "WAVEFRONT_MAX_BATCH_ROWS", default_value_t = 2048)]
     pub max_batch_rows: usize,
+    /// Seconds a client may leave its response unread before its request is cancelled and its
+    /// memory freed (0: never). Until then the request is paused and is the first preempted
+    /// (its state moved to host memory) when others need its slots.
+    #[arg(long, env = "WAVEFRONT_WRITE_TIMEOUT_S", default_value_t = 30)]
+    pub write_timeout_s: u64,
 }
 
 impl ModelArgs {
@@ -197,6 +202,8 @@ impl ModelArgs {
             kv_reserve,
             kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
+            write_timeout: (self.write_timeout_s > 0)
+                .then(|| std::time::Duration::from_secs(self.write_timeout_s)),
             // Set by `load_model` from the checkpoint.
             fingerprint: Default::default(),
         })

@@ -33,6 +33,10 @@ pub struct EngineConfig {
     /// Rows one tick computes at most (`--max-batch-rows`): prefills that may run in part get
     /// what the whole steps leave ([`crate::Demand`]). `None`: no cap.
     pub max_batch_rows: Option<usize>,
+    /// How long a client may leave its request's events unread before the request is cancelled
+    /// (`--write-timeout-s`). Until then a request whose client is not reading is paused, and
+    /// is the first preempted when the pool is short. `None`: forever.
+    pub write_timeout: Option<Duration>,
 }
 
 /// A request handed to the engine.
@@ -259,6 +263,7 @@ impl Engine {
         )
         .with_watermark(config.watermark_slots)
         .with_max_batch_rows(config.max_batch_rows)
+        .with_write_timeout(config.write_timeout)
         .with_label(&label);
         let queue = sched.shared_queue();
         let load = Arc::new(LoadCounters::default());

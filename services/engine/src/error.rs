@@ -172,6 +172,12 @@ pub enum EngineError {
     /// The engine thread is gone (shutting down or crashed).
     #[error("engine is shut down")]
     ShutDown,
+    /// The client left its response unread for `secs` seconds (`--write-timeout-s`): the
+    /// request was cancelled and its memory freed.
+    #[error(
+        "the response was left unread for {secs} s (--write-timeout-s); the request was cancelled"
+    )]
+    WriteTimeout { secs: u64 },
     /// The engine did not start: its family failed to build on the engine thread (a model that
     /// does not load), or the thread could not be spawned.
     #[error("the engine failed to start: {0}")]

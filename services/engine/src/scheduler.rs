@@ -48,6 +48,10 @@ struct Running<P> {
     generated: usize,
     /// Events the sink had no room for; the program pauses until they drain.
     backlog: VecDeque<Event>,
+    /// Since when the backlog has not drained (the client is not reading): a paused request is
+    /// the first to be preempted when the pool is short, and is cancelled after the write
+    /// timeout.
+    paused_since: Option<Instant>,
     /// Set once the program ended: `Some(true)` finished, `Some(false)` failed.
     outcome: Option<bool>,
     span: tracing::Span,
@@ -217,6 +221,17 @@ impl<P> std::ops::DerefMut for QueueGuard<'_, P> {
     }
 }
 
+/// Why a request leaves before its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leave {
+    /// Its client went away.
+    Closed,
+    /// Its deadline passed.
+    Expired,
+    /// Its client left its events unread past the write timeout.
+    Stalled,
+}
+
 /// Counts of what one [`Scheduler::tick`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct TickReport {
@@ -228,6 +243,8 @@ pub struct TickReport {
     pub failed: usize,
     pub preempted: usize,
     pub resumed: usize,
+    /// Requests cancelled because their client left their events unread past the write timeout.
+    pub stalled: usize,
 }
 
 pub struct Scheduler<P> {
@@ -246,6 +263,9 @@ pub struct Scheduler<P> {
     deferred: Vec<RequestId>,
     /// Rows one tick computes at most (`--max-batch-rows`).
     max_batch_rows: Option<usize>,
+    /// How long a request's client may leave its events unread before the request is
+    /// cancelled (`--write-timeout-s`); `None`: forever.
+    write_timeout: Option<Duration>,
     ticks: u64,
     metrics: EngineMetrics,
 }
@@ -268,6 +288,7 @@ impl<P: Send + 'static> Scheduler<P> {
             preemptions: 0,
             deferred: Vec::new(),
             max_batch_rows: None,
+            write_timeout: None,
             ticks: 0,
             metrics: EngineMetrics::new(""),
         }
@@ -283,6 +304,12 @@ impl<P: Send + 'static> Scheduler<P> {
     /// Caps the rows of a tick: prefills that may run in part share what the whole steps leave.
     pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
         self.max_batch_rows = rows;
+        self
+    }
+
+    /// Cancels a request whose client has left its events unread for `timeout`.
+    pub fn with_write_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.write_timeout = timeout;
         self
     }
 
@@ -385,66 +412,75 @@ impl<P: Send + 'static> Scheduler<P> {
                     }));
             }
         }
-        // Preempted requests: cancelled or expired ones leave; stopped ones go back to the
-        // running ones (holding no slots) to deliver their Finished event.
+        // Preempted requests: cancelled, expired or stalled ones leave; stopped ones go back to
+        // the running ones (holding no slots) to deliver their Finished event.
         let mut i = 0;
         while i < self.preempted.len() {
-            let r = &mut self.preempted[i];
-            let closed = r.sink.is_closed();
-            let expired = r.deadline.is_some_and(|d| d <= now);
-            let stopped = !closed && !expired && r.sink.stop_requested();
-            if closed || expired || stopped {
+            let why = leaves(&self.preempted[i], now, self.write_timeout);
+            let stopped = why.is_none() && self.preempted[i].sink.stop_requested();
+            if why.is_some() || stopped {
                 let mut r = self.preempted.remove(i);
-                if stopped {
-                    family.stop(&mut r.active);
-                    self.running.push(r);
-                    continue;
+                match why {
+                    Some(why) => self.leave(family, r, why, report),
+                    None => {
+                        family.stop(&mut r.active);
+                        self.running.push(r);
+                    }
                 }
-                self.leave(family, r, closed, report);
             } else {
                 i += 1;
             }
         }
-        // Running requests: cancelled or expired ones leave now; stopped ones finish (their
-        // Finished event is delivered this step and they leave as finished requests).
+        // Running requests: cancelled, expired or stalled ones leave now; stopped ones finish
+        // (their Finished event is delivered this tick and they leave as finished requests).
         let mut i = 0;
         while i < self.running.len() {
+            let why = leaves(&self.running[i], now, self.write_timeout);
             let r = &mut self.running[i];
-            let closed = r.sink.is_closed();
-            let expired = r.deadline.is_some_and(|d| d <= now);
-            if !closed && !expired && !r.active.outbox.done && r.sink.stop_requested() {
+            if why.is_none() && !r.active.outbox.done && r.sink.stop_requested() {
                 tracing::debug!(parent: &r.span, request = %r.active.id, "stopped by the transport");
                 family.stop(&mut r.active);
             }
-            if closed || expired {
+            if let Some(why) = why {
                 let r = self.running.swap_remove(i);
-                self.leave(family, r, closed, report);
+                self.leave(family, r, why, report);
             } else {
                 i += 1;
             }
         }
     }
 
-    /// A request whose client went away (`closed`) or whose deadline passed leaves, with
-    /// DEADLINE_EXCEEDED for the latter, and its slots return.
+    /// A request whose client went away, whose deadline passed or whose client stopped reading
+    /// leaves, with DEADLINE_EXCEEDED for an expired one and the write timeout's error for a
+    /// stalled one, and its slots return.
     fn leave<F: Family<Program = P>>(
         &mut self,
         family: &mut F,
         mut r: Running<P>,
-        closed: bool,
+        why: Leave,
         report: &mut TickReport,
     ) {
-        if closed {
-            report.cancelled += 1;
-            tracing::debug!(parent: &r.span, request = %r.active.id, "client went away; freeing slots");
-        } else {
-            report.expired += 1;
-            r.backlog.clear();
-            let _ = r
-                .sink
-                .try_send(Event::Failed(EngineError::DeadlineExceeded {
-                    generated: r.generated,
-                }));
+        match why {
+            Leave::Closed => {
+                report.cancelled += 1;
+                tracing::debug!(parent: &r.span, request = %r.active.id, "client went away; freeing slots");
+            }
+            Leave::Expired => {
+                report.expired += 1;
+                r.backlog.clear();
+                let _ = r
+                    .sink
+                    .try_send(Event::Failed(EngineError::DeadlineExceeded {
+                        generated: r.generated,
+                    }));
+            }
+            Leave::Stalled => {
+                report.stalled += 1;
+                let secs = self.write_timeout.map_or(0, |t| t.as_secs());
+                tracing::info!(parent: &r.span, request = %r.active.id, secs, "client left its response unread; cancelling the request");
+                r.backlog.clear();
+                r.sink.abandon(EngineError::WriteTimeout { secs });
+            }
         }
         self.retire(family, r);
     }
@@ -465,13 +501,22 @@ impl<P: Send + 'static> Scheduler<P> {
         now: Instant,
         report: &mut TickReport,
     ) {
-        // Preempted requests first, oldest first; while one waits, no new request starts.
-        while !self.preempted.is_empty() && self.running.len() < self.max_active {
-            let need = family.slots_needed(&self.preempted[0].active);
-            if !self.fits(need) {
+        // Preempted requests first, oldest first; while one waits, no new request starts. A
+        // paused one (its client not reading) waits for its backlog to go out instead, and
+        // holds up no one.
+        // Requests whose clients are not reading give way (they are preempted in turn).
+        while let Some(next) = self.preempted.iter().position(|r| r.backlog.is_empty()) {
+            if self.running.len() >= self.max_active && !self.preempt_paused(family, report) {
                 return;
             }
-            let mut r = self.preempted.remove(0);
+            let need = family.slots_needed(&self.preempted[next].active);
+            if !self.fits(need) {
+                if self.preempt_paused(family, report) {
+                    continue;
+                }
+                return;
+            }
+            let mut r = self.preempted.remove(next);
             let slots = self.pool.alloc(need).expect("checked free slots above");
             r.active.slots.extend(&slots);
             r.active.new_slots.extend(slots);
@@ -488,10 +533,17 @@ impl<P: Send + 'static> Scheduler<P> {
             report.resumed += 1;
             self.running.push(r);
         }
-        if !self.preempted.is_empty() {
+        if self.preempted.iter().any(|r| r.backlog.is_empty()) {
             return;
         }
-        while self.running.len() < self.max_active {
+        loop {
+            // A request whose client is not reading makes no progress: it gives its place and
+            // its slots to a waiting one (it resumes once its events have gone out).
+            if self.running.len() >= self.max_active
+                && (self.queue.is_empty() || !self.preempt_paused(family, report))
+            {
+                break;
+            }
             let reserve = if self.running.is_empty() {
                 0
             } else {
@@ -499,6 +551,9 @@ impl<P: Send + 'static> Scheduler<P> {
             };
             let free = self.pool.free();
             let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
+                if !self.queue.is_empty() && self.preempt_paused(family, report) {
+                    continue;
+                }
                 break;
             };
             if w.prepared.carried.is_some() {
@@ -531,12 +586,35 @@ impl<P: Send + 'static> Scheduler<P> {
                 prompt_tokens: u32::try_from(w.prepared.prompt_tokens).unwrap_or(u32::MAX),
                 generated: 0,
                 backlog: VecDeque::new(),
+                paused_since: None,
                 outcome: None,
                 span: w.span,
                 parked: false,
                 prior: Carried::default(),
             });
             report.admitted += 1;
+        }
+    }
+
+    /// Preempts the newest running request whose client is not reading (its events wait in
+    /// its backlog); `false` when there is none.
+    fn preempt_paused<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        report: &mut TickReport,
+    ) -> bool {
+        let paused = (0..self.running.len())
+            .filter(|&j| {
+                let r = &self.running[j];
+                !r.active.outbox.done && !r.parked && !r.backlog.is_empty()
+            })
+            .max_by_key(|&j| self.running[j].active.seq);
+        match paused {
+            Some(j) => {
+                self.preempt(family, j, report);
+                true
+            }
+            None => false,
         }
     }
 
@@ -572,10 +650,15 @@ impl<P: Send + 'static> Scheduler<P> {
                     a.new_slots.extend(slots);
                     break;
                 }
-                // The newest request that can give its slots back: possibly this one.
-                let victim = (0..self.running.len())
-                    .filter(|&j| !self.running[j].active.outbox.done && !self.running[j].parked)
+                // The request that can give its slots back: the newest whose client is not
+                // reading (it makes no progress anyway), else the newest, possibly this one.
+                let candidates = (0..self.running.len())
+                    .filter(|&j| !self.running[j].active.outbox.done && !self.running[j].parked);
+                let victim = candidates
+                    .clone()
+                    .filter(|&j| !self.running[j].backlog.is_empty())
                     .max_by_key(|&j| self.running[j].active.seq)
+                    .or_else(|| candidates.max_by_key(|&j| self.running[j].active.seq))
                     .expect("the growing request is a candidate");
                 if victim == i && self.running.len() == 1 + self.done_count() + self.parked_count()
                 {
@@ -731,20 +814,7 @@ impl<P: Send + 'static> Scheduler<P> {
                 };
                 r.backlog.push_back(ev);
             }
-            let mut closed = false;
-            while let Some(ev) = r.backlog.pop_front() {
-                match r.sink.try_send(ev) {
-                    Ok(()) => {}
-                    Err((SinkError::Full, ev)) => {
-                        r.backlog.push_front(ev);
-                        break;
-                    }
-                    Err((SinkError::Closed, _)) => {
-                        closed = true;
-                        break;
-                    }
-                }
-            }
+            let closed = drain_backlog(r, now);
             let done = r.active.outbox.done && r.backlog.is_empty();
             if closed || done {
                 let r = self.running.swap_remove(i);
@@ -753,6 +823,18 @@ impl<P: Send + 'static> Scheduler<P> {
                     (false, Some(true)) => report.finished += 1,
                     (false, _) => report.failed += 1,
                 }
+                self.retire(family, r);
+            } else {
+                i += 1;
+            }
+        }
+        // Preempted requests still deliver what they produced before: a paused one (its client
+        // not reading) resumes once its backlog has gone out.
+        let mut i = 0;
+        while i < self.preempted.len() {
+            if drain_backlog(&mut self.preempted[i], now) {
+                let r = self.preempted.remove(i);
+                report.cancelled += 1;
                 self.retire(family, r);
             } else {
                 i += 1;
@@ -794,6 +876,7 @@ impl<P: Send + 'static> Scheduler<P> {
             prompt_tokens: u32::try_from(prior.prompt_tokens).unwrap_or(u32::MAX),
             generated: prior.generated,
             backlog: VecDeque::new(),
+            paused_since: None,
             outcome: None,
             span: w.span,
             parked: false,
@@ -936,5 +1019,50 @@ impl<P: Send + 'static> Scheduler<P> {
             let _ = r.sink.try_send(Event::Failed(EngineError::ShutDown));
             self.retire(family, r);
         }
+    }
+}
+
+/// Sends `r`'s backlog until its sink is full, and notes since when it has been paused (a
+/// backlog left over); `true` when the sink is closed (the client went away).
+fn drain_backlog<P>(r: &mut Running<P>, now: Instant) -> bool {
+    let mut closed = false;
+    while let Some(ev) = r.backlog.pop_front() {
+        match r.sink.try_send(ev) {
+            Ok(()) => {}
+            Err((SinkError::Full, ev)) => {
+                r.backlog.push_front(ev);
+                break;
+            }
+            Err((SinkError::Closed, _)) => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    if r.backlog.is_empty() {
+        r.paused_since = None;
+    } else {
+        r.paused_since.get_or_insert(now);
+    }
+    closed
+}
+
+/// Why `r` leaves now, if it does: its client went away, its deadline passed, or its
+/// client has left its events unread past the write timeout (a request being moved is
+/// settled by its export instead).
+fn leaves<P>(r: &Running<P>, now: Instant, write_timeout: Option<Duration>) -> Option<Leave> {
+    if r.sink.is_closed() {
+        Some(Leave::Closed)
+    } else if r.deadline.is_some_and(|d| d <= now) {
+        Some(Leave::Expired)
+    } else if !r.parked
+        && write_timeout.is_some_and(|t| {
+            r.paused_since
+                .is_some_and(|p| now.saturating_duration_since(p) >= t)
+        })
+    {
+        Some(Leave::Stalled)
+    } else {
+        None
     }
 }

@@ -1,5 +1,6 @@
 //! Where a request's events go: the per-request response channel a transport implements.
 
+use crate::error::EngineError;
 use crate::event::Event;
 use std::sync::mpsc::{SyncSender, TrySendError};
 
@@ -24,6 +25,13 @@ pub trait EventSink: Send {
     /// a cancelled one.
     fn stop_requested(&self) -> bool {
         false
+    }
+
+    /// The engine gives up on the request with `error` (its client left its events unread
+    /// past the write timeout) and drops the sink: the transport should answer `error` once
+    /// its reader gets past what is buffered. The default sends it if there is room.
+    fn abandon(&mut self, error: EngineError) {
+        let _ = self.try_send(Event::Failed(error));
     }
 }
 

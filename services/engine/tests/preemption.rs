@@ -452,3 +452,133 @@ fn a_request_waits_for_slots_held_by_a_slow_reader_instead_of_failing() {
         );
     }
 }
+
+/// Queues a grower on a sink of `capacity` events; returns its receiver.
+fn submit(
+    sched: &mut Scheduler<Grower>,
+    id: u64,
+    len: usize,
+    capacity: usize,
+) -> mpsc::Receiver<Event> {
+    let (tx, rx) = mpsc::sync_channel(capacity);
+    let w = Waiting {
+        id: RequestId(id),
+        prepared: grower(id + 1, len),
+        sink: Box::new(Sink(tx)),
+        deadline: None,
+        submitted_at: Instant::now(),
+        span: tracing::Span::none(),
+    };
+    if let Err((_, e)) = sched.enqueue(w) {
+        panic!("request {id} refused: {e}");
+    }
+    rx
+}
+
+/// The tokens a grower of `seed` and `len` streams alone, with room to spare.
+fn alone(seed: u64, len: usize) -> Vec<u32> {
+    let (out, _, _) = run(1000, 0, &[(seed, len, 0)]);
+    out[0].tokens.clone()
+}
+
+/// Requests whose clients do not read hold their slots while paused; a new request that needs
+/// them preempts the paused ones (their state to host memory), not itself, and finishes; the
+/// paused ones resume once their clients read, with the tokens they make alone.
+#[test]
+fn a_new_request_preempts_requests_whose_clients_do_not_read() {
+    let mut sched: Scheduler<Grower> = Scheduler::new(16, 64, 64);
+    let mut family = PagedFamily::default();
+    // Eight requests that stream into three-event buffers nobody reads: each pauses holding two
+    // pages, and the eight fill the pool.
+    let stalled: Vec<mpsc::Receiver<Event>> =
+        (0..8).map(|i| submit(&mut sched, i, 30, 3)).collect();
+    for _ in 0..6 {
+        sched.tick(&mut family, Instant::now());
+    }
+    assert_eq!(
+        sched.pool().free(),
+        0,
+        "the paused requests hold the whole pool"
+    );
+    // A new request that grows to six pages.
+    let fresh = submit(&mut sched, 8, 12, 4096);
+    let mut ticks = 0;
+    let mut tokens = Vec::new();
+    loop {
+        sched.tick(&mut family, Instant::now());
+        ticks += 1;
+        let mut finished = false;
+        while let Ok(ev) = fresh.try_recv() {
+            match ev {
+                Event::Tokens(t) => tokens.extend(t),
+                Event::Finished { .. } => finished = true,
+                other => panic!("the new request ended with {other:?}"),
+            }
+        }
+        if finished {
+            break;
+        }
+        assert!(ticks < 100, "the new request did not finish in 100 ticks");
+    }
+    assert_eq!(tokens, alone(9, 12));
+    assert!(
+        family.preemptions >= 3,
+        "{} preemptions",
+        family.preemptions
+    );
+    // The clients read again: every paused request resumes and ends with its own tokens.
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); stalled.len()];
+    let mut done = vec![false; stalled.len()];
+    for _ in 0..10_000 {
+        sched.tick(&mut family, Instant::now());
+        for (i, rx) in stalled.iter().enumerate() {
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    Event::Tokens(t) => got[i].extend(t),
+                    Event::Finished { .. } => done[i] = true,
+                    other => panic!("request {i} ended with {other:?}"),
+                }
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+    }
+    assert!(
+        done.iter().all(|&d| d),
+        "paused requests did not all finish"
+    );
+    for (i, tokens) in got.iter().enumerate() {
+        assert_eq!(*tokens, alone(i as u64 + 1, 30), "request {i}");
+    }
+    assert!(sched.is_idle());
+    assert_eq!(sched.pool().free(), 16, "every slot came back");
+}
+
+/// A client that leaves its events unread past the write timeout loses its request: it leaves
+/// (counted as stalled) and its slots return, running or preempted.
+#[test]
+fn a_request_left_unread_past_the_write_timeout_is_cancelled() {
+    let timeout = std::time::Duration::from_secs(30);
+    let mut sched: Scheduler<Grower> = Scheduler::new(8, 64, 64).with_write_timeout(Some(timeout));
+    let mut family = PagedFamily::default();
+    let _unread = submit(&mut sched, 0, 12, 1);
+    let reading = submit(&mut sched, 1, 6, 4096);
+    for _ in 0..4 {
+        sched.tick(&mut family, Instant::now());
+    }
+    assert!(sched.pool().used() > 0);
+    // Before the timeout it is only paused.
+    let report = sched.tick(&mut family, Instant::now() + timeout / 2);
+    assert_eq!(report.stalled, 0);
+    let report = sched.tick(&mut family, Instant::now() + timeout * 2);
+    assert_eq!(report.stalled, 1);
+    for _ in 0..20 {
+        sched.tick(&mut family, Instant::now());
+    }
+    assert!(reading
+        .try_iter()
+        .any(|e| matches!(e, Event::Finished { .. })));
+    assert!(sched.is_idle());
+    assert_eq!(sched.pool().free(), 8, "every slot came back");
+}

@@ -443,6 +443,7 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
         max_active: 8,
         watermark_slots: 0,
         max_batch_rows: None,
+        write_timeout: None,
     };
     let handle = Engine::start(cfg, || {
         Ok::<_, std::convert::Infallible>(FakeFamily::default())
@@ -506,6 +507,7 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
         max_active: 4,
         watermark_slots: 0,
         max_batch_rows: None,
+        write_timeout: None,
     };
     let handle = Engine::start(cfg, || {
         Ok::<_, std::convert::Infallible>(FakeFamily::default())
@@ -540,6 +542,7 @@ fn load_never_hides_a_submitted_request() {
         max_active: 1,
         watermark_slots: 0,
         max_batch_rows: None,
+        write_timeout: None,
     };
     let handle = Engine::start(cfg, || {
         Ok::<_, std::convert::Infallible>(FakeFamily::default())
@@ -616,6 +619,7 @@ fn callers_that_left_do_not_hold_queue_places_while_the_engine_is_busy() {
         max_active: 1,
         watermark_slots: 0,
         max_batch_rows: None,
+        write_timeout: None,
     };
     let (entered_tx, entered) = mpsc::sync_channel(8);
     let (go, go_rx) = mpsc::sync_channel(8);

@@ -19,6 +19,8 @@ use crate::error::{ModelError, Result};
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     chat: Option<Arc<ChatTemplate>>,
+    /// The fewest tokens the chat template adds: `(once per conversation, per message)`.
+    chat_overhead: ChatOverhead,
     /// The longest vocabulary entry in UTF-8 bytes: no token covers more bytes of text (byte
     /// and sentencepiece alphabets spell a byte with at least one byte).
     max_token_bytes: usize,
@@ -31,6 +33,13 @@ impl std::fmt::Debug for TextTokenizer {
             .field("chat_template", &self.chat.is_some())
             .finish()
     }
+}
+
+/// The fewest tokens a chat template adds (see [`TextTokenizer::min_chat_tokens`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ChatOverhead {
+    fixed: usize,
+    per_message: usize,
 }
 
 fn tok_err(e: tokenizers::Error) -> ModelError {
@@ -55,6 +64,7 @@ impl TextTokenizer {
         Ok(Self {
             inner,
             chat: None,
+            chat_overhead: ChatOverhead::default(),
             max_token_bytes,
         })
     }
@@ -66,10 +76,44 @@ impl TextTokenizer {
         text_bytes.div_ceil(self.max_token_bytes)
     }
 
-    /// Attaches a chat template.
+    /// Attaches a chat template, and measures the tokens it adds per conversation and per
+    /// message ([`Self::min_chat_tokens`]).
     pub fn with_chat_template(mut self, template: Option<ChatTemplate>) -> Self {
         self.chat = template.map(Arc::new);
+        self.chat_overhead = self.measure_chat_overhead();
         self
+    }
+
+    /// The fewest tokens the template adds: a conversation of one empty user message, and one
+    /// of three (user, assistant, user), rendered and tokenized; the difference over the two
+    /// extra messages is the per-message bound (rounded down), the rest the fixed part. A
+    /// template that refuses these conversations adds nothing to the bound (0, 0).
+    fn measure_chat_overhead(&self) -> ChatOverhead {
+        let tokens = |roles: &[&str]| -> Option<usize> {
+            let messages: Vec<ChatMessage> =
+                roles.iter().map(|&r| ChatMessage::new(r, "")).collect();
+            self.encode_chat(&messages).ok().map(|ids| ids.len())
+        };
+        match (tokens(&["user"]), tokens(&["user", "assistant", "user"])) {
+            (Some(one), Some(three)) if three >= one => {
+                let per_message = (three - one) / 2;
+                ChatOverhead {
+                    fixed: one.saturating_sub(per_message),
+                    per_message,
+                }
+            }
+            _ => ChatOverhead::default(),
+        }
+    }
+
+    /// The fewest tokens a conversation of messages whose contents are `content_bytes` bytes
+    /// each can become through the chat template, known without rendering it: the template's
+    /// fixed and per-message tokens, and each content's [`Self::min_tokens`]. A bound checked
+    /// before the work of rendering and tokenizing, which grows with the number of messages.
+    pub fn min_chat_tokens(&self, content_bytes: impl ExactSizeIterator<Item = usize>) -> usize {
+        let n = content_bytes.len();
+        let contents: usize = content_bytes.map(|b| self.min_tokens(b)).sum();
+        self.chat_overhead.fixed + n * self.chat_overhead.per_message + contents
     }
 
     pub fn chat_template(&self) -> Option<&ChatTemplate> {

@@ -96,8 +96,16 @@ impl<P: Planner> ServedModel for Served<P> {
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, SchemeError> {
         let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
-        let bytes = messages.iter().map(|m| m.content.len()).sum();
-        too_long(tok, bytes, self.info().max_context)?;
+        let at_least = tok.min_chat_tokens(messages.iter().map(|m| m.content.len()));
+        let max_context = self.info().max_context;
+        if at_least > max_context {
+            return Err(SchemeError::Prompt(format!(
+                "the conversation's {} messages make at least {at_least} tokens through the \
+                 chat template, more than the {max_context} this model accepts (prompt plus \
+                 max_new_tokens); send fewer or shorter messages",
+                messages.len()
+            )));
+        }
         Ok(tok.encode_chat(messages)?)
     }
 
@@ -216,6 +224,7 @@ where
         max_active: opts.max_active,
         watermark_slots: total_slots * watermark_permille / 1000,
         max_batch_rows: opts.max_batch_rows,
+        write_timeout: opts.write_timeout,
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);
     tracing::info!(

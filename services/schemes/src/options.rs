@@ -46,6 +46,10 @@ pub struct LoadOptions {
     /// the decoding of the others. Work that runs whole (decoding steps, canvases, segments,
     /// wavefronts, plan-and-infill calls) counts against it. `None`: no cap.
     pub max_batch_rows: Option<usize>,
+    /// How long a client may leave a request's events unread before the request is cancelled
+    /// (until then it is paused, and the first preempted when the pool is short); `None`:
+    /// forever.
+    pub write_timeout: Option<std::time::Duration>,
     /// The checkpoint's fingerprint (set by [`load_model`]): requests move only between workers
     /// that serve the same one.
     pub fingerprint: Fingerprint,
@@ -106,6 +110,7 @@ impl Default for LoadOptions {
             kv_reserve: KvReserve::OnDemand,
             kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,
+            write_timeout: Some(std::time::Duration::from_secs(30)),
             fingerprint: Fingerprint::default(),
         }
     }

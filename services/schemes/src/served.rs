@@ -61,6 +61,13 @@ pub trait ServedModel: Send + Sync {
     fn min_prompt_tokens(&self, text_bytes: usize) -> usize {
         self.tokenizer().map_or(0, |t| t.min_tokens(text_bytes))
     }
+    /// The fewest tokens a conversation of messages with contents of `content_bytes` bytes
+    /// each can become through the chat template, known without rendering it (0 without a
+    /// tokenizer).
+    fn min_chat_tokens(&self, content_bytes: &[usize]) -> usize {
+        self.tokenizer()
+            .map_or(0, |t| t.min_chat_tokens(content_bytes.iter().copied()))
+    }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
     /// Validates and queues a request; events arrive through `sink`.

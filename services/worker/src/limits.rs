@@ -17,6 +17,8 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 4096;
 pub const DEFAULT_MAX_STOP_SEQUENCES: usize = 16;
 /// Default of `--max-stop-string-bytes`.
 pub const DEFAULT_MAX_STOP_STRING_BYTES: usize = 256;
+/// Default of `--max-chat-messages`.
+pub const DEFAULT_MAX_CHAT_MESSAGES: usize = 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestLimits {
@@ -28,6 +30,8 @@ pub struct RequestLimits {
     pub max_stop_sequences: usize,
     /// Longest stop string in bytes.
     pub max_stop_string_bytes: usize,
+    /// Most messages in one chat prompt.
+    pub max_chat_messages: usize,
 }
 
 impl Default for RequestLimits {
@@ -37,6 +41,7 @@ impl Default for RequestLimits {
             max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
             max_stop_sequences: DEFAULT_MAX_STOP_SEQUENCES,
             max_stop_string_bytes: DEFAULT_MAX_STOP_STRING_BYTES,
+            max_chat_messages: DEFAULT_MAX_CHAT_MESSAGES,
         }
     }
 }
@@ -85,17 +90,31 @@ impl RequestLimits {
         if let Some(i) = req.stop_strings.iter().position(String::is_empty) {
             return bad(format!("stop_strings[{i}] is empty"));
         }
-        let Some(limit) = self.max_prompt_tokens else {
-            return Ok(());
-        };
         use pb::generate_request::Prompt;
+        if let Some(Prompt::Chat(c)) = &req.prompt {
+            if c.messages.len() > self.max_chat_messages {
+                return bad(format!(
+                    "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
+                    c.messages.len(),
+                    self.max_chat_messages
+                ));
+            }
+        }
         let at_least = match &req.prompt {
             Some(Prompt::TokenIds(ids)) => ids.ids.len(),
             Some(Prompt::Text(t)) => model.min_prompt_tokens(t.len()),
+            // The template's tokens per message count too: a conversation of many empty
+            // messages is refused here, before it is rendered.
             Some(Prompt::Chat(c)) => {
-                model.min_prompt_tokens(c.messages.iter().map(|m| m.content.len()).sum())
+                let bytes: Vec<usize> = c.messages.iter().map(|m| m.content.len()).collect();
+                model.min_chat_tokens(&bytes)
             }
             None => 0,
+        };
+        // The model's own context limit is checked by the scheme, also before tokenizing or
+        // rendering.
+        let Some(limit) = self.max_prompt_tokens else {
+            return Ok(());
         };
         if at_least > limit {
             return bad(format!(

@@ -290,9 +290,11 @@ pub(crate) async fn resume(
     span.record("scheme", scheme);
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let stop = Arc::new(AtomicBool::new(false));
+    let abandoned = Arc::new(std::sync::OnceLock::new());
     let sink = TokioSink {
         tx,
         stop: stop.clone(),
+        abandoned: abandoned.clone(),
     };
     let id = {
         let (m, span) = (model.clone(), span.clone());
@@ -310,6 +312,7 @@ pub(crate) async fn resume(
         messages: 0,
         model,
         rx: Some(rx),
+        abandoned,
         response: Assembly::new(output, stop, header.seed),
         pending: VecDeque::new(),
         seed: header.seed,

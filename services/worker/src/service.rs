@@ -204,9 +204,11 @@ impl WorkerService {
             .increment(spec.prompt_ids.len() as u64);
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let stop = Arc::new(AtomicBool::new(false));
+        let abandoned = Arc::new(std::sync::OnceLock::new());
         let sink = TokioSink {
             tx,
             stop: stop.clone(),
+            abandoned: abandoned.clone(),
         };
         let id = model
             .submit(spec, Box::new(sink), deadline, span.clone())
@@ -218,6 +220,7 @@ impl WorkerService {
             messages: 0,
             model,
             rx: Some(rx),
+            abandoned,
             response: Assembly::new(OutputAssembler::new(req.stop_strings), stop, seed),
             pending: VecDeque::new(),
             seed,

@@ -23,6 +23,7 @@ pub fn from_engine_error(e: &EngineError) -> Status {
         EngineError::NotFound(m) => Status::not_found(m.clone()),
         EngineError::CannotMove(m) => Status::failed_precondition(m.clone()),
         EngineError::Start(_) | EngineError::NotFinished { .. } => Status::internal(e.to_string()),
+        EngineError::WriteTimeout { .. } => Status::deadline_exceeded(e.to_string()),
     }
 }
 
@@ -44,4 +45,3 @@ pub fn from_scheme_error(e: &SchemeError) -> Status {
         }
     }
 }
-

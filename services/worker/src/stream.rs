@@ -7,13 +7,13 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::Status;
-use wavefront_engine::{Event, EventSink, SinkError, Stats};
+use wavefront_engine::{EngineError, Event, EventSink, SinkError, Stats};
 use wavefront_proto::v1 as pb;
 use wavefront_proto::worker::v1 as wpb;
 use wavefront_schemes::ServedModel;
@@ -34,6 +34,9 @@ pub(crate) const EVENT_BUFFER: usize = 64;
 pub(crate) struct TokioSink {
     pub(crate) tx: mpsc::Sender<Event>,
     pub(crate) stop: Arc<AtomicBool>,
+    /// Why the engine gave up on the request, for the stream to answer once its reader gets
+    /// past the buffered events ([`EventSink::abandon`]).
+    pub(crate) abandoned: Arc<OnceLock<EngineError>>,
 }
 
 impl EventSink for TokioSink {
@@ -48,6 +51,9 @@ impl EventSink for TokioSink {
     }
     fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Acquire)
+    }
+    fn abandon(&mut self, error: EngineError) {
+        let _ = self.abandoned.set(error);
     }
 }
 
@@ -76,6 +82,8 @@ pub(crate) struct StreamState {
     pub(crate) messages: u64,
     pub(crate) model: Arc<dyn ServedModel>,
     pub(crate) rx: Option<mpsc::Receiver<Event>>,
+    /// Set when the engine gave up on the request (its client left it unread).
+    pub(crate) abandoned: Arc<OnceLock<EngineError>>,
     /// Text, stop strings and the final response.
     pub(crate) response: Assembly,
     pub(crate) pending: VecDeque<Result<pb::GenerateStreamResponse, Status>>,
@@ -154,6 +162,12 @@ pub(crate) fn response_stream(state: StreamState) -> EventStream {
 
 impl StreamState {
     fn on_event(&mut self, event: Option<Event>) {
+        // The engine gave up on a request its client left unread: its own error, once what
+        // was buffered has been read.
+        let event = match (event, self.abandoned.get()) {
+            (None, Some(e)) => Some(Event::Failed(e.clone())),
+            (event, _) => event,
+        };
         if event.is_none() && !self.response.output().is_stopped() {
             self.rx = None;
             self.record(tonic::Code::Unavailable, None);

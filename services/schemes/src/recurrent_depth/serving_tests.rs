@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use proptest::prelude::*;
 use wavefront_engine::{
     Active, Demand, EngineError, Event, Family, FamilyError, Group, Moved, Planned, RequestId,
@@ -25,7 +25,9 @@ use crate::request::{
     ArParams, DiffusionForcingParams, FreezeTest, GenerateSpec, SamplingParams, SchemeParams,
 };
 use crate::served::{Planner, ServedModel};
-use crate::test_support::{assert_joining_requests_match_alone, collect, refusal, serve, submit};
+use crate::test_support::{
+    assert_joining_requests_match_alone, collect, refusal, serve, submit, wait_for_free_slots,
+};
 use crate::SchemeError;
 
 /// Sixteen requests covering both schemes and their options, with different prompt lengths.
@@ -744,5 +746,65 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
             || Ok(planner.prepare(ok.clone())?.program),
         )?;
     }
+    Ok(())
+}
+
+/// Clients that stop reading cannot hold the engine: eight requests whose one-event buffers
+/// nobody reads pause holding most of a small pool; a new request preempts them (their state
+/// to host memory) instead of waiting behind them, and finishes with its own tokens within
+/// twice its unloaded latency. When the eight clients go, every slot comes back.
+#[test]
+fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
+    let stalled_spec = |i: u32| spec(prompt(48, i + 3), 200, u64::from(i), ar_static(4, "full"));
+    let fresh = spec(prompt(6, 1), 8, 1, ar_static(4, "full"));
+    let cfg = fixture_config()?;
+    let planner = super::HuginnPlanner::new(cfg.clone(), "fixture".into(), None);
+    let first = planner.prepare(stalled_spec(0))?.slots;
+    let bytes_per_slot = PAGE_SIZE * 2 * cfg.n_embd * 4;
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        // Nine prompts' pages: the eight stalled requests fill the pool as they decode.
+        memory_budget_bytes: (9 * first * bytes_per_slot) as u64,
+        max_active: 16,
+        ..LoadOptions::default()
+    };
+    let served = load_model(fixture_files()?, opts)?;
+    let latency = |served: &dyn ServedModel| -> Result<(Duration, Vec<u32>)> {
+        let t = Instant::now();
+        let out = collect(&submit(served, fresh.clone())?, Vec::new())?;
+        Ok((t.elapsed(), out.tokens))
+    };
+    latency(served.as_ref())?;
+    let (alone, want) = (0..3)
+        .map(|_| latency(served.as_ref()))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .min()
+        .context("a latency")?;
+    let mut stalled = Vec::new();
+    for i in 0..8 {
+        let (sink, rx, _) = TestSink::new(1);
+        served.submit(stalled_spec(i), Box::new(sink), None, tracing::Span::none())?;
+        stalled.push(rx);
+    }
+    let start = Instant::now();
+    while served.load().free_slots * 4 > served.load().total_slots {
+        ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "the stalled requests did not fill the pool: {:?}",
+            served.load()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (loaded, got) = latency(served.as_ref())?;
+    ensure!(got == want, "{got:?} vs {want:?}");
+    ensure!(
+        loaded <= alone * 2 + Duration::from_millis(20),
+        "{loaded:?} beside eight stalled clients, {alone:?} alone"
+    );
+    ensure!(served.load().preemptions > 0, "{:?}", served.load());
+    drop(stalled);
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
+    served.shutdown();
     Ok(())
 }
