@@ -487,12 +487,21 @@ impl<P: Send + 'static> Scheduler<P> {
 
     /// Slots free for a request that needs `need` now, keeping the watermark unless nothing runs.
     fn fits(&self, need: usize) -> bool {
-        let reserve = if self.running.is_empty() {
-            0
-        } else {
+        need + self.reserve() <= self.pool.free()
+    }
+
+    /// The slots kept free for running requests to grow into: the watermark, unless none of
+    /// them can grow (nothing runs, or every one waits for its client to read).
+    fn reserve(&self) -> usize {
+        let growing = self
+            .running
+            .iter()
+            .any(|r| !r.active.outbox.done && r.backlog.is_empty());
+        if growing {
             self.watermark
-        };
-        need + reserve <= self.pool.free()
+        } else {
+            0
+        }
     }
 
     fn admit<F: Family<Program = P>>(
@@ -544,11 +553,7 @@ impl<P: Send + 'static> Scheduler<P> {
             {
                 break;
             }
-            let reserve = if self.running.is_empty() {
-                0
-            } else {
-                self.watermark
-            };
+            let reserve = self.reserve();
             let free = self.pool.free();
             let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
                 if !self.queue.is_empty() && self.preempt_paused(family, report) {

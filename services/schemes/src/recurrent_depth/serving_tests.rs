@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use proptest::prelude::*;
 use wavefront_engine::{
     Active, Demand, EngineError, Event, Family, FamilyError, Group, Moved, Planned, RequestId,
@@ -750,9 +750,10 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
 }
 
 /// Clients that stop reading cannot hold the engine: eight requests whose one-event buffers
-/// nobody reads pause holding most of a small pool; a new request preempts them (their state
-/// to host memory) instead of waiting behind them, and finishes with its own tokens within
-/// twice its unloaded latency. When the eight clients go, every slot comes back.
+/// nobody reads pause holding the whole of a small pool; a new request preempts one of them
+/// (its state to host memory) instead of waiting behind them, and finishes with its own tokens
+/// within twice its unloaded latency (the median of five; 20 ms of slack for the other tests
+/// on these cores). When the eight clients go, every slot comes back.
 #[test]
 fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
     let stalled_spec = |i: u32| spec(prompt(48, i + 3), 200, u64::from(i), ar_static(4, "full"));
@@ -763,24 +764,28 @@ fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
     let bytes_per_slot = PAGE_SIZE * 2 * cfg.n_embd * 4;
     let opts = LoadOptions {
         name: "fixture".into(),
-        // Nine prompts' pages: the eight stalled requests fill the pool as they decode.
-        memory_budget_bytes: (9 * first * bytes_per_slot) as u64,
+        // Eight prompts' pages: the eight stalled requests fill the pool.
+        memory_budget_bytes: (8 * first * bytes_per_slot) as u64,
         max_active: 16,
         ..LoadOptions::default()
     };
     let served = load_model(fixture_files()?, opts)?;
+    // The engine is idle for a while before the new request in both cases (all the others
+    // paused, or nothing running): on these VMs a forward after an idle spell takes up to
+    // four times one after a busy one, so both latencies are taken after the same pause.
+    let settle = Duration::from_millis(50);
     let latency = |served: &dyn ServedModel| -> Result<(Duration, Vec<u32>)> {
+        std::thread::sleep(settle);
         let t = Instant::now();
         let out = collect(&submit(served, fresh.clone())?, Vec::new())?;
         Ok((t.elapsed(), out.tokens))
     };
     latency(served.as_ref())?;
-    let (alone, want) = (0..3)
+    let mut runs = (0..5)
         .map(|_| latency(served.as_ref()))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .min()
-        .context("a latency")?;
+        .collect::<Result<Vec<_>>>()?;
+    runs.sort();
+    let (alone, want) = runs.swap_remove(2);
     let mut stalled = Vec::new();
     for i in 0..8 {
         let (sink, rx, _) = TestSink::new(1);
@@ -788,7 +793,7 @@ fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
         stalled.push(rx);
     }
     let start = Instant::now();
-    while served.load().free_slots * 4 > served.load().total_slots {
+    while served.load().free_slots > 0 {
         ensure!(
             start.elapsed() < Duration::from_secs(30),
             "the stalled requests did not fill the pool: {:?}",
@@ -796,13 +801,26 @@ fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    let held = served.load();
     let (loaded, got) = latency(served.as_ref())?;
+    println!(
+        "a new request beside eight stalled clients: {loaded:?} ({alone:?} alone); the stalled \
+         held {} of {} slots; {} preemptions before it, {} after",
+        held.total_slots - held.free_slots,
+        held.total_slots,
+        held.preemptions,
+        served.load().preemptions
+    );
     ensure!(got == want, "{got:?} vs {want:?}");
     ensure!(
         loaded <= alone * 2 + Duration::from_millis(20),
         "{loaded:?} beside eight stalled clients, {alone:?} alone"
     );
-    ensure!(served.load().preemptions > 0, "{:?}", served.load());
+    ensure!(
+        served.load().preemptions > held.preemptions,
+        "the new request preempted no one: {:?}",
+        served.load()
+    );
     drop(stalled);
     wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
     served.shutdown();
