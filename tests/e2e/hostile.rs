@@ -87,18 +87,7 @@ fn http_chat(addr: SocketAddr, messages: usize) -> (u16, String) {
         "{{\"model\": \"llada\", \"max_tokens\": 4, \"messages\": [{}]}}",
         vec!["{\"role\": \"user\", \"content\": \"\"}"; messages].join(",")
     );
-    let mut s = TcpStream::connect(addr).expect("http port");
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: \
-         application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    (raw[9..12].parse().expect("status"), raw)
+    http_post(addr, "/v1/chat/completions", "", &body)
 }
 
 /// A chat of many empty messages is refused before it is rendered or tokenized: beyond
@@ -209,4 +198,83 @@ async fn flood(
         refused += f.await.unwrap();
     }
     (loaded, refused)
+}
+
+/// `POST path` with `body` and extra `headers`; the status and body.
+fn http_post(addr: SocketAddr, path: &str, headers: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("http port");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{headers}\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (raw[9..12].parse().expect("status"), body)
+}
+
+/// Client strings are quoted clipped (a 1 MB model name gets NOT_FOUND over gRPC, not a
+/// transport error, and a 404 of under 2 KB over HTTP); a misspelled top-level field is
+/// refused by name instead of running the default scheme, and a compressed body with 415.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_input_is_clipped_and_unknown_fields_and_encodings_are_refused() {
+    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let serve = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        &http.to_string(),
+    ]);
+    wait_serving(serve.addr, "wavefront.v1.Generation").await;
+    let mut client =
+        GenerationClient::new(channel(serve.addr).await).max_encoding_message_size(8 << 20);
+    for len in [20_000, 1 << 20] {
+        let err = client
+            .generate(pb::GenerateRequest {
+                model: "m".repeat(len),
+                prompt: Some(pb::generate_request::Prompt::Text("hi".into())),
+                max_new_tokens: 2,
+                ..Default::default()
+            })
+            .await
+            .expect_err("unknown model");
+        assert_eq!(err.code(), Code::NotFound, "{len}: {:?}", err.code());
+        assert!(err.message().len() <= 1024, "{}", err.message().len());
+        assert!(err.message().contains("bytes in all"), "{}", err.message());
+    }
+
+    let name = "m".repeat(1 << 20);
+    let body = format!(r#"{{"model": "{name}", "prompt": "hi", "max_tokens": 2}}"#);
+    let (status, text) =
+        tokio::task::spawn_blocking(move || http_post(http, "/v1/completions", "", &body))
+            .await
+            .unwrap();
+    assert_eq!(status, 404, "{text}");
+    assert!(text.len() < 2048, "{} bytes", text.len());
+
+    let body = r#"{"model": "llada", "prompt": "hi", "max_tokens": 8,
+                   "low_confidance": {"steps": 2}}"#;
+    let (status, text) =
+        tokio::task::spawn_blocking(move || http_post(http, "/v1/completions", "", body))
+            .await
+            .unwrap();
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains(r#"unknown field \"low_confidance\""#),
+        "{text}"
+    );
+
+    let body = r#"{"model": "llada", "prompt": "hi", "max_tokens": 8}"#;
+    let (status, text) = tokio::task::spawn_blocking(move || {
+        http_post(http, "/v1/completions", "Content-Encoding: gzip\r\n", body)
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 415, "{text}");
+    assert!(text.contains("gzip"), "{text}");
 }

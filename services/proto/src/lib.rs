@@ -37,10 +37,69 @@ pub mod limits {
     const OUT_OF_RANGE: &str = "11";
     const RESOURCE_EXHAUSTED: &str = "8";
 
-    /// Whether `headers` (a response's, or its trailers) carry the transport's refusal of an
-    /// oversized message; if so they are rewritten to RESOURCE_EXHAUSTED with a message naming
-    /// the limit and how to change it.
+    /// Longest status message a server sends, in bytes (before percent-encoding): messages
+    /// that quote a client's input (an unknown model's name, a misspelled option) are clipped
+    /// to it, so that an oversized input cannot push the trailers past the client's metadata
+    /// limit and turn a clear refusal into a transport error.
+    pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
+
+    /// `message` clipped to [`MAX_STATUS_MESSAGE_BYTES`] at a character boundary, saying how
+    /// long it was.
+    pub fn clip_message(message: &str) -> std::borrow::Cow<'_, str> {
+        if message.len() <= MAX_STATUS_MESSAGE_BYTES {
+            return message.into();
+        }
+        let mut end = MAX_STATUS_MESSAGE_BYTES - 64;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!(
+            "{}... (clipped; {} bytes in all)",
+            &message[..end],
+            message.len()
+        )
+        .into()
+    }
+
+    /// `headers` (a response's, or its trailers) tidied for the client: the transport's
+    /// refusal of an oversized message becomes RESOURCE_EXHAUSTED, and a long message is
+    /// clipped.
     fn remap(headers: &mut http::HeaderMap) {
+        resource_exhausted(headers);
+        clip(headers);
+    }
+
+    /// Clips a `grpc-message` longer than [`MAX_STATUS_MESSAGE_BYTES`].
+    fn clip(headers: &mut http::HeaderMap) {
+        let Some(v) = headers.get("grpc-message") else {
+            return;
+        };
+        if v.len() <= MAX_STATUS_MESSAGE_BYTES {
+            return;
+        }
+        let text = percent_decode(v.to_str().unwrap_or_default());
+        if let Ok(v) = http::HeaderValue::from_str(&percent_encode(&clip_message(&text))) {
+            headers.insert("grpc-message", v);
+        }
+    }
+
+    /// `m` percent-encoded as gRPC encodes `grpc-message`: bytes outside printable ASCII, and
+    /// `%`.
+    fn percent_encode(m: &str) -> String {
+        let mut out = String::with_capacity(m.len());
+        for &b in m.as_bytes() {
+            if (0x20..=0x7e).contains(&b) && b != b'%' {
+                out.push(b as char);
+            } else {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        out
+    }
+
+    /// Whether `headers` carry the transport's refusal of an oversized message; if so they
+    /// are rewritten to RESOURCE_EXHAUSTED with a message naming the limit and how to change it.
+    fn resource_exhausted(headers: &mut http::HeaderMap) {
         if headers.get("grpc-status").is_none_or(|v| v != OUT_OF_RANGE) {
             return;
         }
@@ -52,11 +111,10 @@ pub mod limits {
         if !detail.contains("message length too large") {
             return;
         }
-        let message = format!(
+        let message = percent_encode(&format!(
             "request message too large ({detail}); send a smaller request, or raise the \
              server's --max-message-bytes"
-        )
-        .replace('%', "%25");
+        ));
         headers.insert(
             "grpc-status",
             http::HeaderValue::from_static(RESOURCE_EXHAUSTED),
@@ -94,7 +152,8 @@ pub mod limits {
     /// Maps a server's response: the transport refuses a request message over the decoding
     /// limit with OUT_OF_RANGE, which is not among the codes the API documents; it becomes
     /// RESOURCE_EXHAUSTED with a message naming the limit (in the headers of a trailers-only
-    /// response, or in the trailers). Every other response passes unchanged.
+    /// response, or in the trailers). A status message over [`MAX_STATUS_MESSAGE_BYTES`] is
+    /// clipped. Every other response passes unchanged.
     pub fn oversize_as_resource_exhausted(
         mut resp: http::Response<tonic::body::Body>,
     ) -> http::Response<tonic::body::Body> {
@@ -132,6 +191,35 @@ pub mod limits {
             );
             remap(&mut other);
             assert_eq!(other["grpc-status"], "11");
+        }
+
+        #[test]
+        fn long_status_messages_are_clipped_and_short_ones_kept() {
+            let name = "é".repeat(20_000);
+            let message = format!("model \"{name}\" is not served; served models: a, b");
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-status", http::HeaderValue::from_static("5"));
+            h.insert(
+                "grpc-message",
+                http::HeaderValue::from_str(&percent_encode(&message)).unwrap(),
+            );
+            remap(&mut h);
+            assert_eq!(h["grpc-status"], "5");
+            let m = percent_decode(h["grpc-message"].to_str().unwrap());
+            assert!(m.len() <= MAX_STATUS_MESSAGE_BYTES, "{} bytes", m.len());
+            assert!(m.starts_with("model \"éé"), "{m}");
+            assert!(
+                m.ends_with(&format!("; {} bytes in all)", message.len())),
+                "{m}"
+            );
+            let short = "model \"x\" is not served";
+            let mut h = http::HeaderMap::new();
+            h.insert(
+                "grpc-message",
+                http::HeaderValue::from_str(&percent_encode(short)).unwrap(),
+            );
+            remap(&mut h);
+            assert_eq!(percent_decode(h["grpc-message"].to_str().unwrap()), short);
         }
     }
 

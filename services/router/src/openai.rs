@@ -164,7 +164,7 @@ impl ApiError {
 
     fn body(&self) -> Value {
         json!({"error": {
-            "message": self.message,
+            "message": wavefront_proto::limits::clip_message(&self.message),
             "type": self.kind,
             "param": self.param,
             "code": self.status.as_u16().to_string(),
@@ -308,6 +308,9 @@ struct CompletionRequest {
     prompt: Option<Value>,
     #[serde(flatten)]
     common: Common,
+    /// Fields neither OpenAI's nor ours (refused by name).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -315,6 +318,71 @@ struct ChatRequest {
     messages: Option<Vec<ChatMessageJson>>,
     #[serde(flatten)]
     common: Common,
+    /// Fields neither OpenAI's nor ours (refused by name).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+/// OpenAI parameters that do not change the answer (who asked, what to keep): accepted and
+/// ignored.
+const IGNORED_FIELDS: [&str; 4] = ["user", "metadata", "store", "service_tier"];
+
+/// Refuses a body with top-level fields that are neither OpenAI's parameters nor this server's
+/// extensions: a misspelled scheme object must not silently run the default scheme.
+fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let unknown: Vec<String> = rest
+        .keys()
+        .filter(|k| !IGNORED_FIELDS.contains(&k.as_str()))
+        .map(|k| {
+            let clipped: String = k.chars().take(64).collect();
+            format!("{clipped:?}")
+        })
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let shown = unknown.len().min(8);
+    Err(ApiError {
+        status: StatusCode::BAD_REQUEST,
+        kind: "invalid_request_error",
+        param: None,
+        message: format!(
+            "unknown field{} {}{}: not an OpenAI parameter this server takes, nor one of its \
+             extensions (top_k, stop_token_ids, stream_canvas, and the scheme objects ar, \
+             diffusion_forcing, low_confidence, wino, diffusion_generate, block_diffusion, \
+             plan_infill); check the spelling",
+            if unknown.len() == 1 { "" } else { "s" },
+            unknown[..shown].join(", "),
+            if unknown.len() > shown {
+                format!(" and {} more", unknown.len() - shown)
+            } else {
+                String::new()
+            },
+        ),
+    })
+}
+
+/// Refuses a compressed body: it would be read as JSON and fail with a confusing message, or,
+/// worse, parse.
+fn refuse_content_encoding(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(v) = headers.get(axum::http::header::CONTENT_ENCODING) else {
+        return Ok(());
+    };
+    let encoding = String::from_utf8_lossy(v.as_bytes())
+        .trim()
+        .to_ascii_lowercase();
+    if encoding.is_empty() || encoding == "identity" {
+        return Ok(());
+    }
+    let clipped: String = encoding.chars().take(64).collect();
+    Err(ApiError {
+        status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        kind: "invalid_request_error",
+        param: None,
+        message: format!(
+            "Content-Encoding {clipped:?} is not supported: send the JSON body uncompressed"
+        ),
+    })
 }
 
 #[derive(Debug, Deserialize)]
@@ -532,7 +600,9 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    refuse_content_encoding(&headers)?;
     let Json(body) = body?;
+    refuse_unknown_fields(&body.rest)?;
     let prompt = completion_prompt(body.prompt)?;
     let stream = body.common.stream;
     let include_usage = body
@@ -557,7 +627,9 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    refuse_content_encoding(&headers)?;
     let Json(body) = body?;
+    refuse_unknown_fields(&body.rest)?;
     let Some(messages) = body.messages.filter(|m| !m.is_empty()) else {
         return Err(ApiError::invalid(
             "messages",
@@ -770,6 +842,65 @@ mod tests {
 
     fn common(v: Value) -> Common {
         serde_json::from_value(v).expect("parses")
+    }
+
+    #[test]
+    fn unknown_top_level_fields_are_refused_by_name_and_known_ones_are_not() {
+        let body: ChatRequest = serde_json::from_value(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "low_confidence": {"steps": 4}, "user": "u-1", "metadata": {"k": "v"},
+        }))
+        .unwrap();
+        assert!(body.common.low_confidence.is_some());
+        refuse_unknown_fields(&body.rest).expect("every field is known");
+
+        let body: ChatRequest = serde_json::from_value(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "low_confidance": {"steps": 4}, "user": "u-1",
+        }))
+        .unwrap();
+        let e = refuse_unknown_fields(&body.rest).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(
+            e.message.starts_with("unknown field \"low_confidance\":"),
+            "{}",
+            e.message
+        );
+
+        // A field name as long as the body is quoted clipped; many are counted, not listed.
+        let mut many = serde_json::Map::new();
+        many.insert("x".repeat(100_000), json!(1));
+        for i in 0..20 {
+            many.insert(format!("f{i}"), json!(i));
+        }
+        many.insert("prompt".into(), json!("p"));
+        let body: CompletionRequest = serde_json::from_value(Value::Object(many)).unwrap();
+        let e = refuse_unknown_fields(&body.rest).unwrap_err();
+        assert!(e.message.len() < 1024, "{} bytes", e.message.len());
+        assert!(e.message.contains("and 13 more"), "{}", e.message);
+    }
+
+    #[test]
+    fn compressed_bodies_are_refused_and_identity_is_not() {
+        let mut h = HeaderMap::new();
+        refuse_content_encoding(&h).expect("no encoding");
+        h.insert("content-encoding", "identity".parse().unwrap());
+        refuse_content_encoding(&h).expect("identity");
+        h.insert("content-encoding", "gzip".parse().unwrap());
+        let e = refuse_content_encoding(&h).unwrap_err();
+        assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert!(e.message.contains("\"gzip\""), "{}", e.message);
+    }
+
+    #[test]
+    fn error_bodies_quote_at_most_a_kilobyte() {
+        let e = ApiError::invalid(
+            "model",
+            format!("model {:?} is not served", "m".repeat(1 << 20)),
+        );
+        let body = e.body().to_string();
+        assert!(body.len() < 2048, "{} bytes", body.len());
+        assert!(body.contains("bytes in all"), "{body}");
     }
 
     #[test]
