@@ -107,17 +107,34 @@ pub fn spawn(args: &[&str]) -> Proc {
     spawn_with_env(args, &[])
 }
 
+/// Starts `program ARGS` (a shell around `wavefront`, say) and waits for the "listening on
+/// ADDR" line of the `wavefront` it runs.
+#[allow(dead_code)]
+pub fn spawn_program(program: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+    spawn_command(
+        Command::new(program).args(args).envs(env.iter().copied()),
+        args,
+    )
+}
+
 /// [`spawn`] with extra environment variables. The processes log at `warn` unless
 /// `WAVEFRONT_E2E_LOG` sets another filter (e.g. `info,wavefront_router=debug`).
 pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
-    let mut child = Command::new(bin())
-        .args(args)
-        .env(
-            "RUST_LOG",
-            std::env::var("WAVEFRONT_E2E_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .envs(env.iter().copied())
+    spawn_command(
+        Command::new(bin())
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("WAVEFRONT_E2E_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .envs(env.iter().copied()),
+        args,
+    )
+}
+
+fn spawn_command(command: &mut Command, args: &[&str]) -> Proc {
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

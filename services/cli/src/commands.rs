@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tokio::net::TcpListener;
+use wavefront_net::{Listener, ServerLimits};
 use wavefront_proto::auth::Secrets;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
@@ -37,6 +38,8 @@ pub struct ServeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -220,6 +223,68 @@ impl LimitArgs {
     }
 }
 
+/// What the servers allow each connection (every gRPC and HTTP listener of the command).
+#[derive(Debug, Clone, Args)]
+pub struct ConnectionArgs {
+    /// Connections open at once on each listener; more wait in the backlog until one closes.
+    #[arg(long, env = "WAVEFRONT_MAX_CONNECTIONS", default_value_t = wavefront_net::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Seconds a new connection may stay silent, an HTTP/1 request may take to send its
+    /// headers, and a kept-alive HTTP/1 connection may wait for its next request.
+    #[arg(long, env = "WAVEFRONT_HEADER_READ_TIMEOUT_S", default_value_t = wavefront_net::DEFAULT_HEADER_READ_TIMEOUT.as_secs())]
+    pub header_read_timeout_s: u64,
+    /// Seconds an HTTP request may take to send its whole body.
+    #[arg(long, env = "WAVEFRONT_BODY_READ_TIMEOUT_S", default_value_t = wavefront_net::DEFAULT_BODY_READ_TIMEOUT.as_secs())]
+    pub body_read_timeout_s: u64,
+    /// Seconds without a byte in either direction after which a connection is closed (gRPC
+    /// keep-alive pings count; a unary HTTP request that computes longer without output must
+    /// stream).
+    #[arg(long, env = "WAVEFRONT_IDLE_TIMEOUT_S", default_value_t = wavefront_net::DEFAULT_IDLE_TIMEOUT.as_secs())]
+    pub idle_timeout_s: u64,
+    /// Seconds between HTTP/2 keep-alive pings (0: none); a ping unanswered for 20 s closes
+    /// the connection.
+    #[arg(long, env = "WAVEFRONT_KEEPALIVE_INTERVAL_S", default_value_t = wavefront_net::DEFAULT_KEEPALIVE_INTERVAL.as_secs())]
+    pub keepalive_interval_s: u64,
+    /// Concurrent HTTP/2 streams (gRPC calls) on one connection.
+    #[arg(long, env = "WAVEFRONT_MAX_STREAMS_PER_CONNECTION", default_value_t = wavefront_net::DEFAULT_MAX_STREAMS)]
+    pub max_streams_per_connection: u32,
+}
+
+impl ConnectionArgs {
+    pub fn limits(&self) -> Result<ServerLimits> {
+        if self.max_connections == 0 || self.max_streams_per_connection == 0 {
+            bail!("--max-connections and --max-streams-per-connection must be at least 1");
+        }
+        if self.header_read_timeout_s == 0
+            || self.body_read_timeout_s == 0
+            || self.idle_timeout_s == 0
+        {
+            bail!(
+                "--header-read-timeout-s, --body-read-timeout-s and --idle-timeout-s must be at \
+                 least 1"
+            );
+        }
+        if self.keepalive_interval_s >= self.idle_timeout_s {
+            bail!(
+                "--keepalive-interval-s ({}) must be shorter than --idle-timeout-s ({}), or \
+                 healthy idle gRPC connections are closed",
+                self.keepalive_interval_s,
+                self.idle_timeout_s
+            );
+        }
+        Ok(ServerLimits {
+            max_connections: self.max_connections,
+            header_read_timeout: Duration::from_secs(self.header_read_timeout_s),
+            body_read_timeout: Duration::from_secs(self.body_read_timeout_s),
+            idle_timeout: Duration::from_secs(self.idle_timeout_s),
+            keepalive_interval: (self.keepalive_interval_s > 0)
+                .then(|| Duration::from_secs(self.keepalive_interval_s)),
+            keepalive_timeout: wavefront_net::DEFAULT_KEEPALIVE_TIMEOUT,
+            max_streams: self.max_streams_per_connection,
+        })
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct RouterArgs {
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
@@ -258,6 +323,8 @@ pub struct RouterArgs {
     /// one served, that one; without this, such a request is INVALID_ARGUMENT).
     #[arg(long, env = "WAVEFRONT_DEFAULT_MODEL")]
     pub default_model: Option<String>,
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -283,6 +350,8 @@ pub struct WorkerArgs {
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -363,6 +432,7 @@ async fn bind(listen: &str) -> Result<TcpListener> {
 
 pub async fn worker(a: WorkerArgs) -> Result<()> {
     let limits = a.limits.limits()?;
+    let server_limits = a.connections.limits()?;
     let listener = bind(&a.listen).await?;
     let model = tokio::task::spawn_blocking({
         let m = a.model.clone();
@@ -378,6 +448,7 @@ pub async fn worker(a: WorkerArgs) -> Result<()> {
         token: a.worker_token.secrets()?,
         tls: a.tls.server(a.tls_client_ca.as_deref())?.map(|t| t.grpc()),
     };
+    let listener = Listener::new(listener, server_limits, "grpc");
     wavefront_worker::serve(service, listener, cfg, shutdown_signal()).await
 }
 
@@ -387,6 +458,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
     }
     let api_keys = a.auth.secrets()?;
     let tls = a.tls.server(None)?;
+    let server_limits = a.connections.limits()?;
     let listener = bind(&a.listen).await?;
     let discovery = Discovery::default();
     let cfg = DiscoveryConfig {
@@ -413,12 +485,13 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         service = service.with_tls(tls);
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_task = spawn_http(http, &service, &stop_rx)?;
+    let http_task = spawn_http(http, &service, server_limits, &stop_rx)?;
     let signal = async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
     };
     let mut rx = stop_rx;
+    let listener = Listener::new(listener, server_limits, "grpc");
     let grpc = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });
@@ -435,6 +508,7 @@ pub async fn router(a: RouterArgs) -> Result<()> {
 fn spawn_http(
     listener: Option<TcpListener>,
     service: &RouterService,
+    limits: ServerLimits,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) -> Result<Option<tokio::task::JoinHandle<Result<()>>>> {
     let Some(listener) = listener else {
@@ -445,7 +519,7 @@ fn spawn_http(
     let max = service.max_message_bytes();
     Ok(Some(tokio::spawn(wavefront_router::serve_http(
         service.clone(),
-        listener,
+        Listener::new(listener, limits, "http"),
         max,
         async move {
             let _ = rx.changed().await;
@@ -455,6 +529,7 @@ fn spawn_http(
 
 pub async fn serve(a: ServeArgs) -> Result<()> {
     let limits = a.limits.limits()?;
+    let server_limits = a.connections.limits()?;
     let api_keys = a.auth.secrets()?;
     let tls = a.tls.server(None)?;
     // The in-process worker listens on loopback: a random token keeps other local users out
@@ -498,7 +573,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         let mut rx = stop_rx.clone();
         worker_tasks.push(tokio::spawn(wavefront_worker::serve(
             service,
-            worker_listener,
+            Listener::new(worker_listener, server_limits, "grpc"),
             WorkerConfig {
                 max_message_bytes: a.max_message_bytes,
                 token: worker_token.clone(),
@@ -538,8 +613,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     if let Some(tls) = tls {
         service = service.with_tls(tls);
     }
-    let http_task = spawn_http(http, &service, &stop_rx)?;
+    let http_task = spawn_http(http, &service, server_limits, &stop_rx)?;
     let mut rx = stop_rx;
+    let listener = Listener::new(listener, server_limits, "grpc");
     let router = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });

@@ -114,10 +114,15 @@ fn run(cli: Cli) -> Result<()> {
         .build()?;
     rt.block_on(async move {
         let _guard = wavefront_telemetry::init(&telemetry)?;
+        if let Some((soft, hard)) = wavefront_net::raise_descriptor_limit() {
+            tracing::debug!(soft, hard, "open descriptor limit");
+        }
         if let Some(addr) = cli.metrics_listen.as_deref().filter(|s| !s.is_empty()) {
             let addr =
                 args::parse_listen(addr).map_err(|e| anyhow::anyhow!("--metrics-listen: {e}"))?;
-            wavefront_telemetry::metrics::install_prometheus(addr).map_err(anyhow::Error::msg)?;
+            let bound = wavefront_telemetry::metrics::install_prometheus(addr)
+                .map_err(anyhow::Error::msg)?;
+            tracing::info!(addr = %bound, "metrics at http://{bound}/metrics");
         }
         if matches!(
             cli.command,

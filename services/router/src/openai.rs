@@ -32,6 +32,7 @@ use wavefront_proto::v1::generate_stream_response::Event as PbEvent;
 
 use crate::pick::served_model_infos;
 use crate::service::RouterService;
+use wavefront_net::Listener;
 
 /// `max_tokens` when a completion request sets none (OpenAI's default for completions).
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
@@ -39,11 +40,20 @@ const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 const DEFAULT_CHAT_TOKENS: u32 = 128;
 
 /// The HTTP application over `router`; bodies over `max_body_bytes` get 413.
-pub fn app(router: RouterService, max_body_bytes: usize) -> Router {
+pub fn app(
+    router: RouterService,
+    max_body_bytes: usize,
+    body_timeout: std::time::Duration,
+) -> Router {
+    // The key is checked before the body is read.
     let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            (body_timeout, max_body_bytes),
+            read_body,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             router.clone(),
             require_api_key,
@@ -84,62 +94,40 @@ async fn require_api_key(
 /// Serves the HTTP front on `listener` until `shutdown` resolves (in-flight responses finish).
 pub async fn serve_http(
     router: RouterService,
-    listener: tokio::net::TcpListener,
+    listener: Listener,
     max_body_bytes: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let tls = router.tls().map(|t| t.http());
-    let app = app(router, max_body_bytes);
-    match tls {
-        None => {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await?
-        }
-        Some(config) => serve_https(listener, app, config, shutdown).await,
-    }
+    let app = app(router, max_body_bytes, listener.limits().body_read_timeout);
+    wavefront_net::serve_http(listener, app, tls, shutdown).await;
     Ok(())
 }
 
-/// The HTTP front over TLS: each accepted connection's handshake and requests on a task of its
-/// own (a slow handshake holds nobody else); no new connection once `shutdown` resolves.
-async fn serve_https(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    config: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "HTTP accept failed");
-                    continue;
-                }
-            },
-            () = &mut shutdown => return,
-        };
-        let (acceptor, app) = (acceptor.clone(), app.clone());
-        tokio::spawn(async move {
-            let tls = match acceptor.accept(tcp).await {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
+/// Reads the request body whole within `--body-read-timeout-s` (408 otherwise) and at most
+/// the body limit (413), before any handler sees it.
+async fn read_body(
+    State((timeout, max)): State<(std::time::Duration, usize)>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use wavefront_net::BodyError;
+    match wavefront_net::read_body_within(request, timeout, max).await {
+        Ok(request) => next.run(request).await,
+        Err(e) => {
+            let status = match e {
+                BodyError::TooSlow(_) => StatusCode::REQUEST_TIMEOUT,
+                BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+                BodyError::Failed(_) => StatusCode::BAD_REQUEST,
             };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let served =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(tls), service)
-                    .await;
-            if let Err(e) = served {
-                tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+            ApiError {
+                status,
+                kind: "invalid_request_error",
+                param: None,
+                message: e.to_string(),
             }
-        });
+            .into_response()
+        }
     }
 }
 

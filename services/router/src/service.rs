@@ -10,10 +10,9 @@ use std::pin::Pin;
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Code, Request, Response, Status};
 use tonic_health::ServingStatus;
+use wavefront_net::Listener;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_server::GenerationServer;
 
@@ -455,7 +454,7 @@ impl pb::generation_server::Generation for RouterService {
 /// Serves the router on `listener` until `shutdown` resolves.
 pub async fn serve(
     service: RouterService,
-    listener: TcpListener,
+    listener: Listener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -489,7 +488,7 @@ pub async fn serve(
     };
     let limit = service.max_message_bytes;
     let require = RequireSecret::new(service.api_keys.clone(), "an API key");
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = listener.limits().grpc_server();
     if let Some(tls) = &service.tls {
         builder = builder.tls_config(tls.grpc())?;
     }
@@ -504,7 +503,7 @@ pub async fn serve(
             GenerationServer::new(service).max_decoding_message_size(limit),
             require,
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .serve_with_incoming_shutdown(listener.incoming(), drain)
         .await?;
     Ok(())
 }

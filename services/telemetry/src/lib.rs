@@ -41,6 +41,12 @@ pub enum TelemetryError {
         #[source]
         source: metrics_exporter_prometheus::BuildError,
     },
+    #[error("cannot listen for metrics scrapes on {addr}: {source}")]
+    MetricsListen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

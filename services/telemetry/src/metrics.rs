@@ -128,9 +128,11 @@ fn describe() {
     );
 }
 
-/// Installs the global recorder and serves `/metrics` on `addr`. Must run
-/// inside a tokio runtime.
-pub fn install_prometheus(addr: SocketAddr) -> Result<(), crate::TelemetryError> {
+/// Installs the global recorder and serves `/metrics` on `addr` (through a
+/// [`wavefront_net::Listener`]: at most 64 connections, silent clients closed, accept errors
+/// survived with back-off and rate-limited warnings); the bound address. Must run inside a
+/// tokio runtime.
+pub fn install_prometheus(addr: SocketAddr) -> Result<SocketAddr, crate::TelemetryError> {
     let latency = [
         0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
     ];
@@ -140,16 +142,46 @@ pub fn install_prometheus(addr: SocketAddr) -> Result<(), crate::TelemetryError>
     let counts = [
         1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0,
     ];
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+    let listener = std::net::TcpListener::bind(addr)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .and_then(tokio::net::TcpListener::from_std)
+        .map_err(|source| crate::TelemetryError::MetricsListen { addr, source })?;
+    let bound = listener.local_addr().unwrap_or(addr);
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_DURATION.into()), &tick))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_REQUESTS.into()), &counts))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TICK_ROWS.into()), &counts))
-        .and_then(|b| b.install())
+        .and_then(|b| b.install_recorder())
         .map_err(|source| crate::TelemetryError::Metrics { addr, source })?;
     describe();
-    Ok(())
+    // Histograms' and summaries' old samples are dropped as they age.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let handle = handle.clone();
+            async move { handle.render() }
+        }),
+    );
+    let limits = wavefront_net::ServerLimits {
+        max_connections: 64,
+        ..wavefront_net::ServerLimits::default()
+    };
+    let listener = wavefront_net::Listener::new(listener, limits, "metrics");
+    tokio::spawn(wavefront_net::serve_http(
+        listener,
+        app,
+        None,
+        std::future::pending(),
+    ));
+    Ok(bound)
 }
 
 /// The canonical gRPC name of a status code (the `status` label).

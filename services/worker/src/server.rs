@@ -11,10 +11,9 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
+use wavefront_net::Listener;
 use wavefront_proto::auth::RequireSecret;
 use wavefront_proto::v1::generation_server::GenerationServer;
 use wavefront_proto::worker::v1::worker_server::WorkerServer;
@@ -53,7 +52,7 @@ pub const READINESS: [&str; 2] = ["wavefront.v1.Generation", "wavefront.worker.v
 /// Serves `service` on `listener` until `shutdown` resolves and draining ends.
 pub async fn serve(
     service: WorkerService,
-    listener: TcpListener,
+    listener: Listener,
     config: WorkerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
@@ -101,7 +100,7 @@ pub async fn serve(
     };
     let limit = config.max_message_bytes;
     let require = RequireSecret::new(config.token.clone(), "the worker token");
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = listener.limits().grpc_server();
     if let Some(tls) = config.tls.clone() {
         builder = builder.tls_config(tls)?;
     }
@@ -120,7 +119,7 @@ pub async fn serve(
             WorkerServer::new(service).max_decoding_message_size(limit),
             require,
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+        .serve_with_incoming_shutdown(listener.incoming(), drain)
         .await?;
     Ok(())
 }

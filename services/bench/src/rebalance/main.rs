@@ -173,7 +173,7 @@ fn start_worker(
     let mut rx = stop.clone();
     Ok(tokio::spawn(wavefront_worker::serve(
         service,
-        listener,
+        wavefront_net::Listener::new(listener, wavefront_net::ServerLimits::default(), "grpc"),
         WorkerConfig::default(),
         async move {
             let _ = rx.changed().await;
@@ -267,9 +267,13 @@ async fn burst(a: &Args, how: Arrangement) -> Result<Vec<Seen>> {
     let router_addr = lr.local_addr()?;
     let service = RouterService::new(discovery).with_rebalance(how == Arrangement::JoinsRebalance);
     let mut rx = stop_rx.clone();
-    let router_task = tokio::spawn(wavefront_router::serve(service, lr, async move {
-        let _ = rx.changed().await;
-    }));
+    let router_task = tokio::spawn(wavefront_router::serve(
+        service,
+        wavefront_net::Listener::new(lr, wavefront_net::ServerLimits::default(), "grpc"),
+        async move {
+            let _ = rx.changed().await;
+        },
+    ));
 
     let started = Instant::now();
     let mut calls: Vec<_> = (0..a.requests)
