@@ -230,11 +230,15 @@ fn http_post(addr: SocketAddr, path: &str, headers: &str, body: &str) -> (u16, S
 
 /// Client strings are quoted clipped (a 1 MB model name gets NOT_FOUND over gRPC, not a
 /// transport error, and a 404 of under 2 KB over HTTP); a misspelled top-level field is
-/// refused by name instead of running the default scheme, and a compressed body with 415.
+/// refused by name instead of running the default scheme, and a compressed body with 415; the
+/// HTTP front counts each refusal in `wavefront_http_responses_total`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echoed_input_is_clipped_and_unknown_fields_and_encodings_are_refused() {
     let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let metrics = free_port();
     let serve = spawn(&[
+        "--metrics-listen",
+        &format!("127.0.0.1:{metrics}"),
         "serve",
         "--listen",
         "127.0.0.1:0",
@@ -288,6 +292,15 @@ async fn echoed_input_is_clipped_and_unknown_fields_and_encodings_are_refused() 
     .unwrap();
     assert_eq!(status, 415, "{text}");
     assert!(text.contains("gzip"), "{text}");
+
+    // The HTTP front's refusals are counted, by route and code.
+    let body = crate::metrics::scrape(metrics);
+    for (code, at_least) in [("404", 1.0), ("400", 1.0), ("415", 1.0)] {
+        let line =
+            format!("wavefront_http_responses_total{{route=\"/v1/completions\",code=\"{code}\"}}");
+        let n = crate::metrics::sample(&body, &line);
+        assert!(n >= Some(at_least), "{line}: {n:?}\n{body}");
+    }
 }
 
 /// A router (no worker reachable: nothing to load) under a descriptor limit of `nofile`, its

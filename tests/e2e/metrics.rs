@@ -178,6 +178,11 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         assert!(body.contains(family), "missing {family}:\n{body}");
     }
     assert!(sample(&body, "wavefront_engine_ticks_total{model=\"tiny\"}").unwrap() >= 5.0);
+    // Every worker series names its model: none for a scheduler not yet named.
+    assert!(
+        !body.contains("model=\"\""),
+        "a series with an empty model label:\n{body}"
+    );
 
     let body = scrape(rport);
     assert!(

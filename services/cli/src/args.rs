@@ -78,9 +78,10 @@ pub struct GenerationArgs {
     /// Maximum number of tokens to generate.
     #[arg(long)]
     pub max_new_tokens: u32,
-    /// Decoding scheme.
-    #[arg(long, value_enum, default_value = "ar")]
-    pub scheme: SchemeName,
+    /// Decoding scheme. Unset: the model's default scheme (as over HTTP), or `ar` when a
+    /// recurrent-depth or recurrent-memory flag (--num-steps, --execution, ...) is given.
+    #[arg(long, value_enum)]
+    pub scheme: Option<SchemeName>,
     /// Stop after any of these token ids (comma separated).
     #[arg(long, value_delimiter = ',')]
     pub stop_token_ids: Vec<u32>,
@@ -289,25 +290,42 @@ impl GenerationArgs {
             ("--upstream-sampler", self.upstream_sampler),
         ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
-        if self.scheme != SchemeName::BlockDiffusion {
+        // No --scheme: the model's default, unless a scheme's flags were given, which meant
+        // `ar` when --scheme defaulted to it (flags of the other schemes are refused by name
+        // below, as before).
+        let any = [
+            &df_only[..],
+            &masked_diffusion,
+            &recurrent_depth,
+            &slot_diffusion,
+            &dream,
+            &block,
+            &[("--execution", self.execution.is_some())],
+        ]
+        .iter()
+        .any(|flags| set(flags).is_some());
+        let Some(name) = self.scheme.or(any.then_some(SchemeName::Ar)) else {
+            return Ok(self.request(prompt, prompt_oneof, None));
+        };
+        if name != SchemeName::BlockDiffusion {
             if let Some(flag) = set(&block) {
                 bail!("{flag} belongs to --scheme block-diffusion");
             }
         }
-        if self.scheme != SchemeName::DiffusionGenerate {
+        if name != SchemeName::DiffusionGenerate {
             if let Some(flag) = set(&dream) {
                 bail!("{flag} belongs to --scheme diffusion-generate");
             }
         }
-        if self.execution.is_some() && self.scheme != SchemeName::Ar {
+        if self.execution.is_some() && name != SchemeName::Ar {
             bail!("--execution belongs to --scheme ar (recurrent-memory models)");
         }
-        if self.scheme != SchemeName::PlanInfill {
+        if name != SchemeName::PlanInfill {
             if let Some(flag) = set(&slot_diffusion) {
                 bail!("{flag} belongs to --scheme plan-infill");
             }
         }
-        match self.scheme {
+        match name {
             SchemeName::BlockDiffusion => {
                 // --block-length, --steps and --threshold apply; the rest of LLaDA's do not.
                 let other = [
@@ -344,7 +362,7 @@ impl GenerationArgs {
                 if let Some(flag) = set(&recurrent_depth).or(set(&df_only)) {
                     bail!("{flag} belongs to the recurrent-depth schemes (ar, diffusion-forcing)");
                 }
-                let (name, wrong) = if self.scheme == SchemeName::Wino {
+                let (name, wrong) = if name == SchemeName::Wino {
                     ("wino", set(&masked_diffusion[1..4]))
                 } else {
                     ("low-confidence", set(&masked_diffusion[4..6]))
@@ -354,7 +372,7 @@ impl GenerationArgs {
                 }
             }
         }
-        let scheme = match self.scheme {
+        let scheme = match name {
             SchemeName::BlockDiffusion => {
                 pb::generate_request::Scheme::BlockDiffusion(pb::BlockDiffusionScheme {
                     block_length: self.block_length,
@@ -434,7 +452,16 @@ impl GenerationArgs {
                 })
             }
         };
-        Ok(pb::GenerateRequest {
+        Ok(self.request(prompt, prompt_oneof, Some(scheme)))
+    }
+
+    fn request(
+        &self,
+        prompt: &PromptArgs,
+        prompt_oneof: pb::generate_request::Prompt,
+        scheme: Option<pb::generate_request::Scheme>,
+    ) -> pb::GenerateRequest {
+        pb::GenerateRequest {
             model: prompt.model_name.clone(),
             prompt: Some(prompt_oneof),
             max_new_tokens: self.max_new_tokens,
@@ -446,9 +473,9 @@ impl GenerationArgs {
                 top_p: self.top_p,
                 seed: self.seed,
             }),
-            scheme: Some(scheme),
+            scheme,
             stream_canvas: self.stream_canvas,
-        })
+        }
     }
 }
 
@@ -478,6 +505,20 @@ mod masked_diffusion_flag_tests {
         let argv = ["wavefront", "--prompt-ids", "1,2", "--max-new-tokens", "16"];
         let cli = Cli::try_parse_from(argv.iter().chain(flags))?;
         cli.generation.to_request(&cli.prompt)
+    }
+
+    #[test]
+    fn without_scheme_the_model_default_is_asked_for_unless_ar_flags_are_given() -> Result<()> {
+        assert_eq!(request(&[])?.scheme, None);
+        let ar = request(&["--num-steps", "8"])?;
+        assert!(
+            matches!(ar.scheme, Some(pb::generate_request::Scheme::Ar(ref a)) if a.num_steps == Some(8)),
+            "{:?}",
+            ar.scheme
+        );
+        let e = request(&["--block-length", "8"]).unwrap_err().to_string();
+        assert!(e.contains("--block-length belongs to --scheme"), "{e}");
+        Ok(())
     }
 
     #[test]
@@ -541,11 +582,12 @@ mod masked_diffusion_flag_tests {
             panic!("not ar");
         };
         assert_eq!(a.execution, "diagonal");
-        let ar = request(&[])?;
+        // Without --scheme, --execution alone still means ar.
+        let ar = request(&["--execution", "sequential"])?;
         let Some(pb::generate_request::Scheme::Ar(a)) = ar.scheme else {
             panic!("not ar");
         };
-        assert_eq!(a.execution, "");
+        assert_eq!(a.execution, "sequential");
         for scheme in ["wino", "diffusion-forcing"] {
             let err = request(&["--scheme", scheme, "--execution", "sequential"]).unwrap_err();
             assert!(

@@ -40,6 +40,10 @@ pub struct ServeArgs {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub connections: ConnectionArgs,
+    /// Seconds in-flight requests may run after SIGTERM or Ctrl-C (a second signal stops at
+    /// once).
+    #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
     /// Largest request message the server decodes, in bytes; larger ones get
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "WAVEFRONT_MAX_MESSAGE_BYTES", default_value_t = wavefront_proto::limits::DEFAULT_MAX_MESSAGE_BYTES)]
@@ -347,7 +351,8 @@ pub struct WorkerArgs {
     /// PEM CA that clients' certificates must be signed by (mTLS; with --tls-cert).
     #[arg(long, env = "WAVEFRONT_TLS_CLIENT_CA")]
     pub tls_client_ca: Option<PathBuf>,
-    /// Seconds in-flight requests may run after SIGTERM.
+    /// Seconds in-flight requests may run after SIGTERM or Ctrl-C (a second signal stops at
+    /// once).
     #[arg(long, env = "WAVEFRONT_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
     #[command(flatten)]
@@ -395,7 +400,8 @@ pub struct RunArgs {
     pub replay_tensor: Option<String>,
 }
 
-async fn shutdown_signal() {
+/// The first SIGINT or SIGTERM.
+async fn signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -408,7 +414,21 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
-    tracing::info!("signal received");
+}
+
+/// Resolves at the first SIGINT or SIGTERM, which starts a graceful shutdown; a second one
+/// exits at once (status 130).
+async fn shutdown_signal() {
+    signal().await;
+    tracing::info!("shutting down: new requests are refused, requests in flight finish (up to --drain-timeout-s); signal again to stop at once");
+    eprintln!(
+        "wavefront: shutting down after the requests in flight; press Ctrl-C again to stop now"
+    );
+    tokio::spawn(async {
+        signal().await;
+        eprintln!("wavefront: stopped at once by a second signal");
+        std::process::exit(130);
+    });
 }
 
 fn load(model: &ModelArgs) -> Result<Arc<dyn ServedModel>> {
@@ -569,12 +589,19 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     for model in models {
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
         let worker_addr = worker_listener.local_addr()?;
+        tracing::info!(
+            model = %model.info().name,
+            family = model.info().family,
+            worker = %worker_addr,
+            "worker started"
+        );
         let service = WorkerService::new(vec![model], worker_addr.to_string()).with_limits(limits);
         let mut rx = stop_rx.clone();
         worker_tasks.push(tokio::spawn(wavefront_worker::serve(
             service,
             Listener::new(worker_listener, server_limits, "grpc"),
             WorkerConfig {
+                drain_timeout: Duration::from_secs(a.drain_timeout_s),
                 max_message_bytes: a.max_message_bytes,
                 token: worker_token.clone(),
                 ..WorkerConfig::default()
@@ -602,7 +629,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::spawn(discovery.clone().run(cfg));
+    // The workers are this process's own: when they stop at shutdown the router does not
+    // warn that they stopped answering.
+    let polling = tokio::spawn(discovery.clone().run(cfg));
     let addr = listener.local_addr()?;
     tracing::info!(models = %names.join(","), %addr, workers = %worker_addrs.join(","), "serving");
     announce("router", addr);
@@ -621,6 +650,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     });
     let signal = async move {
         shutdown_signal().await;
+        polling.abort();
         let _ = stop_tx.send(true);
     };
     let (r, _) = tokio::join!(router, signal);

@@ -37,7 +37,8 @@ struct Cli {
     /// OTLP/gRPC endpoint for traces (e.g. http://localhost:4317); unset disables export.
     #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090); unset disables.
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090; the address is
+    /// printed). Unset: off, except for `serve`, which takes a free loopback port; empty: off.
     #[arg(long, global = true, env = "WAVEFRONT_METRICS_LISTEN")]
     metrics_listen: Option<String>,
     /// Threads the CPU kernels split each forward over (0: one per core of the machine).
@@ -117,12 +118,17 @@ fn run(cli: Cli) -> Result<()> {
         if let Some((soft, hard)) = wavefront_net::raise_descriptor_limit() {
             tracing::debug!(soft, hard, "open descriptor limit");
         }
-        if let Some(addr) = cli.metrics_listen.as_deref().filter(|s| !s.is_empty()) {
+        let metrics_listen = cli
+            .metrics_listen
+            .clone()
+            .or_else(|| matches!(cli.command, Command::Serve(_)).then(|| "127.0.0.1:0".to_owned()));
+        if let Some(addr) = metrics_listen.as_deref().filter(|s| !s.is_empty()) {
             let addr =
                 args::parse_listen(addr).map_err(|e| anyhow::anyhow!("--metrics-listen: {e}"))?;
             let bound = wavefront_telemetry::metrics::install_prometheus(addr)
                 .map_err(anyhow::Error::msg)?;
-            tracing::info!(addr = %bound, "metrics at http://{bound}/metrics");
+            // On stderr: stdout carries the API's address line and `--json` output.
+            eprintln!("wavefront metrics on http://{bound}/metrics");
         }
         if matches!(
             cli.command,

@@ -59,4 +59,25 @@ impl EngineMetrics {
             recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m),
         }
     }
+
+    /// Handles that record nothing and register no series (a scheduler before it is given
+    /// its model's name).
+    pub fn none() -> Self {
+        Self {
+            tick_duration: Histogram::noop(),
+            tick_requests: Histogram::noop(),
+            tick_rows: Histogram::noop(),
+            ticks: Counter::noop(),
+            queue_depth: Gauge::noop(),
+            active: Gauge::noop(),
+            slots_total: Gauge::noop(),
+            slots_used: Gauge::noop(),
+            cache_usage: Gauge::noop(),
+            preemptions: Counter::noop(),
+            preempted: Gauge::noop(),
+            bytes_to_host: Counter::noop(),
+            bytes_from_host: Counter::noop(),
+            recomputed_rows: Counter::noop(),
+        }
+    }
 }

@@ -290,7 +290,7 @@ impl<P: Send + 'static> Scheduler<P> {
             max_batch_rows: None,
             write_timeout: None,
             ticks: 0,
-            metrics: EngineMetrics::new(""),
+            metrics: EngineMetrics::none(),
         }
     }
 

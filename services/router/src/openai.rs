@@ -62,7 +62,26 @@ pub fn app(
         .route("/health", get(health))
         .merge(api)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::from_fn(count_response))
         .with_state(router)
+}
+
+/// Counts every response by route and status, refusals made before the router sees the
+/// request included (`wavefront_http_responses_total`).
+async fn count_response(
+    route: Option<axum::extract::MatchedPath>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = route.map_or_else(|| "unmatched".to_owned(), |r| r.as_str().to_owned());
+    let response = next.run(request).await;
+    metrics::counter!(
+        wavefront_telemetry::metrics::HTTP_RESPONSES_TOTAL,
+        "route" => route,
+        "code" => response.status().as_str().to_owned()
+    )
+    .increment(1);
+    response
 }
 
 /// 401 unless the request carries one of the router's API keys (`Authorization: Bearer`, as

@@ -112,8 +112,14 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
     // Logs go to stderr: stdout is reserved for machine-readable output
     // (`wavefront run --json`, the address line of `serve`).
     let fmt_layer = match cfg.log_format {
+        // Colour only for a terminal: a log file or collector gets plain text (NO_COLOR, the
+        // convention, turns it off on a terminal too).
         LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(
+                std::io::IsTerminal::is_terminal(&std::io::stderr())
+                    && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            )
             .with_target(true)
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()

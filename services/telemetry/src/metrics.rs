@@ -28,6 +28,7 @@ pub const ROUTER_REQUESTS_TOTAL: &str = "wavefront_router_requests_total";
 pub const ROUTER_REQUEST_DURATION: &str = "wavefront_router_request_duration_seconds";
 pub const ROUTER_WORKERS: &str = "wavefront_router_workers";
 pub const ROUTER_MIGRATIONS_TOTAL: &str = "wavefront_router_migrations_total";
+pub const HTTP_RESPONSES_TOTAL: &str = "wavefront_http_responses_total";
 
 fn describe() {
     describe_counter!(
@@ -110,6 +111,12 @@ fn describe() {
     describe_counter!(
         ROUTER_REQUESTS_TOTAL,
         "Requests finished at the router, by model and gRPC status."
+    );
+    describe_counter!(
+        HTTP_RESPONSES_TOTAL,
+        "Responses of the OpenAI-compatible HTTP front, by route and HTTP status code, refusals \
+         before a request reaches the router (bad JSON, unknown fields, missing API key, body \
+         too large or too slow) included."
     );
     describe_histogram!(
         ROUTER_REQUEST_DURATION,
