@@ -250,6 +250,13 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
     )
     .unwrap();
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    // The reply's text leaves out special tokens (end of text, end of turn, masks).
+    let reply: String = data
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!reply.contains("<|"), "{reply:?}");
 
     // Errors: OpenAI's error object, the matching status, a message that says what to fix.
     let cases = [

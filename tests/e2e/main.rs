@@ -57,6 +57,7 @@ fn request(
             ..Default::default()
         })),
         stream_canvas: false,
+        skip_special_tokens: None,
     }
 }
 

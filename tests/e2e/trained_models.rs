@@ -271,3 +271,91 @@ fn the_readme_prose_exchanges_are_what_run_writes_and_the_readme_shows_them() {
         );
     }
 }
+
+/// The newcomer's path (issue 42, N1 and N5): the text leaves out the end-of-text token
+/// unless `--keep-special-tokens` asks for it (token ids keep it either way); `run` finds an
+/// embedded model by the name given to `--model-name` or `--model`, refuses a `--model-name`
+/// that is not the model it runs, and says once, with a hint, that a Hugging Face id is not a
+/// directory.
+#[test]
+fn text_leaves_out_special_tokens_and_run_finds_embedded_models_by_name() {
+    let run = |args: &[&str]| {
+        Command::new(bin())
+            .arg("run")
+            .args(["--log-filter", "warn"])
+            .args(args)
+            .output()
+            .expect("run wavefront run")
+    };
+    let sort = ["--prompt", "sort 9 0 1 8 =", "--num-steps", "8"];
+    let sort = [
+        &sort[..],
+        &["--max-new-tokens", "16", "--seed", "0", "--json"],
+    ]
+    .concat();
+    let plain = json_result(&run(&sort));
+    assert_eq!(plain["text"], " 0 1 8 9", "{plain}");
+    let kept = json_result(&run(&[&sort[..], &["--keep-special-tokens"]].concat()));
+    assert_eq!(kept["text"], " 0 1 8 9<|end_text|>", "{kept}");
+    assert_eq!(plain["token_ids"], kept["token_ids"]);
+
+    for flag in ["--model-name", "--model"] {
+        let out = run(&[
+            flag,
+            "llada",
+            "--prompt",
+            "copy i r q c =",
+            "--max-new-tokens",
+            "16",
+            "--json",
+        ]);
+        let r = json_result(&out);
+        assert_eq!(r["text"], " i r q c", "{flag}: {r}");
+        // Masked diffusion commits per step and counts blocks; Huginn would recur.
+        assert!(
+            r["stats"]["series"].get("committed_per_step").is_some()
+                && r["stats"]["counters"]["blocks"] == 1,
+            "{flag}: not llada's answer: {r}"
+        );
+    }
+    let out = run(&[
+        "--model",
+        "huginn",
+        "--model-name",
+        "llada",
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("is not the model this runs"), "{err}");
+    let out = run(&[
+        "--model",
+        "GSAI-ML/LLaDA-8B-Instruct",
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Hugging Face id"), "{err}");
+    let empty = std::env::temp_dir().join(format!("wavefront-empty-model-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = run(&[
+        "--model",
+        empty.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let _ = std::fs::remove_dir(&empty);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.matches("No such file or directory").count(),
+        1,
+        "the cause said once: {err}"
+    );
+}

@@ -101,6 +101,10 @@ pub struct GenerationArgs {
     /// diffusion's whole canvas after every step, slot diffusion's slots as they commit.
     #[arg(long)]
     pub stream_canvas: bool,
+    /// Keep special tokens (end of text, chat headers, masks) in the text; token ids always
+    /// hold them.
+    #[arg(long)]
+    pub keep_special_tokens: bool,
     /// Seed of every random draw of the request.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -475,6 +479,7 @@ impl GenerationArgs {
             }),
             scheme,
             stream_canvas: self.stream_canvas,
+            skip_special_tokens: self.keep_special_tokens.then_some(false),
         }
     }
 }

@@ -707,11 +707,21 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 }
 
 pub async fn run(a: RunArgs) -> Result<()> {
-    let model = tokio::task::spawn_blocking({
-        let m = a.model.clone();
-        move || load(&m)
-    })
-    .await??;
+    // `run` has one model: --model-name picks an embedded one when --model is not given, and
+    // must otherwise name the model that is run.
+    let mut m = a.model.clone();
+    let asked = a.prompt.model_name.clone();
+    if m.model.is_none() && !asked.is_empty() {
+        m.model = Some(PathBuf::from(&asked));
+    }
+    let model = tokio::task::spawn_blocking(move || load(&m)).await??;
+    if !asked.is_empty() && asked != model.info().name {
+        bail!(
+            "--model-name {asked:?} is not the model this runs ({:?}); `run` serves one model: \
+             choose it with --model (a directory or an embedded name)",
+            model.info().name
+        );
+    }
     let body = a.generation.to_request(&a.prompt)?;
     let mut spec =
         wavefront_worker::convert::spec_from_proto(&body, model.as_ref()).map_err(status_error)?;
@@ -720,12 +730,14 @@ pub async fn run(a: RunArgs) -> Result<()> {
     }
     let json = a.json;
     let stop_strings = body.stop_strings.clone();
+    let skip_special = body.skip_special_tokens.unwrap_or(true);
     let result = tokio::task::spawn_blocking(move || {
         let mut out = std::io::stdout();
         let res = wavefront_worker::generate_blocking(
             model.as_ref(),
             spec,
             stop_strings,
+            skip_special,
             None,
             |d| {
                 if !json {

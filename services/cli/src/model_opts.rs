@@ -14,8 +14,9 @@ use crate::embedded;
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Model directory in the Hugging Face layout (config.json, model.safetensors
-    /// or shards + index, tokenizer.json). Default: the embedded models (`serve`: all four,
-    /// each under its family's name: huginn, llada, refusion, armt; `run` and `worker`: huginn).
+    /// or shards + index, tokenizer.json), or the name of an embedded model (huginn, llada,
+    /// refusion, armt). Default: the embedded models (`serve`: all four, each under its
+    /// family's name; `run` and `worker`: huginn, or for `run` the one --model-name names).
     #[arg(long, env = "WAVEFRONT_MODEL")]
     pub model: Option<PathBuf>,
     /// Name the model is served under (default: the directory name).
@@ -112,6 +113,30 @@ impl ModelArgs {
         match &self.model {
             None => {
                 let m = embedded::default_model();
+                Ok((
+                    m.files(),
+                    self.served_name.clone().unwrap_or_else(|| m.name.into()),
+                ))
+            }
+            // An embedded model by name, unless a directory of that name is at hand.
+            Some(dir) if !dir.exists() => {
+                let name = dir.to_string_lossy();
+                let Some(m) = embedded::MODELS.iter().find(|m| m.name == name) else {
+                    let org_slash_name = name.matches('/').count() == 1
+                        && !name.starts_with(['/', '.', '~'])
+                        && !name.ends_with('/');
+                    let hint = if org_slash_name {
+                        " (a Hugging Face id? wavefront reads local files only: download the \
+                         checkpoint, e.g. with `huggingface-cli download`, and pass its \
+                         directory)"
+                    } else {
+                        ""
+                    };
+                    bail!(
+                        "--model {name}: no such directory, and not an embedded model ({}){hint}",
+                        embedded::MODELS.map(|m| m.name).join(", ")
+                    );
+                };
                 Ok((
                     m.files(),
                     self.served_name.clone().unwrap_or_else(|| m.name.into()),

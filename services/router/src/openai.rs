@@ -299,6 +299,8 @@ struct Common {
     // Extensions, named as in the proto.
     top_k: Option<u32>,
     stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's name: false keeps special tokens in the text.
+    skip_special_tokens: Option<bool>,
     #[serde(default)]
     stream_canvas: bool,
     ar: Option<pb::ArScheme>,
@@ -355,7 +357,8 @@ fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), Ap
         param: None,
         message: format!(
             "unknown field{} {}{}: not an OpenAI parameter this server takes, nor one of its \
-             extensions (top_k, stop_token_ids, stream_canvas, and the scheme objects ar, \
+             extensions (top_k, stop_token_ids, skip_special_tokens, stream_canvas, and the \
+             scheme objects ar, \
              diffusion_forcing, low_confidence, wino, diffusion_generate, block_diffusion, \
              plan_infill); check the spelling",
             if unknown.len() == 1 { "" } else { "s" },
@@ -505,6 +508,7 @@ impl Common {
             }),
             stream_canvas: self.stream_canvas,
             scheme: schemes.pop(),
+            skip_special_tokens: self.skip_special_tokens,
         })
     }
 }

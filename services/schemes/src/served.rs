@@ -70,6 +70,12 @@ pub trait ServedModel: Send + Sync {
     }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
+    /// Ids to text, special tokens left out when `skip_special` (empty without a tokenizer).
+    fn decode_text(&self, ids: &[u32], skip_special: bool) -> String {
+        self.tokenizer()
+            .and_then(|t| t.decode(ids, skip_special).ok())
+            .unwrap_or_default()
+    }
     /// Validates and queues a request; events arrive through `sink`.
     fn submit(
         &self,

@@ -46,10 +46,12 @@ pub struct OutputAssembler {
     read: usize,
     stopped: bool,
     hold_back: usize,
+    /// The text leaves out special tokens.
+    skip_special: bool,
 }
 
 impl OutputAssembler {
-    pub fn new(stop_strings: Vec<String>) -> Self {
+    pub fn new(stop_strings: Vec<String>, skip_special: bool) -> Self {
         let hold_back = stop_strings
             .iter()
             .map(|s| s.len())
@@ -65,7 +67,13 @@ impl OutputAssembler {
             read: 0,
             stopped: false,
             hold_back,
+            skip_special,
         }
+    }
+
+    /// Whether the text leaves out special tokens.
+    pub fn skip_special(&self) -> bool {
+        self.skip_special
     }
 
     pub fn is_stopped(&self) -> bool {
@@ -82,13 +90,14 @@ impl OutputAssembler {
             prefix: self.prefix as u64,
             read: self.read as u64,
             messages: 0,
+            keep_special_tokens: !self.skip_special,
         }
     }
 
     /// An assembler that continues where [`Self::snapshot`] left off; `None` for an
     /// inconsistent state.
     pub fn restore(s: wavefront_proto::worker::v1::OutputState) -> Option<Self> {
-        let mut out = Self::new(s.stop_strings);
+        let mut out = Self::new(s.stop_strings, !s.keep_special_tokens);
         let (emitted, prefix, read) = (
             usize::try_from(s.emitted).ok()?,
             usize::try_from(s.prefix).ok()?,
@@ -202,9 +211,10 @@ impl OutputAssembler {
     }
 }
 
-/// Decoder closure for a model (no tokenizer: empty text).
-pub fn decoder(model: &dyn ServedModel) -> impl Fn(&[u32]) -> String + '_ {
-    move |ids: &[u32]| model.decode(ids)
+/// Decoder closure for a model, special tokens left out when `skip_special` (no tokenizer:
+/// empty text).
+pub fn decoder(model: &dyn ServedModel, skip_special: bool) -> impl Fn(&[u32]) -> String + '_ {
+    move |ids: &[u32]| model.decode_text(ids, skip_special)
 }
 
 /// What an engine event means to the client once text is assembled and stop strings applied.
@@ -347,6 +357,7 @@ pub fn generate_blocking(
     model: &dyn ServedModel,
     spec: GenerateSpec,
     stop_strings: Vec<String>,
+    skip_special: bool,
     timeout: Option<Duration>,
     mut on_delta: impl FnMut(&Delta),
     mut on_canvas: impl FnMut(&CanvasFrame),
@@ -362,8 +373,8 @@ pub fn generate_blocking(
         stop: stop.clone(),
     };
     model.submit(spec, Box::new(sink), deadline, tracing::Span::current())?;
-    let decode = decoder(model);
-    let mut response = Assembly::new(OutputAssembler::new(stop_strings), stop, seed);
+    let decode = decoder(model, skip_special);
+    let mut response = Assembly::new(OutputAssembler::new(stop_strings, skip_special), stop, seed);
     loop {
         let event = rx.recv().ok();
         if event.is_none() {
@@ -402,7 +413,7 @@ mod tests {
 
     #[test]
     fn multibyte_characters_are_not_split() {
-        let mut a = OutputAssembler::new(vec![]);
+        let mut a = OutputAssembler::new(vec![], false);
         let d1 = a.push(&[0], &decode);
         let d2 = a.push(&[100], &decode);
         let d3 = a.push(&[101], &decode);
@@ -415,7 +426,7 @@ mod tests {
 
     #[test]
     fn stop_strings_cut_the_text_and_held_back_text_is_never_streamed_past_the_cut() {
-        let mut a = OutputAssembler::new(vec!["cd".into()]);
+        let mut a = OutputAssembler::new(vec!["cd".into()], false);
         let mut streamed = String::new();
         for id in [0u32, 1, 2, 3, 4] {
             let d = a.push(&[id], &decode);
@@ -432,7 +443,7 @@ mod tests {
 
     #[test]
     fn streamed_deltas_concatenate_to_the_final_text() {
-        let mut a = OutputAssembler::new(vec!["zz".into()]);
+        let mut a = OutputAssembler::new(vec!["zz".into()], false);
         let mut streamed = String::new();
         for id in [0u32, 1, 100, 101, 2, 3] {
             streamed.push_str(&a.push(&[id], &decode).text);

@@ -221,7 +221,11 @@ impl WorkerService {
             model,
             rx: Some(rx),
             abandoned,
-            response: Assembly::new(OutputAssembler::new(req.stop_strings), stop, seed),
+            response: Assembly::new(
+                OutputAssembler::new(req.stop_strings, req.skip_special_tokens.unwrap_or(true)),
+                stop,
+                seed,
+            ),
             pending: VecDeque::new(),
             seed,
             scheme,

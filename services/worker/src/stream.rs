@@ -177,7 +177,7 @@ impl StreamState {
             return;
         }
         let model = self.model.clone();
-        let decode = decoder(model.as_ref());
+        let decode = decoder(model.as_ref(), self.response.output().skip_special());
         for reply in self.response.on_event(event, &decode) {
             match reply {
                 Reply::Delta(d) if d.token_ids.is_empty() => {
