@@ -254,7 +254,11 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
     let reply: String = data
         .iter()
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
         .collect();
     assert!(!reply.contains("<|"), "{reply:?}");
 

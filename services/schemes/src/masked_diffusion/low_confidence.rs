@@ -24,7 +24,7 @@ use candle_core::DType;
 use rand::Rng;
 
 use super::canvas::Canvas;
-use super::posterior::decode_rows;
+use super::posterior::{decode_rows, Draw};
 use super::step::{StepInputs, StepRecord};
 use crate::request::Remasking;
 
@@ -88,20 +88,13 @@ pub(crate) fn step(
     lc: &mut LowConfidence,
     canvas: &mut Canvas,
     rng: &mut RequestRng,
-    temperature: f32,
+    draw: Draw,
     inputs: &StepInputs,
 ) -> candle_core::Result<StepRecord> {
     let k = lc.next_commit().unwrap_or(0);
     let cands = inputs.candidates;
     let rows = inputs.rows(cands.iter().copied());
-    let (x0, conf) = decode_rows(
-        inputs.logits,
-        &rows,
-        temperature,
-        rng,
-        DType::F32,
-        canvas.mask_id,
-    )?;
+    let (x0, conf) = decode_rows(inputs.logits, &rows, draw, rng, DType::F32, canvas.mask_id)?;
     let scored: Vec<(usize, f64)> = match lc.remasking {
         Remasking::LowConfidence => cands.iter().copied().zip(conf).collect(),
         Remasking::Random => cands.iter().map(|&p| (p, rng.random::<f64>())).collect(),

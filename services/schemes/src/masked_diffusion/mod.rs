@@ -352,6 +352,10 @@ impl MdPlanner {
         );
         program.stream_canvas = spec.stream_canvas;
         program.slot_plan = slot_plan;
+        // Upstream generate() and decoding_wino() have no filters; top_k and top_p restrict
+        // their draws when set (diffusion_generate applies its own, as Dream does).
+        program.top_k = spec.sampling.top_k;
+        program.top_p = spec.sampling.top_p;
         debug_assert_eq!(program.slots_needed(), slots);
         if self.cfg.shifted {
             program = program.with_shifted_head();
@@ -427,15 +431,6 @@ impl Planner for MdPlanner {
 
     fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
         spec.validate_common(self.cfg.vocab_size, self.cfg.max_context)?;
-        let s = &spec.sampling;
-        let filtered = s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0);
-        if filtered && !matches!(spec.scheme, SchemeParams::DiffusionGenerate(_)) {
-            return bad(format!(
-                "scheme `{}` takes sampling.temperature only; top_k and top_p must be unset \
-                 (upstream generate() and decoding_wino() have neither)",
-                spec.scheme.name()
-            ));
-        }
         let served = self.info.schemes.join("`, `");
         let kind = self.cfg.kind;
         match spec.scheme.clone() {

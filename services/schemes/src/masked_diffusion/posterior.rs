@@ -107,13 +107,61 @@ fn cpu_stats(logits: &Tensor, dtype: DType) -> candle_core::Result<Option<Vec<(f
         .map_err(|e| candle_core::Error::Msg(e.to_string()))
 }
 
+/// How a masked position's token is drawn: the argmax at temperature 0; otherwise from
+/// `softmax(logits / temperature)` restricted to the `top_k` largest logits (0: all) and to
+/// the smallest set of most likely tokens whose mass reaches `top_p` (outside (0, 1): all),
+/// renormalised. Upstream LLaDA and WINO have no filter; with none set the draw is theirs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Draw {
+    pub(crate) temperature: f32,
+    pub(crate) top_k: usize,
+    pub(crate) top_p: f32,
+}
+
+impl Draw {
+    /// Sets the logits of `row` that the filters leave out to minus infinity.
+    fn filter(&self, row: &mut [f32]) {
+        let nucleus = self.top_p > 0.0 && self.top_p < 1.0;
+        if self.top_k == 0 && !nucleus {
+            return;
+        }
+        let mut order: Vec<usize> = (0..row.len()).filter(|&i| row[i].is_finite()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let mut keep = order.len();
+        if self.top_k > 0 {
+            keep = keep.min(self.top_k);
+        }
+        if nucleus && keep > 0 {
+            let t = f64::from(self.temperature);
+            let max = f64::from(row[order[0]]);
+            let weights: Vec<f64> = order[..keep]
+                .iter()
+                .map(|&i| ((f64::from(row[i]) - max) / t).exp())
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let mut acc = 0.0;
+            for (n, w) in weights.iter().enumerate() {
+                acc += w / total;
+                if acc >= f64::from(self.top_p) {
+                    keep = n + 1;
+                    break;
+                }
+            }
+        }
+        for &i in &order[keep..] {
+            row[i] = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// `x0` and `softmax(logits)[x0]` of the given rows of `logits`: the argmax (temperature 0,
-/// reductions in `dtype`) or a temperature draw (on the host, rows in the given order).
-/// The mask token `never` is never drawn.
+/// reductions in `dtype`) or a draw (on the host, rows in the given order; the confidence
+/// stays the unfiltered softmax probability, as upstream reads it). The mask token `never`
+/// is never drawn.
 pub(crate) fn decode_rows(
     logits: &Tensor,
     rows: &[u32],
-    temperature: f32,
+    draw: Draw,
     rng: &mut RequestRng,
     dtype: DType,
     never: u32,
@@ -122,7 +170,7 @@ pub(crate) fn decode_rows(
         return Ok((Vec::new(), Vec::new()));
     }
     let sub = logits.index_select(&Tensor::new(rows, logits.device())?, 0)?;
-    if temperature == 0.0 {
+    if draw.temperature == 0.0 {
         return greedy(&sub, dtype, never);
     }
     let host: Vec<Vec<f32>> = sub.to_dtype(DType::F32)?.to_vec2()?;
@@ -133,7 +181,8 @@ pub(crate) fn decode_rows(
             if let Some(v) = allowed.get_mut(never as usize) {
                 *v = f32::NEG_INFINITY;
             }
-            let x0 = sample(&allowed, temperature, rng);
+            draw.filter(&mut allowed);
+            let x0 = sample(&allowed, draw.temperature, rng);
             (x0, prob(&row, x0))
         })
         .unzip())
@@ -171,6 +220,41 @@ mod tests {
     use super::*;
     use candle_core::Device;
     use rand::SeedableRng;
+
+    #[test]
+    fn filters_keep_the_top_k_and_the_nucleus_and_nothing_else() {
+        let draw = |top_k, top_p| Draw {
+            temperature: 1.0,
+            top_k,
+            top_p,
+        };
+        let kept = |d: Draw, row: &[f32]| {
+            let mut r = row.to_vec();
+            d.filter(&mut r);
+            (0..r.len())
+                .filter(|&i| r[i].is_finite())
+                .collect::<Vec<_>>()
+        };
+        // Probabilities about 0.64, 0.24, 0.09, 0.03 for tokens 2, 0, 3, 1.
+        let row = [1.0f32, -1.0, 2.0, 0.0];
+        assert_eq!(kept(draw(0, 0.0), &row), [0, 1, 2, 3]);
+        assert_eq!(kept(draw(0, 1.0), &row), [0, 1, 2, 3]);
+        assert_eq!(kept(draw(2, 0.0), &row), [0, 2]);
+        assert_eq!(kept(draw(0, 0.5), &row), [2]);
+        assert_eq!(kept(draw(0, 0.8), &row), [0, 2]);
+        assert_eq!(kept(draw(0, 0.95), &row), [0, 2, 3]);
+        assert_eq!(kept(draw(1, 0.95), &row), [2]);
+        // Tokens already left out (the mask) stay out and count for nothing.
+        let masked = [1.0f32, f32::NEG_INFINITY, 2.0, 0.0];
+        assert_eq!(kept(draw(3, 0.0), &masked), [0, 2, 3]);
+        // A higher temperature flattens the distribution the nucleus is taken from.
+        let hot = Draw {
+            temperature: 4.0,
+            top_k: 0,
+            top_p: 0.5,
+        };
+        assert_eq!(kept(hot, &row), [0, 2]);
+    }
 
     #[test]
     fn greedy_and_token_probs_agree_with_a_host_softmax() -> candle_core::Result<()> {

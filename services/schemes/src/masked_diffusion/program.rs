@@ -20,7 +20,7 @@ use wavefront_models::transformer::MaskRule;
 use super::canvas::Canvas;
 use super::diffusion_generate::{self, DiffusionGenerate};
 use super::low_confidence::{self, LowConfidence};
-use super::posterior::log_probs;
+use super::posterior::{log_probs, Draw};
 use super::step::{StepInputs, StepRecord};
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
@@ -67,6 +67,11 @@ pub struct MdProgram {
     pub(crate) surelock: Option<SureLock>,
     pub(crate) cfg_scale: f32,
     pub(crate) temperature: f32,
+    /// `sampling.top_k` and `sampling.top_p` of low-confidence and WINO draws (0: none).
+    #[serde(default)]
+    pub(crate) top_k: usize,
+    #[serde(default)]
+    pub(crate) top_p: f32,
     #[serde(with = "crate::migrate::rng")]
     pub(crate) rng: RequestRng,
     pub(crate) stats: Stats,
@@ -112,6 +117,8 @@ impl MdProgram {
             surelock,
             cfg_scale,
             temperature,
+            top_k: 0,
+            top_p: 0.0,
             // A distinct stream from other schemes' draws of the same seed.
             rng: RequestRng::seed_from_u64(seed ^ 0x4d44_4946_4655_5345),
             stats: Stats::default(),
@@ -309,15 +316,14 @@ impl MdProgram {
             row_of: &row_of,
             candidates: &plan.candidates,
         };
+        let draw = Draw {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        };
         let mut record = match &mut self.decoder {
             Decoder::LowConfidence(lc) => {
-                let r = low_confidence::step(
-                    lc,
-                    &mut self.canvas,
-                    &mut self.rng,
-                    self.temperature,
-                    &inputs,
-                )?;
+                let r = low_confidence::step(lc, &mut self.canvas, &mut self.rng, draw, &inputs)?;
                 self.stats
                     .push_series("committed_per_step", r.committed.len() as u32);
                 r
@@ -325,14 +331,7 @@ impl MdProgram {
             Decoder::Wino(w) => {
                 let surelock = self.surelock.as_ref();
                 let locked = |i: usize| surelock.is_some_and(|s| s.is_locked(i));
-                let r = wino::step(
-                    w,
-                    &mut self.canvas,
-                    &mut self.rng,
-                    self.temperature,
-                    &locked,
-                    &inputs,
-                )?;
+                let r = wino::step(w, &mut self.canvas, &mut self.rng, draw, &locked, &inputs)?;
                 self.stats
                     .push_series("drafted_per_step", r.committed.len() as u32);
                 self.stats

@@ -12,9 +12,7 @@ use wavefront_engine::FinishReason;
 use wavefront_models::transformer::SeqInput;
 
 use super::test_support::*;
-use crate::request::{
-    GenerateSpec, LowConfidenceParams, Remasking, SamplingParams, SchemeParams, WinoParams,
-};
+use crate::request::{GenerateSpec, LowConfidenceParams, Remasking, SchemeParams, WinoParams};
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
     assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
@@ -185,6 +183,34 @@ fn requests_joining_at_different_ticks_produce_what_they_produce_alone() -> Resu
     Ok(())
 }
 
+/// `sampling.top_k` and `top_p` restrict low-confidence and WINO draws (issue 42, N6: they
+/// were refused): a filter that leaves one token draws what any other such filter draws, and
+/// a nucleus of 0.9 is served.
+#[test]
+fn top_k_and_top_p_restrict_the_draws() -> Result<()> {
+    let served = fixture_served(4)?;
+    let golden = Golden::load()?;
+    for scheme in [lc(low_confidence(8, 16)), wn(wino(8))] {
+        let filtered = |top_k: usize, top_p: f32| -> Result<Vec<u32>> {
+            let mut s = sampled(spec(golden.prompt(), 16, 7, scheme.clone()), 1.0);
+            s.sampling.top_k = top_k;
+            s.sampling.top_p = top_p;
+            Ok(collect(&submit(served.as_ref(), s)?, Vec::new())?.tokens)
+        };
+        let one = filtered(1, 0.0)?;
+        ensure!(
+            one == filtered(0, 1e-6)?,
+            "{}: top-1 against a tiny nucleus",
+            scheme.name()
+        );
+        ensure!(!one.is_empty());
+        let nucleus = filtered(0, 0.9)?;
+        ensure!(!nucleus.is_empty(), "{}", scheme.name());
+    }
+    served.shutdown();
+    Ok(())
+}
+
 #[test]
 fn a_stop_token_ends_the_response_early() -> Result<()> {
     let served = fixture_served(4)?;
@@ -308,16 +334,6 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
         (
             with(SchemeParams::Ar(Default::default())),
             "not served by masked-diffusion models",
-        ),
-        (
-            GenerateSpec {
-                sampling: SamplingParams {
-                    top_k: 5,
-                    ..SamplingParams::default()
-                },
-                ..base()
-            },
-            "top_k and top_p",
         ),
         (
             spec(prompt(4, 0), 4093, 0, lc(LowConfidenceParams::default())),

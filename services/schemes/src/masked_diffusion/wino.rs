@@ -29,7 +29,7 @@ use candle_core::{DType, Tensor};
 
 use super::canvas::Canvas;
 use super::low_confidence::top_k;
-use super::posterior::{decode_rows, token_probs};
+use super::posterior::{decode_rows, token_probs, Draw};
 use super::step::{StepInputs, StepRecord};
 
 /// `last_accept` at the start of every block (upstream constant).
@@ -152,7 +152,7 @@ pub(crate) fn step(
     w: &mut Wino,
     canvas: &mut Canvas,
     rng: &mut RequestRng,
-    temperature: f32,
+    draw: Draw,
     locked: &dyn Fn(usize) -> bool,
     inputs: &StepInputs,
 ) -> candle_core::Result<StepRecord> {
@@ -160,14 +160,7 @@ pub(crate) fn step(
     let cands = inputs.candidates;
     let cap = max_accept(cands.len());
     let rows = inputs.rows(cands.iter().copied());
-    let (x0, conf) = decode_rows(
-        inputs.logits,
-        &rows,
-        temperature,
-        rng,
-        DType::F64,
-        canvas.mask_id,
-    )?;
+    let (x0, conf) = decode_rows(inputs.logits, &rows, draw, rng, DType::F64, canvas.mask_id)?;
     let scored: Vec<(usize, f64)> = cands.iter().copied().zip(conf).collect();
 
     let verify: Vec<usize> = (0..w.decoded.len())
