@@ -98,7 +98,8 @@ pub struct GenerationArgs {
     #[arg(long, default_value_t = 0.0)]
     pub top_p: f32,
     /// Also print canvas events (one JSON line each) for watching the decoding: masked
-    /// diffusion's whole canvas after every step, slot diffusion's slots as they commit.
+    /// diffusion's whole canvas after every step, slot diffusion's slots as they commit. On
+    /// stdout with --json; otherwise on stderr, beside the text on stdout.
     #[arg(long)]
     pub stream_canvas: bool,
     /// Keep special tokens (end of text, chat headers, masks) in the text; token ids always

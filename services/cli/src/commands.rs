@@ -681,8 +681,13 @@ pub async fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = std::io::stdout();
     while let Some(msg) = stream.message().await.map_err(status_error)? {
         match msg.event {
-            Some(pb::generate_stream_response::Event::Canvas(c)) => {
+            // With --json, stdout is JSON lines; else it is the text, and canvas lines go to
+            // stderr so that they do not break it.
+            Some(pb::generate_stream_response::Event::Canvas(c)) if a.json => {
                 println!("{}", canvas_json(&c));
+            }
+            Some(pb::generate_stream_response::Event::Canvas(c)) => {
+                eprintln!("{}", canvas_json(&c));
             }
             Some(pb::generate_stream_response::Event::Tokens(chunk)) if !a.json => {
                 write!(out, "{}", chunk.text)?;
@@ -746,8 +751,13 @@ pub async fn run(a: RunArgs) -> Result<()> {
                 }
             },
             |frame| {
+                // Beside streamed text, canvas lines go to stderr (see `generate`).
                 let event = wavefront_worker::convert::canvas_event(frame);
-                println!("{}", canvas_json(&event));
+                if json {
+                    println!("{}", canvas_json(&event));
+                } else {
+                    eprintln!("{}", canvas_json(&event));
+                }
             },
         );
         model.shutdown();

@@ -56,7 +56,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Router and one worker on loopback in one process (default: the embedded model).
+    /// Router and workers on loopback in one process: one worker per embedded model (huginn,
+    /// llada, refusion, armt), or one for --model.
     Serve(commands::ServeArgs),
     /// The stateless router.
     Router(commands::RouterArgs),
