@@ -239,13 +239,20 @@ async fn a_worker_streams_slots_in_position_order_with_slot_events_ahead() {
     );
     assert_eq!(done.expect("done").token_ids, golden.response);
 
-    // A slot size that does not divide gen_length (32 tokens, slots of 5) is refused with the
-    // rule it breaks.
-    let err = client.generate(request(5)).await.unwrap_err();
+    // max_new_tokens is a cap: slots of 5 over 32 tokens decode a canvas rounded up to whole
+    // blocks of whole slots and answer at most 32 tokens.
+    let capped = client
+        .generate(request(5))
+        .await
+        .expect("served")
+        .into_inner();
+    assert!(capped.token_ids.len() <= 32, "{}", capped.token_ids.len());
+    // A parameter that cannot work is refused with the rule it breaks.
+    let err = client.generate(request(0)).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(
         err.message()
-            .contains("must be a multiple of plan_infill.slot_size"),
+            .contains("plan_infill.slot_size must be at least 1"),
         "{err:?}"
     );
 }

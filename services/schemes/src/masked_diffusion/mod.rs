@@ -386,8 +386,16 @@ fn blocks(
         return bad(format!("{scheme}.block_length must be at least 1"));
     }
     if !gen.is_multiple_of(bl) {
+        let (lower, upper) = (gen / bl * bl, gen.div_ceil(bl) * bl);
+        let lengths = if lower == 0 {
+            upper.to_string()
+        } else {
+            format!("{lower} or {upper}")
+        };
         return bad(format!(
-            "{scheme}.block_length ({bl}) must divide gen_length = max_new_tokens ({gen})"
+            "{scheme}.block_length ({bl}) must divide gen_length = max_new_tokens ({gen}; \
+             max_tokens over HTTP): ask for {lengths} tokens, or leave block_length unset (one \
+             block)"
         ));
     }
     Ok((bl, gen / bl))

@@ -6,7 +6,8 @@
 //! quirk, dropped). Tokens stream only up to the first position that is not final, so a token is
 //! sent once every position before it is final, and the response is cut at the first stop token
 //! in position order (included): tokens committed at later positions before it was found are
-//! not part of the response.
+//! not part of the response. When the canvas is longer than `max_new_tokens` (its length rounded
+//! up to whole spans and blocks), the response ends after `max_new_tokens` tokens (`Length`).
 
 use wavefront_engine::FinishReason;
 
@@ -27,6 +28,16 @@ pub(crate) struct Canvas {
     streamed: usize,
     /// Set once the first stop token in position order was streamed.
     stopped: bool,
+    /// Tokens the response may hold (`max_new_tokens`); the canvas may be longer.
+    #[serde(default = "unlimited")]
+    limit: usize,
+    /// Tokens streamed so far (dropped positions are not tokens).
+    #[serde(default)]
+    released: usize,
+}
+
+fn unlimited() -> usize {
+    usize::MAX
 }
 
 impl Canvas {
@@ -37,7 +48,15 @@ impl Canvas {
             stop_token_ids,
             streamed: 0,
             stopped: false,
+            limit: gen_length,
+            released: 0,
         }
+    }
+
+    /// The response ends after `limit` tokens, however long the canvas.
+    pub(crate) fn with_limit(mut self, limit: usize) -> Self {
+        self.limit = limit;
+        self
     }
 
     pub(crate) fn is_stop(&self, token: u32) -> bool {
@@ -68,16 +87,23 @@ impl Canvas {
         if self.stopped {
             return (out, Some(FinishReason::StopToken));
         }
+        if self.released >= self.limit {
+            return (out, Some(FinishReason::Length));
+        }
         while let Some(&cell) = self.cells.get(self.streamed) {
             match cell {
                 Cell::Masked => break,
                 Cell::Dropped => self.streamed += 1,
                 Cell::Token(t) => {
                     self.streamed += 1;
+                    self.released += 1;
                     out.push(t);
                     if self.is_stop(t) {
                         self.stopped = true;
                         return (out, Some(FinishReason::StopToken));
+                    }
+                    if self.released >= self.limit {
+                        return (out, Some(FinishReason::Length));
                     }
                 }
             }
@@ -114,5 +140,20 @@ mod tests {
         c.commit(&[8, 9], &[9, 90]);
         assert_eq!(c.stream(), (vec![9], Some(FinishReason::StopToken)));
         assert_eq!(c.stream(), (vec![], Some(FinishReason::StopToken)));
+    }
+
+    #[test]
+    fn a_canvas_longer_than_the_limit_ends_the_response_at_the_limit() {
+        let mut c = Canvas::new(0, 8, vec![9]).with_limit(5);
+        c.commit(&[0, 1, 2, 3, 4, 5, 6], &[10, 11, 12, 13, 14, 15, 16]);
+        assert_eq!(
+            c.stream(),
+            (vec![10, 11, 12, 13, 14], Some(FinishReason::Length))
+        );
+        assert_eq!(c.stream(), (vec![], Some(FinishReason::Length)));
+        // A stop token at the limit is a stop.
+        let mut c = Canvas::new(0, 8, vec![9]).with_limit(2);
+        c.commit(&[0, 1], &[10, 9]);
+        assert_eq!(c.stream(), (vec![10, 9], Some(FinishReason::StopToken)));
     }
 }

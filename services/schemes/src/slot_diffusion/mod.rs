@@ -20,9 +20,9 @@
 //! `serial_num_blocks` (the *number* of blocks, not their length), `slot_threshold`,
 //! `token_threshold`, and the sampling temperature (Gumbel noise on planning drafts only; the
 //! infill loop is always greedy, as upstream). Defaults are upstream's function defaults:
-//! `slot_size` 8, `serial_num_blocks` 2, thresholds 0.9 / 0.9. Unlike upstream, which rounds
-//! `gen_length` up to a multiple of the span size, a length that is not a multiple is refused,
-//! so the response never exceeds `max_new_tokens`.
+//! `slot_size` 8, `serial_num_blocks` 2, thresholds 0.9 / 0.9. `max_new_tokens` is a cap, as
+//! OpenAI's `max_tokens`: the canvas is `gen_length` rounded up to whole blocks of whole spans
+//! (upstream rounds up to whole spans), and the response ends after `max_new_tokens` tokens.
 //!
 //! ## The engine's unit of work
 //!
@@ -193,27 +193,19 @@ impl RefusionPlanner {
                 return bad(format!("plan_infill.{name} must be in (0, 1], got {t}"));
             }
         }
-        if !gen.is_multiple_of(span) {
+        // max_new_tokens is a cap: the canvas (upstream's gen_length) is rounded up to whole
+        // blocks of whole spans, and the response ends after max_new_tokens tokens. A length
+        // that is already whole decodes exactly upstream's canvas.
+        let cap = gen;
+        let Some(gen) = blocks
+            .checked_mul(span)
+            .and_then(|unit| gen.checked_next_multiple_of(unit))
+        else {
             return bad(format!(
-                "max_new_tokens (gen_length, {gen}) must be a multiple of plan_infill.slot_size \
-                 ({span}); use {} or {}",
-                gen / span * span,
-                gen.div_ceil(span) * span
+                "plan_infill.serial_num_blocks ({blocks}) times slot_size ({span}) is too large"
             ));
-        }
-        if !gen.is_multiple_of(blocks) {
-            return bad(format!(
-                "plan_infill.serial_num_blocks ({blocks}) must divide max_new_tokens \
-                 (gen_length, {gen}): it is the number of blocks, not their length"
-            ));
-        }
+        };
         let block_length = gen / blocks;
-        if !block_length.is_multiple_of(span) {
-            return bad(format!(
-                "plan_infill.slot_size ({span}) must divide the block length max_new_tokens / \
-                 serial_num_blocks = {gen} / {blocks} = {block_length}"
-            ));
-        }
         let settings = Settings {
             span_size: span,
             block_length,
@@ -227,7 +219,7 @@ impl RefusionPlanner {
         let max_rows = spec.prompt_ids.len() + gen + block_length;
         let prompt_tokens = spec.prompt_ids.len();
         let stop = self.stop_ids(&spec);
-        let mut program = PlanInfill::new(settings, spec.prompt_ids, gen, stop, sampler);
+        let mut program = PlanInfill::new(settings, spec.prompt_ids, (gen, cap), stop, sampler);
         program.stream_canvas = spec.stream_canvas;
         Ok(self.prepared(
             Scheme::PlanInfill(Box::new(program)),

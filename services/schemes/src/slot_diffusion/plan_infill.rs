@@ -170,6 +170,10 @@ pub struct PlanInfill {
     stop: bool,
     /// The response streamed its first stop token in position order.
     stopped: bool,
+    /// The response streamed `max_new_tokens` tokens (the canvas, rounded up to whole blocks,
+    /// may be longer).
+    #[serde(default)]
+    capped: bool,
     phase: Phase,
     canvas: Canvas,
     /// Planning with a temperature (upstream's Gumbel noise): a categorical draw from
@@ -190,10 +194,12 @@ impl PlanInfill {
         self.buffer_ids.len() + self.s.block_length
     }
 
+    /// A request decoding a canvas of `gen_length` positions whose response holds at most
+    /// `max_new_tokens` tokens.
     pub(crate) fn new(
         s: Settings,
         prompt: Vec<u32>,
-        gen_length: usize,
+        (gen_length, max_new_tokens): (usize, usize),
         stop_token_ids: Vec<u32>,
         sampler: Option<TokenSampler>,
     ) -> Self {
@@ -207,8 +213,9 @@ impl PlanInfill {
             pool: Vec::new(),
             stop: false,
             stopped: false,
+            capped: false,
             phase: Phase::Plan,
-            canvas: Canvas::new(p, gen_length, stop_token_ids),
+            canvas: Canvas::new(p, gen_length, stop_token_ids).with_limit(max_new_tokens),
             sampler,
             record: None,
             current: None,
@@ -840,7 +847,8 @@ impl PlanInfill {
         }
         let (fresh, reason) = self.canvas.stream();
         outbox.tokens(fresh);
-        self.stopped |= reason.is_some();
+        self.stopped |= reason == Some(FinishReason::StopToken);
+        self.capped |= reason == Some(FinishReason::Length);
         Ok(())
     }
 
@@ -860,6 +868,11 @@ impl PlanInfill {
             // The response reached its first stop token in position order: every position
             // before it is final (the pool holds nothing left of it).
             self.finish(FinishReason::StopToken, stats, outbox);
+            return;
+        }
+        if self.capped {
+            // `max_new_tokens` are out; the rest of the rounded-up canvas is not the response's.
+            self.finish(FinishReason::Length, stats, outbox);
             return;
         }
         if self.pool.is_empty() {
@@ -966,7 +979,7 @@ mod tests {
             eos_rule: EosRule::Aligned,
         };
         let prompt = vec![34, 78, 79];
-        let mut p = PlanInfill::new(s, prompt.clone(), 8, vec![], None);
+        let mut p = PlanInfill::new(s, prompt.clone(), (8, 8), vec![], None);
         let (mut stats, mut outbox) = (Stats::default(), Outbox::default());
         let committed = prompt.len();
 

@@ -343,6 +343,53 @@ fn ar_decodes_what_a_cache_free_forward_decodes() -> Result<()> {
     Ok(())
 }
 
+/// `max_new_tokens` is a cap (issue 42, N3: ReFusion refused every length but whole blocks of
+/// whole spans): the canvas is rounded up, the response ends after `max_new_tokens` tokens
+/// with `Length` (or earlier at a stop token), and its tokens are the rounded canvas's first
+/// ones.
+#[test]
+fn max_new_tokens_is_a_cap() -> Result<()> {
+    let served = fixture_served(4)?;
+    // A greedy request on a canvas of 32 (upstream's defaults: span 8, 2 blocks) and the same
+    // one capped at 20 and 21: the capped responses are the whole one's prefix.
+    let run = |gen: usize| -> Result<_> {
+        let s = spec(
+            prompt(6, 1),
+            gen,
+            pi(PlanInfillParams {
+                span_threshold: 0.8,
+                token_threshold: 0.2,
+                ..PlanInfillParams::default()
+            }),
+        );
+        collect(&submit(served.as_ref(), s)?, Vec::new())
+    };
+    let whole = run(32)?;
+    // This prompt runs the whole canvas (no stop token), so every cap is reached.
+    ensure!(
+        whole.reason == FinishReason::Length && whole.tokens.len() == 32,
+        "{:?} {:?}",
+        whole.reason,
+        whole.tokens
+    );
+    for cap in [20, 21, 31] {
+        let capped = run(cap)?;
+        ensure!(
+            capped.reason == FinishReason::Length,
+            "{cap}: {:?}",
+            capped.reason
+        );
+        ensure!(
+            capped.tokens == whole.tokens[..cap],
+            "{cap}: {:?} against {:?}",
+            capped.tokens,
+            whole.tokens
+        );
+    }
+    served.shutdown();
+    Ok(())
+}
+
 #[test]
 fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     let (_, planner) = fixture()?;
@@ -358,18 +405,9 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     };
     let cases: Vec<(GenerateSpec, &str)> = vec![
         (
-            with(p(3, 1, 0.8, 0.2)),
-            "max_new_tokens (gen_length, 16) must be a multiple of plan_infill.slot_size (3); use 15 or 18",
+            with(p(0, 2, 0.8, 0.2)),
+            "plan_infill.slot_size must be at least 1",
         ),
-        (
-            with(p(8, 4, 0.8, 0.2)),
-            "plan_infill.slot_size (8) must divide the block length max_new_tokens / serial_num_blocks = 16 / 4 = 4",
-        ),
-        (
-            with(p(4, 3, 0.8, 0.2)),
-            "plan_infill.serial_num_blocks (3) must divide max_new_tokens",
-        ),
-        (with(p(0, 2, 0.8, 0.2)), "plan_infill.slot_size must be at least 1"),
         (
             with(p(4, 0, 0.8, 0.2)),
             "plan_infill.serial_num_blocks must be at least 1",
@@ -415,10 +453,20 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     assert_invalid(&planner, cases)?;
     // Thresholds of exactly 1 are accepted (nothing passes; the best span is the fallback).
     ensure!(planner.prepare(with(p(4, 2, 1.0, 1.0))).is_ok());
-    // Upstream's defaults (span 8, 2 blocks) need a multiple of 16.
-    ensure!(planner
-        .prepare(spec(prompt(4, 0), 32, pi(PlanInfillParams::default())))
-        .is_ok());
+    // max_new_tokens is a cap: lengths that are not whole blocks of whole spans are served
+    // (the canvas is rounded up; see `max_new_tokens_is_a_cap`).
+    for (gen, scheme) in [
+        (16, p(3, 1, 0.8, 0.2)),
+        (16, p(8, 4, 0.8, 0.2)),
+        (16, p(4, 3, 0.8, 0.2)),
+        (20, pi(PlanInfillParams::default())),
+        (32, pi(PlanInfillParams::default())),
+    ] {
+        ensure!(
+            planner.prepare(spec(prompt(4, 0), gen, scheme)).is_ok(),
+            "{gen}"
+        );
+    }
     // Slots are pages of 16 rows per layer. Admission takes the first step's: the committed
     // cache after the first commit (the prompt and one block); at most, the prompt, every
     // generated token and one block. `ar`: the prompt, then the prompt and every token.
