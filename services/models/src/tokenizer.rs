@@ -125,7 +125,9 @@ impl TextTokenizer {
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         let template = self.chat.as_deref().ok_or_else(|| {
             ModelError::Tokenizer(
-                "this model has no chat template (no `chat_template` in its tokenizer_config.json)"
+                "this model has no chat template (no `chat_template` in its tokenizer_config.json): \
+                 send a plain prompt instead (`prompt` on /v1/completions, `text` over gRPC, \
+                 `run` without --chat)"
                     .into(),
             )
         })?;
