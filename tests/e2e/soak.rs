@@ -3,8 +3,9 @@
 //!
 //! The soak sends `WAVEFRONT_SOAK_REQUESTS` requests (default 600, the CI run) over every
 //! scheme of the four families and of Dream and LLaDA2.0 from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
-//! random client cancellations, deadlines from 10 ms to 10 s, slow readers, stop strings and 10%
-//! invalid requests, within `WAVEFRONT_SOAK_SECONDS` (default 100; past it no new request is
+//! random client cancellations, deadlines from 10 ms to 10 s, slow readers, readers that stop
+//! reading for up to 2 s, stop strings and 10% invalid requests (chats over
+//! `--max-chat-messages` among them), within `WAVEFRONT_SOAK_SECONDS` (default 100; past it no new request is
 //! sent). It then checks that no process exited, every response was well formed (a finish
 //! reason, or a documented status code), the invalid ones were refused as invalid, every
 //! worker's slots and queue are back to empty (load reports and Prometheus gauges), and that
@@ -93,6 +94,9 @@ enum Reader {
     Stream,
     /// Sleeps between messages.
     Slow(Duration),
+    /// Reads the first message, then stops reading for this long (its request pauses, and is
+    /// the first preempted when others need its memory), then reads the rest.
+    Stall(Duration),
     /// Drops the call after this long.
     Cancel(Duration),
 }
@@ -265,9 +269,23 @@ fn invalid(rng: &mut StdRng) -> pb::GenerateRequest {
         max_new_tokens: 4,
         ..Default::default()
     };
-    match rng.random_range(0..7) {
+    match rng.random_range(0..8) {
         0 => pb::GenerateRequest {
             model: "no-such-model".into(),
+            ..base
+        },
+        // A chat over --max-chat-messages: refused before it is rendered.
+        7 => pb::GenerateRequest {
+            model: "llada".into(),
+            prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatMessages {
+                messages: vec![
+                    pb::ChatMessage {
+                        role: "user".into(),
+                        content: String::new(),
+                    };
+                    1025
+                ],
+            })),
             ..base
         },
         1 => pb::GenerateRequest {
@@ -342,7 +360,7 @@ async fn one(
             Ok(r) => Ok(r.into_inner()),
             Err(s) => Err(s),
         },
-        Reader::Stream | Reader::Slow(_) | Reader::Cancel(_) => {
+        Reader::Stream | Reader::Slow(_) | Reader::Stall(_) | Reader::Cancel(_) => {
             let cancel_at = match reader {
                 Reader::Cancel(d) => Some(start + d),
                 _ => None,
@@ -350,6 +368,7 @@ async fn one(
             let read = async {
                 let mut stream = client.generate_stream(request).await?.into_inner();
                 let mut streamed = Vec::new();
+                let mut stalled = false;
                 loop {
                     match stream.message().await? {
                         None => {
@@ -373,8 +392,13 @@ async fn one(
                             None => return Err(tonic::Status::unknown("empty stream message")),
                         },
                     }
-                    if let Reader::Slow(d) = reader {
-                        tokio::time::sleep(d).await;
+                    match reader {
+                        Reader::Slow(d) => tokio::time::sleep(d).await,
+                        Reader::Stall(d) if !stalled => {
+                            stalled = true;
+                            tokio::time::sleep(d).await;
+                        }
+                        _ => {}
                     }
                 }
             };
@@ -519,7 +543,8 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
                 let reader = match rng.random_range(0..10) {
                     0..=2 => Reader::Unary,
                     3..=5 => Reader::Stream,
-                    6 | 7 => Reader::Slow(Duration::from_millis(rng.random_range(1..30))),
+                    6 => Reader::Slow(Duration::from_millis(rng.random_range(1..30))),
+                    7 => Reader::Stall(Duration::from_millis(rng.random_range(100..2000))),
                     _ => Reader::Cancel(Duration::from_millis(rng.random_range(1..500))),
                 };
                 // Log-uniform between 10 ms and 10 s.
