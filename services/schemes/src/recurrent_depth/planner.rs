@@ -239,11 +239,13 @@ impl Program {
     pub fn pages_needed(&self, cfg: &HuginnConfig) -> usize {
         let (cache, steps, rows, latent) = match self {
             Program::Ar(p) => (&p.cache, p.num_steps, p.pending.len(), 0),
+            // The wave's latent rows are rewritten at the commit, after the forward: until then
+            // it holds the pages it has, so a wave that shrinks still needs them this tick.
             Program::Diffusion(p) => (
                 &p.cache,
                 p.settings.num_steps,
                 p.next_rows(),
-                p.latent_pages_needed(),
+                p.latent_pages_needed().max(p.cache.latent_pages()),
             ),
         };
         let s = cache_layers(cfg, cache.strategy(), steps);

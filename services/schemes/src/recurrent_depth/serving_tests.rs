@@ -826,3 +826,67 @@ fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
     served.shutdown();
     Ok(())
 }
+
+/// Diffusion-forcing requests (the soak's mix: default options, 1 to 15 tokens) beside static
+/// `ar` ones, whose clients stop reading after their first event for up to 200 ms: every
+/// request finishes, none fails for want of pages. (The full soak found one that did: a wave
+/// that shrank was granted pages for its smaller latent rows while its forward still held the
+/// larger ones, which are rewritten only at the commit.)
+#[test]
+fn stalled_readers_beside_diffusion_forcing_requests_all_finish() -> Result<()> {
+    let served = load_model(
+        fixture_files()?,
+        LoadOptions {
+            name: "fixture".into(),
+            max_active: 32,
+            ..LoadOptions::default()
+        },
+    )?;
+    let mut readers = Vec::new();
+    for i in 0..96u32 {
+        let scheme = if i % 3 == 0 {
+            ar_static(4, "full")
+        } else {
+            SchemeParams::DiffusionForcing(DiffusionForcingParams {
+                num_steps: Some(8),
+                ..DiffusionForcingParams::default()
+            })
+        };
+        let s = spec(
+            prompt(3 + (i as usize * 7) % 20, i),
+            1 + (i as usize * 5) % 15,
+            u64::from(i),
+            scheme,
+        );
+        let (sink, rx, _) = TestSink::new(1);
+        served.submit(s, Box::new(sink), None, tracing::Span::none())?;
+        let stall = Duration::from_millis(u64::from(i * 37 % 200));
+        readers.push(std::thread::spawn(move || -> Result<()> {
+            let first = rx.recv_timeout(Duration::from_secs(60))?;
+            std::thread::sleep(stall);
+            let out = collect(&rx, vec![first])?;
+            ensure!(
+                matches!(
+                    out.reason,
+                    wavefront_engine::FinishReason::Length
+                        | wavefront_engine::FinishReason::StopToken
+                        | wavefront_engine::FinishReason::ContextLimit
+                ),
+                "{:?}",
+                out.reason
+            );
+            Ok(())
+        }));
+        if i % 8 == 7 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for (i, r) in readers.into_iter().enumerate() {
+        r.join()
+            .expect("reader")
+            .map_err(|e| anyhow::anyhow!("request {i}: {e}"))?;
+    }
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
+    served.shutdown();
+    Ok(())
+}
