@@ -515,7 +515,12 @@ impl<P: Send + 'static> Scheduler<P> {
         // holds up no one.
         // Requests whose clients are not reading give way (they are preempted in turn).
         while let Some(next) = self.preempted.iter().position(|r| r.backlog.is_empty()) {
-            if self.running.len() >= self.max_active && !self.preempt_paused(family, report) {
+            if self.running.len() >= self.max_active {
+                // The request preempted joins `preempted` (in admission order, so `next` may
+                // now point elsewhere): look again.
+                if self.preempt_paused(family, report) {
+                    continue;
+                }
                 return;
             }
             let need = family.slots_needed(&self.preempted[next].active);

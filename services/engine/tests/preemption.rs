@@ -3,7 +3,8 @@
 //! so a slot lost, shared or mixed up in a move changes its tokens.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use proptest::prelude::*;
@@ -581,4 +582,111 @@ fn a_request_left_unread_past_the_write_timeout_is_cancelled() {
         .any(|e| matches!(e, Event::Finished { .. })));
     assert!(sched.is_idle());
     assert_eq!(sched.pool().free(), 8, "every slot came back");
+}
+
+/// A sink whose client reads only while its gate is open (what it read waits in the channel).
+struct Gated {
+    tx: mpsc::SyncSender<Event>,
+    open: Arc<AtomicBool>,
+}
+
+impl EventSink for Gated {
+    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
+        if !self.open.load(Ordering::Relaxed) {
+            return Err((SinkError::Full, event));
+        }
+        Sink(self.tx.clone()).try_send(event)
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Queues a grower on a [`Gated`] sink; returns its receiver and its gate (open).
+fn submit_gated(
+    sched: &mut Scheduler<Grower>,
+    id: u64,
+    len: usize,
+) -> (mpsc::Receiver<Event>, Arc<AtomicBool>) {
+    let (tx, rx) = mpsc::sync_channel(4096);
+    let open = Arc::new(AtomicBool::new(true));
+    let w = Waiting {
+        id: RequestId(id),
+        prepared: grower(id + 1, len),
+        sink: Box::new(Gated {
+            tx,
+            open: open.clone(),
+        }),
+        deadline: None,
+        submitted_at: Instant::now(),
+        span: tracing::Span::none(),
+    };
+    if let Err((_, e)) = sched.enqueue(w) {
+        panic!("request {id} refused: {e}");
+    }
+    (rx, open)
+}
+
+/// Every place taken, a preempted request whose client reads again waits for one; when an
+/// older running request's client then stops reading, that request gives its place to the
+/// waiting one. (The engine once looped for ever here: the request it had just preempted went
+/// into the waiting list ahead of the one it meant to resume, and it resumed that one instead,
+/// which it then preempted again, and so on, within one tick.)
+#[test]
+fn a_place_given_up_by_a_paused_request_goes_to_the_preempted_one_waiting() {
+    let (done_tx, done_rx) = mpsc::channel();
+    // The scenario runs on its own thread so that a regression fails here instead of hanging.
+    std::thread::spawn(move || {
+        let mut sched: Scheduler<Grower> = Scheduler::new(100, 64, 2);
+        let mut family = PagedFamily::default();
+        let (rx_a, gate_a) = submit_gated(&mut sched, 0, 40);
+        let (rx_b, gate_b) = submit_gated(&mut sched, 1, 40);
+        for _ in 0..3 {
+            sched.tick(&mut family, Instant::now());
+        }
+        // B's client stops reading; C arrives and takes B's place (B is preempted, paused).
+        gate_b.store(false, Ordering::Relaxed);
+        sched.tick(&mut family, Instant::now());
+        let rx_c = submit(&mut sched, 2, 40, 4096);
+        sched.tick(&mut family, Instant::now());
+        assert_eq!(sched.preempted(), 1, "B gave its place to C");
+        // B's client reads again: B waits for a place, every place taken.
+        gate_b.store(true, Ordering::Relaxed);
+        for _ in 0..2 {
+            sched.tick(&mut family, Instant::now());
+        }
+        assert_eq!(sched.preempted(), 1, "B waits for a place");
+        // A's client stops reading: A gives its place to B.
+        gate_a.store(false, Ordering::Relaxed);
+        for _ in 0..3 {
+            sched.tick(&mut family, Instant::now());
+        }
+        gate_a.store(true, Ordering::Relaxed);
+        for _ in 0..1000 {
+            if sched.is_idle() {
+                break;
+            }
+            sched.tick(&mut family, Instant::now());
+        }
+        assert!(sched.is_idle(), "requests left after 1000 ticks");
+        for (i, rx) in [rx_a, rx_b, rx_c].iter().enumerate() {
+            let tokens: Vec<u32> = rx
+                .try_iter()
+                .flat_map(|e| match e {
+                    Event::Tokens(t) => t,
+                    _ => Vec::new(),
+                })
+                .collect();
+            assert_eq!(tokens, alone(i as u64 + 1, 40), "request {i}");
+        }
+        assert!(
+            family.preemptions >= 2,
+            "{} preemptions",
+            family.preemptions
+        );
+        done_tx.send(()).expect("the test waits");
+    });
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the scenario ends within 60 s (a panic above says why it ended early)");
 }
