@@ -12,5 +12,5 @@ export WAVEFRONT_SOAK_SECONDS="${WAVEFRONT_SOAK_SECONDS:-1200}"
 export WAVEFRONT_SOAK_REPORT="$PWD/target/soak-report.json"
 export WAVEFRONT_OVERLOAD_MAX_RATIO="${WAVEFRONT_OVERLOAD_MAX_RATIO:-2}"
 export WAVEFRONT_FLOOD_MAX_RATIO="${WAVEFRONT_FLOOD_MAX_RATIO:-2}"
-cargo test --release -p wavefront --test e2e soak:: hostile:: -- --test-threads 1 --nocapture 2>&1 \
+cargo test --release -p wavefront --test e2e -- soak:: hostile:: --test-threads 1 --nocapture 2>&1 \
   | grep -E '^(soak|overload): |oversized chats refused|^test |test result' 

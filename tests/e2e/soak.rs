@@ -479,7 +479,25 @@ async fn one(
             }
         }
     }
+    if let Some(m) = &mut out.malformed {
+        *m = format!("{} ({}): {m}", req.model, scheme_name(&req));
+    }
     out
+}
+
+/// The request's scheme, for reports.
+fn scheme_name(req: &pb::GenerateRequest) -> &'static str {
+    use pb::generate_request::Scheme;
+    match req.scheme {
+        None => "default",
+        Some(Scheme::Ar(_)) => "ar",
+        Some(Scheme::DiffusionForcing(_)) => "diffusion_forcing",
+        Some(Scheme::LowConfidence(_)) => "low_confidence",
+        Some(Scheme::Wino(_)) => "wino",
+        Some(Scheme::PlanInfill(_)) => "plan_infill",
+        Some(Scheme::DiffusionGenerate(_)) => "diffusion_generate",
+        Some(Scheme::BlockDiffusion(_)) => "block_diffusion",
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
