@@ -267,9 +267,9 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
         (json!({"model": "llada", "prompt": "x", "n": 2}), 400, "n"),
         (json!({"model": "nope", "prompt": "x"}), 404, "not served"),
         (
-            json!({"model": "llada", "prompt": "x", "max_tokens": 10, "low_confidence": {"block_length": 3}}),
+            json!({"model": "llada", "prompt": "x", "max_tokens": 10, "low_confidence": {"block_length": 4, "steps": 5}}),
             400,
-            "block_length",
+            "low_confidence.steps (5) must be divisible by the number of blocks",
         ),
         (
             json!({"model": "llada", "prompt": "x", "temperature": -1}),

@@ -1,8 +1,8 @@
 //! The slot-diffusion (ReFusion) fixture end to end: `wavefront run --scheme plan-infill`
 //! reproduces upstream's responses, prints the out-of-order slot events with `--stream-canvas`,
 //! and decodes the same split over two tensor-parallel ranks; a worker serving the model streams
-//! tokens in position order with slot events ahead of them, and refuses a slot size that does
-//! not divide gen_length as INVALID_ARGUMENT.
+//! tokens in position order with slot events ahead of them, and refuses a slot size of 0 as
+//! INVALID_ARGUMENT.
 
 use tonic::Code;
 use wavefront_proto::v1 as pb;

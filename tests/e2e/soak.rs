@@ -306,8 +306,10 @@ fn invalid(rng: &mut StdRng) -> pb::GenerateRequest {
         4 => pb::GenerateRequest {
             model: "llada".into(),
             max_new_tokens: 10,
+            // Three blocks of 4 (the canvas rounded up): 5 steps do not split evenly.
             scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
-                block_length: Some(3),
+                block_length: Some(4),
+                steps: Some(5),
                 ..Default::default()
             })),
             ..base

@@ -154,7 +154,8 @@ pub struct GenerationArgs {
     pub execution: Option<ExecutionName>,
 
     // ---- low-confidence / wino (masked diffusion) ----
-    /// low-confidence, wino: block length; must divide --max-new-tokens (default: one block).
+    /// low-confidence, wino: block length (default: one block); the canvas is rounded up to whole
+    /// blocks and the answer stops at --max-new-tokens.
     #[arg(long)]
     pub block_length: Option<u32>,
     /// low-confidence: sampling steps in all, split across blocks; diffusion-generate: sampling
@@ -181,10 +182,11 @@ pub struct GenerationArgs {
     pub surelock_percentile: Option<f32>,
 
     // ---- plan-infill (slot diffusion) ----
-    /// plan-infill: tokens per slot; must divide the block length (default 8).
+    /// plan-infill: tokens per slot (default 8).
     #[arg(long)]
     pub slot_size: Option<u32>,
-    /// plan-infill: number of blocks (not their length); must divide --max-new-tokens (default 2).
+    /// plan-infill: number of blocks (not their length; default 2); the canvas is rounded up to
+    /// whole blocks of whole slots and the answer stops at --max-new-tokens.
     #[arg(long)]
     pub serial_num_blocks: Option<u32>,
     /// plan-infill: select slots whose first token's probability exceeds this (default 0.9).

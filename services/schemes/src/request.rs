@@ -125,10 +125,11 @@ pub struct SureLockParams {
 }
 
 /// LLaDA's low-confidence remasking sampler (upstream `generate()`); `gen_length` is the
-/// request's `max_new_tokens`.
+/// request's `max_new_tokens` rounded up to whole blocks (the response stops at
+/// `max_new_tokens`).
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct LowConfidenceParams {
-    /// Semi-autoregressive block length; must divide `gen_length`. `None`: `gen_length`.
+    /// Semi-autoregressive block length. `None`: `max_new_tokens` (one block).
     pub block_length: Option<usize>,
     /// Total sampling steps, split evenly across blocks. `None`: `gen_length`.
     pub steps: Option<usize>,
@@ -139,10 +140,10 @@ pub struct LowConfidenceParams {
 }
 
 /// WINO's draft-and-verify sampler (upstream `decoding_wino()`); `gen_length` is the request's
-/// `max_new_tokens`.
+/// `max_new_tokens` rounded up to whole blocks (the response stops at `max_new_tokens`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WinoParams {
-    /// Block length; must divide `gen_length`. `None`: `gen_length`.
+    /// Block length. `None`: `max_new_tokens` (one block).
     pub block_length: Option<usize>,
     /// Draft threshold tau1 (upstream `threshold`).
     pub threshold: f32,
@@ -291,9 +292,10 @@ pub enum EosRule {
 /// request's `max_new_tokens`, the sampling temperature is `SamplingParams::temperature`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PlanInfillParams {
-    /// Tokens per span (the API's `slot_size`); must divide the block length.
+    /// Tokens per span (the API's `slot_size`).
     pub span_size: usize,
-    /// Number of semi-autoregressive blocks (not their length); must divide `gen_length`.
+    /// Number of semi-autoregressive blocks (not their length); `gen_length` is
+    /// `max_new_tokens` rounded up to whole blocks of whole spans.
     pub serial_num_blocks: usize,
     /// A span is selected when the probability of its first drafted token exceeds this (the
     /// API's `slot_threshold`), in (0, 1]; when none does, the single most confident span is.

@@ -22,6 +22,10 @@ pub(crate) struct Canvas {
     stop_token_ids: Vec<u32>,
     /// Generated tokens already streamed.
     streamed: usize,
+    /// The most generated tokens the response may hold (`max_new_tokens`), when the canvas was
+    /// rounded up to whole blocks past it; `None`: the whole canvas.
+    #[serde(default)]
+    limit: Option<usize>,
 }
 
 impl Canvas {
@@ -43,7 +47,23 @@ impl Canvas {
             mask_id,
             stop_token_ids,
             streamed: 0,
+            limit: None,
         }
+    }
+
+    /// Caps the response at `limit` generated tokens (the canvas stays as long as it is: its
+    /// blocks are decoded whole, and what lies past the cap is never streamed).
+    pub(crate) fn with_limit(mut self, limit: usize) -> Self {
+        if limit < self.len() - self.prompt_len {
+            self.limit = Some(limit);
+        }
+        self
+    }
+
+    /// End of the positions that may be streamed: the canvas, or the cap.
+    fn stream_end(&self) -> usize {
+        self.limit
+            .map_or(self.len(), |l| (self.prompt_len + l).min(self.len()))
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -144,7 +164,7 @@ impl Canvas {
     /// it) or the whole canvas has been streamed.
     pub(crate) fn stream(&mut self, upto: usize) -> (Vec<u32>, Option<FinishReason>) {
         let from = self.prompt_len + self.streamed;
-        let upto = upto.min(self.len());
+        let upto = upto.min(self.stream_end());
         let mut fresh = Vec::new();
         if upto > from {
             fresh.extend_from_slice(&self.tokens[from..upto]);
@@ -155,7 +175,7 @@ impl Canvas {
             }
             self.streamed = upto - self.prompt_len;
         }
-        let done = self.prompt_len + self.streamed >= self.len();
+        let done = self.prompt_len + self.streamed >= self.stream_end();
         (fresh, done.then_some(FinishReason::Length))
     }
 }
@@ -163,6 +183,24 @@ impl Canvas {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capped_canvas_streams_up_to_its_cap_and_ends_there() {
+        let mut c = Canvas::new(&[1], 8, 4, 99, vec![7]).with_limit(5);
+        c.tokens[1..5].copy_from_slice(&[2, 3, 4, 5]);
+        assert_eq!(c.stream(c.committed_prefix_end()), (vec![2, 3, 4, 5], None));
+        c.tokens[5..9].copy_from_slice(&[6, 7, 8, 9]);
+        // Position 6 (a stop token) lies past the cap: the response ends at the cap.
+        assert_eq!(
+            c.stream(c.committed_prefix_end()),
+            (vec![6], Some(FinishReason::Length))
+        );
+        // A cap at or past the canvas is no cap.
+        assert_eq!(
+            Canvas::new(&[1], 8, 4, 99, vec![]).with_limit(8).limit,
+            None
+        );
+    }
 
     #[test]
     fn streams_the_committed_prefix_and_stops_at_a_stop_token() {

@@ -207,15 +207,15 @@ impl MdPlanner {
         p: &LowConfidenceParams,
     ) -> Result<Prepared<MdProgram>, RequestError> {
         let gen = spec.max_new_tokens;
-        let (block_length, blocks) = blocks("low_confidence", gen, p.block_length)?;
-        let steps = p.steps.unwrap_or(gen);
+        let (block_length, blocks, canvas) = blocks("low_confidence", gen, p.block_length)?;
+        let steps = p.steps.unwrap_or(canvas);
         if steps == 0 {
             return bad("low_confidence.steps must be at least 1".into());
         }
         if !steps.is_multiple_of(blocks) {
             return bad(format!(
                 "low_confidence.steps ({steps}) must be divisible by the number of blocks \
-                 (max_new_tokens / block_length = {gen} / {block_length} = {blocks})"
+                 (max_new_tokens / block_length = {gen} / {block_length}, rounded up: {blocks})"
             ));
         }
         if !p.cfg_scale.is_finite() || p.cfg_scale < 0.0 {
@@ -236,6 +236,7 @@ impl MdPlanner {
         let copies = if p.cfg_scale > 0.0 { 2 } else { 1 };
         self.build(
             spec,
+            canvas,
             block_length,
             decoder,
             surelock,
@@ -250,7 +251,7 @@ impl MdPlanner {
         spec: GenerateSpec,
         p: &WinoParams,
     ) -> Result<Prepared<MdProgram>, RequestError> {
-        let (block_length, _) = blocks("wino", spec.max_new_tokens, p.block_length)?;
+        let (block_length, _, canvas) = blocks("wino", spec.max_new_tokens, p.block_length)?;
         for (name, t) in [
             ("threshold", p.threshold),
             ("threshold_back", p.threshold_back),
@@ -268,7 +269,16 @@ impl MdPlanner {
         }
         let surelock = surelock("wino", p.surelock.as_ref())?;
         let decoder = Decoder::Wino(Wino::new(decimal(p.threshold), decimal(p.threshold_back)));
-        self.build(spec, block_length, decoder, surelock, 0.0, block_length, 1)
+        self.build(
+            spec,
+            canvas,
+            block_length,
+            decoder,
+            surelock,
+            0.0,
+            block_length,
+            1,
+        )
     }
 
     fn prepare_diffusion_generate(
@@ -314,13 +324,14 @@ impl MdPlanner {
         let decoder = Decoder::DiffusionGenerate(DiffusionGenerate::new(
             p.alg, steps, p.eps, p.alg_temp, top_k, top_p, replay,
         ));
-        self.build(spec, gen, decoder, None, 0.0, 0, 1)
+        self.build(spec, gen, gen, decoder, None, 0.0, 0, 1)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn build(
         &self,
         spec: GenerateSpec,
+        gen_length: usize,
         block_length: usize,
         decoder: Decoder,
         surelock: Option<SureLockParams>,
@@ -331,13 +342,27 @@ impl MdPlanner {
         let prompt_tokens = spec.prompt_ids.len();
         let mut stop = spec.stop_token_ids;
         stop.extend(&self.cfg.eos_token_ids);
+        if gen_length > spec.max_new_tokens
+            && spec.prompt_ids.len() + gen_length > self.cfg.max_context
+        {
+            return bad(format!(
+                "prompt ({}) + max_new_tokens ({}) rounded up to whole blocks of {block_length} \
+                 is {} positions, beyond the model's context limit of {}: ask for fewer tokens \
+                 or a block_length that divides max_new_tokens (max_tokens over HTTP)",
+                spec.prompt_ids.len(),
+                spec.max_new_tokens,
+                spec.prompt_ids.len() + gen_length,
+                self.cfg.max_context
+            ));
+        }
         let canvas = Canvas::new(
             &spec.prompt_ids,
-            spec.max_new_tokens,
+            gen_length,
             block_length,
             self.cfg.mask_token_id,
             stop,
-        );
+        )
+        .with_limit(spec.max_new_tokens);
         let rows = canvas.len() + shadow;
         let slot_plan = self.slot_plan(copies, shadow, surelock.is_some());
         let slots = self.slots(rows, copies, surelock.is_some());
@@ -375,30 +400,23 @@ impl MdPlanner {
 /// for `origin`; the schedule holds one float per step).
 const MAX_STEPS: usize = 1 << 16;
 
-/// Block length (default: `gen_length`) and block count, checked.
+/// Block length (default: `gen_length`), block count and canvas length, checked: a
+/// `max_new_tokens` that is not a multiple of the block length is a cap (OpenAI's `max_tokens`
+/// is one), so the canvas is rounded up to whole blocks and the response stops at the cap.
 fn blocks(
     scheme: &str,
     gen: usize,
     block_length: Option<usize>,
-) -> Result<(usize, usize), RequestError> {
+) -> Result<(usize, usize, usize), RequestError> {
     let bl = block_length.unwrap_or(gen);
     if bl == 0 {
         return bad(format!("{scheme}.block_length must be at least 1"));
     }
-    if !gen.is_multiple_of(bl) {
-        let (lower, upper) = (gen / bl * bl, gen.div_ceil(bl) * bl);
-        let lengths = if lower == 0 {
-            upper.to_string()
-        } else {
-            format!("{lower} or {upper}")
-        };
-        return bad(format!(
-            "{scheme}.block_length ({bl}) must divide gen_length = max_new_tokens ({gen}; \
-             max_tokens over HTTP): ask for {lengths} tokens, or leave block_length unset (one \
-             block)"
-        ));
-    }
-    Ok((bl, gen / bl))
+    // A block longer than the answer is one block of the answer's length (upstream refuses
+    // it; rounding the canvas up to it would decode positions nobody reads).
+    let bl = bl.min(gen);
+    let blocks = gen.div_ceil(bl);
+    Ok((bl, blocks, blocks * bl))
 }
 
 fn surelock(

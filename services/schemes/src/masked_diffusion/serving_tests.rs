@@ -16,7 +16,7 @@ use crate::request::{GenerateSpec, LowConfidenceParams, Remasking, SchemeParams,
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
     assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
-    refused_as_too_large, serve, submit, wait_for_free_slots,
+    refused_as_too_large, serve, submit, wait_for_free_slots, Outcome,
 };
 
 fn lc(p: LowConfidenceParams) -> SchemeParams {
@@ -257,16 +257,54 @@ fn a_stop_token_ends_the_response_early() -> Result<()> {
     Ok(())
 }
 
+/// `max_new_tokens` that whole blocks do not fill is a cap, as OpenAI's `max_tokens` is: the
+/// canvas is rounded up to whole blocks, decoded as upstream decodes that canvas, and the
+/// response stops at the cap.
+#[test]
+fn max_new_tokens_is_a_cap_when_blocks_do_not_divide_it() -> Result<()> {
+    let served = fixture_served(4)?;
+    let golden = Golden::load()?;
+    for (scheme, cap) in [
+        (lc(low_confidence(8, 32)), 27),
+        (lc(low_confidence(8, 32)), 25),
+        (wn(wino(16)), 27),
+        (wn(wino(16)), 17),
+    ] {
+        let run = |max| -> Result<Outcome> {
+            let mut s = spec(golden.prompt(), max, 0, scheme.clone());
+            s.stop_token_ids = Vec::new();
+            collect(&submit(served.as_ref(), s)?, Vec::new())
+        };
+        let whole = run(32)?;
+        let capped = run(cap)?;
+        let name = scheme.name();
+        ensure!(
+            whole.tokens.len() > cap,
+            "{name}: the whole canvas stopped early"
+        );
+        ensure!(
+            capped.tokens == whole.tokens[..cap],
+            "{name} capped at {cap}: {:?}, whole canvas {:?}",
+            capped.tokens,
+            whole.tokens
+        );
+        ensure!(capped.reason == FinishReason::Length, "{name}: {capped:?}");
+        ensure!(
+            capped.stats.generated_tokens as usize == cap,
+            "{name}: {:?}",
+            capped.stats
+        );
+    }
+    served.shutdown();
+    Ok(())
+}
+
 #[test]
 fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     let (_, planner) = fixture()?;
     let base = || spec(prompt(4, 0), 16, 0, lc(low_confidence(8, 16)));
     let with = |scheme| GenerateSpec { scheme, ..base() };
     let cases: Vec<(GenerateSpec, &str)> = vec![
-        (
-            with(lc(low_confidence(6, 12))),
-            "block_length (6) must divide gen_length",
-        ),
         (
             with(lc(low_confidence(0, 12))),
             "block_length must be at least 1",
@@ -328,8 +366,8 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
             "must not exceed wino.threshold_back",
         ),
         (
-            with(wn(wino(5))),
-            "wino.block_length (5) must divide gen_length",
+            spec(prompt(4, 0), 4090, 0, lc(low_confidence(8, 512))),
+            "rounded up to whole blocks of 8 is 4100 positions",
         ),
         (
             with(SchemeParams::Ar(Default::default())),

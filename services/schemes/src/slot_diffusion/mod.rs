@@ -169,14 +169,9 @@ impl RefusionPlanner {
         spec: GenerateSpec,
         p: &PlanInfillParams,
     ) -> Result<Prepared<SdProgram>, RequestError> {
+        // Upstream generate_refusion() draws its plan at the temperature only; top_k and top_p,
+        // when set, restrict the draw as they do for every other scheme (greedy ignores them).
         let s = &spec.sampling;
-        if s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
-            return bad(
-                "plan_infill takes sampling.temperature only; top_k and top_p must be unset \
-                 (upstream generate_refusion() has neither)"
-                    .into(),
-            );
-        }
         let gen = spec.max_new_tokens;
         let (span, blocks) = (p.span_size, p.serial_num_blocks);
         if span == 0 {

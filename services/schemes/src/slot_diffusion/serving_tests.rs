@@ -15,7 +15,7 @@ use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::test_support::*;
 use crate::kv_row::PagedPlanner;
-use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SamplingParams, SchemeParams};
+use crate::request::{ArParams, GenerateSpec, PlanInfillParams, SchemeParams};
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
     assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
@@ -390,6 +390,42 @@ fn max_new_tokens_is_a_cap() -> Result<()> {
     Ok(())
 }
 
+/// top_k and top_p restrict plan-and-infill's sampled plan as they do every other draw: top_k
+/// 1 at any temperature plans what greedy plans, and a top_p draw keeps to its nucleus.
+#[test]
+fn top_k_and_top_p_restrict_the_sampled_plan() -> Result<()> {
+    let served = fixture_served(4)?;
+    let base = || spec(prompt(6, 1), 32, plan_infill(4, 2, 0.8, 0.2));
+    let greedy = collect(&submit(served.as_ref(), base())?, Vec::new())?;
+    let mut one = sampled(base(), 1.5, 7);
+    one.sampling.top_k = 1;
+    let one = collect(&submit(served.as_ref(), one)?, Vec::new())?;
+    ensure!(
+        one.tokens == greedy.tokens,
+        "top_k 1: {:?}, greedy {:?}",
+        one.tokens,
+        greedy.tokens
+    );
+    // At a high temperature the unfiltered draws leave the greedy plan; a tiny nucleus (top_p
+    // 1e-6 keeps only the most likely token) does not.
+    let wide = collect(
+        &submit(served.as_ref(), sampled(base(), 50.0, 7))?,
+        Vec::new(),
+    )?;
+    ensure!(wide.tokens != greedy.tokens, "temperature 50 drew greedily");
+    let mut narrow = sampled(base(), 50.0, 7);
+    narrow.sampling.top_p = 1e-6;
+    let narrow = collect(&submit(served.as_ref(), narrow)?, Vec::new())?;
+    ensure!(
+        narrow.tokens == greedy.tokens,
+        "top_p 1e-6: {:?}, greedy {:?}",
+        narrow.tokens,
+        greedy.tokens
+    );
+    served.shutdown();
+    Ok(())
+}
+
 #[test]
 fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
     let (_, planner) = fixture()?;
@@ -423,16 +459,6 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
         (
             with(p(4, 2, f32::NAN, 0.2)),
             "plan_infill.slot_threshold must be in (0, 1]",
-        ),
-        (
-            GenerateSpec {
-                sampling: SamplingParams {
-                    top_p: 0.5,
-                    ..SamplingParams::default()
-                },
-                ..base()
-            },
-            "top_k and top_p must be unset",
         ),
         (
             with(SchemeParams::Ar(ArParams {
