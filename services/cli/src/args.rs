@@ -168,9 +168,20 @@ pub struct GenerationArgs {
     /// low-confidence: classifier-free guidance scale (0 disables).
     #[arg(long)]
     pub cfg_scale: Option<f32>,
-    /// wino: draft threshold tau1 (default 0.6).
+    /// wino: draft threshold tau1 (default 0.6); low-confidence: Fast-dLLM's confidence-aware
+    /// parallel decoding, committing each step the block's most confident masked position and
+    /// every one at least this confident (unset: the fixed commits per step of --steps).
     #[arg(long)]
     pub threshold: Option<f32>,
+    /// low-confidence: Fast-dLLM's block cache, `none` (default, exact), `prefix` or `dual`
+    /// (approximate: a block's later steps read the positions before it, and with `dual` after
+    /// it, from the K/V of its first step).
+    #[arg(long)]
+    pub kv_cache: Option<String>,
+    /// low-confidence with --kv-cache: make Fast-dLLM's extra cached forward after a block's
+    /// full forward finished it (it commits nothing; off by default).
+    #[arg(long)]
+    pub upstream_calls: bool,
     /// wino: verification threshold tau2 (default 0.9).
     #[arg(long)]
     pub threshold_back: Option<f32>,
@@ -265,6 +276,8 @@ impl GenerationArgs {
             ("--remasking", self.remasking.is_some()),
             ("--cfg-scale", self.cfg_scale.is_some()),
             ("--threshold", self.threshold.is_some()),
+            ("--kv-cache", self.kv_cache.is_some()),
+            ("--upstream-calls", self.upstream_calls),
             ("--threshold-back", self.threshold_back.is_some()),
             ("--surelock-eps", self.surelock_eps.is_some()),
             ("--surelock-percentile", self.surelock_percentile.is_some()),
@@ -415,6 +428,9 @@ impl GenerationArgs {
                     cfg_scale: self.cfg_scale.unwrap_or(0.0),
                     surelock_eps: self.surelock_eps,
                     surelock_percentile: self.surelock_percentile,
+                    kv_cache: self.kv_cache.clone().unwrap_or_default(),
+                    threshold: self.threshold,
+                    upstream_calls: self.upstream_calls,
                 })
             }
             SchemeName::Wino => pb::generate_request::Scheme::Wino(pb::WinoScheme {
@@ -557,6 +573,9 @@ mod masked_diffusion_flag_tests {
                     cfg_scale: 0.5,
                     surelock_eps: Some(0.001),
                     surelock_percentile: Some(20.0),
+                    kv_cache: String::new(),
+                    threshold: None,
+                    upstream_calls: false,
                 }
             ))
         );

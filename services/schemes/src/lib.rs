@@ -47,7 +47,8 @@ pub use options::{KvReserve, LoadOptions};
 pub use registry::load_model;
 pub use request::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg,
-    EosRule, Execution, FreezeTest, GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking,
-    ReplayDraws, SamplingParams, SchemeParams, SureLockParams, WinoParams,
+    EosRule, Execution, FreezeTest, GenerateSpec, KvCacheMode, LowConfidenceParams,
+    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, SureLockParams,
+    WinoParams,
 };
 pub use served::{ModelInfo, Planner, ServedModel};

@@ -113,6 +113,34 @@ pub enum Remasking {
     Random,
 }
 
+/// Fast-dLLM's block-wise approximate K/V cache for the low-confidence sampler (Wu et al., 2025,
+/// "Fast-dLLM", Sec. 3.2; NVlabs/Fast-dLLM `generate_with_prefix_cache` and
+/// `generate_with_dual_cache`). A block's first step is a full forward whose K/V are kept; its
+/// later steps compute fewer rows and read the rest from that cache, which is stale: the
+/// logits are approximate, so the tokens can differ from `None`'s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum KvCacheMode {
+    /// Every step is a full forward (exact).
+    #[default]
+    None,
+    /// Later steps compute the current block and everything after it; the positions before
+    /// the block are read from the cache.
+    Prefix,
+    /// Later steps compute the current block only; the positions before and after it are read
+    /// from the cache.
+    Dual,
+}
+
+impl KvCacheMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheMode::None => "none",
+            KvCacheMode::Prefix => "prefix",
+            KvCacheMode::Dual => "dual",
+        }
+    }
+}
+
 /// SureLock (an option of both masked-diffusion schemes): lock a position once its posterior
 /// stops moving; a locked position keeps its token and cached K/V and is no longer computed.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -137,6 +165,21 @@ pub struct LowConfidenceParams {
     /// Unsupervised classifier-free guidance scale; 0 disables.
     pub cfg_scale: f32,
     pub surelock: Option<SureLockParams>,
+    /// Fast-dLLM's block cache (approximate; `None`, the default, is exact).
+    #[serde(default)]
+    pub kv_cache: KvCacheMode,
+    /// Fast-dLLM's confidence-aware parallel decoding: each step commits the current block's
+    /// most confident masked position and every other one whose confidence is at least this
+    /// (the block ends when it has no mask; `steps` then only has to split evenly over the
+    /// blocks). `None`: the fixed number of commits per step of `steps`.
+    #[serde(default)]
+    pub threshold: Option<f32>,
+    /// Reproduce Fast-dLLM's extra cached forward after a block's first (full) forward when that
+    /// forward already finished the block: it commits nothing, and costs a forward. Off, that
+    /// forward is not made; the tokens are the same. (After the last block the response has
+    /// ended, and no forward is made either way.)
+    #[serde(default)]
+    pub upstream_calls: bool,
 }
 
 /// WINO's draft-and-verify sampler (upstream `decoding_wino()`); `gen_length` is the request's

@@ -10,8 +10,8 @@ use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, FreezeTest,
-    GenerateSpec, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams,
-    SchemeParams, ServedModel, SureLockParams, WinoParams,
+    GenerateSpec, KvCacheMode, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws,
+    SamplingParams, SchemeParams, ServedModel, SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -110,6 +110,18 @@ pub fn spec_from_proto(
                 },
                 cfg_scale: l.cfg_scale,
                 surelock: surelock("low_confidence", l.surelock_eps, l.surelock_percentile)?,
+                kv_cache: match l.kv_cache.as_str() {
+                    "" | "none" => KvCacheMode::None,
+                    "prefix" => KvCacheMode::Prefix,
+                    "dual" => KvCacheMode::Dual,
+                    other => {
+                        return Err(Status::invalid_argument(format!(
+                            "low_confidence.kv_cache must be `none`, `prefix` or `dual`, got {other:?}"
+                        )))
+                    }
+                },
+                threshold: l.threshold,
+                upstream_calls: l.upstream_calls,
             })
         }
         Some(pb::generate_request::Scheme::Wino(w)) => {
@@ -318,6 +330,9 @@ mod masked_diffusion_tests {
             cfg_scale: 0.5,
             surelock_eps: Some(1e-3),
             surelock_percentile: Some(20.0),
+            kv_cache: String::new(),
+            threshold: None,
+            upstream_calls: false,
         };
         let spec = spec_from_proto(
             &request(Some(pb::generate_request::Scheme::LowConfidence(lc))),
@@ -335,7 +350,46 @@ mod masked_diffusion_tests {
                     eps: 1e-3,
                     percentile: Some(20.0)
                 }),
+                kv_cache: KvCacheMode::None,
+                threshold: None,
+                upstream_calls: false,
             })
+        );
+        // Fast-dLLM's options keep upstream's names; an unknown cache mode is refused.
+        let fast = pb::LowConfidenceScheme {
+            kv_cache: "dual".into(),
+            threshold: Some(0.9),
+            upstream_calls: true,
+            ..Default::default()
+        };
+        let spec = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::LowConfidence(fast))),
+            model.as_ref(),
+        )
+        .expect("converts");
+        assert!(matches!(
+            spec.scheme,
+            SchemeParams::LowConfidence(LowConfidenceParams {
+                kv_cache: KvCacheMode::Dual,
+                threshold: Some(t),
+                upstream_calls: true,
+                ..
+            }) if t == 0.9
+        ));
+        let bad = pb::LowConfidenceScheme {
+            kv_cache: "suffix".into(),
+            ..Default::default()
+        };
+        let err = spec_from_proto(
+            &request(Some(pb::generate_request::Scheme::LowConfidence(bad))),
+            model.as_ref(),
+        )
+        .expect_err("refused");
+        assert!(
+            err.message()
+                .contains("kv_cache must be `none`, `prefix` or `dual`"),
+            "{}",
+            err.message()
         );
         let wino = pb::WinoScheme {
             block_length: Some(8),

@@ -197,15 +197,28 @@ fn any_scheme() -> impl Strategy<Value = Option<pb::generate_request::Scheme>> {
                 continuous_compute: false,
             })
         });
+    let cache = prop_oneof![
+        Just(String::new()),
+        Just("prefix".to_owned()),
+        Just("dual".to_owned()),
+        ".{0,12}",
+    ];
     let lc = (
-        opt(small_or_any_u32()),
-        opt(small_or_any_u32()),
-        any_name(),
-        any_f32(),
-        opt(any_f32()),
-        opt(any_f32()),
+        (
+            opt(small_or_any_u32()),
+            opt(small_or_any_u32()),
+            any_name(),
+            any_f32(),
+        ),
+        (
+            opt(any_f32()),
+            opt(any_f32()),
+            cache,
+            opt(any_f32()),
+            any::<bool>(),
+        ),
     )
-        .prop_map(|(b, s, r, c, e, p)| {
+        .prop_map(|((b, s, r, c), (e, p, kv, t, up))| {
             Scheme::LowConfidence(pb::LowConfidenceScheme {
                 block_length: b,
                 steps: s,
@@ -213,6 +226,9 @@ fn any_scheme() -> impl Strategy<Value = Option<pb::generate_request::Scheme>> {
                 cfg_scale: c,
                 surelock_eps: e,
                 surelock_percentile: p,
+                kv_cache: kv,
+                threshold: t,
+                upstream_calls: up,
             })
         });
     let wino = (

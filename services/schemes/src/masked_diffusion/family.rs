@@ -42,11 +42,8 @@ pub(crate) fn run<M: MdNetwork>(
         let mut seqs = Vec::with_capacity(work.len() * 2);
         for w in work.iter_mut() {
             let Planned { program, plan: p } = w;
-            let keys = match (p.buffer_len, program.surelock.as_mut()) {
-                (Some(len), Some(sl)) => Keys::Buffer {
-                    cache: &mut sl.cache,
-                    len,
-                },
+            let keys = match (p.buffer_len, program.kv.as_mut()) {
+                (Some(len), Some(cache)) => Keys::Buffer { cache, len },
                 _ => Keys::Rows,
             };
             seqs.push(SeqInput {
@@ -147,8 +144,10 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
     /// tick: programs are built outside the engine thread).
     fn bind(&self, a: &mut Active<MdProgram>) {
         let new = a.take_new_slots();
+        if let Some(kv) = &mut a.program.kv {
+            crate::paging::bind(kv, &self.pool, new);
+        }
         if let Some(sl) = &mut a.program.surelock {
-            crate::paging::bind(&mut sl.cache, &self.pool, new);
             sl.bind_pool(&self.posteriors);
         }
     }
@@ -211,25 +210,29 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     /// program (canvas, schedule, generator) is host state already.
     fn preempt(&mut self, a: &mut Active<MdProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let Some(sl) = &mut a.program.surelock else {
-            return Ok(Moved::default());
+        let mut moved = match &mut a.program.kv {
+            Some(kv) => crate::paging::swap_out(kv, FAMILY)?,
+            None => Moved::default(),
         };
-        let mut moved = crate::paging::swap_out(&mut sl.cache, FAMILY)?;
-        moved.bytes += sl
-            .previous_to_host()
-            .map_err(|e| FamilyError::program(FAMILY, Phase::Preempt, e))?;
+        if let Some(sl) = &mut a.program.surelock {
+            moved.bytes += sl
+                .previous_to_host()
+                .map_err(|e| FamilyError::program(FAMILY, Phase::Preempt, e))?;
+        }
         Ok(moved)
     }
 
     fn resume(&mut self, a: &mut Active<MdProgram>) -> Result<Moved, FamilyError> {
         self.bind(a);
-        let Some(sl) = &mut a.program.surelock else {
-            return Ok(Moved::default());
+        let mut moved = match &mut a.program.kv {
+            Some(kv) => crate::paging::swap_in(kv, FAMILY)?,
+            None => Moved::default(),
         };
-        let mut moved = crate::paging::swap_in(&mut sl.cache, FAMILY)?;
-        moved.bytes += sl
-            .previous_to_pool()
-            .map_err(|e| FamilyError::program(FAMILY, Phase::Resume, e))?;
+        if let Some(sl) = &mut a.program.surelock {
+            moved.bytes += sl
+                .previous_to_pool()
+                .map_err(|e| FamilyError::program(FAMILY, Phase::Resume, e))?;
+        }
         Ok(moved)
     }
 
@@ -245,9 +248,9 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         if need >= held {
             return Vec::new();
         }
-        match &mut a.program.surelock {
+        match &mut a.program.kv {
             // The ids are the cache's pages: give back ones it does not use.
-            Some(sl) => crate::paging::reclaim(&mut sl.cache, held, need),
+            Some(kv) => crate::paging::reclaim(kv, held, need),
             None => a.slots[need..].to_vec(),
         }
     }

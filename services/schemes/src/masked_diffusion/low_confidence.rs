@@ -26,7 +26,7 @@ use rand::Rng;
 use super::canvas::Canvas;
 use super::posterior::{decode_rows, Draw};
 use super::step::{StepInputs, StepRecord};
-use crate::request::Remasking;
+use crate::request::{KvCacheMode, Remasking};
 
 /// Tokens committed at each of a block's `steps` steps for `masked` masks (upstream
 /// `get_num_transfer_tokens`).
@@ -42,6 +42,17 @@ pub(crate) fn top_k(scored: &[(usize, f64)], k: usize) -> Vec<usize> {
     order.into_iter().take(k).map(|(p, _)| p).collect()
 }
 
+/// Fast-dLLM's options (Wu et al., 2025; NVlabs/Fast-dLLM `llada/generate.py`).
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub(crate) struct FastDllm {
+    pub(crate) cache: KvCacheMode,
+    /// Confidence-aware parallel decoding: commit the most confident candidate and every one
+    /// at least this confident.
+    pub(crate) threshold: Option<f64>,
+    /// Make upstream's extra cached forward after a full forward that finished its block.
+    pub(crate) upstream_calls: bool,
+}
+
 /// Per-request state of the low-confidence sampler.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct LowConfidence {
@@ -51,6 +62,20 @@ pub(crate) struct LowConfidence {
     schedule: Vec<usize>,
     /// Next step of the current block.
     step: usize,
+    /// Fast-dLLM's block cache (`None`: every step a full forward).
+    #[serde(default)]
+    pub(crate) cache: KvCacheMode,
+    /// Fast-dLLM's threshold rule, when set.
+    #[serde(default)]
+    pub(crate) threshold: Option<f64>,
+    #[serde(default)]
+    pub(crate) upstream_calls: bool,
+    /// Whether Fast-dLLM's scoring applies (float64 confidences, as its `get_transfer_index`).
+    #[serde(default)]
+    fast: bool,
+    /// Forwards made in the current block (with a cache, the first is the full one).
+    #[serde(default)]
+    calls: usize,
 }
 
 impl LowConfidence {
@@ -60,17 +85,39 @@ impl LowConfidence {
             remasking,
             schedule: Vec::new(),
             step: 0,
+            cache: KvCacheMode::None,
+            threshold: None,
+            upstream_calls: false,
+            fast: false,
+            calls: 0,
         }
+    }
+
+    /// Fast-dLLM's cache mode and threshold rule, when given.
+    pub(crate) fn with_fast_dllm(mut self, fast: Option<FastDllm>) -> Self {
+        if let Some(f) = fast {
+            self.cache = f.cache;
+            self.threshold = f.threshold;
+            self.upstream_calls = f.upstream_calls;
+            self.fast = true;
+        }
+        self
     }
 
     /// Plans a new block holding `masked` masks.
     pub(crate) fn start_block(&mut self, masked: usize) {
         self.schedule = transfer_schedule(masked, self.steps_per_block);
         self.step = 0;
+        self.calls = 0;
     }
 
-    /// Skips steps that commit nothing; `None` once the block's steps are used up.
+    /// Skips steps that commit nothing; `None` once the block's steps are used up. With the
+    /// threshold rule every step commits (at least one token while the block has a mask), and
+    /// the block lasts until it has none.
     pub(crate) fn next_commit(&mut self) -> Option<usize> {
+        if self.threshold.is_some() {
+            return Some(1);
+        }
         while self.step < self.schedule.len() && self.schedule[self.step] == 0 {
             self.step += 1;
         }
@@ -80,7 +127,40 @@ impl LowConfidence {
     /// Marks the current step done.
     pub(crate) fn step_done(&mut self) {
         self.step += 1;
+        self.calls += 1;
     }
+
+    /// Whether the next step reads position `i` from the cache instead of computing it: after
+    /// the block's first (full) forward, `prefix` reads the positions before the block, `dual`
+    /// those before and after it.
+    pub(crate) fn cached(&self, i: usize, block: std::ops::Range<usize>) -> bool {
+        if self.calls == 0 {
+            return false;
+        }
+        match self.cache {
+            KvCacheMode::None => false,
+            KvCacheMode::Prefix => i < block.start,
+            KvCacheMode::Dual => !block.contains(&i),
+        }
+    }
+
+    /// Upstream's extra cached forward is owed: its block's full forward finished the block.
+    pub(crate) fn owes_call(&self) -> bool {
+        self.upstream_calls && self.cache != KvCacheMode::None && self.calls == 1
+    }
+}
+
+/// Fast-dLLM's threshold rule over scored candidates: the most confident one (ties: the lower
+/// position), and every other whose confidence is at least `threshold`; in confidence order.
+pub(crate) fn over_threshold(scored: &[(usize, f64)], threshold: f64) -> Vec<usize> {
+    let mut order: Vec<(usize, f64)> = scored.to_vec();
+    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    order
+        .into_iter()
+        .enumerate()
+        .filter(|&(rank, (_, c))| rank == 0 || c >= threshold)
+        .map(|(_, (p, _))| p)
+        .collect()
 }
 
 /// One step: score every candidate and commit the best `k` of the block's schedule.
@@ -94,12 +174,17 @@ pub(crate) fn step(
     let k = lc.next_commit().unwrap_or(0);
     let cands = inputs.candidates;
     let rows = inputs.rows(cands.iter().copied());
-    let (x0, conf) = decode_rows(inputs.logits, &rows, draw, rng, DType::F32, canvas.mask_id)?;
+    // Fast-dLLM scores in float64 (its get_transfer_index); LLaDA's generate() in float32.
+    let dtype = if lc.fast { DType::F64 } else { DType::F32 };
+    let (x0, conf) = decode_rows(inputs.logits, &rows, draw, rng, dtype, canvas.mask_id)?;
     let scored: Vec<(usize, f64)> = match lc.remasking {
         Remasking::LowConfidence => cands.iter().copied().zip(conf).collect(),
         Remasking::Random => cands.iter().map(|&p| (p, rng.random::<f64>())).collect(),
     };
-    let chosen = top_k(&scored, k);
+    let chosen = match lc.threshold {
+        Some(t) => over_threshold(&scored, t),
+        None => top_k(&scored, k),
+    };
     let mut record = StepRecord::default();
     for &p in &chosen {
         let i = cands
@@ -134,6 +219,34 @@ mod tests {
         assert_eq!(s.next_commit(), Some(1));
         s.step_done();
         assert_eq!(s.next_commit(), None);
+    }
+
+    #[test]
+    fn the_threshold_rule_commits_the_best_and_every_one_at_least_as_confident() {
+        let scored = [(7, 0.5), (3, 0.9), (5, 0.95), (1, 0.1)];
+        assert_eq!(over_threshold(&scored, 0.9), vec![5, 3]);
+        // Nothing reaches it: the most confident is committed anyway.
+        assert_eq!(over_threshold(&scored, 0.99), vec![5]);
+        assert!(over_threshold(&[], 0.5).is_empty());
+    }
+
+    #[test]
+    fn a_cache_computes_the_whole_canvas_first_then_reads_around_the_block() {
+        let mut s =
+            LowConfidence::new(4, Remasking::LowConfidence).with_fast_dllm(Some(FastDllm {
+                cache: KvCacheMode::Dual,
+                threshold: None,
+                upstream_calls: true,
+            }));
+        s.start_block(4);
+        assert!(!s.cached(0, 8..12));
+        s.step_done();
+        assert!(s.owes_call());
+        assert!(s.cached(0, 8..12) && !s.cached(8, 8..12) && s.cached(12, 8..12));
+        s.cache = KvCacheMode::Prefix;
+        assert!(s.cached(7, 8..12) && !s.cached(12, 8..12));
+        s.step_done();
+        assert!(!s.owes_call());
     }
 
     #[test]

@@ -83,6 +83,8 @@ mod wino;
 #[cfg(test)]
 mod dream_tests;
 #[cfg(test)]
+mod fast_dllm_tests;
+#[cfg(test)]
 mod golden_tests;
 #[cfg(test)]
 mod serving_tests;
@@ -111,8 +113,8 @@ use crate::kv_row::KvRow;
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::LoadOptions;
 use crate::request::{
-    bad, DiffusionGenerateParams, DreamAlg, GenerateSpec, LowConfidenceParams, SchemeParams,
-    SureLockParams, WinoParams,
+    bad, DiffusionGenerateParams, DreamAlg, GenerateSpec, KvCacheMode, LowConfidenceParams,
+    Remasking, SchemeParams, SureLockParams, WinoParams,
 };
 use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
@@ -177,21 +179,30 @@ impl MdPlanner {
         self
     }
 
-    /// Slots a request with `rows` buffer rows (per copy) reserves (see the module doc).
-    pub fn slots(&self, rows: usize, copies: usize, surelock: bool) -> usize {
-        let p = self.slot_plan(copies, 0, surelock);
+    /// Slots a request with `rows` buffer rows (per copy) reserves (see the module doc): with a
+    /// row cache (SureLock or Fast-dLLM's), its K/V; with SureLock, its previous posteriors.
+    pub fn slots(&self, rows: usize, copies: usize, cached: bool, surelock: bool) -> usize {
+        let p = self.slot_plan(copies, 0, cached, surelock);
         rows * (p.copies + p.cache + p.posterior)
     }
 
     /// How a request's slots divide over its rows.
-    fn slot_plan(&self, copies: usize, shadow: usize, surelock: bool) -> program::SlotPlan {
-        let (cache, posterior) = if surelock {
-            (
-                self.cfg.n_layers * self.world,
-                (4 * self.cfg.head_rows).div_ceil(self.slot_bytes()),
-            )
+    fn slot_plan(
+        &self,
+        copies: usize,
+        shadow: usize,
+        cached: bool,
+        surelock: bool,
+    ) -> program::SlotPlan {
+        let cache = if cached || surelock {
+            self.cfg.n_layers * self.world
         } else {
-            (0, 0)
+            0
+        };
+        let posterior = if surelock {
+            (4 * self.cfg.head_rows).div_ceil(self.slot_bytes())
+        } else {
+            0
         };
         program::SlotPlan {
             copies: copies * self.world,
@@ -232,7 +243,10 @@ impl MdPlanner {
                     .into(),
             );
         }
-        let decoder = Decoder::LowConfidence(LowConfidence::new(steps / blocks, p.remasking));
+        let fast = fast_dllm(p, surelock.is_some())?;
+        let decoder = Decoder::LowConfidence(
+            LowConfidence::new(steps / blocks, p.remasking).with_fast_dllm(fast),
+        );
         let copies = if p.cfg_scale > 0.0 { 2 } else { 1 };
         self.build(
             spec,
@@ -364,8 +378,10 @@ impl MdPlanner {
         )
         .with_limit(spec.max_new_tokens);
         let rows = canvas.len() + shadow;
-        let slot_plan = self.slot_plan(copies, shadow, surelock.is_some());
-        let slots = self.slots(rows, copies, surelock.is_some());
+        let cached =
+            matches!(&decoder, Decoder::LowConfidence(lc) if lc.cache != KvCacheMode::None);
+        let slot_plan = self.slot_plan(copies, shadow, cached, surelock.is_some());
+        let slots = self.slots(rows, copies, cached, surelock.is_some());
         let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
         let mut program = MdProgram::new(
             canvas,
@@ -417,6 +433,65 @@ fn blocks(
     let bl = bl.min(gen);
     let blocks = gen.div_ceil(bl);
     Ok((bl, blocks, blocks * bl))
+}
+
+/// Fast-dLLM's options of the low-confidence scheme (its cache mode, the threshold rule and the
+/// upstream call switch), checked; `None` when none is set.
+fn fast_dllm(
+    p: &LowConfidenceParams,
+    surelock: bool,
+) -> Result<Option<low_confidence::FastDllm>, RequestError> {
+    if p.kv_cache == KvCacheMode::None && p.threshold.is_none() {
+        if p.upstream_calls {
+            return bad(
+                "low_confidence.upstream_calls applies to kv_cache `prefix` and `dual` (the \
+                 extra cached forward Fast-dLLM makes after a block's full forward)"
+                    .into(),
+            );
+        }
+        return Ok(None);
+    }
+    if let Some(t) = p.threshold {
+        if !t.is_finite() || t <= 0.0 || t > 1.0 {
+            return bad(format!(
+                "low_confidence.threshold must be in (0, 1] (a confidence), got {t}"
+            ));
+        }
+        if p.remasking == Remasking::Random {
+            return bad(
+                "low_confidence.threshold ranks positions by confidence: it needs remasking \
+                 `low_confidence`, not `random`"
+                    .into(),
+            );
+        }
+    }
+    if p.kv_cache != KvCacheMode::None {
+        if p.cfg_scale > 0.0 {
+            return bad(format!(
+                "low_confidence.kv_cache `{}` cannot be combined with cfg_scale > 0 (Fast-dLLM's \
+                 cache has no unconditional copy)",
+                p.kv_cache.name()
+            ));
+        }
+        if surelock {
+            return bad(format!(
+                "low_confidence.kv_cache `{}` cannot be combined with surelock_eps yet: the \
+                 two would share one row cache, and their composition is not served",
+                p.kv_cache.name()
+            ));
+        }
+    } else if p.upstream_calls {
+        return bad(
+            "low_confidence.upstream_calls applies to kv_cache `prefix` and `dual` (the extra \
+             cached forward Fast-dLLM makes after a block's full forward)"
+                .into(),
+        );
+    }
+    Ok(Some(low_confidence::FastDllm {
+        cache: p.kv_cache,
+        threshold: p.threshold.map(decimal),
+        upstream_calls: p.upstream_calls,
+    }))
 }
 
 fn surelock(

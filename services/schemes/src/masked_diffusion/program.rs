@@ -15,7 +15,7 @@ use crate::migrate::RequestRng;
 use candle_core::Tensor;
 use rand::SeedableRng;
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
-use wavefront_models::transformer::MaskRule;
+use wavefront_models::transformer::{KvCache, MaskRule};
 
 use super::canvas::Canvas;
 use super::diffusion_generate::{self, DiffusionGenerate};
@@ -24,6 +24,7 @@ use super::posterior::{log_probs, Draw};
 use super::step::{StepInputs, StepRecord};
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
+use crate::request::KvCacheMode;
 use crate::SchemeError;
 
 /// The sampler a program runs.
@@ -65,6 +66,9 @@ pub struct MdProgram {
     pub(crate) canvas: Canvas,
     pub(crate) decoder: Decoder,
     pub(crate) surelock: Option<SureLock>,
+    /// Per-layer K/V of the whole buffer, kept between steps for the rows a step does not
+    /// compute (SureLock's locked positions, Fast-dLLM's cached ones).
+    pub(crate) kv: Option<KvCache>,
     pub(crate) cfg_scale: f32,
     pub(crate) temperature: f32,
     /// `sampling.top_k` and `sampling.top_p` of low-confidence and WINO draws (0: none).
@@ -111,10 +115,14 @@ impl MdProgram {
         temperature: f32,
         seed: u64,
     ) -> Self {
+        let cached =
+            matches!(&decoder, Decoder::LowConfidence(lc) if lc.cache != KvCacheMode::None);
+        let kv = (cached || surelock.is_some()).then(KvCache::new);
         let mut p = Self {
             canvas,
             decoder,
             surelock,
+            kv,
             cfg_scale,
             temperature,
             top_k: 0,
@@ -202,11 +210,21 @@ impl MdProgram {
             Decoder::Wino(_) => self.canvas.block_length,
             Decoder::LowConfidence(_) | Decoder::DiffusionGenerate(_) => 0,
         };
-        let skipped = self.surelock.as_ref().map_or(0, |s| {
-            (0..self.canvas.len()).filter(|&i| s.skips(i)).count()
-        });
+        let skipped = (0..self.canvas.len()).filter(|&i| self.skips(i)).count();
         let copies = if self.cfg_scale > 0.0 { 2 } else { 1 };
         (self.canvas.len() - skipped + shadow) * copies
+    }
+
+    /// Whether the next step leaves position `i`'s row out (its keys read from the cache):
+    /// SureLock locked it, or Fast-dLLM's cache holds it.
+    fn skips(&self, i: usize) -> bool {
+        self.surelock.as_ref().is_some_and(|s| s.skips(i))
+            || match &self.decoder {
+                Decoder::LowConfidence(lc) => {
+                    lc.cached(i, self.canvas.block_start()..self.canvas.block_end())
+                }
+                Decoder::Wino(_) | Decoder::DiffusionGenerate(_) => false,
+            }
     }
 
     /// Rows and keys of the next step.
@@ -235,7 +253,7 @@ impl MdProgram {
             Vec::with_capacity(buffer),
         );
         for (i, &token) in c.tokens.iter().enumerate() {
-            if self.surelock.as_ref().is_some_and(|s| s.skips(i)) {
+            if self.skips(i) {
                 continue;
             }
             row_of[i] = index.len();
@@ -279,7 +297,7 @@ impl MdProgram {
             index,
             positions,
             mask,
-            buffer_len: self.surelock.as_ref().map(|_| buffer),
+            buffer_len: self.kv.as_ref().map(|_| buffer),
             logit_rows,
             logit_index: need,
             candidates,
@@ -382,6 +400,13 @@ impl MdProgram {
                 .push_series("locked_per_step", record.locked.len() as u32);
         }
         if let Some(r) = &mut self.record {
+            record.rows = plan.index.clone();
+            record.logits = plan
+                .logit_index
+                .iter()
+                .copied()
+                .zip(logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+                .collect();
             r.push(record);
         }
         self.skip_empty_steps();
@@ -436,7 +461,10 @@ impl MdProgram {
                 {
                     if self.canvas.cut_after(p) {
                         if let Some(sl) = &mut self.surelock {
-                            sl.truncate(p + 1)
+                            sl.truncate(p + 1);
+                        }
+                        if let Some(kv) = &mut self.kv {
+                            kv.truncate(p + 1)
                                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                         }
                     }
@@ -455,6 +483,10 @@ impl MdProgram {
                         return Ok(());
                     }
                     if lc.next_commit().is_some() && !self.canvas.candidates().is_empty() {
+                        return Ok(());
+                    }
+                    // Fast-dLLM's extra cached forward (it commits nothing), when asked for.
+                    if lc.owes_call() {
                         return Ok(());
                     }
                     self.canvas.block += 1;

@@ -12,7 +12,9 @@ use wavefront_engine::FinishReason;
 use wavefront_models::transformer::SeqInput;
 
 use super::test_support::*;
-use crate::request::{GenerateSpec, LowConfidenceParams, Remasking, SchemeParams, WinoParams};
+use crate::request::{
+    GenerateSpec, KvCacheMode, LowConfidenceParams, Remasking, SchemeParams, WinoParams,
+};
 use crate::served::{Planner, ServedModel};
 use crate::test_support::{
     assert_ends_at_first_stop, assert_invalid, assert_joining_requests_match_alone,
@@ -127,6 +129,49 @@ fn mixed_requests() -> Vec<GenerateSpec> {
                 surelock: surelock(5e-2, Some(50.0)),
                 ..wino(8)
             }),
+        ),
+        // Fast-dLLM: both caches, the threshold rule, upstream's calls, a sampled run.
+        spec(
+            prompt(6, 14),
+            24,
+            15,
+            lc(LowConfidenceParams {
+                kv_cache: KvCacheMode::Prefix,
+                threshold: Some(0.5),
+                ..low_confidence(8, 3)
+            }),
+        ),
+        spec(
+            prompt(9, 15),
+            16,
+            16,
+            lc(LowConfidenceParams {
+                kv_cache: KvCacheMode::Dual,
+                upstream_calls: true,
+                ..low_confidence(4, 16)
+            }),
+        ),
+        spec(
+            prompt(3, 16),
+            16,
+            17,
+            lc(LowConfidenceParams {
+                threshold: Some(0.9),
+                ..low_confidence(16, 1)
+            }),
+        ),
+        sampled(
+            spec(
+                prompt(5, 17),
+                16,
+                18,
+                lc(LowConfidenceParams {
+                    kv_cache: KvCacheMode::Dual,
+                    threshold: Some(0.7),
+                    ..low_confidence(8, 2)
+                }),
+            ),
+            0.9,
         ),
     ]
 }
@@ -364,6 +409,52 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
                 ..wino(8)
             })),
             "must not exceed wino.threshold_back",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                threshold: Some(0.0),
+                ..low_confidence(8, 16)
+            })),
+            "low_confidence.threshold must be in (0, 1]",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                threshold: Some(0.9),
+                remasking: Remasking::Random,
+                ..low_confidence(8, 16)
+            })),
+            "needs remasking `low_confidence`",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                kv_cache: KvCacheMode::Prefix,
+                cfg_scale: 1.0,
+                ..low_confidence(8, 16)
+            })),
+            "kv_cache `prefix` cannot be combined with cfg_scale",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                kv_cache: KvCacheMode::Dual,
+                surelock: surelock(1e-3, None),
+                ..low_confidence(8, 16)
+            })),
+            "kv_cache `dual` cannot be combined with surelock_eps",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                upstream_calls: true,
+                ..low_confidence(8, 16)
+            })),
+            "upstream_calls applies to kv_cache `prefix` and `dual`",
+        ),
+        (
+            with(lc(LowConfidenceParams {
+                upstream_calls: true,
+                threshold: Some(0.9),
+                ..low_confidence(8, 16)
+            })),
+            "upstream_calls applies to kv_cache `prefix` and `dual`",
         ),
         (
             spec(prompt(4, 0), 4090, 0, lc(low_confidence(8, 512))),

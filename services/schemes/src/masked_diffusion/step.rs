@@ -26,6 +26,11 @@ pub struct StepRecord {
     /// `diffusion-generate` (confidence algorithms): every candidate's confidence, in position
     /// order.
     pub confidence: Vec<(usize, f32)>,
+    /// Buffer indices whose rows the step's forward computed (the others' keys came from the
+    /// row cache).
+    pub rows: Vec<u32>,
+    /// The logits the step read, by buffer index (float32, guidance applied).
+    pub logits: Vec<(usize, Vec<f32>)>,
 }
 
 /// What a decoder's step reads.

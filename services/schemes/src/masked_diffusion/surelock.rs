@@ -6,7 +6,7 @@
 //! with the optional confidence gate `m`, its uncertainty `u_t = 1 - max p_t` is at most the
 //! `m`-th percentile (linear interpolation) of `u_t` over the step's candidates. A locked
 //! position keeps its token; its rows are no longer computed (no query projection, no FFN, no
-//! logits), while its per-layer keys and values stay cached so every other position still
+//! logits), while its per-layer keys and values stay in the program's row cache so every other position still
 //! attends to it ([`wavefront_models::transformer::Keys::Buffer`]). Locking is permanent
 //! (the paper's optional unlocking is not implemented).
 //!
@@ -27,7 +27,6 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Tensor, D};
 use wavefront_models::arena::{ArenaPool, Pooled};
-use wavefront_models::transformer::KvCache;
 
 use crate::request::SureLockParams;
 
@@ -79,8 +78,6 @@ pub(crate) struct SureLock {
     pub(crate) percentile: Option<f64>,
     /// Locked canvas positions.
     pub(crate) locked: Vec<bool>,
-    /// Per-layer K/V of the whole buffer; locked positions' entries are never rewritten.
-    pub(crate) cache: KvCache,
     /// The previous step's log-posteriors of the positions that may still lock, by position: in
     /// slots of the family's posterior pool while the request runs (a position's slot is
     /// rewritten each step and goes back when it locks or is cut), in tensors of their own
@@ -146,7 +143,6 @@ impl SureLock {
             eps: f64::from(params.eps),
             percentile: params.percentile.map(f64::from),
             locked: vec![false; canvas_len],
-            cache: KvCache::new(),
             prev: BTreeMap::new(),
             pool: None,
             apply: true,
@@ -243,12 +239,11 @@ impl SureLock {
         Ok(decided)
     }
 
-    /// Keeps canvas positions `0..len` (the canvas was cut after a stop token).
-    pub(crate) fn truncate(&mut self, len: usize) -> wavefront_models::error::Result<()> {
+    /// Keeps canvas positions `0..len` (the canvas was cut after a stop token; the program
+    /// cuts its row cache).
+    pub(crate) fn truncate(&mut self, len: usize) {
         self.locked.truncate(len);
-        self.cache.truncate(len)?;
         self.prev.retain(|&p, _| p < len);
-        Ok(())
     }
 }
 
