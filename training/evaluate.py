@@ -51,7 +51,9 @@ def measure(wavefront: str, model: str, tasks: str, per_task: int, extra: list[s
 
     def row(right: bool, r: dict) -> tuple:
         s = r["stats"]
-        return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"])
+        # Rows the forwards computed (masked diffusion records them per forward).
+        rows = sum(s.get("series", {}).get("active_rows", []))
+        return (right, s["forward_passes"], s["compute_time_ms"], s["generated_tokens"], s["recurrence_steps"], rows)
 
     results: dict[str, list] = {}
     prose: dict = {}
@@ -87,6 +89,7 @@ def summarise(rs: list[tuple]) -> dict:
         "compute_ms": sum(x[2] for x in rs) / len(rs),
         "tokens_per_forward": sum(x[3] for x in rs) / max(sum(x[1] for x in rs), 1),
         "recurrence_steps": sum(x[4] for x in rs) / len(rs),
+        "rows": sum(x[5] for x in rs) / len(rs),
         "n": len(rs),
     }
 

@@ -23,6 +23,9 @@ HUGINN_EXIT = HUGINN_AR + ["--num-steps", "32", "--cache-lookup-strategy", "late
 HUGINN_DF = ["--scheme", "diffusion-forcing", "--seed", "0", "--max-new-tokens", "16", "--num-steps", "8"]
 LLADA = ["--max-new-tokens", "16", "--block-length", "16"]
 REFUSION = ["--max-new-tokens", "16"]
+# Fast-dLLM's setting scaled to the tiny model: a 64-token canvas in blocks of 16 (Fast-dLLM: 256
+# in blocks of 32).
+FAST = ["--scheme", "low-confidence", "--max-new-tokens", "64", "--block-length", "16"]
 
 # family: (model directory, tasks, [(setting, run arguments)]); the first row is the baseline.
 FAMILIES = {
@@ -59,6 +62,23 @@ FAMILIES = {
             ("low-confidence + SureLock eps 5e-3", LLADA + ["--scheme", "low-confidence", "--steps", "16", "--surelock-eps", "0.005"]),
             ("low-confidence + SureLock eps 5e-2", LLADA + ["--scheme", "low-confidence", "--steps", "16", "--surelock-eps", "0.05"]),
             ("wino + SureLock eps 5e-3", LLADA + ["--scheme", "wino", "--surelock-eps", "0.005"]),
+        ],
+    ),
+    # Fast-dLLM (issue 39): its caches and threshold rule against exact low-confidence.
+    "fast-dllm": (
+        "models/llada-tiny",
+        "copy,sort,prose",
+        [
+            ("low-confidence, 64 steps (exact, 1 token per step)", FAST + ["--steps", "64"]),
+            ("threshold 0.9", FAST + ["--steps", "4", "--threshold", "0.9"]),
+            ("threshold 0.7", FAST + ["--steps", "4", "--threshold", "0.7"]),
+            ("prefix cache", FAST + ["--steps", "64", "--kv-cache", "prefix"]),
+            ("dual cache", FAST + ["--steps", "64", "--kv-cache", "dual"]),
+            ("prefix cache + threshold 0.9", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.9"]),
+            ("dual cache + threshold 0.9", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.9"]),
+            ("prefix cache + threshold 0.7", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.7"]),
+            ("dual cache + threshold 0.7", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.7"]),
+            ("wino (tau1 0.6, tau2 0.9), blocks of 16", ["--scheme", "wino", "--max-new-tokens", "64", "--block-length", "16"]),
         ],
     ),
     "refusion": (
@@ -109,28 +129,43 @@ def main():
         for name, run_args in settings:
             runs[name].append(evaluate.measure(args.wavefront, model, tasks, args.per_task, run_args))
     names = tasks.split(",")
+    checked = [t for t in names if t != "prose"]
+    prose = "prose" in names
     print(f"{model}, {args.per_task} held-out prompts per task, {args.rounds} alternating rounds")
     print()
-    print("| setting | " + " | ".join(f"{t} accuracy" for t in names)
-          + " | forwards | tokens / forward | core iterations | FLOPs ratio | compute ms | forwards vs baseline | time vs baseline |")
-    print("|---|" + "---|" * (len(names) + 7))
+    print("| setting | " + " | ".join(f"{t} accuracy" for t in checked)
+          + (" | prose: known words / seen pairs / distinct pairs" if prose else "")
+          + " | forwards | tokens / forward | rows | core iterations | FLOPs ratio | compute ms"
+          + " | forwards vs baseline | time vs baseline | tokens/s vs baseline |")
+    print("|---|" + "---|" * (len(checked) + int(prose) + 10))
     base = None
     for name, run_args in settings:
         rs = runs[name]
         first = rs[0]
         fwd = sum(first[t]["forward_passes"] for t in names) / len(names)
         tpf = sum(first[t]["tokens_per_forward"] for t in names) / len(names)
+        rows = sum(first[t]["rows"] for t in names) / len(names)
         steps = sum(first[t]["recurrence_steps"] for t in names) / len(names)
         ms = sum(r[t]["compute_ms"] for r in rs for t in names) / (len(rs) * len(names))
-        if base is None:
-            base = (fwd, ms)
-        flops = flops_ratio(args.wavefront, model, run_args) if "--surelock-eps" in run_args else None
-        acc = " | ".join(f"{first[t]['accuracy']:.0%}" for t in names)
-        print(
-            f"| {name} | {acc} | {fwd:.2f} | {tpf:.2f} | {steps:.1f} | "
-            + (f"{flops:.3f}" if flops is not None else "")
-            + f" | {ms:.1f} | {fwd / base[0]:.2f}x | {ms / base[1]:.2f}x |"
+        # Throughput: tokens answered per second of engine compute (answers differ in length).
+        tps = sum(r[t]["tokens_per_forward"] * r[t]["forward_passes"] for r in rs for t in names) / max(
+            sum(r[t]["compute_ms"] for r in rs for t in names), 1e-9
         )
+        if base is None:
+            base = (fwd, ms, tps)
+        flops = flops_ratio(args.wavefront, model, run_args) if "--surelock-eps" in run_args else None
+        acc = " | ".join(f"{first[t]['accuracy']:.0%}" for t in checked)
+        p = first.get("prose", {})
+        quality = f" | {p.get('known_words', 0):.2f} / {p.get('seen_pairs', 0):.2f} / {p.get('distinct_pairs', 0):.2f}" if prose else ""
+        print(
+            f"| {name} | {acc}{quality} | {fwd:.2f} | {tpf:.2f} | {rows:.0f} | {steps:.1f} | "
+            + (f"{flops:.3f}" if flops is not None else "")
+            + f" | {ms:.1f} | {fwd / base[0]:.2f}x | {ms / base[1]:.2f}x | {tps / base[2]:.2f}x |"
+        )
+    if prose:
+        ref = runs[settings[0][0]][0]["prose"]["reference"]
+        print()
+        print(f"Held-out text's own continuations: {ref['known_words']:.2f} / {ref['seen_pairs']:.2f} / {ref['distinct_pairs']:.2f}.")
 
 
 if __name__ == "__main__":

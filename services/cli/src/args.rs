@@ -310,6 +310,14 @@ impl GenerationArgs {
             ("--upstream-sampler", self.upstream_sampler),
         ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
+        // The masked-diffusion flags named, in their order above.
+        let only = |names: &[&str]| -> Vec<(&'static str, bool)> {
+            masked_diffusion
+                .iter()
+                .copied()
+                .filter(|(flag, _)| names.contains(flag))
+                .collect()
+        };
         // No --scheme: the model's default, unless a scheme's flags were given, which meant
         // `ar` when --scheme defaulted to it (flags of the other schemes are refused by name
         // below, as before).
@@ -348,19 +356,25 @@ impl GenerationArgs {
         match name {
             SchemeName::BlockDiffusion => {
                 // --block-length, --steps and --threshold apply; the rest of LLaDA's do not.
-                let other = [
-                    masked_diffusion[2],
-                    masked_diffusion[3],
-                    masked_diffusion[5],
-                    masked_diffusion[6],
-                    masked_diffusion[7],
-                ];
+                let other = only(&[
+                    "--remasking",
+                    "--cfg-scale",
+                    "--kv-cache",
+                    "--upstream-calls",
+                    "--threshold-back",
+                    "--surelock-eps",
+                    "--surelock-percentile",
+                ]);
                 if let Some(flag) = set(&other).or(set(&recurrent_depth)).or(set(&df_only)) {
                     bail!("{flag} does not apply to --scheme block-diffusion");
                 }
             }
             SchemeName::DiffusionGenerate => {
-                let not_steps = [&masked_diffusion[..1], &masked_diffusion[2..]].concat();
+                let not_steps: Vec<_> = masked_diffusion
+                    .iter()
+                    .copied()
+                    .filter(|(flag, _)| *flag != "--steps")
+                    .collect();
                 if let Some(flag) = set(&not_steps).or(set(&recurrent_depth)).or(set(&df_only)) {
                     bail!("{flag} does not apply to --scheme diffusion-generate");
                 }
@@ -383,9 +397,13 @@ impl GenerationArgs {
                     bail!("{flag} belongs to the recurrent-depth schemes (ar, diffusion-forcing)");
                 }
                 let (name, wrong) = if name == SchemeName::Wino {
-                    ("wino", set(&masked_diffusion[1..4]))
+                    let lc_only = ["--steps", "--remasking", "--cfg-scale", "--kv-cache"];
+                    (
+                        "wino",
+                        set(&only(&[&lc_only[..], &["--upstream-calls"]].concat())),
+                    )
                 } else {
-                    ("low-confidence", set(&masked_diffusion[4..6]))
+                    ("low-confidence", set(&only(&["--threshold-back"])))
                 };
                 if let Some(flag) = wrong {
                     bail!("{flag} does not apply to --scheme {name}");
@@ -726,12 +744,45 @@ mod masked_diffusion_flag_tests {
     }
 
     #[test]
+    fn fast_dllm_flags_build_the_low_confidence_scheme() -> Result<()> {
+        let r = request(&[
+            "--scheme",
+            "low-confidence",
+            "--block-length",
+            "8",
+            "--kv-cache",
+            "dual",
+            "--threshold",
+            "0.9",
+            "--upstream-calls",
+        ])?;
+        match r.scheme {
+            Some(pb::generate_request::Scheme::LowConfidence(l)) => {
+                assert_eq!(
+                    (l.kv_cache.as_str(), l.threshold, l.upstream_calls),
+                    ("dual", Some(0.9), true)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        Ok(())
+    }
+
+    #[test]
     fn flags_of_other_schemes_are_refused() {
         for (flags, want) in [
             (&["--scheme", "wino", "--steps", "4"][..], "--steps"),
             (
-                &["--scheme", "low-confidence", "--threshold", "0.5"][..],
-                "--threshold",
+                &["--scheme", "low-confidence", "--threshold-back", "0.5"][..],
+                "--threshold-back",
+            ),
+            (
+                &["--scheme", "wino", "--kv-cache", "dual"][..],
+                "--kv-cache",
+            ),
+            (
+                &["--scheme", "block-diffusion", "--kv-cache", "dual"][..],
+                "--kv-cache",
             ),
             (
                 &["--scheme", "low-confidence", "--num-steps", "4"][..],

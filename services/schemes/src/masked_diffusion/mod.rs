@@ -27,6 +27,18 @@
 //! Decoding"): `surelock_eps` locks positions whose posterior stopped moving; a locked position
 //! keeps its token and cached K/V and its rows are no longer computed ([`surelock`]).
 //!
+//! `low-confidence` takes **Fast-dLLM**'s accelerations (Wu et al. 2025, NVlabs/Fast-dLLM
+//! `llada/generate.py`), opt-in: `kv_cache` `prefix` or `dual`, a block-wise approximate K/V
+//! cache (a block's first forward is full and its K/V are kept; its later forwards compute the
+//! block and what follows it, or the block alone, and read the rest from that stale cache), and
+//! `threshold`, confidence-aware parallel decoding (the block's most confident masked position
+//! and every other at or above the threshold commit each step). Both are served for LLaDA
+//! only for now: Dream's shifted head reads a position's prediction from the row before it, so
+//! a block's first row's prediction comes from a cached row under `dual`, a case Fast-dLLM's
+//! Dream code handles on its own terms that no fixture here pins; WINO and SureLock do not
+//! combine with the cache yet (SureLock would read its locked rows from the same row cache;
+//! its posteriors of rows the cache leaves out are not computed, which changes its rule).
+//!
 //! The planner validates a request and builds its program on the caller's thread; the family
 //! packs one step of every active program into one forward per tick ([`family`]).
 //!
@@ -58,7 +70,8 @@
 //! buffer has `prompt + gen_length` rows (plus `block_length` shadow rows for `wino`), twice
 //! with classifier-free guidance. Without SureLock a request reserves one slot per buffer row
 //! and rank: its rows' K/V of the layer being computed, the working set of its step (nothing
-//! persists between steps but its tokens). With SureLock it also reserves the per-layer K/V
+//! persists between steps but its tokens). With SureLock, or a Fast-dLLM `kv_cache` (the same
+//! row cache, without the posteriors), it also reserves the per-layer K/V
 //! cache of the whole buffer (`rows · n_layers · ranks`), which lives in the family's pool: the
 //! granted slot ids are the cache's page ids (a page holds one row of one layer and rank), and
 //! the previous step's float32 log-posteriors (`rows · ceil(4 · vocab / slot bytes)`), which

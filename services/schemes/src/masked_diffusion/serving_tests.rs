@@ -747,3 +747,76 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
     }
     Ok(())
 }
+
+/// Fast-dLLM requests whose clients stop reading hold their row caches until a new request
+/// needs the pool: it preempts them (their caches to host memory), and once their clients read
+/// again they resume in other pages and end with the tokens they make alone.
+#[test]
+fn fast_dllm_caches_survive_preemption_with_their_tokens() -> Result<()> {
+    use crate::test_support::TestSink;
+    let fast = |i: u32, kv_cache| {
+        spec(
+            prompt(10, 20 + i),
+            32,
+            u64::from(i),
+            lc(LowConfidenceParams {
+                kv_cache,
+                threshold: Some(0.6),
+                ..low_confidence(8, 4)
+            }),
+        )
+    };
+    let stalled = [fast(0, KvCacheMode::Dual), fast(1, KvCacheMode::Prefix)];
+    let fresh = fast(2, KvCacheMode::Dual);
+    let roomy = fixture_served(4)?;
+    let alone = stalled
+        .iter()
+        .chain([&fresh])
+        .map(|s| collect(&submit(roomy.as_ref(), s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    let bytes_per_slot = (256u64 << 20) / roomy.load().total_slots as u64;
+    roomy.shutdown();
+    let (_, planner) = fixture()?;
+    let need = planner.prepare(fresh.clone())?.slots;
+    // Room for the two stalled requests and not for a third beside them.
+    let served = crate::load_model(
+        fixture_files()?,
+        crate::LoadOptions {
+            name: "llada-fixture".into(),
+            memory_budget_bytes: (2 * need + need / 2) as u64 * bytes_per_slot,
+            max_active: 4,
+            ..crate::LoadOptions::default()
+        },
+    )?;
+    let mut readers = Vec::new();
+    for s in &stalled {
+        let (sink, rx, _) = TestSink::new(1);
+        served.submit(s.clone(), Box::new(sink), None, tracing::Span::none())?;
+        readers.push(rx);
+    }
+    // Both pause (their one-event buffers full) holding their slots.
+    std::thread::sleep(Duration::from_millis(200));
+    let out = collect(&submit(served.as_ref(), fresh)?, Vec::new())?;
+    ensure!(
+        out.tokens == alone[2].tokens,
+        "the new request: {:?}",
+        out.tokens
+    );
+    ensure!(
+        served.load().preemptions > 0,
+        "nothing was preempted: {:?}",
+        served.load()
+    );
+    for (i, rx) in readers.iter().enumerate() {
+        let got = collect(rx, Vec::new())?;
+        ensure!(
+            got.tokens == alone[i].tokens,
+            "stalled request {i}: {:?}, alone {:?}",
+            got.tokens,
+            alone[i].tokens
+        );
+    }
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
