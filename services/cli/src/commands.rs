@@ -21,8 +21,20 @@ use crate::args::{parse_listen, GenerationArgs, PromptArgs};
 use crate::model_opts::ModelArgs;
 use wavefront_router::json::{canvas_json, response_json};
 
+/// Where a serving process publishes its metrics (the commands that run a server: `serve`,
+/// `router`, `worker`, `run`; `wavefront --metrics-listen ADDR COMMAND` works too).
+#[derive(Debug, Clone, Default, Args)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090; the address is
+    /// printed). Unset: off, except for `serve`, which takes a free loopback port; empty: off.
+    #[arg(long = "metrics-listen", env = "WAVEFRONT_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Address the router listens on.
     #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
@@ -291,6 +303,8 @@ impl ConnectionArgs {
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
     #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "0.0.0.0:50051")]
     pub listen: String,
@@ -337,6 +351,8 @@ pub struct RouterArgs {
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
     #[arg(long, env = "WAVEFRONT_LISTEN", default_value = "0.0.0.0:50061")]
     pub listen: String,
@@ -382,6 +398,8 @@ pub struct GenerateArgs {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]

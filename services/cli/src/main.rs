@@ -38,8 +38,10 @@ struct Cli {
     #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 0.0.0.0:9090; the address is
-    /// printed). Unset: off, except for `serve`, which takes a free loopback port; empty: off.
-    #[arg(long, global = true, env = "WAVEFRONT_METRICS_LISTEN")]
+    /// printed), for the serving commands (`serve`, `router`, `worker`, `run`), which also take
+    /// it after their name. Unset: off, except for `serve`, which takes a free loopback port;
+    /// empty: off. (`WAVEFRONT_METRICS_LISTEN` is read by those commands.)
+    #[arg(long)]
     metrics_listen: Option<String>,
     /// Threads the CPU kernels split each forward over (0: one per core of the machine).
     #[arg(long, global = true, env = "WAVEFRONT_THREADS", default_value_t = 0)]
@@ -136,9 +138,21 @@ fn run(cli: Cli) -> Result<()> {
         if let Some((soft, hard)) = wavefront_net::raise_descriptor_limit() {
             tracing::debug!(soft, hard, "open descriptor limit");
         }
+        let own = match &cli.command {
+            Command::Serve(a) => a.metrics.metrics_listen.clone(),
+            Command::Router(a) => a.metrics.metrics_listen.clone(),
+            Command::Worker(a) => a.metrics.metrics_listen.clone(),
+            Command::Run(a) => a.metrics.metrics_listen.clone(),
+            Command::Generate(_) => None,
+        };
+        // `generate` is a client: it has no metrics to serve (the variable, set for a pod's
+        // server, is ignored there).
+        let serving = !matches!(cli.command, Command::Generate(_));
         let metrics_listen = cli
             .metrics_listen
             .clone()
+            .filter(|_| serving)
+            .or(own)
             .or_else(|| matches!(cli.command, Command::Serve(_)).then(|| "127.0.0.1:0".to_owned()));
         if let Some(addr) = metrics_listen.as_deref().filter(|s| !s.is_empty()) {
             let addr =
@@ -162,4 +176,37 @@ fn run(cli: Cli) -> Result<()> {
             Command::Run(a) => commands::run(*a).await,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--metrics-listen` is the serving commands' flag, before or after their name; the
+    /// client `generate` does not take it after its name.
+    #[test]
+    fn metrics_listen_belongs_to_the_serving_commands() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(argv);
+        let worker = parse(&["wavefront", "worker", "--metrics-listen", "127.0.0.1:9"]);
+        match worker.map(|c| c.command) {
+            Ok(Command::Worker(a)) => {
+                assert_eq!(a.metrics.metrics_listen.as_deref(), Some("127.0.0.1:9"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let before = parse(&[
+            "wavefront",
+            "--metrics-listen",
+            "127.0.0.1:9",
+            "router",
+            "--workers",
+            "h:1",
+        ]);
+        assert_eq!(
+            before.expect("parses").metrics_listen.as_deref(),
+            Some("127.0.0.1:9")
+        );
+        let client = parse(&["wavefront", "generate", "--metrics-listen", "127.0.0.1:9"]);
+        assert!(client.is_err(), "generate took --metrics-listen");
+    }
 }
