@@ -62,6 +62,15 @@ fn mode(run: &Value) -> KvCacheMode {
 }
 
 fn run_spec(golden: &FastGolden, run: &Value, upstream_calls: bool) -> GenerateSpec {
+    run_spec_with(golden, run, upstream_calls, None)
+}
+
+fn run_spec_with(
+    golden: &FastGolden,
+    run: &Value,
+    upstream_calls: bool,
+    surelock: Option<crate::SureLockParams>,
+) -> GenerateSpec {
     let cache = mode(run);
     let mut s = spec(
         golden.prompt(run),
@@ -71,6 +80,7 @@ fn run_spec(golden: &FastGolden, run: &Value, upstream_calls: bool) -> GenerateS
             kv_cache: cache,
             threshold: run["threshold"].as_f64().map(|t| t as f32),
             upstream_calls: upstream_calls && cache != KvCacheMode::None,
+            surelock,
             ..low_confidence(u(&run["block_length"]), u(&run["steps"]))
         }),
     );
@@ -282,5 +292,58 @@ fn one_step_per_block_with_a_cache_is_served_exactly() -> Result<()> {
     // last block the response has ended: nothing is left to wait for).
     let forwards: Vec<usize> = ps.iter().map(|p| p.steps().len()).collect();
     ensure!(forwards == [4, 4, 4, 7], "forwards {forwards:?}");
+    Ok(())
+}
+
+/// SureLock on a cached run: one row cache holds the locked rows and the cached ones. With
+/// `surelock_eps` 0 (its bookkeeping, no lock) every cached run is still upstream's, row for
+/// row; with locks, the forwards compute fewer rows than the cache alone and the answers stay
+/// well formed.
+#[test]
+fn surelock_composes_with_the_cache() -> Result<()> {
+    let golden = FastGolden::load()?;
+    let (model, planner) = fixture()?;
+    let runs: Vec<&Value> = golden
+        .greedy_runs()
+        .into_iter()
+        .filter(|r| mode(r) != KvCacheMode::None)
+        .collect();
+    let mut ps = runs
+        .iter()
+        .map(|r| {
+            program(
+                &planner,
+                run_spec_with(&golden, r, true, surelock(0.0, None)),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    run(&model, &mut ps)?;
+    for (r, p) in runs.iter().zip(&ps) {
+        check(r, p).context("surelock_eps 0")?;
+    }
+    let (mut locked, mut fewer) = (0, 0);
+    for r in &runs {
+        let mut ps = vec![
+            program(&planner, run_spec(&golden, r, false))?,
+            program(
+                &planner,
+                run_spec_with(&golden, r, false, surelock(5e-2, None)),
+            )?,
+        ];
+        run(&model, &mut ps)?;
+        let rows = |p: &MdProgram| p.steps().iter().map(|s| s.rows.len()).sum::<usize>();
+        ensure!(rows(&ps[1]) <= rows(&ps[0]) || ps[1].steps().len() != ps[0].steps().len());
+        ensure!(
+            !ps[1].tokens().contains(&460),
+            "a mask left in {}",
+            r["name"]
+        );
+        locked += ps[1].locked().len();
+        fewer += usize::from(rows(&ps[1]) < rows(&ps[0]));
+    }
+    ensure!(
+        locked > 0 && fewer > 0,
+        "no lock saved a row ({locked} locks)"
+    );
     Ok(())
 }

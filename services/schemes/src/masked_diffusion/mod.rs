@@ -35,9 +35,13 @@
 //! and every other at or above the threshold commit each step). Both are served for LLaDA
 //! only for now: Dream's shifted head reads a position's prediction from the row before it, so
 //! a block's first row's prediction comes from a cached row under `dual`, a case Fast-dLLM's
-//! Dream code handles on its own terms that no fixture here pins; WINO and SureLock do not
-//! combine with the cache yet (SureLock would read its locked rows from the same row cache;
-//! its posteriors of rows the cache leaves out are not computed, which changes its rule).
+//! Dream code handles on its own terms that no fixture here pins. They compose with SureLock:
+//! one row cache holds both the locked rows and the cached ones (a row is left out of a forward
+//! when it is locked or cached), and SureLock compares a position's posteriors between the
+//! forwards that compute it; `surelock_eps` 0 reproduces the cached run exactly. WINO takes
+//! neither: its draft is already a threshold rule (`threshold`, tau1) whose drafts it verifies
+//! and may revoke, and its verification reads a shadow copy of the block next to the whole
+//! canvas, which a cache of the canvas would make stale.
 //!
 //! The planner validates a request and builds its program on the caller's thread; the family
 //! packs one step of every active program into one forward per tick ([`family`]).
@@ -256,7 +260,7 @@ impl MdPlanner {
                     .into(),
             );
         }
-        let fast = fast_dllm(p, surelock.is_some())?;
+        let fast = fast_dllm(p)?;
         let decoder = Decoder::LowConfidence(
             LowConfidence::new(steps / blocks, p.remasking).with_fast_dllm(fast),
         );
@@ -450,10 +454,7 @@ fn blocks(
 
 /// Fast-dLLM's options of the low-confidence scheme (its cache mode, the threshold rule and the
 /// upstream call switch), checked; `None` when none is set.
-fn fast_dllm(
-    p: &LowConfidenceParams,
-    surelock: bool,
-) -> Result<Option<low_confidence::FastDllm>, RequestError> {
+fn fast_dllm(p: &LowConfidenceParams) -> Result<Option<low_confidence::FastDllm>, RequestError> {
     if p.kv_cache == KvCacheMode::None && p.threshold.is_none() {
         if p.upstream_calls {
             return bad(
@@ -483,13 +484,6 @@ fn fast_dllm(
             return bad(format!(
                 "low_confidence.kv_cache `{}` cannot be combined with cfg_scale > 0 (Fast-dLLM's \
                  cache has no unconditional copy)",
-                p.kv_cache.name()
-            ));
-        }
-        if surelock {
-            return bad(format!(
-                "low_confidence.kv_cache `{}` cannot be combined with surelock_eps yet: the \
-                 two would share one row cache, and their composition is not served",
                 p.kv_cache.name()
             ));
         }

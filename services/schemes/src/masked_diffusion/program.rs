@@ -277,7 +277,9 @@ impl MdProgram {
             );
         }
         if self.surelock.is_some() {
-            need.extend((0..l).filter(|&i| !c.is_mask(i) && !locked(i)));
+            // The rows this forward computes (a Fast-dLLM cache leaves some out: SureLock
+            // compares a position's posteriors between the forwards that compute it).
+            need.extend((0..l).filter(|&i| !c.is_mask(i) && !locked(i) && !self.skips(i)));
         }
         need.sort_unstable();
         need.dedup();

@@ -160,6 +160,16 @@ fn mixed_requests() -> Vec<GenerateSpec> {
                 ..low_confidence(16, 1)
             }),
         ),
+        spec(
+            prompt(7, 18),
+            32,
+            19,
+            lc(LowConfidenceParams {
+                kv_cache: KvCacheMode::Prefix,
+                surelock: surelock(5e-2, None),
+                ..low_confidence(16, 32)
+            }),
+        ),
         sampled(
             spec(
                 prompt(5, 17),
@@ -432,14 +442,6 @@ fn invalid_requests_are_refused_with_the_rule_they_break() -> Result<()> {
                 ..low_confidence(8, 16)
             })),
             "kv_cache `prefix` cannot be combined with cfg_scale",
-        ),
-        (
-            with(lc(LowConfidenceParams {
-                kv_cache: KvCacheMode::Dual,
-                surelock: surelock(1e-3, None),
-                ..low_confidence(8, 16)
-            })),
-            "kv_cache `dual` cannot be combined with surelock_eps",
         ),
         (
             with(lc(LowConfidenceParams {
