@@ -229,3 +229,69 @@ async fn workers_serve_dream_and_llada2_over_grpc() {
         "{err}"
     );
 }
+
+/// `wavefront run` with Fast-dLLM's flags reproduces Fast-dLLM's own runs on the LLaDA
+/// fixture: the tokens, and the forwards (with `--upstream-calls`, upstream's count; without
+/// it, the same tokens).
+#[test]
+fn run_reproduces_fast_dllm_caches_and_threshold() {
+    let g = golden("fast_dllm");
+    let runs = g["runs"].as_array().expect("runs");
+    for name in [
+        "raw.prefix.g32.b8.s4.t0.9",
+        "raw.dual.g64.b16.s4.t0.5",
+        "chat.dual.g32.b8.s32",
+        "raw.generate.g32.b8.s4.t0.5",
+    ] {
+        let run = runs.iter().find(|r| r["name"] == name).expect(name);
+        let prompt = &g["prompts"][run["prompt"].as_str().expect("prompt")];
+        let prompt = ids(if prompt.is_array() {
+            prompt
+        } else {
+            &prompt["ids"]
+        });
+        let cache = match run["method"].as_str().expect("method") {
+            "generate_with_prefix_cache" => "prefix",
+            "generate_with_dual_cache" => "dual",
+            _ => "none",
+        };
+        let prompt: Vec<String> = prompt.iter().map(u32::to_string).collect();
+        let mut args: Vec<String> = [
+            ("--scheme", "low-confidence".to_owned()),
+            ("--prompt-ids", prompt.join(",")),
+            ("--max-new-tokens", run["gen_length"].to_string()),
+            ("--block-length", run["block_length"].to_string()),
+            ("--steps", run["steps"].to_string()),
+            ("--kv-cache", cache.to_owned()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect();
+        if let Some(t) = run["threshold"].as_f64() {
+            args.extend(["--threshold".to_owned(), t.to_string()]);
+        }
+        let want = ids(&run["generated_ids"]);
+        for upstream in [true, false] {
+            let mut a = args.clone();
+            if upstream && cache != "none" {
+                a.push("--upstream-calls".into());
+            }
+            let out = wavefront_run("llada", &a);
+            assert!(
+                out.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(tokens(&out), want, "{name}");
+            let lines = json_lines(&out);
+            let forwards = lines.last().expect("result")["stats"]["forward_passes"]
+                .as_u64()
+                .expect("forwards");
+            if upstream || cache == "none" {
+                assert_eq!(forwards, run["nfe"].as_u64().unwrap(), "{name}");
+            } else {
+                assert!(forwards <= run["nfe"].as_u64().unwrap(), "{name}");
+            }
+        }
+    }
+}

@@ -919,7 +919,8 @@ mod tests {
         let req = common(json!({
             "model": "m", "max_tokens": 7, "temperature": 0.0, "seed": 3, "stop": ["a", "b"],
             "top_k": 5, "stop_token_ids": [2], "stream_canvas": true,
-            "low_confidence": {"block_length": 8, "steps": 4, "surelock_eps": 0.01},
+            "low_confidence": {"block_length": 8, "steps": 4, "surelock_eps": 0.01,
+                               "kv_cache": "dual", "threshold": 0.9, "upstream_calls": true},
         }))
         .request(Prompt::Text("x".into()), 16)
         .unwrap();
@@ -937,7 +938,11 @@ mod tests {
                 assert_eq!(
                     (l.block_length, l.steps, l.surelock_eps),
                     (Some(8), Some(4), Some(0.01))
-                )
+                );
+                assert_eq!(
+                    (l.kv_cache.as_str(), l.threshold, l.upstream_calls),
+                    ("dual", Some(0.9), true)
+                );
             }
             other => panic!("{other:?}"),
         }
