@@ -178,6 +178,11 @@ async fn router_and_worker_expose_request_engine_and_slot_metrics() {
         assert!(body.contains(family), "missing {family}:\n{body}");
     }
     assert!(sample(&body, "wavefront_engine_ticks_total{model=\"tiny\"}").unwrap() >= 5.0);
+    // The requests' K/V pages made the pool's first arena.
+    assert!(
+        sample(&body, "wavefront_pool_allocated_bytes{model=\"tiny\"}").is_some_and(|b| b > 0.0),
+        "{body}"
+    );
     // Every worker series names its model: none for a scheduler not yet named.
     assert!(
         !body.contains("model=\"\""),

@@ -340,7 +340,7 @@ fn run_loop<F: Family>(
             match cmd {
                 Command::Shutdown => {
                     sched.abort_all(&mut family);
-                    publish(&sched, load);
+                    publish(&sched, load, family.pool_bytes());
                     return;
                 }
                 Command::Wake => {}
@@ -355,17 +355,17 @@ fn run_loop<F: Family>(
         }
         let before = sched.ticks();
         let report = sched.tick(&mut family, Instant::now());
-        publish(&sched, load);
+        publish(&sched, load, family.pool_bytes());
         if report.cancelled + report.expired + report.failed > 0 {
             tracing::debug!(?report, "requests left the engine");
         }
         wait = (sched.ticks() == before && !sched.is_idle()).then_some(IDLE_POLL);
     }
     sched.abort_all(&mut family);
-    publish(&sched, load);
+    publish(&sched, load, family.pool_bytes());
 }
 
-fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
+fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters, pool_bytes: u64) {
     {
         let mut l = load.lock();
         l.free_slots = sched.pool().free();
@@ -380,4 +380,5 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters) {
         sched.shared_queue().settled(free_places);
     }
     sched.publish_gauges();
+    sched.publish_pool_bytes(pool_bytes);
 }

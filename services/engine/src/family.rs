@@ -131,6 +131,13 @@ pub trait Family: Send + 'static {
             .finish(FinishReason::StopString, Stats::default());
     }
 
+    /// Bytes of memory the family's slot pools have allocated so far (arenas are made on first
+    /// use and kept: the pools' high-water mark, at most what the slots amount to), published
+    /// as a gauge. The default: none counted.
+    fn pool_bytes(&self) -> u64 {
+        0
+    }
+
     /// Slots `active` must hold for its next tick: all its state after that tick. The default,
     /// what it holds, is a family that reserves at admission; a family whose programs grow
     /// asks for more as they do (the scheduler grants them before the tick, in

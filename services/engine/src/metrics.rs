@@ -18,6 +18,7 @@ pub const PREEMPTED_REQUESTS: &str = "wavefront_preempted_requests";
 pub const PREEMPT_BYTES_TO_HOST: &str = "wavefront_engine_preempt_bytes_to_host_total";
 pub const PREEMPT_BYTES_FROM_HOST: &str = "wavefront_engine_preempt_bytes_from_host_total";
 pub const RECOMPUTED_ROWS_TOTAL: &str = "wavefront_engine_recomputed_rows_total";
+pub const POOL_ALLOCATED_BYTES: &str = "wavefront_pool_allocated_bytes";
 
 /// One engine's series, labelled with its model. Handles taken before a
 /// recorder is installed record nothing, so binaries install theirs first.
@@ -37,6 +38,7 @@ pub(crate) struct EngineMetrics {
     pub bytes_to_host: Counter,
     pub bytes_from_host: Counter,
     pub recomputed_rows: Counter,
+    pub pool_bytes: Gauge,
 }
 
 impl EngineMetrics {
@@ -56,7 +58,8 @@ impl EngineMetrics {
             preempted: metrics::gauge!(PREEMPTED_REQUESTS, "model" => m.clone()),
             bytes_to_host: metrics::counter!(PREEMPT_BYTES_TO_HOST, "model" => m.clone()),
             bytes_from_host: metrics::counter!(PREEMPT_BYTES_FROM_HOST, "model" => m.clone()),
-            recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m),
+            recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m.clone()),
+            pool_bytes: metrics::gauge!(POOL_ALLOCATED_BYTES, "model" => m),
         }
     }
 
@@ -78,6 +81,7 @@ impl EngineMetrics {
             bytes_to_host: Counter::noop(),
             bytes_from_host: Counter::noop(),
             recomputed_rows: Counter::noop(),
+            pool_bytes: Gauge::noop(),
         }
     }
 }

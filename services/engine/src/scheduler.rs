@@ -331,6 +331,11 @@ impl<P: Send + 'static> Scheduler<P> {
         self.metrics.preempted.set(self.preempted.len() as f64);
     }
 
+    /// Publishes the bytes the family's pools have allocated ([`crate::Family::pool_bytes`]).
+    pub fn publish_pool_bytes(&self, bytes: u64) {
+        self.metrics.pool_bytes.set(bytes as f64);
+    }
+
     pub fn pool(&self) -> &SlotPool {
         &self.pool
     }

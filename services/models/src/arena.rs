@@ -89,6 +89,15 @@ impl ArenaPool {
         self.state().arenas.len() * self.inner.per_arena
     }
 
+    /// Bytes of the arenas made so far (kept for the pool's life).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.state()
+            .arenas
+            .iter()
+            .map(|a| (a.elem_count() * a.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
     /// Slots held.
     pub fn in_use(&self) -> usize {
         let s = self.state();

@@ -86,6 +86,10 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
     type Plan = S::Plan;
     type Output = S::Output;
 
+    fn pool_bytes(&self) -> u64 {
+        self.pool.allocated_bytes()
+    }
+
     fn demand(&self, a: &Active<S::Program>) -> Demand {
         if a.program.is_done() {
             return Demand::Idle;

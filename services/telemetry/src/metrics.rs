@@ -8,9 +8,9 @@
 use std::net::SocketAddr;
 
 pub use wavefront_engine::metrics::{
-    ACTIVE_REQUESTS, CACHE_USAGE, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL, PREEMPT_BYTES_FROM_HOST,
-    PREEMPT_BYTES_TO_HOST, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL, SLOTS_TOTAL, SLOTS_USED,
-    TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS, TICK_ROWS,
+    ACTIVE_REQUESTS, CACHE_USAGE, POOL_ALLOCATED_BYTES, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL,
+    PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL,
+    SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS, TICK_ROWS,
 };
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -86,6 +86,13 @@ fn describe() {
     describe_counter!(
         RECOMPUTED_ROWS_TOTAL,
         "Rows dropped by preemption and computed again on resumption."
+    );
+    describe_gauge!(
+        POOL_ALLOCATED_BYTES,
+        Unit::Bytes,
+        "Memory the model's slot pools have allocated so far: arenas are made on first use and \
+         kept, so this is the pools' high-water mark, at most what wavefront_slots_total amounts \
+         to."
     );
     describe_gauge!(
         CACHE_USAGE,

@@ -39,6 +39,14 @@ pub struct MemoryPool {
 }
 
 impl MemoryPool {
+    /// Bytes of the arenas made so far, every layer's memories and normalisers.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|(a, z)| a.allocated_bytes() + z.allocated_bytes())
+            .sum()
+    }
+
     /// An empty pool for `layers` layers of memories `[d_key, d]` on `device`.
     pub fn new(layers: usize, d_key: usize, d: usize, device: &Device) -> Self {
         let pool = |shape: &[usize]| ArenaPool::new(shape, DType::F32, device, ARENA_ENTRIES);

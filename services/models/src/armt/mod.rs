@@ -352,6 +352,11 @@ impl Armt {
     }
 
     /// The slots diagonal residual streams live in.
+    /// Bytes of the arenas the model's own pools (memories, residual streams) made so far.
+    pub fn pool_bytes(&self) -> u64 {
+        self.memories.allocated_bytes() + self.streams.allocated_bytes()
+    }
+
     pub fn stream_pool(&self) -> &ArenaPool {
         &self.streams
     }

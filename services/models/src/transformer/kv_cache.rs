@@ -71,6 +71,17 @@ pub struct KvPool {
 }
 
 impl KvPool {
+    /// Bytes of the arenas made so far, on every device: the pool's high-water mark (an arena
+    /// is made when a page in it is first written and kept for the pool's life).
+    pub fn allocated_bytes(&self) -> u64 {
+        let st = self.state();
+        st.devices
+            .iter()
+            .flat_map(|(_, arenas)| arenas.iter().flatten())
+            .map(|a| (a.k.elem_count() * a.k.dtype().size_in_bytes()) as u64 * 2)
+            .sum()
+    }
+
     /// A model's pool, whose page ids are granted by the engine (its slot ids).
     pub fn shared(page_size: usize) -> Self {
         Self::make(page_size, true)

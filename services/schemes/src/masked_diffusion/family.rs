@@ -162,6 +162,10 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
         crate::migrate::export(&a.program, FAMILY)
     }
 
+    fn pool_bytes(&self) -> u64 {
+        self.pool.allocated_bytes() + self.posteriors.allocated_bytes()
+    }
+
     fn demand(&self, a: &Active<MdProgram>) -> Demand {
         Demand::Whole(a.program.step_rows())
     }

@@ -111,6 +111,10 @@ impl Family for HuginnFamily {
     type Plan = HuginnPlan;
     type Output = HuginnOutput;
 
+    fn pool_bytes(&self) -> u64 {
+        self.pool.allocated_bytes()
+    }
+
     /// A static `ar` prefill may run in chunks (an adaptive exit averages the latent change over
     /// the positions of the call, so its prefill runs whole); every other step runs whole.
     fn demand(&self, a: &Active<Program>) -> Demand {

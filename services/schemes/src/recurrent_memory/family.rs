@@ -360,6 +360,10 @@ impl Family for RecurrentMemoryFamily {
         crate::migrate::export(&a.program, FAMILY)
     }
 
+    fn pool_bytes(&self) -> u64 {
+        self.pool.allocated_bytes() + self.model.pool_bytes()
+    }
+
     fn demand(&self, a: &Active<ArmtProgram>) -> Demand {
         let cfg = self.model.config();
         match a.program.step_rows(cfg.n_layers(), cfg.num_mem_tokens()) {
