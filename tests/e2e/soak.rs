@@ -135,11 +135,19 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
     use pb::generate_request::Scheme;
     let prompt = text(PROMPTS[rng.random_range(0..PROMPTS.len())]);
     let seed = Some(rng.random_range(0..1000));
+    // Sampled requests restrict their draws with top_p and top_k now and then (every scheme
+    // that samples takes them).
+    let (top_p, top_k) = match rng.random_range(0..4) {
+        0 => (0.9, 0),
+        1 => (0.0, 20),
+        _ => (0.0, 0),
+    };
     let sampling = |t: f32| {
         Some(pb::SamplingParams {
             temperature: t,
             seed,
-            ..Default::default()
+            top_p: if t > 0.0 && top_p > 0.0 { top_p } else { 1.0 },
+            top_k: if t > 0.0 { top_k } else { 0 },
         })
     };
     let stop_strings = if rng.random_bool(0.2) {
@@ -180,17 +188,25 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
             })),
             ..Default::default()
         },
-        3 => pb::GenerateRequest {
-            model: "llada".into(),
-            prompt,
-            max_new_tokens: 16,
-            scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
-                block_length: Some(8),
-                steps: Some(8),
+        // Low-confidence, exact or with Fast-dLLM's caches and threshold rule; lengths that
+        // blocks of 8 do not fill are caps.
+        3 => {
+            let gen = rng.random_range(1..24u32);
+            let fast = rng.random_range(0..4);
+            pb::GenerateRequest {
+                model: "llada".into(),
+                prompt,
+                max_new_tokens: gen,
+                scheme: Some(Scheme::LowConfidence(pb::LowConfidenceScheme {
+                    block_length: Some(8),
+                    steps: Some(gen.div_ceil(8) * rng.random_range(1..=8)),
+                    kv_cache: ["", "prefix", "dual", ""][fast].into(),
+                    threshold: (fast == 3 || (fast > 0 && rng.random_bool(0.5))).then_some(0.7),
+                    ..Default::default()
+                })),
                 ..Default::default()
-            })),
-            ..Default::default()
-        },
+            }
+        }
         4 => pb::GenerateRequest {
             model: "llada".into(),
             prompt,
@@ -271,7 +287,6 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
             ..Default::default()
         },
     };
-    // Plan-infill refuses sampling filters but takes a temperature; every scheme takes a seed.
     req.sampling = sampling(temperature);
     req.stop_strings = stop_strings;
     req

@@ -54,10 +54,14 @@ passed += 1
 # An invalid parameter: a 400 with OpenAI's error object and a message naming it.
 try:
     client.completions.create(model="llada", prompt="x", max_tokens=10,
-                              extra_body={"low_confidence": {"block_length": 3}})
-    raise SystemExit("a block length that does not divide max_tokens was accepted")
+                              extra_body={"low_confidence": {"block_length": 4, "steps": 5}})
+    raise SystemExit("steps that do not split over the blocks were accepted")
 except openai.BadRequestError as e:
-    assert "block_length" in e.message, e.message
+    assert "low_confidence.steps" in e.message, e.message
+# max_tokens is a cap: blocks that do not fill it are served, and the answer stops there.
+r = client.completions.create(model="llada", prompt="x", max_tokens=10, temperature=0,
+                              extra_body={"low_confidence": {"block_length": 4}})
+assert r.usage.completion_tokens <= 10, r.usage
 try:
     client.completions.create(model="llada", prompt="x", n=2)
     raise SystemExit("n=2 was accepted")
