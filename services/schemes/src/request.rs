@@ -16,7 +16,9 @@ pub struct GenerateSpec {
     pub sampling: SamplingParams,
     pub scheme: SchemeParams,
     /// Recorded random draws to replay instead of the seeded RNG (tests,
-    /// reproduction of reference runs).
+    /// reproduction of reference runs): Huginn's initial states, Dream's uniforms, and for a
+    /// sampled low-confidence request with a Fast-dLLM option the Gumbel noise `ln(-ln U)`,
+    /// `block_length` rows per forward.
     pub replay_draws: Option<Arc<ReplayDraws>>,
     /// Also send canvas frames (`Event::Canvas`) for clients that watch the decoding.
     pub stream_canvas: bool,

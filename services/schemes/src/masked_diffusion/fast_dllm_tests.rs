@@ -3,7 +3,7 @@
 //! `generate_with_prefix_cache` and `generate_with_dual_cache` on the LLaDA fixture's
 //! checkpoint, each alone and all packed into the same ticks: tokens, forwards, the rows each
 //! forward computed, the positions and tokens each committed, and the logits of the recorded
-//! cached calls. Upstream's extra cached forward is reproduced with `upstream_calls` and
+//! cached calls; and the sampled run with upstream's uniforms replayed. Upstream's extra cached forward is reproduced with `upstream_calls` and
 //! skipped without it (same tokens, fewer forwards); the cached modes that crash upstream with
 //! one step per block are served.
 
@@ -346,4 +346,36 @@ fn surelock_composes_with_the_cache() -> Result<()> {
         "no lock saved a row ({locked} locks)"
     );
     Ok(())
+}
+
+/// The sampled run (`torch.manual_seed(1234)`, temperature 1, prefix cache, threshold 0.5):
+/// with upstream's own uniforms replayed (`ln(-ln U)` of the stored `U`, per forward and block
+/// position), every token, forward, row and commit is upstream's.
+#[test]
+fn the_sampled_run_matches_upstream_with_its_draws_replayed() -> Result<()> {
+    let golden = FastGolden::load()?;
+    let (model, planner) = fixture()?;
+    let runs = golden.json["runs"].as_array().context("runs")?;
+    let r = runs
+        .iter()
+        .find(|r| r["temperature"].as_f64() == Some(1.0))
+        .context("the sampled run")?;
+    let name = r["name"].as_str().context("name")?;
+    let u = golden
+        .tensors
+        .get(&format!("{name}.gumbel_u"))
+        .context("gumbel_u")?;
+    let dim = u.dim(2)?;
+    let noise: Vec<f32> = u
+        .flatten_all()?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(|u| (-u.ln()).ln() as f32)
+        .collect();
+    let mut s = run_spec(&golden, r, true);
+    s.sampling.temperature = 1.0;
+    s.replay_draws = Some(std::sync::Arc::new(crate::ReplayDraws { dim, data: noise }));
+    let mut ps = vec![program(&planner, s)?];
+    run(&model, &mut ps)?;
+    check(r, &ps[0])
 }

@@ -76,6 +76,11 @@ pub(crate) struct LowConfidence {
     /// Forwards made in the current block (with a cache, the first is the full one).
     #[serde(default)]
     calls: usize,
+    /// Replayed Gumbel noise for sampled steps (tests against upstream's own draws): per
+    /// forward, `block_length` rows of `ln(-ln U)` over the vocabulary, row `i` for the block's
+    /// position `i`; and the forwards made so far.
+    #[serde(skip)]
+    pub(crate) replay: Option<(std::sync::Arc<crate::ReplayDraws>, usize)>,
 }
 
 impl LowConfidence {
@@ -90,6 +95,7 @@ impl LowConfidence {
             upstream_calls: false,
             fast: false,
             calls: 0,
+            replay: None,
         }
     }
 
@@ -128,6 +134,9 @@ impl LowConfidence {
     pub(crate) fn step_done(&mut self) {
         self.step += 1;
         self.calls += 1;
+        if let Some((_, forwards)) = &mut self.replay {
+            *forwards += 1;
+        }
     }
 
     /// Whether the next step reads position `i` from the cache instead of computing it: after
@@ -148,6 +157,56 @@ impl LowConfidence {
     pub(crate) fn owes_call(&self) -> bool {
         self.upstream_calls && self.cache != KvCacheMode::None && self.calls == 1
     }
+}
+
+/// Upstream's Gumbel-max draw with replayed noise (Fast-dLLM's `add_gumbel_noise`, float64:
+/// `argmax exp(l) / (-ln U)^T`, i.e. `argmax l - T ln(-ln U)`), and the float64 softmax of the
+/// raw logits at the drawn token, for each candidate; the mask token is never drawn.
+fn replayed_draws(
+    inputs: &StepInputs,
+    cands: &[usize],
+    noise: &crate::ReplayDraws,
+    first_row: usize,
+    block_start: usize,
+    temperature: f32,
+    mask: u32,
+) -> candle_core::Result<(Vec<u32>, Vec<f64>)> {
+    let rows = inputs.rows(cands.iter().copied());
+    let sub = inputs.logits.index_select(
+        &candle_core::Tensor::new(rows.as_slice(), inputs.logits.device())?,
+        0,
+    )?;
+    let logits: Vec<Vec<f32>> = sub.to_dtype(DType::F32)?.to_vec2()?;
+    let t = f64::from(temperature);
+    let mut out = (
+        Vec::with_capacity(cands.len()),
+        Vec::with_capacity(cands.len()),
+    );
+    for (&p, row) in cands.iter().zip(&logits) {
+        let at = p
+            .checked_sub(block_start)
+            .map(|i| (first_row + i) * noise.dim);
+        let g = at
+            .and_then(|at| noise.data.get(at..at + row.len()))
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "the replayed draws hold no row for position {p} (forward row {first_row})"
+                ))
+            })?;
+        let x0 = (0..row.len())
+            .filter(|&v| v != mask as usize)
+            .map(|v| (v, f64::from(row[v]) - t * f64::from(g[v])))
+            .fold((0, f64::NEG_INFINITY), |b, c| if c.1 > b.1 { c } else { b })
+            .0;
+        let max = row
+            .iter()
+            .map(|&l| f64::from(l))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = row.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+        out.0.push(x0 as u32);
+        out.1.push((f64::from(row[x0]) - max).exp() / total);
+    }
+    Ok(out)
 }
 
 /// Fast-dLLM's threshold rule over scored candidates: the most confident one (ties: the lower
@@ -176,7 +235,18 @@ pub(crate) fn step(
     let rows = inputs.rows(cands.iter().copied());
     // Fast-dLLM scores in float64 (its get_transfer_index); LLaDA's generate() in float32.
     let dtype = if lc.fast { DType::F64 } else { DType::F32 };
-    let (x0, conf) = decode_rows(inputs.logits, &rows, draw, rng, dtype, canvas.mask_id)?;
+    let (x0, conf) = match &lc.replay {
+        Some((noise, forward)) if draw.temperature > 0.0 => replayed_draws(
+            inputs,
+            cands,
+            noise,
+            *forward * canvas.block_length,
+            canvas.block_start(),
+            draw.temperature,
+            canvas.mask_id,
+        )?,
+        _ => decode_rows(inputs.logits, &rows, draw, rng, dtype, canvas.mask_id)?,
+    };
     let scored: Vec<(usize, f64)> = match lc.remasking {
         Remasking::LowConfidence => cands.iter().copied().zip(conf).collect(),
         Remasking::Random => cands.iter().map(|&p| (p, rng.random::<f64>())).collect(),

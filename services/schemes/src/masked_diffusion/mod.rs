@@ -261,9 +261,16 @@ impl MdPlanner {
             );
         }
         let fast = fast_dllm(p)?;
-        let decoder = Decoder::LowConfidence(
-            LowConfidence::new(steps / blocks, p.remasking).with_fast_dllm(fast),
-        );
+        let mut lc = LowConfidence::new(steps / blocks, p.remasking).with_fast_dllm(fast);
+        // Replayed Gumbel noise (tests against upstream's draws) for sampled Fast-dLLM steps.
+        if let Some(r) = spec
+            .replay_draws
+            .clone()
+            .filter(|_| lc.threshold.is_some() || lc.cache != KvCacheMode::None)
+        {
+            lc.replay = Some((r, 0));
+        }
+        let decoder = Decoder::LowConfidence(lc);
         let copies = if p.cfg_scale > 0.0 { 2 } else { 1 };
         self.build(
             spec,
