@@ -256,6 +256,7 @@ pub(crate) fn step(
         None => top_k(&scored, k),
     };
     let mut record = StepRecord::default();
+    let score: std::collections::HashMap<usize, f64> = scored.iter().copied().collect();
     for &p in &chosen {
         let i = cands
             .binary_search(&p)
@@ -263,6 +264,7 @@ pub(crate) fn step(
         canvas.tokens[p] = x0[i];
         record.committed.push(p);
         record.tokens.push(x0[i]);
+        record.scores.push(score[&p]);
     }
     lc.step_done();
     Ok(record)

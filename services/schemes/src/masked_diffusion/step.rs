@@ -12,6 +12,8 @@ pub struct StepRecord {
     pub committed: Vec<usize>,
     /// Their tokens.
     pub tokens: Vec<u32>,
+    /// Their confidences (low-confidence: the probability that ranked them).
+    pub scores: Vec<f64>,
     /// Positions revoked (WINO).
     pub revoked: Vec<usize>,
     /// Positions locked (SureLock).
