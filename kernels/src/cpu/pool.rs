@@ -7,7 +7,11 @@
 //! Here the caller publishes the call and takes parts itself; workers that are spinning pick
 //! the rest up at once; a worker parks only after [`SPIN`] of idleness and is unparked by the
 //! next call. Parts are claimed from a shared counter, so a slow thread does not hold the
-//! others up.
+//! others up. A waiting thread (the caller for the workers' parts, a worker between calls)
+//! spins for [`YIELD_AFTER`] and then yields its core at every check: in a server whose network
+//! threads share the cores, a thread that only spins holds a core they need (measured: a
+//! Huginn request's p99 through `serve`, unloaded, 12.3 → 7.5 ms; forwards unchanged within
+//! noise; docs/benchmarks.md).
 //!
 //! One call runs at a time: a second caller (another engine) that finds the pool busy runs its
 //! call on its own thread. A call made from inside a part runs inline.
@@ -20,6 +24,26 @@ use std::time::{Duration, Instant};
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(500);
+
+/// How long a thread waiting on other threads (the caller for the parts workers took, a worker
+/// between calls) spins before it yields its core at every check. When every core is busy
+/// (a server's network threads, another process), a thread that only spins holds a core that
+/// the thread it waits for, or the one that would hand it work, needs; yielding lends it.
+const YIELD_AFTER: Duration = Duration::from_micros(50);
+
+/// Waits until `ready()`: spins for [`YIELD_AFTER`], then yields the core between checks.
+fn wait_until(ready: impl Fn() -> bool) {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while !ready() {
+        spins += 1;
+        if spins.is_multiple_of(64) && start.elapsed() > YIELD_AFTER {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
 
 type Job = *const (dyn Fn(usize) + Sync);
 
@@ -120,14 +144,10 @@ impl Pool {
         IN_PART.with(|c| c.set(true));
         claim(s, f);
         IN_PART.with(|c| c.set(false));
-        while s.done.load(Ordering::Acquire) < parts {
-            std::hint::spin_loop();
-        }
+        wait_until(|| s.done.load(Ordering::Acquire) >= parts);
         // No worker may take the function from here on, and none still runs it on return.
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        while s.active.load(Ordering::Acquire) > 0 {
-            std::hint::spin_loop();
-        }
+        wait_until(|| s.active.load(Ordering::Acquire) == 0);
         if s.panicked.swap(false, Ordering::AcqRel) {
             panic!("a CPU kernel part panicked on a pool thread");
         }
@@ -167,6 +187,9 @@ fn worker(s: &Shared) {
             spins += 1;
             if spins.is_multiple_of(64) && idle.elapsed() > SPIN {
                 std::thread::park_timeout(Duration::from_millis(100));
+            } else if spins.is_multiple_of(64) && idle.elapsed() > YIELD_AFTER {
+                // Between calls: a thread that wants this core gets it.
+                std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
