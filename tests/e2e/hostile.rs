@@ -145,17 +145,22 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("at least"), "{}", err.message());
 
-    // Unloaded, then under a flood of the worst chats under the limit. Other tests share
-    // these two cores, so the unloaded p99 is taken before and after each flood and the larger
-    // kept, and a round spoiled by them is run again (three at most): a server that renders
-    // the chats fails every round. The bound is 2x, which `scripts/soak.sh` asserts on
-    // a release build running alone; in `cargo test` (a debug build, where refusing a
-    // 1024-message chat costs several times more CPU, beside the other tests on two cores)
-    // the bound is 4x, which rendering (7x to 25x in the finding) still fails.
+    // Unloaded, then under a flood of the worst chats under the limit. What must hold: each
+    // refusal costs the server little CPU (rendering and tokenizing a 1,024-message chat costs
+    // about 16 ms of it, from the finding's 6 s for 380,000 messages; a refusal from the count
+    // and the template's per-message estimate well under 1 ms), checked in every round; and
+    // another model's p99 keeps close to its unloaded one. Other tests share these two cores,
+    // so the unloaded p99 is taken before and after each flood and the larger kept, and a round
+    // spoiled by them is run again (three at most). The bound is 2x, which
+    // `scripts/soak.sh` asserts on a release build running alone (docs/reliability.md: not met
+    // on two vCPUs since the kernels' pool yields its core while it waits, which halved the
+    // unloaded p99 and left the flooded one as it was); in `cargo test` (a debug build, where
+    // every refusal's parsing costs several times more CPU, beside the other tests) the latency
+    // bound is 8x, and the CPU bound is what tells a server that renders the chats.
     let max_ratio: f64 = std::env::var("WAVEFRONT_FLOOD_MAX_RATIO")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(4.0);
+        .unwrap_or(8.0);
     latencies(&mut client, 5).await;
     let peak = peak_rss_kib(serve.child.id());
     let mut rounds = Vec::new();
@@ -180,6 +185,13 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
         );
         assert!(refused >= 16, "the flood sent {refused}");
         assert!(grew < 64 << 10, "peak memory grew {grew} KiB");
+        // Its CPU includes the timed Huginn requests': an upper bound on a refusal's.
+        let per_refusal = cpu / refused as f64;
+        assert!(
+            per_refusal < 2e-3,
+            "{:.2} ms of server CPU per refusal: the chats are rendered",
+            per_refusal * 1e3
+        );
         let held = loaded.as_secs_f64() <= base.as_secs_f64() * max_ratio;
         rounds.push((base, loaded));
         if held {
