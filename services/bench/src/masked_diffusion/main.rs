@@ -9,6 +9,9 @@
 //! reports forward passes per request, wall time, latency per request, aggregate tokens per
 //! second, and SureLock's algorithmic FLOPs ratio measured from the rows actually computed.
 //!
+//! Fast-dLLM's options of the low-confidence sampler run beside them (Wu et al. 2025): the dual
+//! cache, and the prefix and dual caches with the threshold rule (`--fast-threshold`).
+//!
 //! Prints a markdown table on stdout and progress on stderr.
 
 use wavefront_bench::synthetic::llada as synthetic;
@@ -20,7 +23,8 @@ use wavefront_bench::table::Align::{Left, Right};
 use wavefront_bench::table::{self, mean, series_mean};
 use wavefront_schemes::masked_diffusion::serve_model;
 use wavefront_schemes::{
-    GenerateSpec, LoadOptions, LowConfidenceParams, SchemeParams, SureLockParams, WinoParams,
+    GenerateSpec, KvCacheMode, LoadOptions, LowConfidenceParams, SchemeParams, SureLockParams,
+    WinoParams,
 };
 
 #[derive(Debug, Parser)]
@@ -65,6 +69,9 @@ struct Args {
     /// SureLock confidence-gate percentile (0: no gate).
     #[arg(long, default_value_t = 20.0)]
     surelock_percentile: f32,
+    /// Fast-dLLM's confidence threshold for the rows that use it.
+    #[arg(long, default_value_t = 0.9)]
+    fast_threshold: f32,
     /// Concurrent requests per run.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
@@ -80,14 +87,20 @@ enum Workload {
     Wino,
     LowConfidenceSureLock,
     WinoSureLock,
+    DualCache,
+    PrefixThreshold,
+    DualThreshold,
 }
 
 impl Workload {
-    const ALL: [Workload; 4] = [
+    const ALL: [Workload; 7] = [
         Workload::LowConfidence,
         Workload::Wino,
         Workload::LowConfidenceSureLock,
         Workload::WinoSureLock,
+        Workload::DualCache,
+        Workload::PrefixThreshold,
+        Workload::DualThreshold,
     ];
 
     fn label(self) -> &'static str {
@@ -96,6 +109,9 @@ impl Workload {
             Workload::Wino => "WINO",
             Workload::LowConfidenceSureLock => "low-confidence + SureLock",
             Workload::WinoSureLock => "WINO + SureLock",
+            Workload::DualCache => "low-confidence + Fast-dLLM dual cache",
+            Workload::PrefixThreshold => "low-confidence + prefix cache + threshold",
+            Workload::DualThreshold => "low-confidence + dual cache + threshold",
         }
     }
 
@@ -114,6 +130,20 @@ impl Workload {
                     block_length: Some(a.block_length),
                     steps: Some(a.steps.unwrap_or(a.gen_length)),
                     surelock,
+                    ..LowConfidenceParams::default()
+                })
+            }
+            Workload::DualCache | Workload::PrefixThreshold | Workload::DualThreshold => {
+                let (kv_cache, threshold) = match self {
+                    Workload::DualCache => (KvCacheMode::Dual, None),
+                    Workload::PrefixThreshold => (KvCacheMode::Prefix, Some(a.fast_threshold)),
+                    _ => (KvCacheMode::Dual, Some(a.fast_threshold)),
+                };
+                SchemeParams::LowConfidence(LowConfidenceParams {
+                    block_length: Some(a.block_length),
+                    steps: Some(a.steps.unwrap_or(a.gen_length)),
+                    kv_cache,
+                    threshold,
                     ..LowConfidenceParams::default()
                 })
             }
