@@ -102,6 +102,27 @@ impl AsyncRead for Conn {
     }
 }
 
+impl Conn {
+    /// A write's outcome: bytes that went out reset the silence timer; a write that waits
+    /// counts against it.
+    fn written(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match r {
+            Poll::Ready(Ok(n)) => {
+                if n > 0 {
+                    self.moved();
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => self.poll_silence(cx).map(Err),
+        }
+    }
+}
+
 impl AsyncWrite for Conn {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -109,16 +130,8 @@ impl AsyncWrite for Conn {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write(cx, buf) {
-            Poll::Ready(Ok(n)) => {
-                if n > 0 {
-                    this.moved();
-                }
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => this.poll_silence(cx).map(Err),
-        }
+        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.written(cx, r)
     }
 
     fn poll_write_vectored(
@@ -127,16 +140,8 @@ impl AsyncWrite for Conn {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
-            Poll::Ready(Ok(n)) => {
-                if n > 0 {
-                    this.moved();
-                }
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => this.poll_silence(cx).map(Err),
-        }
+        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.written(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
