@@ -153,9 +153,14 @@ impl LowConfidence {
         }
     }
 
+    /// Whether a Fast-dLLM cache keeps the block's K/V (the program then has a row cache).
+    pub(crate) fn caches(&self) -> bool {
+        self.cache != KvCacheMode::None
+    }
+
     /// Upstream's extra cached forward is owed: its block's full forward finished the block.
     pub(crate) fn owes_call(&self) -> bool {
-        self.upstream_calls && self.cache != KvCacheMode::None && self.calls == 1
+        self.upstream_calls && self.caches() && self.calls == 1
     }
 }
 
@@ -256,7 +261,6 @@ pub(crate) fn step(
         None => top_k(&scored, k),
     };
     let mut record = StepRecord::default();
-    let score: std::collections::HashMap<usize, f64> = scored.iter().copied().collect();
     for &p in &chosen {
         let i = cands
             .binary_search(&p)
@@ -264,7 +268,8 @@ pub(crate) fn step(
         canvas.tokens[p] = x0[i];
         record.committed.push(p);
         record.tokens.push(x0[i]);
-        record.scores.push(score[&p]);
+        // `scored` follows `cands`.
+        record.scores.push(scored[i].1);
     }
     lc.step_done();
     Ok(record)

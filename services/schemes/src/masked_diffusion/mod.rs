@@ -266,7 +266,7 @@ impl MdPlanner {
         if let Some(r) = spec
             .replay_draws
             .clone()
-            .filter(|_| lc.threshold.is_some() || lc.cache != KvCacheMode::None)
+            .filter(|_| lc.threshold.is_some() || lc.caches())
         {
             lc.replay = Some((r, 0));
         }
@@ -402,8 +402,7 @@ impl MdPlanner {
         )
         .with_limit(spec.max_new_tokens);
         let rows = canvas.len() + shadow;
-        let cached =
-            matches!(&decoder, Decoder::LowConfidence(lc) if lc.cache != KvCacheMode::None);
+        let cached = matches!(&decoder, Decoder::LowConfidence(lc) if lc.caches());
         let slot_plan = self.slot_plan(copies, shadow, cached, surelock.is_some());
         let slots = self.slots(rows, copies, cached, surelock.is_some());
         let surelock = surelock.map(|s| SureLock::new(&s, canvas.len()));
@@ -462,14 +461,15 @@ fn blocks(
 /// Fast-dLLM's options of the low-confidence scheme (its cache mode, the threshold rule and the
 /// upstream call switch), checked; `None` when none is set.
 fn fast_dllm(p: &LowConfidenceParams) -> Result<Option<low_confidence::FastDllm>, RequestError> {
-    if p.kv_cache == KvCacheMode::None && p.threshold.is_none() {
-        if p.upstream_calls {
-            return bad(
-                "low_confidence.upstream_calls applies to kv_cache `prefix` and `dual` (the \
-                 extra cached forward Fast-dLLM makes after a block's full forward)"
-                    .into(),
-            );
-        }
+    let cached = p.kv_cache != KvCacheMode::None;
+    if p.upstream_calls && !cached {
+        return bad(
+            "low_confidence.upstream_calls applies to kv_cache `prefix` and `dual` (the extra \
+             cached forward Fast-dLLM makes after a block's full forward)"
+                .into(),
+        );
+    }
+    if !cached && p.threshold.is_none() {
         return Ok(None);
     }
     if let Some(t) = p.threshold {
@@ -486,20 +486,12 @@ fn fast_dllm(p: &LowConfidenceParams) -> Result<Option<low_confidence::FastDllm>
             );
         }
     }
-    if p.kv_cache != KvCacheMode::None {
-        if p.cfg_scale > 0.0 {
-            return bad(format!(
-                "low_confidence.kv_cache `{}` cannot be combined with cfg_scale > 0 (Fast-dLLM's \
-                 cache has no unconditional copy)",
-                p.kv_cache.name()
-            ));
-        }
-    } else if p.upstream_calls {
-        return bad(
-            "low_confidence.upstream_calls applies to kv_cache `prefix` and `dual` (the extra \
-             cached forward Fast-dLLM makes after a block's full forward)"
-                .into(),
-        );
+    if cached && p.cfg_scale > 0.0 {
+        return bad(format!(
+            "low_confidence.kv_cache `{}` cannot be combined with cfg_scale > 0 (Fast-dLLM's \
+             cache has no unconditional copy)",
+            p.kv_cache.name()
+        ));
     }
     Ok(Some(low_confidence::FastDllm {
         cache: p.kv_cache,

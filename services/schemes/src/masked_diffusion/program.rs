@@ -24,7 +24,6 @@ use super::posterior::{log_probs, Draw};
 use super::step::{StepInputs, StepRecord};
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
-use crate::request::KvCacheMode;
 use crate::SchemeError;
 
 /// The sampler a program runs.
@@ -115,8 +114,7 @@ impl MdProgram {
         temperature: f32,
         seed: u64,
     ) -> Self {
-        let cached =
-            matches!(&decoder, Decoder::LowConfidence(lc) if lc.cache != KvCacheMode::None);
+        let cached = matches!(&decoder, Decoder::LowConfidence(lc) if lc.caches());
         let kv = (cached || surelock.is_some()).then(KvCache::new);
         let mut p = Self {
             canvas,
