@@ -21,6 +21,8 @@ __device__ __forceinline__ bool allows(uint32_t kind, uint32_t p0, uint32_t p1, 
   if (kind == 1) return k <= q;
   if (kind == 3) return k / max(p0, 1u) <= q / max(p0, 1u);
   if (kind == 4) return k <= q && (k < p0 || (k - p0) / max(p1, 1u) == (q - p0) / max(p1, 1u));
+  if (kind == 5) return k <= q && q - k < p0;
+  if (kind == 6) return k >= p0 || p0 - k < p1;
   bool qs = q >= p0, ks = k >= p0;
   if (!qs) return !ks;
   if (ks) return true;

@@ -36,6 +36,12 @@ pub enum Mask {
     /// and the keys of its own segment up to itself, never another segment. A query inside the
     /// prefix is causal.
     SegmentCausal { prefix: u32, segment: u32 },
+    /// Causal within a sliding window (DiffusionGemma's encoder on its sliding layers): keys
+    /// not after the query and fewer than `window` indices before it.
+    SlidingCausal { window: u32 },
+    /// The most recent cached keys and every key after them (DiffusionGemma's denoiser on its
+    /// sliding layers): keys from `cached` on, and the `window - 1` keys just before `cached`.
+    RecentCache { cached: u32, window: u32 },
 }
 
 impl Mask {
@@ -57,6 +63,8 @@ impl Mask {
                     && (key < prefix
                         || (key - prefix) / segment.max(1) == (query - prefix) / segment.max(1))
             }
+            Mask::SlidingCausal { window } => key <= query && query - key < window,
+            Mask::RecentCache { cached, window } => key >= cached || cached - key < window,
         }
     }
 
@@ -71,6 +79,8 @@ impl Mask {
             } => [2, main_len, block_start],
             Mask::BlockCausal { block } => [3, block, 0],
             Mask::SegmentCausal { prefix, segment } => [4, prefix, segment],
+            Mask::SlidingCausal { window } => [5, window, 0],
+            Mask::RecentCache { cached, window } => [6, cached, window],
         }
     }
 }

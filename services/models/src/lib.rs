@@ -17,12 +17,15 @@
 //! * [`armt`]: ARMT, associative recurrent memory on a Llama backbone (Rodkin et al., 2024),
 //!   with sequential and diagonal-batched execution (Sivtsov et al., 2025).
 //! * [`qwen3`]: Qwen3 with explicit position ids, the backbone of ReFusion (Li et al., 2025).
+//! * [`diffusion_gemma`]: DiffusionGemma, a Gemma 4 mixture-of-experts transformer run as a
+//!   causal encoder and a bidirectional denoiser of uniform-noise canvases.
 
 pub mod arena;
 pub mod armt;
 pub mod chat;
 mod config;
 pub mod device;
+pub mod diffusion_gemma;
 pub mod dream;
 pub mod error;
 pub mod files;
@@ -36,6 +39,7 @@ pub mod transformer;
 
 pub use armt::{Armt, ArmtConfig};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use diffusion_gemma::{DiffusionGemma, DiffusionGemmaConfig};
 pub use dream::{Dream, DreamConfig};
 pub use error::ModelError;
 pub use files::{detect_architecture, detect_family, Architecture, ModelFamily, ModelFiles};

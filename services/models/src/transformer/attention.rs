@@ -113,6 +113,8 @@ pub struct PackedLayout {
     ragged: Option<Arc<RaggedPlan>>,
     /// Copies on other devices (tensor-parallel ranks on their own GPUs), made once per call.
     replicas: Mutex<Vec<Arc<PackedLayout>>>,
+    /// The scores' scale; `None`: `1 / sqrt(head_dim)`.
+    scale: Option<f64>,
 }
 
 impl PackedLayout {
@@ -203,7 +205,15 @@ impl PackedLayout {
             seqs: layouts,
             ragged,
             replicas: Mutex::default(),
+            scale: None,
         })
+    }
+
+    /// Scores scaled by `scale` instead of `1 / sqrt(head_dim)` (DiffusionGemma: 1, its q/k
+    /// norms set the scale).
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
     }
 
     /// This layout on `device`: `None` when it is already there (or no device is asked for),
@@ -258,6 +268,7 @@ impl PackedLayout {
                 .map(|p| p.to_device(device).map(Arc::new))
                 .transpose()?,
             replicas: Mutex::default(),
+            scale: self.scale,
         });
         replicas.push(r.clone());
         Ok(Some(r))
@@ -336,7 +347,9 @@ pub(crate) fn attend_packed(
     seqs: &mut [SeqInput],
     layer: usize,
 ) -> Result<Tensor> {
-    let scale = 1.0 / (q.dim(2)? as f64).sqrt();
+    let scale = layout
+        .scale
+        .unwrap_or_else(|| 1.0 / (q.dim(2).unwrap_or(1) as f64).sqrt());
     let single = seqs.len() == 1;
     let rows = |t: &Tensor, s: &SeqLayout| -> Result<Tensor> {
         Ok(if single {

@@ -19,6 +19,10 @@
 //!
 //! A page's storage is made on first use and kept for the next owner of its id, so a pool's
 //! memory is the most pages it ever held at once, never more than the budget it was sized for.
+//! Pages are kept per row shape (`[H, ·, D]` and dtype): a model whose layers cache K/V of
+//! different shapes (DiffusionGemma's sliding and full-attention layers) has one set of arenas
+//! per shape, each bounded by the budget, and a page id holds its rows in the set of the shape
+//! it was written with.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -46,11 +50,15 @@ struct Arena {
     v: Tensor,
 }
 
+/// The shape of a page's rows: heads, head width and dtype.
+type RowShape = (usize, usize, candle_core::DType);
+
 #[derive(Debug, Default)]
 struct PoolState {
-    /// Per device, its arenas by index ([`KvPool::locate`]), made on first use.
-    devices: Vec<(Device, Vec<Option<Arena>>)>,
-    /// Per page id, the device (index into `devices`) whose arena holds its rows, once written.
+    /// Per device and row shape (`[H, ·, D]`, dtype), its arenas by index
+    /// ([`KvPool::locate`]), made on first use.
+    devices: Vec<(Device, RowShape, Vec<Option<Arena>>)>,
+    /// Per page id, the set (index into `devices`) whose arena holds its rows, once written.
     written: Vec<Option<u8>>,
     /// Private pools: ids made so far.
     made: u32,
@@ -77,7 +85,7 @@ impl KvPool {
         let st = self.state();
         st.devices
             .iter()
-            .flat_map(|(_, arenas)| arenas.iter().flatten())
+            .flat_map(|(_, _, arenas)| arenas.iter().flatten())
             .map(|a| (a.k.elem_count() * a.k.dtype().size_in_bytes()) as u64 * 2)
             .sum()
     }
@@ -148,18 +156,19 @@ impl KvPool {
         let (a, first, pages) = self.locate(id);
         let slot = id as usize - first;
         let mut st = self.state();
+        let row: RowShape = (like.dim(0)?, like.dim(2)?, like.dtype());
         let d = match st
             .devices
             .iter()
-            .position(|(dev, _)| dev.same_device(like.device()))
+            .position(|(dev, shape, _)| dev.same_device(like.device()) && *shape == row)
         {
             Some(d) => d,
             None => {
-                st.devices.push((like.device().clone(), Vec::new()));
+                st.devices.push((like.device().clone(), row, Vec::new()));
                 st.devices.len() - 1
             }
         };
-        let arenas = &mut st.devices[d].1;
+        let arenas = &mut st.devices[d].2;
         if arenas.len() <= a {
             arenas.resize(a + 1, None);
         }
@@ -190,7 +199,7 @@ impl KvPool {
         if st.written.len() <= id as usize {
             st.written.resize(id as usize + 1, None);
         }
-        st.written[id as usize] = Some(u8::try_from(d).expect("fewer than 256 devices"));
+        st.written[id as usize] = Some(u8::try_from(d).expect("fewer than 256 arena sets"));
         Ok((arena, slot * p))
     }
 
@@ -215,7 +224,7 @@ impl KvPool {
             .copied()
             .flatten()
             .ok_or_else(never)?;
-        let arena = st.devices[d as usize].1[a].clone().ok_or_else(never)?;
+        let arena = st.devices[d as usize].2[a].clone().ok_or_else(never)?;
         Ok((arena, (id as usize - first) * self.inner.page_size, d))
     }
 }
@@ -293,10 +302,10 @@ impl PageSupply {
     /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`.
     pub(crate) fn write(&mut self, id: u32, off: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let (arena, base) = self.pool.arena_for_write(id, k)?;
-        if self.page_bytes == 0 {
-            let (h, _, d) = k.dims3()?;
-            self.page_bytes = 2 * h * self.page_size() * d * k.dtype().size_in_bytes();
-        }
+        // The largest page written (layers may cache rows of different shapes).
+        let (h, _, d) = k.dims3()?;
+        let bytes = 2 * h * self.page_size() * d * k.dtype().size_in_bytes();
+        self.page_bytes = self.page_bytes.max(bytes);
         arena.k.slice_set(&k.contiguous()?, 1, base + off)?;
         arena.v.slice_set(&v.contiguous()?, 1, base + off)?;
         Ok(())

@@ -31,6 +31,13 @@ pub enum MaskRule {
     /// prefix and its own segment up to itself, never another segment; inside the prefix,
     /// causal.
     SegmentCausal { prefix: usize, segment: usize },
+    /// Causal within a sliding window of `window` indices (DiffusionGemma's encoder on its
+    /// sliding-attention layers: a query at `q` sees keys `q - window < k <= q`).
+    SlidingCausal { window: usize },
+    /// The denoiser's view of a sliding-attention layer (DiffusionGemma): every key from
+    /// `cached` on (the canvas, bidirectional, no window inside it) and the `window - 1`
+    /// cached keys just before it, what upstream's sliding cache keeps.
+    RecentCache { cached: usize, window: usize },
 }
 
 impl MaskRule {
@@ -54,6 +61,8 @@ impl MaskRule {
                     && (key < prefix
                         || (key - prefix) / segment.max(1) == (query - prefix) / segment.max(1))
             }
+            MaskRule::SlidingCausal { window } => key <= query && query - key < window,
+            MaskRule::RecentCache { cached, window } => key >= cached || cached - key < window,
         }
     }
 }

@@ -38,13 +38,13 @@ pub mod parallel;
 mod ragged;
 mod stack;
 
-pub(crate) use attention::commit_buffers;
+pub(crate) use attention::{attend_packed, commit_buffers};
 pub use attention::{Keys, KvCache, MaskRule, PackedLayout, SeqInput};
 pub use block::{Block, BlockConfig, BlockNames};
 pub(crate) use block::{BlockWeights, ShardRange, ShardWeights};
 pub(crate) use kv_cache::merge_runs;
 pub use kv_cache::{KvPool, PagedCache, PAGE_SIZE};
-pub(crate) use layers::{gated_mlp, GatedMlp};
+pub(crate) use layers::{apply_rope, gated_mlp, GatedMlp};
 pub use layers::{get, linear, RmsNorm, RopeTable};
 pub(crate) use linear::{EmbedHead, LinearStack};
 pub use linear::{Linear, StoreWeights, WeightDtype};

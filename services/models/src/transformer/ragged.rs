@@ -88,6 +88,13 @@ impl From<MaskRule> for Mask {
                 prefix: prefix as u32,
                 segment: segment as u32,
             },
+            MaskRule::SlidingCausal { window } => Mask::SlidingCausal {
+                window: window as u32,
+            },
+            MaskRule::RecentCache { cached, window } => Mask::RecentCache {
+                cached: cached as u32,
+                window: window as u32,
+            },
         }
     }
 }
