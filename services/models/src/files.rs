@@ -421,6 +421,9 @@ pub enum ModelFamily {
     /// Slot-diffusion language models (ReFusion): a causal Qwen3 with a mask token, fed
     /// non-contiguous position ids.
     SlotDiffusion,
+    /// Uniform-noise diffusion language models (DiffusionGemma): canvases of random tokens
+    /// refined by a bidirectional denoiser over the cache a causal encoder writes.
+    UniformDiffusion,
 }
 
 impl ModelFamily {
@@ -432,6 +435,7 @@ impl ModelFamily {
             ModelFamily::MaskedDiffusion => "masked_diffusion",
             ModelFamily::RecurrentMemory => "recurrent_memory",
             ModelFamily::SlotDiffusion => "slot_diffusion",
+            ModelFamily::UniformDiffusion => "uniform_diffusion",
         }
     }
 }
@@ -451,6 +455,9 @@ pub enum Architecture {
     Armt,
     /// ReFusion (Qwen3 with a `mask_token_id`).
     Refusion,
+    /// DiffusionGemma (`diffusion_gemma`: a Gemma 4 mixture of experts as encoder and
+    /// denoiser).
+    DiffusionGemma,
 }
 
 impl Architecture {
@@ -462,6 +469,7 @@ impl Architecture {
             }
             Architecture::Armt => ModelFamily::RecurrentMemory,
             Architecture::Refusion => ModelFamily::SlotDiffusion,
+            Architecture::DiffusionGemma => ModelFamily::UniformDiffusion,
         }
     }
 }
@@ -507,6 +515,9 @@ pub fn detect_architecture(config: &serde_json::Value) -> Result<Architecture> {
         .unwrap_or_default();
     for name in config_names(config) {
         let lower = name.to_ascii_lowercase();
+        if lower.contains("diffusion_gemma") || lower.contains("diffusiongemma") {
+            return Ok(Architecture::DiffusionGemma);
+        }
         if lower.contains("huginn") || lower.contains("raven") {
             return Ok(Architecture::Huginn);
         }
@@ -543,7 +554,7 @@ pub fn detect_architecture(config: &serde_json::Value) -> Result<Architecture> {
     }
     Err(ModelError::Unsupported(format!(
         "unknown model family in {CONFIG} (model_type `{model_type}`, architectures \
-         {architectures:?}); served: huginn_raven, llada, Dream, qwen3 with a mask_token_id (ReFusion), \
-         llama with an {ARMT_CONFIG} (ARMT)"
+         {architectures:?}); served: huginn_raven, llada, Dream, llada2_moe, diffusion_gemma, qwen3 with \
+         a mask_token_id (ReFusion), llama with an {ARMT_CONFIG} (ARMT)"
     )))
 }

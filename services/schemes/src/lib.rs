@@ -13,6 +13,7 @@
 //! | masked diffusion (LLaDA2.0, mixture of experts) | [`block_diffusion`] | `block-diffusion` |
 //! | recurrent memory (ARMT) | [`recurrent_memory`] | `ar` (`execution`: sequential or diagonal batching) |
 //! | slot diffusion (ReFusion) | [`slot_diffusion`] | `plan-infill`, `ar` |
+//! | uniform diffusion (DiffusionGemma, mixture of experts) | [`uniform_diffusion`] | `entropy-bound` |
 //!
 //! Everything above this crate sees a model through [`ServedModel`]: submit a
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
@@ -38,6 +39,7 @@ pub mod served;
 pub mod slot_diffusion;
 #[cfg(test)]
 mod test_support;
+pub mod uniform_diffusion;
 
 pub use error::SchemeError;
 pub use fingerprint::Fingerprint;
@@ -47,8 +49,8 @@ pub use options::{KvReserve, LoadOptions};
 pub use registry::load_model;
 pub use request::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg,
-    EosRule, Execution, FreezeTest, GenerateSpec, KvCacheMode, LowConfidenceParams,
-    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, SureLockParams,
-    WinoParams,
+    EntropyBoundParams, EosRule, Execution, FreezeTest, GenerateSpec, KvCacheMode,
+    LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
+    SureLockParams, WinoParams,
 };
 pub use served::{ModelInfo, Planner, ServedModel};

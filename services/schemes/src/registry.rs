@@ -35,5 +35,6 @@ pub fn load_model(
         Architecture::Llada2Moe => crate::block_diffusion::serve(files, opts),
         Architecture::Armt => crate::recurrent_memory::serve(files, opts),
         Architecture::Refusion => crate::slot_diffusion::serve(files, opts),
+        Architecture::DiffusionGemma => crate::uniform_diffusion::serve(files, opts),
     }
 }

@@ -88,6 +88,9 @@ pub enum SchemeParams {
     /// `block-diffusion`: LLaDA2.0's block decoding with a K/V cache of finished blocks
     /// (upstream `generate()`).
     BlockDiffusion(BlockDiffusionParams),
+    /// `entropy-bound`: DiffusionGemma's sampler (upstream `generate()` with its
+    /// `EntropyBoundSampler`): canvases of uniform noise refined block by block.
+    EntropyBound(EntropyBoundParams),
 }
 
 impl SchemeParams {
@@ -101,6 +104,7 @@ impl SchemeParams {
             SchemeParams::PlanInfill(_) => "plan-infill",
             SchemeParams::DiffusionGenerate(_) => "diffusion-generate",
             SchemeParams::BlockDiffusion(_) => "block-diffusion",
+            SchemeParams::EntropyBound(_) => "entropy-bound",
         }
     }
 }
@@ -317,6 +321,35 @@ impl Default for BlockDiffusionParams {
             upstream_sampler: false,
         }
     }
+}
+
+/// DiffusionGemma's entropy-bounded sampler; every field the request leaves unset takes the
+/// model's `generation_config.json` value (then upstream's defaults, which equal the real
+/// file's). The canvas length is the model's `canvas_length`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EntropyBoundParams {
+    /// Denoising steps per canvas at most (`max_denoising_steps`).
+    pub max_denoising_steps: Option<usize>,
+    /// The temperature of the first step (`t_max`); it falls linearly towards `t_min`.
+    pub t_max: Option<f32>,
+    pub t_min: Option<f32>,
+    /// Accept, lowest entropy first, the positions whose lower-entropy positions' entropies
+    /// sum to at most this (`entropy_bound`; the lowest is always accepted).
+    pub entropy_bound: Option<f32>,
+    /// Steps the argmax canvas must stay unchanged before a canvas may stop early
+    /// (`stability_threshold`; 0: no stability condition).
+    pub stability_threshold: Option<usize>,
+    /// A canvas stops early once its mean entropy is below this (`confidence_threshold`).
+    pub confidence_threshold: Option<f32>,
+    /// Run every step of every canvas (upstream `stability_threshold=None`).
+    pub no_early_stop: bool,
+    /// The first canvas's starting tokens instead of uniform noise (upstream
+    /// `decoder_input_ids`); `canvas_length` ids.
+    pub initial_canvas: Vec<u32>,
+    /// Return whole canvases past `max_new_tokens`, end-of-sequence tokens followed by padding,
+    /// as upstream `generate()` does; off, the response stops at `max_new_tokens` or the first
+    /// stop token.
+    pub whole_canvases: bool,
 }
 
 /// Which slots an end-of-sequence token found during iterative completion removes from the
