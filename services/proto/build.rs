@@ -29,6 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "PlanInfillScheme",
         "DiffusionGenerateScheme",
         "BlockDiffusionScheme",
+        "EntropyBoundScheme",
     ] {
         config = config.type_attribute(
             format!(".wavefront.v1.{scheme}"),

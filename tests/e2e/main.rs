@@ -1,6 +1,7 @@
 //! End-to-end tests: real `wavefront router` and `wavefront worker`
 //! processes on loopback, called through generated gRPC clients.
 
+mod diffusion_gemma;
 mod diffusion_models;
 mod faults;
 mod harness;

@@ -2,7 +2,7 @@
 //! worker per family, and clients that behave the way real ones do.
 //!
 //! The soak sends `WAVEFRONT_SOAK_REQUESTS` requests (default 600, the CI run) over every
-//! scheme of the four families and of Dream and LLaDA2.0 from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
+//! scheme of the four families and of Dream, LLaDA2.0 and DiffusionGemma from `WAVEFRONT_SOAK_CONCURRENCY` connections (default 64):
 //! random client cancellations, deadlines from 10 ms to 10 s, slow readers, readers that stop
 //! reading for up to 2 s, stop strings and 10% invalid requests (chats over
 //! `--max-chat-messages` among them), within `WAVEFRONT_SOAK_SECONDS` (default 100; past it no new request is
@@ -129,7 +129,7 @@ const PROMPTS: [&str; 4] = [
     "In the beginning",
 ];
 
-/// A valid request for one of the four families (and Dream and LLaDA2.0), over every scheme
+/// A valid request for one of the four families (and Dream, LLaDA2.0 and DiffusionGemma), over every scheme
 /// each serves.
 fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
     use pb::generate_request::Scheme;
@@ -156,7 +156,7 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
         Vec::new()
     };
     let temperature = if rng.random_bool(0.5) { 0.0 } else { 0.8 };
-    let mut req = match rng.random_range(0..12) {
+    let mut req = match rng.random_range(0..13) {
         0 => pb::GenerateRequest {
             model: "huginn".into(),
             prompt,
@@ -268,6 +268,32 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
             })),
             ..Default::default()
         },
+        // DiffusionGemma: whole canvases of 16 or cut answers, early stop or every step; its
+        // temperature is the schedule's, so the request's sampling only seeds it.
+        12 => {
+            let req = pb::GenerateRequest {
+                model: "diffusion_gemma".into(),
+                prompt,
+                max_new_tokens: rng.random_range(1..40),
+                scheme: Some(Scheme::EntropyBound(pb::EntropyBoundScheme {
+                    max_denoising_steps: Some(rng.random_range(1..12)),
+                    no_early_stop: rng.random_bool(0.3),
+                    whole_canvases: rng.random_bool(0.3),
+                    stability_threshold: Some(rng.random_range(0..2)),
+                    confidence_threshold: Some(0.6),
+                    ..Default::default()
+                })),
+                sampling: Some(pb::SamplingParams {
+                    seed,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            return pb::GenerateRequest {
+                stop_strings,
+                ..req
+            };
+        }
         8 => pb::GenerateRequest {
             model: "refusion".into(),
             prompt,
@@ -301,9 +327,17 @@ fn invalid(rng: &mut StdRng) -> pb::GenerateRequest {
         max_new_tokens: 4,
         ..Default::default()
     };
-    match rng.random_range(0..8) {
+    match rng.random_range(0..9) {
         0 => pb::GenerateRequest {
             model: "no-such-model".into(),
+            ..base
+        },
+        8 => pb::GenerateRequest {
+            model: "diffusion_gemma".into(),
+            scheme: Some(Scheme::EntropyBound(pb::EntropyBoundScheme {
+                entropy_bound: Some(-1.0),
+                ..Default::default()
+            })),
             ..base
         },
         // A chat over --max-chat-messages: refused before it is rendered.
@@ -465,7 +499,7 @@ async fn one(
                 out.malformed = Some(format!("finish reason {:?}", d.finish_reason));
             } else if d.stats.is_none() {
                 out.malformed = Some("no statistics".into());
-            } else if d.token_ids.len() > req.max_new_tokens as usize {
+            } else if d.token_ids.len() > token_cap(&req) {
                 out.malformed = Some(format!(
                     "{} tokens for max_new_tokens {}",
                     d.token_ids.len(),
@@ -519,6 +553,18 @@ async fn one(
     out
 }
 
+/// The most tokens a response may carry: `max_new_tokens`, or whole canvases of the fixture's
+/// 16 for DiffusionGemma's upstream switch `whole_canvases`.
+fn token_cap(req: &pb::GenerateRequest) -> usize {
+    let n = req.max_new_tokens as usize;
+    match &req.scheme {
+        Some(pb::generate_request::Scheme::EntropyBound(e)) if e.whole_canvases => {
+            n.div_ceil(16) * 16
+        }
+        _ => n,
+    }
+}
+
 /// The request's scheme, for reports.
 fn scheme_name(req: &pb::GenerateRequest) -> &'static str {
     use pb::generate_request::Scheme;
@@ -531,6 +577,7 @@ fn scheme_name(req: &pb::GenerateRequest) -> &'static str {
         Some(Scheme::PlanInfill(_)) => "plan_infill",
         Some(Scheme::DiffusionGenerate(_)) => "diffusion_generate",
         Some(Scheme::BlockDiffusion(_)) => "block_diffusion",
+        Some(Scheme::EntropyBound(_)) => "entropy_bound",
     }
 }
 
@@ -556,6 +603,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         worker("refusion", "refusion"),
         worker("dream", "dream"),
         worker("llada2", "llada2"),
+        worker("diffusion_gemma", "diffusion_gemma"),
     ];
     for w in &workers {
         wait_serving(w.proc.addr, "wavefront.worker.v1.Worker").await;
@@ -719,7 +767,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         "pool_kib_middle": mid.iter().map(|m| m.2).collect::<Vec<_>>(),
         "pool_kib_end": rss_last.iter().map(|m| m.2).collect::<Vec<_>>(),
         "rss_beyond_pools_growth": beyond_growth,
-        "processes": ["huginn", "llada", "armt", "refusion", "dream", "llada2", "router"],
+        "processes": ["huginn", "llada", "armt", "refusion", "dream", "llada2", "diffusion_gemma", "router"],
         "preemptions": preemptions,
         "window": window,
     });
@@ -751,7 +799,14 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
     // not the largest burst of the run.
     if total >= 10_000 && outcomes.len() == total {
         let names = [
-            "huginn", "llada", "armt", "refusion", "dream", "llada2", "router",
+            "huginn",
+            "llada",
+            "armt",
+            "refusion",
+            "dream",
+            "llada2",
+            "diffusion_gemma",
+            "router",
         ];
         for (((name, g), m), end) in names.iter().zip(&beyond_growth).zip(&mid).zip(&rss_last) {
             assert!(

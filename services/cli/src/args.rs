@@ -30,6 +30,11 @@ pub enum SchemeName {
     /// Masked diffusion (LLaDA2.0): block diffusion (`--block-length`, `--steps` per block,
     /// `--threshold`, `--minimal-topk`, `--eos-early-stop`, `--upstream-sampler`).
     BlockDiffusion,
+    /// Uniform-noise diffusion (DiffusionGemma): the entropy-bounded sampler
+    /// (`--max-denoising-steps`, `--t-max`, `--t-min`, `--entropy-bound`,
+    /// `--stability-threshold`, `--confidence-threshold`, `--no-early-stop`, `--initial-canvas`,
+    /// `--whole-canvases`; unset: the model's generation_config.json).
+    EntropyBound,
 }
 
 /// `ar.execution` of a recurrent-memory (ARMT) request.
@@ -234,6 +239,38 @@ pub struct GenerationArgs {
     /// does.
     #[arg(long)]
     pub upstream_sampler: bool,
+
+    // ---- entropy-bound (DiffusionGemma) ----
+    /// entropy-bound: denoising steps per canvas at most.
+    #[arg(long)]
+    pub max_denoising_steps: Option<u32>,
+    /// entropy-bound: the first step's temperature (falls linearly towards --t-min).
+    #[arg(long)]
+    pub t_max: Option<f32>,
+    /// entropy-bound: the temperature the schedule falls towards.
+    #[arg(long)]
+    pub t_min: Option<f32>,
+    /// entropy-bound: accept the lowest-entropy positions whose lower-ranked entropies sum to
+    /// at most this.
+    #[arg(long)]
+    pub entropy_bound: Option<f32>,
+    /// entropy-bound: steps the argmax must hold before a canvas may stop early (0: none).
+    #[arg(long)]
+    pub stability_threshold: Option<u32>,
+    /// entropy-bound: a canvas stops early once its mean entropy is below this.
+    #[arg(long)]
+    pub confidence_threshold: Option<f32>,
+    /// entropy-bound: run every step of every canvas.
+    #[arg(long)]
+    pub no_early_stop: bool,
+    /// entropy-bound: the first canvas's starting ids instead of noise (comma separated,
+    /// canvas_length of them).
+    #[arg(long, value_delimiter = ',')]
+    pub initial_canvas: Vec<u32>,
+    /// entropy-bound: return whole canvases past --max-new-tokens, padded after an end of
+    /// sequence, as upstream generate() does.
+    #[arg(long)]
+    pub whole_canvases: bool,
 }
 
 impl GenerationArgs {
@@ -309,6 +346,20 @@ impl GenerationArgs {
             ("--eos-early-stop", self.eos_early_stop),
             ("--upstream-sampler", self.upstream_sampler),
         ];
+        let entropy = [
+            ("--max-denoising-steps", self.max_denoising_steps.is_some()),
+            ("--t-max", self.t_max.is_some()),
+            ("--t-min", self.t_min.is_some()),
+            ("--entropy-bound", self.entropy_bound.is_some()),
+            ("--stability-threshold", self.stability_threshold.is_some()),
+            (
+                "--confidence-threshold",
+                self.confidence_threshold.is_some(),
+            ),
+            ("--no-early-stop", self.no_early_stop),
+            ("--initial-canvas", !self.initial_canvas.is_empty()),
+            ("--whole-canvases", self.whole_canvases),
+        ];
         let set = |flags: &[(&'static str, bool)]| flags.iter().find(|(_, set)| *set).map(|f| f.0);
         // The masked-diffusion flags named, in their order above.
         let only = |names: &[&str]| -> Vec<(&'static str, bool)> {
@@ -328,6 +379,7 @@ impl GenerationArgs {
             &slot_diffusion,
             &dream,
             &block,
+            &entropy,
             &[("--execution", self.execution.is_some())],
         ]
         .iter()
@@ -335,6 +387,11 @@ impl GenerationArgs {
         let Some(name) = self.scheme.or(any.then_some(SchemeName::Ar)) else {
             return Ok(self.request(prompt, prompt_oneof, None));
         };
+        if name != SchemeName::EntropyBound {
+            if let Some(flag) = set(&entropy) {
+                bail!("{flag} belongs to --scheme entropy-bound");
+            }
+        }
         if name != SchemeName::BlockDiffusion {
             if let Some(flag) = set(&block) {
                 bail!("{flag} belongs to --scheme block-diffusion");
@@ -354,6 +411,14 @@ impl GenerationArgs {
             }
         }
         match name {
+            SchemeName::EntropyBound => {
+                if let Some(flag) = set(&masked_diffusion)
+                    .or(set(&recurrent_depth))
+                    .or(set(&df_only))
+                {
+                    bail!("{flag} does not apply to --scheme entropy-bound");
+                }
+            }
             SchemeName::BlockDiffusion => {
                 // --block-length, --steps and --threshold apply; the rest of LLaDA's do not.
                 let other = only(&[
@@ -411,6 +476,19 @@ impl GenerationArgs {
             }
         }
         let scheme = match name {
+            SchemeName::EntropyBound => {
+                pb::generate_request::Scheme::EntropyBound(pb::EntropyBoundScheme {
+                    max_denoising_steps: self.max_denoising_steps,
+                    t_max: self.t_max,
+                    t_min: self.t_min,
+                    entropy_bound: self.entropy_bound,
+                    stability_threshold: self.stability_threshold,
+                    confidence_threshold: self.confidence_threshold,
+                    no_early_stop: self.no_early_stop,
+                    initial_canvas: self.initial_canvas.clone(),
+                    whole_canvases: self.whole_canvases,
+                })
+            }
             SchemeName::BlockDiffusion => {
                 pb::generate_request::Scheme::BlockDiffusion(pb::BlockDiffusionScheme {
                     block_length: self.block_length,

@@ -414,8 +414,13 @@ pub struct RunArgs {
     #[arg(long)]
     pub replay_draws: Option<PathBuf>,
     /// Tensor in --replay-draws to use (default: the only `*init_draws` tensor).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "replay_run")]
     pub replay_tensor: Option<String>,
+    /// entropy-bound (DiffusionGemma): replay the one-row run NAME recorded in --replay-draws
+    /// as the fixture records runs (`run.NAME.initial_canvas_draws`, `run.NAME.step.multinomial`,
+    /// `run.NAME.step.renoise_draw`, `run.NAME.step.canvas_index`).
+    #[arg(long, requires = "replay_draws")]
+    pub replay_run: Option<String>,
 }
 
 /// The first SIGINT or SIGTERM.
@@ -749,7 +754,19 @@ pub async fn run(a: RunArgs) -> Result<()> {
     let mut spec =
         wavefront_worker::convert::spec_from_proto(&body, model.as_ref()).map_err(status_error)?;
     if let Some(path) = &a.replay_draws {
-        spec.replay_draws = Some(Arc::new(read_draws(path, a.replay_tensor.as_deref())?));
+        let draws = match &a.replay_run {
+            Some(run) => {
+                let tensors = wavefront_models::candle_core::safetensors::load(
+                    path,
+                    &wavefront_models::candle_core::Device::Cpu,
+                )
+                .with_context(|| format!("cannot read {}", path.display()))?;
+                wavefront_schemes::uniform_diffusion::run_draws(&tensors, run)
+                    .with_context(|| format!("--replay-run {run} in {}", path.display()))?
+            }
+            None => read_draws(path, a.replay_tensor.as_deref())?,
+        };
+        spec.replay_draws = Some(Arc::new(draws));
     }
     let json = a.json;
     let stop_strings = body.stop_strings.clone();

@@ -29,6 +29,8 @@ const WEIGHTS: &str = "model.safetensors";
 const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 const TOKENIZER: &str = "tokenizer.json";
 const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+/// The chat template file of the transformers-5 layout.
+const CHAT_TEMPLATE: &str = "chat_template.jinja";
 const GENERATION_CONFIG: &str = "generation_config.json";
 /// Upstream ARMT's hyper-parameters, beside a Llama backbone's `config.json`.
 pub const ARMT_CONFIG: &str = "armt_config.json";
@@ -93,6 +95,7 @@ impl ModelFiles {
         } else {
             None
         };
+        let tokenizer_config_json = with_template_file(tokenizer_config_json, dir)?;
         let armt_path = dir.join(ARMT_CONFIG);
         let armt_config_json = if armt_path.is_file() {
             Some(read_string(&armt_path)?)
@@ -489,6 +492,33 @@ fn config_names(config: &serde_json::Value) -> Vec<String> {
         .filter(|n| !n.is_empty())
         .map(str::to_owned)
         .collect()
+}
+
+/// The transformers-5 layout keeps the chat template in `chat_template.jinja` beside
+/// `tokenizer_config.json` (DiffusionGemma, Gemma 4): read into the config's `chat_template`
+/// when the config has none, so the template loads the same way either way.
+fn with_template_file(config: Option<String>, dir: &Path) -> Result<Option<String>> {
+    let path = dir.join(CHAT_TEMPLATE);
+    if !path.is_file() {
+        return Ok(config);
+    }
+    let template = read_string(&path)?;
+    let mut cfg: serde_json::Value = match &config {
+        Some(json) => match serde_json::from_str(json) {
+            Ok(v) => v,
+            // A broken config is reported where it is read.
+            Err(_) => return Ok(config),
+        },
+        None => serde_json::json!({}),
+    };
+    let Some(obj) = cfg.as_object_mut() else {
+        return Ok(config);
+    };
+    if obj.get("chat_template").is_some_and(|t| !t.is_null()) {
+        return Ok(config);
+    }
+    obj.insert("chat_template".into(), serde_json::Value::String(template));
+    Ok(Some(cfg.to_string()))
 }
 
 /// The family of [`detect_architecture`].

@@ -254,3 +254,48 @@ fn expert_parallel_ranks_and_packing_match_one_rank_alone() -> Result<()> {
     )?;
     Ok(())
 }
+
+/// The tokenizer's cases and the Gemma 4 chat template (`chat_template.jinja`, the
+/// transformers-5 layout) give upstream's ids and rendering; the family is detected.
+#[test]
+fn tokenizer_chat_template_and_family_match_upstream() -> Result<()> {
+    use wavefront_models::{Architecture, ChatMessage, ModelFamily};
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("diffusion_gemma"))?;
+    ensure!(files.architecture()? == Architecture::DiffusionGemma);
+    ensure!(files.architecture()?.family() == ModelFamily::UniformDiffusion);
+    let tok = files.tokenizer()?;
+    let g = Golden::load("diffusion_gemma")?;
+    let t = &g.json["tokenizer"];
+    for case in t["cases"].as_array().expect("cases") {
+        let text = case["text"].as_str().expect("text");
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
+        ensure!(tok.encode(text, true)? == want, "{text:?}");
+        let plain: Vec<u32> = serde_json::from_value(case["ids_no_special"].clone())?;
+        ensure!(
+            tok.encode(text, false)? == plain,
+            "{text:?} without special tokens"
+        );
+    }
+    let template = tok.chat_template().expect("chat_template.jinja is read");
+    for chat in t["chat"].as_array().expect("chats") {
+        let messages: Vec<ChatMessage> = chat["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|m| {
+                ChatMessage::new(
+                    m["role"].as_str().unwrap_or(""),
+                    m["content"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        let rendered = template.render(&messages, true)?;
+        ensure!(
+            rendered == chat["rendered"].as_str().unwrap_or(""),
+            "{rendered:?}"
+        );
+        let want: Vec<u32> = serde_json::from_value(chat["ids"].clone())?;
+        ensure!(tok.encode_chat(&messages)? == want, "chat ids");
+    }
+    Ok(())
+}

@@ -310,6 +310,7 @@ struct Common {
     diffusion_generate: Option<pb::DiffusionGenerateScheme>,
     block_diffusion: Option<pb::BlockDiffusionScheme>,
     plan_infill: Option<pb::PlanInfillScheme>,
+    entropy_bound: Option<pb::EntropyBoundScheme>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -360,7 +361,7 @@ fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), Ap
              extensions (top_k, stop_token_ids, skip_special_tokens, stream_canvas, and the \
              scheme objects ar, \
              diffusion_forcing, low_confidence, wino, diffusion_generate, block_diffusion, \
-             plan_infill); check the spelling",
+             plan_infill, entropy_bound); check the spelling",
             if unknown.len() == 1 { "" } else { "s" },
             unknown[..shown].join(", "),
             if unknown.len() > shown {
@@ -482,6 +483,7 @@ impl Common {
             self.plan_infill.map(Scheme::PlanInfill),
             self.diffusion_generate.map(Scheme::DiffusionGenerate),
             self.block_diffusion.map(Scheme::BlockDiffusion),
+            self.entropy_bound.map(Scheme::EntropyBound),
         ]
         .into_iter()
         .flatten()
@@ -490,7 +492,7 @@ impl Common {
             return Err(ApiError::invalid(
                 "scheme",
                 "set at most one scheme object (ar, diffusion_forcing, low_confidence, wino, \
-                 plan_infill, diffusion_generate, block_diffusion)",
+                 plan_infill, diffusion_generate, block_diffusion, entropy_bound)",
             ));
         }
         Ok(pb::GenerateRequest {

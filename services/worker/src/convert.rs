@@ -9,9 +9,10 @@ use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
-    ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, FreezeTest,
-    GenerateSpec, KvCacheMode, LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws,
-    SamplingParams, SchemeParams, ServedModel, SureLockParams, WinoParams,
+    ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams,
+    EntropyBoundParams, FreezeTest, GenerateSpec, KvCacheMode, LowConfidenceParams,
+    PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams, ServedModel,
+    SureLockParams, WinoParams,
 };
 
 /// Turns a public request into a spec for `model`: tokenizes text prompts
@@ -166,6 +167,19 @@ pub fn spec_from_proto(
                 upstream_sampler: b.upstream_sampler,
             })
         }
+        Some(pb::generate_request::Scheme::EntropyBound(e)) => {
+            SchemeParams::EntropyBound(EntropyBoundParams {
+                max_denoising_steps: e.max_denoising_steps.map(|n| n as usize),
+                t_max: e.t_max,
+                t_min: e.t_min,
+                entropy_bound: e.entropy_bound,
+                stability_threshold: e.stability_threshold.map(|n| n as usize),
+                confidence_threshold: e.confidence_threshold,
+                no_early_stop: e.no_early_stop,
+                initial_canvas: e.initial_canvas.clone(),
+                whole_canvases: e.whole_canvases,
+            })
+        }
     };
     Ok(GenerateSpec {
         prompt_ids,
@@ -200,8 +214,9 @@ pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
     }
 }
 
-/// The scheme of a request that names none: `plan-infill`, `diffusion-generate` or
-/// `block-diffusion` for a model that lists it first (slot diffusion, Dream, LLaDA2.0), else `ar` where the model serves it, otherwise
+/// The scheme of a request that names none: `plan-infill`, `diffusion-generate`,
+/// `block-diffusion` or `entropy-bound` for a model that lists it first (slot diffusion, Dream,
+/// LLaDA2.0, DiffusionGemma), else `ar` where the model serves it, otherwise
 /// the model's first scheme with its defaults.
 fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     let schemes = &model.info().schemes;
@@ -213,6 +228,9 @@ fn default_scheme(model: &dyn ServedModel) -> SchemeParams {
     }
     if schemes.first() == Some(&"block-diffusion") {
         return SchemeParams::BlockDiffusion(BlockDiffusionParams::default());
+    }
+    if schemes.first() == Some(&"entropy-bound") {
+        return SchemeParams::EntropyBound(EntropyBoundParams::default());
     }
     if !schemes.contains(&"ar") && schemes.first() == Some(&"low-confidence") {
         SchemeParams::LowConfidence(LowConfidenceParams::default())

@@ -254,6 +254,7 @@ fn scheme_label(req: &pb::GenerateRequest, default: Option<&'static str>) -> &'s
         Some(pb::generate_request::Scheme::PlanInfill(_)) => "plan-infill",
         Some(pb::generate_request::Scheme::DiffusionGenerate(_)) => "diffusion-generate",
         Some(pb::generate_request::Scheme::BlockDiffusion(_)) => "block-diffusion",
+        Some(pb::generate_request::Scheme::EntropyBound(_)) => "entropy-bound",
     }
 }
 

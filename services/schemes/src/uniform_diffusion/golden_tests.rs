@@ -11,7 +11,7 @@ use wavefront_models::device::test_device;
 use wavefront_models::{DiffusionGemma, DiffusionGemmaConfig, ModelFiles};
 
 use super::{DiffusionGemmaPlanner, GenerationDefaults, UdProgram, UniformDiffusionFamily};
-use crate::request::{EntropyBoundParams, GenerateSpec, ReplayDraws, SchemeParams};
+use crate::request::{EntropyBoundParams, GenerateSpec, SchemeParams};
 use crate::served::Planner;
 use crate::test_support::{run_to_end, spec};
 
@@ -70,7 +70,6 @@ pub(crate) fn cases(fx: &Fixture) -> Result<Vec<Case>> {
         let (b_rows, p) = input.dims2()?;
         let eff = &run["effective"];
         let kw = &run["kwargs"];
-        let l = eff["canvas_length"].as_u64().context("L")? as usize;
         let stop_off =
             eff["stability_threshold"].is_null() || eff["confidence_threshold"].is_null();
         let canvas_index = ints(t("step.canvas_index")?)?;
@@ -101,21 +100,14 @@ pub(crate) fn cases(fx: &Fixture) -> Result<Vec<Case>> {
                     finished_canvas = Some(c);
                 }
             }
-            // Draws in upstream's order for this row: a canvas's initial noise, then per step
-            // the sample and the renoise draw.
-            let init = t("initial_canvas_draws")?;
-            let (mult, renoise) = (t("step.multinomial")?, t("step.renoise_draw")?);
-            let mut data = Vec::new();
-            let mut last_canvas = None;
-            for &s in &steps {
-                let c = canvas_index[s] as usize;
-                if last_canvas != Some(c) {
-                    data.extend(ints(&init.i((c, b))?)?);
-                    last_canvas = Some(c);
-                }
-                data.extend(ints(&mult.i((s, b))?)?);
-                data.extend(ints(&renoise.i((s, b))?)?);
-            }
+            let draws = super::recorded_draws(
+                t("initial_canvas_draws")?,
+                t("step.multinomial")?,
+                t("step.renoise_draw")?,
+                &canvas_index,
+                b,
+                &steps,
+            )?;
             let opt_usize = |k: &str| kw.get(k).and_then(Value::as_u64).map(|x| x as usize);
             let opt_f32 = |k: &str| kw.get(k).and_then(Value::as_f64).map(|x| x as f32);
             let params = EntropyBoundParams {
@@ -138,8 +130,7 @@ pub(crate) fn cases(fx: &Fixture) -> Result<Vec<Case>> {
                 0,
                 SchemeParams::EntropyBound(params),
             );
-            let data = data.into_iter().map(|x| x as f32).collect();
-            sp.replay_draws = Some(std::sync::Arc::new(ReplayDraws { dim: l, data }));
+            sp.replay_draws = Some(std::sync::Arc::new(draws));
             let seq = ints(&t("sequences")?.i(b)?)?;
             out.push(Case {
                 name: format!("{name}[{b}]"),

@@ -33,7 +33,7 @@ mod golden_tests;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, IndexOp, Tensor};
 use wavefront_engine::{Prepared, RequestError};
 use wavefront_models::transformer::BlockConfig;
 use wavefront_models::{DiffusionGemma, DiffusionGemmaConfig, ModelFiles, TextTokenizer};
@@ -44,7 +44,7 @@ pub use self::program::{UdProgram, UdStep};
 use crate::kv_row::{PageSizing, PagedPlanner};
 use crate::launch::{checked_family, checkpoint_loader, optional_tokenizer, start_served};
 use crate::options::LoadOptions;
-use crate::request::{bad, EntropyBoundParams, GenerateSpec, SchemeParams};
+use crate::request::{bad, EntropyBoundParams, GenerateSpec, ReplayDraws, SchemeParams};
 use crate::served::{ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
 
@@ -131,6 +131,73 @@ impl GenerationDefaults {
             .and_then(|x| u32::try_from(x).ok());
         d
     }
+}
+
+/// Row `row`'s draws of a recorded run in the order the sampler takes them (see [`program`]):
+/// for each of `steps` (indices into the recording), the canvas's initial draw when the step
+/// starts a canvas (`canvas_index`), then the step's multinomial sample and renoise draw.
+/// `init` is `[canvases, B, L]`, `multinomial` and `renoise` `[steps, B, L]`.
+pub fn recorded_draws(
+    init: &Tensor,
+    multinomial: &Tensor,
+    renoise: &Tensor,
+    canvas_index: &[u32],
+    row: usize,
+    steps: &[usize],
+) -> Result<ReplayDraws, SchemeError> {
+    let ids = |t: &Tensor| -> Result<Vec<f32>, SchemeError> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+    };
+    let dim = init.dim(2)?;
+    let mut data = Vec::new();
+    let mut last = None;
+    for &s in steps {
+        let c = *canvas_index
+            .get(s)
+            .ok_or_else(|| SchemeError::Draws(format!("step {s} has no canvas index")))?
+            as usize;
+        if last != Some(c) {
+            data.extend(ids(&init.i((c, row))?)?);
+            last = Some(c);
+        }
+        data.extend(ids(&multinomial.i((s, row))?)?);
+        data.extend(ids(&renoise.i((s, row))?)?);
+    }
+    Ok(ReplayDraws { dim, data })
+}
+
+/// The draws of the one-row run `run` recorded in `tensors` as the DiffusionGemma fixture records
+/// them: `run.NAME.initial_canvas_draws`, `run.NAME.step.multinomial`,
+/// `run.NAME.step.renoise_draw` and `run.NAME.step.canvas_index`, every step.
+pub fn run_draws(
+    tensors: &std::collections::HashMap<String, Tensor>,
+    run: &str,
+) -> Result<ReplayDraws, SchemeError> {
+    let get = |k: &str| {
+        let key = format!("run.{run}.{k}");
+        tensors
+            .get(&key)
+            .ok_or_else(|| SchemeError::Draws(format!("the file holds no tensor {key}")))
+    };
+    let (init, mult, renoise) = (
+        get("initial_canvas_draws")?,
+        get("step.multinomial")?,
+        get("step.renoise_draw")?,
+    );
+    let index: Vec<u32> = get("step.canvas_index")?
+        .to_dtype(DType::I64)?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
+    let rows = init.dim(1)?;
+    if rows != 1 {
+        return Err(SchemeError::Draws(format!(
+            "run {run} has {rows} rows; replay runs of one row (one request)"
+        )));
+    }
+    let steps: Vec<usize> = (0..mult.dim(0)?).collect();
+    recorded_draws(init, mult, renoise, &index, 0, &steps)
 }
 
 /// The most denoising steps per canvas a request may ask for.
