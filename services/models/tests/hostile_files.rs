@@ -17,8 +17,8 @@ use candle_core::{DType, Device};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use wavefront_models::{
-    Armt, ArmtConfig, Huginn, HuginnConfig, Llada, LladaConfig, ModelError, ModelFamily,
-    ModelFiles, Qwen3, Qwen3Config,
+    Armt, ArmtConfig, DiffusionGemma, DiffusionGemmaConfig, Huginn, HuginnConfig, Llada,
+    LladaConfig, ModelError, ModelFamily, ModelFiles, Qwen3, Qwen3Config,
 };
 
 const FAMILIES: [&str; 4] = ["huginn", "llada", "armt", "refusion"];
@@ -117,6 +117,10 @@ fn load_model(dir: &Path) -> Result<(), ModelError> {
             })?;
             let cfg = ArmtConfig::from_json(files.config_json(), armt)?;
             Armt::load(files.var_builder(DType::F32, &cpu)?, cfg)?;
+        }
+        ModelFamily::UniformDiffusion => {
+            let cfg = DiffusionGemmaConfig::from_json(files.config_json())?;
+            DiffusionGemma::load(files.var_builder(DType::F32, &cpu)?, cfg)?;
         }
         other => {
             return Err(ModelError::Unsupported(format!(
@@ -304,6 +308,54 @@ fn huge_zero_negative_and_mistyped_dimensions_are_refused() {
             let what = format!("armt: armt_config.json {key} = {value}");
             expect_err(&what, &dir, &[key]);
         }
+    }
+}
+
+/// DiffusionGemma's sizes live in `text_config` (and `canvas_length` at the top): each one huge,
+/// zero, negative or mistyped is refused naming it or config.json, never a panic or an
+/// allocation taken at its word.
+#[test]
+fn diffusion_gemma_text_config_sizes_are_refused() {
+    let keys = [
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "top_k_experts",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "global_head_dim",
+        "num_global_key_value_heads",
+        "sliding_window",
+        "vocab_size",
+        "max_position_embeddings",
+    ];
+    for key in keys {
+        for value in huge_and_bad_values() {
+            let dir = ModelDir::copy("diffusion_gemma");
+            let mut cfg = dir.json(CONFIG);
+            cfg["text_config"][key] = value.clone();
+            dir.write_json(CONFIG, &cfg);
+            let what = format!("diffusion_gemma: text_config.{key} = {value}");
+            if let Some(msg) = try_load(&what, &dir) {
+                assert!(
+                    msg.contains(key) || msg.contains(CONFIG) || msg.contains("head_dim"),
+                    "{what}: the error names neither the key nor config.json: {msg}"
+                );
+            } else {
+                // Only a null for an optional key (the full layers' own sizes fall back).
+                assert!(value.is_null() && key.contains("global"), "{what}: loaded");
+            }
+        }
+    }
+    for value in huge_and_bad_values() {
+        let dir = ModelDir::copy("diffusion_gemma");
+        let mut cfg = dir.json(CONFIG);
+        cfg["canvas_length"] = value.clone();
+        dir.write_json(CONFIG, &cfg);
+        let what = format!("diffusion_gemma: canvas_length = {value}");
+        assert!(try_load(&what, &dir).is_some(), "{what}: loaded");
     }
 }
 

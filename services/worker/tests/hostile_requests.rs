@@ -20,7 +20,15 @@ use wavefront_proto::v1 as pb;
 use wavefront_schemes::{load_model, LoadOptions, ServedModel};
 use wavefront_worker::{convert, RequestLimits};
 
-const FAMILIES: [&str; 6] = ["huginn", "llada", "armt", "refusion", "dream", "llada2"];
+const FAMILIES: [&str; 7] = [
+    "huginn",
+    "llada",
+    "armt",
+    "refusion",
+    "dream",
+    "llada2",
+    "diffusion_gemma",
+];
 
 fn models() -> &'static [Arc<dyn ServedModel>] {
     static MODELS: OnceLock<Vec<Arc<dyn ServedModel>>> = OnceLock::new();
@@ -301,7 +309,35 @@ fn any_scheme() -> impl Strategy<Value = Option<pb::generate_request::Scheme>> {
                 upstream_sampler: upstream,
             })
         });
-    opt(prop_oneof![ar, df, lc, wino, pi, dg, bd])
+    let eb = (
+        (
+            opt(small_or_any_u32()),
+            opt(any_f32()),
+            opt(any_f32()),
+            opt(any_f32()),
+        ),
+        (
+            opt(small_or_any_u32()),
+            opt(any_f32()),
+            any::<bool>(),
+            proptest::collection::vec(prop_oneof![0u32..600, any::<u32>()], 0..20),
+            any::<bool>(),
+        ),
+    )
+        .prop_map(|((n, t_max, t_min, bound), (k, c, off, canvas, whole))| {
+            Scheme::EntropyBound(pb::EntropyBoundScheme {
+                max_denoising_steps: n,
+                t_max,
+                t_min,
+                entropy_bound: bound,
+                stability_threshold: k,
+                confidence_threshold: c,
+                no_early_stop: off,
+                initial_canvas: canvas,
+                whole_canvases: whole,
+            })
+        });
+    opt(prop_oneof![ar, df, lc, wino, pi, dg, bd, eb])
 }
 
 fn any_prompt() -> impl Strategy<Value = Option<pb::generate_request::Prompt>> {

@@ -256,3 +256,213 @@ fn every_run_packed_into_the_same_ticks_matches_upstream() -> Result<()> {
     }
     Ok(())
 }
+
+fn eb(steps: usize, stability: usize, confidence: f32, whole: bool) -> SchemeParams {
+    SchemeParams::EntropyBound(EntropyBoundParams {
+        max_denoising_steps: Some(steps),
+        stability_threshold: Some(stability),
+        confidence_threshold: Some(confidence),
+        whole_canvases: whole,
+        ..EntropyBoundParams::default()
+    })
+}
+
+/// Requests of every kind: chat and raw prompts of different lengths, one to three canvases,
+/// early stop or every step, cut or whole canvases, seeds, stop ids, and one replaying
+/// upstream's draws.
+fn mixed_requests() -> Vec<GenerateSpec> {
+    let fx = fixture().expect("fixture");
+    let chat = ints(&fx.tensors["run.default.chat.input_ids"]).expect("ids");
+    let p = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| 21 + (i * 37 + salt * 101) % 419)
+            .collect()
+    };
+    let mut specs = vec![
+        spec(chat.clone(), 32, 1, eb(12, 1, 0.6, false)),
+        spec(p(5, 1), 16, 2, eb(8, 0, 0.9, false)),
+        spec(p(40, 2), 40, 3, eb(6, 2, 0.05, true)),
+        spec(p(12, 3), 7, 4, eb(10, 1, 0.8, false)),
+        spec(chat, 24, 5, {
+            let mut e = eb(9, 1, 0.5, false);
+            if let SchemeParams::EntropyBound(p) = &mut e {
+                p.no_early_stop = true;
+            }
+            e
+        }),
+    ];
+    specs[3].stop_token_ids = vec![121, 496];
+    let replay = cases(&fx).expect("cases").remove(0);
+    specs.push(replay.spec);
+    specs
+}
+
+#[test]
+fn requests_joining_a_running_batch_produce_what_they_produce_alone() -> Result<()> {
+    use crate::test_support::{assert_joining_requests_match_alone, serve, wait_for_free_slots};
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    let served = serve(ModelFiles::from_dir(&dir)?, "diffusion_gemma", 8)?;
+    let mut specs = mixed_requests();
+    specs[0].stream_canvas = true;
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
+    for (s, o) in specs.iter().zip(&alone) {
+        let whole = matches!(&s.scheme, SchemeParams::EntropyBound(p) if p.whole_canvases);
+        if !whole {
+            crate::test_support::assert_ends_at_first_stop(s, o, 1)
+                .or_else(|_| crate::test_support::assert_ends_at_first_stop(s, o, 16))
+                .or_else(|_| crate::test_support::assert_ends_at_first_stop(s, o, 9))?;
+        } else {
+            ensure!(o.tokens.len() % 16 == 0, "whole canvases");
+        }
+    }
+    ensure!(!alone[0].frames.is_empty(), "canvas frames were asked for");
+    wait_for_free_slots(served.as_ref(), std::time::Duration::from_secs(10))?;
+    served.shutdown();
+    Ok(())
+}
+
+/// A pool of a few pages for every request: requests are preempted (their caches moved to
+/// host memory) and resumed in other pages, and each produces what it produces alone.
+#[test]
+fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
+    use crate::test_support::{assert_preempted_requests_match_alone, serve};
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    let roomy = serve(ModelFiles::from_dir(&dir)?, "diffusion_gemma", 8)?;
+    let pages = roomy.load().total_slots;
+    let page_bytes = (256 << 20) / pages as u64;
+    // The largest request (40 prompt tokens + 3 canvases of 16: 88 rows, 6 pages in each of
+    // 3 layers) fits, a few together do not.
+    let preemptions = assert_preempted_requests_match_alone(
+        ModelFiles::from_dir(&dir)?,
+        roomy.as_ref(),
+        24 * page_bytes,
+        &mixed_requests(),
+    )?;
+    ensure!(preemptions > 0, "24 pages for six requests must preempt");
+    roomy.shutdown();
+    Ok(())
+}
+
+/// Every request, moved to a second engine of the same checkpoint and back at step boundaries,
+/// produces exactly what it produces alone.
+#[test]
+fn requests_moved_between_workers_produce_what_they_produce_alone() -> Result<()> {
+    let specs = mixed_requests();
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    let served = crate::test_support::serve(ModelFiles::from_dir(&dir)?, "diffusion_gemma", 8)?;
+    crate::test_support::assert_moved_requests_match_alone(
+        ModelFiles::from_dir(&dir)?,
+        served.as_ref(),
+        &specs,
+    )?;
+    served.shutdown();
+    Ok(())
+}
+
+/// A row budget of 16 a tick: prompts prefill in chunks beside the other requests' steps, and
+/// every request produces what it produces without a budget (forward passes and rows per call
+/// aside).
+#[test]
+fn long_prompts_prefill_in_chunks_without_changing_tokens() -> Result<()> {
+    use crate::test_support::{assert_chunked_prefill_matches, serve};
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    let p = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| 21 + (i * 37 + salt * 101) % 419)
+            .collect()
+    };
+    let specs = vec![
+        spec(p(40, 0), 16, 1, eb(6, 1, 0.6, false)),
+        spec(p(60, 1), 24, 2, eb(5, 0, 0.9, false)),
+        spec(p(5, 2), 16, 3, eb(6, 1, 0.6, false)),
+    ];
+    let roomy = serve(ModelFiles::from_dir(&dir)?, "diffusion_gemma", specs.len())?;
+    assert_chunked_prefill_matches(
+        ModelFiles::from_dir(&dir)?,
+        roomy.as_ref(),
+        16,
+        &specs,
+        (
+            spec(p(200, 4), 8, 5, eb(4, 1, 0.6, false)),
+            spec(p(6, 7), 64, 6, {
+                let mut e = eb(6, 1, 0.6, false);
+                if let SchemeParams::EntropyBound(p) = &mut e {
+                    p.no_early_stop = true;
+                }
+                e
+            }),
+            1,
+        ),
+        &["active_rows"],
+    )?;
+    roomy.shutdown();
+    Ok(())
+}
+
+#[test]
+fn bad_parameters_are_refused_by_name() -> Result<()> {
+    use crate::test_support::assert_invalid;
+    let fx = fixture()?;
+    let with = |f: fn(&mut EntropyBoundParams)| {
+        let mut p = EntropyBoundParams::default();
+        f(&mut p);
+        spec(vec![2, 15, 30], 16, 0, SchemeParams::EntropyBound(p))
+    };
+    let mut hot = with(|_| {});
+    hot.sampling.temperature = 0.7;
+    let mut image = with(|_| {});
+    image.prompt_ids = vec![2, 17, 19, 18];
+    assert_invalid(
+        &fx.planner,
+        vec![
+            (
+                with(|p| p.max_denoising_steps = Some(0)),
+                "entropy_bound.max_denoising_steps",
+            ),
+            (with(|p| p.t_max = Some(0.0)), "entropy_bound.t_max"),
+            (with(|p| p.t_min = Some(f32::NAN)), "entropy_bound.t_min"),
+            (
+                with(|p| p.entropy_bound = Some(0.0)),
+                "entropy_bound.entropy_bound",
+            ),
+            (
+                with(|p| p.confidence_threshold = Some(f32::INFINITY)),
+                "entropy_bound.confidence_threshold",
+            ),
+            (
+                with(|p| {
+                    p.max_denoising_steps = Some(4);
+                    p.stability_threshold = Some(5)
+                }),
+                "entropy_bound.stability_threshold",
+            ),
+            (
+                with(|p| p.initial_canvas = vec![3; 5]),
+                "entropy_bound.initial_canvas",
+            ),
+            (
+                with(|p| p.initial_canvas = vec![600; 16]),
+                "entropy_bound.initial_canvas",
+            ),
+            (hot, "t_max and t_min"),
+            (image, "image"),
+            (
+                spec(vec![1], 8, 0, SchemeParams::Wino(Default::default())),
+                "use `entropy-bound`",
+            ),
+        ],
+    )?;
+    Ok(())
+}
+
+/// A fault in one request's plan, forward or commit fails that request only, beside another.
+#[test]
+fn an_injected_fault_fails_only_its_request() -> Result<()> {
+    let fx = fixture()?;
+    let cases = cases(&fx)?;
+    crate::fault_tests::assert_faults_fail_only_their_request(
+        || Ok(UniformDiffusionFamily::new(fx.model.clone())),
+        || Ok(fx.planner.prepare(cases[0].spec.clone())?.program),
+        || Ok(fx.planner.prepare(cases[1].spec.clone())?.program),
+    )
+}

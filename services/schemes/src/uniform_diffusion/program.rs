@@ -384,7 +384,10 @@ impl UdProgram {
         self.stats.push_series("active_rows", plan.ids.len() as u32);
         if plan.mode == Mode::Encode {
             self.encoded = plan.start + plan.ids.len();
-            self.stats.add_counter("encoder_passes", 1);
+            // The prompt's or a canvas's pass, however many chunks it ran in.
+            if self.encoded == self.tokens.len() {
+                self.stats.add_counter("encoder_passes", 1);
+            }
             return Ok(None);
         }
         let logits =
