@@ -323,3 +323,104 @@ mod tests {
         }
     }
 }
+
+/// `out[r][j] = gelu_tanh(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]`
+/// (Gemma's gated MLP: GELU's tanh approximation).
+pub fn gelu_tanh_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    check(hidden > 0 && gu.len().is_multiple_of(2 * hidden), || {
+        format!("{} values are not rows of 2 x {hidden}", gu.len())
+    })?;
+    let rows = gu.len() / (2 * hidden);
+    check(out.len() == rows * hidden, || {
+        format!("out has {} values, want {rows}x{hidden}", out.len())
+    })?;
+    let isa = Isa::get();
+    let op = SendPtr(out.as_mut_ptr());
+    over_rows(rows, out.len(), |r| {
+        for row in r {
+            let g = &gu[row * 2 * hidden..row * 2 * hidden + hidden];
+            let u = &gu[row * 2 * hidden + hidden..(row + 1) * 2 * hidden];
+            // SAFETY: each task writes its own rows.
+            let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(row * hidden), hidden) };
+            simd::gelu_tanh_mul(isa, g, u, o);
+        }
+    });
+    Ok(())
+}
+
+/// `x ← cap · tanh(x / cap)` over rows of `width` in place (Gemma's logit soft cap).
+pub fn soft_cap(x: &mut [f32], width: usize, cap: f32) -> Result<(), KernelError> {
+    check(width > 0 && x.len().is_multiple_of(width), || {
+        format!("{} values are not rows of {width}", x.len())
+    })?;
+    let rows = x.len() / width;
+    let isa = Isa::get();
+    let xp = SendPtr(x.as_mut_ptr());
+    let elems = x.len();
+    over_rows(rows, elems, |r| {
+        // SAFETY: each task writes its own rows.
+        let xs = unsafe {
+            std::slice::from_raw_parts_mut(xp.ptr().add(r.start * width), r.len() * width)
+        };
+        simd::soft_cap(isa, xs, cap);
+    });
+    Ok(())
+}
+
+/// What an entropy-bounded sampler needs of one row of logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowEntropy {
+    /// The maximum and the first index holding it.
+    pub max: f32,
+    pub argmax: usize,
+    /// `Σ exp(x - max)`.
+    pub sum: f32,
+    /// The entropy of `softmax(x)`, `ln(sum) + Σ exp(x - max)·(max - x) / sum`.
+    pub entropy: f32,
+}
+
+/// [`RowEntropy`] of every row of `x` `[rows, width]`, threaded over rows; the same bits on
+/// every instruction set.
+pub fn row_entropy(x: &[f32], width: usize) -> Result<Vec<RowEntropy>, KernelError> {
+    check(width > 0 && x.len().is_multiple_of(width), || {
+        format!("{} values are not rows of {width}", x.len())
+    })?;
+    let rows = x.len() / width;
+    let isa = Isa::get();
+    let zero = RowEntropy {
+        max: 0.0,
+        argmax: 0,
+        sum: 0.0,
+        entropy: 0.0,
+    };
+    let mut out = vec![zero; rows];
+    let op = SendPtr(out.as_mut_ptr());
+    over_rows(rows, x.len(), |r| {
+        for row in r {
+            let xr = &x[row * width..(row + 1) * width];
+            let (mut m, mut at) = (f32::NEG_INFINITY, 0);
+            for (i, &v) in xr.iter().enumerate() {
+                if v > m {
+                    (m, at) = (v, i);
+                }
+            }
+            let (s0, s1) = simd::exp_sums(isa, xr, m);
+            // SAFETY: each task writes its own rows.
+            unsafe {
+                *op.ptr().add(row) = RowEntropy {
+                    max: m,
+                    argmax: at,
+                    sum: s0,
+                    entropy: s0.ln() + s1 / s0,
+                }
+            };
+        }
+    });
+    Ok(out)
+}
+
+/// The index a uniform `u` in `[0, 1)` draws from `softmax(x)` for a row `x` whose
+/// [`RowEntropy`] is `stats` (inverse transform in index order).
+pub fn sample_row(x: &[f32], stats: &RowEntropy, u: f32) -> usize {
+    simd::sample(Isa::get(), x, stats.max, stats.sum, u)
+}

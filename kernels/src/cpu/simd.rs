@@ -420,6 +420,170 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
+/// `√(2/π)`, the tanh approximation of GELU's scale.
+const GELU_K: f32 = 0.797_884_6;
+
+/// `o[j] = gelu_tanh(g[j]) · u[j]`, GELU's tanh approximation written as
+/// `g · sigmoid(2·√(2/π)·(g + 0.044715·g³)) = g / (exp(-2·√(2/π)·(g + 0.044715·g³)) + 1)` (the
+/// same function as `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`), the same bits on every
+/// instruction set.
+pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 => unsafe { gelu_tanh_mul_avx512(g, u, o) },
+        _ => {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                let y = (-2.0 * GELU_K) * (0.044_715 * g * g).mul_add(g, g);
+                *o = g / (exp_scalar(y) + 1.0) * u;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = o.len();
+    let one = _mm512_set1_ps(1.0);
+    let c = _mm512_set1_ps(0.044_715);
+    let k = _mm512_set1_ps(-2.0 * GELU_K);
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
+        let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
+        let g3 = _mm512_mul_ps(_mm512_mul_ps(c, gv), gv);
+        let y = _mm512_mul_ps(k, _mm512_fmadd_ps(g3, gv, gv));
+        let e = exp_avx512(y);
+        let r = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(e, one)), uv);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, r);
+        i += LANES;
+    }
+}
+
+/// `x ← cap · tanh(x / cap)` in place (Gemma's logit soft cap), with
+/// `tanh(y) = 1 - 2 / (exp(2y) + 1)`: the same bits on every instruction set, within a few
+/// `1e-7 · cap` of the exact value.
+pub(crate) fn soft_cap(isa: Isa, x: &mut [f32], cap: f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 => unsafe { soft_cap_avx512(x, cap) },
+        _ => {
+            let s = 2.0 / cap;
+            for v in x.iter_mut() {
+                *v = cap * (1.0 - 2.0 / (exp_scalar(*v * s) + 1.0));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn soft_cap_avx512(x: &mut [f32], cap: f32) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let (one, two) = (_mm512_set1_ps(1.0), _mm512_set1_ps(2.0));
+    let (s, c) = (_mm512_set1_ps(2.0 / cap), _mm512_set1_ps(cap));
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let v = _mm512_maskz_loadu_ps(mask, p.add(i));
+        let e = exp_avx512(_mm512_mul_ps(v, s));
+        let t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+        _mm512_mask_storeu_ps(p.add(i), mask, _mm512_mul_ps(c, t));
+        i += LANES;
+    }
+}
+
+/// `(Σ exp(x[i] - m), Σ exp(x[i] - m) · (m - x[i]))` in the canonical lane order: a row's
+/// softmax normaliser and what its entropy needs (`H = ln s0 + s1 / s0`, no cancellation).
+pub(crate) fn exp_sums(isa: Isa, x: &[f32], m: f32) -> (f32, f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 => unsafe { exp_sums_avx512(x, m) },
+        _ => {
+            let (mut l0, mut l1) = ([0f32; LANES], [0f32; LANES]);
+            for (i, &v) in x.iter().enumerate() {
+                let d = m - v;
+                let e = exp_scalar(-d);
+                l0[i % LANES] += e;
+                l1[i % LANES] = e.mul_add(d, l1[i % LANES]);
+            }
+            (reduce_lanes(l0), reduce_lanes(l1))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sums_avx512(x: &[f32], m: f32) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let p = x.as_ptr();
+    let mv = _mm512_set1_ps(m);
+    let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let d = _mm512_sub_ps(mv, _mm512_maskz_loadu_ps(mask, p.add(i)));
+        let e = _mm512_maskz_mov_ps(mask, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), d)));
+        a0 = _mm512_add_ps(a0, e);
+        a1 = _mm512_fmadd_ps(e, _mm512_maskz_mov_ps(mask, d), a1);
+        i += LANES;
+    }
+    let (mut l0, mut l1) = ([0f32; LANES], [0f32; LANES]);
+    _mm512_storeu_ps(l0.as_mut_ptr(), a0);
+    _mm512_storeu_ps(l1.as_mut_ptr(), a1);
+    (reduce_lanes(l0), reduce_lanes(l1))
+}
+
+/// The index a uniform `u` in `[0, 1)` draws from `softmax(x)` (`m` its maximum, `s0` its
+/// normaliser from [`exp_sums`]): the first index whose cumulative `exp(x - m)` exceeds
+/// `u · s0`, found 16 values at a time (each block summed in the canonical lane order), then
+/// within the block. The same index on every instruction set.
+pub(crate) fn sample(isa: Isa, x: &[f32], m: f32, s0: f32, u: f32) -> usize {
+    let target = u * s0;
+    let mut acc = 0f32;
+    let mut start = 0;
+    while start < x.len() {
+        let end = (start + LANES).min(x.len());
+        let block = exp_sum(isa, &x[start..end], m);
+        if acc + block > target {
+            for (j, &v) in x[start..end].iter().enumerate() {
+                acc += exp_scalar(v - m);
+                if acc > target {
+                    return start + j;
+                }
+            }
+            // Rounding inside the block: its last index.
+            return end - 1;
+        }
+        acc += block;
+        start = end;
+    }
+    // Rounding left the total below the target: the last index with any mass.
+    x.iter()
+        .rposition(|&v| exp_scalar(v - m) > 0.0)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,6 +633,84 @@ mod tests {
                 let mut y = b.clone();
                 axpy(isa, 0.37, &a, &mut y);
                 assert_eq!(y, y0, "{isa:?} n{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn gemma_kernels_match_their_definitions_and_give_the_same_bits_everywhere() {
+        let x: Vec<f32> = (0..83)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.11)
+            .chain([0.0, 1e-4, -1e-4, 40.0, -40.0, 300.0, -300.0])
+            .collect();
+        let u: Vec<f32> = x.iter().map(|v| 0.5 - v * 0.01).collect();
+        // GELU (tanh approximation) times up, against its definition in float64.
+        let mut want = vec![0f32; x.len()];
+        gelu_tanh_mul(Isa::Portable, &x, &u, &mut want);
+        for ((w, &g), &up) in want.iter().zip(&x).zip(&u) {
+            let g = f64::from(g);
+            let exact = 0.5
+                * g
+                * (1.0 + (0.797_884_560_8 * (g + 0.044_715 * g * g * g)).tanh())
+                * f64::from(up);
+            assert!(
+                (f64::from(*w) - exact).abs() <= 1e-6 * (1.0 + exact.abs()),
+                "{w} vs {exact}"
+            );
+        }
+        for isa in Isa::available() {
+            let mut got = vec![0f32; x.len()];
+            gelu_tanh_mul(isa, &x, &u, &mut got);
+            assert_eq!(got, want, "{isa:?}");
+        }
+        // The soft cap, within a few 1e-7 of the cap.
+        let mut want = x.clone();
+        soft_cap(Isa::Portable, &mut want, 30.0);
+        for (w, &v) in want.iter().zip(&x) {
+            let exact = 30.0 * (f64::from(v) / 30.0).tanh();
+            assert!(
+                (f64::from(*w) - exact).abs() <= 30.0 * 2e-7,
+                "{w} vs {exact}"
+            );
+        }
+        for isa in Isa::available() {
+            let mut got = x.clone();
+            soft_cap(isa, &mut got, 30.0);
+            assert_eq!(got, want, "{isa:?}");
+        }
+        // The softmax sums, and a draw by inverse transform.
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (s0, s1) = exp_sums(Isa::Portable, &x, m);
+        let e: Vec<f64> = x.iter().map(|&v| f64::from(v - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let h: f64 = -e
+            .iter()
+            .zip(&x)
+            .map(|(e, &v)| e / sum * (f64::from(v - m) - sum.ln()))
+            .sum::<f64>();
+        assert!((f64::from(s0) - sum).abs() <= 1e-6 * sum);
+        assert!((f64::from(s0.ln() + s1 / s0) - h).abs() <= 1e-6, "entropy");
+        for isa in Isa::available() {
+            assert_eq!(exp_sums(isa, &x, m), (s0, s1), "{isa:?}");
+        }
+        // Draws, on values whose exponentials are all normal floats.
+        let x: Vec<f32> = x.into_iter().filter(|v| v.abs() < 60.0).collect();
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (s0, _) = exp_sums(Isa::Portable, &x, m);
+        let e: Vec<f64> = x.iter().map(|&v| f64::from(v - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut cum = 0.0;
+        for q in [0.0f32, 0.1, 0.37, 0.5, 0.9, 0.999] {
+            let want = e
+                .iter()
+                .position(|&v| {
+                    cum += v;
+                    cum > f64::from(q) * sum
+                })
+                .expect("a draw");
+            cum = 0.0;
+            for isa in Isa::available() {
+                assert_eq!(sample(isa, &x, m, s0, q), want, "{isa:?} u = {q}");
             }
         }
     }

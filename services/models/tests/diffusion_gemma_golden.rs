@@ -299,3 +299,23 @@ fn tokenizer_chat_template_and_family_match_upstream() -> Result<()> {
     }
     Ok(())
 }
+
+/// `checkpoint_tensors` lists exactly the fixture's tensors with their shapes (what the
+/// benchmarks' random models are built from).
+#[test]
+fn checkpoint_tensors_are_the_checkpoints() -> Result<()> {
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    let files = ModelFiles::from_dir(&dir)?;
+    let cfg = DiffusionGemmaConfig::from_json(files.config_json())?;
+    let weights =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)?;
+    let mut want: Vec<(String, Vec<usize>)> = weights
+        .iter()
+        .map(|(k, t)| (k.clone(), t.dims().to_vec()))
+        .collect();
+    want.sort();
+    let mut got = cfg.checkpoint_tensors();
+    got.sort();
+    ensure!(got == want, "{got:?}\nvs\n{want:?}");
+    Ok(())
+}

@@ -381,6 +381,64 @@ impl DiffusionGemmaConfig {
         Ok(())
     }
 
+    /// The text model's checkpoint tensors with their shapes (`[out, in]`), exactly what
+    /// [`super::DiffusionGemma::load`] reads: the decoder's weights (the encoder's are tied to
+    /// them) and both modes' `layer_scalar`s.
+    pub fn checkpoint_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, v) = (self.hidden_size, self.vocab_size);
+        let (i, w, n) = (
+            self.intermediate_size,
+            self.moe_intermediate_size,
+            self.num_experts,
+        );
+        let mut out = vec![
+            ("model.decoder.embed_tokens.weight".to_owned(), vec![v, e]),
+            ("model.decoder.norm.weight".to_owned(), vec![e]),
+        ];
+        let sc = "model.decoder.self_conditioning";
+        out.push((format!("{sc}.pre_norm.weight"), vec![e]));
+        out.push((format!("{sc}.gate_proj.weight"), vec![i, e]));
+        out.push((format!("{sc}.up_proj.weight"), vec![i, e]));
+        out.push((format!("{sc}.down_proj.weight"), vec![e, i]));
+        for l in 0..self.num_hidden_layers() {
+            let p = format!("model.decoder.layers.{l}");
+            let (h, hkv, d) = self.heads(l);
+            for norm in [
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_feedforward_layernorm_1",
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_2",
+            ] {
+                out.push((format!("{p}.{norm}.weight"), vec![e]));
+            }
+            out.push((format!("{p}.layer_scalar"), vec![1]));
+            out.push((
+                format!("model.encoder.language_model.layers.{l}.layer_scalar"),
+                vec![1],
+            ));
+            out.push((format!("{p}.self_attn.q_proj.weight"), vec![h * d, e]));
+            out.push((format!("{p}.self_attn.k_proj.weight"), vec![hkv * d, e]));
+            if self.layer_types[l] == LayerType::SlidingAttention {
+                out.push((format!("{p}.self_attn.v_proj.weight"), vec![hkv * d, e]));
+            }
+            out.push((format!("{p}.self_attn.o_proj.weight"), vec![e, h * d]));
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, e]));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![i, e]));
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![e, i]));
+            out.push((format!("{p}.router.proj.weight"), vec![n, e]));
+            out.push((format!("{p}.router.scale"), vec![e]));
+            out.push((format!("{p}.router.per_expert_scale"), vec![n]));
+            out.push((format!("{p}.experts.gate_up_proj"), vec![n, 2 * w, e]));
+            out.push((format!("{p}.experts.down_proj"), vec![n, e, w]));
+        }
+        out
+    }
+
     pub fn num_hidden_layers(&self) -> usize {
         self.layer_types.len()
     }

@@ -101,9 +101,8 @@ impl GeluMlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gu = self.gate_up.forward(x)?;
-        let g = gu.narrow(1, 0, self.hidden)?;
-        let u = gu.narrow(1, self.hidden, self.hidden)?;
-        self.down.forward(&(g.gelu()? * u)?)
+        self.down
+            .forward(&crate::transformer::cpu::gelu_tanh_mul(&gu, self.hidden)?)
     }
 
     fn store_as(&mut self, dtype: crate::transformer::WeightDtype) -> Result<()> {
@@ -294,8 +293,11 @@ struct Layer {
 pub struct DiffusionGemma {
     cfg: DiffusionGemmaConfig,
     io: EmbedHead,
-    /// The embedding table `[V, H]` (the self-conditioning's expected embedding reads it).
+    /// The embedding table `[V, H]` (the self-conditioning's expected embedding reads it),
+    /// and on the CPU in float32 the same packed for products `[rows, V] · [V, H]`, made on
+    /// first use.
     table: Tensor,
+    table_kn: Arc<std::sync::OnceLock<wavefront_kernels::cpu::matmul::PackedWeight>>,
     layers: Vec<Layer>,
     norm: RmsNorm,
     sc_pre_norm: RmsNorm,
@@ -377,6 +379,7 @@ impl DiffusionGemma {
         Ok(Self {
             io: EmbedHead::new(table.clone(), None)?,
             table,
+            table_kn: Arc::default(),
             layers,
             norm: RmsNorm::load(dec.pp("norm"), e, eps)?,
             sc_pre_norm: RmsNorm::load(sc.pp("pre_norm"), e, eps)?,
@@ -411,9 +414,40 @@ impl DiffusionGemma {
     /// The self-conditioning input of a canvas from its previous step's tempered logits `pl`
     /// `[L, V]`: `softmax(pl) · E · sqrt(H)` `[L, H]` (in the model's dtype).
     pub fn soft_embedding(&self, pl: &Tensor) -> Result<Tensor> {
+        let scale = (self.cfg.hidden_size as f64).sqrt();
+        if crate::transformer::cpu::on_cpu_f32(pl)
+            && crate::transformer::cpu::on_cpu_f32(&self.table)
+        {
+            return self.soft_embedding_cpu(pl, scale);
+        }
         let p = candle_nn::ops::softmax_last_dim(&pl.to_dtype(DType::F32)?)?;
         let soft = p.to_dtype(self.dtype())?.matmul(&self.table)?;
-        Ok(soft.affine((self.cfg.hidden_size as f64).sqrt(), 0.0)?)
+        Ok(soft.affine(scale, 0.0)?)
+    }
+
+    /// [`Self::soft_embedding`] with the CPU kernels: the rows' softmax, then one product with
+    /// the embedding table packed once (as `[V, H]`, on first use) over every row.
+    fn soft_embedding_cpu(&self, pl: &Tensor, scale: f64) -> Result<Tensor> {
+        use wavefront_kernels::cpu::{elementwise, matmul};
+        let (rows, v) = pl.dims2()?;
+        let packed = match self.table_kn.get() {
+            Some(p) => p,
+            None => {
+                let table = self.table.flatten_all()?.to_vec1::<f32>()?;
+                let p = matmul::PackedWeight::pack_kn(&table, v, self.cfg.hidden_size)?;
+                let _ = self.table_kn.set(p);
+                self.table_kn.get().expect("just set")
+            }
+        };
+        let mut p = pl.flatten_all()?.to_vec1::<f32>()?;
+        for row in p.chunks_mut(v) {
+            elementwise::softmax(row);
+        }
+        let h = self.cfg.hidden_size;
+        let mut out = vec![0f32; rows * h];
+        matmul::linear(&p, rows, packed, None, &mut out)?;
+        let soft = Tensor::from_vec(out, (rows, h), &Device::Cpu)?;
+        Ok(soft.affine(scale, 0.0)?)
     }
 
     /// The input rows of one sequence.
@@ -608,7 +642,7 @@ impl DiffusionGemma {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let y = self.io.logits(hidden)?;
         Ok(match self.cfg.final_logit_softcapping {
-            Some(c) => ((y / c)?.tanh()? * c)?,
+            Some(c) => crate::transformer::cpu::soft_cap(&y, c)?,
             None => y,
         })
     }

@@ -193,6 +193,59 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
 }
 
+/// `gelu_tanh(gu[.., :hidden]) · gu[.., hidden:]` of the fused gate and up products
+/// `[.., 2·hidden]` (Gemma's gated MLP): the CPU kernel for float32 on the CPU, candle ops
+/// elsewhere.
+pub(crate) fn gelu_tanh_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
+    let last = gu.rank() - 1;
+    if !on_cpu_f32(gu) {
+        let g = gu.narrow(last, 0, hidden)?;
+        let u = gu.narrow(last, hidden, hidden)?;
+        return Ok((g.gelu()? * u)?);
+    }
+    let gu = gu.contiguous()?;
+    let mut out = output(gu.elem_count() / 2);
+    {
+        let b = Borrowed::new(&gu)?;
+        wavefront_kernels::cpu::elementwise::gelu_tanh_mul(
+            &b.tail()?[..gu.elem_count()],
+            hidden,
+            &mut out,
+        )
+        .map_err(ModelError::from)?;
+    }
+    let mut shape = gu.dims().to_vec();
+    shape[last] = hidden;
+    Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
+}
+
+/// `cap · tanh(x / cap)` of logits `[rows, V]`: the CPU kernel for float32 on the CPU, candle
+/// ops elsewhere.
+pub(crate) fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    if !on_cpu_f32(x) || x.rank() != 2 {
+        return Ok(((x / cap)?.tanh()? * cap)?);
+    }
+    let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+    wavefront_kernels::cpu::elementwise::soft_cap(&mut v, x.dim(1)?, cap as f32)
+        .map_err(ModelError::from)?;
+    Ok(Tensor::from_vec(v, x.dims(), &Device::Cpu)?)
+}
+
+pub use wavefront_kernels::cpu::elementwise::RowEntropy;
+
+/// [`RowEntropy`] of every row of `rows` `[n, width]` (host values), threaded over rows, the
+/// same bits on every instruction set.
+pub fn row_entropy(rows: &[f32], width: usize) -> Result<Vec<RowEntropy>> {
+    Ok(wavefront_kernels::cpu::elementwise::row_entropy(
+        rows, width,
+    )?)
+}
+
+/// The index a uniform `u` in `[0, 1)` draws from `softmax(row)` whose statistics are `stats`.
+pub fn sample_row(row: &[f32], stats: &RowEntropy, u: f32) -> usize {
+    wavefront_kernels::cpu::elementwise::sample_row(row, stats, u)
+}
+
 /// RMSNorm of the rows of `x` `[.., dim]` with `w` `[dim]`, float32 on the CPU.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     let x = x.contiguous()?;

@@ -466,3 +466,14 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
         || Ok(fx.planner.prepare(cases[1].spec.clone())?.program),
     )
 }
+
+/// The experts split over 2 and 4 in-process expert-parallel ranks: every request decodes the
+/// same tokens with the same per-step statistics as on one rank.
+#[test]
+fn expert_parallel_ranks_decode_what_one_rank_decodes() -> Result<()> {
+    let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+    crate::test_support::assert_tensor_parallel_decodes_match(
+        || Ok(ModelFiles::from_dir(&dir)?),
+        &mixed_requests(),
+    )
+}

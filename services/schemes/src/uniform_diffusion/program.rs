@@ -25,6 +25,7 @@ use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
 use wavefront_models::diffusion_gemma::{DgSeq, Mode};
+use wavefront_models::transformer::cpu::{row_entropy, sample_row, RowEntropy};
 use wavefront_models::transformer::KvCache;
 
 use crate::migrate::RequestRng;
@@ -111,28 +112,24 @@ impl Draws {
         Ok((0..n).map(|_| rng.random_range(0..vocab as u32)).collect())
     }
 
-    /// A draw from each row of probabilities (upstream `multinomial(softmax(pl), 1)`).
-    fn sample(&mut self, probs: &[Vec<f32>]) -> Result<Vec<u32>, SchemeError> {
+    /// A draw from each row of `softmax(pl)` (upstream `multinomial(softmax(pl), 1)`), rows of
+    /// `width` with their statistics.
+    fn sample(
+        &mut self,
+        pl: &[f32],
+        width: usize,
+        stats: &[RowEntropy],
+    ) -> Result<Vec<u32>, SchemeError> {
         if let Some(row) = self.replayed("multinomial")? {
             return Ok(row);
         }
         let Draws::Seeded(rng) = self else {
             unreachable!("replayed above")
         };
-        Ok(probs
-            .iter()
-            .map(|p| {
-                let u: f32 = rng.random();
-                let mut acc = 0.0;
-                for (i, &x) in p.iter().enumerate() {
-                    acc += x;
-                    if u < acc {
-                        return i as u32;
-                    }
-                }
-                // Rounding left the sum below u: the last id with any mass.
-                p.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
-            })
+        Ok(pl
+            .chunks(width)
+            .zip(stats)
+            .map(|(row, st)| sample_row(row, st, rng.random::<f32>()) as u32)
             .collect())
     }
 }
@@ -192,30 +189,6 @@ pub(crate) fn accept(entropy: &[f32], bound: f32) -> Vec<bool> {
         keep[i] = sum - entropy[i] <= bound;
     }
     keep
-}
-
-/// Per row of `pl`: `softmax(pl)` (float32), the entropy `−Σ p log p` and the first argmax.
-fn row_stats(pl: &[f32]) -> (Vec<f32>, f32, u32) {
-    let mut best = (0usize, f32::NEG_INFINITY);
-    for (i, &x) in pl.iter().enumerate() {
-        if x > best.1 {
-            best = (i, x);
-        }
-    }
-    let max = best.1;
-    let sum: f64 = pl.iter().map(|&x| f64::from(x - max).exp()).sum();
-    let lse = f64::from(max) + sum.ln();
-    let mut h = 0f64;
-    let probs = pl
-        .iter()
-        .map(|&x| {
-            let logp = f64::from(x) - lse;
-            let p = logp.exp();
-            h -= p * logp;
-            p as f32
-        })
-        .collect();
-    (probs, h as f32, best.0 as u32)
 }
 
 impl UdProgram {
@@ -396,17 +369,12 @@ impl UdProgram {
         let t = temperature(self.s.t_max, self.s.t_min, self.cur_step, self.s.steps);
         // Divided in float32, as upstream's `logits / T` (not multiplied by 1/T).
         let pl = logits.broadcast_div(&Tensor::new(&[t], logits.device())?)?;
-        let rows: Vec<Vec<f32>> = pl.to_vec2()?;
-        let mut probs = Vec::with_capacity(rows.len());
-        let mut entropy = Vec::with_capacity(rows.len());
-        let mut argmax = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let (p, h, a) = row_stats(r);
-            probs.push(p);
-            entropy.push(h);
-            argmax.push(a);
-        }
-        let sample = self.draws.sample(&probs)?;
+        let width = pl.dim(1)?;
+        let host: Vec<f32> = pl.flatten_all()?.to_vec1()?;
+        let stats = row_entropy(&host, width)?;
+        let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+        let argmax: Vec<u32> = stats.iter().map(|s| s.argmax as u32).collect();
+        let sample = self.draws.sample(&host, width, &stats)?;
         let accepted = accept(&entropy, self.s.entropy_bound);
         let noise = self.draws.noise(self.s.canvas, self.s.vocab, "renoise")?;
         let next: Vec<u32> = (0..self.s.canvas)
