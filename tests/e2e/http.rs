@@ -301,6 +301,40 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
+/// DiffusionGemma through the OpenAI API: a chat with OpenAI's default temperature (which
+/// leaves its schedule as it is) and the `entropy_bound` extension, streamed with canvas events;
+/// a temperature the schedule would override is refused naming what to set instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn diffusion_gemma_over_openai_chat() {
+    let s = http_stack("diffusion_gemma", "diffusion_gemma").await;
+    let http = s.http;
+    let chat = json!({
+        "model": "diffusion_gemma",
+        "messages": [{"role": "user", "content": "What is free software?"}],
+        "max_tokens": 20, "seed": 4, "stream": true, "stream_canvas": true,
+        "entropy_bound": {"max_denoising_steps": 8, "t_max": 0.9},
+    })
+    .to_string();
+    let (status, events) =
+        tokio::task::spawn_blocking(move || post(http, "/v1/chat/completions", &chat))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{events}");
+    let (data, names) = sse(&events);
+    assert!(
+        names.iter().any(|n| n == "canvas"),
+        "canvas events: {events}"
+    );
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let body = json!({"model": "diffusion_gemma", "prompt": "x", "temperature": 0.5}).to_string();
+    let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &body))
+        .await
+        .unwrap();
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("t_max and t_min"), "{text}");
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
+}
+
 /// A client that closes its connection mid-stream cancels the request: its slots come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_the_connection_cancels_the_request_and_frees_its_slots() {

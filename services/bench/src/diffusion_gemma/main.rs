@@ -317,5 +317,34 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         "| encoder pass (prompt) | {p} | 0 | {:.2} | | |",
         encode * 1e3
     );
+    // The step's work besides the forward: the sampler's row statistics and the next step's
+    // self-conditioning input (`softmax(logits / T) · E`).
+    let logits = {
+        let h = model.forward(&mut [DgSeq {
+            ids: canvas.clone(),
+            start: p,
+            mode: Mode::Denoise,
+            soft: None,
+            cache: &mut cache,
+        }])?;
+        model.logits(&h)?
+    };
+    let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+    let stats = median_secs(9, || {
+        wavefront_models::transformer::cpu::row_entropy(&host, s.vocab_size)?;
+        Ok(())
+    })?;
+    let sc = median_secs(9, || {
+        model.soft_embedding(&logits)?;
+        Ok(())
+    })?;
+    println!(
+        "| sampler: entropies, argmax, sums over the vocabulary | {l} | | {:.2} | | |",
+        stats * 1e3
+    );
+    println!(
+        "| self-conditioning input (softmax · embedding table) | {l} | | {:.2} | | |",
+        sc * 1e3
+    );
     Ok(())
 }

@@ -22,8 +22,9 @@
 //!
 //! Named as the model's `generation_config.json` keys; a request's unset field takes the
 //! checkpoint's value (upstream's defaults when the file has none). The temperature follows the
-//! schedule, so the request's `sampling.temperature`, `top_k` and `top_p` are refused; its seed
-//! seeds the draws.
+//! schedule, so the request's `sampling.temperature` (other than 0, unset, or 1, OpenAI's
+//! default, which leave the schedule as it is), `top_k` and `top_p` are refused; its seed seeds
+//! the draws.
 
 pub mod family;
 pub mod program;
@@ -286,8 +287,10 @@ impl DiffusionGemmaPlanner {
                  tower is not loaded); send text only"
             ));
         }
+        // 0 (the API's unset) and 1 (OpenAI's default) leave the schedule as it is.
         let s = &spec.sampling;
-        if s.temperature != 0.0 || s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
+        let scaled = s.temperature != 0.0 && s.temperature != 1.0;
+        if scaled || s.top_k != 0 || (s.top_p > 0.0 && s.top_p < 1.0) {
             return bad(
                 "sampling.temperature, top_k and top_p do not apply to entropy-bound: its \
                  temperature falls from entropy_bound.t_max to t_min over the steps and it \
