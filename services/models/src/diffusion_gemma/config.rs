@@ -222,6 +222,16 @@ impl DiffusionGemmaConfig {
                     .into(),
             );
         }
+        if t.layer_types.len() != t.num_hidden_layers {
+            return bad(
+                "layer_types",
+                format!(
+                    "{} layer types for num_hidden_layers = {}; give one per layer",
+                    t.layer_types.len(),
+                    t.num_hidden_layers
+                ),
+            );
+        }
         let full_rope = &t.rope_parameters.full_attention;
         let sliding_rope = &t.rope_parameters.sliding_attention;
         for (key, r, allowed) in [
@@ -282,7 +292,7 @@ impl DiffusionGemmaConfig {
             bos_token_id: t.bos_token_id.unwrap_or(2),
         };
         cfg.validate()?;
-        let _ = (top.model_type, t.num_hidden_layers);
+        let _ = top.model_type;
         Ok(cfg)
     }
 
