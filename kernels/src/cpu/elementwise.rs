@@ -22,6 +22,17 @@ fn over_rows(n_rows: usize, elems: usize, f: impl Fn(std::ops::Range<usize>) + S
 /// `out[r][j] = silu(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]` (the gate
 /// and up projections side by side): `silu(g) = g / (exp(-g) + 1)`.
 pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    gated_rows(gu, hidden, out, simd::silu_mul)
+}
+
+/// `out[r][j] = act(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]`, with `f`
+/// computing one row's `act(g) · u`.
+fn gated_rows(
+    gu: &[f32],
+    hidden: usize,
+    out: &mut [f32],
+    f: fn(Isa, &[f32], &[f32], &mut [f32]),
+) -> Result<(), KernelError> {
     check(hidden > 0 && gu.len().is_multiple_of(2 * hidden), || {
         format!("{} values are not rows of 2 x {hidden}", gu.len())
     })?;
@@ -37,7 +48,7 @@ pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), Kernel
             let u = &gu[row * 2 * hidden + hidden..(row + 1) * 2 * hidden];
             // SAFETY: each task writes its own rows.
             let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(row * hidden), hidden) };
-            simd::silu_mul(isa, g, u, o);
+            f(isa, g, u, o);
         }
     });
     Ok(())
@@ -327,25 +338,7 @@ mod tests {
 /// `out[r][j] = gelu_tanh(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]`
 /// (Gemma's gated MLP: GELU's tanh approximation).
 pub fn gelu_tanh_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
-    check(hidden > 0 && gu.len().is_multiple_of(2 * hidden), || {
-        format!("{} values are not rows of 2 x {hidden}", gu.len())
-    })?;
-    let rows = gu.len() / (2 * hidden);
-    check(out.len() == rows * hidden, || {
-        format!("out has {} values, want {rows}x{hidden}", out.len())
-    })?;
-    let isa = Isa::get();
-    let op = SendPtr(out.as_mut_ptr());
-    over_rows(rows, out.len(), |r| {
-        for row in r {
-            let g = &gu[row * 2 * hidden..row * 2 * hidden + hidden];
-            let u = &gu[row * 2 * hidden + hidden..(row + 1) * 2 * hidden];
-            // SAFETY: each task writes its own rows.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(row * hidden), hidden) };
-            simd::gelu_tanh_mul(isa, g, u, o);
-        }
-    });
-    Ok(())
+    gated_rows(gu, hidden, out, simd::gelu_tanh_mul)
 }
 
 /// `x ← cap · tanh(x / cap)` over rows of `width` in place (Gemma's logit soft cap).

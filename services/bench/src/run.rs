@@ -101,6 +101,19 @@ pub fn one_after_another(
     Ok((outs, started.elapsed()))
 }
 
+/// Median seconds of `f` over `n` runs after one warm-up.
+pub fn median_secs(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        f()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[n / 2])
+}
+
 /// [`GenerateSpec::greedy`], the request benchmarks and tests send.
 pub fn spec(
     prompt_ids: Vec<u32>,

@@ -163,19 +163,6 @@ fn main() -> Result<()> {
     forward_table(&a, &shape)
 }
 
-/// Median seconds of `f` over `n` runs after one warm-up.
-fn median_secs(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    let mut t = Vec::with_capacity(n);
-    for _ in 0..n {
-        let start = std::time::Instant::now();
-        f()?;
-        t.push(start.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[n / 2])
-}
-
 fn forward_table(a: &Args, shape: &synthetic::Shape) -> Result<()> {
     use wavefront_models::transformer::SeqInput;
     let rows: Vec<usize> = a.rows.iter().copied().filter(|&n| n > 0).collect();
@@ -195,11 +182,11 @@ fn forward_table(a: &Args, shape: &synthetic::Shape) -> Result<()> {
     for &n in &rows {
         eprintln!("forward of {n} rows...");
         let ids = run::random_prompt(a.seed, n as u64, n, 0..(a.vocab_size - 1) as u32);
-        let packed = median_secs(5, || {
+        let packed = run::median_secs(5, || {
             model.forward(&ids, &mut [SeqInput::dense(n)])?;
             Ok(())
         })?;
-        let looped = median_secs(3, || {
+        let looped = run::median_secs(3, || {
             for &id in &ids {
                 model.forward(&[id], &mut [SeqInput::dense(1)])?;
             }

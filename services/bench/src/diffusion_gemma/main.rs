@@ -203,19 +203,6 @@ fn serving_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     Ok(())
 }
 
-/// Median seconds of `f` over `n` runs after one warm-up.
-fn median_secs(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    let mut t = Vec::with_capacity(n);
-    for _ in 0..n {
-        let start = std::time::Instant::now();
-        f()?;
-        t.push(start.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[n / 2])
-}
-
 fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     let (device, dtype) = run::device_and_dtype(&a.target.device, &a.target.dtype)?;
     let cfg = s.config()?;
@@ -224,7 +211,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     let prompt = run::random_prompt(a.seed, 0, p, 0..s.vocab_size as u32);
     let canvas = run::random_prompt(a.seed, 1, l, 0..s.vocab_size as u32);
     let mut cache = KvCache::new();
-    let encode = median_secs(5, || {
+    let encode = run::median_secs(5, || {
         cache.clear();
         model.forward(&mut [DgSeq {
             ids: prompt.clone(),
@@ -240,7 +227,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         wavefront_models::candle_core::DType::F32,
         &device,
     )?)?;
-    let denoise = median_secs(9, || {
+    let denoise = run::median_secs(9, || {
         let h = model.forward(&mut [DgSeq {
             ids: canvas.clone(),
             start: p,
@@ -288,7 +275,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         };
         other.forward(&ids2[..prefix], &mut [seq])?;
     }
-    let step2 = median_secs(9, || {
+    let step2 = run::median_secs(9, || {
         c2.truncate(prefix)?;
         let mut seq = block(prefix, l);
         seq.keys = Keys::Buffer {
@@ -330,11 +317,11 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         model.logits(&h)?
     };
     let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-    let stats = median_secs(9, || {
+    let stats = run::median_secs(9, || {
         wavefront_models::transformer::cpu::row_entropy(&host, s.vocab_size)?;
         Ok(())
     })?;
-    let sc = median_secs(9, || {
+    let sc = run::median_secs(9, || {
         model.soft_embedding(&logits)?;
         Ok(())
     })?;

@@ -42,7 +42,7 @@ use candle_nn::VarBuilder;
 
 pub use self::config::{DiffusionGemmaConfig, LayerType};
 use crate::error::{ModelError, Result};
-use crate::transformer::moe::expert_range;
+use crate::transformer::moe::{expert_range, Routed};
 use crate::transformer::parallel::{on_rank, reduce, Collective};
 use crate::transformer::{
     apply_rope, attend_packed, get, AttentionKernel, EmbedHead, Keys, KvCache, Linear, MaskRule,
@@ -228,15 +228,11 @@ impl GemmaMoe {
     /// `Σ_k w_k · expert_k(h)` with the routing of `routing`, each expert one product over its
     /// rows of the whole call.
     fn forward(&self, h: &Tensor, routing: &GemmaRouting) -> Result<Tensor> {
-        let n_experts = self.per_expert_scale.len();
-        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
-        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); n_experts];
-        for (r, (es, ws)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            for (&e, &w) in es.iter().zip(ws) {
-                rows[e].push(r as u32);
-                weights[e].push(w);
-            }
-        }
+        let routed = Routed::new(
+            self.per_expert_scale.len(),
+            &routing.experts,
+            &routing.weights,
+        );
         let comm = self.comm.as_ref();
         let partials = self
             .shards
@@ -244,19 +240,13 @@ impl GemmaMoe {
             .enumerate()
             .map(|(rank, s)| {
                 let x = on_rank(comm, rank, h)?;
-                let mut y = x.zeros_like()?;
-                for (i, mlp) in s.mlps.iter().enumerate() {
-                    let e = s.experts.start + i;
-                    if rows[e].is_empty() {
-                        continue;
-                    }
-                    let idx = Tensor::new(rows[e].as_slice(), x.device())?;
-                    let out = mlp.forward(&x.index_select(&idx, 0)?)?;
-                    let w = Tensor::from_vec(weights[e].clone(), (rows[e].len(), 1), x.device())?
-                        .to_dtype(out.dtype())?;
-                    y = y.index_add(&idx, &out.broadcast_mul(&w)?, 0)?;
-                }
-                Ok(y)
+                routed.add(
+                    x.zeros_like()?,
+                    &x,
+                    s.experts.start,
+                    &s.mlps,
+                    GeluMlp::forward,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         reduce(comm, partials)

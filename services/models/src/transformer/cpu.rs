@@ -171,22 +171,37 @@ pub(crate) fn attend(
 /// `silu(gu[.., :hidden]) · gu[.., hidden:]` of the fused gate and up products `[.., 2·hidden]`:
 /// the CPU kernel for float32 on the CPU, candle ops elsewhere.
 pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
+    gated(
+        gu,
+        hidden,
+        Tensor::silu,
+        wavefront_kernels::cpu::elementwise::silu_mul,
+    )
+}
+
+/// A row-wise CPU kernel over rows `[.., 2·hidden]` into rows `[.., hidden]`.
+type RowKernel =
+    fn(&[f32], usize, &mut [f32]) -> std::result::Result<(), wavefront_kernels::KernelError>;
+
+/// `act(gu[.., :hidden]) · gu[.., hidden:]`: `kernel` for float32 on the CPU, `act` (candle)
+/// elsewhere.
+fn gated(
+    gu: &Tensor,
+    hidden: usize,
+    act: fn(&Tensor) -> candle_core::Result<Tensor>,
+    kernel: RowKernel,
+) -> Result<Tensor> {
     let last = gu.rank() - 1;
     if !on_cpu_f32(gu) {
         let g = gu.narrow(last, 0, hidden)?;
         let u = gu.narrow(last, hidden, hidden)?;
-        return Ok((g.silu()? * u)?);
+        return Ok((act(&g)? * u)?);
     }
     let gu = gu.contiguous()?;
     let mut out = output(gu.elem_count() / 2);
     {
         let b = Borrowed::new(&gu)?;
-        wavefront_kernels::cpu::elementwise::silu_mul(
-            &b.tail()?[..gu.elem_count()],
-            hidden,
-            &mut out,
-        )
-        .map_err(ModelError::from)?;
+        kernel(&b.tail()?[..gu.elem_count()], hidden, &mut out).map_err(ModelError::from)?;
     }
     let mut shape = gu.dims().to_vec();
     shape[last] = hidden;
@@ -197,26 +212,12 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
 /// `[.., 2·hidden]` (Gemma's gated MLP): the CPU kernel for float32 on the CPU, candle ops
 /// elsewhere.
 pub(crate) fn gelu_tanh_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
-    let last = gu.rank() - 1;
-    if !on_cpu_f32(gu) {
-        let g = gu.narrow(last, 0, hidden)?;
-        let u = gu.narrow(last, hidden, hidden)?;
-        return Ok((g.gelu()? * u)?);
-    }
-    let gu = gu.contiguous()?;
-    let mut out = output(gu.elem_count() / 2);
-    {
-        let b = Borrowed::new(&gu)?;
-        wavefront_kernels::cpu::elementwise::gelu_tanh_mul(
-            &b.tail()?[..gu.elem_count()],
-            hidden,
-            &mut out,
-        )
-        .map_err(ModelError::from)?;
-    }
-    let mut shape = gu.dims().to_vec();
-    shape[last] = hidden;
-    Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
+    gated(
+        gu,
+        hidden,
+        Tensor::gelu,
+        wavefront_kernels::cpu::elementwise::gelu_tanh_mul,
+    )
 }
 
 /// `cap · tanh(x / cap)` of logits `[rows, V]`: the CPU kernel for float32 on the CPU, candle

@@ -138,6 +138,52 @@ pub struct Routing {
     pub weights: Vec<Vec<f32>>,
 }
 
+/// The rows of a call routed to each expert and their weights: what the grouped expert path
+/// runs, one product per expert over its rows.
+pub(crate) struct Routed {
+    rows: Vec<Vec<u32>>,
+    weights: Vec<Vec<f32>>,
+}
+
+impl Routed {
+    /// Groups per expert the chosen `experts` and `weights` of every row (row order kept).
+    pub(crate) fn new(n_experts: usize, experts: &[Vec<usize>], weights: &[Vec<f32>]) -> Self {
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
+        let mut ws: Vec<Vec<f32>> = vec![Vec::new(); n_experts];
+        for (r, (es, w)) in experts.iter().zip(weights).enumerate() {
+            for (&e, &w) in es.iter().zip(w) {
+                rows[e].push(r as u32);
+                ws[e].push(w);
+            }
+        }
+        Self { rows, weights: ws }
+    }
+
+    /// `y + Σ_e w · expert_e(x[rows of e])` over the experts `first ..` (`mlps[i]` is expert
+    /// `first + i`, run by `forward`): one product per expert, added back with one index-add.
+    pub(crate) fn add<E>(
+        &self,
+        mut y: Tensor,
+        x: &Tensor,
+        first: usize,
+        mlps: &[E],
+        forward: impl Fn(&E, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        for (i, mlp) in mlps.iter().enumerate() {
+            let e = first + i;
+            if self.rows[e].is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(self.rows[e].as_slice(), x.device())?;
+            let out = forward(mlp, &x.index_select(&idx, 0)?)?;
+            let w = Tensor::from_vec(self.weights[e].clone(), (self.rows[e].len(), 1), x.device())?
+                .to_dtype(out.dtype())?;
+            y = y.index_add(&idx, &out.broadcast_mul(&w)?, 0)?;
+        }
+        Ok(y)
+    }
+}
+
 /// The contiguous range of experts rank `rank` of `world` owns (the first `n % world` ranks
 /// one more).
 pub(crate) fn expert_range(n: usize, world: usize, rank: usize) -> Range<usize> {
@@ -209,15 +255,7 @@ impl Moe {
     pub fn forward(&self, h: &Tensor) -> Result<Tensor> {
         let routing = self.route(h)?;
         let n = h.dim(0)?;
-        // Rows and weights of every expert, over all rows of the call.
-        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.routing.n_experts];
-        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.routing.n_experts];
-        for (r, (es, ws)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            for (&e, &w) in es.iter().zip(ws) {
-                rows[e].push(r as u32);
-                weights[e].push(w);
-            }
-        }
+        let routed = Routed::new(self.routing.n_experts, &routing.experts, &routing.weights);
         let comm = self.comm.as_ref();
         let partials = self
             .shards
@@ -225,22 +263,11 @@ impl Moe {
             .enumerate()
             .map(|(rank, s)| {
                 let x = on_rank(comm, rank, h)?;
-                let mut y = match &s.shared {
+                let y = match &s.shared {
                     Some(m) => m.forward(&x)?,
                     None => x.zeros_like()?,
                 };
-                for (i, mlp) in s.routed.iter().enumerate() {
-                    let e = s.experts.start + i;
-                    if rows[e].is_empty() {
-                        continue;
-                    }
-                    let idx = Tensor::new(rows[e].as_slice(), x.device())?;
-                    let out = mlp.forward(&x.index_select(&idx, 0)?)?;
-                    let w = Tensor::from_vec(weights[e].clone(), (rows[e].len(), 1), x.device())?
-                        .to_dtype(out.dtype())?;
-                    y = y.index_add(&idx, &out.broadcast_mul(&w)?, 0)?;
-                }
-                Ok(y)
+                routed.add(y, &x, s.experts.start, &s.routed, GatedMlp::forward)
             })
             .collect::<Result<Vec<_>>>()?;
         let y = reduce(comm, partials)?;
