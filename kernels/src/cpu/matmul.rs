@@ -43,12 +43,40 @@ pub enum WeightDtype {
     F32,
     /// bfloat16 (round to nearest even), widened to float32 in registers.
     Bf16,
+    /// bfloat16 weights multiplied by activations rounded to bfloat16, products of pairs
+    /// summed into float32 accumulators: AVX512-BF16's `vdpbf16ps` where the CPU has it (twice
+    /// the float32 FMA rate), the same arithmetic in float32 FMAs elsewhere (the same results
+    /// up to summation order).
+    Bf16Dot,
 }
 
 #[derive(Debug, Clone)]
 enum Store {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
+    /// Panel `p` as `[ceil(k / 2)][NR]` words, word `(j, c)` holding the bfloat16 weights of
+    /// rows `2j` (low half) and `2j + 1` (high half, 0 past `k`) of column `c`: what one
+    /// `vdpbf16ps` lane multiplies.
+    Bf16Pairs(Vec<u32>),
+}
+
+/// `(lo, hi)` as one word of two bfloat16.
+fn bf16_pair(lo: f32, hi: f32) -> u32 {
+    u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16)
+}
+
+/// Whether this CPU multiplies bfloat16 pairs (`avx512bf16`).
+pub fn has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// A linear layer's weight `[n, k]`, packed for [`linear`].
@@ -109,6 +137,23 @@ impl PackedWeight {
                 }
                 Store::Bf16(out)
             }
+            WeightDtype::Bf16Dot => {
+                let kp = k.div_ceil(2);
+                let mut out = Vec::with_capacity(panels * kp * NR);
+                for p in 0..panels {
+                    for j in 0..kp {
+                        out.extend((0..NR).map(|c| {
+                            let hi = if 2 * j + 1 < k {
+                                at(p, 2 * j + 1, c)
+                            } else {
+                                0.0
+                            };
+                            bf16_pair(at(p, 2 * j, c), hi)
+                        }));
+                    }
+                }
+                Store::Bf16Pairs(out)
+            }
         };
         Ok(Self { n, k, store })
     }
@@ -149,6 +194,7 @@ impl PackedWeight {
         match self.store {
             Store::F32(_) => WeightDtype::F32,
             Store::Bf16(_) => WeightDtype::Bf16,
+            Store::Bf16Pairs(_) => WeightDtype::Bf16Dot,
         }
     }
 
@@ -157,6 +203,7 @@ impl PackedWeight {
         match &self.store {
             Store::F32(v) => v.len() * 4,
             Store::Bf16(v) => v.len() * 2,
+            Store::Bf16Pairs(v) => v.len() * 4,
         }
     }
 
@@ -177,6 +224,10 @@ impl PackedWeight {
                 .iter_mut()
                 .enumerate()
                 .for_each(|(kk, o)| *o = bf16_to_f32(v[base + kk * NR])),
+            Store::Bf16Pairs(v) => out.iter_mut().enumerate().for_each(|(kk, o)| {
+                let word = v[(j / NR) * self.k.div_ceil(2) * NR + (kk / 2) * NR + j % NR];
+                *o = bf16_to_f32((word >> (16 * (kk % 2))) as u16);
+            }),
         }
         Ok(())
     }
@@ -237,6 +288,9 @@ pub fn linear_with(
             }
         }
         return Ok(());
+    }
+    if let Store::Bf16Pairs(words) = &w.store {
+        return bf16_dot(isa, threads, x, m, k, n, words, bias, y);
     }
     let panels = n.div_ceil(NR);
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
@@ -380,6 +434,7 @@ unsafe fn run_block(
                         Store::Bf16(v) => {
                             tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(2))
                         }
+                        Store::Bf16Pairs(_) => unreachable!("bf16 pairs take their own path"),
                     }
                 }
             }
@@ -589,6 +644,168 @@ unsafe fn tile_avx2_rows<const MR: usize, E: PanelElem>(
     }
 }
 
+/// Pairs of `k` per block of the blocked sum on the bfloat16 path.
+const KC_PAIRS: usize = KC / 2;
+
+/// [`linear_with`] for weights stored as [`WeightDtype::Bf16Dot`]: `x` rounded to bfloat16 and
+/// packed tile by tile as `[ceil(k / 2)][mr]` pairs, each `mr x NR` tile accumulated in float32
+/// by `vdpbf16ps` (or the same products in float32 FMAs), block by block of [`KC`] values of
+/// `k`.
+#[allow(clippy::too_many_arguments)]
+fn bf16_dot(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    words: &[u32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let kp = k.div_ceil(2);
+    let panels = n.div_ceil(NR);
+    let tiles: Vec<(usize, usize)> = (0..m)
+        .step_by(MR_MAX)
+        .map(|i| (i, MR_MAX.min(m - i)))
+        .collect();
+    // Tile (i, mr) at offset i · kp: `[kp][mr]` pairs of its rows.
+    let mut a = vec![0u32; m * kp];
+    for &(i, mr) in &tiles {
+        let dst = &mut a[i * kp..(i + mr) * kp];
+        for r in 0..mr {
+            let row = &x[(i + r) * k..(i + r + 1) * k];
+            for j in 0..kp {
+                let hi = if 2 * j + 1 < k { row[2 * j + 1] } else { 0.0 };
+                dst[j * mr + r] = bf16_pair(row[2 * j], hi);
+            }
+        }
+    }
+    let dot = has_bf16_dot() && isa == Isa::Avx512;
+    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let yp = SendPtr(y.as_mut_ptr());
+    let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
+        let mut accs = [[0f32; MR_MAX * NR]; GROUP_TILES];
+        for p in panels {
+            let cols = NR.min(n - p * NR);
+            for group in tiles.chunks(GROUP_TILES) {
+                // One block of the panel at a time for every tile of the group: the block is
+                // read once and stays in L1 for the others (as the float32 path does).
+                for j0 in (0..kp).step_by(KC_PAIRS) {
+                    let jb = KC_PAIRS.min(kp - j0);
+                    let panel = &words[p * kp * NR + j0 * NR..p * kp * NR + (j0 + jb) * NR];
+                    for (&(i, mr), tile) in group.iter().zip(accs.iter_mut()) {
+                        let at = &a[i * kp + j0 * mr..i * kp + (j0 + jb) * mr];
+                        bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0);
+                    }
+                }
+                for (&(i, mr), tile) in group.iter().zip(accs.iter()) {
+                    for r in 0..mr {
+                        // SAFETY: every task writes the outputs of its own panels and rows only.
+                        let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
+                        for c in 0..cols {
+                            let mut v = tile[r * NR + c];
+                            if let Some(b) = bias {
+                                v += b[p * NR + c];
+                            }
+                            // SAFETY: as above.
+                            unsafe { *out.add(c) = v };
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if threads <= 1 {
+        run(0..panels, &tiles);
+    } else if panels >= threads {
+        let parts: Vec<_> = split(panels, threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
+    } else {
+        let parts: Vec<_> = split(tiles.len(), threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
+    }
+    Ok(())
+}
+
+/// One `mr x NR` tile of the bfloat16 path over `jb` pairs; `start` stores, else adds.
+fn bf16_tile(
+    dot: bool,
+    mr: usize,
+    a: &[u32],
+    jb: usize,
+    panel: &[u32],
+    tile: &mut [f32; MR_MAX * NR],
+    start: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot {
+        macro_rules! by_rows {
+            ($($m:literal)*) => {
+                match mr {
+                    // SAFETY: `dot` says the CPU has AVX512-BF16.
+                    $($m => unsafe { bf16_tile_avx512::<$m>(a, jb, panel, tile, start) },)*
+                    _ => unreachable!("tile of {mr} rows"),
+                }
+            };
+        }
+        return by_rows!(1 2 3 4 5 6 7 8);
+    }
+    let _ = dot;
+    let half = |w: u32, h: usize| bf16_to_f32((w >> (16 * h)) as u16);
+    for r in 0..mr {
+        let mut acc = [0f32; NR];
+        for j in 0..jb {
+            let av = a[j * mr + r];
+            let (a0, a1) = (half(av, 0), half(av, 1));
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let w = panel[j * NR + c];
+                *acc = a1.mul_add(half(w, 1), a0.mul_add(half(w, 0), *acc));
+            }
+        }
+        let t = &mut tile[r * NR..(r + 1) * NR];
+        if start {
+            t.copy_from_slice(&acc);
+        } else {
+            t.iter_mut().zip(&acc).for_each(|(t, a)| *t += a);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_tile_avx512<const MR: usize>(
+    a: &[u32],
+    jb: usize,
+    panel: &[u32],
+    tile: &mut [f32; MR_MAX * NR],
+    start: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    for j in 0..jb {
+        _mm_prefetch::<_MM_HINT_T0>((bp.wrapping_add(j * NR) as *const i8).wrapping_add(1024));
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(j * MR + r) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+        }
+    }
+    let tp = tile.as_mut_ptr();
+    for (r, acc) in acc.iter().enumerate() {
+        let (mut a0, mut a1) = (acc[0], acc[1]);
+        if !start {
+            a0 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR)), a0);
+            a1 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR + 16)), a1);
+        }
+        _mm512_storeu_ps(tp.add(r * NR), a0);
+        _mm512_storeu_ps(tp.add(r * NR + 16), a1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -741,5 +958,56 @@ mod tests {
         assert!(linear(&[0.0; 4], 1, &p, None, &mut y).is_err());
         assert!(linear(&[0.0; 3], 1, &p, Some(&[0.0]), &mut y).is_err());
         assert!(PackedWeight::pack(&[0.0; 5], 2, 3, WeightDtype::F32).is_err());
+    }
+
+    /// The bfloat16 dot-product path: activations and weights rounded to bfloat16, products
+    /// summed in float32, against a float64 sum of the same rounded values; AVX512-BF16 (where
+    /// the CPU has it) against the float32-FMA path; a row's result whatever rows share its
+    /// call; odd `k`, ragged panels; the stored weight read back.
+    #[test]
+    fn bf16_dot_products_match_their_definition_on_every_path() {
+        let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
+        for &(m, n, k) in &[(1, 40, 7), (5, 33, 300), (19, 70, 513), (8, 32, 1)] {
+            let x = data(m * k, 3 + k as u32);
+            let w = data(n * k, 7 + n as u32);
+            let bias = data(n, 11);
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Bf16Dot).unwrap();
+            assert_eq!(packed.dtype(), WeightDtype::Bf16Dot);
+            let back = packed.unpack();
+            assert!(
+                back.iter().zip(&w).all(|(b, &w)| *b == r(w)),
+                "stored weights"
+            );
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|kk| f64::from(r(x[i * k + kk])) * f64::from(r(w[j * k + kk])))
+                        .sum();
+                    want[i * n + j] = dot + f64::from(bias[j]);
+                }
+            }
+            let mut results = Vec::new();
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    let mut y = vec![0f32; m * n];
+                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                    results.push(y);
+                }
+            }
+            // The last row alone gives what it gave among the others.
+            let last = &x[(m - 1) * k..];
+            let mut alone = vec![0f32; n];
+            linear(last, 1, &packed, Some(&bias), &mut alone).unwrap();
+            let mut all = vec![0f32; m * n];
+            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
+            assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+        }
     }
 }

@@ -57,6 +57,51 @@ pub fn fma_peak(seconds: f64) -> f64 {
     flops / start.elapsed().as_secs_f64()
 }
 
+/// Floating-point operations per second of bfloat16 pair products (`vdpbf16ps`: 2 products and
+/// 2 additions per float32 lane) on every pool thread, operands in registers; `None` where the
+/// CPU has no AVX512-BF16.
+pub fn bf16_dot_peak(seconds: f64) -> Option<f64> {
+    if !super::matmul::has_bf16_dot() {
+        return None;
+    }
+    let t = threads();
+    let iters = 1usize << 22;
+    let start = Instant::now();
+    let mut flops = 0f64;
+    while start.elapsed().as_secs_f64() < seconds {
+        let per: Vec<Mutex<f64>> = (0..t).map(|_| Mutex::new(0.0)).collect();
+        pool().run(t, &|i| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX512-BF16 (checked above).
+            let f = unsafe { dot_bf16_avx512(iters) };
+            #[cfg(not(target_arch = "x86_64"))]
+            let f = 0.0;
+            *per[i].lock().expect("flops") = f;
+        });
+        flops += per
+            .into_iter()
+            .map(|m| m.into_inner().expect("flops"))
+            .sum::<f64>();
+    }
+    Some(flops / start.elapsed().as_secs_f64())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_bf16_avx512(iters: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm512_set1_ps(1.0); 12];
+    let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3f80_3f80));
+    let c: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3380_3380));
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, b, c);
+        }
+    }
+    std::hint::black_box(a);
+    (iters * 12 * 16 * 4) as f64
+}
+
 fn sum(isa: Isa, x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]

@@ -39,14 +39,16 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
-/// How CPU weights are stored, from the name `--weight-dtype` takes (`f32` or `bf16`).
+/// How CPU weights are stored, from the name `--weight-dtype` takes (`f32`, `bf16`, or
+/// `bf16-dot`: bf16 weights times activations rounded to bf16, float32 accumulation).
 pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
     use crate::transformer::WeightDtype;
     match s {
         "f32" => Ok(WeightDtype::F32),
         "bf16" => Ok(WeightDtype::Bf16),
+        "bf16-dot" => Ok(WeightDtype::Bf16Dot),
         _ => Err(ModelError::Device(format!(
-            "weight-dtype must be f32 or bf16, got {s:?}"
+            "weight-dtype must be f32, bf16 or bf16-dot, got {s:?}"
         ))),
     }
 }
@@ -58,11 +60,11 @@ pub fn check_weight_dtype(
     device: &Device,
     dtype: DType,
 ) -> Result<()> {
-    if weights == crate::transformer::WeightDtype::Bf16 && (!device.is_cpu() || dtype != DType::F32)
+    if weights != crate::transformer::WeightDtype::F32 && (!device.is_cpu() || dtype != DType::F32)
     {
         return Err(ModelError::Device(
-            "weight-dtype bf16 stores CPU weights for float32 arithmetic; it needs --device cpu \
-             and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
+            "weight-dtype bf16 and bf16-dot store CPU weights for the CPU kernels; they need \
+             --device cpu and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
                 .into(),
         ));
     }

@@ -123,7 +123,10 @@ fn main() -> Result<()> {
     a.target.init_threads()?;
     let opts = a.target.load_options("forward")?;
     let (device, dtype, wdt) = (opts.device.clone(), opts.dtype, opts.weight_dtype);
-    let bf16 = wdt == wavefront_models::transformer::WeightDtype::Bf16;
+    use wavefront_models::transformer::WeightDtype;
+    // Weights of 2 bytes; with bf16-dot the products run at the bf16 pair-product peak.
+    let bf16 = wdt != WeightDtype::F32;
+    let dot = wdt == WeightDtype::Bf16Dot;
     // A shape is timed when `--only` names it or a prefix of it; a model is built when any
     // of its shapes is timed.
     let want =
@@ -142,13 +145,14 @@ fn main() -> Result<()> {
     );
     // The peaks are measured before and after the shapes, three times each, and the medians
     // kept: on a shared machine one reading can be far off.
-    let mut peak_runs: Vec<(f64, f64)> = Vec::new();
-    let measure_peaks = |runs: &mut Vec<(f64, f64)>| {
+    let mut peak_runs: Vec<(f64, f64, f64)> = Vec::new();
+    let measure_peaks = |runs: &mut Vec<(f64, f64, f64)>| {
         if !a.no_peaks {
             for _ in 0..3 {
                 runs.push((
                     cpu_peaks::read_bandwidth(a.bandwidth_mib << 20, 3),
                     cpu_peaks::fma_peak(0.5),
+                    cpu_peaks::bf16_dot_peak(0.5).unwrap_or(f64::NAN),
                 ));
             }
         }
@@ -474,10 +478,18 @@ fn main() -> Result<()> {
     };
     let bandwidth = median(peak_runs.iter().map(|p| p.0).collect());
     let fma = median(peak_runs.iter().map(|p| p.1).collect());
+    let bf16_peak = median(peak_runs.iter().map(|p| p.2).collect());
+    // The arithmetic ceiling of the products: bf16 pair products with bf16-dot where the CPU
+    // has them, float32 FMAs otherwise.
+    let compute = if dot && bf16_peak.is_finite() {
+        bf16_peak
+    } else {
+        fma
+    };
     let mut results = Vec::new();
     for (s, secs) in timed {
-        let roof = (s.bytes / bandwidth).max(s.flops / fma);
-        let bound = if s.bytes / bandwidth >= s.flops / fma {
+        let roof = (s.bytes / bandwidth).max(s.flops / compute);
+        let bound = if s.bytes / bandwidth >= s.flops / compute {
             "memory"
         } else {
             "compute"
@@ -495,9 +507,14 @@ fn main() -> Result<()> {
     let report = json!({
         "threads": wavefront_models::cpu_threads(),
         "isa": wavefront_models::cpu_isa(),
-        "weight_dtype": if bf16 { "bf16" } else { "f32" },
+        "weight_dtype": match wdt {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::Bf16Dot => "bf16-dot",
+        },
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
+        "bf16_dot_peak_gflop_per_s": bf16_peak / 1e9,
         "gemm_2048_gflop_per_s": gemm / 1e9,
         "shapes": results,
     });
@@ -506,11 +523,12 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
+        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; bf16 pair products {:.1} GFLOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
         report["threads"],
         report["isa"].as_str().unwrap_or(""),
         bandwidth / 1e9,
         fma / 1e9,
+        bf16_peak / 1e9,
         gemm / 1e9,
         100.0 * gemm / fma,
         report["weight_dtype"].as_str().unwrap_or(""),
