@@ -265,6 +265,10 @@ mod tests {
             options(&["--weight-dtype", "bf16"])?.weight_dtype,
             WeightDtype::Bf16
         );
+        assert_eq!(
+            options(&["--weight-dtype", "bf16-dot"])?.weight_dtype,
+            WeightDtype::Bf16Dot
+        );
         let err = options(&["--weight-dtype", "f16"]).unwrap_err().to_string();
         assert!(
             err.starts_with("--weight-dtype must be f32, bf16 or bf16-dot"),

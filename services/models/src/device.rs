@@ -63,7 +63,7 @@ pub fn check_weight_dtype(
     if weights != crate::transformer::WeightDtype::F32 && (!device.is_cpu() || dtype != DType::F32)
     {
         return Err(ModelError::Device(
-            "weight-dtype bf16 and bf16-dot store CPU weights for the CPU kernels; they need \
+            "weight-dtype bf16 or bf16-dot stores CPU weights for the CPU kernels; it needs \
              --device cpu and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
                 .into(),
         ));
