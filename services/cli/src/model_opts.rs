@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use wavefront_models::candle_core::{DType, Device};
-use wavefront_models::transformer::CollectiveKind;
+use wavefront_models::transformer::{CollectiveKind, WeightDtype};
 use wavefront_models::ModelFiles;
 use wavefront_schemes::{KvReserve, LoadOptions};
 
@@ -25,7 +25,9 @@ pub struct ModelArgs {
     /// Device: cpu or cuda:N (cuda needs a build with the `cuda` feature).
     #[arg(long, env = "WAVEFRONT_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Compute dtype: f32 or bf16 (default: f32 on cpu, bf16 on cuda).
+    /// Compute dtype: f32 or bf16 (default: f32 on cpu, bf16 on cuda). On the CPU, bf16 means
+    /// bf16 products with float32 accumulation, norms and softmax (the same as
+    /// --weight-dtype bf16-dot).
     #[arg(long, env = "WAVEFRONT_DTYPE")]
     pub dtype: Option<String>,
     /// Memory given to the slot pool (K/V cache and latent states), in MiB.
@@ -197,6 +199,19 @@ impl ModelArgs {
         }
         let weight_dtype = wavefront_models::device::parse_weight_dtype(&self.weight_dtype)
             .map_err(|e| anyhow::anyhow!("--{e}"))?;
+        // On the CPU, bf16 compute is the kernels' bf16 pair products over float32 tensors
+        // (norms, softmax and reductions stay float32): `--weight-dtype bf16-dot`.
+        let (dtype, weight_dtype) = if device.is_cpu() && dtype == DType::BF16 {
+            if weight_dtype == WeightDtype::Bf16 {
+                bail!(
+                    "--dtype bf16 on the CPU stores bf16 weights and multiplies in bf16 \
+                     (bf16-dot); leave --weight-dtype unset"
+                );
+            }
+            (DType::F32, WeightDtype::Bf16Dot)
+        } else {
+            (dtype, weight_dtype)
+        };
         wavefront_models::device::check_weight_dtype(weight_dtype, &device, dtype)
             .map_err(|e| anyhow::anyhow!("--{e}"))?;
         if self.max_context_tokens.is_some_and(|n| n < 2) {
@@ -277,7 +292,13 @@ mod tests {
         let err = options(&["--weight-dtype", "bf16", "--dtype", "bf16"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("needs --device cpu and --dtype f32"), "{err}");
+        assert!(err.contains("leave --weight-dtype unset"), "{err}");
+        // bf16 compute on the CPU: float32 tensors, bf16 pair products.
+        let o = options(&["--dtype", "bfloat16"])?;
+        assert_eq!(
+            (o.dtype, o.weight_dtype),
+            (DType::F32, WeightDtype::Bf16Dot)
+        );
         Ok(())
     }
 

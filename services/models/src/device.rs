@@ -28,11 +28,11 @@ pub fn parse_device(s: &str) -> Result<Device> {
     Err(bad(format!("must be cpu or cuda:N, got {s:?}")))
 }
 
-/// `f32` or `bf16`.
+/// `f32` or `bf16` (also vLLM's `float32` and `bfloat16`).
 pub fn parse_dtype(s: &str) -> Result<DType> {
     match s {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
         _ => Err(ModelError::Device(format!(
             "dtype must be f32 or bf16, got {s:?}"
         ))),
