@@ -48,6 +48,10 @@ pub enum WeightDtype {
     /// the float32 FMA rate), the same arithmetic in float32 FMAs elsewhere (the same results
     /// up to summation order).
     Bf16Dot,
+    /// 8-bit integers with one float32 scale per output channel (symmetric, `max |w| / 127`),
+    /// widened to float32 in registers and the channel's scale applied to its sum: a quarter of
+    /// float32's bytes to stream.
+    Int8,
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +62,12 @@ enum Store {
     /// rows `2j` (low half) and `2j + 1` (high half, 0 past `k`) of column `c`: what one
     /// `vdpbf16ps` lane multiplies.
     Bf16Pairs(Vec<u32>),
+    /// Panels as the float32 store, values `round(w / scale)`, and each output column's scale
+    /// (`panels · NR`, 1 past `n`).
+    I8 {
+        values: Vec<i8>,
+        scales: Vec<f32>,
+    },
 }
 
 /// `(lo, hi)` as one word of two bfloat16.
@@ -154,6 +164,34 @@ impl PackedWeight {
                 }
                 Store::Bf16Pairs(out)
             }
+            WeightDtype::Int8 => {
+                let scales: Vec<f32> = (0..panels * NR)
+                    .map(|row| {
+                        let max = if row < n {
+                            w[row * k..(row + 1) * k]
+                                .iter()
+                                .fold(0f32, |m, v| m.max(v.abs()))
+                        } else {
+                            0.0
+                        };
+                        if max > 0.0 && max.is_finite() {
+                            max / 127.0
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect();
+                let mut values = Vec::with_capacity(len);
+                for p in 0..panels {
+                    for kk in 0..k {
+                        values.extend((0..NR).map(|c| {
+                            let q = (at(p, kk, c) / scales[p * NR + c]).round();
+                            q.clamp(-127.0, 127.0) as i8
+                        }));
+                    }
+                }
+                Store::I8 { values, scales }
+            }
         };
         Ok(Self { n, k, store })
     }
@@ -195,6 +233,7 @@ impl PackedWeight {
             Store::F32(_) => WeightDtype::F32,
             Store::Bf16(_) => WeightDtype::Bf16,
             Store::Bf16Pairs(_) => WeightDtype::Bf16Dot,
+            Store::I8 { .. } => WeightDtype::Int8,
         }
     }
 
@@ -204,6 +243,7 @@ impl PackedWeight {
             Store::F32(v) => v.len() * 4,
             Store::Bf16(v) => v.len() * 2,
             Store::Bf16Pairs(v) => v.len() * 4,
+            Store::I8 { values, scales } => values.len() + scales.len() * 4,
         }
     }
 
@@ -224,6 +264,10 @@ impl PackedWeight {
                 .iter_mut()
                 .enumerate()
                 .for_each(|(kk, o)| *o = bf16_to_f32(v[base + kk * NR])),
+            Store::I8 { values, scales } => out
+                .iter_mut()
+                .enumerate()
+                .for_each(|(kk, o)| *o = f32::from(values[base + kk * NR]) * scales[j]),
             Store::Bf16Pairs(v) => out.iter_mut().enumerate().for_each(|(kk, o)| {
                 let word = v[(j / NR) * self.k.div_ceil(2) * NR + (kk / 2) * NR + j % NR];
                 *o = bf16_to_f32((word >> (16 * (kk % 2))) as u16);
@@ -434,15 +478,26 @@ unsafe fn run_block(
                         Store::Bf16(v) => {
                             tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(2))
                         }
+                        Store::I8 { values, .. } => {
+                            tile_dispatch(isa, mr, at, kb, &values[range], acc, start, ahead(1))
+                        }
                         Store::Bf16Pairs(_) => unreachable!("bf16 pairs take their own path"),
                     }
                 }
             }
+            // Int8: each column's sum times its channel's scale.
+            let scales = match &w.store {
+                Store::I8 { scales, .. } => Some(&scales[p * NR..(p + 1) * NR]),
+                _ => None,
+            };
             for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
                 for r in 0..mr {
                     let out = y.0.add((i + r) * n + p * NR);
                     for c in 0..cols {
                         let mut val = acc[r * NR + c];
+                        if let Some(s) = scales {
+                            val *= s[c];
+                        }
                         if let Some(b) = bias {
                             val += b[p * NR + c];
                         }
@@ -498,6 +553,24 @@ impl PanelElem for u16 {
         use std::arch::x86_64::*;
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+}
+
+impl PanelElem for i8 {
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
     }
 }
 
@@ -1008,6 +1081,62 @@ mod tests {
             let mut all = vec![0f32; m * n];
             linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
             assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+        }
+    }
+
+    /// Int8 weights: the stored weight is the per-channel dequantised one (within half a
+    /// quantum of the original), every path gives the product of `x` with it (float64
+    /// reference, float32 tolerance), and a row's result does not depend on its call.
+    #[test]
+    fn int8_weights_multiply_as_their_dequantised_values_on_every_path() {
+        for &(m, n, k) in &[(1, 40, 7), (5, 33, 300), (19, 70, 513)] {
+            let x = data(m * k, 5 + k as u32);
+            let mut w = data(n * k, 9 + n as u32);
+            w[3] = 0.0;
+            // One all-zero channel (scale 1, every value 0).
+            if n > 2 {
+                w[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+            }
+            let bias = data(n, 13);
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Int8).unwrap();
+            assert_eq!(packed.dtype(), WeightDtype::Int8);
+            let deq = packed.unpack();
+            for j in 0..n {
+                let row = &w[j * k..(j + 1) * k];
+                let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (d, v) in deq[j * k..(j + 1) * k].iter().zip(row) {
+                    assert!(
+                        (d - v).abs() <= max / 254.0 + 1e-7,
+                        "channel {j}: {d} vs {v}"
+                    );
+                }
+            }
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|kk| f64::from(x[i * k + kk]) * f64::from(deq[j * k + kk]))
+                        .sum();
+                    want[i * n + j] = dot + f64::from(bias[j]);
+                }
+            }
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    let mut y = vec![0f32; m * n];
+                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            let mut alone = vec![0f32; n];
+            linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
+            let mut all = vec![0f32; m * n];
+            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
+            assert_eq!(alone, &all[(m - 1) * n..]);
         }
     }
 }

@@ -1,7 +1,8 @@
 //! bf16 weight storage (`--weight-dtype bf16`: weights rounded once to bfloat16, arithmetic in
 //! float32) and bf16 products (`--weight-dtype bf16-dot`: activations rounded to bfloat16 at
 //! every product too, float32 accumulation) against float32 weights on every family's fixture:
-//! the logits' largest difference, absolute and relative to the largest logit. Run with `--nocapture` to see the figures
+//! the logits' largest difference, absolute and relative to the largest logit; and int8
+//! weights (`--weight-dtype int8`: per-channel scales, float32 arithmetic). Run with `--nocapture` to see the figures
 //! (docs/benchmarks.md quotes them).
 
 mod support;
@@ -28,6 +29,19 @@ fn files(name: &str) -> Result<ModelFiles> {
     )?)
 }
 
+/// How many [`MAX_RELATIVE`]s a storage may move the logits: bf16 weights 1; bf16 products 2
+/// (the activations rounded too); int8 weights 5 (a channel's small weights quantised against
+/// its largest: LLaDA's fixture, the most sensitive, moves 9% where bf16 weights move 2%).
+fn allowance(family: &str) -> f32 {
+    if family.contains("Int8") {
+        5.0
+    } else if family.contains("Dot") {
+        2.0
+    } else {
+        1.0
+    }
+}
+
 fn compare(family: &str, f32_logits: &Tensor, bf16_logits: &Tensor) -> Result<()> {
     let diff = max_abs_diff(f32_logits, bf16_logits)?;
     let scale = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -36,7 +50,7 @@ fn compare(family: &str, f32_logits: &Tensor, bf16_logits: &Tensor) -> Result<()
         diff / scale
     );
     anyhow::ensure!(
-        diff <= MAX_RELATIVE * scale * if family.contains("Dot") { 2.0 } else { 1.0 },
+        diff <= MAX_RELATIVE * scale * allowance(family),
         "{family}: bf16 weights moved the logits by {diff} of {scale}"
     );
 
@@ -72,7 +86,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         }
         Ok(m.predict_from_latents(&s, &mut [SeqRows::new(&mut cache, 0, n)])?)
     };
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         compare(
             &format!("huginn {dtype:?}"),
             &huginn(WeightDtype::F32)?,
@@ -89,7 +103,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         let h = m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
         Ok(m.logits(&h)?)
     };
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         compare(
             &format!("llada {dtype:?}"),
             &llada(WeightDtype::F32)?,
@@ -109,7 +123,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         )?;
         Ok(m.logits(&h)?)
     };
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         compare(
             &format!("refusion {dtype:?}"),
             &qwen(WeightDtype::F32)?,
@@ -129,7 +143,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         m.store_weights(dtype)?;
         Ok(m.forward_sequential(&long)?.logits)
     };
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         compare(
             &format!("armt {dtype:?}"),
             &armt(WeightDtype::F32)?,
@@ -166,7 +180,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
     // like the dense families' maximum; the maximum is reported.
     let exact = dg(WeightDtype::F32)?;
     let scale = exact.abs()?.max_all()?.to_scalar::<f32>()?;
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         let got = dg(dtype)?;
         let mut rows: Vec<f32> = (&exact - &got)?
             .abs()?
@@ -182,7 +196,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
             max / scale
         );
         anyhow::ensure!(
-            median <= 2.0 * MAX_RELATIVE * scale,
+            median <= 2.0 * MAX_RELATIVE * scale * allowance(&format!("{dtype:?}")),
             "diffusion_gemma {dtype:?}: the median row moved by {median} of {scale}"
         );
     }
@@ -215,7 +229,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
     // like the dense families' maximum; the maximum is reported.
     let exact = dg(WeightDtype::F32)?;
     let scale = exact.abs()?.max_all()?.to_scalar::<f32>()?;
-    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot] {
+    for dtype in [WeightDtype::Bf16, WeightDtype::Bf16Dot, WeightDtype::Int8] {
         let got = dg(dtype)?;
         let mut rows: Vec<f32> = (&exact - &got)?
             .abs()?
@@ -231,7 +245,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
             max / scale
         );
         anyhow::ensure!(
-            median <= 2.0 * MAX_RELATIVE * scale,
+            median <= 2.0 * MAX_RELATIVE * scale * allowance(&format!("{dtype:?}")),
             "diffusion_gemma {dtype:?}: the median row moved by {median} of {scale}"
         );
     }

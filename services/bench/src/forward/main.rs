@@ -114,8 +114,10 @@ fn time(run: &mut dyn FnMut() -> Result<()>, seconds: f64) -> Result<f64> {
     Ok(times[times.len() / 2])
 }
 
-fn weight_bytes(params: f64, bf16: bool) -> f64 {
-    params * if bf16 { 2.0 } else { 4.0 }
+/// Bytes per weight as stored: 4 (f32), 2 (bf16, bf16-dot) or 1 (int8; its per-channel
+/// scales are left out).
+fn weight_bytes(params: f64, per: f64) -> f64 {
+    params * per
 }
 
 fn main() -> Result<()> {
@@ -124,8 +126,12 @@ fn main() -> Result<()> {
     let opts = a.target.load_options("forward")?;
     let (device, dtype, wdt) = (opts.device.clone(), opts.dtype, opts.weight_dtype);
     use wavefront_models::transformer::WeightDtype;
-    // Weights of 2 bytes; with bf16-dot the products run at the bf16 pair-product peak.
-    let bf16 = wdt != WeightDtype::F32;
+    // Bytes per weight; with bf16-dot the products run at the bf16 pair-product peak.
+    let bytes_per = match wdt {
+        WeightDtype::F32 => 4.0,
+        WeightDtype::Bf16 | WeightDtype::Bf16Dot => 2.0,
+        WeightDtype::Int8 => 1.0,
+    };
     let dot = wdt == WeightDtype::Bf16Dot;
     // A shape is timed when `--only` names it or a prefix of it; a model is built when any
     // of its shapes is timed.
@@ -217,7 +223,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name,
                 rows: 1,
-                bytes: weight_bytes(params, bf16) + cache_bytes,
+                bytes: weight_bytes(params, bytes_per) + cache_bytes,
                 flops: 2.0 * params + 4.0 * l * 8.0 * 64.0 * t as f64,
                 run: Box::new(move || {
                     let mut seq = SeqInput {
@@ -277,7 +283,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name,
                 rows,
-                bytes: weight_bytes(core_params, bf16) + 4.0 * 2.0 * e * keys * 4.0,
+                bytes: weight_bytes(core_params, bytes_per) + 4.0 * 2.0 * e * keys * 4.0,
                 flops: 2.0 * rows as f64 * core_params + 4.0 * 4.0 * rows as f64 * keys * e,
                 run: Box::new(move || {
                     let mut seqs = [SeqRows::new(&mut cache, start, rows)];
@@ -320,7 +326,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name,
                 rows: 1,
-                bytes: weight_bytes(core_params, bf16) + 4.0 * 2.0 * e * keys * 4.0,
+                bytes: weight_bytes(core_params, bytes_per) + 4.0 * 2.0 * e * keys * 4.0,
                 flops: 2.0 * core_params + 4.0 * 4.0 * keys * e,
                 run: Box::new(move || {
                     let mut seqs = [SeqRows::new(&mut cache, t, 1)];
@@ -348,7 +354,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name: "huginn-core-16x1",
                 rows: n,
-                bytes: weight_bytes(core_params, bf16) + n as f64 * 4.0 * 2.0 * e * keys * 4.0,
+                bytes: weight_bytes(core_params, bytes_per) + n as f64 * 4.0 * 2.0 * e * keys * 4.0,
                 flops: 2.0 * n as f64 * core_params + n as f64 * 4.0 * 4.0 * keys * e,
                 run: Box::new(move || {
                     let mut seqs: Vec<SeqRows> = caches
@@ -370,7 +376,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name,
                 rows,
-                bytes: weight_bytes(params, bf16),
+                bytes: weight_bytes(params, bytes_per),
                 flops: 2.0 * rows as f64 * params,
                 run: Box::new(move || {
                     m.lm_head(&hidden)?;
@@ -405,7 +411,7 @@ fn main() -> Result<()> {
             shapes.push(Shape {
                 name,
                 rows,
-                bytes: weight_bytes(params, bf16),
+                bytes: weight_bytes(params, bytes_per),
                 flops: 2.0 * rows as f64 * params + 4.0 * l * (rows * rows) as f64 * e,
                 run: Box::new(move || {
                     m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
@@ -454,7 +460,7 @@ fn main() -> Result<()> {
         shapes.push(Shape {
             name: "armt-segment-272",
             rows,
-            bytes: weight_bytes(params, bf16) + l * (dk * e + dk) * 4.0,
+            bytes: weight_bytes(params, bytes_per) + l * (dk * e + dk) * 4.0,
             flops: 2.0 * rows as f64 * params
                 + 4.0 * l * (rows * rows) as f64 / 2.0 * e
                 + 2.0 * l * rows as f64 * dk * e * 2.0,
@@ -511,6 +517,7 @@ fn main() -> Result<()> {
             WeightDtype::F32 => "f32",
             WeightDtype::Bf16 => "bf16",
             WeightDtype::Bf16Dot => "bf16-dot",
+            WeightDtype::Int8 => "int8",
         },
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
