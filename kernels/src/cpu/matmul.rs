@@ -52,7 +52,14 @@ pub enum WeightDtype {
     /// widened to float32 in registers and the channel's scale applied to its sum: a quarter of
     /// float32's bytes to stream.
     Int8,
+    /// 4-bit integers (`-7..=7`) with one float32 scale per output channel and group of
+    /// [`Q4_GROUP`] consecutive inputs (symmetric, `max |w| / 7` over the group), dequantised in
+    /// registers: an eighth of float32's bytes plus the scales.
+    Q4,
 }
+
+/// Inputs (`k`) per scale of [`WeightDtype::Q4`].
+pub const Q4_GROUP: usize = 32;
 
 #[derive(Debug, Clone)]
 enum Store {
@@ -66,6 +73,13 @@ enum Store {
     /// (`panels · NR`, 1 past `n`).
     I8 {
         values: Vec<i8>,
+        scales: Vec<f32>,
+    },
+    /// Panel `p` as `[k][NR / 2]` bytes, byte `b` of row `kk` holding column `b` in its low
+    /// nibble and column `b + 16` in its high nibble (each `q + 8`), and per panel the scales
+    /// `[ceil(k / Q4_GROUP)][NR]`.
+    Q4 {
+        nibbles: Vec<u8>,
         scales: Vec<f32>,
     },
 }
@@ -192,6 +206,33 @@ impl PackedWeight {
                 }
                 Store::I8 { values, scales }
             }
+            WeightDtype::Q4 => {
+                let groups = k.div_ceil(Q4_GROUP);
+                let mut scales = vec![1f32; panels * groups * NR];
+                for p in 0..panels {
+                    for g in 0..groups {
+                        for c in 0..NR {
+                            let ks = g * Q4_GROUP..((g + 1) * Q4_GROUP).min(k);
+                            let max = ks.map(|kk| at(p, kk, c).abs()).fold(0f32, f32::max);
+                            if max > 0.0 && max.is_finite() {
+                                scales[(p * groups + g) * NR + c] = max / 7.0;
+                            }
+                        }
+                    }
+                }
+                let mut nibbles = Vec::with_capacity(panels * k * NR / 2);
+                for p in 0..panels {
+                    for kk in 0..k {
+                        let g = kk / Q4_GROUP;
+                        let q = |c: usize| -> u8 {
+                            let s = scales[(p * groups + g) * NR + c];
+                            ((at(p, kk, c) / s).round().clamp(-7.0, 7.0) as i8 + 8) as u8
+                        };
+                        nibbles.extend((0..NR / 2).map(|b| q(b) | (q(b + NR / 2) << 4)));
+                    }
+                }
+                Store::Q4 { nibbles, scales }
+            }
         };
         Ok(Self { n, k, store })
     }
@@ -234,6 +275,7 @@ impl PackedWeight {
             Store::Bf16(_) => WeightDtype::Bf16,
             Store::Bf16Pairs(_) => WeightDtype::Bf16Dot,
             Store::I8 { .. } => WeightDtype::Int8,
+            Store::Q4 { .. } => WeightDtype::Q4,
         }
     }
 
@@ -244,6 +286,7 @@ impl PackedWeight {
             Store::Bf16(v) => v.len() * 2,
             Store::Bf16Pairs(v) => v.len() * 4,
             Store::I8 { values, scales } => values.len() + scales.len() * 4,
+            Store::Q4 { nibbles, scales } => nibbles.len() + scales.len() * 4,
         }
     }
 
@@ -268,6 +311,15 @@ impl PackedWeight {
                 .iter_mut()
                 .enumerate()
                 .for_each(|(kk, o)| *o = f32::from(values[base + kk * NR]) * scales[j]),
+            Store::Q4 { nibbles, scales } => {
+                let (p, c, groups) = (j / NR, j % NR, self.k.div_ceil(Q4_GROUP));
+                let (b, shift) = (c % (NR / 2), 4 * (c / (NR / 2)));
+                out.iter_mut().enumerate().for_each(|(kk, o)| {
+                    let q = (nibbles[(p * self.k + kk) * NR / 2 + b] >> shift) & 0xF;
+                    let s = scales[(p * groups + kk / Q4_GROUP) * NR + c];
+                    *o = (f32::from(q) - 8.0) * s;
+                })
+            }
             Store::Bf16Pairs(v) => out.iter_mut().enumerate().for_each(|(kk, o)| {
                 let word = v[(j / NR) * self.k.div_ceil(2) * NR + (kk / 2) * NR + j % NR];
                 *o = bf16_to_f32((word >> (16 * (kk % 2))) as u16);
@@ -480,6 +532,13 @@ unsafe fn run_block(
                         }
                         Store::I8 { values, .. } => {
                             tile_dispatch(isa, mr, at, kb, &values[range], acc, start, ahead(1))
+                        }
+                        Store::Q4 { nibbles, scales } => {
+                            let groups = k.div_ceil(Q4_GROUP);
+                            let nb = &nibbles[(p * k + k0) * NR / 2..(p * k + k0 + kb) * NR / 2];
+                            let sc =
+                                &scales[(p * groups + k0 / Q4_GROUP) * NR..(p + 1) * groups * NR];
+                            q4_tile(isa, mr, at, kb, nb, sc, acc, start)
                         }
                         Store::Bf16Pairs(_) => unreachable!("bf16 pairs take their own path"),
                     }
@@ -714,6 +773,100 @@ unsafe fn tile_avx2_rows<const MR: usize, E: PanelElem>(
             _mm256_storeu_ps(tp.add(r * NR + off), a0);
             _mm256_storeu_ps(tp.add(r * NR + off + 8), a1);
         }
+    }
+}
+
+/// One `mr x NR` tile over `k` rows of a [`WeightDtype::Q4`] panel block (`nibbles`
+/// `[k][NR / 2]`, `scales` from the block's first group on, `[groups][NR]`; the block starts on
+/// a group boundary): each row of nibbles dequantised in registers, then as the float32 tile.
+#[allow(clippy::too_many_arguments)]
+fn q4_tile(
+    isa: Isa,
+    mr: usize,
+    x: &[f32],
+    k: usize,
+    nibbles: &[u8],
+    scales: &[f32],
+    tile: &mut [f32; MR_MAX * NR],
+    start: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        macro_rules! by_rows {
+            ($($m:literal)*) => {
+                match mr {
+                    // SAFETY: the instruction set was detected on this machine.
+                    $($m => unsafe { q4_tile_avx512::<$m>(x, k, nibbles, scales, tile, start) },)*
+                    _ => unreachable!("tile of {mr} rows"),
+                }
+            };
+        }
+        return by_rows!(1 2 3 4 5 6 7 8);
+    }
+    let _ = isa;
+    let half = NR / 2;
+    for r in 0..mr {
+        let mut acc = [0f32; NR];
+        for kk in 0..k {
+            let xv = x[kk * mr + r];
+            let s = &scales[(kk / Q4_GROUP) * NR..(kk / Q4_GROUP + 1) * NR];
+            let row = &nibbles[kk * half..(kk + 1) * half];
+            for (c, a) in acc.iter_mut().enumerate() {
+                let q = (row[c % half] >> (4 * (c / half))) & 0xF;
+                *a = xv.mul_add((f32::from(q) - 8.0) * s[c], *a);
+            }
+        }
+        let t = &mut tile[r * NR..(r + 1) * NR];
+        if start {
+            t.copy_from_slice(&acc);
+        } else {
+            t.iter_mut().zip(&acc).for_each(|(t, a)| *t += a);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn q4_tile_avx512<const MR: usize>(
+    x: &[f32],
+    k: usize,
+    nibbles: &[u8],
+    scales: &[f32],
+    tile: &mut [f32; MR_MAX * NR],
+    start: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (xp, np, sp) = (x.as_ptr(), nibbles.as_ptr(), scales.as_ptr());
+    let (mask, eight) = (_mm512_set1_epi32(0xF), _mm512_set1_epi32(8));
+    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for kk in 0..k {
+        if kk % Q4_GROUP == 0 {
+            let g = kk / Q4_GROUP;
+            s0 = _mm512_loadu_ps(sp.add(g * NR));
+            s1 = _mm512_loadu_ps(sp.add(g * NR + 16));
+        }
+        _mm_prefetch::<_MM_HINT_T0>((np.wrapping_add(kk * NR / 2) as *const i8).wrapping_add(512));
+        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(np.add(kk * NR / 2) as *const __m128i));
+        let lo = _mm512_sub_epi32(_mm512_and_si512(v, mask), eight);
+        let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(v), eight);
+        let b0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), s0);
+        let b1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), s1);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*xp.add(kk * MR + r));
+            a[0] = _mm512_fmadd_ps(xv, b0, a[0]);
+            a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
+        }
+    }
+    let tp = tile.as_mut_ptr();
+    for (r, a) in acc.iter().enumerate() {
+        let (mut a0, mut a1) = (a[0], a[1]);
+        if !start {
+            a0 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR)), a0);
+            a1 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR + 16)), a1);
+        }
+        _mm512_storeu_ps(tp.add(r * NR), a0);
+        _mm512_storeu_ps(tp.add(r * NR + 16), a1);
     }
 }
 
@@ -1109,6 +1262,64 @@ mod tests {
                         (d - v).abs() <= max / 254.0 + 1e-7,
                         "channel {j}: {d} vs {v}"
                     );
+                }
+            }
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|kk| f64::from(x[i * k + kk]) * f64::from(deq[j * k + kk]))
+                        .sum();
+                    want[i * n + j] = dot + f64::from(bias[j]);
+                }
+            }
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    let mut y = vec![0f32; m * n];
+                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            let mut alone = vec![0f32; n];
+            linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
+            let mut all = vec![0f32; m * n];
+            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
+            assert_eq!(alone, &all[(m - 1) * n..]);
+        }
+    }
+
+    /// q4 weights: the stored weight is the group-wise dequantised one (within half a quantum
+    /// of the original, the quantum a seventh of its group's largest magnitude), every path
+    /// gives the product of `x` with it, and a row's result does not depend on its call.
+    #[test]
+    fn q4_weights_multiply_as_their_dequantised_values_on_every_path() {
+        for &(m, n, k) in &[(1, 40, 7), (5, 33, 300), (19, 70, 513), (3, 32, 64)] {
+            let x = data(m * k, 15 + k as u32);
+            let mut w = data(n * k, 19 + n as u32);
+            w[..k.min(40)].iter_mut().for_each(|v| *v = 0.0);
+            let bias = data(n, 23);
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Q4).unwrap();
+            assert_eq!(packed.dtype(), WeightDtype::Q4);
+            let deq = packed.unpack();
+            for j in 0..n {
+                for g in 0..k.div_ceil(Q4_GROUP) {
+                    let ks = g * Q4_GROUP..((g + 1) * Q4_GROUP).min(k);
+                    let max = ks
+                        .clone()
+                        .map(|kk| w[j * k + kk].abs())
+                        .fold(0f32, f32::max);
+                    for kk in ks {
+                        let (d, v) = (deq[j * k + kk], w[j * k + kk]);
+                        assert!(
+                            (d - v).abs() <= max / 14.0 + 1e-6,
+                            "({j}, {kk}): {d} vs {v}"
+                        );
+                    }
                 }
             }
             let mut want = vec![0f64; m * n];

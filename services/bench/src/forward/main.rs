@@ -131,6 +131,8 @@ fn main() -> Result<()> {
         WeightDtype::F32 => 4.0,
         WeightDtype::Bf16 | WeightDtype::Bf16Dot => 2.0,
         WeightDtype::Int8 => 1.0,
+        // Half a byte and a 4-byte scale per 32.
+        WeightDtype::Q4 => 0.5 + 4.0 / 32.0,
     };
     let dot = wdt == WeightDtype::Bf16Dot;
     // A shape is timed when `--only` names it or a prefix of it; a model is built when any
@@ -518,6 +520,7 @@ fn main() -> Result<()> {
             WeightDtype::Bf16 => "bf16",
             WeightDtype::Bf16Dot => "bf16-dot",
             WeightDtype::Int8 => "int8",
+            WeightDtype::Q4 => "q4",
         },
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
