@@ -51,7 +51,7 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} CUDART_STATIC_DIR=$KIT/static CU
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 nvcc --version | tail -1 >&2
 
-bins=(wavefront bench-recurrent-depth bench-masked-diffusion bench-recurrent-memory bench-slot-diffusion bench-block-diffusion bench-ragged)
+bins=(wavefront bench-recurrent-depth bench-masked-diffusion bench-recurrent-memory bench-slot-diffusion bench-block-diffusion bench-diffusion-gemma bench-ragged)
 args=()
 for b in "${bins[@]}"; do args+=(--bin "$b"); done
 cargo build --release --features cuda -p wavefront -p wavefront-bench -p wavefront-kernels "${args[@]}"

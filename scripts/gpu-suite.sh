@@ -13,7 +13,10 @@
 #                                  models' layer shapes with fewer layers
 #   scripts/gpu-suite.sh figures   the benches at the real model shapes, bf16:
 #                                  Huginn-0125, LLaDA-8B, ARMT on Llama-3.2-1B (32k prefill),
-#                                  ReFusion on Qwen3-8B (sdpa and ragged attention)
+#                                  ReFusion on Qwen3-8B (sdpa and ragged attention),
+#                                  DiffusionGemma-26B-A4B (4k prompt, 256-token canvas)
+#   scripts/gpu-suite.sh gemma     DiffusionGemma-26B-A4B alone (#40 item 5: against vLLM's
+#                                  145.7 ms per 256-token canvas at a 4k prompt)
 #   scripts/gpu-suite.sh all       checks and figures
 #   scripts/gpu-suite.sh open      the GPU findings still open (docs/benchmarks.md): Huginn's
 #                                  zero-init diffusion case alone, five times (does its result
@@ -115,8 +118,20 @@ quick() {
     --concurrent-length 4096
 }
 
+gemma() {
+  local b=$BIN
+  # DiffusionGemma-26B-A4B's real shape (random weights drawn on the device), a 4096-token
+  # prompt, one 256-token canvas of 48 denoising steps (early stop off so times compare), and
+  # single forwards: the denoising step, the prompt's encoder pass, the sampler's statistics
+  # and the self-conditioning product.
+  [ -x "$b/bench-diffusion-gemma" ] && step diffusion-gemma-26b-a4b "$b/bench-diffusion-gemma" \
+    --real --device cuda:0 --dtype bf16 --prompt-len 4096 --canvases 1 --steps 48 \
+    --concurrency 1
+}
+
 figures() {
   local b=$BIN
+  gemma
   # Huginn-0125: n_embd 5280, 55 heads, prelude/core/coda 2/4/2, 3.5 B parameters.
   step huginn-0125 "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 --n-embd 5280 \
     --n-heads 55 --intermediate-size 17920 --vocab-size 65536 --max-new-tokens 32 \
@@ -175,5 +190,6 @@ case $WHAT in
   figures) figures ;;
   all) checks; figures ;;
   open) open_findings ;;
-  *) echo "usage: $0 checks|quick|figures|all|open" >&2; exit 2 ;;
+  gemma) gemma ;;
+  *) echo "usage: $0 checks|quick|figures|all|open|gemma" >&2; exit 2 ;;
 esac

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-.gpu}
-PACK=${PACK:-"bench-ragged test-cuda-* test-*golden* test-nccl-* test-wavefront_schemes-* bench-slot-diffusion bench-masked-diffusion bench-recurrent-memory"}
+PACK=${PACK:-"bench-ragged test-cuda-* test-*golden* test-nccl-* test-wavefront_schemes-* bench-slot-diffusion bench-masked-diffusion bench-recurrent-memory bench-diffusion-gemma"}
 mkdir -p .gpu-carry
 files=()
 for g in $PACK; do

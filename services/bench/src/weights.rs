@@ -27,6 +27,48 @@ pub fn var_builder(
     Ok(VarBuilder::from_tensors(loaded, dtype, device))
 }
 
+/// How one tensor of a synthetic model is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Every value this constant.
+    Const(f32),
+    /// Uniform with this standard deviation.
+    Uniform(f64),
+}
+
+/// [`var_builder`] from a fill rule per tensor. On the CPU the values are drawn from `rng` in
+/// the order of `tensors` (reproducible); on a GPU they are drawn on the device (its own
+/// generator: a model of tens of billions of parameters is never built in host memory).
+pub fn var_builder_init(
+    tensors: Vec<(String, Vec<usize>)>,
+    device: &Device,
+    dtype: DType,
+    rng: &mut impl Rng,
+    mut init: impl FnMut(&str, &[usize]) -> Init,
+) -> Result<VarBuilder<'static>, candle_core::Error> {
+    if device.is_cpu() {
+        return var_builder(tensors, device, dtype, |name, shape| {
+            let n = shape.iter().product();
+            match init(name, shape) {
+                Init::Const(c) => vec![c; n],
+                Init::Uniform(std) => uniform_with_std(rng, n, std),
+            }
+        });
+    }
+    let mut loaded = HashMap::new();
+    for (name, shape) in tensors {
+        let t = match init(&name, &shape) {
+            Init::Const(c) => (Tensor::ones(shape.as_slice(), DType::F32, device)? * f64::from(c))?,
+            Init::Uniform(std) => {
+                let a = std * 3f64.sqrt();
+                Tensor::rand(-a as f32, a as f32, shape.as_slice(), device)?
+            }
+        };
+        loaded.insert(name, t.to_dtype(dtype)?);
+    }
+    Ok(VarBuilder::from_tensors(loaded, dtype, device))
+}
+
 /// `n` values drawn uniformly from `[-a, a)`: standard deviation `a / sqrt(3)`.
 pub fn uniform(rng: &mut impl Rng, n: usize, a: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-a..a)).collect()

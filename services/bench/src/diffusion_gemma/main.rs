@@ -75,6 +75,10 @@ struct Args {
     /// Skip the serving table (forwards only).
     #[arg(long)]
     forwards_only: bool,
+    /// Skip the LLaDA2.0 model beside it (with `--real` it is always skipped: two models of
+    /// that size do not fit one device).
+    #[arg(long)]
+    no_llada2: bool,
     #[command(flatten)]
     target: run::Target,
     #[arg(long, default_value_t = 7)]
@@ -240,52 +244,11 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     })?;
     // LLaDA2.0 of the same width, depth, experts and vocabulary: its block-diffusion step (a
     // block of `l` rows over a cache of the prompt).
-    let l2 = llada2::Shape {
-        hidden_size: s.hidden_size,
-        num_attention_heads: s.num_attention_heads,
-        num_key_value_heads: s.num_key_value_heads,
-        num_hidden_layers: s.num_hidden_layers,
-        intermediate_size: s.intermediate_size,
-        moe_intermediate_size: s.moe_intermediate_size,
-        num_experts: s.num_experts,
-        num_experts_per_tok: s.top_k_experts,
-        n_group: 8.min(s.num_experts),
-        topk_group: 4.min(s.num_experts),
-        vocab_size: s.vocab_size,
+    let step2 = if a.real || a.no_llada2 {
+        None
+    } else {
+        Some(llada2_step(a, s, &device, dtype)?)
     };
-    let l2cfg = l2.config()?;
-    let other = llada2::random_model(&l2cfg, a.seed, 24.0, &device, dtype)?;
-    let mut c2 = KvCache::new();
-    let block = |start: usize, n: usize| -> SeqInput<'static> {
-        let index: Vec<u32> = (start as u32..(start + n) as u32).collect();
-        SeqInput {
-            positions: index.clone(),
-            index,
-            mask: MaskRule::BlockCausal { block: l },
-            keys: Keys::Rows,
-        }
-    };
-    let prefix = p / l * l;
-    let ids2 = run::random_prompt(a.seed, 2, prefix + l, 0..s.vocab_size as u32 - 1);
-    if prefix > 0 {
-        let mut seq = block(0, prefix);
-        seq.keys = Keys::Buffer {
-            cache: &mut c2,
-            len: prefix,
-        };
-        other.forward(&ids2[..prefix], &mut [seq])?;
-    }
-    let step2 = run::median_secs(9, || {
-        c2.truncate(prefix)?;
-        let mut seq = block(prefix, l);
-        seq.keys = Keys::Buffer {
-            cache: &mut c2,
-            len: prefix + l,
-        };
-        let h = other.forward(&ids2[prefix..], &mut [seq])?;
-        other.logits(&h)?;
-        Ok(())
-    })?;
     table::print_header(&[
         ("forward", Left),
         ("rows", Right),
@@ -294,12 +257,18 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         ("LLaDA2.0 ms", Right),
         ("ratio", Right),
     ]);
-    println!(
-        "| denoising step / block step (with the head) | {l} | {p} | {:.2} | {:.2} | {:.2}x |",
-        denoise * 1e3,
-        step2 * 1e3,
-        denoise / step2
-    );
+    match step2 {
+        Some(step2) => println!(
+            "| denoising step / block step (with the head) | {l} | {p} | {:.2} | {:.2} | {:.2}x |",
+            denoise * 1e3,
+            step2 * 1e3,
+            denoise / step2
+        ),
+        None => println!(
+            "| denoising step (with the head) | {l} | {p} | {:.2} | | |",
+            denoise * 1e3
+        ),
+    }
     println!(
         "| encoder pass (prompt) | {p} | 0 | {:.2} | | |",
         encode * 1e3
@@ -334,4 +303,60 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         sc * 1e3
     );
     Ok(())
+}
+
+/// LLaDA2.0's block-diffusion step at DiffusionGemma's width, depth, experts and vocabulary: a
+/// block of `canvas_length` rows over a cached prompt, with the head (median seconds).
+fn llada2_step(
+    a: &Args,
+    s: &synthetic::Shape,
+    device: &wavefront_models::candle_core::Device,
+    dtype: wavefront_models::candle_core::DType,
+) -> Result<f64> {
+    let (p, l) = (a.prompt_len, s.canvas_length);
+    let l2 = llada2::Shape {
+        hidden_size: s.hidden_size,
+        num_attention_heads: s.num_attention_heads,
+        num_key_value_heads: s.num_key_value_heads,
+        num_hidden_layers: s.num_hidden_layers,
+        intermediate_size: s.intermediate_size,
+        moe_intermediate_size: s.moe_intermediate_size,
+        num_experts: s.num_experts,
+        num_experts_per_tok: s.top_k_experts,
+        n_group: 8.min(s.num_experts),
+        topk_group: 4.min(s.num_experts),
+        vocab_size: s.vocab_size,
+    };
+    let other = llada2::random_model(&l2.config()?, a.seed, 24.0, device, dtype)?;
+    let mut c2 = KvCache::new();
+    let block = |start: usize, n: usize| -> SeqInput<'static> {
+        let index: Vec<u32> = (start as u32..(start + n) as u32).collect();
+        SeqInput {
+            positions: index.clone(),
+            index,
+            mask: MaskRule::BlockCausal { block: l },
+            keys: Keys::Rows,
+        }
+    };
+    let prefix = p / l * l;
+    let ids2 = run::random_prompt(a.seed, 2, prefix + l, 0..s.vocab_size as u32 - 1);
+    if prefix > 0 {
+        let mut seq = block(0, prefix);
+        seq.keys = Keys::Buffer {
+            cache: &mut c2,
+            len: prefix,
+        };
+        other.forward(&ids2[..prefix], &mut [seq])?;
+    }
+    run::median_secs(9, || {
+        c2.truncate(prefix)?;
+        let mut seq = block(prefix, l);
+        seq.keys = Keys::Buffer {
+            cache: &mut c2,
+            len: prefix + l,
+        };
+        let h = other.forward(&ids2[prefix..], &mut [seq])?;
+        other.logits(&h)?;
+        Ok(())
+    })
 }

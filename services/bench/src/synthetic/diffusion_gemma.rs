@@ -4,11 +4,12 @@
 //! The config is the real `config.json`'s key set with the sizes changed (by default a reduced
 //! shape; `Shape::real` is google/diffusiongemma-26B-A4B-it's). Weights are drawn uniformly with
 //! standard deviation `1 / sqrt(fan_in)`, norm gains and scalars 1; the embedding (which is also
-//! the head) is scaled by `head_scale` so that posteriors are peaked. How many positions a step
+//! the head) is scaled by `head_scale` so that posteriors are peaked. On a GPU the weights are
+//! drawn on the device (the real shape's 26 billion parameters never pass through the host). How many positions a step
 //! accepts with these weights says nothing about the trained model: benchmarks fix the number of
 //! denoising steps so their times compare.
 
-use crate::weights::{uniform_with_std, var_builder};
+use crate::weights::{var_builder_init, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
@@ -115,26 +116,31 @@ pub fn random_model(
     dtype: DType,
 ) -> Result<DiffusionGemma, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
-        let n: usize = shape.iter().product();
-        let ones = name.ends_with("norm.weight")
-            || name.ends_with("layernorm.weight")
-            || name.ends_with("layernorm_1.weight")
-            || name.ends_with("layernorm_2.weight")
-            || name.ends_with("layer_scalar")
-            || name.ends_with("router.scale")
-            || name.ends_with("per_expert_scale");
-        if ones {
-            vec![1.0; n]
-        } else {
-            let fan_in = *shape.last().unwrap_or(&1) as f64;
-            let scale = if name.ends_with("embed_tokens.weight") {
-                head_scale
+    let vb = var_builder_init(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        &mut rng,
+        |name, shape| {
+            let ones = name.ends_with("norm.weight")
+                || name.ends_with("layernorm.weight")
+                || name.ends_with("layernorm_1.weight")
+                || name.ends_with("layernorm_2.weight")
+                || name.ends_with("layer_scalar")
+                || name.ends_with("router.scale")
+                || name.ends_with("per_expert_scale");
+            if ones {
+                Init::Const(1.0)
             } else {
-                1.0
-            };
-            uniform_with_std(&mut rng, n, scale / fan_in.sqrt())
-        }
-    })?;
+                let fan_in = *shape.last().unwrap_or(&1) as f64;
+                let scale = if name.ends_with("embed_tokens.weight") {
+                    head_scale
+                } else {
+                    1.0
+                };
+                Init::Uniform(scale / fan_in.sqrt())
+            }
+        },
+    )?;
     Ok(DiffusionGemma::load(vb, cfg.clone())?)
 }
