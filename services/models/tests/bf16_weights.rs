@@ -48,6 +48,23 @@ fn allowance(family: &str) -> f32 {
     }
 }
 
+/// Every storage compared with float32.
+const STORAGES: [WeightDtype; 4] = [
+    WeightDtype::Bf16,
+    WeightDtype::Bf16Dot,
+    WeightDtype::Int8,
+    WeightDtype::Q4,
+];
+
+/// [`compare`] of `logits` under every storage against float32's.
+fn compare_all(family: &str, logits: impl Fn(WeightDtype) -> Result<Tensor>) -> Result<()> {
+    let exact = logits(WeightDtype::F32)?;
+    for dtype in STORAGES {
+        compare(&format!("{family} {dtype:?}"), &exact, &logits(dtype)?)?;
+    }
+    Ok(())
+}
+
 fn compare(family: &str, f32_logits: &Tensor, bf16_logits: &Tensor) -> Result<()> {
     let diff = max_abs_diff(f32_logits, bf16_logits)?;
     let scale = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -92,18 +109,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         }
         Ok(m.predict_from_latents(&s, &mut [SeqRows::new(&mut cache, 0, n)])?)
     };
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
-        compare(
-            &format!("huginn {dtype:?}"),
-            &huginn(WeightDtype::F32)?,
-            &huginn(dtype)?,
-        )?;
-    }
+    compare_all("huginn", huginn)?;
 
     // LLaDA: the bidirectional forward and head.
     let f = files("llada")?;
@@ -114,18 +120,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         let h = m.forward(&ids, &mut [SeqInput::dense(ids.len())])?;
         Ok(m.logits(&h)?)
     };
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
-        compare(
-            &format!("llada {dtype:?}"),
-            &llada(WeightDtype::F32)?,
-            &llada(dtype)?,
-        )?;
-    }
+    compare_all("llada", llada)?;
 
     // ReFusion's Qwen3: a causal forward and head.
     let f = files("refusion")?;
@@ -139,18 +134,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         )?;
         Ok(m.logits(&h)?)
     };
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
-        compare(
-            &format!("refusion {dtype:?}"),
-            &qwen(WeightDtype::F32)?,
-            &qwen(dtype)?,
-        )?;
-    }
+    compare_all("refusion", qwen)?;
 
     // ARMT: several segments with memory, sequentially.
     let f = files("armt")?;
@@ -164,18 +148,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         m.store_weights(dtype)?;
         Ok(m.forward_sequential(&long)?.logits)
     };
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
-        compare(
-            &format!("armt {dtype:?}"),
-            &armt(WeightDtype::F32)?,
-            &armt(dtype)?,
-        )?;
-    }
+    compare_all("armt", armt)?;
 
     // DiffusionGemma: the encoder over the prompt, then a denoising step over its cache.
     let f = files("diffusion_gemma")?;
@@ -206,12 +179,7 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
     // like the dense families' maximum; the maximum is reported.
     let exact = dg(WeightDtype::F32)?;
     let scale = exact.abs()?.max_all()?.to_scalar::<f32>()?;
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
+    for dtype in STORAGES {
         let got = dg(dtype)?;
         let mut rows: Vec<f32> = (&exact - &got)?
             .abs()?
@@ -231,60 +199,5 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
             "diffusion_gemma {dtype:?}: the median row moved by {median} of {scale}"
         );
     }
-    // DiffusionGemma: the encoder over the prompt, then a denoising step over its cache.
-    let f = files("diffusion_gemma")?;
-    let cfg = DiffusionGemmaConfig::from_json(f.config_json())?;
-    let dg = |dtype: WeightDtype| -> Result<Tensor> {
-        let mut m = DiffusionGemma::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
-        m.store_weights(dtype)?;
-        let mut cache = wavefront_models::transformer::KvCache::new();
-        m.forward(&mut [DgSeq {
-            ids: ids.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut cache,
-        }])?;
-        let h = m.forward(&mut [DgSeq {
-            ids: (20..36).collect(),
-            start: ids.len(),
-            mode: Mode::Denoise,
-            soft: None,
-            cache: &mut cache,
-        }])?;
-        Ok(m.logits(&h)?)
-    };
-    // A mixture of experts routes discontinuously: a rounding can flip a row's expert (under
-    // bf16-dot one row of 16 in two of the three layers here, the fixture's smallest router
-    // gap being 5e-5), and that row's logits move by whole units. The rows' median is bounded
-    // like the dense families' maximum; the maximum is reported.
-    let exact = dg(WeightDtype::F32)?;
-    let scale = exact.abs()?.max_all()?.to_scalar::<f32>()?;
-    for dtype in [
-        WeightDtype::Bf16,
-        WeightDtype::Bf16Dot,
-        WeightDtype::Int8,
-        WeightDtype::Q4,
-    ] {
-        let got = dg(dtype)?;
-        let mut rows: Vec<f32> = (&exact - &got)?
-            .abs()?
-            .max_keepdim(1)?
-            .flatten_all()?
-            .to_vec1()?;
-        rows.sort_by(f32::total_cmp);
-        let (median, max) = (rows[rows.len() / 2], rows[rows.len() - 1]);
-        eprintln!(
-            "diffusion_gemma {dtype:?}: logits per-row max |diff| median {median:.3e}, max \
-             {max:.3e} (largest |logit| {scale:.3}, relative {:.2e} / {:.2e})",
-            median / scale,
-            max / scale
-        );
-        anyhow::ensure!(
-            median <= 2.0 * MAX_RELATIVE * scale * allowance(&format!("{dtype:?}")),
-            "diffusion_gemma {dtype:?}: the median row moved by {median} of {scale}"
-        );
-    }
-
     Ok(())
 }
