@@ -85,6 +85,17 @@ pub fn softmax(x: &mut [f32]) {
     simd::softmax(Isa::get(), x);
 }
 
+/// The maximum of `x` and the first index holding it (`-inf` and 0 when empty or all NaN).
+fn max_at(x: &[f32]) -> (f32, usize) {
+    let (mut m, mut at) = (f32::NEG_INFINITY, 0);
+    for (i, &v) in x.iter().enumerate() {
+        if v > m {
+            (m, at) = (v, i);
+        }
+    }
+    (m, at)
+}
+
 /// Per row of `x` `[rows, width]`: the maximum, the first index holding it, and
 /// `Σ exp(x - max)` (canonical lane order): a row's softmax maximum is `1 / sum`, its
 /// log-softmax `x - max - ln(sum)`.
@@ -99,12 +110,7 @@ pub fn row_stats(x: &[f32], width: usize) -> Result<Vec<(f32, usize, f32)>, Kern
     over_rows(rows, x.len(), |r| {
         for row in r {
             let xr = &x[row * width..(row + 1) * width];
-            let (mut m, mut at) = (f32::NEG_INFINITY, 0);
-            for (i, &v) in xr.iter().enumerate() {
-                if v > m {
-                    (m, at) = (v, i);
-                }
-            }
+            let (m, at) = max_at(xr);
             let sum = simd::exp_sum(isa, xr, m);
             // SAFETY: each task writes its own rows.
             unsafe { *op.ptr().add(row) = (m, at, sum) };
@@ -391,12 +397,7 @@ pub fn row_entropy(x: &[f32], width: usize) -> Result<Vec<RowEntropy>, KernelErr
     over_rows(rows, x.len(), |r| {
         for row in r {
             let xr = &x[row * width..(row + 1) * width];
-            let (mut m, mut at) = (f32::NEG_INFINITY, 0);
-            for (i, &v) in xr.iter().enumerate() {
-                if v > m {
-                    (m, at) = (v, i);
-                }
-            }
+            let (m, at) = max_at(xr);
             let (s0, s1) = simd::exp_sums(isa, xr, m);
             // SAFETY: each task writes its own rows.
             unsafe {

@@ -725,6 +725,20 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
             a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
         }
     }
+    store_tile_avx512(&acc, tile, start);
+}
+
+/// Writes a register tile's rows (two registers of 16 columns each) into `tile`: stored with
+/// `start`, else added to what it holds (the next block of the blocked sum).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile_avx512(
+    acc: &[[std::arch::x86_64::__m512; 2]],
+    tile: &mut [f32; MR_MAX * NR],
+    start: bool,
+) {
+    use std::arch::x86_64::*;
     let tp = tile.as_mut_ptr();
     for (r, a) in acc.iter().enumerate() {
         let (mut a0, mut a1) = (a[0], a[1]);
@@ -858,16 +872,7 @@ unsafe fn q4_tile_avx512<const MR: usize>(
             a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
         }
     }
-    let tp = tile.as_mut_ptr();
-    for (r, a) in acc.iter().enumerate() {
-        let (mut a0, mut a1) = (a[0], a[1]);
-        if !start {
-            a0 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR)), a0);
-            a1 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR + 16)), a1);
-        }
-        _mm512_storeu_ps(tp.add(r * NR), a0);
-        _mm512_storeu_ps(tp.add(r * NR + 16), a1);
-    }
+    store_tile_avx512(&acc, tile, start);
 }
 
 /// Pairs of `k` per block of the blocked sum on the bfloat16 path.
@@ -1020,16 +1025,7 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
             acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
         }
     }
-    let tp = tile.as_mut_ptr();
-    for (r, acc) in acc.iter().enumerate() {
-        let (mut a0, mut a1) = (acc[0], acc[1]);
-        if !start {
-            a0 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR)), a0);
-            a1 = _mm512_add_ps(_mm512_loadu_ps(tp.add(r * NR + 16)), a1);
-        }
-        _mm512_storeu_ps(tp.add(r * NR), a0);
-        _mm512_storeu_ps(tp.add(r * NR + 16), a1);
-    }
+    store_tile_avx512(&acc, tile, start);
 }
 
 #[cfg(test)]
@@ -1186,6 +1182,47 @@ mod tests {
         assert!(PackedWeight::pack(&[0.0; 5], 2, 3, WeightDtype::F32).is_err());
     }
 
+    /// `x · Wᵀ + bias` through `packed` on every instruction set and thread count equals the
+    /// float64 product of `x` (each value through `round`, the activations' rounding of the
+    /// storage) with the stored weight, within float32 summation error; and the last row alone
+    /// gives what it gave among the others.
+    #[allow(clippy::too_many_arguments)]
+    fn assert_products(
+        packed: &PackedWeight,
+        x: &[f32],
+        round: impl Fn(f32) -> f32,
+        bias: &[f32],
+        (m, n, k): (usize, usize, usize),
+    ) {
+        let stored = packed.unpack();
+        let mut want = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|kk| f64::from(round(x[i * k + kk])) * f64::from(stored[j * k + kk]))
+                    .sum();
+                want[i * n + j] = dot + f64::from(bias[j]);
+            }
+        }
+        for isa in Isa::available() {
+            for threads in [1, 2] {
+                let mut y = vec![0f32; m * n];
+                linear_with(isa, threads, x, m, packed, Some(bias), &mut y).unwrap();
+                for (g, w) in y.iter().zip(&want) {
+                    assert!(
+                        (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                        "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+        let mut alone = vec![0f32; n];
+        linear(&x[(m - 1) * k..], 1, packed, Some(bias), &mut alone).unwrap();
+        let mut all = vec![0f32; m * n];
+        linear(x, m, packed, Some(bias), &mut all).unwrap();
+        assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+    }
+
     /// The bfloat16 dot-product path: activations and weights rounded to bfloat16, products
     /// summed in float32, against a float64 sum of the same rounded values; AVX512-BF16 (where
     /// the CPU has it) against the float32-FMA path; a row's result whatever rows share its
@@ -1204,36 +1241,7 @@ mod tests {
                 back.iter().zip(&w).all(|(b, &w)| *b == r(w)),
                 "stored weights"
             );
-            let mut want = vec![0f64; m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    let dot: f64 = (0..k)
-                        .map(|kk| f64::from(r(x[i * k + kk])) * f64::from(r(w[j * k + kk])))
-                        .sum();
-                    want[i * n + j] = dot + f64::from(bias[j]);
-                }
-            }
-            let mut results = Vec::new();
-            for isa in Isa::available() {
-                for threads in [1, 2] {
-                    let mut y = vec![0f32; m * n];
-                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
-                    for (g, w) in y.iter().zip(&want) {
-                        assert!(
-                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
-                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
-                        );
-                    }
-                    results.push(y);
-                }
-            }
-            // The last row alone gives what it gave among the others.
-            let last = &x[(m - 1) * k..];
-            let mut alone = vec![0f32; n];
-            linear(last, 1, &packed, Some(&bias), &mut alone).unwrap();
-            let mut all = vec![0f32; m * n];
-            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
-            assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+            assert_products(&packed, &x, r, &bias, (m, n, k));
         }
     }
 
@@ -1264,32 +1272,7 @@ mod tests {
                     );
                 }
             }
-            let mut want = vec![0f64; m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    let dot: f64 = (0..k)
-                        .map(|kk| f64::from(x[i * k + kk]) * f64::from(deq[j * k + kk]))
-                        .sum();
-                    want[i * n + j] = dot + f64::from(bias[j]);
-                }
-            }
-            for isa in Isa::available() {
-                for threads in [1, 2] {
-                    let mut y = vec![0f32; m * n];
-                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
-                    for (g, w) in y.iter().zip(&want) {
-                        assert!(
-                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
-                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
-                        );
-                    }
-                }
-            }
-            let mut alone = vec![0f32; n];
-            linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
-            let mut all = vec![0f32; m * n];
-            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
-            assert_eq!(alone, &all[(m - 1) * n..]);
+            assert_products(&packed, &x, |v| v, &bias, (m, n, k));
         }
     }
 
@@ -1322,32 +1305,7 @@ mod tests {
                     }
                 }
             }
-            let mut want = vec![0f64; m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    let dot: f64 = (0..k)
-                        .map(|kk| f64::from(x[i * k + kk]) * f64::from(deq[j * k + kk]))
-                        .sum();
-                    want[i * n + j] = dot + f64::from(bias[j]);
-                }
-            }
-            for isa in Isa::available() {
-                for threads in [1, 2] {
-                    let mut y = vec![0f32; m * n];
-                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
-                    for (g, w) in y.iter().zip(&want) {
-                        assert!(
-                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
-                            "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
-                        );
-                    }
-                }
-            }
-            let mut alone = vec![0f32; n];
-            linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
-            let mut all = vec![0f32; m * n];
-            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
-            assert_eq!(alone, &all[(m - 1) * n..]);
+            assert_products(&packed, &x, |v| v, &bias, (m, n, k));
         }
     }
 }

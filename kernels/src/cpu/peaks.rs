@@ -39,20 +39,24 @@ pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
 /// Floating-point operations per second of fused multiply-adds on every pool thread, operands
 /// in registers (the arithmetic ceiling no kernel can pass).
 pub fn fma_peak(seconds: f64) -> f64 {
+    rate(seconds, || fma_loop(Isa::get(), 1 << 22))
+}
+
+/// Operations per second of `round` (which returns the operations it did) run on every pool
+/// thread at once, repeated for `seconds`.
+fn rate(seconds: f64, round: impl Fn() -> f64 + Sync) -> f64 {
     let t = threads();
-    let iters = 1usize << 22;
     let start = Instant::now();
     let mut flops = 0f64;
     while start.elapsed().as_secs_f64() < seconds {
         let per: Vec<Mutex<f64>> = (0..t).map(|_| Mutex::new(0.0)).collect();
         pool().run(t, &|i| {
-            *per[i].lock().expect("flops") = fma_loop(Isa::get(), iters);
+            *per[i].lock().expect("flops") = round();
         });
-        let per: Vec<f64> = per
+        flops += per
             .into_iter()
             .map(|m| m.into_inner().expect("flops"))
-            .collect();
-        flops += per.iter().sum::<f64>();
+            .sum::<f64>();
     }
     flops / start.elapsed().as_secs_f64()
 }
@@ -64,26 +68,11 @@ pub fn bf16_dot_peak(seconds: f64) -> Option<f64> {
     if !super::matmul::has_bf16_dot() {
         return None;
     }
-    let t = threads();
-    let iters = 1usize << 22;
-    let start = Instant::now();
-    let mut flops = 0f64;
-    while start.elapsed().as_secs_f64() < seconds {
-        let per: Vec<Mutex<f64>> = (0..t).map(|_| Mutex::new(0.0)).collect();
-        pool().run(t, &|i| {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX512-BF16 (checked above).
-            let f = unsafe { dot_bf16_avx512(iters) };
-            #[cfg(not(target_arch = "x86_64"))]
-            let f = 0.0;
-            *per[i].lock().expect("flops") = f;
-        });
-        flops += per
-            .into_iter()
-            .map(|m| m.into_inner().expect("flops"))
-            .sum::<f64>();
-    }
-    Some(flops / start.elapsed().as_secs_f64())
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX512-BF16 (checked above).
+    return Some(rate(seconds, || unsafe { dot_bf16_avx512(1 << 22) }));
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 #[cfg(target_arch = "x86_64")]
