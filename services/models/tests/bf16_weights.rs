@@ -12,7 +12,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use support::max_abs_diff;
 use wavefront_models::device::test_device;
-use wavefront_models::diffusion_gemma::{DgSeq, Mode};
+use wavefront_models::diffusion_gemma::DgSeq;
 use wavefront_models::transformer::{MaskRule, SeqInput, StoreWeights, WeightDtype};
 use wavefront_models::{
     Armt, ArmtConfig, CacheStrategy, DiffusionGemma, DiffusionGemmaConfig, Huginn, HuginnCache,
@@ -157,20 +157,13 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
         let mut m = DiffusionGemma::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
         m.store_weights(dtype)?;
         let mut cache = wavefront_models::transformer::KvCache::new();
-        m.forward(&mut [DgSeq {
-            ids: ids.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut cache,
-        }])?;
-        let h = m.forward(&mut [DgSeq {
-            ids: (20..36).collect(),
-            start: ids.len(),
-            mode: Mode::Denoise,
-            soft: None,
-            cache: &mut cache,
-        }])?;
+        m.forward(&mut [DgSeq::encode(ids.clone(), 0, &mut cache)])?;
+        let h = m.forward(&mut [DgSeq::denoise(
+            (20..36).collect(),
+            ids.len(),
+            None,
+            &mut cache,
+        )])?;
         Ok(m.logits(&h)?)
     };
     // A mixture of experts routes discontinuously: a rounding can flip a row's expert (under

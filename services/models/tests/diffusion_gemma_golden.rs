@@ -10,7 +10,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use support::{assert_close, with_each_attention, Golden};
 use wavefront_models::device::test_device;
-use wavefront_models::diffusion_gemma::{DgSeq, GemmaRouting, LayerType, Mode};
+use wavefront_models::diffusion_gemma::{DgSeq, GemmaRouting, LayerType};
 use wavefront_models::transformer::{KvCache, TensorParallel};
 use wavefront_models::{DiffusionGemma, DiffusionGemmaConfig, ModelFiles};
 
@@ -75,13 +75,8 @@ fn encoder_and_denoiser_match_upstream_with_and_without_self_conditioning() -> R
         let cfg = m.config();
         let mut cache = KvCache::new();
         // The encoder over the prompt: hidden states, routers, the cache.
-        let (states, routes) = m.forward_traced(&mut [DgSeq {
-            ids: prompt.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut cache,
-        }])?;
+        let (states, routes) =
+            m.forward_traced(&mut [DgSeq::encode(prompt.clone(), 0, &mut cache)])?;
         ensure!(states.len() == cfg.num_hidden_layers() + 1);
         for (i, s) in states.iter().enumerate() {
             let want = unbatch(g.tensor(&format!("forward.encoder_hidden_states.{i}"))?)?;
@@ -138,13 +133,12 @@ fn encoder_and_denoiser_match_upstream_with_and_without_self_conditioning() -> R
                 "forward.logits_with_sc",
             ),
         ] {
-            let (states, routes) = m.forward_traced(&mut [DgSeq {
-                ids: canvas.clone(),
-                start: prompt.len(),
-                mode: Mode::Denoise,
+            let (states, routes) = m.forward_traced(&mut [DgSeq::denoise(
+                canvas.clone(),
+                prompt.len(),
                 soft,
-                cache: &mut cache,
-            }])?;
+                &mut cache,
+            )])?;
             for (i, s) in states.iter().enumerate() {
                 let want = unbatch(g.tensor(&format!("{states_name}.{i}"))?)?;
                 assert_close(
@@ -193,20 +187,13 @@ fn expert_parallel_ranks_and_packing_match_one_rank_alone() -> Result<()> {
     let sc = unbatch(g.tensor("forward.self_conditioning_logits")?)?;
     let run = |m: &DiffusionGemma| -> Result<(Tensor, Tensor)> {
         let mut cache = KvCache::new();
-        let enc = m.forward(&mut [DgSeq {
-            ids: prompt.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut cache,
-        }])?;
-        let h = m.forward(&mut [DgSeq {
-            ids: canvas.clone(),
-            start: prompt.len(),
-            mode: Mode::Denoise,
-            soft: Some(m.soft_embedding(&sc)?),
-            cache: &mut cache,
-        }])?;
+        let enc = m.forward(&mut [DgSeq::encode(prompt.clone(), 0, &mut cache)])?;
+        let h = m.forward(&mut [DgSeq::denoise(
+            canvas.clone(),
+            prompt.len(),
+            Some(m.soft_embedding(&sc)?),
+            &mut cache,
+        )])?;
         Ok((enc, m.logits(&h)?))
     };
     let one = model()?;
@@ -219,30 +206,12 @@ fn expert_parallel_ranks_and_packing_match_one_rank_alone() -> Result<()> {
     }
     // Packed: one request denoising its canvas over its cache while another encodes its prompt.
     let mut a = KvCache::new();
-    one.forward(&mut [DgSeq {
-        ids: prompt.clone(),
-        start: 0,
-        mode: Mode::Encode,
-        soft: None,
-        cache: &mut a,
-    }])?;
+    one.forward(&mut [DgSeq::encode(prompt.clone(), 0, &mut a)])?;
     let mut b = KvCache::new();
     let soft = one.soft_embedding(&sc)?;
     let h = one.forward(&mut [
-        DgSeq {
-            ids: canvas.clone(),
-            start: prompt.len(),
-            mode: Mode::Denoise,
-            soft: Some(soft),
-            cache: &mut a,
-        },
-        DgSeq {
-            ids: prompt.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut b,
-        },
+        DgSeq::denoise(canvas.clone(), prompt.len(), Some(soft), &mut a),
+        DgSeq::encode(prompt.clone(), 0, &mut b),
     ])?;
     let logits = one.logits(&h.narrow(0, 0, canvas.len())?)?;
     assert_close("packed denoiser logits", &logits, &logits1, 1e-4)?;

@@ -24,7 +24,7 @@ use wavefront_bench::run;
 use wavefront_bench::synthetic::{diffusion_gemma as synthetic, llada2};
 use wavefront_bench::table::Align::{Left, Right};
 use wavefront_bench::table::{self, mean};
-use wavefront_models::diffusion_gemma::{DgSeq, Mode};
+use wavefront_models::diffusion_gemma::DgSeq;
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 use wavefront_schemes::uniform_diffusion::{serve_model, GenerationDefaults};
 use wavefront_schemes::{EntropyBoundParams, GenerateSpec, LoadOptions, SchemeParams};
@@ -217,13 +217,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     let mut cache = KvCache::new();
     let encode = run::median_secs(5, || {
         cache.clear();
-        model.forward(&mut [DgSeq {
-            ids: prompt.clone(),
-            start: 0,
-            mode: Mode::Encode,
-            soft: None,
-            cache: &mut cache,
-        }])?;
+        model.forward(&mut [DgSeq::encode(prompt.clone(), 0, &mut cache)])?;
         Ok(())
     })?;
     let soft = model.soft_embedding(&wavefront_models::candle_core::Tensor::zeros(
@@ -232,13 +226,12 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         &device,
     )?)?;
     let denoise = run::median_secs(9, || {
-        let h = model.forward(&mut [DgSeq {
-            ids: canvas.clone(),
-            start: p,
-            mode: Mode::Denoise,
-            soft: Some(soft.clone()),
-            cache: &mut cache,
-        }])?;
+        let h = model.forward(&mut [DgSeq::denoise(
+            canvas.clone(),
+            p,
+            Some(soft.clone()),
+            &mut cache,
+        )])?;
         model.logits(&h)?;
         Ok(())
     })?;
@@ -276,13 +269,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     // The step's work besides the forward: the sampler's row statistics and the next step's
     // self-conditioning input (`softmax(logits / T) · E`).
     let logits = {
-        let h = model.forward(&mut [DgSeq {
-            ids: canvas.clone(),
-            start: p,
-            mode: Mode::Denoise,
-            soft: None,
-            cache: &mut cache,
-        }])?;
+        let h = model.forward(&mut [DgSeq::denoise(canvas.clone(), p, None, &mut cache)])?;
         model.logits(&h)?
     };
     let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;

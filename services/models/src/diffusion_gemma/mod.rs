@@ -73,6 +73,36 @@ pub struct DgSeq<'a> {
     pub cache: &'a mut KvCache,
 }
 
+impl<'a> DgSeq<'a> {
+    /// An encoder pass of `ids` at buffer indices `start ..`.
+    pub fn encode(ids: Vec<u32>, start: usize, cache: &'a mut KvCache) -> Self {
+        Self {
+            ids,
+            start,
+            mode: Mode::Encode,
+            soft: None,
+            cache,
+        }
+    }
+
+    /// A denoising step of the canvas `ids` over the `start` cached rows, with its
+    /// self-conditioning input.
+    pub fn denoise(
+        ids: Vec<u32>,
+        start: usize,
+        soft: Option<Tensor>,
+        cache: &'a mut KvCache,
+    ) -> Self {
+        Self {
+            ids,
+            start,
+            mode: Mode::Denoise,
+            soft,
+            cache,
+        }
+    }
+}
+
 /// A gated MLP `down(gelu_tanh(gate(x)) · up(x))`, gate and up fused.
 #[derive(Debug, Clone)]
 struct GeluMlp {
