@@ -313,11 +313,8 @@ struct Layer {
 pub struct DiffusionGemma {
     cfg: DiffusionGemmaConfig,
     io: EmbedHead,
-    /// The embedding table `[V, H]` (the self-conditioning's expected embedding reads it),
-    /// and on the CPU in float32 the same packed for products `[rows, V] · [V, H]`, made on
-    /// first use.
-    table: Tensor,
-    table_kn: Arc<std::sync::OnceLock<wavefront_kernels::cpu::matmul::PackedWeight>>,
+    /// The embedding table as the self-conditioning's expected embedding reads it.
+    soft_table: SoftTable,
     layers: Vec<Layer>,
     norm: RmsNorm,
     sc_pre_norm: RmsNorm,
@@ -327,6 +324,33 @@ pub struct DiffusionGemma {
     sliding_rope: RopeTable,
     full_rope: RopeTable,
     attention: AttentionKernel,
+}
+
+/// The embedding table `[V, H]` for products `[rows, V] · [V, H]`: on the CPU in float32
+/// packed once at load for the kernels (the head keeps its own packed copy; no dense copy is
+/// kept), elsewhere the tensor itself.
+#[derive(Debug, Clone)]
+enum SoftTable {
+    Packed(Arc<wavefront_kernels::cpu::matmul::PackedWeight>),
+    Dense(Tensor),
+}
+
+/// `softmax(pl) · table` with the CPU kernels: the rows' softmax, then one product with the
+/// packed table over every row.
+fn soft_embedding_cpu(
+    pl: &Tensor,
+    table: &wavefront_kernels::cpu::matmul::PackedWeight,
+) -> Result<Tensor> {
+    use wavefront_kernels::cpu::{elementwise, matmul};
+    let (rows, v) = pl.dims2()?;
+    let mut p = pl.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    for row in p.chunks_mut(v) {
+        elementwise::softmax(row);
+    }
+    let h = table.out_features();
+    let mut out = vec![0f32; rows * h];
+    matmul::linear(&p, rows, table, None, &mut out)?;
+    Ok(Tensor::from_vec(out, (rows, h), &Device::Cpu)?)
 }
 
 /// A weightless RMSNorm over `dim`.
@@ -398,8 +422,14 @@ impl DiffusionGemma {
             |ty| RopeTable::from_inv_freq(&cfg.inv_freq(ty), cfg.max_position_embeddings, &device);
         Ok(Self {
             io: EmbedHead::new(table.clone(), None)?,
-            table,
-            table_kn: Arc::default(),
+            soft_table: if crate::transformer::cpu::on_cpu_f32(&table) {
+                let t = table.flatten_all()?.to_vec1::<f32>()?;
+                SoftTable::Packed(Arc::new(
+                    wavefront_kernels::cpu::matmul::PackedWeight::pack_kn(&t, v, e)?,
+                ))
+            } else {
+                SoftTable::Dense(table)
+            },
             layers,
             norm: RmsNorm::load(dec.pp("norm"), e, eps)?,
             sc_pre_norm: RmsNorm::load(sc.pp("pre_norm"), e, eps)?,
@@ -435,38 +465,13 @@ impl DiffusionGemma {
     /// `[L, V]`: `softmax(pl) · E · sqrt(H)` `[L, H]` (in the model's dtype).
     pub fn soft_embedding(&self, pl: &Tensor) -> Result<Tensor> {
         let scale = (self.cfg.hidden_size as f64).sqrt();
-        if crate::transformer::cpu::on_cpu_f32(pl)
-            && crate::transformer::cpu::on_cpu_f32(&self.table)
-        {
-            return self.soft_embedding_cpu(pl, scale);
-        }
-        let p = candle_nn::ops::softmax_last_dim(&pl.to_dtype(DType::F32)?)?;
-        let soft = p.to_dtype(self.dtype())?.matmul(&self.table)?;
-        Ok(soft.affine(scale, 0.0)?)
-    }
-
-    /// [`Self::soft_embedding`] with the CPU kernels: the rows' softmax, then one product with
-    /// the embedding table packed once (as `[V, H]`, on first use) over every row.
-    fn soft_embedding_cpu(&self, pl: &Tensor, scale: f64) -> Result<Tensor> {
-        use wavefront_kernels::cpu::{elementwise, matmul};
-        let (rows, v) = pl.dims2()?;
-        let packed = match self.table_kn.get() {
-            Some(p) => p,
-            None => {
-                let table = self.table.flatten_all()?.to_vec1::<f32>()?;
-                let p = matmul::PackedWeight::pack_kn(&table, v, self.cfg.hidden_size)?;
-                let _ = self.table_kn.set(p);
-                self.table_kn.get().expect("just set")
+        let soft = match &self.soft_table {
+            SoftTable::Packed(packed) => soft_embedding_cpu(pl, packed)?,
+            SoftTable::Dense(table) => {
+                let p = candle_nn::ops::softmax_last_dim(&pl.to_dtype(DType::F32)?)?;
+                p.to_dtype(self.dtype())?.matmul(table)?
             }
         };
-        let mut p = pl.flatten_all()?.to_vec1::<f32>()?;
-        for row in p.chunks_mut(v) {
-            elementwise::softmax(row);
-        }
-        let h = self.cfg.hidden_size;
-        let mut out = vec![0f32; rows * h];
-        matmul::linear(&p, rows, packed, None, &mut out)?;
-        let soft = Tensor::from_vec(out, (rows, h), &Device::Cpu)?;
         Ok(soft.affine(scale, 0.0)?)
     }
 
