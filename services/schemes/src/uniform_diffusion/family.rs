@@ -11,6 +11,7 @@ use wavefront_models::diffusion_gemma::Mode;
 use wavefront_models::{DiffusionGemma, ModelFamily};
 
 use super::program::{UdPlan, UdProgram};
+use crate::packing::head_rows;
 use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
 
@@ -72,12 +73,7 @@ pub(crate) fn run(
         }
         offset += w.plan.ids.len();
     }
-    let logits = if select.is_empty() {
-        None
-    } else {
-        let idx = Tensor::new(select.as_slice(), &device)?;
-        Some(model.logits(&h.index_select(&idx, 0)?)?)
-    };
+    let logits = head_rows(&h, &select, |rows| model.logits(rows))?;
     let mut at = 0;
     work.iter()
         .map(|w| {
