@@ -133,10 +133,15 @@ impl Pool {
         // SAFETY (lifetime): `f` outlives the call, which waits until every part is done and
         // clears the job before returning.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(SendJob(job));
+        // The counters are reset before the job is published: a worker still on its way from
+        // the previous call's signal may take the job as soon as the lock shows it, and must
+        // then see this call's counters (the lock's release orders the stores before it). The
+        // other order let such a worker claim a part against the last call's count and have
+        // its `done` increment wiped by the reset, leaving this call waiting forever.
         s.next.store(0, Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
         s.parts.store(parts, Ordering::Relaxed);
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(SendJob(job));
         s.generation.fetch_add(1, Ordering::AcqRel);
         for w in &self.workers {
             w.thread().unpark();
