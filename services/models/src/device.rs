@@ -75,14 +75,24 @@ pub fn check_weight_dtype(
     Ok(())
 }
 
-/// The device the golden tests run on: `WAVEFRONT_TEST_DEVICE` (default `cpu`).
+/// The device the golden tests run on: `WAVEFRONT_TEST_DEVICE` (default `cpu`), opened once
+/// per process. Every caller gets the same device: candle gives each `Device::new_cuda` its
+/// own identity, and a K/V pool keeps one arena set per device identity, so rows written
+/// through one opening and read through another would read a fresh arena's zeros (what made
+/// Huginn's zero-init diffusion case, whose draws were built on a second opening, disagree
+/// with upstream on the GPU alone).
 ///
 /// # Panics
 /// When the variable names a device that cannot be opened: a test run asked for a GPU must not
 /// silently fall back to the CPU.
 pub fn test_device() -> Device {
-    let name = std::env::var("WAVEFRONT_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
-    parse_device(&name).unwrap_or_else(|e| panic!("WAVEFRONT_TEST_DEVICE: {e}"))
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let name = std::env::var("WAVEFRONT_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+            parse_device(&name).unwrap_or_else(|e| panic!("WAVEFRONT_TEST_DEVICE: {e}"))
+        })
+        .clone()
 }
 
 /// The directory of the test fixture `name` (`tests/fixtures/<name>` of this repository), or
