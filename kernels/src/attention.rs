@@ -116,6 +116,11 @@ impl RaggedLayout {
         self.key_index.len()
     }
 
+    /// The most keys any one sequence attends over (its key range's length, masked or not).
+    pub fn max_seq_keys(&self) -> usize {
+        self.seqs.iter().map(|q| q.keys.len()).max().unwrap_or(0)
+    }
+
     /// Checks that the sequences tile the rows and stay inside the keys.
     pub fn validate(&self) -> Result<(), KernelError> {
         check(

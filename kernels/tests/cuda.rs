@@ -10,7 +10,9 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
-use wavefront_kernels::cuda::{Kernels, KvRun, LayoutTables, RaggedDims};
+use wavefront_kernels::cuda::{
+    Kernels, KvRun, LayoutTables, RaggedDims, RaggedKernel, SplitPlan, MAX_HEAD_DIM_WARP,
+};
 use wavefront_kernels::grouped::{grouped_matmul, Group};
 use wavefront_kernels::softmax_stats::softmax_stats;
 
@@ -292,5 +294,166 @@ fn the_paged_kernel_reads_keys_in_place_through_page_tables() {
         assert!(kernels
             .ragged_attention_paged(&RaggedDims::of(&l), &tables, &qd.as_view(), short, &mut out)
             .is_err());
+    }
+}
+
+/// Decode rows over long caches (several splits a row, merged by the second launch), canvases
+/// and prefills (one split), a sequence with no keys, every mask rule, head dims from 8 to 512
+/// (96 included: a thread's dims partly past the head), kv groups of 1, 2, 4 and 8 query heads
+/// (a block computes several heads of a group): the split-key kernel, grouped and one head per
+/// block, against the CPU reference and against the one-warp kernel, on an output poisoned
+/// with NaN so every element must be written. Fresh random inputs per case.
+#[test]
+fn the_split_key_kernel_matches_the_reference_at_every_head_dim_and_split() {
+    let ctx = CudaContext::new(0).expect("a CUDA device (this test needs a GPU)");
+    let kernels = Kernels::load(&ctx).expect("PTX loads");
+    let s = kernels.stream().clone();
+    let mut rng = StdRng::seed_from_u64(23);
+    let masks = |len: u32, rows: u32, i: usize| match i % 8 {
+        0 => Mask::Bidirectional,
+        1 => Mask::Causal,
+        2 => Mask::ShadowBlock {
+            main_len: len - rows.min(len / 2),
+            block_start: 1,
+        },
+        3 => Mask::BlockCausal { block: 32 },
+        4 => Mask::SegmentCausal {
+            prefix: len / 2,
+            segment: 8,
+        },
+        5 => Mask::SlidingCausal { window: 100 },
+        6 => Mask::RecentCache {
+            cached: len - rows,
+            window: 50,
+        },
+        _ => Mask::Causal,
+    };
+    let cases = [8, 16, 32, 64, 96, 128, 256, 512]
+        .into_iter()
+        .flat_map(|d| {
+            let heads: &[(usize, usize)] = if d >= 256 {
+                &[(4, 2), (2, 2), (8, 1)]
+            } else {
+                &[(8, 2), (8, 1), (3, 3), (4, 2)]
+            };
+            heads
+                .iter()
+                .flat_map(move |&h| ["decode", "canvas"].map(|shape| (d, h, shape)))
+        });
+    for (d, (n_heads, n_kv_heads), shape) in cases {
+        {
+            let mut l = RaggedLayout {
+                n_heads,
+                n_kv_heads,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                seqs: Vec::new(),
+                row_index: Vec::new(),
+                key_index: Vec::new(),
+            };
+            let n_seqs = if shape == "decode" { 6 } else { 9 };
+            for i in 0..n_seqs {
+                let (len, rows) = match (shape, i) {
+                    (_, 0) => (0, 1),
+                    ("decode", _) => (rng.random_range(1000..4000u32), 1),
+                    _ => {
+                        let len = rng.random_range(40..400u32);
+                        (len, rng.random_range(1..=32u32.min(len)))
+                    }
+                };
+                let (r0, k0) = (l.row_index.len() as u32, l.key_index.len() as u32);
+                l.row_index
+                    .extend((0..rows).map(|r| (len + r).saturating_sub(rows)));
+                l.key_index.extend(0..len);
+                l.seqs.push(RaggedSeq {
+                    rows: r0..r0 + rows,
+                    keys: k0..k0 + len,
+                    mask: masks(len.max(1), rows, i),
+                });
+            }
+            let dims = RaggedDims::of(&l);
+            let plan = SplitPlan::new(&dims, kernels.multiprocessors());
+            if shape == "decode" {
+                assert!(plan.splits > 1, "{d} {shape}: {plan:?}");
+            }
+            let q = randn(&mut rng, l.rows() * n_heads * d);
+            let k = randn(&mut rng, l.keys() * n_kv_heads * d);
+            let v = randn(&mut rng, l.keys() * n_kv_heads * d);
+            let want = ragged_attention(&l, &q, &k, &v).unwrap();
+            let (qd, kd, vd) = (
+                s.clone_htod(&q).unwrap(),
+                s.clone_htod(&k).unwrap(),
+                s.clone_htod(&v).unwrap(),
+            );
+            let uploaded = LayoutTables::upload(&s, &l).unwrap();
+            let run = || KvRun {
+                k: kd.slice(..),
+                v: vd.slice(..),
+                keys: l.keys(),
+                head_stride: l.keys() * d,
+            };
+            let got_of = |kernel| {
+                let mut out = s.clone_htod(&vec![f32::NAN; q.len()]).unwrap();
+                kernels
+                    .ragged_attention_kernel(
+                        kernel,
+                        &dims,
+                        &uploaded.tables(),
+                        &qd.as_view(),
+                        &[run()],
+                        &mut out,
+                    )
+                    .unwrap();
+                s.clone_dtoh(&out).unwrap()
+            };
+            let got = got_of(RaggedKernel::SplitKey);
+            assert!(got.iter().all(|x| x.is_finite()), "{d} {shape}: unwritten");
+            let err = max_abs(&got, &want);
+            let case = format!("d={d} heads {n_heads}/{n_kv_heads} {shape} {plan:?}");
+            assert!(err < 1e-4, "split f32 {case}: {err}");
+            let per_head = got_of(RaggedKernel::SplitKeyPerHead);
+            let err = max_abs(&per_head, &want);
+            assert!(err < 1e-4, "split per head f32 {case}: {err}");
+            // The sequence with no keys gets zeros.
+            let r0 = l.seqs[0].rows.start as usize;
+            for h in 0..n_heads {
+                let at = (h * l.rows() + r0) * d;
+                assert!(got[at..at + d].iter().all(|&x| x == 0.0));
+            }
+            if d <= MAX_HEAD_DIM_WARP {
+                let warp = got_of(RaggedKernel::Warp);
+                assert!(max_abs(&warp, &want) < 1e-4, "warp f32 d={d} {shape}");
+            }
+            // bf16 within bf16 rounding of the reference on the rounded inputs.
+            let r = |x: &[f32]| x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+            let back = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+            let (qb, kb, vb) = (r(&q), r(&k), r(&v));
+            let want = ragged_attention(&l, &back(&qb), &back(&kb), &back(&vb)).unwrap();
+            let (qbd, kbd, vbd) = (
+                s.clone_htod(&qb).unwrap(),
+                s.clone_htod(&kb).unwrap(),
+                s.clone_htod(&vb).unwrap(),
+            );
+            let mut out = s
+                .clone_htod(&vec![bf16::from_f32(f32::NAN); q.len()])
+                .unwrap();
+            kernels
+                .ragged_attention_paged(
+                    &dims,
+                    &uploaded.tables(),
+                    &qbd.as_view(),
+                    &[KvRun {
+                        k: kbd.slice(..),
+                        v: vbd.slice(..),
+                        keys: l.keys(),
+                        head_stride: l.keys() * d,
+                    }],
+                    &mut out,
+                )
+                .unwrap();
+            let got = back(&s.clone_dtoh(&out).unwrap());
+            let err = max_abs(&got, &want);
+            assert!(err < 2e-2, "split bf16 d={d} {shape}: {err}");
+        }
     }
 }

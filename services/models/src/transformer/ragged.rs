@@ -460,6 +460,7 @@ mod cuda {
             n_kv_heads: op.n_kv_heads,
             head_dim: op.head_dim,
             scale: op.scale,
+            max_seq_keys: op.plan.layout.max_seq_keys(),
         };
         // SAFETY: the kernel writes every element of `out` (each (row, head) stores its
         // head_dim values, zeros for a row with no visible key) before anything reads it.
