@@ -44,21 +44,30 @@ pub fn var_builder_init(
     device: &Device,
     dtype: DType,
     rng: &mut impl Rng,
-    mut init: impl FnMut(&str, &[usize]) -> Init,
+    init: impl FnMut(&str, &[usize]) -> Init,
 ) -> Result<VarBuilder<'static>, candle_core::Error> {
-    if device.is_cpu() {
-        return var_builder(tensors, device, dtype, |name, shape| {
-            let n = shape.iter().product();
-            match init(name, shape) {
-                Init::Const(c) => vec![c; n],
-                Init::Uniform(std) => uniform_with_std(rng, n, std),
-            }
-        });
-    }
+    let loaded = tensors_init(tensors, device, dtype, rng, init)?;
+    Ok(VarBuilder::from_tensors(loaded, dtype, device))
+}
+
+/// The tensors [`var_builder_init`] loads, by name, in `dtype` on `device` (each converted as
+/// it is drawn, so a large model never sits on the device in float32), for a caller that edits
+/// some before loading them.
+pub fn tensors_init(
+    tensors: Vec<(String, Vec<usize>)>,
+    device: &Device,
+    dtype: DType,
+    rng: &mut impl Rng,
+    mut init: impl FnMut(&str, &[usize]) -> Init,
+) -> Result<HashMap<String, Tensor>, candle_core::Error> {
     let mut loaded = HashMap::new();
     for (name, shape) in tensors {
         let t = match init(&name, &shape) {
             Init::Const(c) => (Tensor::ones(shape.as_slice(), DType::F32, device)? * f64::from(c))?,
+            Init::Uniform(std) if device.is_cpu() => {
+                let n = shape.iter().product();
+                Tensor::from_vec(uniform_with_std(rng, n, std), shape, device)?
+            }
             Init::Uniform(std) => {
                 let a = std * 3f64.sqrt();
                 Tensor::rand(-a as f32, a as f32, shape.as_slice(), device)?
@@ -66,7 +75,7 @@ pub fn var_builder_init(
         };
         loaded.insert(name, t.to_dtype(dtype)?);
     }
-    Ok(VarBuilder::from_tensors(loaded, dtype, device))
+    Ok(loaded)
 }
 
 /// `n` values drawn uniformly from `[-a, a)`: standard deviation `a / sqrt(3)`.

@@ -7,7 +7,7 @@
 //! would keep every memory at zero; here it is random like the rest, so reads and writes do
 //! real work. The timings say nothing about a trained model's outputs.
 
-use crate::weights::{uniform, var_builder};
+use crate::weights::{var_builder_init, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::armt::{Armt, ArmtConfig};
@@ -73,21 +73,22 @@ pub fn random_model(
     dtype: DType,
 ) -> Result<Armt, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
-        let n = shape.iter().product();
-        if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else if name.ends_with("W_mb.bias") {
-            vec![0.0; n]
-        } else {
-            let std = if name.contains("embed_tokens") || name.ends_with("memory") {
-                1.0
+    let vb = var_builder_init(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        &mut rng,
+        |name, shape| {
+            if name.ends_with("norm.weight") {
+                Init::Const(1.0)
+            } else if name.ends_with("W_mb.bias") {
+                Init::Const(0.0)
+            } else if name.contains("embed_tokens") || name.ends_with("memory") {
+                Init::Uniform(1.0)
             } else {
-                1.0 / (shape[1] as f32).sqrt()
-            };
-            // Half-width std · sqrt(3), in float32.
-            uniform(&mut rng, n, std * 3f32.sqrt())
-        }
-    })?;
+                Init::Uniform(1.0 / (shape[1] as f64).sqrt())
+            }
+        },
+    )?;
     Ok(Armt::load(vb, cfg.clone())?)
 }

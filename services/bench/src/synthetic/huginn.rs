@@ -9,7 +9,7 @@
 //! fixture checkpoint, so adaptive exits and diffusion freezes happen, but how quickly they
 //! happen says nothing about a trained model.
 
-use crate::weights::{uniform_with_std, var_builder};
+use crate::weights::{var_builder_init, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
@@ -72,20 +72,25 @@ pub fn random_model(
         + cfg.n_layers_in_recurrent_block * cfg.mean_recurrence
         + cfg.n_layers_in_coda;
     let out_std = std / (2.0 * depth as f64).sqrt();
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
-        let n = shape.iter().product();
-        if name.contains("norm") || name.ends_with("ln_f.weight") {
-            vec![1.0; n]
-        } else {
-            let s = if name.ends_with("attn.proj.weight") || name.ends_with("mlp.proj.weight") {
-                out_std
-            } else if name.ends_with("qk_bias") {
-                0.1 * std
+    let vb = var_builder_init(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        &mut rng,
+        |name, _| {
+            if name.contains("norm") || name.ends_with("ln_f.weight") {
+                Init::Const(1.0)
             } else {
-                std
-            };
-            uniform_with_std(&mut rng, n, s)
-        }
-    })?;
+                let s = if name.ends_with("attn.proj.weight") || name.ends_with("mlp.proj.weight") {
+                    out_std
+                } else if name.ends_with("qk_bias") {
+                    0.1 * std
+                } else {
+                    std
+                };
+                Init::Uniform(s)
+            }
+        },
+    )?;
     Ok(Huginn::load(vb, cfg.clone())?)
 }

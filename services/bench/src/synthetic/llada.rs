@@ -9,7 +9,7 @@
 //! SureLock sees posteriors settle. How often either happens with these weights says nothing
 //! about the trained LLaDA-8B.
 
-use crate::weights::{uniform_with_std, var_builder};
+use crate::weights::{uniform_with_std, var_builder_init, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
@@ -83,11 +83,27 @@ pub fn weights(
     head_scale: f64,
 ) -> impl FnMut(&str, &[usize]) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let d = cfg.d_model as f64;
+    let mut rule = init_rule(cfg, qk_scale, head_scale);
     move |name, shape| {
         let n = shape.iter().product();
+        match rule(name, shape) {
+            Init::Const(c) => vec![c; n],
+            Init::Uniform(std) => uniform_with_std(&mut rng, n, std),
+        }
+    }
+}
+
+/// How each checkpoint tensor is filled (what [`weights`] draws, and [`random_model`] on a GPU
+/// draws on the device).
+fn init_rule(
+    cfg: &LladaConfig,
+    qk_scale: f64,
+    head_scale: f64,
+) -> impl FnMut(&str, &[usize]) -> Init {
+    let d = cfg.d_model as f64;
+    move |name, _| {
         if name.ends_with("norm.weight") || name.ends_with("ln_f.weight") {
-            vec![1.0; n]
+            Init::Const(1.0)
         } else {
             let layer = name
                 .split('.')
@@ -108,7 +124,7 @@ pub fn weights(
             } else {
                 1.0
             };
-            uniform_with_std(&mut rng, n, std * scale)
+            Init::Uniform(std * scale)
         }
     }
 }
@@ -122,11 +138,12 @@ pub fn random_model(
     device: &Device,
     dtype: DType,
 ) -> Result<Llada, SchemeError> {
-    let vb = var_builder(
+    let vb = var_builder_init(
         cfg.checkpoint_tensors(),
         device,
         dtype,
-        weights(cfg, seed, qk_scale, head_scale),
+        &mut StdRng::seed_from_u64(seed),
+        init_rule(cfg, qk_scale, head_scale),
     )?;
     Ok(Llada::load(vb, cfg.clone())?)
 }

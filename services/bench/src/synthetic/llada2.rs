@@ -6,7 +6,7 @@
 //! scaled by `head_scale` so that posteriors are peaked and confidences cross the thresholds.
 //! How many tokens a step commits with these weights says nothing about the trained model.
 
-use crate::weights::{uniform_with_std, var_builder};
+use crate::weights::{var_builder_init, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use wavefront_models::candle_core::{DType, Device};
@@ -75,21 +75,26 @@ pub fn random_model(
     dtype: DType,
 ) -> Result<Llada2, SchemeError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
-        let n: usize = shape.iter().product();
-        if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-            vec![1.0; n]
-        } else if name.ends_with("expert_bias") {
-            vec![0.0; n]
-        } else {
-            let fan_in = *shape.last().unwrap_or(&1) as f64;
-            let scale = if name == "lm_head.weight" {
-                head_scale
+    let vb = var_builder_init(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        &mut rng,
+        |name, shape| {
+            if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+                Init::Const(1.0)
+            } else if name.ends_with("expert_bias") {
+                Init::Const(0.0)
             } else {
-                1.0
-            };
-            uniform_with_std(&mut rng, n, scale / fan_in.sqrt())
-        }
-    })?;
+                let fan_in = *shape.last().unwrap_or(&1) as f64;
+                let scale = if name == "lm_head.weight" {
+                    head_scale
+                } else {
+                    1.0
+                };
+                Init::Uniform(scale / fan_in.sqrt())
+            }
+        },
+    )?;
     Ok(Llada2::load(vb, cfg.clone())?)
 }

@@ -8,10 +8,12 @@
 //! planning confidences cross the thresholds. How often slots are selected and drafts verified
 //! with these weights says nothing about the trained ReFusion.
 
-use crate::weights::{uniform, uniform_with_std, var_builder};
+use crate::weights::{tensors_init, uniform, Init};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use wavefront_models::candle_core::Tensor;
 use wavefront_models::candle_core::{DType, Device};
+use wavefront_models::candle_nn::VarBuilder;
 use wavefront_models::{Qwen3, Qwen3Config};
 use wavefront_schemes::SchemeError;
 
@@ -84,45 +86,51 @@ pub fn random_model(
     let d = cfg.hidden_size as f64;
     let a = (3.0 / d).sqrt() as f32;
     let direction = uniform(&mut rng, cfg.hidden_size, a);
-    let vb = var_builder(cfg.checkpoint_tensors(), device, dtype, |name, shape| {
-        let n = shape.iter().product();
-        if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else {
-            let layer = name
-                .split('.')
-                .nth(2)
-                .and_then(|l| l.parse::<f64>().ok())
-                .unwrap_or(0.0);
-            let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-                1.0 / (2.0 * d * (layer + 1.0)).sqrt()
+    let mut t = tensors_init(
+        cfg.checkpoint_tensors(),
+        device,
+        dtype,
+        &mut rng,
+        |name, _| {
+            if name.ends_with("norm.weight") {
+                Init::Const(1.0)
             } else {
-                1.0 / d.sqrt()
-            };
-            let scale = if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
-                qk_scale
-            } else if name == "lm_head.weight" {
-                head_scale
-            } else {
-                1.0
-            };
-            let mut w = uniform_with_std(&mut rng, n, std * scale);
-            if consensus > 0.0 {
-                let e = cfg.hidden_size;
-                if name == "model.embed_tokens.weight" {
-                    for row in w.chunks_mut(e) {
-                        for (x, u) in row.iter_mut().zip(&direction) {
-                            *x += consensus as f32 * u;
-                        }
-                    }
+                let layer = name
+                    .split('.')
+                    .nth(2)
+                    .and_then(|l| l.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+                let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                    1.0 / (2.0 * d * (layer + 1.0)).sqrt()
+                } else {
+                    1.0 / d.sqrt()
+                };
+                let scale = if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
+                    qk_scale
                 } else if name == "lm_head.weight" {
-                    for (x, u) in w[..e].iter_mut().zip(&direction) {
-                        *x = (head_scale * d.sqrt()) as f32 * u;
-                    }
-                }
+                    head_scale
+                } else {
+                    1.0
+                };
+                Init::Uniform(std * scale)
             }
-            w
+        },
+    )?;
+    if consensus > 0.0 {
+        let u = Tensor::from_vec(direction, (1, cfg.hidden_size), device)?.to_dtype(dtype)?;
+        let embed = "model.embed_tokens.weight";
+        if let Some(w) = t.remove(embed) {
+            t.insert(embed.to_owned(), w.broadcast_add(&(&u * consensus)?)?);
         }
-    })?;
+        if let Some(w) = t.remove("lm_head.weight") {
+            let rest = w.narrow(0, 1, w.dim(0)? - 1)?;
+            let first = (&u * (head_scale * d.sqrt()))?;
+            t.insert(
+                "lm_head.weight".to_owned(),
+                Tensor::cat(&[&first, &rest], 0)?,
+            );
+        }
+    }
+    let vb = VarBuilder::from_tensors(t, dtype, device);
     Ok(Qwen3::load(vb, cfg.clone())?)
 }
