@@ -21,6 +21,12 @@
 #   scripts/gpu-suite.sh open      the GPU findings still open (docs/benchmarks.md): Huginn's
 #                                  zero-init diffusion case alone, five times (does its result
 #                                  change between runs?), and the Dream joining test alone
+#   scripts/gpu-suite.sh lease     one lease's worth, most needed first, each step bounded: the
+#                                  kernels against their references, bench-ragged (split-key
+#                                  against one-warp attention), the open findings, the golden
+#                                  suites, the layer-shape benches through the ragged kernel,
+#                                  DiffusionGemma, then the full-depth figures (run it with
+#                                  DEADLINE set so it ends inside the call)
 #
 # Each step's output goes to RESULTS/<step>.log (RESULTS: default $OUT when the device tool sets
 # it, else gpu-results/), and one line per step with its exit status and seconds to
@@ -59,6 +65,11 @@ step() {
   shift
   if [ "$SECONDS" -ge "$DEADLINE" ]; then
     printf '%-40s skipped (deadline)\n' "$name" | tee -a "$RESULTS/summary.txt"
+    return
+  fi
+  if [ ! -x "$1" ]; then
+    # Not in this call's archive (the binaries may travel in two parts).
+    printf '%-40s absent\n' "$name" | tee -a "$RESULTS/summary.txt"
     return
   fi
   local t0=$SECONDS
@@ -170,6 +181,73 @@ figures() {
   done
 }
 
+lease() {
+  local b=$BIN t
+  for t in "$BIN"/test-cuda-*; do
+    [ -e "$t" ] && LIMIT=60 step "$(basename "$t")" "$t" --test-threads 1
+  done
+  [ -x "$b/bench-ragged" ] && LIMIT=60 step bench-ragged "$b/bench-ragged"
+  for t in "$BIN"/test-huginn_diffusion_golden-*; do
+    for i in 1 2 3; do
+      LIMIT=40 step "zeroinit-alone-$i" "$t" --test-threads 1 --exact diffusion_cases_one_at_a_time
+    done
+  done
+  for t in "$BIN"/test-wavefront_schemes-*; do
+    LIMIT=60 step dream-joining-alone "$t" --test-threads 1 --nocapture \
+      masked_diffusion::dream_tests::served_requests_joining_a_running_batch_match_their_runs_alone
+  done
+  # LLaDA's goldens one test at a time first (a run of them side by side once did not finish:
+  # the log names the test that was running).
+  for t in "$BIN"/test-llada_golden-*; do
+    LIMIT=60 step llada-golden-one-at-a-time "$t" --test-threads 1
+  done
+  # The golden suites side by side (both attention kernels: the ragged one is split-key now).
+  for t in "$BIN"/test-*; do
+    case $(basename "$t") in
+      test-cuda-*|test-nccl-*|test-hostile_files-*|test-reference-*|test-bench_ragged-*) continue ;;
+      test-llada_golden-*) continue ;;
+    esac
+    LIMIT=120 step "$(basename "$t")" "$t" --test-threads 4 &
+  done
+  wait
+  LIMIT=60 step refusion-qwen3-8b-8l-c2-ragged "$b/bench-slot-diffusion" --device cuda:0 \
+    --dtype bf16 --hidden-size 4096 --num-attention-heads 32 --num-key-value-heads 8 \
+    --head-dim 128 --num-hidden-layers 8 --intermediate-size 12288 --vocab-size 151936 \
+    --gen-length 256 --concurrency 1,8 --consensus 2 --attention ragged
+  LIMIT=60 step llada-8b-8l-ragged "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
+    --d-model 4096 --n-heads 32 --n-layers 8 --mlp-hidden-size 12288 --vocab-size 126464 \
+    --qk-scale 1 --gen-length 256 --block-length 32 --concurrency 1,8 --attention ragged
+  # DiffusionGemma-26B-A4B's single forwards (a denoising step over a 4k prompt's cache, the
+  # prompt's encoder pass) through both attention kernels: the full layers' heads of 512 go
+  # through the split-key kernel.
+  for attention in sdpa ragged; do
+    LIMIT=75 step "diffusion-gemma-26b-a4b-forwards-$attention" "$b/bench-diffusion-gemma" \
+      --real --device cuda:0 --dtype bf16 --prompt-len 4096 --forwards-only \
+      --attention "$attention"
+  done
+  # Full depth, weights drawn on the device.
+  LIMIT=90 step llada-8b-ragged "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
+    --d-model 4096 --n-heads 32 --n-layers 32 --mlp-hidden-size 12288 --vocab-size 126464 \
+    --qk-scale 1 --gen-length 256 --block-length 32 --concurrency 1,8 --attention ragged
+  LIMIT=90 step refusion-qwen3-8b-c2-ragged "$b/bench-slot-diffusion" --device cuda:0 \
+    --dtype bf16 --hidden-size 4096 --num-attention-heads 32 --num-key-value-heads 8 \
+    --head-dim 128 --num-hidden-layers 36 --intermediate-size 12288 --vocab-size 151936 \
+    --gen-length 256 --concurrency 1,8 --consensus 2 --attention ragged
+  LIMIT=90 step armt-llama-3.2-1b "$b/bench-recurrent-memory" --device cuda:0 --dtype bf16 \
+    --layers 16 --hidden-size 2048 --heads 32 --kv-heads 8 --intermediate-size 8192 \
+    --vocab-size 128256 --segment-size 1024 --lengths 32768 --concurrent 8 \
+    --concurrent-length 8192
+  LIMIT=120 step huginn-0125 "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 \
+    --n-embd 5280 --n-heads 55 --intermediate-size 17920 --vocab-size 65536 \
+    --max-new-tokens 32 --batched-max-new-tokens 16 --repeat 1 --concurrency 1,16 \
+    --memory-budget-mb 24000
+  LIMIT=90 step llada2-mini-ragged "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
+    --hidden-size 2048 --heads 16 --kv-heads 4 --layers 20 --intermediate-size 5120 \
+    --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
+    --gen-length 256 --block-length 32 --steps 32 --concurrency 1,8 --rows 32,256 \
+    --attention ragged
+}
+
 open_findings() {
   local t
   for t in "$BIN"/test-huginn_diffusion_golden-*; do
@@ -191,5 +269,6 @@ case $WHAT in
   all) checks; figures ;;
   open) open_findings ;;
   gemma) gemma ;;
-  *) echo "usage: $0 checks|quick|figures|all|open|gemma" >&2; exit 2 ;;
+  lease) lease ;;
+  *) echo "usage: $0 checks|quick|figures|all|open|gemma|lease" >&2; exit 2 ;;
 esac
