@@ -123,6 +123,10 @@ variant_values = {
         {"name": "host", "replicas": 1, "model": {"path": "/models/m", "hostPath": {"path": "/srv/models"}},
          "runtimeClassName": "nvidia", "device": "cuda:1", "dtype": "bf16",
          "resources": {"limits": {"nvidia.com/gpu": 1}}},
+        # One worker over four GPUs of its node (deploy/README.md).
+        {"name": "tp", "device": "cuda:0", "dtype": "bf16", "tensorParallel": 4,
+         "collective": "nccl", "attention": "ragged", "runtimeClassName": "nvidia",
+         "resources": {"limits": {"nvidia.com/gpu": 4}}},
         {"name": "parked", "replicas": 0},
     ],
 }
@@ -144,6 +148,12 @@ bad_values = {
     "sampling ratio above 1": {"tracing": {"samplingRatio": 2}},
     "serviceMonitor without metrics": {"serviceMonitor": {"enabled": True}, "metrics": {"enabled": False}},
     "no workers at all": {"workers": []},
+    "tensorParallel above the GPUs the pod asks for": {
+        "workers": [{"name": "a", "device": "cuda:1", "tensorParallel": 4,
+                     "resources": {"limits": {"nvidia.com/gpu": 4}}}]},
+    "collective nccl on the cpu": {"workers": [{"name": "a", "collective": "nccl"}]},
+    "collective outside auto|local|nccl": {"workers": [{"name": "a", "collective": "mpi"}]},
+    "tensorParallel below 1": {"workers": [{"name": "a", "tensorParallel": 0}]},
 }
 
 for label, values in [("default", None), ("production", prod_values)]:
@@ -195,6 +205,18 @@ for label, values in [("default", None), ("production", prod_values), ("variants
     check(f"render {label} ({len(objs)} objects -> {manifest})", bool(objs) and "port-forward" in notes
           and "grpcurl" in notes, "no objects or NOTES lack port-forward/grpcurl")
     rendered[label] = objs
+
+# The tensor-parallel worker's settings reach its environment.
+tp = [o for o in rendered.get("variants", []) if o.get("kind") == "ConfigMap"
+      and o["metadata"].get("labels", {}).get("wavefront.dev/worker-set") == "tp"]
+tp_env = tp[0].get("data", {}) if tp else {}
+check("tensor-parallel worker: WAVEFRONT_TENSOR_PARALLEL=4, COLLECTIVE=nccl, ATTENTION=ragged",
+      tp_env.get("WAVEFRONT_TENSOR_PARALLEL") == "4" and tp_env.get("WAVEFRONT_COLLECTIVE") == "nccl"
+      and tp_env.get("WAVEFRONT_ATTENTION") == "ragged", f"env {tp_env}")
+one = [o for o in rendered.get("default", []) if o.get("kind") == "ConfigMap"
+       and "wavefront.dev/worker-set" in o["metadata"].get("labels", {})]
+check("default workers: no tensor-parallel setting",
+      one and all("WAVEFRONT_TENSOR_PARALLEL" not in o.get("data", {}) for o in one), "set")
 
 # ---------------------------------------------------- kubernetes-validate ---
 print("== kubernetes-validate --strict")

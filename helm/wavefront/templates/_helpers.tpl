@@ -183,6 +183,15 @@ WAVEFRONT_DEVICE: {{ $w.device | quote }}
 {{- if $w.dtype }}
 WAVEFRONT_DTYPE: {{ $w.dtype | quote }}
 {{- end }}
+{{- if gt (int (default 1 $w.tensorParallel)) 1 }}
+WAVEFRONT_TENSOR_PARALLEL: {{ $w.tensorParallel | int64 | toString | quote }}
+{{- end }}
+{{- if $w.collective }}
+WAVEFRONT_COLLECTIVE: {{ $w.collective | quote }}
+{{- end }}
+{{- if $w.attention }}
+WAVEFRONT_ATTENTION: {{ $w.attention | quote }}
+{{- end }}
 WAVEFRONT_MEMORY_BUDGET_MB: {{ $w.memoryBudgetMb | int64 | toString | quote }}
 {{- if $w.kvReserve }}
 WAVEFRONT_KV_RESERVE: {{ $w.kvReserve | quote }}
