@@ -101,13 +101,17 @@ pub fn one_after_another(
     Ok((outs, started.elapsed()))
 }
 
-/// Median seconds of `f` over `n` runs after one warm-up.
-pub fn median_secs(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Median seconds of `f` over `n` runs after one warm-up, each ending when `device` has run
+/// the work `f` queued.
+pub fn median_secs(device: &Device, n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
+    device.synchronize()?;
     let mut t = Vec::with_capacity(n);
     for _ in 0..n {
         let start = Instant::now();
         f()?;
+        // A GPU's work is queued: the time counts until it has run.
+        device.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
     t.sort_by(f64::total_cmp);

@@ -182,11 +182,11 @@ fn forward_table(a: &Args, shape: &synthetic::Shape) -> Result<()> {
     for &n in &rows {
         eprintln!("forward of {n} rows...");
         let ids = run::random_prompt(a.seed, n as u64, n, 0..(a.vocab_size - 1) as u32);
-        let packed = run::median_secs(5, || {
+        let packed = run::median_secs(&device, 5, || {
             model.forward(&ids, &mut [SeqInput::dense(n)])?;
             Ok(())
         })?;
-        let looped = run::median_secs(3, || {
+        let looped = run::median_secs(&device, 3, || {
             for &id in &ids {
                 model.forward(&[id], &mut [SeqInput::dense(1)])?;
             }

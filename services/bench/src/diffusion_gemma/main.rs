@@ -215,7 +215,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
     let prompt = run::random_prompt(a.seed, 0, p, 0..s.vocab_size as u32);
     let canvas = run::random_prompt(a.seed, 1, l, 0..s.vocab_size as u32);
     let mut cache = KvCache::new();
-    let encode = run::median_secs(5, || {
+    let encode = run::median_secs(&device, 5, || {
         cache.clear();
         model.forward(&mut [DgSeq::encode(prompt.clone(), 0, &mut cache)])?;
         Ok(())
@@ -225,7 +225,7 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         wavefront_models::candle_core::DType::F32,
         &device,
     )?)?;
-    let denoise = run::median_secs(9, || {
+    let denoise = run::median_secs(&device, 9, || {
         let h = model.forward(&mut [DgSeq::denoise(
             canvas.clone(),
             p,
@@ -273,11 +273,11 @@ fn forward_table(a: &Args, s: &synthetic::Shape) -> Result<()> {
         model.logits(&h)?
     };
     let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-    let stats = run::median_secs(9, || {
+    let stats = run::median_secs(&device, 9, || {
         wavefront_models::transformer::cpu::row_entropy(&host, s.vocab_size)?;
         Ok(())
     })?;
-    let sc = run::median_secs(9, || {
+    let sc = run::median_secs(&device, 9, || {
         model.soft_embedding(&logits)?;
         Ok(())
     })?;
@@ -335,7 +335,7 @@ fn llada2_step(
         };
         other.forward(&ids2[..prefix], &mut [seq])?;
     }
-    run::median_secs(9, || {
+    run::median_secs(&device, 9, || {
         c2.truncate(prefix)?;
         let mut seq = block(prefix, l);
         seq.keys = Keys::Buffer {
