@@ -335,7 +335,7 @@ fn llada2_step(
         };
         other.forward(&ids2[..prefix], &mut [seq])?;
     }
-    run::median_secs(&device, 9, || {
+    run::median_secs(device, 9, || {
         c2.truncate(prefix)?;
         let mut seq = block(prefix, l);
         seq.keys = Keys::Buffer {
