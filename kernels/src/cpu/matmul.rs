@@ -52,6 +52,12 @@ pub enum WeightDtype {
     /// widened to float32 in registers and the channel's scale applied to its sum: a quarter of
     /// float32's bytes to stream.
     Int8,
+    /// 8-bit weights as [`WeightDtype::Int8`] times activations quantised to 8 bits per row at
+    /// each product (symmetric, `max |x| / 127`), the products summed exactly in 32-bit
+    /// integers and scaled once per output: AVX512-VNNI's `vpdpbusd` where the CPU has it, the
+    /// same integer sums elsewhere, so every path gives the same bits. At most
+    /// [`INT8_DOT_MAX_K`] inputs (the integer sums stay within 32 bits).
+    Int8Dot,
     /// 4-bit integers (`-7..=7`) with one float32 scale per output channel and group of
     /// [`Q4_GROUP`] consecutive inputs (symmetric, `max |w| / 7` over the group), dequantised in
     /// registers: an eighth of float32's bytes plus the scales.
@@ -60,6 +66,9 @@ pub enum WeightDtype {
 
 /// Inputs (`k`) per scale of [`WeightDtype::Q4`].
 pub const Q4_GROUP: usize = 32;
+
+/// Most inputs of a [`WeightDtype::Int8Dot`] weight: `65536 · 255 · 127` fits an `i32`.
+pub const INT8_DOT_MAX_K: usize = 65_536;
 
 #[derive(Debug, Clone)]
 enum Store {
@@ -75,6 +84,15 @@ enum Store {
         values: Vec<i8>,
         scales: Vec<f32>,
     },
+    /// Panel `p` as `[ceil(k / 4)][NR]` words, word `(j, c)` holding the 8-bit weights of rows
+    /// `4j .. 4j + 4` of column `c` (row `4j` in the low byte, 0 past `k`): what one `vpdpbusd`
+    /// lane multiplies. Each output column's scale and the sum of its quantised weights
+    /// (`panels · NR`).
+    I8Quads {
+        words: Vec<u32>,
+        scales: Vec<f32>,
+        sums: Vec<i32>,
+    },
     /// Panel `p` as `[k][NR / 2]` bytes, byte `b` of row `kk` holding column `b` in its low
     /// nibble and column `b + 16` in its high nibble (each `q + 8`), and per panel the scales
     /// `[ceil(k / Q4_GROUP)][NR]`.
@@ -87,6 +105,46 @@ enum Store {
 /// `(lo, hi)` as one word of two bfloat16.
 fn bf16_pair(lo: f32, hi: f32) -> u32 {
     u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16)
+}
+
+/// Whether this CPU multiplies 8-bit quads (`avx512vnni`).
+pub fn has_int8_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// One scale per output channel (`panels · NR`): `max |w| / 127` over the channel's inputs, 1
+/// for a channel of zeros (and the padding past `n`).
+fn channel_scales(w: &[f32], n: usize, k: usize, panels: usize) -> Vec<f32> {
+    (0..panels * NR)
+        .map(|row| {
+            let max = if row < n {
+                w[row * k..(row + 1) * k]
+                    .iter()
+                    .fold(0f32, |m, v| m.max(v.abs()))
+            } else {
+                0.0
+            };
+            if max > 0.0 && max.is_finite() {
+                max / 127.0
+            } else {
+                1.0
+            }
+        })
+        .collect()
+}
+
+/// `v / scale` rounded to an 8-bit integer in `-127..=127`.
+fn quantize8(v: f32, scale: f32) -> i8 {
+    (v / scale).round().clamp(-127.0, 127.0) as i8
 }
 
 /// Whether this CPU multiplies bfloat16 pairs (`avx512bf16`).
@@ -179,32 +237,46 @@ impl PackedWeight {
                 Store::Bf16Pairs(out)
             }
             WeightDtype::Int8 => {
-                let scales: Vec<f32> = (0..panels * NR)
-                    .map(|row| {
-                        let max = if row < n {
-                            w[row * k..(row + 1) * k]
-                                .iter()
-                                .fold(0f32, |m, v| m.max(v.abs()))
-                        } else {
-                            0.0
-                        };
-                        if max > 0.0 && max.is_finite() {
-                            max / 127.0
-                        } else {
-                            1.0
-                        }
-                    })
-                    .collect();
+                let scales = channel_scales(w, n, k, panels);
                 let mut values = Vec::with_capacity(len);
                 for p in 0..panels {
                     for kk in 0..k {
-                        values.extend((0..NR).map(|c| {
-                            let q = (at(p, kk, c) / scales[p * NR + c]).round();
-                            q.clamp(-127.0, 127.0) as i8
-                        }));
+                        values.extend((0..NR).map(|c| quantize8(at(p, kk, c), scales[p * NR + c])));
                     }
                 }
                 Store::I8 { values, scales }
+            }
+            WeightDtype::Int8Dot => {
+                check(k <= INT8_DOT_MAX_K, || {
+                    format!(
+                        "int8-dot weights take at most {INT8_DOT_MAX_K} inputs, this one has {k}"
+                    )
+                })?;
+                let scales = channel_scales(w, n, k, panels);
+                let kq = k.div_ceil(4);
+                let mut words = Vec::with_capacity(panels * kq * NR);
+                let mut sums = vec![0i32; panels * NR];
+                for p in 0..panels {
+                    for j in 0..kq {
+                        words.extend((0..NR).map(|c| {
+                            let mut word = 0u32;
+                            for b in 0..4 {
+                                let kk = 4 * j + b;
+                                if kk < k {
+                                    let q = quantize8(at(p, kk, c), scales[p * NR + c]);
+                                    sums[p * NR + c] += i32::from(q);
+                                    word |= u32::from(q as u8) << (8 * b);
+                                }
+                            }
+                            word
+                        }));
+                    }
+                }
+                Store::I8Quads {
+                    words,
+                    scales,
+                    sums,
+                }
             }
             WeightDtype::Q4 => {
                 let groups = k.div_ceil(Q4_GROUP);
@@ -275,6 +347,7 @@ impl PackedWeight {
             Store::Bf16(_) => WeightDtype::Bf16,
             Store::Bf16Pairs(_) => WeightDtype::Bf16Dot,
             Store::I8 { .. } => WeightDtype::Int8,
+            Store::I8Quads { .. } => WeightDtype::Int8Dot,
             Store::Q4 { .. } => WeightDtype::Q4,
         }
     }
@@ -286,6 +359,11 @@ impl PackedWeight {
             Store::Bf16(v) => v.len() * 2,
             Store::Bf16Pairs(v) => v.len() * 4,
             Store::I8 { values, scales } => values.len() + scales.len() * 4,
+            Store::I8Quads {
+                words,
+                scales,
+                sums,
+            } => words.len() * 4 + scales.len() * 4 + sums.len() * 4,
             Store::Q4 { nibbles, scales } => nibbles.len() + scales.len() * 4,
         }
     }
@@ -324,6 +402,12 @@ impl PackedWeight {
                 let word = v[(j / NR) * self.k.div_ceil(2) * NR + (kk / 2) * NR + j % NR];
                 *o = bf16_to_f32((word >> (16 * (kk % 2))) as u16);
             }),
+            Store::I8Quads { words, scales, .. } => {
+                out.iter_mut().enumerate().for_each(|(kk, o)| {
+                    let word = words[(j / NR) * self.k.div_ceil(4) * NR + (kk / 4) * NR + j % NR];
+                    *o = f32::from((word >> (8 * (kk % 4))) as u8 as i8) * scales[j];
+                })
+            }
         }
         Ok(())
     }
@@ -387,6 +471,15 @@ pub fn linear_with(
     }
     if let Store::Bf16Pairs(words) = &w.store {
         return bf16_dot(isa, threads, x, m, k, n, words, bias, y);
+    }
+    if let Store::I8Quads {
+        words,
+        scales,
+        sums,
+    } = &w.store
+    {
+        let dot = has_int8_dot() && isa == Isa::Avx512;
+        return int8_dot(dot, threads, x, m, k, n, (words, scales, sums), bias, y);
     }
     let panels = n.div_ceil(NR);
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
@@ -540,7 +633,9 @@ unsafe fn run_block(
                                 &scales[(p * groups + k0 / Q4_GROUP) * NR..(p + 1) * groups * NR];
                             q4_tile(isa, mr, at, kb, nb, sc, acc, start)
                         }
-                        Store::Bf16Pairs(_) => unreachable!("bf16 pairs take their own path"),
+                        Store::Bf16Pairs(_) | Store::I8Quads { .. } => {
+                            unreachable!("bf16 pairs and int8 quads take their own paths")
+                        }
                     }
                 }
             }
@@ -1028,6 +1123,170 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     store_tile_avx512(&acc, tile, start);
 }
 
+/// Rows of `x` quantised for [`WeightDtype::Int8Dot`]: per row its scale (`max |x| / 127`;
+/// NaN when the row holds a value that is not finite, so its outputs are NaN as in float32)
+/// and its values `q + 128` (unsigned, what `vpdpbusd` takes) four to a word, row-major
+/// `[m][ceil(k / 4)]`; 128 (zero) past `k`.
+fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
+    let kq = k.div_ceil(4);
+    let mut scales = Vec::with_capacity(m);
+    let mut quads = Vec::with_capacity(m * kq);
+    for row in x.chunks(k).take(m) {
+        let finite = row.iter().all(|v| v.is_finite());
+        let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let s = if !finite {
+            f32::NAN
+        } else if max > 0.0 {
+            max / 127.0
+        } else {
+            1.0
+        };
+        scales.push(s);
+        let q = |kk: usize| -> u32 {
+            if kk < k && finite {
+                (i32::from(quantize8(row[kk], s)) + 128) as u32
+            } else {
+                128
+            }
+        };
+        quads.extend(
+            (0..kq).map(|j| q(4 * j) | q(4 * j + 1) << 8 | q(4 * j + 2) << 16 | q(4 * j + 3) << 24),
+        );
+    }
+    (scales, quads)
+}
+
+/// Rows per register tile of the int8 path.
+const MR_INT8: usize = 4;
+
+/// [`WeightDtype::Int8Dot`]: every row quantised, its integer products with a panel summed in
+/// `i32` by `vpdpbusd` (`dot`) or in plain integer arithmetic (the same sums), then
+/// `(sum − 128 · Σ w) · s_x · s_w (+ bias)` per output.
+#[allow(clippy::too_many_arguments)]
+fn int8_dot(
+    dot: bool,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    (words, scales, sums): (&[u32], &[f32], &[i32]),
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let kq = k.div_ceil(4);
+    let panels = n.div_ceil(NR);
+    let (row_scales, quads) = quantize_rows(x, m, k);
+    let tiles: Vec<(usize, usize)> = (0..m)
+        .step_by(MR_INT8)
+        .map(|i| (i, MR_INT8.min(m - i)))
+        .collect();
+    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let yp = SendPtr(y.as_mut_ptr());
+    let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
+        let mut acc = [[0i32; NR]; MR_INT8];
+        for p in panels {
+            let cols = NR.min(n - p * NR);
+            let panel = &words[p * kq * NR..(p + 1) * kq * NR];
+            for &(i, mr) in tiles {
+                int8_tile(dot, mr, &quads[i * kq..(i + mr) * kq], kq, panel, &mut acc);
+                for (r, acc) in acc.iter().enumerate().take(mr) {
+                    let sx = row_scales[i + r];
+                    // SAFETY: every task writes the outputs of its own panels and rows only.
+                    let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
+                    for (c, &sum) in acc.iter().enumerate().take(cols) {
+                        let j = p * NR + c;
+                        let mut v = (sum - 128 * sums[j]) as f32 * (sx * scales[j]);
+                        if let Some(b) = bias {
+                            v += b[j];
+                        }
+                        // SAFETY: as above.
+                        unsafe { *out.add(c) = v };
+                    }
+                }
+            }
+        }
+    };
+    if threads <= 1 {
+        run(0..panels, &tiles);
+    } else if panels >= threads {
+        let parts: Vec<_> = split(panels, threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
+    } else {
+        let parts: Vec<_> = split(tiles.len(), threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
+    }
+    Ok(())
+}
+
+/// One `mr x NR` tile of the int8 path: `a` holds `mr` rows of `kq` quads (row-major).
+fn int8_tile(
+    dot: bool,
+    mr: usize,
+    a: &[u32],
+    kq: usize,
+    panel: &[u32],
+    acc: &mut [[i32; NR]; MR_INT8],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot {
+        macro_rules! by_rows {
+            ($($m:literal)*) => {
+                match mr {
+                    // SAFETY: `dot` says the CPU has AVX512-VNNI.
+                    $($m => unsafe { int8_tile_avx512::<$m>(a, kq, panel, acc) },)*
+                    _ => unreachable!("tile of {mr} rows"),
+                }
+            };
+        }
+        return by_rows!(1 2 3 4);
+    }
+    let _ = dot;
+    for (r, acc) in acc.iter_mut().enumerate().take(mr) {
+        acc.fill(0);
+        for j in 0..kq {
+            let av = a[r * kq + j];
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let w = panel[j * NR + c];
+                for b in 0..4 {
+                    let xa = ((av >> (8 * b)) & 0xFF) as i32;
+                    let wb = i32::from((w >> (8 * b)) as u8 as i8);
+                    *acc += xa * wb;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn int8_tile_avx512<const MR: usize>(
+    a: &[u32],
+    kq: usize,
+    panel: &[u32],
+    acc_out: &mut [[i32; NR]; MR_INT8],
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_si512(); 2]; MR];
+    let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    for j in 0..kq {
+        _mm_prefetch::<_MM_HINT_T0>(
+            (bp.wrapping_add(j * NR) as *const i8).wrapping_add(PREFETCH_BYTES),
+        );
+        let b0 = _mm512_loadu_si512(bp.add(j * NR) as *const _);
+        let b1 = _mm512_loadu_si512(bp.add(j * NR + 16) as *const _);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let av = _mm512_set1_epi32(*ap.add(r * kq + j) as i32);
+            acc[0] = _mm512_dpbusd_epi32(acc[0], av, b0);
+            acc[1] = _mm512_dpbusd_epi32(acc[1], av, b1);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        _mm512_storeu_si512(acc_out[r].as_mut_ptr() as *mut _, acc[0]);
+        _mm512_storeu_si512(acc_out[r].as_mut_ptr().add(16) as *mut _, acc[1]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1221,6 +1480,89 @@ mod tests {
         let mut all = vec![0f32; m * n];
         linear(x, m, packed, Some(bias), &mut all).unwrap();
         assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+    }
+
+    /// The int8 dot-product path against its definition computed here independently: weights
+    /// and each row of activations quantised symmetrically to -127..=127, the integer products
+    /// summed in 64 bits, times the two scales, plus the bias; bit for bit on every instruction
+    /// set (VNNI where the CPU has it) and thread count, a row's result whatever rows share its
+    /// call, `k` not a multiple of 4, ragged panels, rows of zeros and of non-finite values.
+    #[test]
+    fn int8_dot_products_match_their_definition_on_every_path() {
+        if !has_int8_dot() {
+            eprintln!("this CPU has no AVX512-VNNI: only the integer path is compared");
+        }
+        for &(m, n, k) in &[
+            (1, 70, 257),
+            (3, 33, 100),
+            (4, 64, 64),
+            (9, 40, 5),
+            (6, 96, 1030),
+        ] {
+            let mut x = data(m * k, (m * 7 + k) as u32);
+            let w = data(n * k, (n + 3 * k) as u32);
+            let bias = data(n, 5);
+            if m >= 3 {
+                x[k..2 * k].fill(0.0);
+                x[2 * k + 1] = f32::INFINITY;
+            }
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Int8Dot).unwrap();
+            assert_eq!(packed.dtype(), WeightDtype::Int8Dot);
+            let scale = |v: &[f32]| {
+                let max = v.iter().fold(0f32, |a, v| a.max(v.abs()));
+                if max > 0.0 {
+                    max / 127.0
+                } else {
+                    1.0
+                }
+            };
+            let q = |v: f32, s: f32| (v / s).round().clamp(-127.0, 127.0) as i64;
+            let mut want = vec![0f32; m * n];
+            for i in 0..m {
+                let row = &x[i * k..(i + 1) * k];
+                let sx = if row.iter().all(|v| v.is_finite()) {
+                    scale(row)
+                } else {
+                    f32::NAN
+                };
+                for j in 0..n {
+                    let wr = &w[j * k..(j + 1) * k];
+                    let sw = scale(wr);
+                    let dot: i64 = (0..k).map(|kk| q(row[kk], sx) * q(wr[kk], sw)).sum();
+                    want[i * n + j] = dot as f32 * (sx * sw) + bias[j];
+                }
+            }
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    let mut y = vec![0f32; m * n];
+                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{isa:?} x{threads} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            let mut alone = vec![0f32; n];
+            linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
+            let mut all = vec![0f32; m * n];
+            linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone), bits(&all[(m - 1) * n..]), "m={m} n={n} k={k}");
+            // The stored weight: each value its channel's quantised one.
+            let stored = packed.unpack();
+            for j in 0..n {
+                let sw = scale(&w[j * k..(j + 1) * k]);
+                for kk in 0..k {
+                    assert_eq!(stored[j * k + kk], q(w[j * k + kk], sw) as f32 * sw);
+                }
+            }
+        }
+        let too_long = vec![0f32; INT8_DOT_MAX_K + 1];
+        assert!(
+            PackedWeight::pack(&too_long, 1, INT8_DOT_MAX_K + 1, WeightDtype::Int8Dot).is_err()
+        );
     }
 
     /// The bfloat16 dot-product path: activations and weights rounded to bfloat16, products

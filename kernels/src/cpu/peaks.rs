@@ -91,6 +91,36 @@ unsafe fn dot_bf16_avx512(iters: usize) -> f64 {
     (iters * 12 * 16 * 4) as f64
 }
 
+/// Integer operations per second of 8-bit products (`vpdpbusd`: 4 products and 4 additions per
+/// 32-bit lane, counted as FLOPs are) on every pool thread, operands in registers; `None` where
+/// the CPU has no AVX512-VNNI.
+pub fn int8_dot_peak(seconds: f64) -> Option<f64> {
+    if !super::matmul::has_int8_dot() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX512-VNNI (checked above).
+    return Some(rate(seconds, || unsafe { dot_int8_avx512(1 << 22) }));
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dot_int8_avx512(iters: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm512_setzero_si512(); 12];
+    let b = _mm512_set1_epi32(0x0101_0101);
+    let c = _mm512_set1_epi32(0x0102_0304);
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, b, c);
+        }
+    }
+    std::hint::black_box(a);
+    (iters * 12 * 16 * 8) as f64
+}
+
 fn sum(isa: Isa, x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]

@@ -41,8 +41,9 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 
 /// How CPU weights are stored, from the name `--weight-dtype` takes (`f32`, `bf16`,
 /// `bf16-dot`: bf16 weights times activations rounded to bf16, float32 accumulation, or
-/// `int8`: 8-bit weights with per-channel scales, or `q4`: 4-bit weights with a scale per
-/// channel and group of 32 inputs; float32 arithmetic for both).
+/// `int8`: 8-bit weights with per-channel scales, float32 arithmetic, or `int8-dot`: the same
+/// weights times activations quantised to 8 bits per row, integer products (VNNI), or `q4`:
+/// 4-bit weights with a scale per channel and group of 32 inputs, float32 arithmetic).
 pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
     use crate::transformer::WeightDtype;
     match s {
@@ -50,9 +51,10 @@ pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
         "bf16" => Ok(WeightDtype::Bf16),
         "bf16-dot" => Ok(WeightDtype::Bf16Dot),
         "int8" => Ok(WeightDtype::Int8),
+        "int8-dot" => Ok(WeightDtype::Int8Dot),
         "q4" => Ok(WeightDtype::Q4),
         _ => Err(ModelError::Device(format!(
-            "weight-dtype must be f32, bf16, bf16-dot, int8 or q4, got {s:?}"
+            "weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot or q4, got {s:?}"
         ))),
     }
 }
@@ -67,7 +69,7 @@ pub fn check_weight_dtype(
     if weights != crate::transformer::WeightDtype::F32 && (!device.is_cpu() || dtype != DType::F32)
     {
         return Err(ModelError::Device(
-            "weight-dtype bf16, bf16-dot, int8 or q4 stores CPU weights for the CPU kernels; it needs \
+            "weight-dtype bf16, bf16-dot, int8, int8-dot or q4 stores CPU weights for the CPU kernels; it needs \
              --device cpu and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
                 .into(),
         ));

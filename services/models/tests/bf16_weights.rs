@@ -32,13 +32,17 @@ fn files(name: &str) -> Result<ModelFiles> {
 
 /// How many [`MAX_RELATIVE`]s a storage may move the logits: bf16 weights 1; bf16 products 2
 /// (the activations rounded too); int8 weights 5 (a channel's small weights quantised against
-/// its largest: LLaDA's fixture, the most sensitive, moves 9% where bf16 weights move 2%).
+/// its largest: LLaDA's fixture, the most sensitive, moves 9% where bf16 weights move 2%);
+/// int8 products 8 (each row's activations quantised too).
 fn allowance(family: &str) -> f32 {
     if family.contains("Q4") {
         // 4 bits: a step 18 times int8's (groups of 32 recover some of it). These random-weight
         // fixtures amplify it through their layers (24-64% of the largest logit); the bound
         // only catches a broken path (NaN, a wrong scale).
         50.0
+    } else if family.contains("Int8Dot") {
+        // The activations quantised to 8 bits per row too (LLaDA's fixture moves 15.5%).
+        8.0
     } else if family.contains("Int8") {
         5.0
     } else if family.contains("Dot") {
@@ -49,10 +53,11 @@ fn allowance(family: &str) -> f32 {
 }
 
 /// Every storage compared with float32.
-const STORAGES: [WeightDtype; 4] = [
+const STORAGES: [WeightDtype; 5] = [
     WeightDtype::Bf16,
     WeightDtype::Bf16Dot,
     WeightDtype::Int8,
+    WeightDtype::Int8Dot,
     WeightDtype::Q4,
 ];
 
