@@ -130,7 +130,7 @@ fn main() -> Result<()> {
     let bytes_per = match wdt {
         WeightDtype::F32 => 4.0,
         WeightDtype::Bf16 | WeightDtype::Bf16Dot => 2.0,
-        WeightDtype::Int8 => 1.0,
+        WeightDtype::Int8 | WeightDtype::Int8Dot => 1.0,
         // Half a byte and a 4-byte scale per 32.
         WeightDtype::Q4 => 0.5 + 4.0 / 32.0,
     };
@@ -153,14 +153,15 @@ fn main() -> Result<()> {
     );
     // The peaks are measured before and after the shapes, three times each, and the medians
     // kept: on a shared machine one reading can be far off.
-    let mut peak_runs: Vec<(f64, f64, f64)> = Vec::new();
-    let measure_peaks = |runs: &mut Vec<(f64, f64, f64)>| {
+    let mut peak_runs: Vec<(f64, f64, f64, f64)> = Vec::new();
+    let measure_peaks = |runs: &mut Vec<(f64, f64, f64, f64)>| {
         if !a.no_peaks {
             for _ in 0..3 {
                 runs.push((
                     cpu_peaks::read_bandwidth(a.bandwidth_mib << 20, 3),
                     cpu_peaks::fma_peak(0.5),
                     cpu_peaks::bf16_dot_peak(0.5).unwrap_or(f64::NAN),
+                    cpu_peaks::int8_dot_peak(0.5).unwrap_or(f64::NAN),
                 ));
             }
         }
@@ -487,10 +488,13 @@ fn main() -> Result<()> {
     let bandwidth = median(peak_runs.iter().map(|p| p.0).collect());
     let fma = median(peak_runs.iter().map(|p| p.1).collect());
     let bf16_peak = median(peak_runs.iter().map(|p| p.2).collect());
-    // The arithmetic ceiling of the products: bf16 pair products with bf16-dot where the CPU
-    // has them, float32 FMAs otherwise.
+    let int8_peak = median(peak_runs.iter().map(|p| p.3).collect());
+    // The arithmetic ceiling of the products: bf16 pair products with bf16-dot and 8-bit
+    // products with int8-dot where the CPU has them, float32 FMAs otherwise.
     let compute = if dot && bf16_peak.is_finite() {
         bf16_peak
+    } else if wdt == WeightDtype::Int8Dot && int8_peak.is_finite() {
+        int8_peak
     } else {
         fma
     };
@@ -520,11 +524,13 @@ fn main() -> Result<()> {
             WeightDtype::Bf16 => "bf16",
             WeightDtype::Bf16Dot => "bf16-dot",
             WeightDtype::Int8 => "int8",
+            WeightDtype::Int8Dot => "int8-dot",
             WeightDtype::Q4 => "q4",
         },
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
         "bf16_dot_peak_gflop_per_s": bf16_peak / 1e9,
+        "int8_dot_peak_gop_per_s": int8_peak / 1e9,
         "gemm_2048_gflop_per_s": gemm / 1e9,
         "shapes": results,
     });
@@ -533,12 +539,13 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; bf16 pair products {:.1} GFLOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
+        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; bf16 pair products {:.1} GFLOP/s; 8-bit products {:.1} GOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
         report["threads"],
         report["isa"].as_str().unwrap_or(""),
         bandwidth / 1e9,
         fma / 1e9,
         bf16_peak / 1e9,
+        int8_peak / 1e9,
         gemm / 1e9,
         100.0 * gemm / fma,
         report["weight_dtype"].as_str().unwrap_or(""),
