@@ -62,6 +62,11 @@ pub enum WeightDtype {
     /// [`Q4_GROUP`] consecutive inputs (symmetric, `max |w| / 7` over the group), dequantised in
     /// registers: an eighth of float32's bytes plus the scales.
     Q4,
+    /// [`WeightDtype::Q4`]'s weights times activations quantised to 8 bits per row, as
+    /// [`WeightDtype::Int8Dot`]: each group's products summed exactly in 32-bit integers
+    /// (`vpdpbusd` on the nibbles widened in registers, or the same sums elsewhere), scaled by
+    /// the group's scale into a float32 sum per output: the same bits on every path.
+    Q4Dot,
 }
 
 /// Inputs (`k`) per scale of [`WeightDtype::Q4`].
@@ -92,6 +97,16 @@ enum Store {
         words: Vec<u32>,
         scales: Vec<f32>,
         sums: Vec<i32>,
+    },
+    /// Panel `p` as `[groups · 4][NR]` words (`groups = ceil(k / Q4_GROUP)`), word `(j, c)`
+    /// holding inputs `8j .. 8j + 8` of column `c` as `q + 8`: input `8j + 2i` in the low
+    /// nibble of byte `i`, `8j + 2i + 1` in its high nibble (8, a zero, past `k`); per panel the
+    /// scales `[groups][NR]` and each group's integer correction `128 · Σ q + 1024 · Q4_GROUP`
+    /// (what the offsets of both operands add to the group's sum of products).
+    Q4Octets {
+        words: Vec<u32>,
+        scales: Vec<f32>,
+        corr: Vec<i32>,
     },
     /// Panel `p` as `[k][NR / 2]` bytes, byte `b` of row `kk` holding column `b` in its low
     /// nibble and column `b + 16` in its high nibble (each `q + 8`), and per panel the scales
@@ -140,6 +155,25 @@ fn channel_scales(w: &[f32], n: usize, k: usize, panels: usize) -> Vec<f32> {
             }
         })
         .collect()
+}
+
+/// One scale per output column and group of [`Q4_GROUP`] inputs, `[panels][groups][NR]`:
+/// `max |w| / 7` over the group, 1 for a group of zeros.
+fn group_scales(at: &impl Fn(usize, usize, usize) -> f32, k: usize, panels: usize) -> Vec<f32> {
+    let groups = k.div_ceil(Q4_GROUP);
+    let mut scales = vec![1f32; panels * groups * NR];
+    for p in 0..panels {
+        for g in 0..groups {
+            for c in 0..NR {
+                let ks = g * Q4_GROUP..((g + 1) * Q4_GROUP).min(k);
+                let max = ks.map(|kk| at(p, kk, c).abs()).fold(0f32, f32::max);
+                if max > 0.0 && max.is_finite() {
+                    scales[(p * groups + g) * NR + c] = max / 7.0;
+                }
+            }
+        }
+    }
+    scales
 }
 
 /// `v / scale` rounded to an 8-bit integer in `-127..=127`.
@@ -280,18 +314,7 @@ impl PackedWeight {
             }
             WeightDtype::Q4 => {
                 let groups = k.div_ceil(Q4_GROUP);
-                let mut scales = vec![1f32; panels * groups * NR];
-                for p in 0..panels {
-                    for g in 0..groups {
-                        for c in 0..NR {
-                            let ks = g * Q4_GROUP..((g + 1) * Q4_GROUP).min(k);
-                            let max = ks.map(|kk| at(p, kk, c).abs()).fold(0f32, f32::max);
-                            if max > 0.0 && max.is_finite() {
-                                scales[(p * groups + g) * NR + c] = max / 7.0;
-                            }
-                        }
-                    }
-                }
+                let scales = group_scales(&at, k, panels);
                 let mut nibbles = Vec::with_capacity(panels * k * NR / 2);
                 for p in 0..panels {
                     for kk in 0..k {
@@ -304,6 +327,38 @@ impl PackedWeight {
                     }
                 }
                 Store::Q4 { nibbles, scales }
+            }
+            WeightDtype::Q4Dot => {
+                let groups = k.div_ceil(Q4_GROUP);
+                let scales = group_scales(&at, k, panels);
+                let nj = groups * Q4_GROUP / 8;
+                let mut words = Vec::with_capacity(panels * nj * NR);
+                let mut corr = vec![1024 * Q4_GROUP as i32; panels * groups * NR];
+                for p in 0..panels {
+                    for j in 0..nj {
+                        let g = 8 * j / Q4_GROUP;
+                        words.extend((0..NR).map(|c| {
+                            let s = scales[(p * groups + g) * NR + c];
+                            let mut word = 0u32;
+                            for i in 0..8 {
+                                let kk = 8 * j + i;
+                                let q = if kk < k {
+                                    (at(p, kk, c) / s).round().clamp(-7.0, 7.0) as i32
+                                } else {
+                                    0
+                                };
+                                corr[(p * groups + g) * NR + c] += 128 * q;
+                                word |= ((q + 8) as u32) << (8 * (i / 2) + 4 * (i % 2));
+                            }
+                            word
+                        }));
+                    }
+                }
+                Store::Q4Octets {
+                    words,
+                    scales,
+                    corr,
+                }
             }
         };
         Ok(Self { n, k, store })
@@ -348,6 +403,7 @@ impl PackedWeight {
             Store::Bf16Pairs(_) => WeightDtype::Bf16Dot,
             Store::I8 { .. } => WeightDtype::Int8,
             Store::I8Quads { .. } => WeightDtype::Int8Dot,
+            Store::Q4Octets { .. } => WeightDtype::Q4Dot,
             Store::Q4 { .. } => WeightDtype::Q4,
         }
     }
@@ -364,6 +420,11 @@ impl PackedWeight {
                 scales,
                 sums,
             } => words.len() * 4 + scales.len() * 4 + sums.len() * 4,
+            Store::Q4Octets {
+                words,
+                scales,
+                corr,
+            } => words.len() * 4 + scales.len() * 4 + corr.len() * 4,
             Store::Q4 { nibbles, scales } => nibbles.len() + scales.len() * 4,
         }
     }
@@ -402,6 +463,16 @@ impl PackedWeight {
                 let word = v[(j / NR) * self.k.div_ceil(2) * NR + (kk / 2) * NR + j % NR];
                 *o = bf16_to_f32((word >> (16 * (kk % 2))) as u16);
             }),
+            Store::Q4Octets { words, scales, .. } => {
+                let (p, c, groups) = (j / NR, j % NR, self.k.div_ceil(Q4_GROUP));
+                let nj = groups * Q4_GROUP / 8;
+                out.iter_mut().enumerate().for_each(|(kk, o)| {
+                    let word = words[(p * nj + kk / 8) * NR + c];
+                    let i = kk % 8;
+                    let q = ((word >> (8 * (i / 2) + 4 * (i % 2))) & 0xF) as i32 - 8;
+                    *o = q as f32 * scales[(p * groups + kk / Q4_GROUP) * NR + c];
+                })
+            }
             Store::I8Quads { words, scales, .. } => {
                 out.iter_mut().enumerate().for_each(|(kk, o)| {
                     let word = words[(j / NR) * self.k.div_ceil(4) * NR + (kk / 4) * NR + j % NR];
@@ -480,6 +551,15 @@ pub fn linear_with(
     {
         let dot = has_int8_dot() && isa == Isa::Avx512;
         return int8_dot(dot, threads, x, m, k, n, (words, scales, sums), bias, y);
+    }
+    if let Store::Q4Octets {
+        words,
+        scales,
+        corr,
+    } = &w.store
+    {
+        let dot = has_int8_dot() && isa == Isa::Avx512;
+        return q4_dot(dot, threads, x, m, k, n, (words, scales, corr), bias, y);
     }
     let panels = n.div_ceil(NR);
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
@@ -633,7 +713,7 @@ unsafe fn run_block(
                                 &scales[(p * groups + k0 / Q4_GROUP) * NR..(p + 1) * groups * NR];
                             q4_tile(isa, mr, at, kb, nb, sc, acc, start)
                         }
-                        Store::Bf16Pairs(_) | Store::I8Quads { .. } => {
+                        Store::Bf16Pairs(_) | Store::I8Quads { .. } | Store::Q4Octets { .. } => {
                             unreachable!("bf16 pairs and int8 quads take their own paths")
                         }
                     }
@@ -1287,6 +1367,223 @@ unsafe fn int8_tile_avx512<const MR: usize>(
     }
 }
 
+/// Rows of `x` quantised for [`WeightDtype::Q4Dot`], as [`quantize_rows`] but in words of
+/// the even and of the odd inputs of each octet (`[m][groups · 4][2]`, matching the low and
+/// high nibbles of [`Store::Q4Octets`]), and each row's sum of its quantised values per group
+/// (`[m][groups]`).
+fn quantize_rows_q4(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>, Vec<i32>) {
+    let groups = k.div_ceil(Q4_GROUP);
+    let nj = groups * Q4_GROUP / 8;
+    let mut scales = Vec::with_capacity(m);
+    let mut words = Vec::with_capacity(m * nj * 2);
+    let mut sums = vec![0i32; m * groups];
+    for (r, row) in x.chunks(k).take(m).enumerate() {
+        let finite = row.iter().all(|v| v.is_finite());
+        let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let s = if !finite {
+            f32::NAN
+        } else if max > 0.0 {
+            max / 127.0
+        } else {
+            1.0
+        };
+        scales.push(s);
+        let q = |kk: usize| -> i32 {
+            if kk < k && finite {
+                i32::from(quantize8(row[kk], s))
+            } else {
+                0
+            }
+        };
+        for j in 0..nj {
+            for half in 0..2 {
+                let mut word = 0u32;
+                for i in 0..4 {
+                    let v = q(8 * j + 2 * i + half);
+                    sums[r * groups + 8 * j / Q4_GROUP] += v;
+                    word |= ((v + 128) as u32) << (8 * i);
+                }
+                words.push(word);
+            }
+        }
+    }
+    (scales, words, sums)
+}
+
+/// [`WeightDtype::Q4Dot`]: per row, per group, the integer products of the quantised row and
+/// the group's nibbles (offsets removed), times the group's scale, summed into float32 in group
+/// order; then times the row's scale (+ bias).
+#[allow(clippy::too_many_arguments)]
+fn q4_dot(
+    dot: bool,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    (words, scales, corr): (&[u32], &[f32], &[i32]),
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let groups = k.div_ceil(Q4_GROUP);
+    let nj = groups * Q4_GROUP / 8;
+    let panels = n.div_ceil(NR);
+    let (row_scales, quads, sums) = quantize_rows_q4(x, m, k);
+    let tiles: Vec<(usize, usize)> = (0..m)
+        .step_by(MR_INT8)
+        .map(|i| (i, MR_INT8.min(m - i)))
+        .collect();
+    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let yp = SendPtr(y.as_mut_ptr());
+    let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
+        let mut acc = [[0f32; NR]; MR_INT8];
+        for p in panels {
+            let cols = NR.min(n - p * NR);
+            let panel = Q4Panel {
+                words: &words[p * nj * NR..(p + 1) * nj * NR],
+                scales: &scales[p * groups * NR..(p + 1) * groups * NR],
+                corr: &corr[p * groups * NR..(p + 1) * groups * NR],
+                groups,
+            };
+            for &(i, mr) in tiles {
+                let a = &quads[i * nj * 2..(i + mr) * nj * 2];
+                let s = &sums[i * groups..(i + mr) * groups];
+                q4_tile_dot(dot, mr, a, s, &panel, &mut acc);
+                for (r, acc) in acc.iter().enumerate().take(mr) {
+                    let sx = row_scales[i + r];
+                    // SAFETY: every task writes the outputs of its own panels and rows only.
+                    let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
+                    for (c, &sum) in acc.iter().enumerate().take(cols) {
+                        let mut v = sum * sx;
+                        if let Some(b) = bias {
+                            v += b[p * NR + c];
+                        }
+                        // SAFETY: as above.
+                        unsafe { *out.add(c) = v };
+                    }
+                }
+            }
+        }
+    };
+    if threads <= 1 {
+        run(0..panels, &tiles);
+    } else if panels >= threads {
+        let parts: Vec<_> = split(panels, threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
+    } else {
+        let parts: Vec<_> = split(tiles.len(), threads).collect();
+        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
+    }
+    Ok(())
+}
+
+/// One panel of a [`Store::Q4Octets`] weight.
+struct Q4Panel<'a> {
+    words: &'a [u32],
+    scales: &'a [f32],
+    corr: &'a [i32],
+    groups: usize,
+}
+
+/// One `mr x NR` tile of the q4 path: `a` holds `mr` rows of `groups · 4` (even, odd) word
+/// pairs, `sums` their per-group sums.
+fn q4_tile_dot(
+    dot: bool,
+    mr: usize,
+    a: &[u32],
+    sums: &[i32],
+    panel: &Q4Panel<'_>,
+    acc: &mut [[f32; NR]; MR_INT8],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot {
+        macro_rules! by_rows {
+            ($($m:literal)*) => {
+                match mr {
+                    // SAFETY: `dot` says the CPU has AVX512-VNNI.
+                    $($m => unsafe { q4_dot_tile_avx512::<$m>(a, sums, panel, acc) },)*
+                    _ => unreachable!("tile of {mr} rows"),
+                }
+            };
+        }
+        return by_rows!(1 2 3 4);
+    }
+    let _ = dot;
+    let nj = panel.groups * Q4_GROUP / 8;
+    for (r, acc) in acc.iter_mut().enumerate().take(mr) {
+        acc.fill(0.0);
+        for g in 0..panel.groups {
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let mut t = 0i32;
+                for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
+                    let w = panel.words[j * NR + c];
+                    for half in 0..2 {
+                        let av = a[(r * nj + j) * 2 + half];
+                        for i in 0..4 {
+                            let xa = ((av >> (8 * i)) & 0xFF) as i32;
+                            let wq = ((w >> (8 * i + 4 * half)) & 0xF) as i32;
+                            t += xa * wq;
+                        }
+                    }
+                }
+                let t = t - 8 * sums[r * panel.groups + g] - panel.corr[g * NR + c];
+                *acc = (t as f32).mul_add(panel.scales[g * NR + c], *acc);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn q4_dot_tile_avx512<const MR: usize>(
+    a: &[u32],
+    sums: &[i32],
+    panel: &Q4Panel<'_>,
+    acc_out: &mut [[f32; NR]; MR_INT8],
+) {
+    use std::arch::x86_64::*;
+    let nj = panel.groups * Q4_GROUP / 8;
+    let mut facc = [[_mm512_setzero_ps(); 2]; MR];
+    let low = _mm512_set1_epi32(0x0F0F_0F0F);
+    let (ap, wp) = (a.as_ptr(), panel.words.as_ptr());
+    for g in 0..panel.groups {
+        let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
+        for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
+            _mm_prefetch::<_MM_HINT_T0>(
+                (wp.wrapping_add(j * NR) as *const i8).wrapping_add(PREFETCH_BYTES),
+            );
+            let w0 = _mm512_loadu_si512(wp.add(j * NR) as *const _);
+            let w1 = _mm512_loadu_si512(wp.add(j * NR + 16) as *const _);
+            let lo = [_mm512_and_si512(w0, low), _mm512_and_si512(w1, low)];
+            let hi = [
+                _mm512_and_si512(_mm512_srli_epi32::<4>(w0), low),
+                _mm512_and_si512(_mm512_srli_epi32::<4>(w1), low),
+            ];
+            for (r, iacc) in iacc.iter_mut().enumerate() {
+                let even = _mm512_set1_epi32(*ap.add((r * nj + j) * 2) as i32);
+                let odd = _mm512_set1_epi32(*ap.add((r * nj + j) * 2 + 1) as i32);
+                for h in 0..2 {
+                    iacc[h] = _mm512_dpbusd_epi32(iacc[h], even, lo[h]);
+                    iacc[h] = _mm512_dpbusd_epi32(iacc[h], odd, hi[h]);
+                }
+            }
+        }
+        for (r, (iacc, facc)) in iacc.iter().zip(facc.iter_mut()).enumerate() {
+            let rs = _mm512_set1_epi32(8 * sums[r * panel.groups + g]);
+            for h in 0..2 {
+                let corr = _mm512_loadu_si512(panel.corr.as_ptr().add(g * NR + 16 * h) as *const _);
+                let t = _mm512_sub_epi32(_mm512_sub_epi32(iacc[h], rs), corr);
+                let sc = _mm512_loadu_ps(panel.scales.as_ptr().add(g * NR + 16 * h));
+                facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, facc[h]);
+            }
+        }
+    }
+    for (r, facc) in facc.iter().enumerate() {
+        _mm512_storeu_ps(acc_out[r].as_mut_ptr(), facc[0]);
+        _mm512_storeu_ps(acc_out[r].as_mut_ptr().add(16), facc[1]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1563,6 +1860,96 @@ mod tests {
         assert!(
             PackedWeight::pack(&too_long, 1, INT8_DOT_MAX_K + 1, WeightDtype::Int8Dot).is_err()
         );
+    }
+
+    /// The q4 dot-product path against its definition computed here independently: weights
+    /// quantised to -7..=7 per column and group of 32 inputs, each row of activations to
+    /// -127..=127, each group's integer products summed, times the group's scale added into a
+    /// float32 sum in group order (one fused multiply-add each), times the row's scale, plus the
+    /// bias; bit for bit on every path, with `k` not a multiple of 8 or of the group, ragged
+    /// panels and rows of zeros and of non-finite values.
+    #[test]
+    fn q4_dot_products_match_their_definition_on_every_path() {
+        for &(m, n, k) in &[
+            (1, 70, 257),
+            (3, 33, 100),
+            (4, 64, 64),
+            (9, 40, 5),
+            (6, 96, 1030),
+        ] {
+            let mut x = data(m * k, (m * 11 + k) as u32);
+            let w = data(n * k, (n + 5 * k) as u32);
+            let bias = data(n, 9);
+            if m >= 3 {
+                x[k..2 * k].fill(0.0);
+                x[2 * k + 1] = f32::NAN;
+            }
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Q4Dot).unwrap();
+            assert_eq!(packed.dtype(), WeightDtype::Q4Dot);
+            let absmax = |v: &[f32]| v.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let groups = k.div_ceil(Q4_GROUP);
+            let mut want = vec![0f32; m * n];
+            for i in 0..m {
+                let row = &x[i * k..(i + 1) * k];
+                let mx = absmax(row);
+                let sx = if !row.iter().all(|v| v.is_finite()) {
+                    f32::NAN
+                } else if mx > 0.0 {
+                    mx / 127.0
+                } else {
+                    1.0
+                };
+                let qx = |kk: usize| (row[kk] / sx).round().clamp(-127.0, 127.0) as i64;
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for g in 0..groups {
+                        let ks = g * Q4_GROUP..((g + 1) * Q4_GROUP).min(k);
+                        let wg = &w[j * k + ks.start..j * k + ks.end];
+                        let mw = absmax(wg);
+                        let sw = if mw > 0.0 { mw / 7.0 } else { 1.0 };
+                        let t: i64 = ks
+                            .clone()
+                            .map(|kk| {
+                                let qw = (w[j * k + kk] / sw).round().clamp(-7.0, 7.0) as i64;
+                                if sx.is_nan() {
+                                    0
+                                } else {
+                                    qx(kk) * qw
+                                }
+                            })
+                            .sum();
+                        acc = (t as f32).mul_add(sw, acc);
+                    }
+                    let mut v = acc * sx;
+                    v += bias[j];
+                    want[i * n + j] = v;
+                }
+            }
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    let mut y = vec![0f32; m * n];
+                    linear_with(isa, threads, &x, m, &packed, Some(&bias), &mut y).unwrap();
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{isa:?} x{threads} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            // The stored weight: each value its group's quantised one.
+            let stored = packed.unpack();
+            for j in 0..n {
+                for kk in 0..k {
+                    let g = kk / Q4_GROUP;
+                    let wg = &w[j * k + g * Q4_GROUP..j * k + ((g + 1) * Q4_GROUP).min(k)];
+                    let mw = absmax(wg);
+                    let sw = if mw > 0.0 { mw / 7.0 } else { 1.0 };
+                    let q = (w[j * k + kk] / sw).round().clamp(-7.0, 7.0);
+                    assert_eq!(stored[j * k + kk], q * sw, "{j} {kk}");
+                }
+            }
+        }
     }
 
     /// The bfloat16 dot-product path: activations and weights rounded to bfloat16, products

@@ -69,7 +69,8 @@ pub struct ModelArgs {
     /// bytes, arithmetic in float32), or int8-dot (the same weights times activations quantised
     /// to 8 bits per row, exact integer products: AVX512-VNNI where the CPU has it), or q4
     /// (4-bit weights with a scale per channel and group of 32 inputs, an eighth of the bytes
-    /// plus scales). CPU with --dtype f32 only.
+    /// plus scales), or q4-dot (those weights times 8-bit activations, integer products per
+    /// group). CPU with --dtype f32 only.
     #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE", default_value = "f32")]
     pub weight_dtype: String,
     /// How a request takes its K/V pages: on-demand (its first step's at admission, more as it
@@ -290,7 +291,9 @@ mod tests {
         );
         let err = options(&["--weight-dtype", "f16"]).unwrap_err().to_string();
         assert!(
-            err.starts_with("--weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot or q4"),
+            err.starts_with(
+                "--weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot, q4 or q4-dot"
+            ),
             "{err}"
         );
         let err = options(&["--weight-dtype", "bf16", "--dtype", "bf16"])

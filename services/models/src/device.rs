@@ -43,7 +43,8 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 /// `bf16-dot`: bf16 weights times activations rounded to bf16, float32 accumulation, or
 /// `int8`: 8-bit weights with per-channel scales, float32 arithmetic, or `int8-dot`: the same
 /// weights times activations quantised to 8 bits per row, integer products (VNNI), or `q4`:
-/// 4-bit weights with a scale per channel and group of 32 inputs, float32 arithmetic).
+/// 4-bit weights with a scale per channel and group of 32 inputs, float32 arithmetic, or
+/// `q4-dot`: the same weights times 8-bit activations, integer products per group).
 pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
     use crate::transformer::WeightDtype;
     match s {
@@ -53,8 +54,9 @@ pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
         "int8" => Ok(WeightDtype::Int8),
         "int8-dot" => Ok(WeightDtype::Int8Dot),
         "q4" => Ok(WeightDtype::Q4),
+        "q4-dot" => Ok(WeightDtype::Q4Dot),
         _ => Err(ModelError::Device(format!(
-            "weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot or q4, got {s:?}"
+            "weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot, q4 or q4-dot, got {s:?}"
         ))),
     }
 }
@@ -69,7 +71,7 @@ pub fn check_weight_dtype(
     if weights != crate::transformer::WeightDtype::F32 && (!device.is_cpu() || dtype != DType::F32)
     {
         return Err(ModelError::Device(
-            "weight-dtype bf16, bf16-dot, int8, int8-dot or q4 stores CPU weights for the CPU kernels; it needs \
+            "weight-dtype bf16, bf16-dot, int8, int8-dot, q4 or q4-dot stores CPU weights for the CPU kernels; it needs \
              --device cpu and --dtype f32 (on a GPU, --dtype bf16 computes in bf16)"
                 .into(),
         ));

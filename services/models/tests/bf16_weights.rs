@@ -53,12 +53,13 @@ fn allowance(family: &str) -> f32 {
 }
 
 /// Every storage compared with float32.
-const STORAGES: [WeightDtype; 5] = [
+const STORAGES: [WeightDtype; 6] = [
     WeightDtype::Bf16,
     WeightDtype::Bf16Dot,
     WeightDtype::Int8,
     WeightDtype::Int8Dot,
     WeightDtype::Q4,
+    WeightDtype::Q4Dot,
 ];
 
 /// [`compare`] of `logits` under every storage against float32's.

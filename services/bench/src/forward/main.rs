@@ -133,6 +133,8 @@ fn main() -> Result<()> {
         WeightDtype::Int8 | WeightDtype::Int8Dot => 1.0,
         // Half a byte and a 4-byte scale per 32.
         WeightDtype::Q4 => 0.5 + 4.0 / 32.0,
+        // And a 4-byte integer correction per 32.
+        WeightDtype::Q4Dot => 0.5 + 8.0 / 32.0,
     };
     let dot = wdt == WeightDtype::Bf16Dot;
     // A shape is timed when `--only` names it or a prefix of it; a model is built when any
@@ -493,7 +495,7 @@ fn main() -> Result<()> {
     // products with int8-dot where the CPU has them, float32 FMAs otherwise.
     let compute = if dot && bf16_peak.is_finite() {
         bf16_peak
-    } else if wdt == WeightDtype::Int8Dot && int8_peak.is_finite() {
+    } else if matches!(wdt, WeightDtype::Int8Dot | WeightDtype::Q4Dot) && int8_peak.is_finite() {
         int8_peak
     } else {
         fma
@@ -526,6 +528,7 @@ fn main() -> Result<()> {
             WeightDtype::Int8 => "int8",
             WeightDtype::Int8Dot => "int8-dot",
             WeightDtype::Q4 => "q4",
+            WeightDtype::Q4Dot => "q4-dot",
         },
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
