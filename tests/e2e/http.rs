@@ -205,6 +205,112 @@ async fn completions_match_the_grpc_api_unary_and_streamed() {
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
+/// `n` completions in one request: choice `i` drawn with seed + i, so choice 0 is the request
+/// alone, the same request gives the same choices, and they differ from each other; streamed,
+/// each choice's deltas carry its index and add up to its unary text, one usage chunk counts
+/// the prompt once and every completion's tokens, one `[DONE]` ends it; every slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_completions_per_request_are_seeded_apart_and_reproducible() {
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let http = s.http;
+    let ask = |body: Value| async move {
+        let b = body.to_string();
+        tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            .await
+            .unwrap()
+    };
+    let body = json!({
+        "model": "huginn-tiny", "prompt": "You may copy", "max_tokens": 8, "temperature": 1.0,
+        "seed": 7, "n": 3, "ar": {"num_steps": 4},
+    });
+    let (status, unary) = ask(body.clone()).await;
+    assert_eq!(status, 200, "{unary}");
+    let unary: Value = serde_json::from_str(&unary).unwrap();
+    let texts: Vec<String> = (0..3)
+        .map(|i| {
+            assert_eq!(unary["choices"][i]["index"], i);
+            unary["choices"][i]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(unary["choices"].as_array().unwrap().len(), 3);
+    assert_eq!(unary["usage"]["completion_tokens"], 24, "{unary}");
+    let prompt_tokens = unary["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(unary["usage"]["total_tokens"], prompt_tokens + 24);
+    assert_eq!(
+        unary["choices"][2]["wavefront"]["stats"]["seed"], 9,
+        "{unary}"
+    );
+    let distinct: std::collections::HashSet<&String> = texts.iter().collect();
+    assert!(
+        distinct.len() >= 2,
+        "three draws at temperature 1 gave {texts:?}"
+    );
+    // The same request again: the same choices.
+    let (_, again) = ask(body.clone()).await;
+    let again: Value = serde_json::from_str(&again).unwrap();
+    for i in 0..3 {
+        for field in ["text", "finish_reason"] {
+            assert_eq!(again["choices"][i][field], unary["choices"][i][field]);
+        }
+        let ids = |v: &Value| v["choices"][i]["wavefront"]["token_ids"].clone();
+        assert_eq!(ids(&again), ids(&unary), "choice {i}");
+    }
+    // Choice 0 is the request alone with its seed; choice 2 the request with seed + 2.
+    for (i, seed) in [(0, 7), (2, 9)] {
+        let mut one = body.clone();
+        one["n"] = json!(1);
+        one["seed"] = json!(seed);
+        let (_, alone) = ask(one).await;
+        let alone: Value = serde_json::from_str(&alone).unwrap();
+        assert_eq!(alone["choices"][0]["text"], texts[i].as_str(), "choice {i}");
+    }
+    // Streamed.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, events) = ask(streamed).await;
+    assert_eq!(status, 200);
+    let (data, _) = sse(&events);
+    assert_eq!(
+        data.iter().filter(|d| *d == "[DONE]").count(),
+        1,
+        "{events}"
+    );
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{events}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    for (i, text) in texts.iter().enumerate() {
+        let got: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .filter_map(|c| c["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(&got, text, "choice {i}");
+        assert_eq!(
+            chunks
+                .iter()
+                .filter(|c| c["choices"][0]["index"] == i
+                    && !c["choices"][0]["finish_reason"].is_null())
+                .count(),
+            1,
+            "one finish chunk for choice {i}"
+        );
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    assert_eq!(usage["usage"]["prompt_tokens"], prompt_tokens);
+    // Out of range.
+    let mut many = body.clone();
+    many["n"] = json!(17);
+    let (status, err) = ask(many).await;
+    assert_eq!(status, 400, "{err}");
+    assert!(err.contains("n must be between 1 and 16"), "{err}");
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
     let s = http_stack("llada", "llada").await;
@@ -264,7 +370,11 @@ async fn chat_with_a_scheme_canvas_events_and_openai_errors() {
 
     // Errors: OpenAI's error object, the matching status, a message that says what to fix.
     let cases = [
-        (json!({"model": "llada", "prompt": "x", "n": 2}), 400, "n"),
+        (
+            json!({"model": "llada", "prompt": "x", "n": 0}),
+            400,
+            "n must be between 1 and 16",
+        ),
         (json!({"model": "nope", "prompt": "x"}), 404, "not served"),
         (
             json!({"model": "llada", "prompt": "x", "max_tokens": 10, "low_confidence": {"block_length": 4, "steps": 5}}),

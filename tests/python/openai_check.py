@@ -62,9 +62,14 @@ except openai.BadRequestError as e:
 r = client.completions.create(model="llada", prompt="x", max_tokens=10, temperature=0,
                               extra_body={"low_confidence": {"block_length": 4}})
 assert r.usage.completion_tokens <= 10, r.usage
+# n completions: one choice each, indexed, the completions' tokens summed in the usage.
+r = client.completions.create(model="llada", prompt="x", n=2, max_tokens=8, seed=3,
+                              extra_body={"low_confidence": {"block_length": 4}})
+assert [c.index for c in r.choices] == [0, 1], r.choices
+assert r.usage.completion_tokens <= 16, r.usage
 try:
-    client.completions.create(model="llada", prompt="x", n=2)
-    raise SystemExit("n=2 was accepted")
+    client.completions.create(model="llada", prompt="x", n=17)
+    raise SystemExit("n=17 was accepted")
 except openai.BadRequestError as e:
     assert e.body["param"] == "n", e.body
 try:

@@ -5,7 +5,8 @@
 //! An HTTP request becomes the same `GenerateRequest` a gRPC client sends and takes the same
 //! path ([`RouterService::stream`]): ranking, deadlines, retries and cancellation are the
 //! router's. OpenAI's parameters map onto the proto's (`max_tokens` / `max_completion_tokens`,
-//! `temperature`, `top_p`, `seed`, `stop`); each family's scheme and its parameters are
+//! `temperature`, `top_p`, `seed`, `stop`; `n` completions are `n` requests, completion `i`
+//! seeded with seed + i); each family's scheme and its parameters are
 //! extension fields with the proto's names (`"low_confidence": {"block_length": 32}`, what the
 //! OpenAI client sends through `extra_body`), as are `top_k`, `stop_token_ids` and
 //! `stream_canvas` (canvas events arrive as SSE events named `canvas`). Errors are OpenAI error
@@ -36,6 +37,9 @@ use wavefront_net::Listener;
 
 /// `max_tokens` when a completion request sets none (OpenAI's default for completions).
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
+/// Most completions one request may ask for (`n`).
+const MAX_N: u32 = 16;
+
 /// `max_tokens` when a chat request sets none.
 const DEFAULT_CHAT_TOKENS: u32 = 128;
 
@@ -403,14 +407,21 @@ struct ChatMessageJson {
 }
 
 impl Common {
+    /// How many completions the request asks for (`n`, 1 when unset), refused outside
+    /// 1..=[`MAX_N`].
+    fn completions(&self) -> Result<u32, ApiError> {
+        match self.n.unwrap_or(1) {
+            n @ 1..=MAX_N => Ok(n),
+            n => Err(ApiError::invalid(
+                "n",
+                format!("n must be between 1 and {MAX_N}, got {n}"),
+            )),
+        }
+    }
+
     /// Refuses what is not served, and builds the request around `prompt`.
     fn request(self, prompt: Prompt, default_tokens: u32) -> Result<pb::GenerateRequest, ApiError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid(
-                "n",
-                format!("n must be 1 (one completion per request), got {n}"),
-            ));
-        }
+        self.completions()?;
         let unsupported: [(&'static str, bool); 10] = [
             (
                 "logprobs",
@@ -596,9 +607,9 @@ fn finish_reason(r: i32) -> &'static str {
     }
 }
 
-fn usage(stats: Option<&pb::GenerationStats>) -> Value {
-    let (p, c) = stats.map_or((0, 0), |s| (s.prompt_tokens, s.generated_tokens));
-    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+/// OpenAI's usage object: the prompt's tokens (counted once) and the completions'.
+fn usage(prompt: u32, completion: u32) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
 /// The two response shapes.
@@ -623,14 +634,18 @@ async fn completions(
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
+    let n = body.common.completions()?;
     let req = body.common.request(prompt, DEFAULT_COMPLETION_TOKENS)?;
     respond(
         router,
         headers,
         req,
         Kind::Completion,
-        stream,
-        include_usage,
+        Answer {
+            n,
+            stream,
+            include_usage,
+        },
     )
     .await
 }
@@ -665,70 +680,122 @@ async fn chat_completions(
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
+    let n = body.common.completions()?;
     let req = body.common.request(
         Prompt::Chat(pb::ChatMessages { messages }),
         DEFAULT_CHAT_TOKENS,
     )?;
-    respond(router, headers, req, Kind::Chat, stream, include_usage).await
+    let answer = Answer {
+        n,
+        stream,
+        include_usage,
+    };
+    respond(router, headers, req, Kind::Chat, answer).await
 }
 
-/// Sends `req` through the router and answers in `kind`'s shape.
+/// How a request is answered: `n` completions, streamed or whole, with the usage chunk.
+#[derive(Clone, Copy)]
+struct Answer {
+    n: u32,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// Completion `i` of `n` of `req`: with a seed, seed + i, so choice 0 is what the request gives
+/// alone and every choice is reproducible and drawn apart; without one each draws its own.
+fn nth_request(req: &pb::GenerateRequest, i: u32) -> pb::GenerateRequest {
+    let mut r = req.clone();
+    if let Some(seed) = r.sampling.as_mut().and_then(|s| s.seed.as_mut()) {
+        *seed = seed.wrapping_add(u64::from(i));
+    }
+    r
+}
+
+/// Sends `req` through the router (`n` times, one request per completion: each has its own
+/// slots; the prompt's state is not shared between them) and answers in `kind`'s shape.
 async fn respond(
     router: RouterService,
     headers: HeaderMap,
     req: pb::GenerateRequest,
     kind: Kind,
-    stream: bool,
-    include_usage: bool,
+    answer: Answer,
 ) -> Result<Response, ApiError> {
-    let mut request = tonic::Request::new(req);
-    // W3C trace context: the HTTP request's span parents the router's.
-    for name in ["traceparent", "tracestate"] {
-        if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
-            if let Ok(v) = v.parse() {
-                request.metadata_mut().insert(name, v);
+    let asked = req.model.clone();
+    let call = |i: u32| {
+        let mut request = tonic::Request::new(nth_request(&req, i));
+        // W3C trace context: the HTTP request's span parents the router's.
+        for name in ["traceparent", "tracestate"] {
+            if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
+                if let Ok(v) = v.parse() {
+                    request.metadata_mut().insert(name, v);
+                }
             }
         }
-    }
-    let asked = request.get_ref().model.clone();
-    let events = router.stream(request).await?;
+        let router = router.clone();
+        async move { router.stream(request).await }
+    };
     let (id, created) = match kind {
         Kind::Completion => (new_id("cmpl"), unix_now()),
         Kind::Chat => (new_id("chatcmpl"), unix_now()),
     };
-    if stream {
+    if answer.stream {
+        let streams = futures::future::try_join_all((0..answer.n).map(call)).await?;
         // Chunks before the final message name the model asked for, or the one that served it.
         let model = router.model_for(&asked);
-        let sse = sse_events(events, kind, id, created, include_usage, model);
+        let sse = sse_events(streams, kind, id, created, answer.include_usage, model);
         return Ok(Sse::new(sse)
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let done = collect_done(events).await?;
-    let reason = finish_reason(done.finish_reason);
-    let choice = match kind {
-        Kind::Completion => json!({
-            "index": 0, "text": done.text, "finish_reason": reason, "logprobs": null,
-        }),
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": done.text},
-            "finish_reason": reason,
-            "logprobs": null,
-        }),
-    };
+    let dones = futures::future::try_join_all((0..answer.n).map(|i| {
+        let events = call(i);
+        async move { collect_done(events.await?).await }
+    }))
+    .await?;
+    let several = dones.len() > 1;
+    let choices: Vec<Value> = dones
+        .iter()
+        .enumerate()
+        .map(|(i, done)| {
+            let reason = finish_reason(done.finish_reason);
+            let mut choice = match kind {
+                Kind::Completion => json!({
+                    "index": i, "text": done.text, "finish_reason": reason, "logprobs": null,
+                }),
+                Kind::Chat => json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": done.text},
+                    "finish_reason": reason,
+                    "logprobs": null,
+                }),
+            };
+            if several {
+                choice["wavefront"] = wavefront_extension(done);
+            }
+            choice
+        })
+        .collect();
     let object = match kind {
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
+    // The prompt counted once, as OpenAI does; the completions' tokens summed.
+    let (prompt, completion) = dones.iter().fold((0, 0), |(p, c), d| {
+        let s = d.stats.as_ref();
+        (
+            s.map_or(p, |s| s.prompt_tokens),
+            c + s.map_or(0, |s| s.generated_tokens),
+        )
+    });
+    let first = &dones[0];
     Ok(Json(json!({
         "id": id,
         "object": object,
         "created": created,
-        "model": done.model,
-        "choices": [choice],
-        "usage": usage(done.stats.as_ref()),
-        "wavefront": wavefront_extension(&done),
+        "model": first.model,
+        "choices": choices,
+        "usage": usage(prompt, completion),
+        "wavefront": wavefront_extension(first),
     }))
     .into_response())
 }
@@ -760,11 +827,13 @@ fn data(v: &Value) -> Event {
     Event::default().data(v.to_string())
 }
 
-/// The router's event stream as OpenAI's chunks: text deltas, then a chunk with the finish
-/// reason, the usage chunk when asked, and `[DONE]`; canvas events as SSE events named
-/// `canvas`; a failure as an error object, then `[DONE]`.
+/// The router's event streams (one per completion) as OpenAI's chunks: text deltas of each
+/// choice (its `index`), a chunk with each choice's finish reason, once every choice has
+/// finished the usage chunk when asked (the prompt counted once), then `[DONE]`; canvas events
+/// as SSE events named `canvas` (with the choice's `index` when there are several); a failure
+/// as an error object, then `[DONE]`, and nothing after it.
 fn sse_events(
-    events: Events,
+    streams: Vec<Events>,
     kind: Kind,
     id: String,
     created: u64,
@@ -784,69 +853,101 @@ fn sse_events(
         }
         v
     };
-    let delta = move |text: &str, first: bool, reason: Option<&str>| match kind {
+    let delta = move |i: usize, text: &str, first: bool, reason: Option<&str>| match kind {
         Kind::Completion => {
-            json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null})
+            json!({"index": i, "text": text, "finish_reason": reason, "logprobs": null})
         }
         Kind::Chat => {
             let mut d = json!({"content": text});
             if first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": 0, "delta": d, "finish_reason": reason, "logprobs": null})
+            json!({"index": i, "delta": d, "finish_reason": reason, "logprobs": null})
         }
     };
-    let mut first = true;
-    events
-        .map(Some)
-        .chain(futures::stream::once(async { None }))
-        .flat_map(move |item| {
-            let out: Vec<Event> = match item {
-                Some(Ok(pb::GenerateStreamResponse {
+    let n = streams.len();
+    let mut first = vec![true; n];
+    let mut finished = 0;
+    let (mut prompt_tokens, mut completion_tokens) = (0u32, 0u32);
+    let mut ended = false;
+    futures::stream::select_all(
+        streams
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| s.map(move |item| (i, item))),
+    )
+    .map(Some)
+    .chain(futures::stream::once(async { None }))
+    .flat_map(move |item| {
+        let out: Vec<Event> = match item {
+            _ if ended => Vec::new(),
+            Some((
+                i,
+                Ok(pb::GenerateStreamResponse {
                     event: Some(PbEvent::Tokens(t)),
-                })) => {
-                    if t.text.is_empty() && !first {
-                        Vec::new()
-                    } else {
-                        let c = chunk(&model, delta(&t.text, first, None), None);
-                        first = false;
-                        vec![data(&c)]
-                    }
+                }),
+            )) => {
+                if t.text.is_empty() && !first[i] {
+                    Vec::new()
+                } else {
+                    let c = chunk(&model, delta(i, &t.text, first[i], None), None);
+                    first[i] = false;
+                    vec![data(&c)]
                 }
-                Some(Ok(pb::GenerateStreamResponse {
+            }
+            Some((
+                i,
+                Ok(pb::GenerateStreamResponse {
                     event: Some(PbEvent::Canvas(c)),
-                })) => {
-                    // As `run --stream-canvas` prints it (states by name).
-                    let v = &crate::json::canvas_json(&c)["canvas"];
-                    vec![Event::default().event("canvas").data(v.to_string())]
+                }),
+            )) => {
+                // As `run --stream-canvas` prints it (states by name).
+                let mut v = crate::json::canvas_json(&c)["canvas"].clone();
+                if n > 1 {
+                    v["index"] = json!(i);
                 }
-                Some(Ok(pb::GenerateStreamResponse {
+                vec![Event::default().event("canvas").data(v.to_string())]
+            }
+            Some((
+                i,
+                Ok(pb::GenerateStreamResponse {
                     event: Some(PbEvent::Done(d)),
-                })) => {
-                    model = d.model.clone();
-                    let mut out = vec![data(&chunk(
-                        &d.model,
-                        delta("", first, Some(finish_reason(d.finish_reason))),
-                        None,
-                    ))];
+                }),
+            )) => {
+                model = d.model.clone();
+                finished += 1;
+                if let Some(s) = d.stats.as_ref() {
+                    prompt_tokens = s.prompt_tokens;
+                    completion_tokens += s.generated_tokens;
+                }
+                let mut out = vec![data(&chunk(
+                    &d.model,
+                    delta(i, "", first[i], Some(finish_reason(d.finish_reason))),
+                    None,
+                ))];
+                if finished == n {
                     if include_usage {
-                        let mut u = chunk(&d.model, Value::Null, Some(usage(d.stats.as_ref())));
+                        let total = usage(prompt_tokens, completion_tokens);
+                        let mut u = chunk(&d.model, Value::Null, Some(total));
                         u["choices"] = json!([]);
                         out.push(data(&u));
                     }
                     out.push(Event::default().data("[DONE]"));
-                    out
+                    ended = true;
                 }
-                Some(Ok(pb::GenerateStreamResponse { event: None })) => Vec::new(),
-                Some(Err(s)) => {
-                    let e = ApiError::from(s);
-                    vec![data(&e.body()), Event::default().data("[DONE]")]
-                }
-                // The stream ended: after a final message or an error nothing more is sent.
-                None => Vec::new(),
-            };
-            futures::stream::iter(out.into_iter().map(Ok))
-        })
+                out
+            }
+            Some((_, Ok(pb::GenerateStreamResponse { event: None }))) => Vec::new(),
+            Some((_, Err(s))) => {
+                ended = true;
+                let e = ApiError::from(s);
+                vec![data(&e.body()), Event::default().data("[DONE]")]
+            }
+            // Every stream ended: after the final messages or an error nothing more is sent.
+            None => Vec::new(),
+        };
+        futures::stream::iter(out.into_iter().map(Ok))
+    })
 }
 
 #[cfg(test)]
@@ -959,7 +1060,8 @@ mod tests {
     #[test]
     fn what_is_not_served_is_refused_by_name() {
         for (body, param) in [
-            (json!({"n": 2}), "n"),
+            (json!({"n": 0}), "n"),
+            (json!({"n": 17}), "n"),
             (json!({"logprobs": 2}), "logprobs"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
             (json!({"echo": true}), "echo"),
