@@ -27,6 +27,14 @@
 #                                  suites, the layer-shape benches through the ragged kernel,
 #                                  DiffusionGemma, then the full-depth figures (run it with
 #                                  DEADLINE set so it ends inside the call)
+#   scripts/gpu-suite.sh next      what session 23's lease left (docs/benchmarks.md, "GPU
+#                                  session 23"): ARMT's 8 x 8192 diagonal run that hit an
+#                                  illegal address, under compute-sanitizer at a smaller size,
+#                                  then as it failed; LLaDA's goldens side by side (they once
+#                                  did not finish); DiffusionGemma's denoising step under ncu
+#                                  (kernel names and times: where the 480 ms go); Huginn-0125
+#                                  static AR alone and 16 concurrent; LLaDA2.0-mini; LLaDA-8B
+#                                  with 8 requests
 #
 # Each step's output goes to RESULTS/<step>.log (RESULTS: default $OUT when the device tool sets
 # it, else gpu-results/), and one line per step with its exit status and seconds to
@@ -67,7 +75,7 @@ step() {
     printf '%-40s skipped (deadline)\n' "$name" | tee -a "$RESULTS/summary.txt"
     return
   fi
-  if [ ! -x "$1" ]; then
+  if [ ! -x "$1" ] && ! command -v "$1" >/dev/null; then
     # Not in this call's archive (the binaries may travel in two parts).
     printf '%-40s absent\n' "$name" | tee -a "$RESULTS/summary.txt"
     return
@@ -248,6 +256,49 @@ lease() {
     --attention ragged
 }
 
+next_steps() {
+  local b=$BIN t
+  # ARMT's illegal address: the same execution at a quarter of the length under
+  # compute-sanitizer (memcheck names the kernel and the address), then the failing size.
+  if command -v compute-sanitizer >/dev/null; then
+    LIMIT=150 step armt-diagonal-8x2048-memcheck compute-sanitizer --tool memcheck \
+      --print-limit 5 "$b/bench-recurrent-memory" --device cuda:0 --dtype bf16 --layers 16 \
+      --hidden-size 2048 --heads 32 --kv-heads 8 --intermediate-size 8192 --vocab-size 128256 \
+      --segment-size 1024 --lengths 2048 --concurrent 8 --concurrent-length 2048
+  fi
+  LIMIT=90 step armt-diagonal-8x8192 "$b/bench-recurrent-memory" --device cuda:0 --dtype bf16 \
+    --layers 16 --hidden-size 2048 --heads 32 --kv-heads 8 --intermediate-size 8192 \
+    --vocab-size 128256 --segment-size 1024 --lengths 8192 --concurrent 8 \
+    --concurrent-length 8192
+  for t in "$BIN"/test-llada_golden-*; do
+    LIMIT=90 step llada-golden-side-by-side "$t" --test-threads 4 &
+  done
+  for t in "$BIN"/test-wavefront_schemes-*; do
+    LIMIT=120 step schemes-beside-llada "$t" --test-threads 4 &
+  done
+  wait
+  # Where DiffusionGemma's denoising step spends its time: one forward-only run under ncu,
+  # kernel names and durations only (no replay of every metric).
+  if command -v ncu >/dev/null; then
+    LIMIT=150 step diffusion-gemma-ncu ncu --clock-control none --metrics gpu__time_duration.sum \
+      --launch-count 4000 --csv "$b/bench-diffusion-gemma" --real --device cuda:0 --dtype bf16 \
+      --prompt-len 1024 --forwards-only
+  fi
+  LIMIT=150 step huginn-0125-static "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 \
+    --n-embd 5280 --n-heads 55 --intermediate-size 17920 --vocab-size 65536 \
+    --max-new-tokens 16 --batched-max-new-tokens 16 --repeat 1 --single ar-static \
+    --batched ar-static --concurrency 1,16 --memory-budget-mb 24000
+  LIMIT=120 step llada2-mini-ragged "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
+    --hidden-size 2048 --heads 16 --kv-heads 4 --layers 20 --intermediate-size 5120 \
+    --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
+    --gen-length 256 --block-length 32 --steps 32 --concurrency 1,8 --rows 32,256 \
+    --attention ragged
+  LIMIT=150 step llada-8b-ragged-x8 "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
+    --d-model 4096 --n-heads 32 --n-layers 32 --mlp-hidden-size 12288 --vocab-size 126464 \
+    --qk-scale 1 --gen-length 256 --block-length 32 --concurrency 8 --attention ragged \
+    --schemes low-confidence,wino,dual-threshold
+}
+
 open_findings() {
   local t
   for t in "$BIN"/test-huginn_diffusion_golden-*; do
@@ -270,5 +321,6 @@ case $WHAT in
   open) open_findings ;;
   gemma) gemma ;;
   lease) lease ;;
-  *) echo "usage: $0 checks|quick|figures|all|open|gemma|lease" >&2; exit 2 ;;
+  next) next_steps ;;
+  *) echo "usage: $0 checks|quick|figures|all|open|gemma|lease|next" >&2; exit 2 ;;
 esac

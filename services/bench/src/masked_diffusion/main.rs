@@ -75,17 +75,23 @@ struct Args {
     /// Concurrent requests per run.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
+    /// The schemes to run (default: all): low-confidence, wino, surelock, wino-surelock,
+    /// dual-cache, prefix-threshold, dual-threshold.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    schemes: Vec<Workload>,
     #[command(flatten)]
     target: run::Target,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Workload {
     LowConfidence,
     Wino,
+    #[value(name = "surelock")]
     LowConfidenceSureLock,
+    #[value(name = "wino-surelock")]
     WinoSureLock,
     DualCache,
     PrefixThreshold,
@@ -202,8 +208,13 @@ fn main() -> Result<()> {
         ("rows computed per request per step", Right),
         ("SureLock FLOPs ratio", Right),
     ]);
+    let schemes: &[Workload] = if a.schemes.is_empty() {
+        &Workload::ALL
+    } else {
+        &a.schemes
+    };
     for &c in &a.concurrency {
-        for w in Workload::ALL {
+        for &w in schemes {
             eprintln!("{} x{c}...", w.label());
             let (outs, wall) =
                 run::together(served.as_ref(), (0..c as u64).map(|i| w.request(&a, i)))?;
