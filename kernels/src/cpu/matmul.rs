@@ -69,6 +69,32 @@ pub enum WeightDtype {
     Q4Dot,
 }
 
+impl WeightDtype {
+    /// Every storage, in the order the command line lists them.
+    pub const ALL: [WeightDtype; 7] = [
+        WeightDtype::F32,
+        WeightDtype::Bf16,
+        WeightDtype::Bf16Dot,
+        WeightDtype::Int8,
+        WeightDtype::Int8Dot,
+        WeightDtype::Q4,
+        WeightDtype::Q4Dot,
+    ];
+
+    /// The name `--weight-dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::Bf16Dot => "bf16-dot",
+            WeightDtype::Int8 => "int8",
+            WeightDtype::Int8Dot => "int8-dot",
+            WeightDtype::Q4 => "q4",
+            WeightDtype::Q4Dot => "q4-dot",
+        }
+    }
+}
+
 /// Inputs (`k`) per scale of [`WeightDtype::Q4`].
 pub const Q4_GROUP: usize = 32;
 
@@ -549,7 +575,7 @@ pub fn linear_with(
         sums,
     } = &w.store
     {
-        let dot = has_int8_dot() && isa == Isa::Avx512;
+        let dot = vnni(isa);
         return int8_dot(dot, threads, x, m, k, n, (words, scales, sums), bias, y);
     }
     if let Store::Q4Octets {
@@ -558,7 +584,7 @@ pub fn linear_with(
         corr,
     } = &w.store
     {
-        let dot = has_int8_dot() && isa == Isa::Avx512;
+        let dot = vnni(isa);
         return q4_dot(dot, threads, x, m, k, n, (words, scales, corr), bias, y);
     }
     let panels = n.div_ceil(NR);
@@ -566,23 +592,44 @@ pub fn linear_with(
     // `[k][rows]`, so a kernel broadcasts every row's value of `kk` from one stream.
     let tiles = row_tiles(isa, m);
     let a = pack_rows(x, k, &tiles);
-    // Below ~64k multiply-adds a second thread costs more than it saves.
-    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         // SAFETY: every task writes the outputs of its own panels and rows only.
         unsafe { run_block(isa, &a, k, w, bias, yp, n, panels, tiles) }
     };
-    if threads <= 1 {
-        run(0..panels, &tiles);
+    on_threads(m * n * k, threads, panels, &tiles, &run);
+    Ok(())
+}
+
+/// The work of one task: a run of panels times a run of row tiles `(first row, rows)`.
+type BlockRun<'a> = dyn Fn(std::ops::Range<usize>, &[(usize, usize)]) + Sync + 'a;
+
+/// Runs `run(panels, row tiles)` over every panel and row tile of a product of `macs`
+/// multiply-adds: on the caller alone below ~64k of them (a second thread costs more than it
+/// saves), else on `threads` pool threads, the panels cut into contiguous runs (each thread
+/// streams its own part of the weights), or the row tiles when there are fewer panels than
+/// threads.
+fn on_threads(
+    macs: usize,
+    threads: usize,
+    panels: usize,
+    tiles: &[(usize, usize)],
+    run: &BlockRun<'_>,
+) {
+    if threads <= 1 || macs < 1 << 16 {
+        run(0..panels, tiles);
     } else if panels >= threads {
         let parts: Vec<_> = split(panels, threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
+        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), tiles));
     } else {
         let parts: Vec<_> = split(tiles.len(), threads).collect();
         super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
     }
-    Ok(())
+}
+
+/// Row tiles `(first row, rows)` of `mr` rows over `m` rows, the last one shorter.
+fn fixed_tiles(m: usize, mr: usize) -> Vec<(usize, usize)> {
+    (0..m).step_by(mr).map(|i| (i, mr.min(m - i))).collect()
 }
 
 /// `x` `[m, k]` repacked tile by tile: tile `(i, mr)` holds rows `i..i + mr` as `[k][mr]`, at
@@ -1071,10 +1118,7 @@ fn bf16_dot(
 ) -> Result<(), KernelError> {
     let kp = k.div_ceil(2);
     let panels = n.div_ceil(NR);
-    let tiles: Vec<(usize, usize)> = (0..m)
-        .step_by(MR_MAX)
-        .map(|i| (i, MR_MAX.min(m - i)))
-        .collect();
+    let tiles = fixed_tiles(m, MR_MAX);
     // Tile (i, mr) at offset i · kp: `[kp][mr]` pairs of its rows.
     let mut a = vec![0u32; m * kp];
     for &(i, mr) in &tiles {
@@ -1088,7 +1132,6 @@ fn bf16_dot(
         }
     }
     let dot = has_bf16_dot() && isa == Isa::Avx512;
-    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         let mut accs = [[0f32; MR_MAX * NR]; GROUP_TILES];
@@ -1122,15 +1165,7 @@ fn bf16_dot(
             }
         }
     };
-    if threads <= 1 {
-        run(0..panels, &tiles);
-    } else if panels >= threads {
-        let parts: Vec<_> = split(panels, threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
-    } else {
-        let parts: Vec<_> = split(tiles.len(), threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
-    }
+    on_threads(m * n * k, threads, panels, &tiles, &run);
     Ok(())
 }
 
@@ -1203,8 +1238,21 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     store_tile_avx512(&acc, tile, start);
 }
 
-/// Rows of `x` quantised for [`WeightDtype::Int8Dot`]: per row its scale (`max |x| / 127`;
-/// NaN when the row holds a value that is not finite, so its outputs are NaN as in float32)
+/// A row's 8-bit scale, `max |x| / 127` (1 for a row of zeros); NaN when the row holds a value
+/// that is not finite, so its outputs are NaN as in float32.
+fn row_scale(row: &[f32]) -> f32 {
+    if !row.iter().all(|v| v.is_finite()) {
+        return f32::NAN;
+    }
+    let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if max > 0.0 {
+        max / 127.0
+    } else {
+        1.0
+    }
+}
+
+/// Rows of `x` quantised for [`WeightDtype::Int8Dot`]: per row its scale ([`row_scale`])
 /// and its values `q + 128` (unsigned, what `vpdpbusd` takes) four to a word, row-major
 /// `[m][ceil(k / 4)]`; 128 (zero) past `k`.
 fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
@@ -1212,15 +1260,8 @@ fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
     let mut scales = Vec::with_capacity(m);
     let mut quads = Vec::with_capacity(m * kq);
     for row in x.chunks(k).take(m) {
-        let finite = row.iter().all(|v| v.is_finite());
-        let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let s = if !finite {
-            f32::NAN
-        } else if max > 0.0 {
-            max / 127.0
-        } else {
-            1.0
-        };
+        let s = row_scale(row);
+        let finite = !s.is_nan();
         scales.push(s);
         let q = |kk: usize| -> u32 {
             if kk < k && finite {
@@ -1234,6 +1275,11 @@ fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
         );
     }
     (scales, quads)
+}
+
+/// Whether the 8-bit paths run `vpdpbusd` on `isa` (else the same integer sums in plain Rust).
+fn vnni(isa: Isa) -> bool {
+    has_int8_dot() && isa == Isa::Avx512
 }
 
 /// Rows per register tile of the int8 path.
@@ -1257,11 +1303,7 @@ fn int8_dot(
     let kq = k.div_ceil(4);
     let panels = n.div_ceil(NR);
     let (row_scales, quads) = quantize_rows(x, m, k);
-    let tiles: Vec<(usize, usize)> = (0..m)
-        .step_by(MR_INT8)
-        .map(|i| (i, MR_INT8.min(m - i)))
-        .collect();
-    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let tiles = fixed_tiles(m, MR_INT8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         let mut acc = [[0i32; NR]; MR_INT8];
@@ -1287,15 +1329,7 @@ fn int8_dot(
             }
         }
     };
-    if threads <= 1 {
-        run(0..panels, &tiles);
-    } else if panels >= threads {
-        let parts: Vec<_> = split(panels, threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
-    } else {
-        let parts: Vec<_> = split(tiles.len(), threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
-    }
+    on_threads(m * n * k, threads, panels, &tiles, &run);
     Ok(())
 }
 
@@ -1378,15 +1412,8 @@ fn quantize_rows_q4(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>, Vec<i
     let mut words = Vec::with_capacity(m * nj * 2);
     let mut sums = vec![0i32; m * groups];
     for (r, row) in x.chunks(k).take(m).enumerate() {
-        let finite = row.iter().all(|v| v.is_finite());
-        let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let s = if !finite {
-            f32::NAN
-        } else if max > 0.0 {
-            max / 127.0
-        } else {
-            1.0
-        };
+        let s = row_scale(row);
+        let finite = !s.is_nan();
         scales.push(s);
         let q = |kk: usize| -> i32 {
             if kk < k && finite {
@@ -1429,11 +1456,7 @@ fn q4_dot(
     let nj = groups * Q4_GROUP / 8;
     let panels = n.div_ceil(NR);
     let (row_scales, quads, sums) = quantize_rows_q4(x, m, k);
-    let tiles: Vec<(usize, usize)> = (0..m)
-        .step_by(MR_INT8)
-        .map(|i| (i, MR_INT8.min(m - i)))
-        .collect();
-    let threads = if m * n * k < 1 << 16 { 1 } else { threads };
+    let tiles = fixed_tiles(m, MR_INT8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         let mut acc = [[0f32; NR]; MR_INT8];
@@ -1465,15 +1488,7 @@ fn q4_dot(
             }
         }
     };
-    if threads <= 1 {
-        run(0..panels, &tiles);
-    } else if panels >= threads {
-        let parts: Vec<_> = split(panels, threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &tiles));
-    } else {
-        let parts: Vec<_> = split(tiles.len(), threads).collect();
-        super::pool::pool().run(parts.len(), &|i| run(0..panels, &tiles[parts[i].clone()]));
-    }
+    on_threads(m * n * k, threads, panels, &tiles, &run);
     Ok(())
 }
 
