@@ -47,18 +47,17 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 /// `q4-dot`: the same weights times 8-bit activations, integer products per group).
 pub fn parse_weight_dtype(s: &str) -> Result<crate::transformer::WeightDtype> {
     use crate::transformer::WeightDtype;
-    match s {
-        "f32" => Ok(WeightDtype::F32),
-        "bf16" => Ok(WeightDtype::Bf16),
-        "bf16-dot" => Ok(WeightDtype::Bf16Dot),
-        "int8" => Ok(WeightDtype::Int8),
-        "int8-dot" => Ok(WeightDtype::Int8Dot),
-        "q4" => Ok(WeightDtype::Q4),
-        "q4-dot" => Ok(WeightDtype::Q4Dot),
-        _ => Err(ModelError::Device(format!(
-            "weight-dtype must be f32, bf16, bf16-dot, int8, int8-dot, q4 or q4-dot, got {s:?}"
-        ))),
-    }
+    WeightDtype::ALL
+        .into_iter()
+        .find(|w| w.name() == s)
+        .ok_or_else(|| {
+            let names: Vec<&str> = WeightDtype::ALL.iter().map(|w| w.name()).collect();
+            let (last, rest) = names.split_last().expect("storages");
+            ModelError::Device(format!(
+                "weight-dtype must be {} or {last}, got {s:?}",
+                rest.join(", ")
+            ))
+        })
 }
 
 /// Refuses a weight storage that the device and compute dtype cannot use: bf16 storage is for

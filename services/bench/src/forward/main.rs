@@ -521,15 +521,7 @@ fn main() -> Result<()> {
     let report = json!({
         "threads": wavefront_models::cpu_threads(),
         "isa": wavefront_models::cpu_isa(),
-        "weight_dtype": match wdt {
-            WeightDtype::F32 => "f32",
-            WeightDtype::Bf16 => "bf16",
-            WeightDtype::Bf16Dot => "bf16-dot",
-            WeightDtype::Int8 => "int8",
-            WeightDtype::Int8Dot => "int8-dot",
-            WeightDtype::Q4 => "q4",
-            WeightDtype::Q4Dot => "q4-dot",
-        },
+        "weight_dtype": wdt.name(),
         "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "fma_peak_gflop_per_s": fma / 1e9,
         "bf16_dot_peak_gflop_per_s": bf16_peak / 1e9,
