@@ -225,10 +225,6 @@ fn bench(kernels: &Kernels, shape: &Shape, iters: usize, consecutive: bool, mode
     let tables = uploaded.tables();
     let dims = RaggedDims::of(&layout);
     let q = s.clone_htod(&fill(layout.rows() * h * d, 99)).unwrap();
-    let mut out_paged = s.alloc_zeros::<bf16>(layout.rows() * h * d).unwrap();
-    let mut out_cat = s.alloc_zeros::<bf16>(layout.rows() * h * d).unwrap();
-    let mut cat_k = s.alloc_zeros::<bf16>(hkv * keys * d).unwrap();
-    let mut cat_v = s.alloc_zeros::<bf16>(hkv * keys * d).unwrap();
 
     let kv_bytes = (2 * hkv * keys * d * std::mem::size_of::<bf16>()) as f64;
     if let Mode::Kernels { copy_gbs } = mode {
@@ -288,6 +284,11 @@ fn bench(kernels: &Kernels, shape: &Shape, iters: usize, consecutive: bool, mode
         );
         return;
     }
+    // The path before paging: the concatenated buffers only this mode uses.
+    let mut out_paged = s.alloc_zeros::<bf16>(layout.rows() * h * d).unwrap();
+    let mut out_cat = s.alloc_zeros::<bf16>(layout.rows() * h * d).unwrap();
+    let mut cat_k = s.alloc_zeros::<bf16>(hkv * keys * d).unwrap();
+    let mut cat_v = s.alloc_zeros::<bf16>(hkv * keys * d).unwrap();
     let paged = |out: &mut CudaSlice<bf16>| {
         kernels
             .ragged_attention_paged(&dims, &tables, &q.as_view(), &runs, out)
