@@ -39,6 +39,7 @@ fn request(
     seed: u64,
 ) -> pb::GenerateRequest {
     pb::GenerateRequest {
+        logprobs: None,
         model: String::new(),
         prompt: Some(prompt),
         max_new_tokens,

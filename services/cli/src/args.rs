@@ -114,6 +114,11 @@ pub struct GenerationArgs {
     /// Seed of every random draw of the request.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Report each generated token's log-probability with this many most likely alternatives
+    /// (0 to 20), under the distribution it was committed from (docs/architecture.md,
+    /// "Log-probabilities"); shown with --json.
+    #[arg(long, value_name = "N")]
+    pub logprobs: Option<u32>,
 
     // ---- ar / diffusion-forcing (recurrent depth) ----
     /// Recurrence steps per token (ar) or of the prefill (diffusion-forcing).
@@ -595,6 +600,7 @@ impl GenerationArgs {
             scheme,
             stream_canvas: self.stream_canvas,
             skip_special_tokens: self.keep_special_tokens.then_some(false),
+            logprobs: self.logprobs,
         }
     }
 }

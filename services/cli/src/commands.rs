@@ -771,6 +771,8 @@ pub async fn run(a: RunArgs) -> Result<()> {
     let json = a.json;
     let stop_strings = body.stop_strings.clone();
     let skip_special = body.skip_special_tokens.unwrap_or(true);
+    // Token texts of the log-probabilities, after the run has shut the engine down.
+    let scorer = model.clone();
     let result = tokio::task::spawn_blocking(move || {
         let mut out = std::io::stdout();
         let res = wavefront_worker::generate_blocking(
@@ -800,8 +802,11 @@ pub async fn run(a: RunArgs) -> Result<()> {
     })
     .await?
     .map_err(|e| status_error(wavefront_worker::status::from_engine_error(&e)))?;
+    let logprobs =
+        wavefront_worker::convert::logprobs(scorer.as_ref(), &result.token_ids, &result.logprobs);
     let resp = pb::GenerateResponse {
         model: String::new(),
+        logprobs,
         text: result.text,
         token_ids: result.token_ids,
         finish_reason: wavefront_worker::convert::finish_reason(result.finish_reason) as i32,

@@ -28,11 +28,22 @@ impl FinishReason {
     }
 }
 
+/// A final token's log-probability under the distribution it was committed from, with the
+/// most likely alternatives under the same distribution (most likely first, ties by id).
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the engine sends back for a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// Newly final tokens, in position order.
     Tokens(Vec<u32>),
+    /// The log-probabilities of the tokens of the `Tokens` event that follows it, one per token
+    /// (sent only when the request asked for them).
+    Logprobs(Vec<TokenLogprob>),
     /// A view of the request's canvas, for clients that watch the decoding (sent only when the
     /// request asked for it). Positions count from the first generated position.
     Canvas(CanvasFrame),
@@ -90,6 +101,19 @@ impl Outbox {
         if !ids.is_empty() && !self.done {
             self.events.push(Event::Tokens(ids));
         }
+    }
+
+    /// Streams newly final tokens with their log-probabilities (`None`: the request asked for
+    /// none). One entry per token.
+    pub fn scored_tokens(&mut self, ids: Vec<u32>, logprobs: Option<Vec<TokenLogprob>>) {
+        if ids.is_empty() || self.done {
+            return;
+        }
+        if let Some(lp) = logprobs {
+            debug_assert_eq!(lp.len(), ids.len(), "one log-probability per token");
+            self.events.push(Event::Logprobs(lp));
+        }
+        self.events.push(Event::Tokens(ids));
     }
 
     /// Sends a canvas view (the program decides whether its request asked for one).

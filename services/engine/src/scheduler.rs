@@ -805,6 +805,7 @@ impl<P: Send + 'static> Scheduler<P> {
                         Event::Tokens(ids)
                     }
                     Event::Canvas(frame) => Event::Canvas(frame),
+                    Event::Logprobs(lp) => Event::Logprobs(lp),
                     Event::Parked => Event::Parked,
                     Event::Finished { reason, mut stats } => {
                         stats.queue_time = r.queue_time;

@@ -41,6 +41,34 @@ pub fn canvas_json(c: &pb::CanvasEvent) -> Value {
     }})
 }
 
+/// A log-probability as JSON: a token outside the distribution's support (negative infinity,
+/// which JSON cannot hold) as -9999.0, as vLLM writes it.
+pub fn logprob_value(lp: f32) -> Value {
+    if lp.is_finite() {
+        json!(lp)
+    } else {
+        json!(-9999.0)
+    }
+}
+
+/// The response's log-probabilities by token id, with each token's text.
+fn logprobs_list(lps: &[pb::TokenLogprob]) -> Value {
+    lps.iter()
+        .map(|l| {
+            json!({
+                "token_id": l.token_id,
+                "token": l.token,
+                "logprob": logprob_value(l.logprob),
+                "top_logprobs": l.top_logprobs.iter().map(|t| json!({
+                    "token_id": t.token_id,
+                    "token": t.token,
+                    "logprob": logprob_value(t.logprob),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
 pub fn response_json(r: &pb::GenerateResponse) -> Value {
     let s = r.stats.clone().unwrap_or_default();
     let counters: Map<String, Value> = s
@@ -53,7 +81,7 @@ pub fn response_json(r: &pb::GenerateResponse) -> Value {
         .iter()
         .map(|(k, v)| (k.clone(), json!(v.values)))
         .collect();
-    json!({
+    let mut v = json!({
         "token_ids": r.token_ids,
         "text": r.text,
         "finish_reason": finish_reason_name(r.finish_reason),
@@ -70,5 +98,9 @@ pub fn response_json(r: &pb::GenerateResponse) -> Value {
             "counters": counters,
             "series": series,
         },
-    })
+    });
+    if !r.logprobs.is_empty() {
+        v["logprobs"] = logprobs_list(&r.logprobs);
+    }
+    v
 }

@@ -419,20 +419,70 @@ impl Common {
         }
     }
 
+    /// The alternatives per token asked for with log-probabilities (`None`: none), in `kind`'s
+    /// terms: completions' `logprobs` is a count; chat's `logprobs` a flag with the count in
+    /// `top_logprobs`.
+    fn logprobs(&self, kind: Kind) -> Result<Option<u32>, ApiError> {
+        let count = |name: &'static str, v: &Value| match v.as_u64() {
+            Some(n) if n <= MAX_TOP_LOGPROBS => Ok(n as u32),
+            _ => Err(ApiError::invalid(
+                name,
+                format!("{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
+            )),
+        };
+        let set = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_null()).cloned();
+        match kind {
+            Kind::Completion => {
+                if set(&self.top_logprobs).is_some() {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "top_logprobs belongs to chat completions; on /v1/completions \
+                         `logprobs` is the number of alternatives",
+                    ));
+                }
+                set(&self.logprobs)
+                    .map(|v| count("logprobs", &v))
+                    .transpose()
+            }
+            Kind::Chat => {
+                let on = match set(&self.logprobs) {
+                    None => false,
+                    Some(Value::Bool(b)) => b,
+                    Some(v) => {
+                        return Err(ApiError::invalid(
+                            "logprobs",
+                            format!(
+                                "on chat completions logprobs is true or false (the number of \
+                                 alternatives is top_logprobs), got {v}"
+                            ),
+                        ))
+                    }
+                };
+                let top = set(&self.top_logprobs)
+                    .map(|v| count("top_logprobs", &v))
+                    .transpose()?;
+                match (on, top) {
+                    (false, Some(_)) => Err(ApiError::invalid(
+                        "top_logprobs",
+                        "top_logprobs needs logprobs: true",
+                    )),
+                    (false, None) => Ok(None),
+                    (true, top) => Ok(Some(top.unwrap_or(0))),
+                }
+            }
+        }
+    }
+
     /// Refuses what is not served, and builds the request around `prompt`.
-    fn request(self, prompt: Prompt, default_tokens: u32) -> Result<pb::GenerateRequest, ApiError> {
+    fn request(
+        self,
+        prompt: Prompt,
+        default_tokens: u32,
+        kind: Kind,
+    ) -> Result<pb::GenerateRequest, ApiError> {
         self.completions()?;
-        let unsupported: [(&'static str, bool); 10] = [
-            (
-                "logprobs",
-                self.logprobs
-                    .as_ref()
-                    .is_some_and(|v| !v.is_null() && v != &json!(false)),
-            ),
-            (
-                "top_logprobs",
-                self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()),
-            ),
+        let logprobs = self.logprobs(kind)?;
+        let unsupported: [(&'static str, bool); 8] = [
             ("echo", self.echo == Some(true)),
             ("best_of", self.best_of.is_some_and(|b| b != 1)),
             (
@@ -522,6 +572,7 @@ impl Common {
             stream_canvas: self.stream_canvas,
             scheme: schemes.pop(),
             skip_special_tokens: self.skip_special_tokens,
+            logprobs,
         })
     }
 }
@@ -635,7 +686,9 @@ async fn completions(
         .as_ref()
         .is_some_and(|o| o.include_usage);
     let n = body.common.completions()?;
-    let req = body.common.request(prompt, DEFAULT_COMPLETION_TOKENS)?;
+    let req = body
+        .common
+        .request(prompt, DEFAULT_COMPLETION_TOKENS, Kind::Completion)?;
     respond(
         router,
         headers,
@@ -684,6 +737,7 @@ async fn chat_completions(
     let req = body.common.request(
         Prompt::Chat(pb::ChatMessages { messages }),
         DEFAULT_CHAT_TOKENS,
+        Kind::Chat,
     )?;
     let answer = Answer {
         n,
@@ -721,6 +775,7 @@ async fn respond(
     answer: Answer,
 ) -> Result<Response, ApiError> {
     let asked = req.model.clone();
+    let asked_logprobs = req.logprobs.is_some();
     let call = |i: u32| {
         let mut request = tonic::Request::new(nth_request(&req, i));
         // W3C trace context: the HTTP request's span parents the router's.
@@ -742,7 +797,15 @@ async fn respond(
         let streams = futures::future::try_join_all((0..answer.n).map(call)).await?;
         // Chunks before the final message name the model asked for, or the one that served it.
         let model = router.model_for(&asked);
-        let sse = sse_events(streams, kind, id, created, answer.include_usage, model);
+        let sse = sse_events(
+            streams,
+            kind,
+            id,
+            created,
+            answer.include_usage,
+            model,
+            asked_logprobs,
+        );
         return Ok(Sse::new(sse)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -758,15 +821,16 @@ async fn respond(
         .enumerate()
         .map(|(i, done)| {
             let reason = finish_reason(done.finish_reason);
+            let logprobs = logprobs_json(kind, &done.logprobs, asked_logprobs, 0);
             let mut choice = match kind {
                 Kind::Completion => json!({
-                    "index": i, "text": done.text, "finish_reason": reason, "logprobs": null,
+                    "index": i, "text": done.text, "finish_reason": reason, "logprobs": logprobs,
                 }),
                 Kind::Chat => json!({
                     "index": i,
                     "message": {"role": "assistant", "content": done.text},
                     "finish_reason": reason,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                 }),
             };
             if several {
@@ -806,6 +870,7 @@ fn wavefront_extension(done: &pb::GenerateResponse) -> Value {
     let mut v = crate::json::response_json(done);
     if let Some(o) = v.as_object_mut() {
         o.remove("text");
+        o.remove("logprobs");
     }
     v
 }
@@ -820,6 +885,61 @@ async fn collect_done(mut events: Events) -> Result<pb::GenerateResponse, ApiErr
         }
     }
     Err(Status::unavailable("the worker's stream ended without a final message").into())
+}
+
+/// The most alternatives per token (vLLM's and OpenAI's chat limit).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// A choice's `logprobs` object for these tokens (`null` when the request asked for none): for
+/// chat, OpenAI's `content` list (token, logprob, UTF-8 bytes, top_logprobs); for completions,
+/// the legacy lists (`tokens`, `token_logprobs`, `top_logprobs` as token → logprob maps, and
+/// `text_offset`, in characters from `offset` on, over the tokens' own texts).
+use crate::json::logprob_value;
+
+fn logprobs_json(kind: Kind, lps: &[pb::TokenLogprob], asked: bool, offset: usize) -> Value {
+    if !asked {
+        return Value::Null;
+    }
+    let bytes = |s: &str| json!(s.as_bytes());
+    match kind {
+        Kind::Chat => json!({
+            "content": lps.iter().map(|l| json!({
+                "token": l.token,
+                "logprob": logprob_value(l.logprob),
+                "bytes": bytes(&l.token),
+                "top_logprobs": l.top_logprobs.iter().map(|t| json!({
+                    "token": t.token,
+                    "logprob": logprob_value(t.logprob),
+                    "bytes": bytes(&t.token),
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+            "refusal": null,
+        }),
+        Kind::Completion => {
+            let mut at = offset;
+            let text_offset: Vec<usize> = lps
+                .iter()
+                .map(|l| {
+                    let here = at;
+                    at += l.token.chars().count();
+                    here
+                })
+                .collect();
+            json!({
+                "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(|l| logprob_value(l.logprob)).collect::<Vec<_>>(),
+                "top_logprobs": lps.iter().map(|l| {
+                    let mut m = serde_json::Map::new();
+                    for t in &l.top_logprobs {
+                        // Two ids with the same text: the more likely one (listed first) is kept.
+                        m.entry(t.token.clone()).or_insert(logprob_value(t.logprob));
+                    }
+                    Value::Object(m)
+                }).collect::<Vec<_>>(),
+                "text_offset": text_offset,
+            })
+        }
+    }
 }
 
 /// One SSE data event holding `v`.
@@ -839,6 +959,7 @@ fn sse_events(
     created: u64,
     include_usage: bool,
     mut model: String,
+    asked_logprobs: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
     let object = match kind {
         Kind::Completion => "text_completion",
@@ -853,18 +974,21 @@ fn sse_events(
         }
         v
     };
-    let delta = move |i: usize, text: &str, first: bool, reason: Option<&str>| match kind {
+    let delta = move |i: usize, text: &str, first: bool, reason: Option<&str>, lp: Value| match kind
+    {
         Kind::Completion => {
-            json!({"index": i, "text": text, "finish_reason": reason, "logprobs": null})
+            json!({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
         }
         Kind::Chat => {
             let mut d = json!({"content": text});
             if first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": i, "delta": d, "finish_reason": reason, "logprobs": null})
+            json!({"index": i, "delta": d, "finish_reason": reason, "logprobs": lp})
         }
     };
+    // Completions' text offsets run on over a choice's chunks.
+    let mut offsets = vec![0usize; streams.len()];
     let n = streams.len();
     let mut first = vec![true; n];
     let mut finished = 0;
@@ -887,10 +1011,16 @@ fn sse_events(
                     event: Some(PbEvent::Tokens(t)),
                 }),
             )) => {
-                if t.text.is_empty() && !first[i] {
+                if t.text.is_empty() && !first[i] && t.logprobs.is_empty() {
                     Vec::new()
                 } else {
-                    let c = chunk(&model, delta(i, &t.text, first[i], None), None);
+                    let lp = logprobs_json(kind, &t.logprobs, asked_logprobs, offsets[i]);
+                    offsets[i] += t
+                        .logprobs
+                        .iter()
+                        .map(|l| l.token.chars().count())
+                        .sum::<usize>();
+                    let c = chunk(&model, delta(i, &t.text, first[i], None, lp), None);
                     first[i] = false;
                     vec![data(&c)]
                 }
@@ -922,7 +1052,13 @@ fn sse_events(
                 }
                 let mut out = vec![data(&chunk(
                     &d.model,
-                    delta(i, "", first[i], Some(finish_reason(d.finish_reason))),
+                    delta(
+                        i,
+                        "",
+                        first[i],
+                        Some(finish_reason(d.finish_reason)),
+                        Value::Null,
+                    ),
                     None,
                 ))];
                 if finished == n {
@@ -1025,7 +1161,7 @@ mod tests {
             "low_confidence": {"block_length": 8, "steps": 4, "surelock_eps": 0.01,
                                "kv_cache": "dual", "threshold": 0.9, "upstream_calls": true},
         }))
-        .request(Prompt::Text("x".into()), 16)
+        .request(Prompt::Text("x".into()), 16, Kind::Completion)
         .unwrap();
         assert_eq!(req.max_new_tokens, 7);
         assert_eq!(req.stop_strings, ["a", "b"]);
@@ -1051,7 +1187,7 @@ mod tests {
         }
         // max_completion_tokens wins; OpenAI's default temperature is 1.
         let req = common(json!({"max_tokens": 7, "max_completion_tokens": 9}))
-            .request(Prompt::Text("x".into()), 16)
+            .request(Prompt::Text("x".into()), 16, Kind::Completion)
             .unwrap();
         assert_eq!(req.max_new_tokens, 9);
         assert_eq!(req.sampling.unwrap().temperature, 1.0);
@@ -1062,20 +1198,93 @@ mod tests {
         for (body, param) in [
             (json!({"n": 0}), "n"),
             (json!({"n": 17}), "n"),
-            (json!({"logprobs": 2}), "logprobs"),
+            (json!({"logprobs": 21}), "logprobs"),
+            (json!({"logprobs": true}), "logprobs"),
+            (json!({"top_logprobs": 2}), "top_logprobs"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
             (json!({"echo": true}), "echo"),
             (json!({"ar": {}, "wino": {}}), "scheme"),
             (json!({"seed": -1}), "seed"),
         ] {
             let e = common(body)
-                .request(Prompt::Text("x".into()), 16)
+                .request(Prompt::Text("x".into()), 16, Kind::Completion)
                 .unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(e.param, Some(param), "{}", e.message);
         }
+        // Chat's logprobs is a flag, its count top_logprobs (which needs the flag).
+        for (body, param) in [
+            (json!({"logprobs": 2}), "logprobs"),
+            (json!({"top_logprobs": 2}), "top_logprobs"),
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+        ] {
+            let e = common(body)
+                .request(Prompt::Text("x".into()), 16, Kind::Chat)
+                .unwrap_err();
+            assert_eq!(e.param, Some(param), "{}", e.message);
+        }
         // Unknown fields inside a scheme object are refused by the parser.
         assert!(serde_json::from_value::<Common>(json!({"ar": {"num_stepz": 3}})).is_err());
+    }
+
+    #[test]
+    fn logprobs_map_onto_the_proto_in_each_endpoints_terms() {
+        let lp = |v: Value, kind| {
+            common(v)
+                .request(Prompt::Text("x".into()), 16, kind)
+                .unwrap()
+                .logprobs
+        };
+        assert_eq!(lp(json!({}), Kind::Completion), None);
+        assert_eq!(lp(json!({"logprobs": 0}), Kind::Completion), Some(0));
+        assert_eq!(lp(json!({"logprobs": 5}), Kind::Completion), Some(5));
+        assert_eq!(lp(json!({"logprobs": false}), Kind::Chat), None);
+        assert_eq!(lp(json!({"logprobs": true}), Kind::Chat), Some(0));
+        assert_eq!(
+            lp(json!({"logprobs": true, "top_logprobs": 3}), Kind::Chat),
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn logprobs_render_in_openais_two_shapes() {
+        let tok = |token_id: u32, token: &str, logprob: f32| pb::TokenLogprob {
+            token_id,
+            logprob,
+            token: token.into(),
+            top_logprobs: vec![
+                pb::TopLogprob {
+                    token_id,
+                    logprob,
+                    token: token.into(),
+                },
+                pb::TopLogprob {
+                    token_id: 9,
+                    logprob: f32::NEG_INFINITY,
+                    token: "é".into(),
+                },
+            ],
+        };
+        let lps = [tok(1, "ab", -0.5), tok(2, "c", -1.25)];
+        assert_eq!(logprobs_json(Kind::Chat, &lps, false, 0), Value::Null);
+        let chat = logprobs_json(Kind::Chat, &lps, true, 0);
+        assert_eq!(chat["content"][0]["token"], "ab");
+        assert_eq!(chat["content"][0]["logprob"], -0.5);
+        assert_eq!(chat["content"][0]["bytes"], json!([97, 98]));
+        assert_eq!(
+            chat["content"][1]["top_logprobs"][1]["bytes"],
+            json!([195, 169])
+        );
+        // Negative infinity is not JSON: vLLM's stand-in.
+        assert_eq!(chat["content"][1]["top_logprobs"][1]["logprob"], -9999.0);
+        let cmpl = logprobs_json(Kind::Completion, &lps, true, 3);
+        assert_eq!(cmpl["tokens"], json!(["ab", "c"]));
+        assert_eq!(cmpl["token_logprobs"], json!([-0.5, -1.25]));
+        assert_eq!(cmpl["top_logprobs"][0], json!({"ab": -0.5, "é": -9999.0}));
+        assert_eq!(cmpl["text_offset"], json!([3, 5]));
     }
 
     #[test]

@@ -33,7 +33,14 @@ pub struct SamplingParams {
     /// 0 or 1 disables.
     pub top_p: f32,
     pub seed: u64,
+    /// Report each generated token's log-probability with this many most likely alternatives
+    /// (`None`: report none). See [`crate::sampling::score`] for the distribution.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives a request may ask for per token (OpenAI's limit for `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -42,6 +49,7 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            logprobs: None,
         }
     }
 }
@@ -63,6 +71,11 @@ impl SamplingParams {
             return bad(format!(
                 "sampling.top_p must be in [0, 1] (0 or 1 disables it), got {}",
                 self.top_p
+            ));
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "logprobs asks for {n} alternatives per token; at most {MAX_TOP_LOGPROBS}"
             ));
         }
         Ok(())
@@ -94,6 +107,15 @@ pub enum SchemeParams {
 }
 
 impl SchemeParams {
+    /// Whether the scheme reports each token's log-probability (`logprobs`; docs/architecture.md,
+    /// "Log-probabilities", defines the distribution per scheme).
+    pub fn scores_tokens(&self) -> bool {
+        !matches!(
+            self,
+            SchemeParams::PlanInfill(_) | SchemeParams::EntropyBound(_)
+        )
+    }
+
     /// The scheme's command-line / API name.
     pub fn name(&self) -> &'static str {
         match self {
@@ -595,7 +617,15 @@ impl GenerateSpec {
                 max_context - self.prompt_ids.len()
             ));
         }
-        self.sampling.validate()
+        self.sampling.validate()?;
+        if self.sampling.logprobs.is_some() && !self.scheme.scores_tokens() {
+            return bad(format!(
+                "logprobs is not defined yet for scheme {}: no per-token distribution is \
+                 recorded where it commits tokens; leave logprobs unset",
+                self.scheme.name()
+            ));
+        }
+        Ok(())
     }
 }
 

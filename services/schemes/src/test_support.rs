@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use wavefront_engine::{
     CanvasFrame, EngineError, Event, EventSink, Family, FinishReason, RequestError, SinkError,
-    Standalone, Stats,
+    Standalone, Stats, TokenLogprob,
 };
 use wavefront_models::ModelFiles;
 
@@ -70,6 +70,8 @@ pub struct Outcome {
     pub stats: Stats,
     /// Canvas frames, in the order they arrived (only when the request asked for them).
     pub frames: Vec<CanvasFrame>,
+    /// One per token, in order (only when the request asked for log-probabilities).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Outcome {
@@ -90,6 +92,7 @@ impl Outcome {
 pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     let mut tokens = Vec::new();
     let mut frames = Vec::new();
+    let mut logprobs = Vec::new();
     let mut pending = first.into_iter();
     loop {
         let ev = match pending.next() {
@@ -101,13 +104,21 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
         match ev {
             Event::Tokens(t) => tokens.extend(t),
             Event::Canvas(f) => frames.push(f),
+            Event::Logprobs(lp) => logprobs.extend(lp),
             Event::Finished { reason, stats } => {
+                ensure!(
+                    logprobs.is_empty() || logprobs.len() == tokens.len(),
+                    "{} log-probabilities for {} tokens",
+                    logprobs.len(),
+                    tokens.len()
+                );
                 return Ok(Outcome {
                     tokens,
                     reason,
                     stats,
                     frames,
-                })
+                    logprobs,
+                });
             }
             Event::Failed(e) => bail!("request failed: {e}"),
             Event::Parked => bail!("a request stopped for an export nobody asked for"),

@@ -146,7 +146,9 @@ fn peak_of(served: &dyn ServedModel, len: usize, execution: Execution) -> Result
                 break;
             }
             Event::Failed(e) => bail!("{e}"),
-            Event::Canvas(_) | Event::Parked => bail!("a left-to-right family sent a canvas frame"),
+            Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {
+                bail!("a left-to-right family sent a canvas frame")
+            }
         }
     }
     Ok(PEAK.load(Ordering::SeqCst).saturating_sub(baseline))

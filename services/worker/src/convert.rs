@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tonic::Status;
-use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats, TokenLogprob};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::{
@@ -61,6 +61,7 @@ pub fn spec_from_proto(
             sampling.top_p
         },
         seed,
+        logprobs: req.logprobs.map(|n| n as usize),
     };
     let scheme = match &req.scheme {
         None => default_scheme(model),
@@ -657,4 +658,30 @@ mod slot_diffusion_tests {
         );
         model.shutdown();
     }
+}
+
+/// The protobuf log-probabilities of `ids`, each token's text alone (special tokens included).
+pub fn logprobs(
+    model: &dyn ServedModel,
+    ids: &[u32],
+    scored: &[TokenLogprob],
+) -> Vec<pb::TokenLogprob> {
+    let text = |id: u32| model.decode_text(&[id], false);
+    ids.iter()
+        .zip(scored)
+        .map(|(&token_id, lp)| pb::TokenLogprob {
+            token_id,
+            logprob: lp.logprob,
+            token: text(token_id),
+            top_logprobs: lp
+                .top
+                .iter()
+                .map(|&(token_id, logprob)| pb::TopLogprob {
+                    token_id,
+                    logprob,
+                    token: text(token_id),
+                })
+                .collect(),
+        })
+        .collect()
 }

@@ -10,7 +10,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use wavefront_engine::{
-    CanvasFrame, EngineError, Event, EventSink, FinishReason, SinkError, Stats,
+    CanvasFrame, EngineError, Event, EventSink, FinishReason, SinkError, Stats, TokenLogprob,
 };
 use wavefront_schemes::{GenerateSpec, ServedModel};
 
@@ -18,6 +18,8 @@ use wavefront_schemes::{GenerateSpec, ServedModel};
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Delta {
     pub token_ids: Vec<u32>,
+    /// One per token of `token_ids` when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprob>,
     pub text: String,
     /// A stop string matched: the request is over.
     pub stopped: bool,
@@ -27,6 +29,8 @@ pub struct Delta {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finished {
     pub token_ids: Vec<u32>,
+    /// One per token of `token_ids` when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprob>,
     pub text: String,
     pub finish_reason: FinishReason,
     pub stats: Stats,
@@ -48,6 +52,8 @@ pub struct OutputAssembler {
     hold_back: usize,
     /// The text leaves out special tokens.
     skip_special: bool,
+    /// The log-probabilities of `ids` (requests that asked for them).
+    logprobs: Vec<TokenLogprob>,
 }
 
 impl OutputAssembler {
@@ -68,6 +74,7 @@ impl OutputAssembler {
             stopped: false,
             hold_back,
             skip_special,
+            logprobs: Vec::new(),
         }
     }
 
@@ -91,6 +98,25 @@ impl OutputAssembler {
             read: self.read as u64,
             messages: 0,
             keep_special_tokens: !self.skip_special,
+            logprobs: self
+                .logprobs
+                .iter()
+                .zip(&self.ids)
+                .map(|(lp, &id)| wavefront_proto::v1::TokenLogprob {
+                    token_id: id,
+                    logprob: lp.logprob,
+                    token: String::new(),
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|&(token_id, logprob)| wavefront_proto::v1::TopLogprob {
+                            token_id,
+                            logprob,
+                            token: String::new(),
+                        })
+                        .collect(),
+                })
+                .collect(),
         }
     }
 
@@ -98,6 +124,21 @@ impl OutputAssembler {
     /// inconsistent state.
     pub fn restore(s: wavefront_proto::worker::v1::OutputState) -> Option<Self> {
         let mut out = Self::new(s.stop_strings, !s.keep_special_tokens);
+        if !s.logprobs.is_empty() && s.logprobs.len() != s.token_ids.len() {
+            return None;
+        }
+        out.logprobs = s
+            .logprobs
+            .into_iter()
+            .map(|lp| TokenLogprob {
+                logprob: lp.logprob,
+                top: lp
+                    .top_logprobs
+                    .into_iter()
+                    .map(|t| (t.token_id, t.logprob))
+                    .collect(),
+            })
+            .collect();
         let (emitted, prefix, read) = (
             usize::try_from(s.emitted).ok()?,
             usize::try_from(s.prefix).ok()?,
@@ -120,6 +161,16 @@ impl OutputAssembler {
 
     pub fn token_ids(&self) -> &[u32] {
         &self.ids
+    }
+
+    /// The log-probabilities of [`Self::token_ids`] (empty when the request asked for none).
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// Adds the log-probabilities of the tokens [`Self::push`] took next.
+    fn push_logprobs(&mut self, lp: &[TokenLogprob]) {
+        self.logprobs.extend_from_slice(lp);
     }
 
     /// Adds newly final tokens; `decode` turns ids into text.
@@ -161,6 +212,7 @@ impl OutputAssembler {
                 token_ids: new.to_vec(),
                 text,
                 stopped: true,
+                ..Delta::default()
             };
         }
         let mut safe = self
@@ -176,7 +228,7 @@ impl OutputAssembler {
         Delta {
             token_ids: new.to_vec(),
             text,
-            stopped: false,
+            ..Delta::default()
         }
     }
 
@@ -244,6 +296,8 @@ pub struct Assembly {
     stop: Arc<AtomicBool>,
     seed: u64,
     ended: bool,
+    /// The log-probabilities of the `Tokens` event to come.
+    scored: Option<Vec<TokenLogprob>>,
 }
 
 impl Assembly {
@@ -253,6 +307,7 @@ impl Assembly {
             stop,
             seed,
             ended: false,
+            scored: None,
         }
     }
 
@@ -264,6 +319,7 @@ impl Assembly {
         self.ended = true;
         Reply::Done(Finished {
             token_ids: self.out.token_ids().to_vec(),
+            logprobs: self.out.logprobs().to_vec(),
             text: self.out.text().to_owned(),
             finish_reason,
             stats,
@@ -283,9 +339,17 @@ impl Assembly {
         let stopped = self.out.is_stopped();
         match event {
             // Tokens and frames the engine made before it saw the stop are not the response's.
-            Some(Event::Tokens(_) | Event::Canvas(_)) if stopped => Vec::new(),
+            Some(Event::Tokens(_) | Event::Canvas(_) | Event::Logprobs(_)) if stopped => Vec::new(),
+            Some(Event::Logprobs(lp)) => {
+                self.scored = Some(lp);
+                Vec::new()
+            }
             Some(Event::Tokens(ids)) => {
-                let delta = self.out.push(&ids, decode);
+                let mut delta = self.out.push(&ids, decode);
+                if let Some(lp) = self.scored.take() {
+                    self.out.push_logprobs(&lp);
+                    delta.logprobs = lp;
+                }
                 if delta.stopped {
                     self.stop.store(true, Ordering::Release);
                 }
@@ -307,9 +371,8 @@ impl Assembly {
                 let mut replies = Vec::with_capacity(2);
                 if !rest.is_empty() {
                     replies.push(Reply::Delta(Delta {
-                        token_ids: Vec::new(),
                         text: rest,
-                        stopped: false,
+                        ..Delta::default()
                     }));
                 }
                 replies.push(self.done(reason, stats));

@@ -182,12 +182,15 @@ impl StreamState {
             match reply {
                 Reply::Delta(d) if d.token_ids.is_empty() => {
                     // The text held back until the end.
-                    self.pending.push_back(Ok(chunk(Vec::new(), d.text)));
+                    self.pending
+                        .push_back(Ok(chunk(Vec::new(), d.text, Vec::new())));
                 }
                 Reply::Delta(d) => {
                     self.time_tokens(d.token_ids.len());
                     self.messages += 1;
-                    self.pending.push_back(Ok(chunk(d.token_ids, d.text)));
+                    let logprobs = convert::logprobs(model.as_ref(), &d.token_ids, &d.logprobs);
+                    self.pending
+                        .push_back(Ok(chunk(d.token_ids, d.text, logprobs)));
                 }
                 Reply::Canvas(frame) => {
                     self.messages += 1;
@@ -267,16 +270,25 @@ impl StreamState {
                     token_ids: f.token_ids.clone(),
                     finish_reason: convert::finish_reason(reason) as i32,
                     stats: Some(convert::stats(&f.stats, f.seed)),
+                    logprobs: convert::logprobs(self.model.as_ref(), &f.token_ids, &f.logprobs),
                 },
             )),
         }
     }
 }
 
-fn chunk(token_ids: Vec<u32>, text: String) -> pb::GenerateStreamResponse {
+fn chunk(
+    token_ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<pb::TokenLogprob>,
+) -> pb::GenerateStreamResponse {
     pb::GenerateStreamResponse {
         event: Some(pb::generate_stream_response::Event::Tokens(
-            pb::TokenChunk { token_ids, text },
+            pb::TokenChunk {
+                token_ids,
+                text,
+                logprobs,
+            },
         )),
     }
 }

@@ -374,11 +374,19 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
         proptest::collection::vec(any::<u32>(), 0..20),
         proptest::collection::vec(any_text(), 0..20),
         opt((any_f32(), small_or_any_u32(), any_f32(), opt(any::<u64>()))),
-        (any::<bool>(), opt(any::<bool>())),
+        (any::<bool>(), opt(any::<bool>()), opt(small_or_any_u32())),
         any_scheme(),
     )
         .prop_map(
-            |(prompt, max_new_tokens, stop_ids, stops, sampling, (canvas, skip), scheme)| {
+            |(
+                prompt,
+                max_new_tokens,
+                stop_ids,
+                stops,
+                sampling,
+                (canvas, skip, logprobs),
+                scheme,
+            )| {
                 pb::GenerateRequest {
                     model: String::new(),
                     prompt,
@@ -396,6 +404,7 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
                     stream_canvas: canvas,
                     skip_special_tokens: skip,
                     scheme,
+                    logprobs,
                 }
             },
         )

@@ -466,3 +466,57 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
         || Ok(fx.planner.prepare(runs[1].1.clone())?.program),
     )
 }
+
+/// `logprobs`, served: every streamed token's `exp(logprob)` is the confidence upstream
+/// committed it with (the softmax probability of the argmax under LLaDA2.1's greedy fix; under
+/// the unmodified sampler with top_k 1, the filtered draw's 1); the greedy token is its
+/// distribution's most likely.
+#[test]
+fn logprobs_are_the_confidences_upstream_committed_with() -> Result<()> {
+    let fx = fixture()?;
+    let runs: Vec<(Value, GenerateSpec)> = runs(&fx)?
+        .into_iter()
+        .map(|(r, mut s)| {
+            s.sampling.logprobs = Some(3);
+            (r, s)
+        })
+        .collect();
+    let specs: Vec<GenerateSpec> = runs.iter().map(|(_, s)| s.clone()).collect();
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("llada2"))?;
+    let outcomes =
+        crate::test_support::served_outcomes(files, crate::LoadOptions::default(), &specs)?;
+    for ((run, spec), out) in runs.iter().zip(&outcomes) {
+        let name = run["name"].as_str().unwrap_or("?");
+        let mut conf = HashMap::new();
+        for call in run["trace"].as_array().context("trace")? {
+            let c: Vec<f64> = serde_json::from_value(call["committed_confidence"].clone())?;
+            conf.extend(usizes(&call["committed_positions"]).into_iter().zip(c));
+        }
+        ensure!(
+            !out.tokens.is_empty()
+                && answer(run).starts_with(&out.tokens)
+                && out.logprobs.len() == out.tokens.len(),
+            "{name}: {:?} with {} log-probabilities",
+            out.tokens,
+            out.logprobs.len()
+        );
+        let prompt_len = spec.prompt_ids.len();
+        for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            let want = conf
+                .get(&(prompt_len + i))
+                .with_context(|| format!("{name}: nothing committed at {i}"))?;
+            ensure!(
+                (f64::from(lp.logprob).exp() - want).abs() < 2e-4,
+                "{name} token {i}: logprob {} (p {}), upstream's confidence {want}",
+                lp.logprob,
+                f64::from(lp.logprob).exp()
+            );
+            ensure!(
+                lp.top.first() == Some(&(token, lp.logprob)),
+                "{name} token {i}: alternatives {:?} for greedy token {token}",
+                lp.top
+            );
+        }
+    }
+    Ok(())
+}

@@ -23,12 +23,12 @@
 //! - the mask token is never a prediction.
 
 use candle_core::{DType, Tensor};
-use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use crate::masked_diffusion::low_confidence_top_k;
 use crate::masked_diffusion::posterior_greedy;
-use crate::sampling::TokenSampler;
+use crate::sampling::{score, Filter, TokenSampler};
 use crate::SchemeError;
 
 /// The sampler: the request's (temperature, top-k, top-p, its own generator).
@@ -111,6 +111,10 @@ pub struct BdProgram {
     /// Page tables of the cache (layers × ranks), and the most pages it can hold.
     kv_tables: usize,
     max_pages: usize,
+    /// The log-probability of each committed position's token until it streams (requests
+    /// that asked for them).
+    #[serde(default)]
+    scores: std::collections::BTreeMap<usize, TokenLogprob>,
 }
 
 /// `num_transfer` of every step of a block of `block` tokens in `steps` steps.
@@ -147,6 +151,7 @@ impl BdProgram {
             done: false,
             stats: Stats::default(),
             record: None,
+            scores: Default::default(),
             stream_canvas: false,
             kv_tables,
             max_pages,
@@ -294,6 +299,9 @@ impl BdProgram {
             rows,
             ..BdStep::default()
         };
+        if let Some(top) = self.sampler.draws.logprobs() {
+            self.score_commits(logits, &chosen, &x0, plan, top)?;
+        }
         let mut stop_committed = false;
         for &i in &chosen {
             let p = plan.masked[i];
@@ -310,6 +318,48 @@ impl BdProgram {
         }
         self.step += 1;
         self.advance(stop_committed, outbox);
+        Ok(())
+    }
+
+    /// Scores the chosen rows' tokens under the distribution each was committed from: the
+    /// model's (the argmax of a greedy request), or the draw's (temperature, 1 where the
+    /// request is greedy under `upstream_sampler`, then top-k and top-p; the mask never drawn).
+    fn score_commits(
+        &mut self,
+        logits: &Tensor,
+        chosen: &[usize],
+        x0: &[u32],
+        plan: &BdPlan,
+        top: usize,
+    ) -> candle_core::Result<()> {
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<u32> = chosen.iter().map(|&i| i as u32).collect();
+        let sub = logits.index_select(&Tensor::new(rows.as_slice(), logits.device())?, 0)?;
+        let host: Vec<Vec<f32>> = sub.to_dtype(DType::F32)?.to_vec2()?;
+        let p = self.sampler.draws.params();
+        let filter = if p.is_greedy() && !self.sampler.upstream {
+            Filter::model()
+        } else {
+            Filter {
+                temperature: if p.is_greedy() { 1.0 } else { p.temperature },
+                top_k: p.top_k,
+                top_p: p.top_p,
+            }
+        };
+        let mask = self.s.mask_id;
+        for (&i, mut row) in chosen.iter().zip(host) {
+            if filter != Filter::model() {
+                if let Some(x) = row.get_mut(mask as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            let mut s = score(&row, x0[i], filter, top + 1);
+            s.top.retain(|&(id, _)| id != mask);
+            s.top.truncate(top);
+            self.scores.insert(plan.masked[i], s);
+        }
         Ok(())
     }
 
@@ -378,7 +428,15 @@ impl BdProgram {
     fn stream(&mut self, upto: usize, outbox: &mut Outbox) {
         let from = self.prompt_len + self.streamed;
         if upto > from {
-            outbox.tokens(self.tokens[from..upto].to_vec());
+            let scored = self.sampler.draws.logprobs().map(|_| {
+                (from..upto)
+                    .map(|p| {
+                        debug_assert!(self.scores.contains_key(&p), "position {p} unscored");
+                        self.scores.remove(&p).unwrap_or_default()
+                    })
+                    .collect()
+            });
+            outbox.scored_tokens(self.tokens[from..upto].to_vec(), scored);
             self.streamed = upto - self.prompt_len;
         }
     }

@@ -159,6 +159,11 @@ impl Canvas {
             .unwrap_or(self.len())
     }
 
+    /// End of the positions streamed so far.
+    pub(crate) fn streamed_end(&self) -> usize {
+        self.prompt_len + self.streamed
+    }
+
     /// Takes the final tokens up to position `upto` (exclusive) that were not streamed yet,
     /// with the finish reason once a stop token is among them (it is included, nothing after
     /// it) or the whole canvas has been streamed.

@@ -508,3 +508,60 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
         || Ok(fx.planner.prepare(other.clone())?.program),
     )
 }
+
+/// `logprobs`, served: under `maskgit_plus` upstream's confidence is the filtered posterior's
+/// probability of the committed token, so every streamed token's `exp(logprob)` is the
+/// confidence upstream committed it with (within the confidences' tolerance), with top_k 50,
+/// without top_k and with top_k 3; the greedy token is its distribution's most likely.
+#[test]
+fn logprobs_are_the_filtered_posteriors_upstream_committed_from() -> Result<()> {
+    let fx = fixture()?;
+    let runs: Vec<(Value, GenerateSpec)> = single_runs(&fx)?
+        .into_iter()
+        .filter(|(r, _)| r["alg"] == "maskgit_plus")
+        .map(|(r, mut s)| {
+            s.sampling.logprobs = Some(2);
+            (r, s)
+        })
+        .collect();
+    ensure!(runs.len() >= 4, "{} maskgit_plus runs", runs.len());
+    let specs: Vec<GenerateSpec> = runs.iter().map(|(_, s)| s.clone()).collect();
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("dream"))?;
+    let outcomes =
+        crate::test_support::served_outcomes(files, crate::LoadOptions::default(), &specs)?;
+    for ((run, spec), out) in runs.iter().zip(&outcomes) {
+        let name = run["name"].as_str().unwrap_or("?");
+        let mut conf = HashMap::new();
+        for step in run["trace"].as_array().context("trace")? {
+            for row in step["rows"].as_array().context("rows")? {
+                let p: Vec<usize> = serde_json::from_value(row["positions"].clone())?;
+                let c: Vec<f64> = serde_json::from_value(row["confidences"].clone())?;
+                conf.extend(p.into_iter().zip(c));
+            }
+        }
+        ensure!(
+            !out.tokens.is_empty() && out.logprobs.len() == out.tokens.len(),
+            "{name}: {} log-probabilities for {} tokens",
+            out.logprobs.len(),
+            out.tokens.len()
+        );
+        let prompt_len = spec.prompt_ids.len();
+        for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            let want = conf
+                .get(&(prompt_len + i))
+                .with_context(|| format!("{name}: nothing committed at {i}"))?;
+            ensure!(
+                (f64::from(lp.logprob).exp() - want).abs() < 2e-4,
+                "{name} token {i}: logprob {} (p {}), upstream's confidence {want}",
+                lp.logprob,
+                f64::from(lp.logprob).exp()
+            );
+            ensure!(
+                lp.top.first() == Some(&(token, lp.logprob)),
+                "{name} token {i}: alternatives {:?} for greedy token {token}",
+                lp.top
+            );
+        }
+    }
+    Ok(())
+}

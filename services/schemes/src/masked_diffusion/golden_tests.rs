@@ -358,3 +358,100 @@ fn ragged_attention_makes_sdpas_surelock_decisions() -> Result<()> {
     }
     Ok(())
 }
+
+/// Checks served log-probabilities against upstream's own confidences: each token's
+/// `exp(logprob)` is `want[position]`, the probability upstream computed for it from the step
+/// that committed it, and its alternatives are that distribution's most likely tokens, the
+/// token itself first (a greedy choice).
+fn check_logprobs(
+    name: &str,
+    out: &crate::test_support::Outcome,
+    prompt_len: usize,
+    want: &std::collections::HashMap<usize, f64>,
+    top: usize,
+) -> Result<()> {
+    ensure!(
+        !out.tokens.is_empty() && out.logprobs.len() == out.tokens.len(),
+        "{name}: {} log-probabilities for {} tokens",
+        out.logprobs.len(),
+        out.tokens.len()
+    );
+    for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+        let p = want
+            .get(&(prompt_len + i))
+            .with_context(|| format!("{name}: upstream committed nothing at {i}"))?;
+        ensure!(
+            (f64::from(lp.logprob).exp() - p).abs() < 2e-4,
+            "{name} token {i}: logprob {} (p {}), upstream's confidence {p}",
+            lp.logprob,
+            f64::from(lp.logprob).exp()
+        );
+        ensure!(
+            lp.top.len() == top && lp.top[0] == (token, lp.logprob),
+            "{name} token {i}: alternatives {:?} for greedy token {token}",
+            lp.top
+        );
+        ensure!(
+            lp.top.windows(2).all(|w| w[0].1 >= w[1].1),
+            "{name} token {i}: alternatives out of order {:?}",
+            lp.top
+        );
+    }
+    Ok(())
+}
+
+/// `logprobs`, served: every low-confidence run's tokens carry the log of the confidence
+/// upstream's `generate()` committed them with (the softmax of that step's logits at the
+/// position), and WINO's the log of the confidence of their last draft (a revoked draft's
+/// distribution is replaced by the re-draft's); the requests share ticks and decode the
+/// goldens' tokens, so asking for log-probabilities changes no decision.
+#[test]
+fn logprobs_are_upstreams_confidences_at_the_committing_step() -> Result<()> {
+    use std::collections::HashMap;
+    let golden = Golden::load()?;
+    let runs = golden.json["generate_runs"].as_array().context("runs")?;
+    let mut specs: Vec<GenerateSpec> = runs
+        .iter()
+        .map(|run| {
+            let mut s = generate_spec(&golden, run, None);
+            s.sampling.logprobs = Some(4);
+            s
+        })
+        .collect();
+    let mut w = wino_spec(&golden, None);
+    w.sampling.logprobs = Some(2);
+    specs.push(w);
+    let outcomes = crate::test_support::served_outcomes(
+        fixture_files()?,
+        crate::LoadOptions::default(),
+        &specs,
+    )?;
+    let prompt_len = golden.prompt().len();
+    for (run, out) in runs.iter().zip(&outcomes) {
+        let name = run["name"].as_str().unwrap_or("?");
+        let generated = ids(&run["generated_ids"]);
+        ensure!(
+            generated.starts_with(&out.tokens),
+            "{name}: served {:?}, upstream {generated:?}",
+            out.tokens
+        );
+        let mut conf = HashMap::new();
+        for step in run["trace"].as_array().context("trace")? {
+            let confs: Vec<f64> = serde_json::from_value(step["confidences"].clone())?;
+            for (p, c) in usizes(&step["unmasked_positions"]).into_iter().zip(confs) {
+                conf.insert(p, c);
+            }
+        }
+        check_logprobs(name, out, prompt_len, &conf, 4)?;
+    }
+    let wg = &golden.json["wino"];
+    let mut last_draft = HashMap::new();
+    for step in wg["trace"].as_array().context("trace")? {
+        let confs: Vec<f64> = serde_json::from_value(step["drafted_confidences"].clone())?;
+        for (p, c) in usizes(&step["drafted_positions"]).into_iter().zip(confs) {
+            last_draft.insert(p, c);
+        }
+    }
+    let wino_prompt = ids(&wg["prompt_ids"]).len();
+    check_logprobs("wino", &outcomes[runs.len()], wino_prompt, &last_draft, 2)
+}

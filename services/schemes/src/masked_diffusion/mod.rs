@@ -420,6 +420,7 @@ impl MdPlanner {
         // their draws when set (diffusion_generate applies its own, as Dream does).
         program.top_k = spec.sampling.top_k;
         program.top_p = spec.sampling.top_p;
+        program.logprobs = spec.sampling.logprobs;
         debug_assert_eq!(program.slots_needed(), slots);
         if self.cfg.shifted {
             program = program.with_shifted_head();

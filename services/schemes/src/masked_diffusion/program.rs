@@ -9,12 +9,12 @@
 //! mask left, since drafts can be revoked until then) and the program moves to the next block or
 //! finishes.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::migrate::RequestRng;
 use candle_core::Tensor;
 use rand::SeedableRng;
-use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::transformer::{KvCache, MaskRule};
 
 use super::canvas::Canvas;
@@ -24,6 +24,7 @@ use super::posterior::{log_probs, Draw};
 use super::step::{StepInputs, StepRecord};
 use super::surelock::SureLock;
 use super::wino::{self, Wino};
+use crate::sampling::{score, score_probs, Filter};
 use crate::SchemeError;
 
 /// The sampler a program runs.
@@ -88,6 +89,13 @@ pub struct MdProgram {
     pub(crate) shifted: bool,
     /// How the request's slots divide over its rows (set by the planner).
     pub(crate) slot_plan: SlotPlan,
+    /// Alternatives per token the request asked for with its log-probabilities.
+    #[serde(default)]
+    pub(crate) logprobs: Option<usize>,
+    /// The log-probability of each position's current token, from the step that put it there
+    /// (a WINO re-draft replaces it), until it streams.
+    #[serde(default)]
+    pub(crate) scores: BTreeMap<usize, TokenLogprob>,
 }
 
 /// The slots of a masked-diffusion request, per buffer row: its working set (one per row and
@@ -133,6 +141,8 @@ impl MdProgram {
             stream_canvas: false,
             shifted: false,
             slot_plan: SlotPlan::default(),
+            logprobs: None,
+            scores: BTreeMap::new(),
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
@@ -374,6 +384,9 @@ impl MdProgram {
                 r
             }
         };
+        if let Some(top) = self.logprobs {
+            self.score_commits(&record, &inputs, draw, top)?;
+        }
         if let Some(sl) = &mut self.surelock {
             let l = self.canvas.len();
             let main: Vec<usize> = (0..plan.logit_index.len())
@@ -414,6 +427,48 @@ impl MdProgram {
             outbox.canvas(self.snapshot());
         }
         self.advance(outbox)
+    }
+
+    /// Scores the tokens a step put on the canvas under the distribution each was committed (or
+    /// drafted) from: the step's posterior at the position (guidance applied), at the
+    /// request's temperature and filters for LLaDA's and WINO's draws, Dream's filtered
+    /// posterior for `diffusion-generate`.
+    fn score_commits(
+        &mut self,
+        record: &StepRecord,
+        inputs: &StepInputs,
+        draw: Draw,
+        top: usize,
+    ) -> candle_core::Result<()> {
+        if record.committed.is_empty() {
+            return Ok(());
+        }
+        let rows = inputs.rows(record.committed.iter().copied());
+        let sub = inputs
+            .logits
+            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?;
+        let host: Vec<Vec<f32>> = sub.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+        let mask = self.canvas.mask_id;
+        for ((&p, &token), row) in record.committed.iter().zip(&record.tokens).zip(&host) {
+            let mut s = match &self.decoder {
+                Decoder::DiffusionGenerate(dg) => {
+                    let probs =
+                        diffusion_generate::posterior(row, self.temperature, dg.top_k, dg.top_p);
+                    score_probs(&probs, token, top + 1)
+                }
+                _ => score(
+                    row,
+                    token,
+                    Filter::new(draw.temperature, draw.top_k, draw.top_p),
+                    top + 1,
+                ),
+            };
+            // The mask token is never a prediction.
+            s.top.retain(|&(id, _)| id != mask);
+            s.top.truncate(top);
+            self.scores.insert(p, s);
+        }
+        Ok(())
     }
 
     /// The generated region as it stands: masked, drafted (WINO's current block, which
@@ -470,7 +525,7 @@ impl MdProgram {
                     }
                 }
                 let (fresh, reason) = self.canvas.stream(self.canvas.committed_prefix_end());
-                outbox.tokens(fresh);
+                emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                 if let Some(reason) = reason {
                     self.finish(reason, outbox);
                     return Ok(());
@@ -478,7 +533,7 @@ impl MdProgram {
                 loop {
                     if !self.canvas.has_block() {
                         let (fresh, reason) = self.canvas.stream(self.canvas.len());
-                        outbox.tokens(fresh);
+                        emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                         self.finish(reason.unwrap_or(FinishReason::Length), outbox);
                         return Ok(());
                     }
@@ -499,14 +554,14 @@ impl MdProgram {
                 // Commits are final: the committed prefix streams, and the response ends at its
                 // first stop token, whatever the later positions become.
                 let (fresh, reason) = self.canvas.stream(self.canvas.committed_prefix_end());
-                outbox.tokens(fresh);
+                emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                 if let Some(reason) = reason {
                     self.finish(reason, outbox);
                 } else if dg.done() {
                     // The last step commits every mask left (`int(n)` of them, or each with
                     // probability 1 under `origin`): the rest of the canvas is final.
                     let (fresh, reason) = self.canvas.stream(self.canvas.len());
-                    outbox.tokens(fresh);
+                    emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                     self.finish(reason.unwrap_or(FinishReason::Length), outbox);
                 }
                 Ok(())
@@ -516,13 +571,13 @@ impl MdProgram {
                     return Ok(());
                 }
                 let (fresh, reason) = self.canvas.stream(self.canvas.block_end());
-                outbox.tokens(fresh);
+                emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                 self.canvas.block += 1;
                 if let Some(reason) = reason {
                     self.finish(reason, outbox);
                 } else if !self.canvas.has_block() {
                     let (fresh, reason) = self.canvas.stream(self.canvas.len());
-                    outbox.tokens(fresh);
+                    emit(&self.canvas, &mut self.scores, self.logprobs, fresh, outbox);
                     self.finish(reason.unwrap_or(FinishReason::Length), outbox);
                 } else {
                     w.start_block(&self.canvas);
@@ -546,4 +601,25 @@ impl MdProgram {
         }
         outbox.finish(reason, std::mem::take(&mut self.stats));
     }
+}
+
+/// Streams `fresh`, the tokens [`Canvas::stream`] just took, with their log-probabilities when
+/// the request asked for them.
+fn emit(
+    canvas: &Canvas,
+    scores: &mut BTreeMap<usize, TokenLogprob>,
+    logprobs: Option<usize>,
+    fresh: Vec<u32>,
+    outbox: &mut Outbox,
+) {
+    let scored = logprobs.map(|_| {
+        let end = canvas.streamed_end();
+        (end - fresh.len()..end)
+            .map(|p| {
+                debug_assert!(scores.contains_key(&p), "position {p} streams unscored");
+                scores.remove(&p).unwrap_or_default()
+            })
+            .collect()
+    });
+    outbox.scored_tokens(fresh, scored);
 }

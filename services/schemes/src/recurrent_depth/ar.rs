@@ -122,7 +122,7 @@ impl ArProgram {
             num_steps: self.num_steps,
             exit_threshold: self.exit_threshold,
             init,
-            greedy: self.sampler.is_greedy(),
+            greedy: !self.sampler.wants_logits(),
         })
     }
 
@@ -152,16 +152,19 @@ impl ArProgram {
                     .ok_or_else(|| SchemeError::inconsistent("no final state to continue from"))?,
             );
         }
-        let tok = match next {
-            NextToken::Argmax(t) => t,
-            NextToken::Logits(row) => self.sampler.sample(&row),
+        let (tok, scored) = match next {
+            NextToken::Argmax(t) => (t, None),
+            NextToken::Logits(row) => {
+                let t = self.sampler.sample(&row);
+                (t, self.sampler.maybe_score(&row, t))
+            }
         };
         self.stats.recurrence_steps += out.steps as u64;
         self.stats.push_series("steps_per_token", out.steps as u32);
         self.generated += 1;
         self.pending.clear();
         self.pending.push(tok);
-        outbox.tokens(vec![tok]);
+        outbox.scored_tokens(vec![tok], scored.map(|s| vec![s]));
         let reason = ends_after(
             tok,
             &self.stop_token_ids,

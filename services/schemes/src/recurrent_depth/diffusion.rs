@@ -49,7 +49,7 @@
 use crate::migrate::RequestRng;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 
 use super::draws::DrawSource;
@@ -128,6 +128,10 @@ pub struct DiffusionProgram {
     pub(crate) latent_pages: usize,
     /// Latent states a page holds, and the occupancy multiplier the pages are sized with.
     pub(crate) latent_page: (usize, f64),
+    /// The log-probability of each position's latest guess, by position (requests that asked
+    /// for them): a frozen token keeps the one of the step that froze it.
+    #[serde(default)]
+    scores: std::collections::BTreeMap<usize, TokenLogprob>,
 }
 
 impl DiffusionProgram {
@@ -159,6 +163,7 @@ impl DiffusionProgram {
             stats: Stats::default(),
             latent_pages: 0,
             latent_page: (wavefront_models::transformer::PAGE_SIZE, 1.0),
+            scores: Default::default(),
         }
     }
 
@@ -205,7 +210,16 @@ impl DiffusionProgram {
         let fresh = &generated[self.emitted.min(end)..end];
         let stop = fresh.iter().position(|t| self.stop_token_ids.contains(t));
         let take = stop.map_or(fresh.len(), |i| i + 1);
-        outbox.tokens(fresh[..take].to_vec());
+        let first = self.prompt_len + self.emitted.min(end);
+        let scored = self.sampler.logprobs().map(|_| {
+            (first..first + take)
+                .map(|p| {
+                    debug_assert!(self.scores.contains_key(&p), "position {p} unscored");
+                    self.scores.remove(&p).unwrap_or_default()
+                })
+                .collect()
+        });
+        outbox.scored_tokens(fresh[..take].to_vec(), scored);
         self.emitted += take;
         let reason = if stop.is_some() {
             Some(FinishReason::StopToken)
@@ -310,7 +324,7 @@ impl DiffusionProgram {
     /// The plan of the next tick: the prefill, or one outer step of the wavefront (its states
     /// and momentum embeddings read from the cache's latent pages).
     pub fn plan(&mut self, dim: usize, heads: usize) -> Result<DfPlan, SchemeError> {
-        let greedy = self.sampler.is_greedy();
+        let greedy = !self.sampler.wants_logits();
         let Some(w) = &self.wave else {
             let len = self.prompt_len;
             let states = self.draws.next(len, dim, false)?;
@@ -399,14 +413,22 @@ impl DiffusionProgram {
         out: DfOutput,
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
-        let tokens: Vec<u32> = out
-            .decoded
-            .into_iter()
-            .map(|n| match n {
+        // Row `i` guesses the token at `frozen.len() + i` (the prefill's one row, the first
+        // position after the prompt).
+        let first = self.frozen.len();
+        let mut tokens = Vec::with_capacity(out.decoded.len());
+        for (i, n) in out.decoded.into_iter().enumerate() {
+            tokens.push(match n {
                 NextToken::Argmax(t) => t,
-                NextToken::Logits(row) => self.sampler.sample(&row),
-            })
-            .collect();
+                NextToken::Logits(row) => {
+                    let t = self.sampler.sample(&row);
+                    if let Some(s) = self.sampler.maybe_score(&row, t) {
+                        self.scores.insert(first + i, s);
+                    }
+                    t
+                }
+            });
+        }
         if plan.prefill {
             let y = *tokens
                 .first()

@@ -445,7 +445,7 @@ fn served_engine_reproduces_goldens() -> Result<()> {
                 .context("engine stalled")?
             {
                 Event::Tokens(t) => tokens.extend(t),
-                Event::Canvas(_) | Event::Parked => {}
+                Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
                 Event::Finished { stats, .. } => break stats,
                 Event::Failed(e) => bail!("{}: failed: {e}", case.name),
             }
@@ -523,5 +523,97 @@ fn aligned_freeze_test_and_seeded_draws_finish() -> Result<()> {
         outputs.push(driver.df(0).generated().to_vec());
     }
     ensure!(outputs[0] == outputs[1], "same seed, different output");
+    Ok(())
+}
+
+/// Float64 log-softmax of a row.
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row
+        .iter()
+        .map(|&v| f64::from(v))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let lse = max
+        + row
+            .iter()
+            .map(|&v| (f64::from(v) - max).exp())
+            .sum::<f64>()
+            .ln();
+    row.iter().map(|&v| f64::from(v) - lse).collect()
+}
+
+/// `logprobs`, served: an AR token's log-probability and alternatives are the log-softmax of the
+/// next-token logits upstream recorded for its step (within the fixture's logits tolerance);
+/// a frozen diffusion-forcing token's is its own greedy distribution's maximum. Asking for them
+/// changes no token and no step count.
+#[test]
+fn logprobs_are_the_recorded_next_token_distributions() -> Result<()> {
+    let fx = Fixture::load()?;
+    let scored = [
+        "ar_static_s4_full",
+        "ar_static_s8_share4",
+        "ar_adaptive_latest_m4",
+    ];
+    let mut cases = scored
+        .iter()
+        .map(|n| fx.ar_case(n))
+        .collect::<Result<Vec<_>>>()?;
+    cases.extend(
+        ["diffusion_w8", "diffusion_w32"]
+            .iter()
+            .map(|n| fx.diffusion_case(n))
+            .collect::<Result<Vec<_>>>()?,
+    );
+    let specs: Vec<GenerateSpec> = cases
+        .iter()
+        .map(|c| {
+            let mut s = c.spec.clone();
+            s.sampling.logprobs = Some(5);
+            s
+        })
+        .collect();
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        max_active: specs.len(),
+        ..LoadOptions::default()
+    };
+    let outcomes =
+        crate::test_support::served_outcomes(ModelFiles::from_dir(fixture_dir())?, opts, &specs)?;
+    for (case, out) in cases.iter().zip(&outcomes) {
+        let name = case.name;
+        ensure!(
+            out.tokens == case.streamed() && out.logprobs.len() == out.tokens.len(),
+            "{name}: {:?} with {} log-probabilities, upstream {:?}",
+            out.tokens,
+            out.logprobs.len(),
+            case.streamed()
+        );
+        if let Some(want) = &case.steps {
+            ensure!(
+                out.stats.series.get("steps_per_token") == Some(want),
+                "{name}: steps"
+            );
+        }
+        let logits = fx
+            .tensors
+            .get(&format!("{name}.next_token_logits"))
+            .map(|t| t.to_vec2::<f32>())
+            .transpose()?;
+        for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            ensure!(
+                lp.top.len() == 5 && lp.top[0] == (token, lp.logprob),
+                "{name} token {i}: alternatives {:?} for greedy token {token}",
+                lp.top
+            );
+            let Some(rows) = &logits else { continue };
+            let want = log_softmax(&rows[i]);
+            for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
+                ensure!(
+                    (f64::from(got) - want[id as usize]).abs() < 1e-4,
+                    "{name} token {i}: logprob of {id} {got}, upstream's logits give {}",
+                    want[id as usize]
+                );
+            }
+        }
+    }
     Ok(())
 }

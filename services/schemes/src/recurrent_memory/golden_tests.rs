@@ -116,3 +116,64 @@ fn the_first_generated_logits_are_the_forwards_last_position_and_a_full_last_seg
     ensure!(max < 1e-4, "diagonal vs sequential step logits: {max:e}");
     Ok(())
 }
+
+/// `logprobs`, served in both executions: each generated token's log-probability and its
+/// alternatives are the log-softmax of the step logits upstream recorded (within the README's
+/// logits tolerance), the greedy token first; asking for them changes no token.
+#[test]
+fn logprobs_are_the_log_softmax_of_upstreams_step_logits() -> Result<()> {
+    let golden = Golden::load()?;
+    let ids = golden.ids("input_ids")?;
+    let names = ["seq", "diag"];
+    let specs: Vec<_> = [Execution::Sequential, Execution::Diagonal]
+        .into_iter()
+        .map(|e| {
+            let mut s = spec(ids.clone(), 8, e);
+            s.sampling.logprobs = Some(3);
+            s
+        })
+        .collect();
+    let outcomes = crate::test_support::served_outcomes(
+        fixture_files()?,
+        crate::LoadOptions::default(),
+        &specs,
+    )?;
+    for (name, out) in names.iter().zip(&outcomes) {
+        let want_tokens = golden.ids(&format!("gen.{name}.tokens"))?;
+        ensure!(
+            out.tokens == want_tokens && out.logprobs.len() == out.tokens.len(),
+            "{name}: {:?} ({} log-probabilities), upstream {want_tokens:?}",
+            out.tokens,
+            out.logprobs.len()
+        );
+        let rows: Vec<Vec<f32>> = golden
+            .tensor(&format!("gen.{name}.step_logits"))?
+            .to_vec2()?;
+        for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            let row = &rows[i];
+            let max = row
+                .iter()
+                .map(|&v| f64::from(v))
+                .fold(f64::NEG_INFINITY, f64::max);
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (f64::from(v) - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            ensure!(
+                lp.top.len() == 3 && lp.top[0] == (token, lp.logprob),
+                "{name} token {i}: alternatives {:?}",
+                lp.top
+            );
+            for &(id, got) in &lp.top {
+                let want = f64::from(row[id as usize]) - lse;
+                ensure!(
+                    (f64::from(got) - want).abs() < 2e-3,
+                    "{name} token {i}: logprob of {id} {got}, upstream's logits give {want}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

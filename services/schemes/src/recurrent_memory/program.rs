@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use wavefront_engine::{FinishReason, Outbox, Stats};
+use wavefront_engine::{FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::arena::Pooled;
 use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::transformer::KvCache;
@@ -342,24 +342,32 @@ impl ArmtProgram {
             ArmtPlan::Decode { .. } => {}
         }
         self.stats.forward_passes += 1;
-        let token = match (out.token, &out.logits) {
-            (Some(t), _) => Some(t),
-            (None, Some(row)) => Some(self.sample(row)),
-            (None, None) => None,
+        let (token, scored) = match (out.token, &out.logits) {
+            (Some(t), _) => (Some(t), None),
+            (None, Some(row)) => {
+                let t = self.sample(row);
+                (Some(t), self.sampler.maybe_score(row, t))
+            }
+            (None, None) => (None, None),
         };
         if let (Some(row), true) = (out.logits, self.records_logits()) {
             self.record_logits(row);
         }
         if let Some(token) = token {
-            self.take_token(token, outbox);
+            self.take_token(token, scored, outbox);
         }
         Ok(())
     }
 
     /// Takes a token the model chose: streams it and finishes or moves on to decoding it.
-    pub(crate) fn take_token(&mut self, token: u32, outbox: &mut Outbox) {
+    pub(crate) fn take_token(
+        &mut self,
+        token: u32,
+        scored: Option<TokenLogprob>,
+        outbox: &mut Outbox,
+    ) {
         self.generated += 1;
-        outbox.tokens(vec![token]);
+        outbox.scored_tokens(vec![token], scored.map(|s| vec![s]));
         if let Some(r) = &mut self.record {
             r.tokens.push(token);
         }
@@ -387,8 +395,10 @@ impl ArmtProgram {
         self.sampler.sample(logits)
     }
 
+    /// Whether the token can be chosen on the device: a greedy request that asked for no
+    /// log-probabilities.
     pub(crate) fn is_greedy(&self) -> bool {
-        self.sampler.is_greedy()
+        !self.sampler.wants_logits()
     }
 
     /// Drops the device state (memories, cache, in-flight segments).

@@ -70,7 +70,7 @@ impl ArDecode {
                 cache: CacheUse::Own,
                 reads: if last {
                     vec![RowRead {
-                        full: !self.sampler.is_greedy(),
+                        full: self.sampler.wants_logits(),
                         ..RowRead::top1(n - 1)
                     }]
                 } else {
@@ -97,12 +97,15 @@ impl ArDecode {
             .first()
             .and_then(|r| r.first())
             .ok_or_else(|| SchemeError::inconsistent("the call returned no logits"))?;
-        let token = match &o.logits {
-            Some(logits) => self.sampler.sample(logits),
-            None => o.argmax,
+        let (token, scored) = match &o.logits {
+            Some(logits) => {
+                let t = self.sampler.sample(logits);
+                (t, self.sampler.maybe_score(logits, t))
+            }
+            None => (o.argmax, None),
         };
         self.generated += 1;
-        outbox.tokens(vec![token]);
+        outbox.scored_tokens(vec![token], scored.map(|s| vec![s]));
         match ends_after(
             token,
             &self.stop_token_ids,
