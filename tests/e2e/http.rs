@@ -205,6 +205,115 @@ async fn completions_match_the_grpc_api_unary_and_streamed() {
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
+/// `logprobs` over HTTP: completions' legacy lists (one entry per token, `text_offset` running
+/// over the tokens' texts, `top_logprobs` maps of `logprobs` entries) carry the gRPC response's
+/// values; streamed, the chunks' lists add up to the unary ones; refusals name the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_match_the_grpc_api_unary_and_streamed() {
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let http = s.http;
+    let grpc = GenerationClient::new(channel(s.grpc).await)
+        .generate(pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+            max_new_tokens: 6,
+            sampling: Some(pb::SamplingParams {
+                seed: Some(5),
+                ..Default::default()
+            }),
+            scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+                num_steps: Some(4),
+                ..Default::default()
+            })),
+            logprobs: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grpc.logprobs.len(), grpc.token_ids.len());
+    for (lp, &id) in grpc.logprobs.iter().zip(&grpc.token_ids) {
+        assert_eq!(lp.token_id, id);
+        assert!(lp.logprob <= 0.0 && lp.top_logprobs.len() == 3, "{lp:?}");
+        // Greedy: the token is its distribution's most likely.
+        assert_eq!(lp.top_logprobs[0].token_id, id);
+        assert_eq!(lp.top_logprobs[0].logprob, lp.logprob);
+    }
+    let body = json!({
+        "model": "huginn-tiny", "prompt": "You may copy", "max_tokens": 6, "temperature": 0,
+        "seed": 5, "ar": {"num_steps": 4}, "logprobs": 3,
+    });
+    let b = body.to_string();
+    let (status, unary) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{unary}");
+    let unary: Value = serde_json::from_str(&unary).unwrap();
+    let lp = &unary["choices"][0]["logprobs"];
+    // JSON holds each float32 value's shortest decimal: read back as float32, it is the value.
+    let want: Vec<f32> = grpc.logprobs.iter().map(|l| l.logprob).collect();
+    let got: Vec<f32> = serde_json::from_value(lp["token_logprobs"].clone()).unwrap();
+    assert_eq!(got, want);
+    let tokens: Vec<String> = serde_json::from_value(lp["tokens"].clone()).unwrap();
+    assert_eq!(
+        tokens,
+        grpc.logprobs.iter().map(|l| l.token.clone()).collect::<Vec<_>>()
+    );
+    let offsets: Vec<usize> = serde_json::from_value(lp["text_offset"].clone()).unwrap();
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[1], tokens[0].chars().count());
+    assert!(lp["top_logprobs"].as_array().unwrap().iter().all(|m| {
+        let m = m.as_object().unwrap();
+        !m.is_empty() && m.len() <= 3
+    }));
+    // The extension object does not repeat them.
+    assert!(unary["wavefront"].get("logprobs").is_none());
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let b = streamed.to_string();
+    let (status, events) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let (data, _) = sse(&events);
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let mut streamed_lp = Vec::new();
+    let mut streamed_offsets = Vec::new();
+    for c in &chunks {
+        let l = &c["choices"][0]["logprobs"];
+        if l.is_null() {
+            continue;
+        }
+        streamed_lp.extend(serde_json::from_value::<Vec<f32>>(l["token_logprobs"].clone()).unwrap());
+        streamed_offsets
+            .extend(serde_json::from_value::<Vec<usize>>(l["text_offset"].clone()).unwrap());
+    }
+    assert_eq!(streamed_lp, want);
+    assert_eq!(streamed_offsets, offsets);
+
+    // Chat's terms on the completions endpoint, and counts past 20, are refused by name.
+    for (bad, param) in [
+        (json!({"logprobs": 21}), "logprobs"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+    ] {
+        let mut b = body.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(bad.as_object().unwrap().clone());
+        let b = b.to_string();
+        let (status, err) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            .await
+            .unwrap();
+        assert_eq!(status, 400, "{err}");
+        let err: Value = serde_json::from_str(&err).unwrap();
+        assert_eq!(err["error"]["param"], param, "{err}");
+    }
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
+}
+
 /// `n` completions in one request: choice `i` drawn with seed + i, so choice 0 is the request
 /// alone, the same request gives the same choices, and they differ from each other; streamed,
 /// each choice's deltas carry its index and add up to its unary text, one usage chunk counts

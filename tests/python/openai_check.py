@@ -80,6 +80,34 @@ except openai.NotFoundError:
 passed += 1
 
 
+# Log-probabilities: chat's content list (token, logprob, bytes, top_logprobs) and completions'
+# legacy lists, one entry per generated token, streamed chunks adding up to the unary answer.
+r = client.chat.completions.create(model="llada", messages=msgs, max_tokens=16, temperature=0,
+                                   extra_body=wino, logprobs=True, top_logprobs=2)
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens, (len(content), r.usage)
+for t in content:
+    assert t.logprob <= 0 and len(t.top_logprobs) == 2, t
+    assert t.bytes == list(t.token.encode()), t
+    assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob, t
+stream = client.chat.completions.create(model="llada", messages=msgs, max_tokens=16, temperature=0,
+                                        extra_body=wino, logprobs=True, top_logprobs=2, stream=True)
+streamed = [t.logprob for ch in stream if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.content]
+assert streamed == [t.logprob for t in content], (streamed, content)
+c = client.completions.create(model="llada", prompt="You may copy", max_tokens=16, temperature=0,
+                              extra_body=scheme, logprobs=3)
+lp = c.choices[0].logprobs
+assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens, lp
+assert all(1 <= len(m) <= 3 for m in lp.top_logprobs), lp.top_logprobs
+try:
+    client.chat.completions.create(model="llada", messages=msgs, top_logprobs=2)
+    raise SystemExit("top_logprobs without logprobs was accepted")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "top_logprobs", e.body
+passed += 1
+
+
 def gauge(name):
     body = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
     for line in body.splitlines():

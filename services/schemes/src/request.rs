@@ -107,15 +107,6 @@ pub enum SchemeParams {
 }
 
 impl SchemeParams {
-    /// Whether the scheme reports each token's log-probability (`logprobs`; docs/architecture.md,
-    /// "Log-probabilities", defines the distribution per scheme).
-    pub fn scores_tokens(&self) -> bool {
-        !matches!(
-            self,
-            SchemeParams::PlanInfill(_) | SchemeParams::EntropyBound(_)
-        )
-    }
-
     /// The scheme's command-line / API name.
     pub fn name(&self) -> &'static str {
         match self {
@@ -617,15 +608,7 @@ impl GenerateSpec {
                 max_context - self.prompt_ids.len()
             ));
         }
-        self.sampling.validate()?;
-        if self.sampling.logprobs.is_some() && !self.scheme.scores_tokens() {
-            return bad(format!(
-                "logprobs is not defined yet for scheme {}: no per-token distribution is \
-                 recorded where it commits tokens; leave logprobs unset",
-                self.scheme.name()
-            ));
-        }
-        Ok(())
+        self.sampling.validate()
     }
 }
 

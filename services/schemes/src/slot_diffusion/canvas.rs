@@ -9,7 +9,9 @@
 //! not part of the response. When the canvas is longer than `max_new_tokens` (its length rounded
 //! up to whole spans and blocks), the response ends after `max_new_tokens` tokens (`Length`).
 
-use wavefront_engine::FinishReason;
+use std::collections::BTreeMap;
+
+use wavefront_engine::{FinishReason, TokenLogprob};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Cell {
@@ -34,6 +36,10 @@ pub(crate) struct Canvas {
     /// Tokens streamed so far (dropped positions are not tokens).
     #[serde(default)]
     released: usize,
+    /// The log-probabilities of committed tokens not streamed yet, by cell (requests that
+    /// asked for them).
+    #[serde(default)]
+    scores: BTreeMap<usize, TokenLogprob>,
 }
 
 fn unlimited() -> usize {
@@ -50,6 +56,7 @@ impl Canvas {
             stopped: false,
             limit: gen_length,
             released: 0,
+            scores: BTreeMap::new(),
         }
     }
 
@@ -68,6 +75,34 @@ impl Canvas {
         for (&p, &t) in positions.iter().zip(tokens) {
             self.cells[p as usize - self.prompt_len] = Cell::Token(t);
         }
+    }
+
+    /// Records the log-probabilities of committed tokens at their positions.
+    pub(crate) fn commit_scores(&mut self, positions: &[u32], scores: &[TokenLogprob]) {
+        for (&p, s) in positions.iter().zip(scores) {
+            self.scores.insert(p as usize - self.prompt_len, s.clone());
+        }
+    }
+
+    /// [`Self::stream`] with the streamed tokens' log-probabilities (one per token) when
+    /// `scored`.
+    pub(crate) fn stream_scored(
+        &mut self,
+        scored: bool,
+    ) -> (Vec<u32>, Option<Vec<TokenLogprob>>, Option<FinishReason>) {
+        let from = self.streamed;
+        let (tokens, reason) = self.stream();
+        if !scored {
+            return (tokens, None, reason);
+        }
+        let scores = (from..self.streamed)
+            .filter(|&i| matches!(self.cells[i], Cell::Token(_)))
+            .map(|i| {
+                debug_assert!(self.scores.contains_key(&i), "cell {i} streams unscored");
+                self.scores.remove(&i).unwrap_or_default()
+            })
+            .collect();
+        (tokens, Some(scores), reason)
     }
 
     /// Marks positions that will never be generated.

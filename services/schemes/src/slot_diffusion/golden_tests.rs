@@ -379,3 +379,152 @@ fn the_aligned_eos_rule_generates_the_spans_left_of_the_eos() -> Result<()> {
 fn run_model(model: &wavefront_models::Qwen3, programs: &mut Vec<SdProgram>) -> Result<Vec<usize>> {
     run(model, programs)
 }
+
+/// What upstream's trace says each position's token was last scored with: a span's first
+/// token its planning confidence, every other token the probability the last verification
+/// that scored it gave (the selected spans' verification, then each step of iterative
+/// completion; a step's first token is not scored, it keeps what the step before gave it).
+fn last_scored(run: &Value) -> std::collections::HashMap<u32, f64> {
+    let mut want = std::collections::HashMap::new();
+    for it in run["trace"].as_array().expect("trace") {
+        let starts = u32s(&it["selected_slot_start_pos"]);
+        let verify = rows_f32(&it["verify_probs"]);
+        for (start, probs) in starts.iter().zip(&verify) {
+            // Index 0 is the planning confidence of the span's first token.
+            for (j, &p) in probs.iter().enumerate() {
+                want.insert(start + j as u32, f64::from(p));
+            }
+        }
+        for step in it["loop"].as_array().into_iter().flatten() {
+            let pos = rows_u32(&step["draft_pos"]);
+            for (pos, probs) in pos.iter().zip(rows_f32(&step["verify_probs"])) {
+                for (t, p) in probs.into_iter().enumerate().skip(1) {
+                    want.insert(pos[t], f64::from(p));
+                }
+            }
+        }
+    }
+    want
+}
+
+/// `logprobs`, served: every plan-and-infill token's probability is what upstream's trace
+/// records for its position (the verifier's probability of the token at its last verification,
+/// or a span's first token's planning confidence; the trace rounds to 1e-6), and asking for
+/// them changes no token.
+#[test]
+fn plan_infill_logprobs_are_the_verifiers_or_the_planners_probabilities() -> Result<()> {
+    let golden = golden()?;
+    let runs: Vec<Value> = runs(&golden)
+        .into_iter()
+        .filter(|r| rule_for(r) == EosRule::Aligned)
+        .collect();
+    let specs: Vec<GenerateSpec> = runs
+        .iter()
+        .map(|r| {
+            let mut s = run_spec(r, EosRule::Aligned);
+            s.sampling.logprobs = Some(2);
+            s
+        })
+        .collect();
+    let outcomes = crate::test_support::served_outcomes(
+        fixture_files()?,
+        crate::LoadOptions::default(),
+        &specs,
+    )?;
+    for ((run, spec), out) in runs.iter().zip(&specs).zip(&outcomes) {
+        let name = run["name"].as_str().unwrap_or("?");
+        let generated = u32s(&run["generated_ids"]);
+        ensure!(
+            !out.tokens.is_empty()
+                && generated.starts_with(&out.tokens)
+                && out.logprobs.len() == out.tokens.len(),
+            "{name}: {:?} with {} log-probabilities, upstream {generated:?}",
+            out.tokens,
+            out.logprobs.len()
+        );
+        let want = last_scored(run);
+        let start = spec.prompt_ids.len() as u32;
+        for (i, lp) in out.logprobs.iter().enumerate() {
+            let p = want
+                .get(&(start + i as u32))
+                .with_context(|| format!("{name}: nothing scored at {i}"))?;
+            let got = f64::from(lp.logprob).exp();
+            ensure!(
+                (got - p).abs() < 2e-6 + 1e-4 * p,
+                "{name} token {i}: logprob {} (p {got}), upstream's trace {p}",
+                lp.logprob
+            );
+            ensure!(
+                lp.top.len() == 2 && lp.top[0].1 >= lp.top[1].1 && lp.top[0].1 >= lp.logprob,
+                "{name} token {i}: alternatives {:?}",
+                lp.top
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `logprobs` of ReFusion's `ar` scheme: each token's log-probability and alternatives are the
+/// log-softmax of one causal forward over the prompt and the generated tokens, computed apart
+/// from the serving path.
+#[test]
+fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
+    use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
+    let (model, _) = fixture()?;
+    let prompt_ids = prompt(9, 3);
+    let mut s = spec(
+        prompt_ids.clone(),
+        10,
+        SchemeParams::Ar(crate::request::ArParams::default()),
+    );
+    s.sampling.logprobs = Some(4);
+    let out = crate::test_support::served_outcomes(
+        fixture_files()?,
+        crate::LoadOptions::default(),
+        &[s],
+    )?
+    .remove(0);
+    ensure!(!out.tokens.is_empty() && out.logprobs.len() == out.tokens.len());
+    let ids: Vec<u32> = prompt_ids.iter().chain(&out.tokens).copied().collect();
+    let mut cache = KvCache::new();
+    let n = ids.len() as u32;
+    let hidden = model.forward(
+        &ids,
+        &mut [SeqInput {
+            index: (0..n).collect(),
+            positions: (0..n).collect(),
+            mask: MaskRule::Causal,
+            keys: Keys::Buffer {
+                len: ids.len(),
+                cache: &mut cache,
+            },
+        }],
+    )?;
+    let rows: Vec<Vec<f32>> = model.logits(&hidden)?.to_vec2()?;
+    for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+        let row = &rows[prompt_ids.len() + i - 1];
+        let max = row
+            .iter()
+            .map(|&v| f64::from(v))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let lse = max
+            + row
+                .iter()
+                .map(|&v| (f64::from(v) - max).exp())
+                .sum::<f64>()
+                .ln();
+        ensure!(
+            lp.top.len() == 4 && lp.top[0] == (token, lp.logprob),
+            "token {i}: {:?}",
+            lp.top
+        );
+        for &(id, got) in &lp.top {
+            let want = f64::from(row[id as usize]) - lse;
+            ensure!(
+                (f64::from(got) - want).abs() < 1e-3,
+                "token {i}: logprob of {id} {got}, the forward gives {want}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -216,6 +216,7 @@ impl RefusionPlanner {
         let stop = self.stop_ids(&spec);
         let mut program = PlanInfill::new(settings, spec.prompt_ids, (gen, cap), stop, sampler);
         program.stream_canvas = spec.stream_canvas;
+        program.logprobs = spec.sampling.logprobs;
         Ok(self.prepared(
             Scheme::PlanInfill(Box::new(program)),
             max_rows,

@@ -31,13 +31,13 @@
 //!
 //! [`MaskRule::SegmentCausal`]: wavefront_models::transformer::MaskRule::SegmentCausal
 
-use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use super::canvas::Canvas;
 use crate::request::EosRule;
-use crate::sampling::TokenSampler;
+use crate::sampling::{score, Filter, TokenSampler};
 use crate::SchemeError;
 
 /// The request's fixed settings.
@@ -121,6 +121,9 @@ struct Selection {
     drafts: Vec<Vec<u32>>,
     /// Their first tokens' planning confidences.
     first_conf: Vec<f32>,
+    /// With log-probabilities: each draft token's, from the distribution that drafted it.
+    #[serde(default)]
+    scores: Vec<Vec<TokenLogprob>>,
 }
 
 /// One row of iterative completion: a selected span, whose K/V live in its segment of the
@@ -130,6 +133,9 @@ struct Row {
     start: u32,
     tokens: Vec<u32>,
     tags: Vec<bool>,
+    /// With log-probabilities: each token's (see [`PlanInfill::logprobs`]).
+    #[serde(default)]
+    scores: Vec<TokenLogprob>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -185,6 +191,13 @@ pub struct PlanInfill {
     current: Option<IterationRecord>,
     /// Send every commit as a canvas update (the request's `stream_canvas`).
     pub(crate) stream_canvas: bool,
+    /// Alternatives per token when the request asked for log-probabilities. A token's
+    /// distribution is the verifier's at its position (the model's next-token distribution
+    /// after the tokens before it) in the last verification call that scored it, or, for a
+    /// token no verification scored (a span's first token), the distribution that drafted it
+    /// (planning: the draw's, or the model's for an argmax; iterative completion: the model's).
+    #[serde(default)]
+    pub(crate) logprobs: Option<usize>,
 }
 
 impl PlanInfill {
@@ -220,6 +233,7 @@ impl PlanInfill {
             record: None,
             current: None,
             stream_canvas: false,
+            logprobs: None,
             s,
         };
         me.pool = me.block_spans(0);
@@ -291,7 +305,7 @@ impl PlanInfill {
                     ids.extend(std::iter::repeat_n(self.s.mask_id, s));
                     positions.extend(self.span_positions(start));
                 }
-                let full = self.sampler.is_some();
+                let full = self.sampler.is_some() || self.logprobs.is_some();
                 let reads = (offset..ids.len())
                     .map(|at| RowRead {
                         full,
@@ -312,9 +326,13 @@ impl PlanInfill {
                     .iter()
                     .flat_map(|&i| self.span_positions(self.pool[i]))
                     .collect();
+                let full = self.logprobs.is_some();
                 let reads = (0..ids.len().saturating_sub(1))
                     .filter(|f| (f + 1) % s != 0)
-                    .map(|f| RowRead::prob_of(f, ids[f + 1]))
+                    .map(|f| RowRead {
+                        full,
+                        ..RowRead::prob_of(f, ids[f + 1])
+                    })
                     .collect();
                 vec![CallRow {
                     ids,
@@ -326,9 +344,11 @@ impl PlanInfill {
             Phase::Infill(inf) => {
                 let acc = inf.acc;
                 // Logits only where a decision needs them (all of them when recording, for the
-                // trace): a draft call re-predicts the unaccepted tokens, a verify call scores a
-                // token whose predecessor was not accepted before the step.
-                let all = self.record.is_some();
+                // trace, or scoring, for every token's distribution): a draft call re-predicts
+                // the unaccepted tokens, a verify call scores a token whose predecessor was not
+                // accepted before the step.
+                let full = self.logprobs.is_some();
+                let all = self.record.is_some() || full;
                 let mut rows = Vec::with_capacity(inf.rows.len());
                 for (r, row) in inf.rows.iter().enumerate() {
                     let positions: Vec<u32> = self.span_positions(row.start).skip(acc).collect();
@@ -344,14 +364,20 @@ impl PlanInfill {
                             .collect();
                         let reads = (0..s - acc)
                             .filter(|&t| all || !row.tags[acc + t])
-                            .map(RowRead::top1)
+                            .map(|t| RowRead {
+                                full,
+                                ..RowRead::top1(t)
+                            })
                             .collect();
                         (ids, reads)
                     } else {
                         let ids = row.tokens[acc..].to_vec();
                         let reads = (0..s - acc - 1)
                             .filter(|&t| all || !row.tags[acc + t])
-                            .map(|t| RowRead::prob_of(t, ids[t + 1]))
+                            .map(|t| RowRead {
+                                full,
+                                ..RowRead::prob_of(t, ids[t + 1])
+                            })
                             .collect();
                         (ids, reads)
                     };
@@ -485,6 +511,7 @@ impl PlanInfill {
         let outs = &outs[0];
         let mut drafts = Vec::with_capacity(self.pool.len());
         let mut conf = Vec::with_capacity(self.pool.len());
+        let mut drafted = Vec::new();
         for span in outs.chunks(s) {
             let (d, c): (Vec<u32>, Vec<f32>) = span
                 .iter()
@@ -496,6 +523,21 @@ impl PlanInfill {
                     _ => (o.argmax, o.max_prob),
                 })
                 .unzip();
+            if let Some(top) = self.logprobs {
+                let sampler = self.sampler.as_ref();
+                drafted.push(
+                    span.iter()
+                        .zip(&d)
+                        .map(|(o, &t)| {
+                            let logits = o.logits.as_deref().unwrap_or_default();
+                            match sampler {
+                                Some(sm) => sm.score(logits, t, top),
+                                None => score(logits, t, Filter::model(), top),
+                            }
+                        })
+                        .collect::<Vec<_>>(),
+                );
+            }
             drafts.push(d);
             conf.push(c);
         }
@@ -527,10 +569,16 @@ impl PlanInfill {
         }
         let first_conf = picked.iter().map(|&i| conf[i][0]).collect();
         let drafts = picked.iter().map(|&i| drafts[i].clone()).collect();
+        let scores = if drafted.is_empty() {
+            Vec::new()
+        } else {
+            picked.iter().map(|&i| drafted[i].clone()).collect()
+        };
         self.phase = Phase::Verify(Selection {
             picked,
             drafts,
             first_conf,
+            scores,
         });
         Ok(())
     }
@@ -554,6 +602,7 @@ impl PlanInfill {
                 v
             })
             .collect();
+        let mut flat_scores: Vec<TokenLogprob> = sel.scores.concat();
         let mut reads = outs[0].iter();
         for f in 0..k * s - 1 {
             if (f + 1) % s != 0 {
@@ -561,6 +610,9 @@ impl PlanInfill {
                     SchemeError::inconsistent("verify call returned too few rows")
                 })?;
                 probs[(f + 1) / s][(f + 1) % s] = o.target_prob;
+                if let (Some(top), Some(logits)) = (self.logprobs, &o.logits) {
+                    flat_scores[f + 1] = score(logits, flat[f + 1], Filter::model(), top);
+                }
             }
         }
         let accept: Vec<Vec<bool>> = probs
@@ -592,8 +644,15 @@ impl PlanInfill {
                 .iter()
                 .zip(sel.drafts)
                 .zip(accept)
-                .map(|((&i, tokens), acc)| Row {
+                .zip(
+                    flat_scores
+                        .chunks(s)
+                        .map(<[TokenLogprob]>::to_vec)
+                        .chain(std::iter::repeat(Vec::new())),
+                )
+                .map(|(((&i, tokens), acc), scores)| Row {
                     start: self.pool[i],
+                    scores,
                     tokens,
                     tags: acc
                         .iter()
@@ -631,7 +690,8 @@ impl PlanInfill {
             .take(n)
             .collect();
         // The verification call's K/V are in place after the committed rows: keep the first n.
-        self.commit_spans(&positions, &flat[..n], stats, outbox)?;
+        let scores = (!flat_scores.is_empty()).then(|| &flat_scores[..n]);
+        self.commit_spans(&positions, &flat[..n], scores, stats, outbox)?;
         let mut remove: Vec<usize> = sel.picked[..spans].to_vec();
         if eos_at.is_some() {
             // Every span from the stop token's span rightwards leaves the pool.
@@ -668,6 +728,9 @@ impl PlanInfill {
             for (t, o) in (acc..row.tokens.len()).zip(o) {
                 if let (false, Some(o)) = (row.tags[t], o) {
                     row.tokens[t] = o.argmax;
+                    if let (Some(top), Some(logits)) = (self.logprobs, &o.logits) {
+                        row.scores[t] = score(logits, o.argmax, Filter::model(), top);
+                    }
                 }
             }
             step.merged.push(row.tokens[acc..].to_vec());
@@ -699,6 +762,10 @@ impl PlanInfill {
                 let forced = t == 0 || old[acc + t - 1];
                 if let Some(Some(o)) = t.checked_sub(1).map(|u| o[u]) {
                     probs[t] = o.target_prob;
+                    if let (Some(top), Some(logits)) = (self.logprobs, &o.logits) {
+                        row.scores[acc + t] =
+                            score(logits, row.tokens[acc + t], Filter::model(), top);
+                    }
                 }
                 let ok = forced || probs[t] > self.s.token_threshold;
                 all &= ok;
@@ -765,6 +832,8 @@ impl PlanInfill {
         }
         stats.add_counter("infill_steps", inf.steps as u64);
         let mut tokens: Vec<u32> = inf.rows.iter().flat_map(|r| r.tokens.clone()).collect();
+        let mut scores: Vec<TokenLogprob> =
+            inf.rows.iter().flat_map(|r| r.scores.clone()).collect();
         let mut positions: Vec<u32> = inf
             .rows
             .iter()
@@ -774,7 +843,9 @@ impl PlanInfill {
             tokens.truncate(e + 1);
             positions.truncate(e + 1);
         }
-        self.commit_spans(&positions, &tokens, stats, outbox)?;
+        scores.truncate(tokens.len());
+        let scores = (self.logprobs.is_some()).then_some(scores.as_slice());
+        self.commit_spans(&positions, &tokens, scores, stats, outbox)?;
         let mut remove = inf.picked.clone();
         if let Some(r) = inf.eos_row {
             let from = match self.s.eos_rule {
@@ -809,6 +880,7 @@ impl PlanInfill {
         &mut self,
         positions: &[u32],
         tokens: &[u32],
+        scores: Option<&[TokenLogprob]>,
         stats: &mut Stats,
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
@@ -824,6 +896,9 @@ impl PlanInfill {
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);
         self.canvas.commit(positions, tokens);
+        if let Some(scores) = scores {
+            self.canvas.commit_scores(positions, scores);
+        }
         let spans = positions.len().div_ceil(self.s.span_size);
         stats.add_counter("slots_committed", spans as u64);
         stats.add_counter("tokens_committed", tokens.len() as u64);
@@ -845,8 +920,8 @@ impl PlanInfill {
                 step: stats.forward_passes as u32,
             });
         }
-        let (fresh, reason) = self.canvas.stream();
-        outbox.tokens(fresh);
+        let (fresh, scores, reason) = self.canvas.stream_scored(self.logprobs.is_some());
+        outbox.scored_tokens(fresh, scores);
         self.stopped |= reason == Some(FinishReason::StopToken);
         self.capped |= reason == Some(FinishReason::Length);
         Ok(())

@@ -477,3 +477,119 @@ fn expert_parallel_ranks_decode_what_one_rank_decodes() -> Result<()> {
         &mixed_requests(),
     )
 }
+
+/// `logprobs`, served with upstream's draws replayed: every token of a run's first canvas is
+/// its last step's argmax, and its log-probability and alternatives are the log-softmax of
+/// upstream's raw logits of that step divided by the step's temperature (the trace's); the
+/// response is upstream's.
+#[test]
+fn logprobs_are_the_last_steps_tempered_distribution() -> Result<()> {
+    let fx = fixture()?;
+    let cases: Vec<Case> = cases(&fx)?.into_iter().filter(|c| c.row == 0).collect();
+    let specs: Vec<GenerateSpec> = cases
+        .iter()
+        .map(|c| {
+            let mut s = c.spec.clone();
+            s.sampling.logprobs = Some(3);
+            s
+        })
+        .collect();
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("diffusion_gemma"))?;
+    let outcomes =
+        crate::test_support::served_outcomes(files, crate::LoadOptions::default(), &specs)?;
+    let (mut checked, mut relative) = (0, 0);
+    for (case, out) in cases.iter().zip(&outcomes) {
+        let name = &case.name;
+        ensure!(
+            out.tokens == case.committed && out.logprobs.len() == out.tokens.len(),
+            "{name}: {:?} with {} log-probabilities, upstream {:?}",
+            out.tokens,
+            out.logprobs.len(),
+            case.committed
+        );
+        let run = case.name.trim_end_matches("[0]");
+        let json = fx.json["runs"]
+            .as_array()
+            .context("runs")?
+            .iter()
+            .find(|r| r["name"] == run)
+            .context("run")?;
+        // Every canvas of a one-row run: its last step's five largest raw logits give the
+        // differences between the alternatives' log-probabilities, (l_a - l_b) / T.
+        let top_v = fx
+            .tensors
+            .get(&format!("run.{run}.step.raw_logits_top5_values"));
+        let top_i = fx
+            .tensors
+            .get(&format!("run.{run}.step.raw_logits_top5_indices"));
+        if let (Some(v), Some(ix)) = (top_v, top_i) {
+            if v.dim(1)? == 1 {
+                let canvas_of = |s: usize| json["trace"][s]["canvas"].as_u64();
+                for (c, lps) in out.logprobs.chunks(16).enumerate() {
+                    let last = *case
+                        .steps
+                        .iter()
+                        .rfind(|&&s| canvas_of(s) == Some(c as u64))
+                        .context("canvas steps")?;
+                    let t = json["trace"][last]["temperature"].as_f64().context("T")? as f32;
+                    let vals: Vec<Vec<f32>> = v.i((last, 0))?.to_vec2()?;
+                    let ids: Vec<Vec<i64>> = ix.i((last, 0))?.to_dtype(DType::I64)?.to_vec2()?;
+                    for (i, lp) in lps.iter().enumerate() {
+                        ensure!(lp.top.len() == 3, "{name}: {:?}", lp.top);
+                        for k in 1..3 {
+                            // Only where upstream's ranks are the same tokens.
+                            if lp.top[k].0 as i64 != ids[i][k] || lp.top[0].0 as i64 != ids[i][0] {
+                                continue;
+                            }
+                            let want = f64::from(vals[i][0] / t) - f64::from(vals[i][k] / t);
+                            let got = f64::from(lp.top[0].1) - f64::from(lp.top[k].1);
+                            // Two logits within the README's 1e-4 each, divided by T.
+                            ensure!(
+                                (got - want).abs() < 5e-4 / f64::from(t) + 1e-5 * want.abs(),
+                                "{name} canvas {c} token {i}: gap {got}, upstream {want}"
+                            );
+                            relative += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // A batch's recorded last step is its last row's, not necessarily this row's.
+        let Some(raw) = fx
+            .tensors
+            .get(&format!("run.{run}.canvas0.last_step.raw_logits"))
+            .filter(|t| t.dim(0).ok() == Some(1))
+        else {
+            continue;
+        };
+        let rows: Vec<Vec<f32>> = raw.i(0)?.to_vec2()?;
+        // The first canvas's last step.
+        let last = case.steps[0..]
+            .iter()
+            .take_while(|&&s| json["trace"][s]["canvas"] == 0)
+            .last()
+            .context("canvas 0 steps")?;
+        let t = json["trace"][*last]["temperature"]
+            .as_f64()
+            .context("temperature")? as f32;
+        for (i, (row, lp)) in rows.iter().zip(&out.logprobs).enumerate() {
+            let pl: Vec<f64> = row.iter().map(|&v| f64::from(v / t)).collect();
+            let max = pl.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + pl.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            let token = out.tokens[i];
+            for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
+                let want = pl[id as usize] - lse;
+                ensure!(
+                    (f64::from(got) - want).abs() < 1e-3,
+                    "{name} token {i}: logprob of {id} {got}, upstream's logits give {want}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    ensure!(
+        checked >= 16 && relative >= 100,
+        "{checked} tokens and {relative} gaps checked"
+    );
+    Ok(())
+}

@@ -397,6 +397,7 @@ impl DiffusionGemmaPlanner {
             max_pages,
         );
         program.stream_canvas = spec.stream_canvas;
+        program.logprobs = spec.sampling.logprobs;
         let first = program.pages_needed(self.sizing.page);
         Ok(self
             .sizing

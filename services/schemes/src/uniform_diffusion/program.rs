@@ -23,13 +23,14 @@
 
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
-use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats};
+use wavefront_engine::{CanvasFrame, CellState, FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::diffusion_gemma::{DgSeq, Mode};
 use wavefront_models::transformer::cpu::{row_entropy, sample_row, RowEntropy};
 use wavefront_models::transformer::KvCache;
 
 use crate::migrate::RequestRng;
 use crate::request::ReplayDraws;
+use crate::sampling::{score, Filter};
 use crate::SchemeError;
 
 /// The sampler's settings, resolved and checked by the planner.
@@ -168,6 +169,15 @@ pub struct UdProgram {
     max_pages: usize,
     #[serde(skip)]
     record: Option<Vec<UdStep>>,
+    /// Alternatives per token when the request asked for log-probabilities: a committed
+    /// token's distribution is its canvas's last denoising step's tempered one,
+    /// `softmax(logits / T)`, whose argmax it is (a pad after an end-of-sequence token, kept
+    /// with `whole_canvases`, is scored under the same distribution).
+    #[serde(default)]
+    pub(crate) logprobs: Option<usize>,
+    /// The log-probabilities of the generated tokens committed so far (with `logprobs`).
+    #[serde(default)]
+    scores: Vec<TokenLogprob>,
 }
 
 /// `T` of step `cur` of `n`, in float32 as upstream computes it.
@@ -236,6 +246,8 @@ impl UdProgram {
             kv_tables,
             max_pages,
             record: None,
+            logprobs: None,
+            scores: Vec::new(),
             s,
         }
     }
@@ -418,6 +430,23 @@ impl UdProgram {
             outbox.canvas(self.snapshot(&accepted));
         }
         if stop || self.cur_step == 0 {
+            if let Some(top) = self.logprobs {
+                let first_eos = self.argmax.iter().position(|t| self.s.eos.contains(t));
+                let scored: Vec<TokenLogprob> = host
+                    .chunks(width)
+                    .zip(&self.argmax)
+                    .enumerate()
+                    .map(|(i, (row, &a))| {
+                        let t = if first_eos.is_some_and(|e| i > e) {
+                            self.s.pad
+                        } else {
+                            a
+                        };
+                        score(row, t, Filter::model(), top)
+                    })
+                    .collect();
+                self.scores.extend(scored);
+            }
             self.finish_canvas(outbox);
             return Ok(None);
         }
@@ -477,7 +506,13 @@ impl UdProgram {
     fn stream(&mut self, upto: usize, outbox: &mut Outbox) {
         if upto > self.streamed {
             let from = self.prompt_len + self.streamed;
-            outbox.tokens(self.tokens[from..self.prompt_len + upto].to_vec());
+            let scored = self.logprobs.map(|_| {
+                self.scores
+                    .get(self.streamed..upto)
+                    .unwrap_or_default()
+                    .to_vec()
+            });
+            outbox.scored_tokens(self.tokens[from..self.prompt_len + upto].to_vec(), scored);
             self.streamed = upto;
         }
     }
