@@ -256,7 +256,10 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
     let tokens: Vec<String> = serde_json::from_value(lp["tokens"].clone()).unwrap();
     assert_eq!(
         tokens,
-        grpc.logprobs.iter().map(|l| l.token.clone()).collect::<Vec<_>>()
+        grpc.logprobs
+            .iter()
+            .map(|l| l.token.clone())
+            .collect::<Vec<_>>()
     );
     let offsets: Vec<usize> = serde_json::from_value(lp["text_offset"].clone()).unwrap();
     assert_eq!(offsets[0], 0);
@@ -287,7 +290,8 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
         if l.is_null() {
             continue;
         }
-        streamed_lp.extend(serde_json::from_value::<Vec<f32>>(l["token_logprobs"].clone()).unwrap());
+        streamed_lp
+            .extend(serde_json::from_value::<Vec<f32>>(l["token_logprobs"].clone()).unwrap());
         streamed_offsets
             .extend(serde_json::from_value::<Vec<usize>>(l["text_offset"].clone()).unwrap());
     }

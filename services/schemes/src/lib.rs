@@ -25,6 +25,8 @@ mod fault_tests;
 pub mod fingerprint;
 mod kv_row;
 pub mod launch;
+#[cfg(test)]
+mod logprob_tests;
 pub mod masked_diffusion;
 pub mod migrate;
 pub mod options;

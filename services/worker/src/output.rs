@@ -515,4 +515,63 @@ mod tests {
         assert_eq!(streamed, a.text());
         assert_eq!(a.text(), "abécd");
     }
+
+    fn lp(v: f32) -> TokenLogprob {
+        TokenLogprob {
+            logprob: v,
+            top: vec![(1, v), (2, v - 1.0)],
+        }
+    }
+
+    /// Log-probabilities stay aligned with the token ids: each `Logprobs` event goes with the
+    /// `Tokens` event after it, the chunk that completes a stop string keeps its entries as it
+    /// keeps its ids, what the engine made after the stop is dropped with its tokens, and a
+    /// request moved to another worker continues with its entries.
+    #[test]
+    fn log_probabilities_follow_their_tokens_through_stops_and_moves() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut a = Assembly::new(OutputAssembler::new(vec!["cd".into()], false), stop, 0);
+        let deltas = |r: Vec<Reply>| -> Vec<Delta> {
+            r.into_iter()
+                .filter_map(|r| match r {
+                    Reply::Delta(d) => Some(d),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert!(a
+            .on_event(Some(Event::Logprobs(vec![lp(-0.5), lp(-0.25)])), &decode)
+            .is_empty());
+        let d = deltas(a.on_event(Some(Event::Tokens(vec![0, 1])), &decode));
+        assert_eq!(d[0].logprobs, vec![lp(-0.5), lp(-0.25)]);
+        // Moved: the next worker's assembler has the entries so far.
+        let moved = OutputAssembler::restore(a.output().snapshot()).expect("restores");
+        assert_eq!(moved.logprobs(), &[lp(-0.5), lp(-0.25)]);
+        let mut a = Assembly::new(moved, Arc::new(AtomicBool::new(false)), 0);
+        a.on_event(Some(Event::Logprobs(vec![lp(-1.0), lp(-2.0)])), &decode);
+        // "c" then "d": the stop string completes in this chunk, which keeps both entries.
+        let d = deltas(a.on_event(Some(Event::Tokens(vec![2, 3])), &decode));
+        assert!(d[0].stopped);
+        assert_eq!(d[0].token_ids, vec![2, 3]);
+        assert_eq!(d[0].logprobs, vec![lp(-1.0), lp(-2.0)]);
+        // After the stop, the engine's late tokens and their entries are not the response's.
+        a.on_event(Some(Event::Logprobs(vec![lp(-3.0)])), &decode);
+        a.on_event(Some(Event::Tokens(vec![4])), &decode);
+        let done = a.on_event(
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                stats: Stats::default(),
+            }),
+            &decode,
+        );
+        let Some(Reply::Done(f)) = done.last() else {
+            panic!("{done:?}")
+        };
+        assert_eq!(f.token_ids, vec![0, 1, 2, 3]);
+        assert_eq!(f.logprobs, vec![lp(-0.5), lp(-0.25), lp(-1.0), lp(-2.0)]);
+        // A state whose entries do not match its tokens is refused.
+        let mut bad = a.output().snapshot();
+        bad.logprobs.pop();
+        assert!(OutputAssembler::restore(bad).is_none());
+    }
 }
