@@ -19,8 +19,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let mut config = tonic_prost_build::configure().codec_path("crate::codec::StrictCodec");
-    // The scheme messages also read from JSON under their proto field names (the HTTP API's
-    // extension objects): unset fields keep their defaults, unknown ones are refused.
+    // The scheme messages (and the likelihood options) also read from JSON under their proto
+    // field names (the HTTP API's extension objects): unset fields keep their defaults, unknown ones are refused.
     for scheme in [
         "ArScheme",
         "DiffusionForcingScheme",
@@ -30,6 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "DiffusionGenerateScheme",
         "BlockDiffusionScheme",
         "EntropyBoundScheme",
+        "LikelihoodOptions",
     ] {
         config = config.type_attribute(
             format!(".wavefront.v1.{scheme}"),

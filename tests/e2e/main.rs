@@ -39,6 +39,8 @@ fn request(
     seed: u64,
 ) -> pb::GenerateRequest {
     pb::GenerateRequest {
+        prompt_logprobs: None,
+        likelihood: None,
         logprobs: None,
         model: String::new(),
         prompt: Some(prompt),

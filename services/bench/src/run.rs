@@ -50,7 +50,7 @@ pub fn wait(rx: &Receiver<Event>, started: Instant) -> Result<Outcome> {
     loop {
         match rx.recv_timeout(STALL_TIMEOUT).context("engine stalled")? {
             Event::Tokens(t) => tokens.extend(t),
-            Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+            Event::Canvas(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Parked => {}
             Event::Finished { stats, .. } => {
                 return Ok(Outcome {
                     tokens,

@@ -119,6 +119,17 @@ pub struct GenerationArgs {
     /// "Log-probabilities"); shown with --json.
     #[arg(long, value_name = "N")]
     pub logprobs: Option<u32>,
+    /// Score the prompt: each prompt token's log-probability with N alternatives (0 to 20);
+    /// with it --max-new-tokens may be 0. Shown with --json.
+    #[arg(long, value_name = "N")]
+    pub prompt_logprobs: Option<u32>,
+    /// Masked diffusion's prompt scoring: the prompt tokens that condition the scored answer
+    /// (LLaDA's Monte Carlo bound); unset scores every token as a one-token answer.
+    #[arg(long, value_name = "N")]
+    pub likelihood_context: Option<u32>,
+    /// Masked diffusion's Monte Carlo samples for --likelihood-context (default 64).
+    #[arg(long, value_name = "N")]
+    pub mc_samples: Option<u32>,
 
     // ---- ar / diffusion-forcing (recurrent depth) ----
     /// Recurrence steps per token (ar) or of the prefill (diffusion-forcing).
@@ -601,6 +612,13 @@ impl GenerationArgs {
             stream_canvas: self.stream_canvas,
             skip_special_tokens: self.keep_special_tokens.then_some(false),
             logprobs: self.logprobs,
+            prompt_logprobs: self.prompt_logprobs,
+            likelihood: (self.likelihood_context.is_some() || self.mc_samples.is_some()).then_some(
+                pb::LikelihoodOptions {
+                    context_tokens: self.likelihood_context,
+                    mc_samples: self.mc_samples,
+                },
+            ),
         }
     }
 }

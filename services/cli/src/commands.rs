@@ -804,9 +804,18 @@ pub async fn run(a: RunArgs) -> Result<()> {
     .map_err(|e| status_error(wavefront_worker::status::from_engine_error(&e)))?;
     let logprobs =
         wavefront_worker::convert::logprobs(scorer.as_ref(), &result.token_ids, &result.logprobs);
+    let (prompt_logprobs, prompt_text) = match &result.prompt {
+        Some((ids, lps)) => (
+            wavefront_worker::convert::logprobs(scorer.as_ref(), ids, lps),
+            scorer.decode_text(ids, skip_special),
+        ),
+        None => (Vec::new(), String::new()),
+    };
     let resp = pb::GenerateResponse {
         model: String::new(),
         logprobs,
+        prompt_logprobs,
+        prompt_text,
         text: result.text,
         token_ids: result.token_ids,
         finish_reason: wavefront_worker::convert::finish_reason(result.finish_reason) as i32,

@@ -36,6 +36,16 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+impl TokenLogprob {
+    /// The entry of a token that has no value (NaN, no alternatives).
+    pub fn unscored() -> Self {
+        Self {
+            logprob: f32::NAN,
+            top: Vec::new(),
+        }
+    }
+}
+
 /// What the engine sends back for a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -44,6 +54,10 @@ pub enum Event {
     /// The log-probabilities of the tokens of the `Tokens` event that follows it, one per token
     /// (sent only when the request asked for them).
     Logprobs(Vec<TokenLogprob>),
+    /// The prompt's log-probabilities, one per prompt token (NaN where a token has none: the
+    /// first; a masked-diffusion condition), sent once, before any token (only when the request
+    /// asked for them).
+    PromptLogprobs(Vec<TokenLogprob>),
     /// A view of the request's canvas, for clients that watch the decoding (sent only when the
     /// request asked for it). Positions count from the first generated position.
     Canvas(CanvasFrame),
@@ -114,6 +128,13 @@ impl Outbox {
             self.events.push(Event::Logprobs(lp));
         }
         self.events.push(Event::Tokens(ids));
+    }
+
+    /// Sends the prompt's log-probabilities (one per prompt token).
+    pub fn prompt_logprobs(&mut self, scored: Vec<TokenLogprob>) {
+        if !self.done {
+            self.events.push(Event::PromptLogprobs(scored));
+        }
     }
 
     /// Sends a canvas view (the program decides whether its request asked for one).

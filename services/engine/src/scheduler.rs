@@ -806,6 +806,7 @@ impl<P: Send + 'static> Scheduler<P> {
                     }
                     Event::Canvas(frame) => Event::Canvas(frame),
                     Event::Logprobs(lp) => Event::Logprobs(lp),
+                    Event::PromptLogprobs(lp) => Event::PromptLogprobs(lp),
                     Event::Parked => Event::Parked,
                     Event::Finished { reason, mut stats } => {
                         stats.queue_time = r.queue_time;

@@ -231,7 +231,10 @@ fn run(total: usize, watermark: usize, reqs: &[(u64, usize, u64)]) -> (Vec<Outco
                         end = Ok((reason, stats));
                     }
                     Event::Failed(e) => end = Err(e.to_string()),
-                    Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+                    Event::Canvas(_)
+                    | Event::Logprobs(_)
+                    | Event::PromptLogprobs(_)
+                    | Event::Parked => {}
                 }
             }
             Outcome { tokens, end }

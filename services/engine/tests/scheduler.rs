@@ -456,7 +456,7 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
     loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Tokens(t) => toks.extend(t),
-            Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+            Event::Canvas(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Parked => {}
             Event::Finished { reason, stats } => {
                 assert_eq!(reason, FinishReason::Length);
                 assert_eq!(stats.generated_tokens, 3);
@@ -520,7 +520,11 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
     let failed = loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("event") {
             Event::Failed(e) => break e,
-            Event::Tokens(_) | Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+            Event::Tokens(_)
+            | Event::Canvas(_)
+            | Event::Logprobs(_)
+            | Event::PromptLogprobs(_)
+            | Event::Parked => {}
             Event::Finished { .. } => panic!("cannot finish"),
         }
     };

@@ -46,6 +46,9 @@ pub fn canvas_json(c: &pb::CanvasEvent) -> Value {
 pub fn logprob_value(lp: f32) -> Value {
     if lp.is_finite() {
         json!(lp)
+    } else if lp.is_nan() {
+        // No value (an echoed prompt's first token).
+        Value::Null
     } else {
         json!(-9999.0)
     }
@@ -101,6 +104,10 @@ pub fn response_json(r: &pb::GenerateResponse) -> Value {
     });
     if !r.logprobs.is_empty() {
         v["logprobs"] = logprobs_list(&r.logprobs);
+    }
+    if !r.prompt_logprobs.is_empty() {
+        v["prompt_logprobs"] = logprobs_list(&r.prompt_logprobs);
+        v["prompt_text"] = json!(r.prompt_text);
     }
     v
 }

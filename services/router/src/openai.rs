@@ -315,6 +315,8 @@ struct Common {
     block_diffusion: Option<pb::BlockDiffusionScheme>,
     plan_infill: Option<pb::PlanInfillScheme>,
     entropy_bound: Option<pb::EntropyBoundScheme>,
+    /// Masked diffusion's prompt scoring (with `echo` and `logprobs`).
+    likelihood: Option<pb::LikelihoodOptions>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -362,8 +364,8 @@ fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), Ap
         param: None,
         message: format!(
             "unknown field{} {}{}: not an OpenAI parameter this server takes, nor one of its \
-             extensions (top_k, stop_token_ids, skip_special_tokens, stream_canvas, and the \
-             scheme objects ar, \
+             extensions (top_k, stop_token_ids, skip_special_tokens, stream_canvas, likelihood, \
+             and the scheme objects ar, \
              diffusion_forcing, low_confidence, wino, diffusion_generate, block_diffusion, \
              plan_infill, entropy_bound); check the spelling",
             if unknown.len() == 1 { "" } else { "s" },
@@ -482,8 +484,28 @@ impl Common {
     ) -> Result<pb::GenerateRequest, ApiError> {
         self.completions()?;
         let logprobs = self.logprobs(kind)?;
-        let unsupported: [(&'static str, bool); 8] = [
-            ("echo", self.echo == Some(true)),
+        let echo = self.echo == Some(true);
+        if echo && kind == Kind::Chat {
+            return Err(ApiError::invalid(
+                "echo",
+                "echo repeats a completion's prompt: it applies to /v1/completions",
+            ));
+        }
+        if echo && self.stream {
+            return Err(ApiError::invalid(
+                "echo",
+                "echo is served in unary completions; leave stream unset with echo",
+            ));
+        }
+        if self.likelihood.is_some() && !echo {
+            return Err(ApiError::invalid(
+                "likelihood",
+                "likelihood sets how masked diffusion scores the prompt: it needs echo and logprobs",
+            ));
+        }
+        // The echoed prompt's entries (its text at least).
+        let prompt_logprobs = echo.then(|| logprobs.unwrap_or(0));
+        let unsupported: [(&'static str, bool); 7] = [
             ("best_of", self.best_of.is_some_and(|b| b != 1)),
             (
                 "suffix",
@@ -573,6 +595,8 @@ impl Common {
             scheme: schemes.pop(),
             skip_special_tokens: self.skip_special_tokens,
             logprobs,
+            prompt_logprobs,
+            likelihood: self.likelihood,
         })
     }
 }
@@ -821,10 +845,26 @@ async fn respond(
         .enumerate()
         .map(|(i, done)| {
             let reason = finish_reason(done.finish_reason);
-            let logprobs = logprobs_json(kind, &done.logprobs, asked_logprobs, 0);
+            // With echo, the prompt comes first (its text, and its entries before the answer's).
+            let echoed = req.prompt_logprobs.is_some();
+            let lps: Vec<pb::TokenLogprob> = if echoed {
+                done.prompt_logprobs
+                    .iter()
+                    .chain(&done.logprobs)
+                    .cloned()
+                    .collect()
+            } else {
+                done.logprobs.clone()
+            };
+            let logprobs = logprobs_json(kind, &lps, asked_logprobs, 0);
+            let text = if echoed {
+                format!("{}{}", done.prompt_text, done.text)
+            } else {
+                done.text.clone()
+            };
             let mut choice = match kind {
                 Kind::Completion => json!({
-                    "index": i, "text": done.text, "finish_reason": reason, "logprobs": logprobs,
+                    "index": i, "text": text, "finish_reason": reason, "logprobs": logprobs,
                 }),
                 Kind::Chat => json!({
                     "index": i,
@@ -871,6 +911,7 @@ fn wavefront_extension(done: &pb::GenerateResponse) -> Value {
     if let Some(o) = v.as_object_mut() {
         o.remove("text");
         o.remove("logprobs");
+        o.remove("prompt_logprobs");
     }
     v
 }
@@ -916,6 +957,15 @@ fn logprobs_json(kind: Kind, lps: &[pb::TokenLogprob], asked: bool, offset: usiz
             "refusal": null,
         }),
         Kind::Completion => {
+            // A token with no value (the prompt's first; a masked-diffusion condition) is null,
+            // as OpenAI writes the echoed prompt's first token.
+            let value = |l: &pb::TokenLogprob| {
+                if l.logprob.is_nan() {
+                    Value::Null
+                } else {
+                    logprob_value(l.logprob)
+                }
+            };
             let mut at = offset;
             let text_offset: Vec<usize> = lps
                 .iter()
@@ -927,8 +977,11 @@ fn logprobs_json(kind: Kind, lps: &[pb::TokenLogprob], asked: bool, offset: usiz
                 .collect();
             json!({
                 "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
-                "token_logprobs": lps.iter().map(|l| logprob_value(l.logprob)).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(value).collect::<Vec<_>>(),
                 "top_logprobs": lps.iter().map(|l| {
+                    if l.logprob.is_nan() {
+                        return Value::Null;
+                    }
                     let mut m = serde_json::Map::new();
                     for t in &l.top_logprobs {
                         // Two ids with the same text: the more likely one (listed first) is kept.
@@ -1202,7 +1255,8 @@ mod tests {
             (json!({"logprobs": true}), "logprobs"),
             (json!({"top_logprobs": 2}), "top_logprobs"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
-            (json!({"echo": true}), "echo"),
+            (json!({"echo": true, "stream": true}), "echo"),
+            (json!({"likelihood": {"mc_samples": 8}}), "likelihood"),
             (json!({"ar": {}, "wino": {}}), "scheme"),
             (json!({"seed": -1}), "seed"),
         ] {
@@ -1212,8 +1266,10 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(e.param, Some(param), "{}", e.message);
         }
-        // Chat's logprobs is a flag, its count top_logprobs (which needs the flag).
+        // Chat's logprobs is a flag, its count top_logprobs (which needs the flag); chat has no
+        // echo.
         for (body, param) in [
+            (json!({"echo": true}), "echo"),
             (json!({"logprobs": 2}), "logprobs"),
             (json!({"top_logprobs": 2}), "top_logprobs"),
             (

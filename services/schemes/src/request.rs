@@ -37,7 +37,23 @@ pub struct SamplingParams {
     /// (`None`: report none). See [`crate::sampling::score`] for the distribution.
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Score the prompt with this many alternatives per token (`None`: do not). With it,
+    /// `max_new_tokens` may be 0.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
+    /// Masked diffusion's prompt scoring: the prompt tokens that condition the scored answer
+    /// (`None`: every token after the first, each a one-token answer to the tokens before it).
+    #[serde(default)]
+    pub likelihood_context: Option<usize>,
+    /// Masked diffusion's Monte Carlo samples (`None`: [`DEFAULT_MC_SAMPLES`]).
+    #[serde(default)]
+    pub mc_samples: Option<usize>,
 }
+
+/// LLaDA's likelihood samples when the request sets none.
+pub const DEFAULT_MC_SAMPLES: usize = 64;
+/// The most Monte Carlo samples a request may ask for.
+pub const MAX_MC_SAMPLES: usize = 1024;
 
 /// The most alternatives a request may ask for per token (OpenAI's limit for `top_logprobs`).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -50,6 +66,9 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: 0,
             logprobs: None,
+            prompt_logprobs: None,
+            likelihood_context: None,
+            mc_samples: None,
         }
     }
 }
@@ -77,6 +96,21 @@ impl SamplingParams {
             return bad(format!(
                 "logprobs asks for {n} alternatives per token; at most {MAX_TOP_LOGPROBS}"
             ));
+        }
+        if let Some(n) = self.prompt_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "prompt_logprobs asks for {n} alternatives per token; at most {MAX_TOP_LOGPROBS}"
+            ));
+        }
+        if let Some(n) = self.mc_samples.filter(|&n| n == 0 || n > MAX_MC_SAMPLES) {
+            return bad(format!(
+                "likelihood.mc_samples must be from 1 to {MAX_MC_SAMPLES}, got {n}"
+            ));
+        }
+        if self.prompt_logprobs.is_none()
+            && (self.mc_samples.is_some() || self.likelihood_context.is_some())
+        {
+            return bad("likelihood options score the prompt: set prompt_logprobs too".into());
         }
         Ok(())
     }
@@ -590,8 +624,20 @@ impl GenerateSpec {
                 "stop token id {id} is outside the vocabulary (size {vocab_size})"
             ));
         }
-        if self.max_new_tokens == 0 {
-            return bad("max_new_tokens must be at least 1".into());
+        if self.max_new_tokens == 0 && self.sampling.prompt_logprobs.is_none() {
+            return bad(
+                "max_new_tokens must be at least 1 (0 only scores the prompt, with prompt_logprobs)"
+                    .into(),
+            );
+        }
+        if let Some(c) = self.sampling.likelihood_context {
+            if c == 0 || c >= self.prompt_ids.len() {
+                return bad(format!(
+                    "likelihood.context_tokens must leave at least one of the prompt's {} tokens \
+                     to score and condition on at least one, got {c}",
+                    self.prompt_ids.len()
+                ));
+            }
         }
         if self.prompt_ids.len() >= max_context {
             return Err(RequestError::TooLarge(format!(
@@ -608,7 +654,32 @@ impl GenerateSpec {
                 max_context - self.prompt_ids.len()
             ));
         }
-        self.sampling.validate()
+        self.sampling.validate()?;
+        let masked = matches!(
+            self.scheme,
+            SchemeParams::LowConfidence(_)
+                | SchemeParams::Wino(_)
+                | SchemeParams::DiffusionGenerate(_)
+        );
+        if self.sampling.prompt_logprobs.is_some()
+            && !(masked || matches!(self.scheme, SchemeParams::Ar(_)))
+        {
+            return bad(format!(
+                "prompt_logprobs is not served for scheme {}: the prompt is scored by the \
+                 autoregressive schemes (ar) and by masked diffusion (low-confidence, wino, \
+                 diffusion-generate)",
+                self.scheme.name()
+            ));
+        }
+        if !masked
+            && (self.sampling.mc_samples.is_some() || self.sampling.likelihood_context.is_some())
+        {
+            return bad(format!(
+                "likelihood options apply to masked diffusion's prompt scoring, not to scheme {}",
+                self.scheme.name()
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -236,6 +236,24 @@ pub fn score(logits: &[f32], token: u32, filter: Filter, top: usize) -> TokenLog
     }
 }
 
+/// The model's log-probability of `targets[r]` under every row `r` of `logits` `[M, V]`, with
+/// `top` alternatives (one host copy of the rows; `None` targets give [`TokenLogprob::unscored`]).
+pub fn score_rows(
+    logits: &candle_core::Tensor,
+    targets: &[Option<u32>],
+    top: usize,
+) -> candle_core::Result<Vec<TokenLogprob>> {
+    let rows: Vec<Vec<f32>> = logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+    Ok(rows
+        .iter()
+        .zip(targets)
+        .map(|(row, t)| match t {
+            Some(t) => score(row, *t, Filter::model(), top),
+            None => TokenLogprob::unscored(),
+        })
+        .collect())
+}
+
 /// `token`'s log-probability under a distribution given as probabilities (a scheme's own
 /// filtered posterior), with the `top` most likely tokens that have any mass.
 pub fn score_probs(probs: &[f32], token: u32, top: usize) -> TokenLogprob {
@@ -278,7 +296,7 @@ mod tests {
             top_k,
             top_p,
             seed,
-            logprobs: None,
+            ..SamplingParams::default()
         }
     }
 

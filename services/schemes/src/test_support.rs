@@ -72,6 +72,8 @@ pub struct Outcome {
     pub frames: Vec<CanvasFrame>,
     /// One per token, in order (only when the request asked for log-probabilities).
     pub logprobs: Vec<TokenLogprob>,
+    /// One per prompt token (only when the request asked to score its prompt).
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
 }
 
 impl Outcome {
@@ -93,6 +95,7 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
     let mut tokens = Vec::new();
     let mut frames = Vec::new();
     let mut logprobs = Vec::new();
+    let mut prompt_logprobs = None;
     let mut pending = first.into_iter();
     loop {
         let ev = match pending.next() {
@@ -105,6 +108,13 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
             Event::Tokens(t) => tokens.extend(t),
             Event::Canvas(f) => frames.push(f),
             Event::Logprobs(lp) => logprobs.extend(lp),
+            Event::PromptLogprobs(lp) => {
+                ensure!(
+                    prompt_logprobs.is_none() && tokens.is_empty(),
+                    "the prompt's log-probabilities came twice or after tokens"
+                );
+                prompt_logprobs = Some(lp);
+            }
             Event::Finished { reason, stats } => {
                 ensure!(
                     logprobs.is_empty() || logprobs.len() == tokens.len(),
@@ -118,6 +128,7 @@ pub fn collect(rx: &Receiver<Event>, first: Vec<Event>) -> Result<Outcome> {
                     stats,
                     frames,
                     logprobs,
+                    prompt_logprobs,
                 });
             }
             Event::Failed(e) => bail!("request failed: {e}"),

@@ -146,7 +146,7 @@ fn peak_of(served: &dyn ServedModel, len: usize, execution: Execution) -> Result
                 break;
             }
             Event::Failed(e) => bail!("{e}"),
-            Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {
+            Event::Canvas(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Parked => {
                 bail!("a left-to-right family sent a canvas frame")
             }
         }

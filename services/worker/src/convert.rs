@@ -62,6 +62,17 @@ pub fn spec_from_proto(
         },
         seed,
         logprobs: req.logprobs.map(|n| n as usize),
+        prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
+        likelihood_context: req
+            .likelihood
+            .as_ref()
+            .and_then(|l| l.context_tokens)
+            .map(|n| n as usize),
+        mc_samples: req
+            .likelihood
+            .as_ref()
+            .and_then(|l| l.mc_samples)
+            .map(|n| n as usize),
     };
     let scheme = match &req.scheme {
         None => default_scheme(model),

@@ -28,6 +28,8 @@ pub struct Delta {
 /// A finished request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finished {
+    /// With prompt scoring: the prompt's ids and their entries (one each).
+    pub prompt: Option<(Vec<u32>, Vec<TokenLogprob>)>,
     pub token_ids: Vec<u32>,
     /// One per token of `token_ids` when the request asked for log-probabilities.
     pub logprobs: Vec<TokenLogprob>,
@@ -54,6 +56,8 @@ pub struct OutputAssembler {
     skip_special: bool,
     /// The log-probabilities of `ids` (requests that asked for them).
     logprobs: Vec<TokenLogprob>,
+    /// With prompt scoring: the prompt's ids, and their entries once the engine sent them.
+    prompt: Option<(Vec<u32>, Vec<TokenLogprob>)>,
 }
 
 impl OutputAssembler {
@@ -75,7 +79,14 @@ impl OutputAssembler {
             hold_back,
             skip_special,
             logprobs: Vec::new(),
+            prompt: None,
         }
+    }
+
+    /// Expects the prompt's log-probabilities (the request set `prompt_logprobs`).
+    pub fn scoring_prompt(mut self, prompt_ids: Vec<u32>) -> Self {
+        self.prompt = Some((prompt_ids, Vec::new()));
+        self
     }
 
     /// Whether the text leaves out special tokens.
@@ -98,25 +109,12 @@ impl OutputAssembler {
             read: self.read as u64,
             messages: 0,
             keep_special_tokens: !self.skip_special,
-            logprobs: self
-                .logprobs
-                .iter()
-                .zip(&self.ids)
-                .map(|(lp, &id)| wavefront_proto::v1::TokenLogprob {
-                    token_id: id,
-                    logprob: lp.logprob,
-                    token: String::new(),
-                    top_logprobs: lp
-                        .top
-                        .iter()
-                        .map(|&(token_id, logprob)| wavefront_proto::v1::TopLogprob {
-                            token_id,
-                            logprob,
-                            token: String::new(),
-                        })
-                        .collect(),
-                })
-                .collect(),
+            logprobs: state_logprobs(&self.ids, &self.logprobs),
+            prompt_logprobs: self
+                .prompt
+                .as_ref()
+                .map(|(ids, lps)| state_logprobs(ids, lps))
+                .unwrap_or_default(),
         }
     }
 
@@ -130,15 +128,11 @@ impl OutputAssembler {
         out.logprobs = s
             .logprobs
             .into_iter()
-            .map(|lp| TokenLogprob {
-                logprob: lp.logprob,
-                top: lp
-                    .top_logprobs
-                    .into_iter()
-                    .map(|t| (t.token_id, t.logprob))
-                    .collect(),
-            })
+            .map(|lp| engine_logprob(lp).1)
             .collect();
+        if !s.prompt_logprobs.is_empty() {
+            out.prompt = Some(s.prompt_logprobs.into_iter().map(engine_logprob).unzip());
+        }
         let (emitted, prefix, read) = (
             usize::try_from(s.emitted).ok()?,
             usize::try_from(s.prefix).ok()?,
@@ -263,6 +257,42 @@ impl OutputAssembler {
     }
 }
 
+/// Entries for an [`wavefront_proto::worker::v1::OutputState`]: ids and values, no texts.
+fn state_logprobs(ids: &[u32], lps: &[TokenLogprob]) -> Vec<wavefront_proto::v1::TokenLogprob> {
+    lps.iter()
+        .zip(ids)
+        .map(|(lp, &id)| wavefront_proto::v1::TokenLogprob {
+            token_id: id,
+            logprob: lp.logprob,
+            token: String::new(),
+            top_logprobs: lp
+                .top
+                .iter()
+                .map(|&(token_id, logprob)| wavefront_proto::v1::TopLogprob {
+                    token_id,
+                    logprob,
+                    token: String::new(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// An entry of an [`wavefront_proto::worker::v1::OutputState`] back as (id, engine entry).
+fn engine_logprob(lp: wavefront_proto::v1::TokenLogprob) -> (u32, TokenLogprob) {
+    (
+        lp.token_id,
+        TokenLogprob {
+            logprob: lp.logprob,
+            top: lp
+                .top_logprobs
+                .into_iter()
+                .map(|t| (t.token_id, t.logprob))
+                .collect(),
+        },
+    )
+}
+
 /// Decoder closure for a model, special tokens left out when `skip_special` (no tokenizer:
 /// empty text).
 pub fn decoder(model: &dyn ServedModel, skip_special: bool) -> impl Fn(&[u32]) -> String + '_ {
@@ -318,6 +348,7 @@ impl Assembly {
     fn done(&mut self, finish_reason: FinishReason, stats: Stats) -> Reply {
         self.ended = true;
         Reply::Done(Finished {
+            prompt: self.out.prompt.clone(),
             token_ids: self.out.token_ids().to_vec(),
             logprobs: self.out.logprobs().to_vec(),
             text: self.out.text().to_owned(),
@@ -340,6 +371,12 @@ impl Assembly {
         match event {
             // Tokens and frames the engine made before it saw the stop are not the response's.
             Some(Event::Tokens(_) | Event::Canvas(_) | Event::Logprobs(_)) if stopped => Vec::new(),
+            Some(Event::PromptLogprobs(lp)) => {
+                if let Some((_, scores)) = &mut self.out.prompt {
+                    *scores = lp;
+                }
+                Vec::new()
+            }
             Some(Event::Logprobs(lp)) => {
                 self.scored = Some(lp);
                 Vec::new()
@@ -429,6 +466,10 @@ pub fn generate_blocking(
     let closed = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let seed = spec.sampling.seed;
+    let scored_prompt = spec
+        .sampling
+        .prompt_logprobs
+        .map(|_| spec.prompt_ids.clone());
     let deadline = timeout.map(|t| Instant::now() + t);
     let sink = StdSink {
         tx,
@@ -437,7 +478,12 @@ pub fn generate_blocking(
     };
     model.submit(spec, Box::new(sink), deadline, tracing::Span::current())?;
     let decode = decoder(model, skip_special);
-    let mut response = Assembly::new(OutputAssembler::new(stop_strings, skip_special), stop, seed);
+    let out = OutputAssembler::new(stop_strings, skip_special);
+    let out = match scored_prompt {
+        Some(ids) => out.scoring_prompt(ids),
+        None => out,
+    };
+    let mut response = Assembly::new(out, stop, seed);
     loop {
         let event = rx.recv().ok();
         if event.is_none() {

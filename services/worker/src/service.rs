@@ -200,6 +200,10 @@ impl WorkerService {
         span.record("prompt_tokens", spec.prompt_ids.len());
         let seed = spec.sampling.seed;
         let scheme = spec.scheme.name();
+        let scored_prompt = spec
+            .sampling
+            .prompt_logprobs
+            .map(|_| spec.prompt_ids.clone());
         metrics::counter!(m::PROMPT_TOKENS_TOTAL, "model" => model.info().name.clone(), "scheme" => scheme)
             .increment(spec.prompt_ids.len() as u64);
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
@@ -222,7 +226,16 @@ impl WorkerService {
             rx: Some(rx),
             abandoned,
             response: Assembly::new(
-                OutputAssembler::new(req.stop_strings, req.skip_special_tokens.unwrap_or(true)),
+                {
+                    let out = OutputAssembler::new(
+                        req.stop_strings,
+                        req.skip_special_tokens.unwrap_or(true),
+                    );
+                    match scored_prompt {
+                        Some(ids) => out.scoring_prompt(ids),
+                        None => out,
+                    }
+                },
                 stop,
                 seed,
             ),

@@ -271,6 +271,19 @@ impl StreamState {
                     finish_reason: convert::finish_reason(reason) as i32,
                     stats: Some(convert::stats(&f.stats, f.seed)),
                     logprobs: convert::logprobs(self.model.as_ref(), &f.token_ids, &f.logprobs),
+                    prompt_logprobs: f
+                        .prompt
+                        .as_ref()
+                        .map(|(ids, lps)| convert::logprobs(self.model.as_ref(), ids, lps))
+                        .unwrap_or_default(),
+                    prompt_text: f
+                        .prompt
+                        .as_ref()
+                        .map(|(ids, _)| {
+                            self.model
+                                .decode_text(ids, self.response.output().skip_special())
+                        })
+                        .unwrap_or_default(),
                 },
             )),
         }

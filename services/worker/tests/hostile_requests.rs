@@ -388,6 +388,8 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
                 scheme,
             )| {
                 pb::GenerateRequest {
+                    prompt_logprobs: None,
+                    likelihood: None,
                     model: String::new(),
                     prompt,
                     max_new_tokens,

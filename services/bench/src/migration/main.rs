@@ -251,7 +251,7 @@ fn finish(rx: &Receiver<Event>, tokens: &mut Vec<u32>) -> Result<()> {
             Event::Tokens(t) => tokens.extend(t),
             Event::Finished { .. } => return Ok(()),
             Event::Failed(e) => bail!("request failed: {e}"),
-            Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+            Event::Canvas(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Parked => {}
         }
     }
 }
@@ -338,7 +338,7 @@ fn measure(served: &Pair, spec: &GenerateSpec, at: f64) -> Result<Measured> {
         }
         Event::Finished { .. } => true,
         Event::Failed(e) => bail!("resumed request failed: {e}"),
-        Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => false,
+        Event::Canvas(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Parked => false,
     };
     if !done {
         finish(&rx2, &mut tokens)?;

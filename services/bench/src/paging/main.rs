@@ -92,7 +92,12 @@ fn serve_all(served: &dyn ServedModel, specs: &[GenerateSpec]) -> Result<Measure
             while !done[i] {
                 match rx.try_recv() {
                     Ok(Event::Tokens(t)) => tokens[i].extend(t),
-                    Ok(Event::Canvas(_) | Event::Logprobs(_) | Event::Parked) => {}
+                    Ok(
+                        Event::Canvas(_)
+                        | Event::Logprobs(_)
+                        | Event::PromptLogprobs(_)
+                        | Event::Parked,
+                    ) => {}
                     Ok(Event::Finished { .. }) => done[i] = true,
                     Ok(Event::Failed(e)) => bail!("request {i} failed: {e}"),
                     Err(_) => break,
@@ -133,7 +138,7 @@ fn request(a: &Args, vocab: usize, i: u64, max_new: usize) -> GenerateSpec {
         top_k: 0,
         top_p: 1.0,
         seed: a.seed + i,
-        logprobs: None,
+        ..SamplingParams::default()
     };
     s
 }

@@ -27,14 +27,14 @@
 //! `num_steps` and adaptive requests that exit early pack together.
 
 use candle_core::{Device, Tensor};
-use wavefront_engine::{Outbox, Stats};
+use wavefront_engine::{FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::{relative_change, Huginn, HuginnCache};
 
 use super::draws::DrawSource;
 pub use super::packed::NextToken;
 use super::packed::{cat_rows, core_call, next_tokens, seq_rows};
 use crate::packing::ends_after;
-use crate::sampling::TokenSampler;
+use crate::sampling::{score_rows, TokenSampler};
 use crate::SchemeError;
 
 /// One request's autoregressive decoding state.
@@ -56,6 +56,10 @@ pub struct ArProgram {
     pub(crate) stop_token_ids: Vec<u32>,
     pub(crate) generated: usize,
     pub(crate) stats: Stats,
+    /// With `prompt_logprobs`: the prompt's entries so far (position 0's first), until the
+    /// prefill ends and they are sent.
+    #[serde(default)]
+    pub(crate) prompt_scores: Option<Vec<TokenLogprob>>,
 }
 
 /// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
@@ -75,6 +79,8 @@ pub struct ArPlan {
     /// The token comes from the argmax (reduced on the device) rather than the request's
     /// sampler over the full logits row.
     pub greedy: bool,
+    /// The head reads every row (the prompt is being scored).
+    pub score_rows: bool,
 }
 
 /// Initial states of a plan's positions.
@@ -95,6 +101,8 @@ pub struct ArOutput {
     pub next: Option<NextToken>,
     /// The last position's final state `[1, E]` (continuous compute, whole plans only).
     pub last_state: Option<Tensor>,
+    /// Every row's logits `[rows, V]` (plans that score their rows).
+    pub rows: Option<Tensor>,
 }
 
 impl ArProgram {
@@ -123,6 +131,7 @@ impl ArProgram {
             exit_threshold: self.exit_threshold,
             init,
             greedy: !self.sampler.wants_logits(),
+            score_rows: self.prompt_scores.is_some(),
         })
     }
 
@@ -136,6 +145,20 @@ impl ArProgram {
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
         self.stats.forward_passes += 1;
+        if let (Some(scores), Some(rows)) = (&mut self.prompt_scores, &out.rows) {
+            // Row j predicts the position after it: the chunk's next id, or the first of the
+            // prompt's rest; the prompt's last row predicts no prompt token.
+            let n = plan.ids.len();
+            let targets: Vec<Option<u32>> = (0..n)
+                .map(|j| plan.ids.get(j + 1).or(self.pending.get(n)).copied())
+                .collect();
+            if scores.is_empty() {
+                scores.push(TokenLogprob::unscored());
+            }
+            let top = self.sampler.params().prompt_logprobs.unwrap_or(0);
+            let scored = score_rows(rows, &targets, top)?;
+            scores.extend(scored.into_iter().take(n - usize::from(plan.reads)));
+        }
         let Some(next) = out.next else {
             if plan.reads {
                 return Err(SchemeError::inconsistent(
@@ -146,6 +169,14 @@ impl ArProgram {
             self.pending.drain(..plan.ids.len());
             return Ok(());
         };
+        if let Some(scores) = self.prompt_scores.take() {
+            outbox.prompt_logprobs(scores);
+            if self.max_new_tokens == 0 {
+                // Scored only: no token is chosen.
+                outbox.finish(FinishReason::Length, std::mem::take(&mut self.stats));
+                return Ok(());
+            }
+        }
         if self.continuous_compute {
             self.warm_state = Some(
                 out.last_state
@@ -318,9 +349,16 @@ pub fn run(
         .zip(states)
         .zip(next)
         .zip(steps_run)
-        .map(|(((p, s), next), steps)| {
+        .enumerate()
+        .map(|(i, (((p, s), next), steps))| {
             let n = p.ids.len();
+            let rows = if p.score_rows {
+                Some(model.lm_head(&hidden.narrow(0, offsets[i], n)?)?)
+            } else {
+                None
+            };
             Ok(ArOutput {
+                rows,
                 steps,
                 last_state: if p.reads {
                     Some(s.narrow(0, n - 1, 1)?)
@@ -364,6 +402,7 @@ mod commit_tests {
             steps,
             next,
             last_state: None,
+            rows: None,
         }
     }
 
@@ -499,6 +538,7 @@ mod commit_tests {
             steps: 2,
             next: Some(NextToken::Argmax(9)),
             last_state: Some(last),
+            rows: None,
         };
         p.commit(&plan, output, &mut outbox)
             .map_err(anyhow::Error::msg)?;

@@ -445,7 +445,10 @@ fn served_engine_reproduces_goldens() -> Result<()> {
                 .context("engine stalled")?
             {
                 Event::Tokens(t) => tokens.extend(t),
-                Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+                Event::Canvas(_)
+                | Event::Logprobs(_)
+                | Event::PromptLogprobs(_)
+                | Event::Parked => {}
                 Event::Finished { stats, .. } => break stats,
                 Event::Failed(e) => bail!("{}: failed: {e}", case.name),
             }
@@ -610,6 +613,64 @@ fn logprobs_are_the_recorded_next_token_distributions() -> Result<()> {
                 ensure!(
                     (f64::from(got) - want[id as usize]).abs() < 1e-4,
                     "{name} token {i}: logprob of {id} {got}, upstream's logits give {}",
+                    want[id as usize]
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `prompt_logprobs`, served, scoring only (`max_new_tokens` 0): with zero initial states at 4
+/// recurrences every prompt token's log-probability and alternatives are the log-softmax of
+/// upstream's forward logits at the position before it (`forward.zero_state.steps4.logits`,
+/// within the README's logits tolerance), the first token has none, no token is generated; a
+/// prefill split into chunks scores the same.
+#[test]
+fn prompt_logprobs_are_the_forwards_log_softmax() -> Result<()> {
+    let fx = Fixture::load()?;
+    let rows: Vec<Vec<f32>> = fx
+        .tensors
+        .get("forward.zero_state.steps4.logits")
+        .context("forward logits")?
+        .to_vec2()?;
+    let mut spec = fx.spec(
+        "forward",
+        0,
+        SchemeParams::Ar(ArParams {
+            num_steps: Some(4),
+            init_scale: Some(0.0),
+            ..ArParams::default()
+        }),
+    )?;
+    spec.sampling.prompt_logprobs = Some(2);
+    for max_batch_rows in [None, Some(5)] {
+        let opts = LoadOptions {
+            name: "fixture".into(),
+            max_batch_rows,
+            ..LoadOptions::default()
+        };
+        let out = crate::test_support::served_outcomes(
+            ModelFiles::from_dir(fixture_dir())?,
+            opts,
+            std::slice::from_ref(&spec),
+        )?
+        .remove(0);
+        ensure!(
+            out.tokens.is_empty(),
+            "scoring only generated {:?}",
+            out.tokens
+        );
+        let scored = out.prompt_logprobs.context("no prompt log-probabilities")?;
+        ensure!(scored.len() == fx.prompt_ids.len() && scored[0].logprob.is_nan());
+        for (j, lp) in scored.iter().enumerate().skip(1) {
+            let want = log_softmax(&rows[j - 1]);
+            let token = fx.prompt_ids[j];
+            ensure!(lp.top.len() == 2, "position {j}: {:?}", lp.top);
+            for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
+                ensure!(
+                    (f64::from(got) - want[id as usize]).abs() < 1e-4,
+                    "{max_batch_rows:?} position {j}: logprob of {id} {got}, upstream {}",
                     want[id as usize]
                 );
             }

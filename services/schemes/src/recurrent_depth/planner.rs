@@ -186,6 +186,7 @@ impl HuginnPlanner {
             stop_token_ids: self.stop_ids(spec.stop_token_ids),
             generated: 0,
             stats: Stats::default(),
+            prompt_scores: spec.sampling.prompt_logprobs.map(|_| Vec::new()),
         };
         Ok(self.prepared(Program::Ar(program), max_slots, prompt_tokens))
     }

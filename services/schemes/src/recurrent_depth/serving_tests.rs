@@ -40,7 +40,7 @@ fn mixed_requests() -> Vec<GenerateSpec> {
             top_k: 0,
             top_p: 0.9,
             seed: s.sampling.seed,
-            logprobs: None,
+            ..SamplingParams::default()
         };
         s
     };
@@ -480,6 +480,7 @@ fn run_mix(
                         Event::Tokens(_)
                         | Event::Canvas(_)
                         | Event::Logprobs(_)
+                        | Event::PromptLogprobs(_)
                         | Event::Parked => {}
                         Event::Finished { .. } => c.done = true,
                         Event::Failed(e) => bail!("request failed: {e}"),
@@ -683,7 +684,11 @@ fn a_failed_forward_fails_only_the_requests_in_it() -> Result<()> {
             Event::Finished { .. } => {
                 bail!("the diffusion request finished despite its failed forward")
             }
-            Event::Tokens(_) | Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+            Event::Tokens(_)
+            | Event::Canvas(_)
+            | Event::Logprobs(_)
+            | Event::PromptLogprobs(_)
+            | Event::Parked => {}
         }
     };
     match &failed {

@@ -177,6 +177,12 @@ fn grouped_step(
             let n = out.hidden.dim(0)?;
             heads.push((i, out.hidden.narrow(0, n - 1, 1)?));
         }
+        if l + 1 == n_layers && p.prompt_scores.is_some() {
+            // The segment's token rows (its memory tokens come after them).
+            let n = p.segment_ids(s).len();
+            let rows = out.hidden.narrow(0, 0, n)?;
+            outputs[i].scored.push((s, model.logits(&rows)?));
+        }
         // A stream a layer above still reads waits in a pool slot; the top layer's is dropped.
         let hidden = if l + 1 < n_layers {
             model.pooled_stream(&out.hidden)?
@@ -272,6 +278,13 @@ fn layer_pass(
         let n = rows[k];
         if choose[k] {
             heads.push((i, out.narrow(0, offset + n - 1, 1)?));
+        }
+        if let (ArmtPlan::Segment { segment, .. }, true) =
+            (&plans[i], work[i].program.prompt_scores.is_some())
+        {
+            let tokens = work[i].program.segment_ids(*segment).len();
+            let logits = model.logits(&out.narrow(0, offset, tokens)?)?;
+            outputs[i].scored.push((*segment, logits));
         }
         offset += n;
         outputs[i].writes = w;

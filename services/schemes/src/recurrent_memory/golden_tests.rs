@@ -2,7 +2,7 @@
 //! the logits that chose them, for `AssociativeRecurrentWrapper.generate` (sequential) and
 //! `FastGroupedArmtExecutor.generate` (diagonal), with the statistics each execution reports.
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
 use wavefront_engine::FinishReason;
 
@@ -172,6 +172,70 @@ fn logprobs_are_the_log_softmax_of_upstreams_step_logits() -> Result<()> {
                     (f64::from(got) - want).abs() < 2e-3,
                     "{name} token {i}: logprob of {id} {got}, upstream's logits give {want}"
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `prompt_logprobs`, served, scoring only (`max_new_tokens` 0), in both executions: every
+/// prompt token's entry is the log-softmax of upstream's forward logits at the position before
+/// it, across the segment boundaries (within the README's logits tolerance); the first has none
+/// and no token is generated. With one token to generate, the prompt scores the same and the
+/// token is upstream's.
+#[test]
+fn prompt_logprobs_are_the_segmented_forwards_log_softmax() -> Result<()> {
+    let golden = Golden::load()?;
+    let ids = golden.ids("input_ids")?;
+    for (execution, name) in [
+        (Execution::Sequential, "seq"),
+        (Execution::Diagonal, "diag"),
+    ] {
+        let rows: Vec<Vec<f32>> = golden
+            .tensor(&format!("{name}.logits"))?
+            .get(0)?
+            .to_vec2()?;
+        let specs: Vec<_> = [0, 1]
+            .into_iter()
+            .map(|max_new| {
+                let mut s = spec(ids.clone(), max_new, execution);
+                s.sampling.prompt_logprobs = Some(2);
+                s
+            })
+            .collect();
+        let outcomes = crate::test_support::served_outcomes(
+            fixture_files()?,
+            crate::LoadOptions::default(),
+            &specs,
+        )?;
+        ensure!(
+            outcomes[0].tokens.is_empty(),
+            "{name}: scoring only generated tokens"
+        );
+        ensure!(outcomes[1].tokens == golden.ids(&format!("gen.{name}.tokens"))?[..1]);
+        for out in &outcomes {
+            let scored = out.prompt_logprobs.as_ref().context("no prompt entries")?;
+            ensure!(scored.len() == ids.len() && scored[0].logprob.is_nan());
+            for (j, lp) in scored.iter().enumerate().skip(1) {
+                let row = &rows[j - 1];
+                let max = row
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let lse = max
+                    + row
+                        .iter()
+                        .map(|&v| (f64::from(v) - max).exp())
+                        .sum::<f64>()
+                        .ln();
+                ensure!(lp.top.len() == 2, "{name} position {j}: {:?}", lp.top);
+                for &(id, got) in std::iter::once(&(ids[j], lp.logprob)).chain(&lp.top) {
+                    let want = f64::from(row[id as usize]) - lse;
+                    ensure!(
+                        (f64::from(got) - want).abs() < 2e-3,
+                        "{name} position {j}: logprob of {id} {got}, upstream {want}"
+                    );
+                }
             }
         }
     }

@@ -9,7 +9,7 @@ use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::transformer::KvCache;
 
 use crate::packing::ends_after;
-use crate::sampling::TokenSampler;
+use crate::sampling::{score_rows, TokenSampler};
 use crate::SchemeError;
 
 /// Where a request stands.
@@ -49,6 +49,9 @@ pub struct ArmtOutput {
     pub token: Option<u32>,
     /// The logits row that chooses it (a sampling request, or one recording its logits).
     pub logits: Option<Vec<f32>>,
+    /// With prompt scoring: the logits `[tokens, V]` of each segment that reached the top layer
+    /// this tick, by segment.
+    pub scored: Vec<(usize, candle_core::Tensor)>,
 }
 
 /// An ARMT request.
@@ -82,6 +85,10 @@ pub struct ArmtProgram {
     record: Option<Record>,
     /// How the request's slots grow (set by the planner).
     pub(crate) paging: Paging,
+    /// With `prompt_logprobs`: each scored prompt position's entry, until the prompt segment
+    /// chooses the first token and they are sent.
+    #[serde(default)]
+    pub(crate) prompt_scores: Option<BTreeMap<usize, TokenLogprob>>,
 }
 
 /// The slots of an ARMT request: the fixed ones (memories, diagonal residual streams) and the
@@ -120,6 +127,7 @@ impl ArmtProgram {
         stats: Stats,
     ) -> Self {
         let segments = prompt.len().div_ceil(segment_size);
+        let prompt_scores = sampler.params().prompt_logprobs.map(|_| BTreeMap::new());
         Self {
             prompt,
             segment_size,
@@ -140,6 +148,7 @@ impl ArmtProgram {
             stats,
             record: None,
             paging: Paging::default(),
+            prompt_scores,
         }
     }
 
@@ -342,6 +351,24 @@ impl ArmtProgram {
             ArmtPlan::Decode { .. } => {}
         }
         self.stats.forward_passes += 1;
+        if let Some(scores) = &mut self.prompt_scores {
+            let top = self.sampler.params().prompt_logprobs.unwrap_or(0);
+            for (s, logits) in &out.scored {
+                // Row j predicts the position after it, in this segment or the next.
+                let start = s * self.segment_size;
+                let n = self
+                    .segment_size
+                    .min(self.prompt.len().saturating_sub(start));
+                let targets: Vec<Option<u32>> = (0..n)
+                    .map(|j| self.prompt.get(start + j + 1).copied())
+                    .collect();
+                for (j, e) in score_rows(logits, &targets, top)?.into_iter().enumerate() {
+                    if targets[j].is_some() {
+                        scores.insert(start + j + 1, e);
+                    }
+                }
+            }
+        }
         let (token, scored) = match (out.token, &out.logits) {
             (Some(t), _) => (Some(t), None),
             (None, Some(row)) => {
@@ -354,6 +381,18 @@ impl ArmtProgram {
             self.record_logits(row);
         }
         if let Some(token) = token {
+            // The prompt segment chose the first token: the prompt is scored.
+            if let Some(mut scores) = self.prompt_scores.take() {
+                let entries = (0..self.prompt.len())
+                    .map(|p| scores.remove(&p).unwrap_or_else(TokenLogprob::unscored))
+                    .collect();
+                outbox.prompt_logprobs(entries);
+                if self.max_new_tokens == 0 {
+                    self.phase = Phase::Done;
+                    outbox.finish(FinishReason::Length, std::mem::take(&mut self.stats));
+                    return Ok(());
+                }
+            }
             self.take_token(token, scored, outbox);
         }
         Ok(())

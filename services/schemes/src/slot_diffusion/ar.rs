@@ -4,12 +4,12 @@
 //! position; the next token is the argmax of the last row's logits (computed on the device) or
 //! a draw from the request's sampler (temperature, top-k, top-p).
 
-use wavefront_engine::{Outbox, Stats};
+use wavefront_engine::{FinishReason, Outbox, Stats, TokenLogprob};
 use wavefront_models::transformer::KvCache;
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use crate::packing::ends_after;
-use crate::sampling::TokenSampler;
+use crate::sampling::{score, Filter, TokenSampler};
 use crate::SchemeError;
 
 /// One autoregressive request.
@@ -23,6 +23,10 @@ pub struct ArDecode {
     stop_token_ids: Vec<u32>,
     generated: usize,
     done: bool,
+    /// With `prompt_logprobs`: the prompt's entries so far (position 0's first), until the
+    /// prompt has run and they are sent.
+    #[serde(default)]
+    prompt_scores: Option<Vec<TokenLogprob>>,
 }
 
 impl ArDecode {
@@ -32,7 +36,12 @@ impl ArDecode {
         stop_token_ids: Vec<u32>,
         sampler: TokenSampler,
     ) -> Self {
+        let prompt_scores = sampler
+            .params()
+            .prompt_logprobs
+            .map(|_| vec![TokenLogprob::unscored()]);
         Self {
+            prompt_scores,
             cache: KvCache::new(),
             pending: prompt,
             sampler,
@@ -68,7 +77,15 @@ impl ArDecode {
                 ids: self.pending[..n].to_vec(),
                 positions: (start..start + n as u32).collect(),
                 cache: CacheUse::Own,
-                reads: if last {
+                reads: if self.prompt_scores.is_some() {
+                    // Scoring the prompt: every row's logits.
+                    (0..n)
+                        .map(|j| RowRead {
+                            full: true,
+                            ..RowRead::top1(j)
+                        })
+                        .collect()
+                } else if last {
                     vec![RowRead {
                         full: self.sampler.wants_logits(),
                         ..RowRead::top1(n - 1)
@@ -88,6 +105,17 @@ impl ArDecode {
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
         let ran = call.rows.first().map_or(0, |r| r.ids.len());
+        if let Some(scores) = &mut self.prompt_scores {
+            // Read j predicts the position after it: the chunk's next id, or the first of the
+            // prompt's rest; the prompt's last row predicts no prompt token.
+            let top = self.sampler.params().prompt_logprobs.unwrap_or(0);
+            let reads = outs.first().map_or(&[][..], Vec::as_slice);
+            for (j, o) in reads.iter().enumerate().take(ran) {
+                if let (Some(&t), Some(logits)) = (self.pending.get(j + 1), &o.logits) {
+                    scores.push(score(logits, t, Filter::model(), top));
+                }
+            }
+        }
         if ran < self.pending.len() {
             // A chunk of the prompt: its K/V are cached; the rest runs next.
             self.pending.drain(..ran);
@@ -95,8 +123,17 @@ impl ArDecode {
         }
         let o = outs
             .first()
-            .and_then(|r| r.first())
+            .and_then(|r| r.last())
             .ok_or_else(|| SchemeError::inconsistent("the call returned no logits"))?;
+        if let Some(scores) = self.prompt_scores.take() {
+            outbox.prompt_logprobs(scores);
+            if self.max_new_tokens == 0 {
+                // Scored only: no token is chosen.
+                outbox.finish(FinishReason::Length, std::mem::take(stats));
+                self.done = true;
+                return Ok(());
+            }
+        }
         let (token, scored) = match &o.logits {
             Some(logits) => {
                 let t = self.sampler.sample(logits);

@@ -464,9 +464,10 @@ fn plan_infill_logprobs_are_the_verifiers_or_the_planners_probabilities() -> Res
     Ok(())
 }
 
-/// `logprobs` of ReFusion's `ar` scheme: each token's log-probability and alternatives are the
-/// log-softmax of one causal forward over the prompt and the generated tokens, computed apart
-/// from the serving path.
+/// `logprobs` and `prompt_logprobs` of ReFusion's `ar` scheme: each generated and each prompt
+/// token's log-probability and alternatives are the log-softmax of one causal forward over the
+/// prompt and the generated tokens, computed apart from the serving path (the prompt's first
+/// token has none).
 #[test]
 fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
     use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
@@ -478,6 +479,7 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
         SchemeParams::Ar(crate::request::ArParams::default()),
     );
     s.sampling.logprobs = Some(4);
+    s.sampling.prompt_logprobs = Some(2);
     let out = crate::test_support::served_outcomes(
         fixture_files()?,
         crate::LoadOptions::default(),
@@ -501,6 +503,31 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
         }],
     )?;
     let rows: Vec<Vec<f32>> = model.logits(&hidden)?.to_vec2()?;
+    let log_softmax = |row: &[f32], id: u32| {
+        let max = row
+            .iter()
+            .map(|&v| f64::from(v))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let lse = max
+            + row
+                .iter()
+                .map(|&v| (f64::from(v) - max).exp())
+                .sum::<f64>()
+                .ln();
+        f64::from(row[id as usize]) - lse
+    };
+    let prompt_scores = out.prompt_logprobs.as_ref().context("no prompt entries")?;
+    ensure!(prompt_scores.len() == prompt_ids.len() && prompt_scores[0].logprob.is_nan());
+    for (j, lp) in prompt_scores.iter().enumerate().skip(1) {
+        ensure!(lp.top.len() == 2, "position {j}: {:?}", lp.top);
+        for &(id, got) in std::iter::once(&(prompt_ids[j], lp.logprob)).chain(&lp.top) {
+            let want = log_softmax(&rows[j - 1], id);
+            ensure!(
+                (f64::from(got) - want).abs() < 1e-3,
+                "prompt position {j}: logprob of {id} {got}, the forward gives {want}"
+            );
+        }
+    }
     for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
         let row = &rows[prompt_ids.len() + i - 1];
         let max = row

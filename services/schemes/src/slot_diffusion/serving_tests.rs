@@ -253,7 +253,10 @@ fn golden_runs_stream_in_position_order_and_stop_at_the_first_eos() -> Result<()
         let (tokens, reason, stats) = loop {
             match rx.recv_timeout(Duration::from_secs(120))? {
                 Event::Tokens(t) => chunks.push(t),
-                Event::Canvas(_) | Event::Logprobs(_) | Event::Parked => {}
+                Event::Canvas(_)
+                | Event::Logprobs(_)
+                | Event::PromptLogprobs(_)
+                | Event::Parked => {}
                 Event::Finished { reason, stats } => break (chunks.concat(), reason, stats),
                 Event::Failed(e) => bail!("{name}: {e}"),
             }
