@@ -235,3 +235,110 @@ fn diffusion_gemma_entropy_bound() -> Result<()> {
         &[SchemeParams::EntropyBound(EntropyBoundParams::default())],
     )
 }
+
+/// `prompt_logprobs` next to generation: every scheme that scores its prompt sends one entry
+/// per prompt token (the first without a value, the rest finite and at most 0) before any
+/// token, and decodes the same tokens as without it; the schemes that do not score a prompt
+/// refuse the field by name.
+#[test]
+fn prompt_scoring_changes_no_token_and_other_schemes_refuse_it() -> Result<()> {
+    let lc = SchemeParams::LowConfidence(LowConfidenceParams {
+        block_length: Some(4),
+        steps: Some(4),
+        ..LowConfidenceParams::default()
+    });
+    let cases: Vec<(&str, Vec<u32>, SchemeParams)> = vec![
+        (
+            "huginn",
+            vec![480, 373, 402, 367, 305],
+            SchemeParams::Ar(ArParams::default()),
+        ),
+        (
+            "armt",
+            (1..40).map(|i| i * 5 + 3).collect(),
+            SchemeParams::Ar(ArParams::default()),
+        ),
+        ("llada", vec![448, 47, 355, 268, 341], lc),
+        (
+            "llada",
+            vec![448, 47, 355, 268, 341],
+            SchemeParams::Wino(WinoParams {
+                block_length: Some(4),
+                ..WinoParams::default()
+            }),
+        ),
+        (
+            "dream",
+            vec![457, 82, 88, 337, 68],
+            SchemeParams::DiffusionGenerate(DiffusionGenerateParams {
+                steps: Some(4),
+                ..DiffusionGenerateParams::default()
+            }),
+        ),
+        (
+            "refusion",
+            vec![40, 41, 42, 43, 44],
+            SchemeParams::Ar(ArParams::default()),
+        ),
+    ];
+    for (fixture, prompt, scheme) in cases {
+        let plain = spec(prompt.clone(), 4, 9, scheme.clone());
+        let mut scored = plain.clone();
+        scored.sampling.prompt_logprobs = Some(1);
+        let files = || ModelFiles::from_dir(test_fixture(fixture));
+        let a = served_outcomes(files()?, LoadOptions::default(), &[plain])?.remove(0);
+        let b = served_outcomes(files()?, LoadOptions::default(), &[scored])?.remove(0);
+        let name = format!("{fixture} {}", scheme.name());
+        ensure!(
+            a.tokens == b.tokens && a.prompt_logprobs.is_none(),
+            "{name}: scoring the prompt changed the tokens: {:?} vs {:?}",
+            b.tokens,
+            a.tokens
+        );
+        let entries = b.prompt_logprobs.as_ref().map_or(0, Vec::len);
+        ensure!(entries == prompt.len(), "{name}: {entries} prompt entries");
+        let e = b.prompt_logprobs.unwrap_or_default();
+        ensure!(
+            e[0].logprob.is_nan()
+                && e[1..]
+                    .iter()
+                    .all(|l| l.logprob.is_finite() && l.logprob <= 0.0 && l.top.len() == 1),
+            "{name}: {e:?}"
+        );
+    }
+    for (fixture, prompt, scheme) in [
+        (
+            "huginn",
+            vec![480u32, 373, 402],
+            SchemeParams::DiffusionForcing(DiffusionForcingParams::default()),
+        ),
+        (
+            "refusion",
+            vec![40, 41, 42],
+            SchemeParams::PlanInfill(PlanInfillParams::default()),
+        ),
+        (
+            "llada2",
+            vec![47, 351, 271],
+            SchemeParams::BlockDiffusion(BlockDiffusionParams::default()),
+        ),
+        (
+            "diffusion_gemma",
+            vec![2, 15, 353],
+            SchemeParams::EntropyBound(EntropyBoundParams::default()),
+        ),
+    ] {
+        let mut s = spec(prompt, 4, 9, scheme);
+        s.sampling.prompt_logprobs = Some(0);
+        let err = served_outcomes(
+            ModelFiles::from_dir(test_fixture(fixture))?,
+            LoadOptions::default(),
+            &[s],
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        ensure!(err.contains("prompt_logprobs"), "{fixture}: {err:?}");
+    }
+    Ok(())
+}

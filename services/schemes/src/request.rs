@@ -671,6 +671,12 @@ impl GenerateSpec {
                 self.scheme.name()
             ));
         }
+        if masked && self.sampling.prompt_logprobs.is_some() && self.prompt_ids.len() < 2 {
+            return bad(
+                "prompt_logprobs scores the tokens after the first: a one-token prompt has none"
+                    .into(),
+            );
+        }
         if !masked
             && (self.sampling.mc_samples.is_some() || self.sampling.likelihood_context.is_some())
         {

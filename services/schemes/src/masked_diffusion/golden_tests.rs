@@ -455,3 +455,125 @@ fn logprobs_are_upstreams_confidences_at_the_committing_step() -> Result<()> {
     let wino_prompt = ids(&wg["prompt_ids"]).len();
     check_logprobs("wino", &outcomes[runs.len()], wino_prompt, &last_draft, 2)
 }
+
+/// `log p(ids[at] | ids with ids[at] masked)` from one bidirectional forward of `ids` (the
+/// token at `at` replaced by the mask), computed apart from the serving path.
+fn masked_logprob(model: &wavefront_models::Llada, ids: &[u32], at: usize) -> Result<f64> {
+    use wavefront_models::transformer::{MaskRule, SeqInput};
+    let mut input = ids.to_vec();
+    input[at] = 460;
+    let mut seqs = [SeqInput::dense(input.len()).with_mask(MaskRule::Bidirectional)];
+    let hidden = model.forward(&input, &mut seqs)?;
+    let row: Vec<f32> = model
+        .logits(&hidden.narrow(0, at, 1)?)?
+        .to_vec2()?
+        .remove(0);
+    let max = row
+        .iter()
+        .map(|&v| f64::from(v))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let lse = max
+        + row
+            .iter()
+            .map(|&v| (f64::from(v) - max).exp())
+            .sum::<f64>()
+            .ln();
+    Ok(f64::from(row[ids[at] as usize]) - lse)
+}
+
+/// `prompt_logprobs`, served, scoring only, checked against independent forwards:
+/// - without a condition length, token i's entry is `log p(x_i | x_<i, [MASK])`, one forward of
+///   the prefix with the token masked last (LLaDA's bound for a one-token answer, exact);
+/// - with the condition all but the last token (an answer of one), every sample masks that
+///   token with weight 1, so the bound is exact and equals the same forward;
+/// - with an answer of two tokens and 1024 samples, the estimate (the answer's entries summed)
+///   is within five standard errors of the bound's exact expectation over the stratified mask
+///   counts (half the samples mask one token, with weight 2; half both, with weight 1).
+#[test]
+fn prompt_logprobs_are_llada_likelihood_bounds() -> Result<()> {
+    let golden = Golden::load()?;
+    let (model, _) = fixture()?;
+    let prompt = golden.prompt();
+    let p = prompt.len();
+    let scoring = |context: Option<usize>, samples: Option<usize>| {
+        let mut s = generate_spec(&golden, &golden.json["generate_runs"][0], None);
+        s.max_new_tokens = 0;
+        s.sampling.prompt_logprobs = Some(2);
+        s.sampling.likelihood_context = context;
+        s.sampling.mc_samples = samples;
+        s.sampling.seed = 3;
+        s
+    };
+    let specs = [
+        scoring(None, None),
+        scoring(Some(p - 1), Some(4)),
+        scoring(Some(p - 2), Some(1024)),
+    ];
+    let outcomes = crate::test_support::served_outcomes(
+        fixture_files()?,
+        crate::LoadOptions::default(),
+        &specs,
+    )?;
+    for out in &outcomes {
+        ensure!(
+            out.tokens.is_empty(),
+            "scoring only generated {:?}",
+            out.tokens
+        );
+    }
+    let entries = |i: usize| {
+        outcomes[i]
+            .prompt_logprobs
+            .clone()
+            .context("no prompt entries")
+    };
+    let chain = entries(0)?;
+    ensure!(chain.len() == p && chain[0].logprob.is_nan());
+    for (i, e) in chain.iter().enumerate().skip(1) {
+        let want = masked_logprob(&model, &prompt[..=i], i)?;
+        ensure!(
+            (f64::from(e.logprob) - want).abs() < 1e-4,
+            "token {i}: {} vs an independent forward's {want}",
+            e.logprob
+        );
+        ensure!(
+            e.top.len() == 2 && e.top[0].1 >= e.logprob,
+            "token {i}: {:?}",
+            e.top
+        );
+    }
+    let last = entries(1)?;
+    ensure!(last[..p - 1].iter().all(|e| e.logprob.is_nan()));
+    ensure!(
+        (last[p - 1].logprob - chain[p - 1].logprob).abs() < 1e-5,
+        "a one-token answer: {} vs {}",
+        last[p - 1].logprob,
+        chain[p - 1].logprob
+    );
+    let two = entries(2)?;
+    let estimate: f64 = two[p - 2..].iter().map(|e| f64::from(e.logprob)).sum();
+    let one = |at: usize| -> Result<f64> {
+        let mut ids = prompt.clone();
+        // The other answer token stays visible.
+        ids.truncate(p);
+        masked_logprob(&model, &ids, at)
+    };
+    let (a, b) = (one(p - 2)?, one(p - 1)?);
+    let both = {
+        let mut ids = prompt.clone();
+        ids[p - 1] = 460;
+        masked_logprob(&model, &ids, p - 2)? + {
+            let mut ids = prompt.clone();
+            ids[p - 2] = 460;
+            masked_logprob(&model, &ids, p - 1)?
+        }
+    };
+    let exact = 0.5 * (a + b) + 0.5 * both;
+    let se = (512f64).sqrt() / 1024.0 * (a - b).abs();
+    ensure!(
+        (estimate - exact).abs() <= 5.0 * se + 1e-4,
+        "the estimate {estimate} is {} standard errors from the bound {exact}",
+        (estimate - exact).abs() / se
+    );
+    Ok(())
+}

@@ -91,6 +91,7 @@ pub mod program;
 
 mod canvas;
 mod diffusion_generate;
+mod likelihood;
 mod low_confidence;
 mod posterior;
 mod step;
@@ -421,6 +422,18 @@ impl MdPlanner {
         program.top_k = spec.sampling.top_k;
         program.top_p = spec.sampling.top_p;
         program.logprobs = spec.sampling.logprobs;
+        if let Some(top) = spec.sampling.prompt_logprobs {
+            program.likelihood = Some(likelihood::Likelihood::new(
+                spec.prompt_ids.clone(),
+                self.cfg.mask_token_id,
+                spec.sampling.likelihood_context,
+                spec.sampling
+                    .mc_samples
+                    .unwrap_or(crate::request::DEFAULT_MC_SAMPLES),
+                top,
+                spec.sampling.seed,
+            ));
+        }
         debug_assert_eq!(program.slots_needed(), slots);
         if self.cfg.shifted {
             program = program.with_shifted_head();
@@ -537,8 +550,21 @@ impl Planner for MdPlanner {
         &self.info
     }
 
-    fn prepare(&self, spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
+    fn prepare(&self, mut spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
         spec.validate_common(self.cfg.vocab_size, self.cfg.max_context)?;
+        // Scoring only: the decoding state is built for one token, never decoded.
+        let score_only = spec.max_new_tokens == 0;
+        if score_only {
+            spec.max_new_tokens = 1;
+        }
+        let mut prepared = self.prepare_scheme(spec)?;
+        prepared.program.score_only = score_only;
+        Ok(prepared)
+    }
+}
+
+impl MdPlanner {
+    fn prepare_scheme(&self, spec: GenerateSpec) -> Result<Prepared<MdProgram>, RequestError> {
         let served = self.info.schemes.join("`, `");
         let kind = self.cfg.kind;
         match spec.scheme.clone() {

@@ -19,6 +19,7 @@ use wavefront_models::transformer::{KvCache, MaskRule};
 
 use super::canvas::Canvas;
 use super::diffusion_generate::{self, DiffusionGenerate};
+use super::likelihood::Likelihood;
 use super::low_confidence::{self, LowConfidence};
 use super::posterior::{log_probs, Draw};
 use super::step::{StepInputs, StepRecord};
@@ -96,6 +97,12 @@ pub struct MdProgram {
     /// (a WINO re-draft replaces it), until it streams.
     #[serde(default)]
     pub(crate) scores: BTreeMap<usize, TokenLogprob>,
+    /// With `prompt_logprobs`: the prompt's scoring, run before the first decoding step.
+    #[serde(default)]
+    pub(crate) likelihood: Option<Likelihood>,
+    /// The request only scores its prompt (`max_new_tokens` 0): it ends after the scoring.
+    #[serde(default)]
+    pub(crate) score_only: bool,
 }
 
 /// The slots of a masked-diffusion request, per buffer row: its working set (one per row and
@@ -143,6 +150,8 @@ impl MdProgram {
             slot_plan: SlotPlan::default(),
             logprobs: None,
             scores: BTreeMap::new(),
+            likelihood: None,
+            score_only: false,
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
@@ -214,6 +223,9 @@ impl MdProgram {
     /// Rows the next step computes: the canvas less its locked positions, with WINO's shadow
     /// block, twice with classifier-free guidance.
     pub(crate) fn step_rows(&self) -> usize {
+        if let Some(l) = &self.likelihood {
+            return l.rows();
+        }
         let shadow = match &self.decoder {
             Decoder::Wino(_) => self.canvas.block_length,
             Decoder::LowConfidence(_) | Decoder::DiffusionGenerate(_) => 0,
@@ -237,6 +249,16 @@ impl MdProgram {
 
     /// Rows and keys of the next step.
     pub(crate) fn plan(&self) -> StepPlan {
+        if let Some(l) = &self.likelihood {
+            let shifted = self.shifted;
+            return l.plan(|p| {
+                if shifted {
+                    wavefront_models::Dream::prediction_row(p)
+                } else {
+                    p
+                }
+            });
+        }
         let c = &self.canvas;
         let l = c.len();
         let start = c.block_start();
@@ -330,6 +352,21 @@ impl MdProgram {
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
         self.stats.forward_passes += 1;
+        if let Some(l) = &mut self.likelihood {
+            // A scoring forward: its terms, and the prompt's entries once the last is in.
+            self.stats
+                .push_series("active_rows", plan.index.len() as u32);
+            let rows: Vec<Vec<f32>> = logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+            l.commit(&rows);
+            if l.done() {
+                outbox.prompt_logprobs(l.entries());
+                self.likelihood = None;
+                if self.score_only {
+                    self.finish(FinishReason::Length, outbox);
+                }
+            }
+            return Ok(());
+        }
         let copies = if plan.uncond_ids.is_some() { 2 } else { 1 };
         self.stats
             .push_series("active_rows", (plan.index.len() * copies) as u32);
