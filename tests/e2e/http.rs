@@ -298,6 +298,58 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
     assert_eq!(streamed_lp, want);
     assert_eq!(streamed_offsets, offsets);
 
+    // echo: the prompt's entries first (the first token's null), what evaluation harnesses
+    // read a continuation's log-likelihood from; max_tokens 0 only scores.
+    let scored = GenerationClient::new(channel(s.grpc).await)
+        .generate(pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+            max_new_tokens: 0,
+            scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme {
+                num_steps: Some(4),
+                ..Default::default()
+            })),
+            sampling: Some(pb::SamplingParams {
+                seed: Some(5),
+                ..Default::default()
+            }),
+            prompt_logprobs: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(scored.token_ids.is_empty());
+    assert!(scored.prompt_logprobs.len() > 1 && scored.prompt_logprobs[0].logprob.is_nan());
+    for (max_tokens, extra) in [(0, 0), (1, 1)] {
+        let mut b = body.clone();
+        b["echo"] = json!(true);
+        b["logprobs"] = json!(1);
+        b["max_tokens"] = json!(max_tokens);
+        let b = b.to_string();
+        let (status, echoed) =
+            tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+                .await
+                .unwrap();
+        assert_eq!(status, 200, "{echoed}");
+        let echoed: Value = serde_json::from_str(&echoed).unwrap();
+        let choice = &echoed["choices"][0];
+        assert!(choice["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&scored.prompt_text));
+        let got = &choice["logprobs"]["token_logprobs"];
+        let n = scored.prompt_logprobs.len();
+        assert_eq!(got.as_array().unwrap().len(), n + extra, "{choice}");
+        assert!(got[0].is_null() && choice["logprobs"]["top_logprobs"][0].is_null());
+        let want: Vec<f32> = scored.prompt_logprobs[1..]
+            .iter()
+            .map(|l| l.logprob)
+            .collect();
+        let got: Vec<f32> =
+            serde_json::from_value(Value::Array(got.as_array().unwrap()[1..n].to_vec())).unwrap();
+        assert_eq!(got, want);
+    }
+
     // Chat's terms on the completions endpoint, and counts past 20, are refused by name.
     for (bad, param) in [
         (json!({"logprobs": 21}), "logprobs"),

@@ -100,6 +100,19 @@ c = client.completions.create(model="llada", prompt="You may copy", max_tokens=1
 lp = c.choices[0].logprobs
 assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens, lp
 assert all(1 <= len(m) <= 3 for m in lp.top_logprobs), lp.top_logprobs
+# echo with max_tokens 0: the prompt's entries (LLaDA's bound, each token a one-token answer),
+# the first null, as evaluation harnesses read them; the Monte Carlo bound through `likelihood`.
+e = client.completions.create(model="llada", prompt="You may copy", max_tokens=0, echo=True,
+                              logprobs=1, seed=2)
+lp = e.choices[0].logprobs
+assert e.choices[0].text.startswith("You may copy") or len(lp.tokens) > 1, e
+assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:]), lp
+assert e.usage.completion_tokens == 0, e.usage
+b = client.completions.create(model="llada", prompt="You may copy", max_tokens=0, echo=True,
+                              logprobs=0, seed=2,
+                              extra_body={"likelihood": {"context_tokens": 1, "mc_samples": 8}})
+bl = b.choices[0].logprobs.token_logprobs
+assert bl[0] is None and len(bl) == len(lp.token_logprobs), bl
 try:
     client.chat.completions.create(model="llada", messages=msgs, top_logprobs=2)
     raise SystemExit("top_logprobs without logprobs was accepted")
