@@ -370,6 +370,97 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
     wait_whole(s.worker.addr, Duration::from_secs(10)).await;
 }
 
+/// The tokenizer over gRPC and HTTP (vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, an
+/// evaluation harness's remote tokenizer): ids are what a prompt becomes (the gRPC answer's
+/// prompt count), text round-trips, and bad input is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tokenizer_is_served_over_grpc_and_http() {
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let http = s.http;
+    let mut grpc = GenerationClient::new(channel(s.grpc).await);
+    let ids = grpc
+        .tokenize(pb::TokenizeRequest {
+            input: Some(pb::tokenize_request::Input::Text("You may copy".into())),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let generated = grpc
+        .generate(pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+            max_new_tokens: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        ids.token_ids.len() as u32,
+        generated.stats.unwrap().prompt_tokens,
+        "Tokenize gives the ids a prompt becomes"
+    );
+    assert_eq!(ids.model, "huginn-tiny");
+    let text = grpc
+        .detokenize(pb::DetokenizeRequest {
+            token_ids: ids.token_ids.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(text.text.trim_start(), "You may copy");
+    let info = grpc
+        .get_tokenizer(pb::GetTokenizerRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(info.vocab_size > 0 && info.max_context > 0, "{info:?}");
+
+    let b = json!({"prompt": "You may copy", "add_special_tokens": false}).to_string();
+    let (status, body) = tokio::task::spawn_blocking(move || post(http, "/tokenize", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let tok: Value = serde_json::from_str(&body).unwrap();
+    let tokens: Vec<u32> = serde_json::from_value(tok["tokens"].clone()).unwrap();
+    assert_eq!(tok["count"], tokens.len());
+    let b = json!({"tokens": tokens}).to_string();
+    let (status, body) = tokio::task::spawn_blocking(move || post(http, "/detokenize", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let de: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(de["prompt"].as_str().unwrap().trim_start(), "You may copy");
+    let (status, body) =
+        tokio::task::spawn_blocking(move || get(http, "/tokenizer_info?model=huginn-tiny"))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(info["model"], "huginn-tiny");
+    assert!(info["model_max_length"].as_u64().unwrap() > 0);
+    for (path, body, param) in [
+        ("/tokenize", json!({"promt": "x"}), None),
+        ("/tokenize", json!({}), Some("prompt")),
+        ("/detokenize", json!({"tokens": [u32::MAX]}), None),
+    ] {
+        let b = body.to_string();
+        let (status, err) = tokio::task::spawn_blocking(move || post(http, path, &b))
+            .await
+            .unwrap();
+        assert_eq!(status, 400, "{path} {err}");
+        if let Some(param) = param {
+            let err: Value = serde_json::from_str(&err).unwrap();
+            assert_eq!(err["error"]["param"], param);
+        }
+    }
+    let (status, _) = tokio::task::spawn_blocking(move || get(http, "/tokenizer_info?model=nope"))
+        .await
+        .unwrap();
+    assert_eq!(status, 404);
+}
+
 /// `n` completions in one request: choice `i` drawn with seed + i, so choice 0 is the request
 /// alone, the same request gives the same choices, and they differ from each other; streamed,
 /// each choice's deltas carry its index and add up to its unary text, one usage chunk counts

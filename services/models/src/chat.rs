@@ -97,6 +97,20 @@ impl ChatTemplate {
         Ok(env)
     }
 
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// A special token `tokenizer_config.json` names (`bos_token`, `eos_token`, `pad_token`,
+    /// `unk_token`).
+    pub fn special(&self, name: &str) -> Option<&str> {
+        self.specials
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
     /// The prompt text of `messages`, ending with the assistant's header when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {

@@ -18,6 +18,7 @@ pub mod pick;
 pub mod relay;
 pub mod service;
 pub mod tls;
+mod tokenizer_http;
 
 pub use discovery::{Discovery, DiscoveryConfig, WorkerEntry};
 pub use openai::serve_http;

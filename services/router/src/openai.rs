@@ -54,6 +54,12 @@ pub fn app(
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(crate::tokenizer_http::tokenize))
+        .route("/detokenize", post(crate::tokenizer_http::detokenize))
+        .route(
+            "/tokenizer_info",
+            get(crate::tokenizer_http::tokenizer_info),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             (body_timeout, max_body_bytes),
             read_body,
@@ -164,7 +170,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(param: &'static str, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
@@ -381,7 +387,7 @@ fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), Ap
 
 /// Refuses a compressed body: it would be read as JSON and fail with a confusing message, or,
 /// worse, parse.
-fn refuse_content_encoding(headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn refuse_content_encoding(headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(v) = headers.get(axum::http::header::CONTENT_ENCODING) else {
         return Ok(());
     };
@@ -403,9 +409,9 @@ fn refuse_content_encoding(headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 #[derive(Debug, Deserialize)]
-struct ChatMessageJson {
-    role: String,
-    content: Option<Value>,
+pub(crate) struct ChatMessageJson {
+    pub(crate) role: String,
+    pub(crate) content: Option<Value>,
 }
 
 impl Common {
@@ -632,7 +638,7 @@ fn completion_prompt(prompt: Option<Value>) -> Result<Prompt, ApiError> {
 }
 
 /// A chat message's text: a string, or the text parts of a list of parts.
-fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
+pub(crate) fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
     match content {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s),

@@ -157,11 +157,8 @@ impl RouterService {
             done: false,
         };
         // None named while several are served: the default model, when there is one.
-        if name.is_empty() && self.discovery.sole_model().is_none() {
-            if let Some(default) = &self.default_model {
-                request.get_mut().model = default.clone();
-            }
-        }
+        let resolved = self.resolve_model(&request.get_ref().model);
+        request.get_mut().model = resolved;
         match self.forward_inner(request).await {
             Err(s) => {
                 outcome.finish(s.code());
@@ -311,6 +308,61 @@ impl RouterService {
     }
 }
 
+/// A worker client as the router holds it.
+pub(crate) type WorkerClient = wavefront_proto::worker::v1::worker_client::WorkerClient<
+    InterceptedService<tonic::transport::Channel, wavefront_proto::auth::AttachSecret>,
+>;
+
+impl RouterService {
+    /// The model a call names, or the default model when it names none and several are
+    /// served.
+    fn resolve_model(&self, model: &str) -> String {
+        if model.is_empty() && self.discovery.sole_model().is_none() {
+            if let Some(default) = &self.default_model {
+                return default.clone();
+            }
+        }
+        model.to_owned()
+    }
+
+    /// A unary call to a ready worker serving `model` (see [`Self::resolve_model`]); another
+    /// worker when one declines before doing anything, as for `Generate`.
+    pub(crate) async fn to_worker<T, F, Fut>(&self, model: &str, call: F) -> Result<T, Status>
+    where
+        F: Fn(WorkerClient, String) -> Fut,
+        Fut: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
+        let model = self.resolve_model(model);
+        let mut tried: Vec<SocketAddr> = Vec::new();
+        let mut last_err = None;
+        for _ in 0..MAX_ATTEMPTS {
+            let workers = self.discovery.snapshot();
+            let w = match rank(&workers, &model, &tried) {
+                Ok(c) => c
+                    .into_iter()
+                    .next()
+                    .expect("rank returns at least one candidate"),
+                Err(e) if last_err.is_none() => return Err(Self::no_worker(e)),
+                Err(_) => break,
+            };
+            tried.push(w.addr);
+            match call(w.client.clone(), model.clone()).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) => match classify(&s, None, Instant::now()) {
+                    Failure::Retry { mark_down } => {
+                        if mark_down {
+                            self.discovery.mark_down(w.addr);
+                        }
+                        last_err = Some(s);
+                    }
+                    _ => return Err(s),
+                },
+            }
+        }
+        Err(last_err.unwrap_or_else(|| Status::unavailable("no worker could take the request")))
+    }
+}
+
 /// Messages a relay task holds for a caller that is slower than the worker.
 const RELAY_BUFFER: usize = 16;
 
@@ -448,6 +500,50 @@ impl pb::generation_server::Generation for RouterService {
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
         let models = served_model_infos(&self.discovery.snapshot());
         Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let req = request.into_inner();
+        self.to_worker(&req.model.clone(), |mut c, model| {
+            let req = pb::TokenizeRequest {
+                model,
+                ..req.clone()
+            };
+            async move { c.tokenize(req).await }
+        })
+        .await
+        .map(Response::new)
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        let req = request.into_inner();
+        self.to_worker(&req.model.clone(), |mut c, model| {
+            let req = pb::DetokenizeRequest {
+                model,
+                ..req.clone()
+            };
+            async move { c.detokenize(req).await }
+        })
+        .await
+        .map(Response::new)
+    }
+
+    async fn get_tokenizer(
+        &self,
+        request: Request<pb::GetTokenizerRequest>,
+    ) -> Result<Response<pb::TokenizerInfo>, Status> {
+        let req = request.into_inner();
+        self.to_worker(&req.model, |mut c, model| async move {
+            c.get_tokenizer(pb::GetTokenizerRequest { model }).await
+        })
+        .await
+        .map(Response::new)
     }
 }
 

@@ -88,6 +88,10 @@ impl<P: Planner> ServedModel for Served<P> {
         self.tokenizer.as_ref()
     }
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.planner.eos_token_ids()
+    }
+
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError> {
         let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
         too_long(tok, text.len(), self.info().max_context)?;

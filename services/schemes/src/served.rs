@@ -41,6 +41,10 @@ pub trait Planner: Send + Sync + 'static {
     ) -> Result<Vec<u32>, SchemeError> {
         Ok(tokenizer.encode(text, true)?)
     }
+    /// The checkpoint's end-of-sequence ids (empty: it names none).
+    fn eos_token_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// A model being served, independent of its family.
@@ -70,6 +74,10 @@ pub trait ServedModel: Send + Sync {
     }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
+    /// The checkpoint's end-of-sequence ids (empty: it names none).
+    fn eos_token_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
     /// Ids to text, special tokens left out when `skip_special` (empty without a tokenizer).
     fn decode_text(&self, ids: &[u32], skip_special: bool) -> String {
         self.tokenizer()

@@ -22,6 +22,7 @@ pub mod server;
 pub mod service;
 pub mod status;
 pub mod stream;
+mod tokenize;
 pub mod worker_api;
 
 pub use limits::RequestLimits;

@@ -125,6 +125,40 @@ impl RequestLimits {
         Ok(())
     }
 
+    /// A `Tokenize` request's input, before it is tokenized or rendered: a chat's message count,
+    /// and a lower bound on its tokens (a chat's with the template's own) against the model's
+    /// context, as for a prompt: what cannot be a prompt is not tokenized.
+    pub fn check_tokenize(
+        &self,
+        req: &pb::TokenizeRequest,
+        model: &dyn ServedModel,
+    ) -> Result<(), Status> {
+        use pb::tokenize_request::Input;
+        let context = model.info().max_context;
+        let at_least = match &req.input {
+            Some(Input::Chat(c)) => {
+                if c.messages.len() > self.max_chat_messages {
+                    return Err(Status::invalid_argument(format!(
+                        "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
+                        c.messages.len(),
+                        self.max_chat_messages
+                    )));
+                }
+                let bytes: Vec<usize> = c.messages.iter().map(|m| m.content.len()).collect();
+                model.min_chat_tokens(&bytes)
+            }
+            Some(Input::Text(t)) => model.min_prompt_tokens(t.len()),
+            None => 0,
+        };
+        if at_least > context {
+            return Err(Status::invalid_argument(format!(
+                "the input is at least {at_least} tokens, more than the model's context of \
+                 {context}: it cannot be a prompt"
+            )));
+        }
+        Ok(())
+    }
+
     /// The exact prompt length, once tokenized.
     pub fn check_prompt(&self, prompt_tokens: usize) -> Result<(), Status> {
         match self.max_prompt_tokens {

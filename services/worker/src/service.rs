@@ -100,6 +100,10 @@ impl WorkerService {
         &self.inner.exports
     }
 
+    pub(crate) fn limits(&self) -> &crate::limits::RequestLimits {
+        &self.inner.limits
+    }
+
     pub(crate) fn pick(&self, name: &str) -> Result<Arc<dyn ServedModel>, Status> {
         let models = &self.inner.models;
         if name.is_empty() {
@@ -313,6 +317,31 @@ impl pb::generation_server::Generation for WorkerService {
             .map(|m| convert::model_info(m.info()))
             .collect();
         Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.run_tokenize(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        self.run_detokenize(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn get_tokenizer(
+        &self,
+        request: Request<pb::GetTokenizerRequest>,
+    ) -> Result<Response<pb::TokenizerInfo>, Status> {
+        self.tokenizer_info(request.into_inner()).map(Response::new)
     }
 }
 

@@ -28,6 +28,31 @@ impl wpb::worker_server::Worker for WorkerService {
         Ok(migrate::with_request_id(Response::new(stream), id))
     }
 
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.run_tokenize(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        self.run_detokenize(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn get_tokenizer(
+        &self,
+        request: Request<pb::GetTokenizerRequest>,
+    ) -> Result<Response<pb::TokenizerInfo>, Status> {
+        self.tokenizer_info(request.into_inner()).map(Response::new)
+    }
+
     type ExportRequestStream = migrate::ChunkStream;
 
     async fn export_request(

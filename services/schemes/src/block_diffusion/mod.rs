@@ -176,6 +176,10 @@ impl Llada2Planner {
 impl Planner for Llada2Planner {
     type Program = BdProgram;
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos.clone()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

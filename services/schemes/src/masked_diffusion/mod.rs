@@ -546,6 +546,10 @@ fn decimal(x: f32) -> f64 {
 impl Planner for MdPlanner {
     type Program = MdProgram;
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.cfg.eos_token_ids.clone()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

@@ -258,6 +258,10 @@ impl Program {
 impl Planner for HuginnPlanner {
     type Program = Program;
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.cfg.eos_token_ids()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

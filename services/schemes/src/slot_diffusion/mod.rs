@@ -253,6 +253,10 @@ impl RefusionPlanner {
 impl Planner for RefusionPlanner {
     type Program = SdProgram;
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.cfg.eos_token_ids()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

@@ -409,6 +409,10 @@ impl DiffusionGemmaPlanner {
 impl Planner for DiffusionGemmaPlanner {
     type Program = UdProgram;
 
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos.clone()
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }
