@@ -11,6 +11,7 @@
 //! requests move to other workers mid-stream ([`relay`]). [`openai`] serves the same routing
 //! over OpenAI-compatible HTTP.
 
+mod api_error;
 pub mod discovery;
 pub mod json;
 pub mod openai;

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use wavefront_proto::v1 as pb;
 
-use crate::openai::{message_text, refuse_content_encoding, ApiError, ChatMessageJson};
+use crate::api_error::{message_text, refuse_content_encoding, ApiError, ChatMessageJson};
 use crate::service::RouterService;
 
 #[derive(Debug, Deserialize)]

@@ -23,9 +23,7 @@
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use wavefront_engine::TokenLogprob;
-use wavefront_models::transformer::MaskRule;
 
-use super::program::StepPlan;
 use crate::migrate::RequestRng;
 use crate::sampling::{score, Filter};
 
@@ -117,26 +115,15 @@ impl Likelihood {
         (self.prompt.len(), masked, len as f64 / l as f64)
     }
 
-    /// The next forward: the (prefix of the) prompt with its masked tokens, bidirectional, the
-    /// masked positions' logits read (`source` maps a position to the row predicting it).
-    pub(crate) fn plan(&self, source: impl Fn(usize) -> usize) -> StepPlan {
+    /// The next forward: the (prefix of the) prompt with its masked tokens, read bidirectionally
+    /// at the masked positions (their logits' rows come in this order).
+    pub(crate) fn next(&self) -> (Vec<u32>, Vec<usize>) {
         let (n, masked, _) = self.masked();
         let mut ids = self.prompt[..n].to_vec();
         for &p in &masked {
             ids[p] = self.mask_id;
         }
-        StepPlan {
-            ids,
-            index: (0..n as u32).collect(),
-            positions: (0..n as u32).collect(),
-            mask: MaskRule::Bidirectional,
-            buffer_len: None,
-            logit_rows: masked.iter().map(|&p| source(p)).collect(),
-            logit_index: masked,
-            candidates: Vec::new(),
-            uncond_ids: None,
-            dense_rows: n,
-        }
+        (ids, masked)
     }
 
     /// Adds a forward's terms: `rows[r]` the logits of the plan's `r`-th masked position.
@@ -216,11 +203,9 @@ mod tests {
     fn one_token_answers_mask_each_token_after_its_prefix() {
         let mut lk = Likelihood::new(vec![5, 6, 7, 8], 99, None, 64, 2, 0);
         assert_eq!(lk.steps(), 3);
-        let plan = lk.plan(|p| p);
-        assert_eq!((plan.ids, plan.logit_index), (vec![5, 99], vec![1]));
+        assert_eq!(lk.next(), (vec![5, 99], vec![1]));
         lk.commit(&[vec![0.0; 100]]);
-        let plan = lk.plan(|p| p - 1);
-        assert_eq!((plan.ids, plan.logit_rows), (vec![5, 6, 99], vec![1]));
+        assert_eq!(lk.next(), (vec![5, 6, 99], vec![2]));
         let row: Vec<f32> = (0..100).map(|i| if i == 7 { 2.0 } else { 0.0 }).collect();
         lk.commit(std::slice::from_ref(&row));
         lk.commit(&[row]);

@@ -250,14 +250,28 @@ impl MdProgram {
     /// Rows and keys of the next step.
     pub(crate) fn plan(&self) -> StepPlan {
         if let Some(l) = &self.likelihood {
-            let shifted = self.shifted;
-            return l.plan(|p| {
-                if shifted {
+            // A scoring forward: the (prefix of the) prompt with its masked tokens.
+            let (ids, masked) = l.next();
+            let n = ids.len();
+            let source = |p: usize| {
+                if self.shifted {
                     wavefront_models::Dream::prediction_row(p)
                 } else {
                     p
                 }
-            });
+            };
+            return StepPlan {
+                ids,
+                index: (0..n as u32).collect(),
+                positions: (0..n as u32).collect(),
+                mask: MaskRule::Bidirectional,
+                buffer_len: None,
+                logit_rows: masked.iter().map(|&p| source(p)).collect(),
+                logit_index: masked,
+                candidates: Vec::new(),
+                uncond_ids: None,
+                dense_rows: n,
+            };
         }
         let c = &self.canvas;
         let l = c.len();
