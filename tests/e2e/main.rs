@@ -39,6 +39,7 @@ fn request(
     seed: u64,
 ) -> pb::GenerateRequest {
     pb::GenerateRequest {
+        structured_output: None,
         prompt_logprobs: None,
         likelihood: None,
         logprobs: None,

@@ -130,6 +130,21 @@ pub struct GenerationArgs {
     /// Masked diffusion's Monte Carlo samples for --likelihood-context (default 64).
     #[arg(long, value_name = "N")]
     pub mc_samples: Option<u32>,
+    /// Structured output: a JSON document valid under this JSON schema (its JSON text).
+    #[arg(long, value_name = "SCHEMA", group = "structured")]
+    pub json_schema: Option<String>,
+    /// Structured output: any JSON object.
+    #[arg(long, group = "structured")]
+    pub json_object: bool,
+    /// Structured output: text matching this regular expression, whole.
+    #[arg(long, value_name = "REGEX", group = "structured")]
+    pub regex: Option<String>,
+    /// Structured output: exactly one of these strings (repeat the flag).
+    #[arg(long, value_name = "TEXT", group = "structured")]
+    pub choice: Vec<String>,
+    /// Structured output: a sentence of this Lark grammar.
+    #[arg(long, value_name = "LARK", group = "structured")]
+    pub grammar: Option<String>,
 
     // ---- ar / diffusion-forcing (recurrent depth) ----
     /// Recurrence steps per token (ar) or of the prefill (diffusion-forcing).
@@ -590,6 +605,28 @@ impl GenerationArgs {
         Ok(self.request(prompt, prompt_oneof, Some(scheme)))
     }
 
+    /// The structured-output flag given, as the proto's message.
+    fn structured_output(&self) -> Option<pb::StructuredOutput> {
+        use pb::structured_output::Kind;
+        let kind = if let Some(s) = &self.json_schema {
+            Kind::Json(s.clone())
+        } else if self.json_object {
+            Kind::JsonObject(true)
+        } else if let Some(r) = &self.regex {
+            Kind::Regex(r.clone())
+        } else if !self.choice.is_empty() {
+            Kind::Choice(pb::ChoiceList {
+                options: self.choice.clone(),
+            })
+        } else {
+            Kind::Grammar(self.grammar.clone()?)
+        };
+        Some(pb::StructuredOutput {
+            kind: Some(kind),
+            strict: false,
+        })
+    }
+
     fn request(
         &self,
         prompt: &PromptArgs,
@@ -613,6 +650,7 @@ impl GenerationArgs {
             skip_special_tokens: self.keep_special_tokens.then_some(false),
             logprobs: self.logprobs,
             prompt_logprobs: self.prompt_logprobs,
+            structured_output: self.structured_output(),
             likelihood: (self.likelihood_context.is_some() || self.mc_samples.is_some()).then_some(
                 pb::LikelihoodOptions {
                     context_tokens: self.likelihood_context,

@@ -174,6 +174,49 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Every id's bytes, as a byte-level grammar engine sees the vocabulary (`vocab_size` ids;
+    /// an id the tokenizer does not know has none): a byte-level BPE token's characters mapped
+    /// back to its bytes (GPT-2's byte alphabet), a sentencepiece token's text with `▁` as a
+    /// space and `<0xNN>` as that byte, and a special token as its text after the 0xFF marker.
+    pub fn token_bytes(&self, vocab_size: usize) -> Vec<Vec<u8>> {
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        let unbyte = gpt2_unicode_to_byte();
+        let special: std::collections::HashSet<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        (0..vocab_size as u32)
+            .map(|id| {
+                let Some(s) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                if special.contains(&id) {
+                    let mut b = vec![0xff];
+                    b.extend_from_slice(s.as_bytes());
+                    return b;
+                }
+                if byte_level {
+                    if let Some(bytes) = s.chars().map(|c| unbyte.get(&c).copied()).collect() {
+                        return bytes;
+                    }
+                    return s.into_bytes();
+                }
+                if let Some(hex) = s.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')) {
+                    if let Ok(b) = u8::from_str_radix(hex, 16) {
+                        return vec![b];
+                    }
+                }
+                s.replace('\u{2581}', " ").into_bytes()
+            })
+            .collect()
+    }
+
     /// The underlying Hugging Face tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
@@ -259,4 +302,23 @@ impl<'t> IncrementalDecoder<'t> {
         self.read_offset = self.ids.len();
         Ok((!delta.is_empty()).then_some(delta))
     }
+}
+
+/// GPT-2's byte alphabet backwards: the character byte-level BPE writes for each byte (printable
+/// bytes as themselves, the others as U+0100 onwards, in byte order) to the byte.
+fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            let c = if printable(b) {
+                char::from(b)
+            } else {
+                let c = char::from_u32(next).expect("U+0100 onwards are characters");
+                next += 1;
+                c
+            };
+            (c, b)
+        })
+        .collect()
 }

@@ -250,6 +250,84 @@ struct Common {
     entropy_bound: Option<pb::EntropyBoundScheme>,
     /// Masked diffusion's prompt scoring (with `echo` and `logprobs`).
     likelihood: Option<pb::LikelihoodOptions>,
+    /// vLLM's structured-output parameters.
+    structured_outputs: Option<StructuredOutputsJson>,
+}
+
+/// vLLM's `structured_outputs` object: one of `json` (a JSON schema, as an object or as JSON
+/// text), `json_object`, `regex`, `choice`, `grammar` (Lark).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StructuredOutputsJson {
+    json: Option<Value>,
+    #[serde(default)]
+    json_object: bool,
+    regex: Option<String>,
+    choice: Option<Vec<String>>,
+    grammar: Option<String>,
+}
+
+impl StructuredOutputsJson {
+    fn proto(self) -> Result<pb::StructuredOutput, ApiError> {
+        use pb::structured_output::Kind;
+        let bad = |m: &str| ApiError::invalid("structured_outputs", m.to_owned());
+        let mut kinds = Vec::new();
+        if let Some(j) = self.json {
+            kinds.push(Kind::Json(match j {
+                Value::String(s) => s,
+                v @ Value::Object(_) => v.to_string(),
+                _ => return Err(bad("structured_outputs.json is a JSON schema: an object or its JSON text")),
+            }));
+        }
+        if self.json_object {
+            kinds.push(Kind::JsonObject(true));
+        }
+        if let Some(r) = self.regex {
+            kinds.push(Kind::Regex(r));
+        }
+        if let Some(c) = self.choice {
+            kinds.push(Kind::Choice(pb::ChoiceList { options: c }));
+        }
+        if let Some(g) = self.grammar {
+            kinds.push(Kind::Grammar(g));
+        }
+        match kinds.len() {
+            1 => Ok(pb::StructuredOutput {
+                kind: kinds.pop(),
+                strict: false,
+            }),
+            0 => Err(bad("structured_outputs sets none of json, json_object, regex, choice, grammar")),
+            _ => Err(bad("structured_outputs sets more than one of json, json_object, regex, choice, grammar")),
+        }
+    }
+}
+
+/// OpenAI's `response_format` as a constraint (`text`: none).
+fn response_format(v: &Value) -> Result<Option<pb::StructuredOutput>, ApiError> {
+    use pb::structured_output::Kind;
+    let bad = |m: String| ApiError::invalid("response_format", m);
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(pb::StructuredOutput {
+            kind: Some(Kind::JsonObject(true)),
+            strict: false,
+        })),
+        Some("json_schema") => {
+            let spec = v.get("json_schema").ok_or_else(|| {
+                bad("response_format of type json_schema needs a json_schema object".into())
+            })?;
+            let schema = spec.get("schema").filter(|s| s.is_object()).ok_or_else(|| {
+                bad("response_format.json_schema.schema must be a JSON schema object".into())
+            })?;
+            Ok(Some(pb::StructuredOutput {
+                kind: Some(Kind::Json(schema.to_string())),
+                strict: spec.get("strict").and_then(Value::as_bool).unwrap_or(false),
+            }))
+        }
+        other => Err(bad(format!(
+            "response_format.type must be text, json_object or json_schema, got {other:?}"
+        ))),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -298,6 +376,7 @@ fn refuse_unknown_fields(rest: &serde_json::Map<String, Value>) -> Result<(), Ap
         message: format!(
             "unknown field{} {}{}: not an OpenAI parameter this server takes, nor one of its \
              extensions (top_k, stop_token_ids, skip_special_tokens, stream_canvas, likelihood, \
+             structured_outputs, \
              and the scheme objects ar, \
              diffusion_forcing, low_confidence, wino, diffusion_generate, block_diffusion, \
              plan_infill, entropy_bound); check the spelling",
@@ -409,7 +488,18 @@ impl Common {
         }
         // The echoed prompt's entries (its text at least).
         let prompt_logprobs = echo.then(|| logprobs.unwrap_or(0));
-        let unsupported: [(&'static str, bool); 7] = [
+        let structured = match (&self.response_format, self.structured_outputs) {
+            (Some(rf), Some(_)) if !rf.is_null() => {
+                return Err(ApiError::invalid(
+                    "structured_outputs",
+                    "set either response_format or structured_outputs, not both",
+                ))
+            }
+            (Some(rf), None) if !rf.is_null() => response_format(rf)?,
+            (_, Some(so)) => Some(so.proto()?),
+            _ => None,
+        };
+        let unsupported: [(&'static str, bool); 6] = [
             ("best_of", self.best_of.is_some_and(|b| b != 1)),
             (
                 "suffix",
@@ -430,12 +520,6 @@ impl Common {
                 self.frequency_penalty.is_some_and(|p| p != 0.0),
             ),
             ("tools", self.tools.as_ref().is_some_and(|v| !v.is_null())),
-            (
-                "response_format",
-                self.response_format.as_ref().is_some_and(|v| {
-                    !v.is_null() && v.get("type").and_then(Value::as_str) != Some("text")
-                }),
-            ),
         ];
         if let Some((name, _)) = unsupported.iter().find(|(_, set)| *set) {
             return Err(ApiError::invalid(
@@ -501,6 +585,7 @@ impl Common {
             logprobs,
             prompt_logprobs,
             likelihood: self.likelihood,
+            structured_output: structured,
         })
     }
 }

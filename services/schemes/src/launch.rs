@@ -43,6 +43,8 @@ pub struct Served<P: Planner> {
     fingerprint: Fingerprint,
     /// The settings part of [`ServedModel::migration_key`].
     settings: String,
+    /// The grammar engine over the model's vocabulary, built at the first constrained request.
+    grammar: std::sync::OnceLock<Result<Arc<crate::constraint::GrammarEngine>, String>>,
 }
 
 impl<P: Planner> Served<P> {
@@ -58,6 +60,7 @@ impl<P: Planner> Served<P> {
             device: Device::Cpu,
             fingerprint: Fingerprint::default(),
             settings: String::new(),
+            grammar: std::sync::OnceLock::new(),
         }
     }
 
@@ -90,6 +93,22 @@ impl<P: Planner> ServedModel for Served<P> {
 
     fn eos_token_ids(&self) -> Vec<u32> {
         self.planner.eos_token_ids()
+    }
+
+    fn guide(
+        &self,
+        c: &crate::constraint::Constraint,
+    ) -> Result<crate::constraint::Guide, String> {
+        let engine = self.grammar.get_or_init(|| {
+            let tok = self.tokenizer.as_ref().ok_or_else(|| {
+                "the model was loaded without a tokenizer: structured outputs need one".to_owned()
+            })?;
+            let eos = self.planner.eos_token_ids().first().copied().ok_or_else(|| {
+                "the checkpoint names no end-of-sequence token to end a structured output".to_owned()
+            })?;
+            crate::constraint::GrammarEngine::new(tok, self.info().vocab_size, eos).map(Arc::new)
+        });
+        engine.as_ref().map_err(Clone::clone)?.compile(c)
     }
 
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError> {

@@ -19,6 +19,7 @@
 //! [`GenerateSpec`], receive [`wavefront_engine::Event`]s.
 
 pub mod block_diffusion;
+pub mod constraint;
 pub mod error;
 #[cfg(test)]
 mod fault_tests;

@@ -22,6 +22,8 @@ pub struct GenerateSpec {
     pub replay_draws: Option<Arc<ReplayDraws>>,
     /// Also send canvas frames (`Event::Canvas`) for clients that watch the decoding.
     pub stream_canvas: bool,
+    /// A structured-output constraint, compiled for the model ([`crate::constraint`]).
+    pub guide: Option<crate::constraint::Guide>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -591,6 +593,7 @@ impl GenerateSpec {
             scheme,
             replay_draws: None,
             stream_canvas: false,
+            guide: None,
         }
     }
 

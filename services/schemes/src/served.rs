@@ -78,6 +78,13 @@ pub trait ServedModel: Send + Sync {
     fn eos_token_ids(&self) -> Vec<u32> {
         Vec::new()
     }
+    /// `c` compiled for this model's vocabulary; the error says why it cannot be.
+    fn guide(
+        &self,
+        _c: &crate::constraint::Constraint,
+    ) -> Result<crate::constraint::Guide, String> {
+        Err("this model does not serve structured outputs".into())
+    }
     /// Ids to text, special tokens left out when `skip_special` (empty without a tokenizer).
     fn decode_text(&self, ids: &[u32], skip_special: bool) -> String {
         self.tokenizer()

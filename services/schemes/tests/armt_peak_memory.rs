@@ -121,6 +121,7 @@ fn load(cfg: &ArmtConfig, device: &Device, dtype: DType) -> Result<Armt, SchemeE
 fn peak_of(served: &dyn ServedModel, len: usize, execution: Execution) -> Result<usize> {
     let prompt_ids: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13) % 256).collect();
     let spec = GenerateSpec {
+        guide: None,
         prompt_ids,
         max_new_tokens: 4,
         stop_token_ids: Vec::new(),

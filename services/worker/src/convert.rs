@@ -8,6 +8,7 @@ use tonic::Status;
 use wavefront_engine::{CanvasFrame, CellState, FinishReason, Stats, TokenLogprob};
 use wavefront_models::ChatMessage;
 use wavefront_proto::v1 as pb;
+use wavefront_schemes::constraint::Constraint;
 use wavefront_schemes::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams,
     EntropyBoundParams, FreezeTest, GenerateSpec, KvCacheMode, LowConfidenceParams,
@@ -193,7 +194,20 @@ pub fn spec_from_proto(
             })
         }
     };
+    let guide = match &req.structured_output {
+        None => None,
+        Some(so) => {
+            let c = constraint(so)?;
+            Some(model.guide(&c).map_err(|e| {
+                Status::invalid_argument(format!(
+                    "structured_output.{} cannot constrain this model's output: {e}",
+                    c.name()
+                ))
+            })?)
+        }
+    };
     Ok(GenerateSpec {
+        guide,
         prompt_ids,
         max_new_tokens: req.max_new_tokens as usize,
         stop_token_ids: req.stop_token_ids.clone(),
@@ -695,4 +709,25 @@ pub fn logprobs(
                 .collect(),
         })
         .collect()
+}
+
+/// A request's structured output as the schemes' constraint.
+fn constraint(so: &pb::StructuredOutput) -> Result<Constraint, Status> {
+    use pb::structured_output::Kind;
+    let bad = |m: String| Err(Status::invalid_argument(m));
+    Ok(match &so.kind {
+        None => return bad("structured_output sets none of json, json_object, regex, choice, grammar".into()),
+        Some(Kind::Json(text)) => match serde_json::from_str::<serde_json::Value>(text) {
+            Ok(schema) if schema.is_object() => Constraint::JsonSchema {
+                schema,
+                strict: so.strict,
+            },
+            Ok(_) => return bad("structured_output.json must be a JSON schema object".into()),
+            Err(e) => return bad(format!("structured_output.json is not valid JSON: {e}")),
+        },
+        Some(Kind::JsonObject(_)) => Constraint::JsonObject,
+        Some(Kind::Regex(r)) => Constraint::Regex(r.clone()),
+        Some(Kind::Choice(c)) => Constraint::Choice(c.options.clone()),
+        Some(Kind::Grammar(g)) => Constraint::Grammar(g.clone()),
+    })
 }

@@ -367,6 +367,29 @@ fn any_prompt() -> impl Strategy<Value = Option<pb::generate_request::Prompt>> {
     ])
 }
 
+/// Structured outputs of every kind, with arbitrary (mostly invalid) schemas, expressions and
+/// grammars.
+fn any_structured() -> impl Strategy<Value = Option<pb::StructuredOutput>> {
+    use pb::structured_output::Kind;
+    opt((
+        prop_oneof![
+            any_text().prop_map(Kind::Json),
+            Just(Kind::Json(r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#.into())),
+            Just(Kind::JsonObject(true)),
+            any_text().prop_map(Kind::Regex),
+            Just(Kind::Regex("[0-9]+".into())),
+            proptest::collection::vec(any_text(), 0..4)
+                .prop_map(|options| Kind::Choice(pb::ChoiceList { options })),
+            any_text().prop_map(Kind::Grammar),
+        ],
+        any::<bool>(),
+    )
+        .prop_map(|(kind, strict)| pb::StructuredOutput {
+            kind: Some(kind),
+            strict,
+        }))
+}
+
 fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
     (
         any_prompt(),
@@ -374,7 +397,13 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
         proptest::collection::vec(any::<u32>(), 0..20),
         proptest::collection::vec(any_text(), 0..20),
         opt((any_f32(), small_or_any_u32(), any_f32(), opt(any::<u64>()))),
-        (any::<bool>(), opt(any::<bool>()), opt(small_or_any_u32())),
+        (
+            any::<bool>(),
+            opt(any::<bool>()),
+            opt(small_or_any_u32()),
+            opt(small_or_any_u32()),
+            any_structured(),
+        ),
         any_scheme(),
     )
         .prop_map(
@@ -384,11 +413,12 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
                 stop_ids,
                 stops,
                 sampling,
-                (canvas, skip, logprobs),
+                (canvas, skip, logprobs, prompt_logprobs, structured_output),
                 scheme,
             )| {
                 pb::GenerateRequest {
-                    prompt_logprobs: None,
+                    prompt_logprobs,
+                    structured_output,
                     likelihood: None,
                     model: String::new(),
                     prompt,

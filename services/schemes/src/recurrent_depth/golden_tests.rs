@@ -109,6 +109,7 @@ impl Fixture {
         scheme: SchemeParams,
     ) -> Result<GenerateSpec> {
         Ok(GenerateSpec {
+            guide: None,
             prompt_ids: self.prompt_ids.clone(),
             max_new_tokens,
             stop_token_ids: Vec::new(),
