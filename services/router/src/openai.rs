@@ -276,7 +276,11 @@ impl StructuredOutputsJson {
             kinds.push(Kind::Json(match j {
                 Value::String(s) => s,
                 v @ Value::Object(_) => v.to_string(),
-                _ => return Err(bad("structured_outputs.json is a JSON schema: an object or its JSON text")),
+                _ => {
+                    return Err(bad(
+                        "structured_outputs.json is a JSON schema: an object or its JSON text",
+                    ))
+                }
             }));
         }
         if self.json_object {
@@ -316,9 +320,12 @@ fn response_format(v: &Value) -> Result<Option<pb::StructuredOutput>, ApiError> 
             let spec = v.get("json_schema").ok_or_else(|| {
                 bad("response_format of type json_schema needs a json_schema object".into())
             })?;
-            let schema = spec.get("schema").filter(|s| s.is_object()).ok_or_else(|| {
-                bad("response_format.json_schema.schema must be a JSON schema object".into())
-            })?;
+            let schema = spec
+                .get("schema")
+                .filter(|s| s.is_object())
+                .ok_or_else(|| {
+                    bad("response_format.json_schema.schema must be a JSON schema object".into())
+                })?;
             Ok(Some(pb::StructuredOutput {
                 kind: Some(Kind::Json(schema.to_string())),
                 strict: spec.get("strict").and_then(Value::as_bool).unwrap_or(false),

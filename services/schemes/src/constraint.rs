@@ -21,7 +21,10 @@ use wavefront_models::TextTokenizer;
 pub enum Constraint {
     /// A JSON document valid under this JSON schema (`strict`: refuse the schema keywords the
     /// engine cannot enforce instead of ignoring them).
-    JsonSchema { schema: serde_json::Value, strict: bool },
+    JsonSchema {
+        schema: serde_json::Value,
+        strict: bool,
+    },
     /// Any JSON object.
     JsonObject,
     /// Text matching this regular expression, whole.
@@ -51,15 +54,12 @@ impl Constraint {
                 if !schema.is_object() {
                     return Err("a JSON schema is an object".into());
                 }
-                if !*strict {
-                    // Keywords the engine does not enforce are ignored rather than refused.
-                    schema["x-guidance"] = serde_json::json!({"lenient": true});
-                }
+                schema["x-guidance"] = json_options(*strict);
                 TopLevelGrammar::from_json_schema(schema)
             }
-            Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
-            }
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(
+                serde_json::json!({"type": "object", "x-guidance": json_options(false)}),
+            ),
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Choice(options) => {
                 if options.is_empty() {
@@ -71,6 +71,13 @@ impl Constraint {
             Constraint::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
         })
     }
+}
+
+/// How JSON is written: compact (no whitespace between tokens, so an output's length is its
+/// content's), and, unless `strict`, schema keywords the engine does not enforce ignored rather
+/// than refused.
+fn json_options(strict: bool) -> serde_json::Value {
+    serde_json::json!({"whitespace_flexible": false, "lenient": !strict})
 }
 
 /// `s` as a regular expression matching exactly it.
@@ -94,7 +101,9 @@ pub struct GrammarEngine {
 
 impl std::fmt::Debug for GrammarEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrammarEngine").field("eos", &self.eos).finish()
+        f.debug_struct("GrammarEngine")
+            .field("eos", &self.eos)
+            .finish()
     }
 }
 

@@ -95,17 +95,20 @@ impl<P: Planner> ServedModel for Served<P> {
         self.planner.eos_token_ids()
     }
 
-    fn guide(
-        &self,
-        c: &crate::constraint::Constraint,
-    ) -> Result<crate::constraint::Guide, String> {
+    fn guide(&self, c: &crate::constraint::Constraint) -> Result<crate::constraint::Guide, String> {
         let engine = self.grammar.get_or_init(|| {
             let tok = self.tokenizer.as_ref().ok_or_else(|| {
                 "the model was loaded without a tokenizer: structured outputs need one".to_owned()
             })?;
-            let eos = self.planner.eos_token_ids().first().copied().ok_or_else(|| {
-                "the checkpoint names no end-of-sequence token to end a structured output".to_owned()
-            })?;
+            let eos = self
+                .planner
+                .eos_token_ids()
+                .first()
+                .copied()
+                .ok_or_else(|| {
+                    "the checkpoint names no end-of-sequence token to end a structured output"
+                        .to_owned()
+                })?;
             crate::constraint::GrammarEngine::new(tok, self.info().vocab_size, eos).map(Arc::new)
         });
         engine.as_ref().map_err(Clone::clone)?.compile(c)

@@ -20,6 +20,8 @@
 
 pub mod block_diffusion;
 pub mod constraint;
+#[cfg(test)]
+mod constraint_tests;
 pub mod error;
 #[cfg(test)]
 mod fault_tests;

@@ -674,6 +674,18 @@ impl GenerateSpec {
                 self.scheme.name()
             ));
         }
+        if self.guide.is_some()
+            && !matches!(
+                self.scheme,
+                SchemeParams::Ar(_) | SchemeParams::LowConfidence(_)
+            )
+        {
+            return bad(format!(
+                "structured_output is served by the autoregressive schemes (ar) and by \
+                 low-confidence masked diffusion, not by scheme {} yet",
+                self.scheme.name()
+            ));
+        }
         if masked && self.sampling.prompt_logprobs.is_some() && self.prompt_ids.len() < 2 {
             return bad(
                 "prompt_logprobs scores the tokens after the first: a one-token prompt has none"

@@ -107,6 +107,48 @@ impl TokenSampler {
     }
 }
 
+/// The next token from a logits `row` under a request's sampler and, when it has one, its
+/// structured-output guide: the row masked to what the grammar allows, then the draw (or
+/// argmax) and its log-probability under that masked distribution. Returns the token, its entry
+/// when the request asked for log-probabilities, and whether the guided output is complete.
+pub(crate) fn guided_pick(
+    sampler: &mut TokenSampler,
+    guide: Option<&mut crate::constraint::Guide>,
+    row: &[f32],
+) -> Result<(u32, Option<TokenLogprob>, bool), crate::SchemeError> {
+    let Some(guide) = guide else {
+        let t = sampler.sample(row);
+        return Ok((t, sampler.maybe_score(row, t), false));
+    };
+    let mut masked = row.to_vec();
+    guide
+        .mask(&mut masked)
+        .map_err(crate::SchemeError::inconsistent)?;
+    let t = sampler.sample(&masked);
+    let scored = sampler.maybe_score(&masked, t);
+    let done = guide.advance(t).map_err(crate::SchemeError::inconsistent)?;
+    Ok((t, scored, done))
+}
+
+/// A draw from `filter`'s distribution over `logits` with uniform `u` in [0, 1): the token and
+/// its probability (the argmax and its model probability when `filter` is a greedy choice's).
+pub(crate) fn draw_with(logits: &[f32], filter: Filter, greedy: bool, u: f32) -> (u32, f32) {
+    if greedy {
+        let t = argmax(logits);
+        return (t, score(logits, t, Filter::model(), 0).logprob.exp());
+    }
+    let (cand, probs) = support(logits, filter.temperature, filter.top_k, filter.top_p);
+    let mut acc = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        acc += p;
+        if u < acc {
+            return (cand[i].0, *p);
+        }
+    }
+    let last = probs.len() - 1;
+    (cand[last].0, probs[last])
+}
+
 /// The temperature a draw divides by: a greedy request (0) draws at 1 where a scheme draws
 /// for it.
 fn draw_temperature(t: f32) -> f32 {

@@ -716,7 +716,11 @@ fn constraint(so: &pb::StructuredOutput) -> Result<Constraint, Status> {
     use pb::structured_output::Kind;
     let bad = |m: String| Err(Status::invalid_argument(m));
     Ok(match &so.kind {
-        None => return bad("structured_output sets none of json, json_object, regex, choice, grammar".into()),
+        None => {
+            return bad(
+                "structured_output sets none of json, json_object, regex, choice, grammar".into(),
+            )
+        }
         Some(Kind::Json(text)) => match serde_json::from_str::<serde_json::Value>(text) {
             Ok(schema) if schema.is_object() => Constraint::JsonSchema {
                 schema,

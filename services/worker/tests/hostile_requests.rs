@@ -374,7 +374,9 @@ fn any_structured() -> impl Strategy<Value = Option<pb::StructuredOutput>> {
     opt((
         prop_oneof![
             any_text().prop_map(Kind::Json),
-            Just(Kind::Json(r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#.into())),
+            Just(Kind::Json(
+                r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#.into()
+            )),
             Just(Kind::JsonObject(true)),
             any_text().prop_map(Kind::Regex),
             Just(Kind::Regex("[0-9]+".into())),

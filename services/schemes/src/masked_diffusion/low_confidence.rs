@@ -275,6 +275,100 @@ pub(crate) fn step(
     Ok(record)
 }
 
+/// One step of a structured-output request, canvas-aware: the block's masked positions commit
+/// in position order (the first masked position of the canvas first), each token chosen from
+/// the step's posterior at its position masked to what the grammar allows after the tokens
+/// before it (the mask token never), by the request's draw. The step commits the schedule's
+/// count (with the threshold rule: the first, then each next one while its masked confidence
+/// reaches the threshold), or stops early when the grammar completes, writing the
+/// end-of-sequence token after the last one so the canvas is cut there. Returns the record,
+/// each committed token's log-probability under its masked distribution when `logprobs` asks,
+/// and whether the output is complete.
+pub(crate) fn guided_step(
+    lc: &mut LowConfidence,
+    canvas: &mut Canvas,
+    rng: &mut RequestRng,
+    draw: Draw,
+    inputs: &StepInputs,
+    guide: &mut crate::constraint::Guide,
+    logprobs: Option<usize>,
+) -> Result<(StepRecord, Vec<wavefront_engine::TokenLogprob>, bool), crate::SchemeError> {
+    use crate::sampling::{draw_with, score, Filter};
+    let err = |e: candle_core::Error| crate::SchemeError::from(e);
+    let k = match lc.threshold {
+        Some(_) => inputs.candidates.len(),
+        None => lc.next_commit().unwrap_or(0),
+    };
+    let cands: Vec<usize> = inputs.candidates.iter().copied().take(k).collect();
+    let rows = inputs.rows(cands.iter().copied());
+    let host: Vec<Vec<f32>> = if rows.is_empty() {
+        Vec::new()
+    } else {
+        inputs
+            .logits
+            .index_select(
+                &candle_core::Tensor::new(rows.as_slice(), inputs.logits.device()).map_err(err)?,
+                0,
+            )
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_vec2())
+            .map_err(err)?
+    };
+    let filter = Filter::new(draw.temperature, draw.top_k, draw.top_p);
+    let greedy = draw.temperature == 0.0;
+    let mut record = StepRecord::default();
+    let mut scores = Vec::new();
+    let mut complete = false;
+    for (i, (&p, row)) in cands.iter().zip(&host).enumerate() {
+        let mut masked = row.clone();
+        if let Some(x) = masked.get_mut(canvas.mask_id as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+        guide
+            .mask(&mut masked)
+            .map_err(crate::SchemeError::inconsistent)?;
+        let (token, _) = draw_with(&masked, filter, greedy, rng.random::<f32>());
+        let conf = f64::from(score(&masked, token, Filter::model(), 0).logprob.exp());
+        if let Some(t) = lc.threshold {
+            if i > 0 && conf < t {
+                break;
+            }
+        }
+        canvas.tokens[p] = token;
+        record.committed.push(p);
+        record.tokens.push(token);
+        record.scores.push(conf);
+        if let Some(top) = logprobs {
+            let mut s = score(&masked, token, filter, top + 1);
+            s.top.retain(|&(id, _)| id != canvas.mask_id);
+            s.top.truncate(top);
+            scores.push(s);
+        }
+        complete = guide
+            .advance(token)
+            .map_err(crate::SchemeError::inconsistent)?;
+        if complete {
+            let eos = guide.eos();
+            if token != eos && p + 1 < canvas.len() && canvas.is_mask(p + 1) {
+                // The completed grammar forces the end: a point mass, log-probability 0.
+                canvas.tokens[p + 1] = eos;
+                if logprobs.is_some() {
+                    record.committed.push(p + 1);
+                    record.tokens.push(eos);
+                    record.scores.push(1.0);
+                    scores.push(wavefront_engine::TokenLogprob {
+                        logprob: 0.0,
+                        top: Vec::new(),
+                    });
+                }
+            }
+            break;
+        }
+    }
+    lc.step_done();
+    Ok((record, scores, complete))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -422,6 +422,8 @@ impl MdPlanner {
         program.top_k = spec.sampling.top_k;
         program.top_p = spec.sampling.top_p;
         program.logprobs = spec.sampling.logprobs;
+        program.constrained = spec.guide.is_some();
+        program.guide = spec.guide.clone();
         if let Some(top) = spec.sampling.prompt_logprobs {
             program.likelihood = Some(likelihood::Likelihood::new(
                 spec.prompt_ids.clone(),

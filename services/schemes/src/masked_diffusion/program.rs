@@ -103,6 +103,12 @@ pub struct MdProgram {
     /// The request only scores its prompt (`max_new_tokens` 0): it ends after the scoring.
     #[serde(default)]
     pub(crate) score_only: bool,
+    /// The structured-output constraint, when the request has one (it does not travel to
+    /// another worker: `constrained` says it had one).
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
 }
 
 /// The slots of a masked-diffusion request, per buffer row: its working set (one per row and
@@ -152,6 +158,8 @@ impl MdProgram {
             scores: BTreeMap::new(),
             likelihood: None,
             score_only: false,
+            guide: None,
+            constrained: false,
         };
         match &mut p.decoder {
             Decoder::LowConfidence(lc) => lc.start_block(p.canvas.masks_in_block()),
@@ -400,7 +408,32 @@ impl MdProgram {
             top_k: self.top_k,
             top_p: self.top_p,
         };
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        let mut guided = false;
         let mut record = match &mut self.decoder {
+            Decoder::LowConfidence(lc) if self.guide.is_some() => {
+                let guide = self.guide.as_mut().expect("checked");
+                let (r, scores, _) = low_confidence::guided_step(
+                    lc,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    draw,
+                    &inputs,
+                    guide,
+                    self.logprobs,
+                )?;
+                for (&p, s) in r.committed.iter().zip(scores) {
+                    self.scores.insert(p, s);
+                }
+                guided = true;
+                self.stats
+                    .push_series("committed_per_step", r.committed.len() as u32);
+                r
+            }
             Decoder::LowConfidence(lc) => {
                 let r = low_confidence::step(lc, &mut self.canvas, &mut self.rng, draw, &inputs)?;
                 self.stats
@@ -435,7 +468,7 @@ impl MdProgram {
                 r
             }
         };
-        if let Some(top) = self.logprobs {
+        if let (Some(top), false) = (self.logprobs, guided) {
             self.score_commits(&record, &inputs, draw, top)?;
         }
         if let Some(sl) = &mut self.surelock {

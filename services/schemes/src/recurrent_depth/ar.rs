@@ -34,7 +34,7 @@ use super::draws::DrawSource;
 pub use super::packed::NextToken;
 use super::packed::{cat_rows, core_call, next_tokens, seq_rows};
 use crate::packing::ends_after;
-use crate::sampling::{score_rows, TokenSampler};
+use crate::sampling::{guided_pick, score_rows, TokenSampler};
 use crate::SchemeError;
 
 /// One request's autoregressive decoding state.
@@ -60,6 +60,12 @@ pub struct ArProgram {
     /// prefill ends and they are sent.
     #[serde(default)]
     pub(crate) prompt_scores: Option<Vec<TokenLogprob>>,
+    /// The structured-output constraint, when the request has one (it does not travel to
+    /// another worker: `constrained` says it had one).
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
 }
 
 /// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
@@ -130,7 +136,7 @@ impl ArProgram {
             num_steps: self.num_steps,
             exit_threshold: self.exit_threshold,
             init,
-            greedy: !self.sampler.wants_logits(),
+            greedy: !self.sampler.wants_logits() && !self.constrained,
             score_rows: self.prompt_scores.is_some(),
         })
     }
@@ -183,12 +189,14 @@ impl ArProgram {
                     .ok_or_else(|| SchemeError::inconsistent("no final state to continue from"))?,
             );
         }
-        let (tok, scored) = match next {
-            NextToken::Argmax(t) => (t, None),
-            NextToken::Logits(row) => {
-                let t = self.sampler.sample(&row);
-                (t, self.sampler.maybe_score(&row, t))
-            }
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        let (tok, scored, complete) = match next {
+            NextToken::Argmax(t) => (t, None, false),
+            NextToken::Logits(row) => guided_pick(&mut self.sampler, self.guide.as_mut(), &row)?,
         };
         self.stats.recurrence_steps += out.steps as u64;
         self.stats.push_series("steps_per_token", out.steps as u32);
@@ -201,7 +209,8 @@ impl ArProgram {
             &self.stop_token_ids,
             self.generated,
             self.max_new_tokens,
-        );
+        )
+        .or(complete.then_some(FinishReason::StopToken));
         if let Some(reason) = reason {
             let stats = std::mem::take(&mut self.stats);
             outbox.finish(reason, stats);

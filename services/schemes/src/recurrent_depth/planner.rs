@@ -187,6 +187,8 @@ impl HuginnPlanner {
             generated: 0,
             stats: Stats::default(),
             prompt_scores: spec.sampling.prompt_logprobs.map(|_| Vec::new()),
+            constrained: spec.guide.is_some(),
+            guide: spec.guide,
         };
         Ok(self.prepared(Program::Ar(program), max_slots, prompt_tokens))
     }

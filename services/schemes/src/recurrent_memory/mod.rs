@@ -190,6 +190,7 @@ impl ArmtPlanner {
         stats.add_counter("segments", segments as u64);
         stats.add_counter("grouped_steps", 0);
         let prompt_tokens = t;
+        let guide = spec.guide;
         let mut program = ArmtProgram::new(
             spec.prompt_ids,
             s,
@@ -199,6 +200,8 @@ impl ArmtPlanner {
             spec.stop_token_ids,
             stats,
         );
+        program.constrained = guide.is_some();
+        program.guide = guide;
         program.paging = Paging {
             fixed: self.fixed_slots(segments, diagonal),
             tables: self.sizing.tables(),
@@ -216,6 +219,10 @@ impl ArmtPlanner {
 
 impl Planner for ArmtPlanner {
     type Program = ArmtProgram;
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.cfg.eos_token_ids()
+    }
 
     fn info(&self) -> &ModelInfo {
         &self.info

@@ -9,7 +9,7 @@ use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::transformer::KvCache;
 
 use crate::packing::ends_after;
-use crate::sampling::{score_rows, TokenSampler};
+use crate::sampling::{guided_pick, score_rows, TokenSampler};
 use crate::SchemeError;
 
 /// Where a request stands.
@@ -89,6 +89,12 @@ pub struct ArmtProgram {
     /// chooses the first token and they are sent.
     #[serde(default)]
     pub(crate) prompt_scores: Option<BTreeMap<usize, TokenLogprob>>,
+    /// The structured-output constraint, when the request has one (it does not travel to
+    /// another worker: `constrained` says it had one).
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
 }
 
 /// The slots of an ARMT request: the fixed ones (memories, diagonal residual streams) and the
@@ -149,6 +155,8 @@ impl ArmtProgram {
             record: None,
             paging: Paging::default(),
             prompt_scores,
+            guide: None,
+            constrained: false,
         }
     }
 
@@ -369,13 +377,18 @@ impl ArmtProgram {
                 }
             }
         }
-        let (token, scored) = match (out.token, &out.logits) {
-            (Some(t), _) => (Some(t), None),
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        let (token, scored, complete) = match (out.token, &out.logits) {
+            (Some(t), _) => (Some(t), None, false),
             (None, Some(row)) => {
-                let t = self.sample(row);
-                (Some(t), self.sampler.maybe_score(row, t))
+                let (t, s, done) = guided_pick(&mut self.sampler, self.guide.as_mut(), row)?;
+                (Some(t), s, done)
             }
-            (None, None) => (None, None),
+            (None, None) => (None, None, false),
         };
         if let (Some(row), true) = (out.logits, self.records_logits()) {
             self.record_logits(row);
@@ -394,6 +407,11 @@ impl ArmtProgram {
                 }
             }
             self.take_token(token, scored, outbox);
+            if complete && !outbox.is_done() {
+                // The structured output is complete.
+                self.phase = Phase::Done;
+                outbox.finish(FinishReason::StopToken, std::mem::take(&mut self.stats));
+            }
         }
         Ok(())
     }
@@ -429,15 +447,10 @@ impl ArmtProgram {
         self.pending = token;
     }
 
-    /// Chooses the next token from its logits row.
-    pub(crate) fn sample(&mut self, logits: &[f32]) -> u32 {
-        self.sampler.sample(logits)
-    }
-
     /// Whether the token can be chosen on the device: a greedy request that asked for no
     /// log-probabilities.
     pub(crate) fn is_greedy(&self) -> bool {
-        !self.sampler.wants_logits()
+        !self.sampler.wants_logits() && !self.constrained
     }
 
     /// Drops the device state (memories, cache, in-flight segments).

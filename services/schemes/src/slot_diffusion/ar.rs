@@ -9,7 +9,7 @@ use wavefront_models::transformer::KvCache;
 
 use super::call::{CacheUse, Call, CallRow, ReadOut, RowRead};
 use crate::packing::ends_after;
-use crate::sampling::{score, Filter, TokenSampler};
+use crate::sampling::{guided_pick, score, Filter, TokenSampler};
 use crate::SchemeError;
 
 /// One autoregressive request.
@@ -27,6 +27,12 @@ pub struct ArDecode {
     /// prompt has run and they are sent.
     #[serde(default)]
     prompt_scores: Option<Vec<TokenLogprob>>,
+    /// The structured-output constraint, when the request has one (it does not travel to
+    /// another worker: `constrained` says it had one).
+    #[serde(skip)]
+    guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    constrained: bool,
 }
 
 impl ArDecode {
@@ -42,6 +48,8 @@ impl ArDecode {
             .map(|_| vec![TokenLogprob::unscored()]);
         Self {
             prompt_scores,
+            guide: None,
+            constrained: false,
             cache: KvCache::new(),
             pending: prompt,
             sampler,
@@ -50,6 +58,12 @@ impl ArDecode {
             generated: 0,
             done: false,
         }
+    }
+
+    /// Constrains the output.
+    pub(crate) fn guide(&mut self, guide: Option<crate::constraint::Guide>) {
+        self.constrained = guide.is_some();
+        self.guide = guide;
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -87,7 +101,7 @@ impl ArDecode {
                         .collect()
                 } else if last {
                     vec![RowRead {
-                        full: self.sampler.wants_logits(),
+                        full: self.sampler.wants_logits() || self.constrained,
                         ..RowRead::top1(n - 1)
                     }]
                 } else {
@@ -134,12 +148,14 @@ impl ArDecode {
                 return Ok(());
             }
         }
-        let (token, scored) = match &o.logits {
-            Some(logits) => {
-                let t = self.sampler.sample(logits);
-                (t, self.sampler.maybe_score(logits, t))
-            }
-            None => (o.argmax, None),
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        let (token, scored, complete) = match &o.logits {
+            Some(logits) => guided_pick(&mut self.sampler, self.guide.as_mut(), logits)?,
+            None => (o.argmax, None, false),
         };
         self.generated += 1;
         outbox.scored_tokens(vec![token], scored.map(|s| vec![s]));
@@ -148,7 +164,9 @@ impl ArDecode {
             &self.stop_token_ids,
             self.generated,
             self.max_new_tokens,
-        ) {
+        )
+        .or(complete.then_some(FinishReason::StopToken))
+        {
             Some(r) => {
                 outbox.finish(r, std::mem::take(stats));
                 self.done = true;

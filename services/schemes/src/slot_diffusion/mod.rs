@@ -240,12 +240,13 @@ impl RefusionPlanner {
         let max_rows = spec.prompt_ids.len() + spec.max_new_tokens;
         let prompt_tokens = spec.prompt_ids.len();
         let stop = self.stop_ids(&spec);
-        let program = ArDecode::new(
+        let mut program = ArDecode::new(
             spec.prompt_ids,
             spec.max_new_tokens,
             stop,
             TokenSampler::new(spec.sampling),
         );
+        program.guide(spec.guide);
         Ok(self.prepared(Scheme::Ar(Box::new(program)), max_rows, prompt_tokens))
     }
 }
