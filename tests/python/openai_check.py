@@ -5,6 +5,7 @@ Usage: python openai_check.py HTTP_ADDR GRPC_ADDR METRICS_ADDR
 A `wavefront serve --model tests/fixtures/llada` (chat template, masked diffusion) runs there.
 Exits non-zero on any mismatch.
 """
+import json
 import sys
 import time
 import urllib.request
@@ -113,6 +114,26 @@ b = client.completions.create(model="llada", prompt="You may copy", max_tokens=0
                               extra_body={"likelihood": {"context_tokens": 1, "mc_samples": 8}})
 bl = b.choices[0].logprobs.token_logprobs
 assert bl[0] is None and len(bl) == len(lp.token_logprobs), bl
+# Structured outputs: OpenAI's response_format (json_schema, strict) and vLLM's
+# structured_outputs; the text parses and validates.
+schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["n"], "additionalProperties": False}
+r = client.chat.completions.create(
+    model="llada", messages=msgs, max_tokens=24, temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+    extra_body={"low_confidence": {"block_length": 24, "steps": 24}})
+obj = json.loads(r.choices[0].message.content)
+assert set(obj) == {"n"} and isinstance(obj["n"], int) and 0 <= obj["n"] <= 99, obj
+c = client.completions.create(model="llada", prompt="x", max_tokens=8, temperature=0,
+                              extra_body={"structured_outputs": {"choice": ["yes", "no"]},
+                                          "low_confidence": {"block_length": 8, "steps": 8}})
+assert c.choices[0].text in ("yes", "no"), c.choices[0].text
+try:
+    client.completions.create(model="llada", prompt="x", max_tokens=8,
+                              extra_body={"structured_outputs": {"regex": "([a-z"}})
+    raise SystemExit("an invalid regex was accepted")
+except openai.BadRequestError as e:
+    assert "structured_output" in e.message, e.message
 try:
     client.chat.completions.create(model="llada", messages=msgs, top_logprobs=2)
     raise SystemExit("top_logprobs without logprobs was accepted")

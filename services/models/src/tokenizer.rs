@@ -322,3 +322,44 @@ fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod token_bytes_tests {
+    use super::*;
+
+    /// Every ordinary token's bytes are what decoding it alone writes (where that is whole
+    /// UTF-8), special tokens carry the marker, and ids past the tokenizer have none: for a
+    /// byte-level BPE (LLaDA's fixture) and a sentencepiece-style one (DiffusionGemma's).
+    #[test]
+    fn token_bytes_are_what_each_token_decodes_to() {
+        for fixture in ["llada", "diffusion_gemma"] {
+            let path = crate::device::test_fixture(fixture).join("tokenizer.json");
+            let tok = TextTokenizer::from_file(&path).expect("tokenizer");
+            let n = tok.vocab_size();
+            let bytes = tok.token_bytes(n + 3);
+            assert_eq!(bytes.len(), n + 3);
+            assert!(bytes[n..].iter().all(Vec::is_empty));
+            let mut checked = 0;
+            for id in 0..n as u32 {
+                let b = &bytes[id as usize];
+                if b.first() == Some(&0xff) {
+                    continue;
+                }
+                let text = tok.decode(&[id], false).expect("decodes");
+                if text.contains('\u{FFFD}') {
+                    // A partial character.
+                    continue;
+                }
+                // Decoding a piece alone may strip its leading space.
+                assert_eq!(
+                    String::from_utf8_lossy(b).trim(),
+                    text.trim(),
+                    "{fixture}: token {id} {:?}",
+                    tok.id_to_token(id)
+                );
+                checked += 1;
+            }
+            assert!(checked > n / 2, "{fixture}: {checked} of {n} checked");
+        }
+    }
+}

@@ -1254,6 +1254,54 @@ mod tests {
     }
 
     #[test]
+    fn response_format_and_structured_outputs_map_onto_the_proto() {
+        use pb::structured_output::Kind;
+        let so = |v: Value| {
+            common(v)
+                .request(Prompt::Text("x".into()), 16, super::Kind::Completion)
+                .map(|r| r.structured_output)
+        };
+        assert_eq!(
+            so(json!({"response_format": {"type": "text"}})).unwrap(),
+            None
+        );
+        assert_eq!(
+            so(json!({"response_format": {"type": "json_object"}}))
+                .unwrap()
+                .unwrap()
+                .kind,
+            Some(Kind::JsonObject(true))
+        );
+        let s = so(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": true}}}))
+        .unwrap()
+        .unwrap();
+        assert!(s.strict && matches!(s.kind, Some(Kind::Json(_))));
+        assert_eq!(
+            so(json!({"structured_outputs": {"choice": ["a", "b"]}}))
+                .unwrap()
+                .unwrap()
+                .kind,
+            Some(Kind::Choice(pb::ChoiceList {
+                options: vec!["a".into(), "b".into()]
+            }))
+        );
+        for bad in [
+            json!({"response_format": {"type": "xml"}}),
+            json!({"response_format": {"type": "json_schema"}}),
+            json!({"structured_outputs": {}}),
+            json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+            json!({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}),
+        ] {
+            assert!(so(bad.clone()).is_err(), "{bad}");
+        }
+        // Unknown keys inside structured_outputs are refused by the parser.
+        assert!(
+            serde_json::from_value::<Common>(json!({"structured_outputs": {"regx": "a"}})).is_err()
+        );
+    }
+
+    #[test]
     fn logprobs_map_onto_the_proto_in_each_endpoints_terms() {
         let lp = |v: Value, kind| {
             common(v)
