@@ -77,11 +77,22 @@ fn constraints() -> Vec<Constraint> {
 
 /// Runs every constraint, greedy and sampled, with `scheme` on the trained model `name`.
 fn check(name: &str, prompt: &str, scheme: SchemeParams, max_new: usize) -> Result<()> {
-    let files = ModelFiles::from_dir(trained(name))?;
+    check_dir(trained(name), name, prompt, scheme, max_new, &constraints())
+}
+
+fn check_dir(
+    dir: PathBuf,
+    name: &str,
+    prompt: &str,
+    scheme: SchemeParams,
+    max_new: usize,
+    constraints: &[Constraint],
+) -> Result<()> {
+    let files = ModelFiles::from_dir(dir)?;
     let tok = files.tokenizer()?;
     let served = load_model(files, LoadOptions::default())?;
     let prompt_ids = served.encode_prompt(prompt)?;
-    for c in constraints() {
+    for c in constraints.iter().cloned() {
         for temperature in [0.0, 0.9] {
             let mut s: GenerateSpec = spec(prompt_ids.clone(), max_new, 11, scheme.clone());
             s.sampling.temperature = temperature;
@@ -184,6 +195,56 @@ fn llada_low_confidence_outputs_validate_with_and_without_fast_dllm() -> Result<
         lc(KvCacheMode::Prefix, Some(0.9)),
         48,
     )
+}
+
+/// LLaDA2.0's block diffusion on its fixture (random weights: the grammar alone makes the
+/// outputs valid), with the bounded constraints.
+#[test]
+fn llada2_block_diffusion_outputs_validate() -> Result<()> {
+    let bounded: Vec<Constraint> = constraints()
+        .into_iter()
+        .filter(|c| *c != Constraint::JsonObject)
+        .collect();
+    check_dir(
+        wavefront_models::device::test_fixture("llada2"),
+        "llada2 fixture",
+        "copy a b c =",
+        SchemeParams::BlockDiffusion(crate::request::BlockDiffusionParams {
+            block_length: 8,
+            steps: 8,
+            ..Default::default()
+        }),
+        48,
+        &bounded,
+    )
+}
+
+/// Dream's diffusion-generate on its fixture (random weights), every algorithm.
+#[test]
+fn dream_diffusion_generate_outputs_validate() -> Result<()> {
+    let bounded: Vec<Constraint> = constraints()
+        .into_iter()
+        .filter(|c| *c != Constraint::JsonObject)
+        .collect();
+    for alg in [
+        crate::DreamAlg::MaskgitPlus,
+        crate::DreamAlg::Entropy,
+        crate::DreamAlg::Origin,
+    ] {
+        check_dir(
+            wavefront_models::device::test_fixture("dream"),
+            "dream fixture",
+            "copy a b c =",
+            SchemeParams::DiffusionGenerate(crate::request::DiffusionGenerateParams {
+                alg,
+                steps: Some(48),
+                ..Default::default()
+            }),
+            48,
+            &bounded,
+        )?;
+    }
+    Ok(())
 }
 
 #[test]

@@ -677,12 +677,15 @@ impl GenerateSpec {
         if self.guide.is_some()
             && !matches!(
                 self.scheme,
-                SchemeParams::Ar(_) | SchemeParams::LowConfidence(_)
+                SchemeParams::Ar(_)
+                    | SchemeParams::LowConfidence(_)
+                    | SchemeParams::DiffusionGenerate(_)
+                    | SchemeParams::BlockDiffusion(_)
             )
         {
             return bad(format!(
                 "structured_output is served by the autoregressive schemes (ar) and by \
-                 low-confidence masked diffusion, not by scheme {} yet",
+                 low-confidence, diffusion-generate and block diffusion, not by scheme {} yet",
                 self.scheme.name()
             ));
         }

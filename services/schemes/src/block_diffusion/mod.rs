@@ -165,6 +165,7 @@ impl Llada2Planner {
             max_pages,
         );
         program.stream_canvas = spec.stream_canvas;
+        program.constrain(spec.guide);
         let first = program.pages_needed(self.sizing.page);
         Ok(self
             .sizing

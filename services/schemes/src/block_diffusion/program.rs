@@ -115,6 +115,12 @@ pub struct BdProgram {
     /// that asked for them).
     #[serde(default)]
     scores: std::collections::BTreeMap<usize, TokenLogprob>,
+    /// The structured-output constraint, when the request has one (it does not travel to
+    /// another worker: `constrained` says it had one).
+    #[serde(skip)]
+    guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    constrained: bool,
 }
 
 /// `num_transfer` of every step of a block of `block` tokens in `steps` steps.
@@ -152,6 +158,8 @@ impl BdProgram {
             stats: Stats::default(),
             record: None,
             scores: Default::default(),
+            guide: None,
+            constrained: false,
             stream_canvas: false,
             kv_tables,
             max_pages,
@@ -178,6 +186,86 @@ impl BdProgram {
 
     fn window(&self) -> usize {
         (self.block + 1) * self.s.block_length
+    }
+
+    /// Constrains the output.
+    pub(crate) fn constrain(&mut self, guide: Option<crate::constraint::Guide>) {
+        self.constrained = guide.is_some();
+        self.guide = guide;
+    }
+
+    /// A structured-output step, canvas-aware: the block's masked positions commit in position
+    /// order, each token chosen (argmax, or the request's draw) from its row masked to what the
+    /// grammar allows after the tokens before it; the schedule's count, then each next one
+    /// while its masked confidence exceeds the threshold. When the grammar completes, every
+    /// position left in the canvas takes the end-of-sequence token (a point mass), so the
+    /// request ends there. Returns the chosen offsets into `plan.masked`, their tokens and
+    /// confidences.
+    #[allow(clippy::type_complexity)]
+    fn guided(
+        &mut self,
+        plan: &BdPlan,
+        logits: &Tensor,
+        k: usize,
+    ) -> Result<(Vec<usize>, Vec<u32>, Vec<f32>), SchemeError> {
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        let p = *self.sampler.draws.params();
+        let greedy = p.is_greedy() && !self.sampler.upstream;
+        let filter = if greedy {
+            Filter::model()
+        } else {
+            Filter {
+                temperature: if p.is_greedy() { 1.0 } else { p.temperature },
+                top_k: p.top_k,
+                top_p: p.top_p,
+            }
+        };
+        let top = p.logprobs;
+        let mask = self.s.mask_id;
+        let (mut chosen, mut tokens, mut confs) = (Vec::new(), Vec::new(), Vec::new());
+        let guide = self.guide.as_mut().expect("a guided step has a guide");
+        for (i, row) in rows.iter().enumerate() {
+            let mut masked = row.clone();
+            if let Some(x) = masked.get_mut(mask as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+            guide.mask(&mut masked).map_err(SchemeError::inconsistent)?;
+            let t = if greedy {
+                crate::sampling::argmax(&masked)
+            } else {
+                self.sampler.draws.sample_with_prob(&masked).0
+            };
+            let conf = score(&masked, t, Filter::model(), 0).logprob.exp();
+            if i >= k.max(1) && conf <= self.s.threshold {
+                break;
+            }
+            if let Some(top) = top {
+                let mut s = score(&masked, t, filter, top + 1);
+                s.top.retain(|&(id, _)| id != mask);
+                s.top.truncate(top);
+                self.scores.insert(plan.masked[i], s);
+            }
+            chosen.push(i);
+            tokens.push(t);
+            confs.push(conf);
+            if guide.advance(t).map_err(SchemeError::inconsistent)? {
+                let eos = guide.eos();
+                for q in plan.masked[i] + 1..self.tokens.len() {
+                    if self.is_mask(q) {
+                        self.tokens[q] = eos;
+                        self.scores.insert(
+                            q,
+                            TokenLogprob {
+                                logprob: 0.0,
+                                top: Vec::new(),
+                            },
+                        );
+                    }
+                }
+                break;
+            }
+        }
+        Ok((chosen, tokens, confs))
     }
 
     fn is_mask(&self, i: usize) -> bool {
@@ -272,12 +360,32 @@ impl BdProgram {
             .map(|_| self.tokens[..plan.window].to_vec());
         // Every row before the block was computed from final tokens.
         self.final_upto = plan.window - self.s.block_length;
-        let (x0, conf) = self.decode(logits)?;
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
         let k = self.schedule[self.step];
+        let (x0, conf, guided) = if self.guide.is_some() {
+            let (chosen, tokens, confs) = self.guided(plan, logits, k)?;
+            // Only the chosen offsets are read below: place their tokens there.
+            let mut x0 = vec![self.s.mask_id; plan.masked.len()];
+            let mut conf = vec![0f32; plan.masked.len()];
+            for ((&i, t), c) in chosen.iter().zip(tokens).zip(confs) {
+                x0[i] = t;
+                conf[i] = c;
+            }
+            (x0, conf, Some(chosen))
+        } else {
+            let (x0, conf) = self.decode(logits)?;
+            (x0, conf, None)
+        };
         let above: Vec<usize> = (0..plan.masked.len())
             .filter(|&i| conf[i] > self.s.threshold)
             .collect();
-        let (chosen, branch): (Vec<usize>, _) = if above.len() >= k {
+        let (chosen, branch): (Vec<usize>, _) = if let Some(chosen) = guided {
+            (chosen, "guided")
+        } else if above.len() >= k {
             (above.clone(), "threshold")
         } else {
             let scored: Vec<(usize, f64)> = (0..plan.masked.len())
@@ -299,7 +407,8 @@ impl BdProgram {
             rows,
             ..BdStep::default()
         };
-        if let Some(top) = self.sampler.draws.logprobs() {
+        // A guided step scored its tokens under their masked distributions.
+        if let (Some(top), false) = (self.sampler.draws.logprobs(), branch == "guided") {
             self.score_commits(logits, &chosen, &x0, plan, top)?;
         }
         let mut stop_committed = false;

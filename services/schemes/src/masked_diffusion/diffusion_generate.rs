@@ -328,6 +328,92 @@ pub(crate) fn step(
     Ok(record)
 }
 
+/// A structured-output step, canvas-aware: as many positions as the step would commit (the
+/// schedule's share for the confidence algorithms, the origin rule's draws), but the canvas's
+/// masked positions in position order, each token chosen from Dream's filtered posterior of its
+/// row masked to what the grammar allows after the tokens before it. When the grammar
+/// completes, every masked position left takes the end-of-sequence token (a point mass), so the
+/// response ends there. Returns the record, the committed tokens' log-probabilities under their
+/// masked posteriors when `logprobs` asks, and whether the output is complete.
+pub(crate) fn guided_step(
+    dg: &mut DiffusionGenerate,
+    canvas: &mut Canvas,
+    rng: &mut RequestRng,
+    temperature: f32,
+    inputs: &StepInputs,
+    guide: &mut crate::constraint::Guide,
+    logprobs: Option<usize>,
+) -> Result<(StepRecord, Vec<wavefront_engine::TokenLogprob>, bool), crate::SchemeError> {
+    let i = dg.step;
+    let cands = inputs.candidates;
+    let k = if dg.alg == DreamAlg::Origin {
+        let p_transfer = dg.transfer(i);
+        let mut n = 0;
+        for _ in cands {
+            n += usize::from(dg.uniform(rng)? < p_transfer);
+        }
+        n
+    } else {
+        dg.commits(i, cands.len())
+    };
+    let chosen: Vec<usize> = cands.iter().copied().take(k).collect();
+    let rows = inputs.rows(chosen.iter().copied());
+    let host: Vec<Vec<f32>> = if rows.is_empty() {
+        Vec::new()
+    } else {
+        inputs
+            .logits
+            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?
+    };
+    let mut record = StepRecord::default();
+    let mut scores = Vec::new();
+    let mut complete = false;
+    for (&p, row) in chosen.iter().zip(&host) {
+        let mut masked = row.clone();
+        if let Some(x) = masked.get_mut(canvas.mask_id as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+        guide
+            .mask(&mut masked)
+            .map_err(crate::SchemeError::inconsistent)?;
+        let post = posterior(&masked, temperature, dg.top_k, dg.top_p);
+        let x0 = pick(&post, temperature, canvas.mask_id, rng);
+        canvas.tokens[p] = x0;
+        record.committed.push(p);
+        record.tokens.push(x0);
+        if let Some(top) = logprobs {
+            let mut s = crate::sampling::score_probs(&post, x0, top + 1);
+            s.top.retain(|&(id, _)| id != canvas.mask_id);
+            s.top.truncate(top);
+            scores.push(s);
+        }
+        complete = guide
+            .advance(x0)
+            .map_err(crate::SchemeError::inconsistent)?;
+        if complete {
+            let eos = guide.eos();
+            for q in p + 1..canvas.len() {
+                if canvas.is_mask(q) {
+                    canvas.tokens[q] = eos;
+                    record.committed.push(q);
+                    record.tokens.push(eos);
+                    if logprobs.is_some() {
+                        scores.push(wavefront_engine::TokenLogprob {
+                            logprob: 0.0,
+                            top: Vec::new(),
+                        });
+                    }
+                }
+            }
+            break;
+        }
+    }
+    dg.step += 1;
+    Ok((record, scores, complete))
+}
+
 /// `k` positions drawn without replacement from `softmax(score / temperature)` (upstream's
 /// `multinomial` with `alg_temp`).
 fn draw_without_replacement(

@@ -452,6 +452,25 @@ impl MdProgram {
                 self.stats.add_counter("revoked", r.revoked.len() as u64);
                 r
             }
+            Decoder::DiffusionGenerate(dg) if self.guide.is_some() => {
+                let guide = self.guide.as_mut().expect("checked");
+                let (r, scores, _) = diffusion_generate::guided_step(
+                    dg,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    self.temperature,
+                    &inputs,
+                    guide,
+                    self.logprobs,
+                )?;
+                for (&p, s) in r.committed.iter().zip(scores) {
+                    self.scores.insert(p, s);
+                }
+                guided = true;
+                self.stats
+                    .push_series("committed_per_step", r.committed.len() as u32);
+                r
+            }
             Decoder::DiffusionGenerate(dg) => {
                 let mut r = diffusion_generate::step(
                     dg,
