@@ -152,6 +152,28 @@ fn huginn_ar_outputs_validate() -> Result<()> {
     )
 }
 
+/// Diffusion forcing with the bounded constraints (a sampled guess of an unbounded JSON
+/// object changes at every step, so its positions are slow to freeze; the sampler's step cap
+/// bounds it, as it bounds an unconstrained request).
+#[test]
+fn huginn_diffusion_forcing_outputs_validate() -> Result<()> {
+    let bounded: Vec<Constraint> = constraints()
+        .into_iter()
+        .filter(|c| *c != Constraint::JsonObject)
+        .collect();
+    check_dir(
+        trained("huginn-tiny"),
+        "huginn-tiny",
+        "copy a b c =",
+        SchemeParams::DiffusionForcing(crate::request::DiffusionForcingParams {
+            num_steps: Some(8),
+            ..Default::default()
+        }),
+        48,
+        &bounded,
+    )
+}
+
 #[test]
 fn armt_ar_outputs_validate() -> Result<()> {
     check(

@@ -678,14 +678,16 @@ impl GenerateSpec {
             && !matches!(
                 self.scheme,
                 SchemeParams::Ar(_)
+                    | SchemeParams::DiffusionForcing(_)
                     | SchemeParams::LowConfidence(_)
                     | SchemeParams::DiffusionGenerate(_)
                     | SchemeParams::BlockDiffusion(_)
             )
         {
             return bad(format!(
-                "structured_output is served by the autoregressive schemes (ar) and by \
-                 low-confidence, diffusion-generate and block diffusion, not by scheme {} yet",
+                "structured_output is served by the autoregressive schemes (ar), diffusion \
+                 forcing, low-confidence, diffusion-generate and block diffusion, not by \
+                 scheme {} yet",
                 self.scheme.name()
             ));
         }

@@ -55,7 +55,7 @@ use wavefront_models::{relative_change, Huginn, HuginnCache, SeqRows};
 use super::draws::DrawSource;
 use super::packed::{cat_rows, core_call, next_tokens, offsets, seq_rows, NextToken};
 use crate::request::FreezeTest;
-use crate::sampling::TokenSampler;
+use crate::sampling::{guided_pick, TokenSampler};
 use crate::SchemeError;
 
 /// Outer steps after which a request stops (upstream `max_diffusion_steps`).
@@ -132,6 +132,15 @@ pub struct DiffusionProgram {
     /// for them): a frozen token keeps the one of the step that froze it.
     #[serde(default)]
     scores: std::collections::BTreeMap<usize, TokenLogprob>,
+    /// The structured-output constraint after the frozen tokens, when the request has one (it
+    /// does not travel to another worker: `constrained` says it had one).
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
+    /// Generated tokens once the constrained output is complete (none after them stream).
+    #[serde(default)]
+    complete_len: Option<usize>,
 }
 
 impl DiffusionProgram {
@@ -164,6 +173,9 @@ impl DiffusionProgram {
             latent_pages: 0,
             latent_page: (wavefront_models::transformer::PAGE_SIZE, 1.0),
             scores: Default::default(),
+            guide: None,
+            constrained: false,
+            complete_len: None,
         }
     }
 
@@ -201,12 +213,35 @@ impl DiffusionProgram {
         &self.frozen[self.prompt_len..]
     }
 
+    /// Advances the guide through the tokens frozen from position `from` on; notes where the
+    /// output completes.
+    fn advance_guide(&mut self, from: usize) -> Result<(), SchemeError> {
+        let Some(g) = &mut self.guide else {
+            return Ok(());
+        };
+        if self.complete_len.is_some() {
+            return Ok(());
+        }
+        for p in from..self.frozen.len() {
+            if g.advance(self.frozen[p])
+                .map_err(SchemeError::inconsistent)?
+            {
+                self.complete_len = Some(p + 1 - self.prompt_len);
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Streams newly frozen tokens and finishes on a stop token or at `max_new_tokens`.
     /// Upstream may freeze a few positions past `max_new_tokens` in the last step; they are
     /// not emitted.
     fn emit(&mut self, outbox: &mut Outbox) {
         let generated = &self.frozen[self.prompt_len..];
-        let end = generated.len().min(self.max_new_tokens);
+        let end = generated
+            .len()
+            .min(self.max_new_tokens)
+            .min(self.complete_len.unwrap_or(usize::MAX));
         let fresh = &generated[self.emitted.min(end)..end];
         let stop = fresh.iter().position(|t| self.stop_token_ids.contains(t));
         let take = stop.map_or(fresh.len(), |i| i + 1);
@@ -221,7 +256,7 @@ impl DiffusionProgram {
         });
         outbox.scored_tokens(fresh[..take].to_vec(), scored);
         self.emitted += take;
-        let reason = if stop.is_some() {
+        let reason = if stop.is_some() || self.complete_len.is_some_and(|n| self.emitted >= n) {
             Some(FinishReason::StopToken)
         } else if self.emitted >= self.max_new_tokens {
             Some(FinishReason::Length)
@@ -324,7 +359,7 @@ impl DiffusionProgram {
     /// The plan of the next tick: the prefill, or one outer step of the wavefront (its states
     /// and momentum embeddings read from the cache's latent pages).
     pub fn plan(&mut self, dim: usize, heads: usize) -> Result<DfPlan, SchemeError> {
-        let greedy = !self.sampler.wants_logits();
+        let greedy = !self.sampler.wants_logits() && !self.constrained;
         let Some(w) = &self.wave else {
             let len = self.prompt_len;
             let states = self.draws.next(len, dim, false)?;
@@ -416,13 +451,35 @@ impl DiffusionProgram {
         // Row `i` guesses the token at `frozen.len() + i` (the prefill's one row, the first
         // position after the prompt).
         let first = self.frozen.len();
+        if self.constrained && self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        // Constrained: the guesses are masked left to right, each after the guesses before it
+        // (a copy of the guide, which itself stands after the frozen tokens); once that copy is
+        // complete the later guesses are the end-of-sequence token.
+        let mut look = self.guide.clone();
+        let mut look_done = false;
         let mut tokens = Vec::with_capacity(out.decoded.len());
         for (i, n) in out.decoded.into_iter().enumerate() {
             tokens.push(match n {
                 NextToken::Argmax(t) => t,
+                NextToken::Logits(_) if look_done => {
+                    let eos = look.as_ref().map_or(0, |g| g.eos());
+                    self.scores.insert(
+                        first + i,
+                        TokenLogprob {
+                            logprob: 0.0,
+                            top: Vec::new(),
+                        },
+                    );
+                    eos
+                }
                 NextToken::Logits(row) => {
-                    let t = self.sampler.sample(&row);
-                    if let Some(s) = self.sampler.maybe_score(&row, t) {
+                    let (t, s, done) = guided_pick(&mut self.sampler, look.as_mut(), &row)?;
+                    look_done = done;
+                    if let Some(s) = s {
                         self.scores.insert(first + i, s);
                     }
                     t
@@ -434,6 +491,7 @@ impl DiffusionProgram {
                 .first()
                 .ok_or_else(|| SchemeError::inconsistent("the prefill decoded no row"))?;
             self.frozen.push(y);
+            self.advance_guide(first)?;
             self.cur = self.frozen.clone();
             let mut counter = Vec::new();
             add_recurrences(&mut counter, 0, self.prompt_len + 1, plan.core_steps);
@@ -475,9 +533,11 @@ impl DiffusionProgram {
             .ok_or_else(|| SchemeError::inconsistent("a wavefront step without a wavefront"))?;
         add_recurrences(&mut w.counter, c, len, plan.core_steps);
         let zlen = z.dim(0)?;
+        let mut froze_from = None;
         match out.criterion.iter().rposition(|&v| v < exit_t) {
             Some(last) => {
                 let frozen_to = c + last + 1;
+                froze_from = Some(self.frozen.len());
                 self.frozen = self.cur[..frozen_to].to_vec();
                 self.cache.truncate(frozen_to - 1);
                 z = z.narrow(0, last, zlen - last)?;
@@ -498,6 +558,9 @@ impl DiffusionProgram {
         w.c_old = c;
         self.cache
             .write_latents(&z, out.mixed.as_ref(), plan.heads)?;
+        if let Some(from) = froze_from {
+            self.advance_guide(from)?;
+        }
         self.stats.forward_passes += 1;
         self.stats.recurrence_steps += plan.core_steps as u64;
         self.stats.add_counter("sampler_steps", 1);

@@ -409,6 +409,8 @@ impl HuginnPlanner {
         );
         program.latent_pages = latent_pages;
         program.latent_page = (self.page, f64::from(self.occupancy_multiplier));
+        program.constrained = spec.guide.is_some();
+        program.guide = spec.guide;
         Ok(self.prepared(Program::Diffusion(program), max_slots, prompt_tokens))
     }
 }
