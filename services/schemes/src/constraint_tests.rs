@@ -308,3 +308,46 @@ fn bad_constraints_are_refused_with_the_engines_reason() -> Result<()> {
     served.shutdown();
     Ok(())
 }
+
+/// A constrained request asked to move (a draining worker) stays and finishes where it is: its
+/// export is refused, it produces what it produces alone, valid.
+#[test]
+fn a_constrained_request_finishes_on_its_worker() -> Result<()> {
+    let load = || {
+        load_model(
+            ModelFiles::from_dir(trained("huginn-tiny"))?,
+            LoadOptions {
+                name: "huginn".into(),
+                ..LoadOptions::default()
+            },
+        )
+        .map_err(anyhow::Error::from)
+    };
+    let (a, b) = (load()?, load()?);
+    let tok = ModelFiles::from_dir(trained("huginn-tiny"))?.tokenizer()?;
+    let c = Constraint::JsonSchema {
+        schema: schema(),
+        strict: true,
+    };
+    let mut s = spec(
+        a.encode_prompt("copy a b c =")?,
+        48,
+        3,
+        SchemeParams::Ar(ArParams::default()),
+    );
+    s.guide = Some(a.guide(&c).map_err(anyhow::Error::msg)?);
+    let alone = collect(&submit(a.as_ref(), s.clone())?, Vec::new())?;
+    s.guide = Some(a.guide(&c).map_err(anyhow::Error::msg)?);
+    let (got, moves) = crate::test_support::run_moving(&[a.as_ref(), b.as_ref()], s, 1, false)?;
+    ensure!(moves == 0, "a constrained request moved");
+    ensure!(
+        got.tokens == alone.tokens,
+        "{:?} vs {:?}",
+        got.tokens,
+        alone.tokens
+    );
+    ensure!(valid(&c, &tok.decode(&got.tokens, true)?));
+    a.shutdown();
+    b.shutdown();
+    Ok(())
+}

@@ -73,6 +73,27 @@ pub(crate) fn export<P: Serialize>(
     encode(program).map_err(|e| wavefront_engine::FamilyError::program(family, Phase::Export, e))
 }
 
+/// [`export`], unless the program is `constrained`: a structured-output request's grammar
+/// parser does not move, so the export is refused and the request finishes on its worker (the
+/// engine keeps a request whose export fails, as a preempted one).
+pub(crate) fn export_unless_constrained<P: Serialize>(
+    program: &P,
+    family: &'static str,
+    constrained: bool,
+) -> Result<Vec<u8>, wavefront_engine::FamilyError> {
+    if constrained {
+        return Err(wavefront_engine::FamilyError::program(
+            family,
+            Phase::Export,
+            SchemeError::inconsistent(
+                "a structured-output request finishes on the worker it started on: its \
+                 grammar parser does not move",
+            ),
+        ));
+    }
+    export(program, family)
+}
+
 /// A program's bytes.
 pub fn encode<T: Serialize>(program: &T) -> Result<Vec<u8>, SchemeError> {
     postcard::to_stdvec(program).map_err(|source| SchemeError::State {

@@ -18,6 +18,10 @@ pub trait OneCache {
     /// Pages the cache holds after the next step at most, in pages of `page` rows.
     fn pages_needed(&self, page: usize) -> usize;
     fn is_done(&self) -> bool;
+    /// Whether the request has a structured-output constraint (it does not move).
+    fn constrained(&self) -> bool {
+        false
+    }
 }
 
 /// What a family of one-cache programs does besides the slot cycle: its network's steps.
@@ -132,7 +136,7 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
     }
 
     fn export(&mut self, a: &mut Active<S::Program>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, S::FAMILY)
+        crate::migrate::export_unless_constrained(&a.program, S::FAMILY, a.program.constrained())
     }
 
     /// What the next step's pages reach (a finished program keeps what it holds until the

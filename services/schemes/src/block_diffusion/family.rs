@@ -89,6 +89,10 @@ impl paging::OneCache for BdProgram {
     fn is_done(&self) -> bool {
         BdProgram::is_done(self)
     }
+
+    fn constrained(&self) -> bool {
+        BdProgram::constrained(self)
+    }
 }
 
 impl Stepper for BlockDiffusion {

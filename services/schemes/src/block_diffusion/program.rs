@@ -188,6 +188,11 @@ impl BdProgram {
         (self.block + 1) * self.s.block_length
     }
 
+    /// Whether the request has a structured-output constraint.
+    pub(crate) fn constrained(&self) -> bool {
+        self.constrained
+    }
+
     /// Constrains the output.
     pub(crate) fn constrain(&mut self, guide: Option<crate::constraint::Guide>) {
         self.constrained = guide.is_some();

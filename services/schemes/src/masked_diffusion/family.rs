@@ -159,7 +159,7 @@ impl<M: MdNetwork> Family for MaskedDiffusionFamily<M> {
     type Output = Tensor;
 
     fn export(&mut self, a: &mut Active<MdProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, FAMILY)
+        crate::migrate::export_unless_constrained(&a.program, FAMILY, a.program.constrained)
     }
 
     fn pool_bytes(&self) -> u64 {

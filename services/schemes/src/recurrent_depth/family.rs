@@ -227,7 +227,11 @@ impl Family for HuginnFamily {
     }
 
     fn export(&mut self, a: &mut Active<Program>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, FAMILY)
+        let constrained = match &a.program {
+            Program::Ar(p) => p.constrained,
+            Program::Diffusion(p) => p.constrained,
+        };
+        crate::migrate::export_unless_constrained(&a.program, FAMILY, constrained)
     }
 
     fn slots_needed(&self, a: &Active<Program>) -> usize {

@@ -370,7 +370,7 @@ impl Family for RecurrentMemoryFamily {
     type Output = ArmtOutput;
 
     fn export(&mut self, a: &mut Active<ArmtProgram>) -> Result<Vec<u8>, FamilyError> {
-        crate::migrate::export(&a.program, FAMILY)
+        crate::migrate::export_unless_constrained(&a.program, FAMILY, a.program.constrained)
     }
 
     fn pool_bytes(&self) -> u64 {

@@ -60,6 +60,11 @@ impl ArDecode {
         }
     }
 
+    /// Whether the request has a structured-output constraint.
+    pub(crate) fn constrained(&self) -> bool {
+        self.constrained
+    }
+
     /// Constrains the output.
     pub(crate) fn guide(&mut self, guide: Option<crate::constraint::Guide>) {
         self.constrained = guide.is_some();

@@ -139,6 +139,10 @@ impl paging::OneCache for SdProgram {
     fn is_done(&self) -> bool {
         SdProgram::is_done(self)
     }
+
+    fn constrained(&self) -> bool {
+        matches!(&self.scheme, super::program::Scheme::Ar(a) if a.constrained())
+    }
 }
 
 impl Stepper for SlotDiffusion {
