@@ -157,7 +157,11 @@ impl Guide {
     /// end-of-sequence id stays where the output may end here). An error when nothing is
     /// allowed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = self.matcher.compute_mask().map_err(|e| e.to_string())?;
+        // A complete output takes only the end-of-sequence token.
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())?;
         let mut any = false;
         for (id, l) in logits.iter_mut().enumerate() {
             if mask.is_allowed(id as u32) {
@@ -174,7 +178,10 @@ impl Guide {
 
     /// Whether `token` may come next.
     pub fn allows(&mut self, token: u32) -> Result<bool, String> {
-        let mask = self.matcher.compute_mask().map_err(|e| e.to_string())?;
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())?;
         Ok(mask.is_allowed(token))
     }
 
@@ -189,6 +196,11 @@ impl Guide {
             .map_err(|e| e.to_string())?;
         self.steps += 1;
         Ok(self.matcher.is_stopped())
+    }
+
+    /// Whether the output is complete (the grammar takes nothing more).
+    pub fn complete(&self) -> bool {
+        self.matcher.is_stopped()
     }
 
     /// Whether the output may end here.

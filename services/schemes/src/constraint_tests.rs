@@ -195,6 +195,16 @@ fn refusion_ar_outputs_validate() -> Result<()> {
 }
 
 #[test]
+fn refusion_plan_infill_outputs_validate() -> Result<()> {
+    check(
+        "refusion-tiny",
+        "copy a b c =",
+        SchemeParams::PlanInfill(crate::request::PlanInfillParams::default()),
+        48,
+    )
+}
+
+#[test]
 fn llada_low_confidence_outputs_validate_with_and_without_fast_dllm() -> Result<()> {
     let lc = |kv_cache, threshold| {
         SchemeParams::LowConfidence(LowConfidenceParams {

@@ -682,12 +682,12 @@ impl GenerateSpec {
                     | SchemeParams::LowConfidence(_)
                     | SchemeParams::DiffusionGenerate(_)
                     | SchemeParams::BlockDiffusion(_)
+                    | SchemeParams::PlanInfill(_)
             )
         {
             return bad(format!(
-                "structured_output is served by the autoregressive schemes (ar), diffusion \
-                 forcing, low-confidence, diffusion-generate and block diffusion, not by \
-                 scheme {} yet",
+                "structured_output is served by every scheme but wino and entropy-bound, not \
+                 by scheme {} yet",
                 self.scheme.name()
             ));
         }

@@ -217,6 +217,8 @@ impl RefusionPlanner {
         let mut program = PlanInfill::new(settings, spec.prompt_ids, (gen, cap), stop, sampler);
         program.stream_canvas = spec.stream_canvas;
         program.logprobs = spec.sampling.logprobs;
+        program.constrained = spec.guide.is_some();
+        program.guide = spec.guide;
         Ok(self.prepared(
             Scheme::PlanInfill(Box::new(program)),
             max_rows,

@@ -198,6 +198,14 @@ pub struct PlanInfill {
     /// (planning: the draw's, or the model's for an argmax; iterative completion: the model's).
     #[serde(default)]
     pub(crate) logprobs: Option<usize>,
+    /// The structured-output constraint after the committed tokens, when the request has one
+    /// (it does not travel to another worker: `constrained` says it had one). Constrained, a
+    /// plan selects the leftmost span only, so spans commit in position order, and every draft
+    /// is masked to the grammar after the tokens before it.
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
 }
 
 impl PlanInfill {
@@ -234,6 +242,8 @@ impl PlanInfill {
             current: None,
             stream_canvas: false,
             logprobs: None,
+            guide: None,
+            constrained: false,
             s,
         };
         me.pool = me.block_spans(0);
@@ -305,7 +315,7 @@ impl PlanInfill {
                     ids.extend(std::iter::repeat_n(self.s.mask_id, s));
                     positions.extend(self.span_positions(start));
                 }
-                let full = self.sampler.is_some() || self.logprobs.is_some();
+                let full = self.sampler.is_some() || self.logprobs.is_some() || self.constrained;
                 let reads = (offset..ids.len())
                     .map(|at| RowRead {
                         full,
@@ -347,7 +357,7 @@ impl PlanInfill {
                 // trace, or scoring, for every token's distribution): a draft call re-predicts
                 // the unaccepted tokens, a verify call scores a token whose predecessor was not
                 // accepted before the step.
-                let full = self.logprobs.is_some();
+                let full = self.logprobs.is_some() || self.constrained;
                 let all = self.record.is_some() || full;
                 let mut rows = Vec::with_capacity(inf.rows.len());
                 for (r, row) in inf.rows.iter().enumerate() {
@@ -493,7 +503,7 @@ impl PlanInfill {
             Phase::Verify(sel) => self.commit_verify(sel, outs, stats, outbox)?,
             Phase::Infill(mut inf) => {
                 if inf.draft_next {
-                    self.commit_draft(&mut inf, call, outs);
+                    self.commit_draft(&mut inf, call, outs)?;
                     self.phase = Phase::Infill(inf);
                 } else if self.commit_infill_verify(&mut inf, call, outs)? {
                     self.finish_infill(inf, stats, outbox)?;
@@ -506,9 +516,56 @@ impl PlanInfill {
         Ok(())
     }
 
+    /// `row`'s tokens from position `from` on drafted under the guide (after the committed
+    /// tokens, then the row's tokens before `from`): each position's logits masked to what the
+    /// grammar allows next, then the sampler's draw or the argmax; the end-of-sequence token
+    /// once the grammar is complete. `logits(t)` is position `t`'s row.
+    fn guided_draft<'a>(
+        &mut self,
+        tokens: &mut [u32],
+        from: usize,
+        logits: impl Fn(usize) -> Option<&'a [f32]>,
+        draw: bool,
+    ) -> Result<(), SchemeError> {
+        let Some(guide) = &self.guide else {
+            return Ok(());
+        };
+        let mut look = guide.clone();
+        let mut done = look.complete();
+        for t in 0..tokens.len() {
+            if t < from {
+                done = done || look.advance(tokens[t]).map_err(SchemeError::inconsistent)?;
+                continue;
+            }
+            if done {
+                tokens[t] = look.eos();
+                continue;
+            }
+            let Some(row) = logits(t) else {
+                return Err(SchemeError::inconsistent(
+                    "a constrained draft without logits",
+                ));
+            };
+            let mut masked = row.to_vec();
+            if let Some(x) = masked.get_mut(self.s.mask_id as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+            look.mask(&mut masked).map_err(SchemeError::inconsistent)?;
+            tokens[t] = match (&mut self.sampler, draw) {
+                (Some(sampler), true) => sampler.sample(&masked),
+                _ => crate::sampling::argmax(&masked),
+            };
+            done = look.advance(tokens[t]).map_err(SchemeError::inconsistent)?;
+        }
+        Ok(())
+    }
+
     fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), SchemeError> {
         let s = self.s.span_size;
         let outs = &outs[0];
+        if self.constrained {
+            return self.commit_guided_plan(outs, stats);
+        }
         let mut drafts = Vec::with_capacity(self.pool.len());
         let mut conf = Vec::with_capacity(self.pool.len());
         let mut drafted = Vec::new();
@@ -578,6 +635,47 @@ impl PlanInfill {
             picked,
             drafts,
             first_conf,
+            scores,
+        });
+        Ok(())
+    }
+
+    /// A constrained plan: the leftmost span only, drafted under the grammar.
+    fn commit_guided_plan(
+        &mut self,
+        outs: &[ReadOut],
+        stats: &mut Stats,
+    ) -> Result<(), SchemeError> {
+        if self.guide.is_none() {
+            return Err(SchemeError::inconsistent(
+                "a structured-output request cannot continue on another worker",
+            ));
+        }
+        let s = self.s.span_size;
+        let span = &outs[..s.min(outs.len())];
+        let mut draft = vec![self.s.mask_id; s];
+        self.guided_draft(&mut draft, 0, |t| span.get(t)?.logits.as_deref(), true)?;
+        let first = span
+            .first()
+            .and_then(|o| o.logits.as_deref())
+            .map_or(0.0, |l| softmax_prob(l, draft[0]));
+        let mut scores = Vec::new();
+        if let Some(top) = self.logprobs {
+            let row = |t: usize| span.get(t).and_then(|o| o.logits.as_deref()).unwrap_or(&[]);
+            scores.push(
+                (0..s)
+                    .map(|t| score(row(t), draft[t], Filter::model(), top))
+                    .collect(),
+            );
+        }
+        self.main.truncate(self.buffer_ids.len())?;
+        stats.add_counter("iterations", 1);
+        stats.add_counter("slots_selected", 1);
+        stats.push_series("slots_selected_per_iteration", 1);
+        self.phase = Phase::Verify(Selection {
+            picked: vec![0],
+            drafts: vec![draft],
+            first_conf: vec![first],
             scores,
         });
         Ok(())
@@ -702,7 +800,12 @@ impl PlanInfill {
         Ok(())
     }
 
-    fn commit_draft(&mut self, inf: &mut Infill, call: &Call, outs: &[Vec<ReadOut>]) {
+    fn commit_draft(
+        &mut self,
+        inf: &mut Infill,
+        call: &Call,
+        outs: &[Vec<ReadOut>],
+    ) -> Result<(), SchemeError> {
         let acc = inf.acc;
         let mut step = CompletionRecord {
             accepted_prefix_len_before: acc,
@@ -725,11 +828,55 @@ impl PlanInfill {
                 step.draft_out
                     .push(o.iter().map(|o| o.map_or(u32::MAX, |o| o.argmax)).collect());
             }
-            for (t, o) in (acc..row.tokens.len()).zip(o) {
-                if let (false, Some(o)) = (row.tags[t], o) {
-                    row.tokens[t] = o.argmax;
-                    if let (Some(top), Some(logits)) = (self.logprobs, &o.logits) {
-                        row.scores[t] = score(logits, o.argmax, Filter::model(), top);
+            if let Some(guide) = &self.guide {
+                // Constrained: the unaccepted tokens re-drafted in order under the grammar.
+                let from = (acc..row.tokens.len())
+                    .find(|&t| !row.tags[t])
+                    .unwrap_or(row.tokens.len());
+                let mut look = guide.clone();
+                let mut done = look.complete();
+                for t in 0..row.tokens.len() {
+                    if t < from {
+                        done = done
+                            || look
+                                .advance(row.tokens[t])
+                                .map_err(SchemeError::inconsistent)?;
+                        continue;
+                    }
+                    if done {
+                        row.tokens[t] = look.eos();
+                        continue;
+                    }
+                    let Some(Some(o)) = t.checked_sub(acc).and_then(|u| o.get(u)) else {
+                        return Err(SchemeError::inconsistent(
+                            "a constrained draft without logits",
+                        ));
+                    };
+                    let Some(logits) = &o.logits else {
+                        return Err(SchemeError::inconsistent(
+                            "a constrained draft without logits",
+                        ));
+                    };
+                    let mut masked = logits.clone();
+                    if let Some(x) = masked.get_mut(self.s.mask_id as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                    look.mask(&mut masked).map_err(SchemeError::inconsistent)?;
+                    row.tokens[t] = crate::sampling::argmax(&masked);
+                    if let Some(top) = self.logprobs {
+                        row.scores[t] = score(&masked, row.tokens[t], Filter::model(), top);
+                    }
+                    done = look
+                        .advance(row.tokens[t])
+                        .map_err(SchemeError::inconsistent)?;
+                }
+            } else {
+                for (t, o) in (acc..row.tokens.len()).zip(o) {
+                    if let (false, Some(o)) = (row.tags[t], o) {
+                        row.tokens[t] = o.argmax;
+                        if let (Some(top), Some(logits)) = (self.logprobs, &o.logits) {
+                            row.scores[t] = score(logits, o.argmax, Filter::model(), top);
+                        }
                     }
                 }
             }
@@ -740,6 +887,7 @@ impl PlanInfill {
         if let Some(cur) = &mut self.current {
             cur.steps.push(step);
         }
+        Ok(())
     }
 
     /// The verify call of a completion step; returns whether the completion is over.
@@ -893,6 +1041,14 @@ impl PlanInfill {
             )));
         }
         self.main.truncate(keep)?;
+        if let Some(g) = &mut self.guide {
+            // Constrained spans commit in position order: the guide follows them.
+            for &t in tokens {
+                if g.advance(t).map_err(SchemeError::inconsistent)? {
+                    break;
+                }
+            }
+        }
         self.buffer_ids.extend_from_slice(tokens);
         self.buffer_pos.extend_from_slice(positions);
         self.canvas.commit(positions, tokens);
