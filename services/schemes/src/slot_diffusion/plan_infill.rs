@@ -516,14 +516,13 @@ impl PlanInfill {
         Ok(())
     }
 
-    /// `row`'s tokens from position `from` on drafted under the guide (after the committed
-    /// tokens, then the row's tokens before `from`): each position's logits masked to what the
-    /// grammar allows next, then the sampler's draw or the argmax; the end-of-sequence token
-    /// once the grammar is complete. `logits(t)` is position `t`'s row.
+    /// A draft written under the guide (after the committed tokens): each position's logits
+    /// masked to what the grammar allows next, then the sampler's draw (`draw`) or the argmax;
+    /// the end-of-sequence token once the grammar is complete. `logits(t)` is position `t`'s
+    /// row.
     fn guided_draft<'a>(
         &mut self,
         tokens: &mut [u32],
-        from: usize,
         logits: impl Fn(usize) -> Option<&'a [f32]>,
         draw: bool,
     ) -> Result<(), SchemeError> {
@@ -532,13 +531,9 @@ impl PlanInfill {
         };
         let mut look = guide.clone();
         let mut done = look.complete();
-        for t in 0..tokens.len() {
-            if t < from {
-                done = done || look.advance(tokens[t]).map_err(SchemeError::inconsistent)?;
-                continue;
-            }
+        for (t, tok) in tokens.iter_mut().enumerate() {
             if done {
-                tokens[t] = look.eos();
+                *tok = look.eos();
                 continue;
             }
             let Some(row) = logits(t) else {
@@ -551,11 +546,11 @@ impl PlanInfill {
                 *x = f32::NEG_INFINITY;
             }
             look.mask(&mut masked).map_err(SchemeError::inconsistent)?;
-            tokens[t] = match (&mut self.sampler, draw) {
+            *tok = match (&mut self.sampler, draw) {
                 (Some(sampler), true) => sampler.sample(&masked),
                 _ => crate::sampling::argmax(&masked),
             };
-            done = look.advance(tokens[t]).map_err(SchemeError::inconsistent)?;
+            done = look.advance(*tok).map_err(SchemeError::inconsistent)?;
         }
         Ok(())
     }
@@ -654,7 +649,7 @@ impl PlanInfill {
         let s = self.s.span_size;
         let span = &outs[..s.min(outs.len())];
         let mut draft = vec![self.s.mask_id; s];
-        self.guided_draft(&mut draft, 0, |t| span.get(t)?.logits.as_deref(), true)?;
+        self.guided_draft(&mut draft, |t| span.get(t)?.logits.as_deref(), true)?;
         let first = span
             .first()
             .and_then(|o| o.logits.as_deref())
