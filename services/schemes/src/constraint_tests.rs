@@ -92,8 +92,14 @@ fn check_dir(
     let tok = files.tokenizer()?;
     let served = load_model(files, LoadOptions::default())?;
     let prompt_ids = served.encode_prompt(prompt)?;
+    // Entropy-bound draws at its own temperatures and takes no sampling parameters.
+    let temperatures: &[f32] = if matches!(scheme, SchemeParams::EntropyBound(_)) {
+        &[0.0]
+    } else {
+        &[0.0, 0.9]
+    };
     for c in constraints.iter().cloned() {
-        for temperature in [0.0, 0.9] {
+        for &temperature in temperatures {
             let mut s: GenerateSpec = spec(prompt_ids.clone(), max_new, 11, scheme.clone());
             s.sampling.temperature = temperature;
             s.sampling.logprobs = Some(1);
@@ -277,6 +283,24 @@ fn dream_diffusion_generate_outputs_validate() -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// DiffusionGemma's entropy-bound sampler on its fixture (random weights): a finished canvas
+/// commits in order under the grammar.
+#[test]
+fn diffusion_gemma_entropy_bound_outputs_validate() -> Result<()> {
+    let bounded: Vec<Constraint> = constraints()
+        .into_iter()
+        .filter(|c| *c != Constraint::JsonObject)
+        .collect();
+    check_dir(
+        wavefront_models::device::test_fixture("diffusion_gemma"),
+        "diffusion_gemma fixture",
+        "copy a b c =",
+        SchemeParams::EntropyBound(crate::request::EntropyBoundParams::default()),
+        48,
+        &bounded,
+    )
 }
 
 #[test]

@@ -683,11 +683,12 @@ impl GenerateSpec {
                     | SchemeParams::DiffusionGenerate(_)
                     | SchemeParams::BlockDiffusion(_)
                     | SchemeParams::PlanInfill(_)
+                    | SchemeParams::EntropyBound(_)
             )
         {
             return bad(format!(
-                "structured_output is served by every scheme but wino and entropy-bound, not \
-                 by scheme {} yet",
+                "structured_output is served by every scheme but wino, not by scheme {} yet: \
+                 wino revokes drafts after verification, which a grammar's state cannot follow",
                 self.scheme.name()
             ));
         }

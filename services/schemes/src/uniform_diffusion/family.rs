@@ -48,6 +48,10 @@ impl paging::OneCache for UdProgram {
     fn is_done(&self) -> bool {
         UdProgram::is_done(self)
     }
+
+    fn constrained(&self) -> bool {
+        self.constrained
+    }
 }
 
 /// Runs every plan of `work` in one packed forward, and the head over the denoising steps'

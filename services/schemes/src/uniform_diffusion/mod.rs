@@ -398,6 +398,8 @@ impl DiffusionGemmaPlanner {
         );
         program.stream_canvas = spec.stream_canvas;
         program.logprobs = spec.sampling.logprobs;
+        program.constrained = spec.guide.is_some();
+        program.guide = spec.guide.clone();
         let first = program.pages_needed(self.sizing.page);
         Ok(self
             .sizing

@@ -178,6 +178,14 @@ pub struct UdProgram {
     /// The log-probabilities of the generated tokens committed so far (with `logprobs`).
     #[serde(default)]
     scores: Vec<TokenLogprob>,
+    /// The structured-output constraint after the committed canvases, when the request has one
+    /// (it does not travel to another worker: `constrained` says it had one). The denoising
+    /// runs unconstrained; a finished canvas is committed in position order, each position's
+    /// argmax taken from its last step's tempered logits masked to the grammar.
+    #[serde(skip)]
+    pub(crate) guide: Option<crate::constraint::Guide>,
+    #[serde(default)]
+    pub(crate) constrained: bool,
 }
 
 /// `T` of step `cur` of `n`, in float32 as upstream computes it.
@@ -247,6 +255,8 @@ impl UdProgram {
             max_pages,
             record: None,
             logprobs: None,
+            guide: None,
+            constrained: false,
             scores: Vec::new(),
             s,
         }
@@ -430,6 +440,39 @@ impl UdProgram {
             outbox.canvas(self.snapshot(&accepted));
         }
         if stop || self.cur_step == 0 {
+            if self.constrained {
+                let Some(guide) = &mut self.guide else {
+                    return Err(SchemeError::inconsistent(
+                        "a structured-output request cannot continue on another worker",
+                    ));
+                };
+                // The canvas committed in order under the grammar.
+                let mut done = guide.complete();
+                let mut scored = Vec::with_capacity(self.argmax.len());
+                for (i, row) in host.chunks(width).enumerate() {
+                    if done {
+                        self.argmax[i] = guide.eos();
+                        scored.push(TokenLogprob {
+                            logprob: 0.0,
+                            top: Vec::new(),
+                        });
+                        continue;
+                    }
+                    let mut masked = row.to_vec();
+                    guide.mask(&mut masked).map_err(SchemeError::inconsistent)?;
+                    let t = crate::sampling::argmax(&masked);
+                    self.argmax[i] = t;
+                    if let Some(top) = self.logprobs {
+                        scored.push(score(&masked, t, Filter::model(), top));
+                    }
+                    done = guide.advance(t).map_err(SchemeError::inconsistent)?;
+                }
+                if self.logprobs.is_some() {
+                    self.scores.extend(scored);
+                }
+                self.finish_canvas(outbox);
+                return Ok(None);
+            }
             if let Some(top) = self.logprobs {
                 let first_eos = self.argmax.iter().position(|t| self.s.eos.contains(t));
                 let scored: Vec<TokenLogprob> = host
