@@ -304,24 +304,16 @@ fn diffusion_gemma_entropy_bound_outputs_validate() -> Result<()> {
 }
 
 #[test]
-fn other_schemes_refuse_structured_outputs_by_name() -> Result<()> {
-    let files = ModelFiles::from_dir(trained("llada-tiny"))?;
-    let served = load_model(files, LoadOptions::default())?;
-    let mut s = spec(
-        vec![1, 2, 3],
-        8,
-        1,
-        SchemeParams::Wino(WinoParams::default()),
-    );
-    s.guide = Some(
-        served
-            .guide(&Constraint::JsonObject)
-            .map_err(anyhow::Error::msg)?,
-    );
-    let err = crate::test_support::refusal(served.as_ref(), s)?.to_string();
-    ensure!(err.contains("structured_output"), "{err}");
-    served.shutdown();
-    Ok(())
+fn llada_wino_outputs_validate() -> Result<()> {
+    check(
+        "llada-tiny",
+        "copy a b c =",
+        SchemeParams::Wino(WinoParams {
+            block_length: Some(16),
+            ..WinoParams::default()
+        }),
+        48,
+    )
 }
 
 #[test]

@@ -674,24 +674,6 @@ impl GenerateSpec {
                 self.scheme.name()
             ));
         }
-        if self.guide.is_some()
-            && !matches!(
-                self.scheme,
-                SchemeParams::Ar(_)
-                    | SchemeParams::DiffusionForcing(_)
-                    | SchemeParams::LowConfidence(_)
-                    | SchemeParams::DiffusionGenerate(_)
-                    | SchemeParams::BlockDiffusion(_)
-                    | SchemeParams::PlanInfill(_)
-                    | SchemeParams::EntropyBound(_)
-            )
-        {
-            return bad(format!(
-                "structured_output is served by every scheme but wino, not by scheme {} yet: \
-                 wino revokes drafts after verification, which a grammar's state cannot follow",
-                self.scheme.name()
-            ));
-        }
         if masked && self.sampling.prompt_logprobs.is_some() && self.prompt_ids.len() < 2 {
             return bad(
                 "prompt_logprobs scores the tokens after the first: a one-token prompt has none"

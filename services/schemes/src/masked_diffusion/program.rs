@@ -440,6 +440,26 @@ impl MdProgram {
                     .push_series("committed_per_step", r.committed.len() as u32);
                 r
             }
+            Decoder::Wino(w) if self.guide.is_some() => {
+                let guide = self.guide.as_mut().expect("checked");
+                let (r, scores, _) = wino::guided_step(
+                    w,
+                    &mut self.canvas,
+                    &mut self.rng,
+                    draw,
+                    &inputs,
+                    guide,
+                    self.logprobs,
+                )?;
+                for (&p, s) in r.committed.iter().zip(scores) {
+                    self.scores.insert(p, s);
+                }
+                guided = true;
+                self.stats
+                    .push_series("drafted_per_step", r.committed.len() as u32);
+                self.stats.add_counter("drafted", r.committed.len() as u64);
+                r
+            }
             Decoder::Wino(w) => {
                 let surelock = self.surelock.as_ref();
                 let locked = |i: usize| surelock.is_some_and(|s| s.is_locked(i));

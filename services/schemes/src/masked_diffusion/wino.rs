@@ -208,6 +208,108 @@ pub(crate) fn step(
     Ok(record)
 }
 
+/// One step of a structured-output request: WINO's wide-in half, in position order. The block's
+/// masked positions are drafted from the first on, each token chosen from its posterior masked
+/// to what the grammar allows after the tokens before it, while its masked confidence reaches
+/// `tau1` (at least one, at most the draft cap); a draft is final (nothing is revoked: a
+/// grammar's state cannot follow a revocation in the middle of the output). When the grammar
+/// completes, the end-of-sequence token follows, and the block's later positions take it too.
+/// Returns the record, the drafts' log-probabilities under their masked posteriors when
+/// `logprobs` asks, and whether the output is complete.
+pub(crate) fn guided_step(
+    w: &mut Wino,
+    canvas: &mut Canvas,
+    rng: &mut RequestRng,
+    draw: Draw,
+    inputs: &StepInputs,
+    guide: &mut crate::constraint::Guide,
+    logprobs: Option<usize>,
+) -> Result<(StepRecord, Vec<wavefront_engine::TokenLogprob>, bool), crate::SchemeError> {
+    use crate::sampling::{draw_with, score, Filter};
+    use rand::Rng;
+    let s = canvas.block_start();
+    let cands = inputs.candidates;
+    let cap = max_accept(cands.len());
+    let rows = inputs.rows(cands.iter().copied().take(cap));
+    let host: Vec<Vec<f32>> = if rows.is_empty() {
+        Vec::new()
+    } else {
+        inputs
+            .logits
+            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?
+    };
+    let filter = Filter::new(draw.temperature, draw.top_k, draw.top_p);
+    let greedy = draw.temperature == 0.0;
+    let mut record = StepRecord {
+        branch: Some("guided"),
+        max_accept: cap,
+        last_accept: w.last_accept,
+        ..StepRecord::default()
+    };
+    let mut scores = Vec::new();
+    let mut complete = false;
+    for (i, (&p, row)) in cands.iter().zip(&host).enumerate() {
+        let mut masked = row.clone();
+        if let Some(x) = masked.get_mut(canvas.mask_id as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+        guide
+            .mask(&mut masked)
+            .map_err(crate::SchemeError::inconsistent)?;
+        let (token, _) = draw_with(&masked, filter, greedy, rng.random::<f32>());
+        let conf = f64::from(score(&masked, token, Filter::model(), 0).logprob.exp());
+        if i > 0 && conf < w.tau1 {
+            break;
+        }
+        canvas.tokens[p] = token;
+        if let Some(d) = w.decoded.get_mut(p - s) {
+            *d = true;
+        }
+        record.committed.push(p);
+        record.tokens.push(token);
+        record.scores.push(conf);
+        if let Some(top) = logprobs {
+            let mut sc = score(&masked, token, filter, top + 1);
+            sc.top.retain(|&(id, _)| id != canvas.mask_id);
+            sc.top.truncate(top);
+            scores.push(sc);
+        }
+        complete = guide
+            .advance(token)
+            .map_err(crate::SchemeError::inconsistent)?;
+        if complete {
+            break;
+        }
+    }
+    if complete {
+        // The output is over: the block's positions after it end it.
+        let eos = guide.eos();
+        let end = canvas.block_end();
+        let from = record.committed.last().map_or(s, |&p| p + 1);
+        for q in from..end {
+            if canvas.is_mask(q) {
+                canvas.tokens[q] = eos;
+                if let Some(d) = w.decoded.get_mut(q - s) {
+                    *d = true;
+                }
+                record.committed.push(q);
+                record.tokens.push(eos);
+                record.scores.push(1.0);
+                if logprobs.is_some() {
+                    scores.push(wavefront_engine::TokenLogprob {
+                        logprob: 0.0,
+                        top: Vec::new(),
+                    });
+                }
+            }
+        }
+    }
+    w.last_accept = record.committed.len();
+    Ok((record, scores, complete))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
