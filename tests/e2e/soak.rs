@@ -315,6 +315,29 @@ fn valid(rng: &mut StdRng) -> pb::GenerateRequest {
     };
     req.sampling = sampling(temperature);
     req.stop_strings = stop_strings;
+    // Log-probabilities and structured outputs now and then (every family and scheme serves
+    // both; a structured output needs a tokenizer and an end-of-sequence id, which the huginn
+    // and armt fixtures do not have: those refuse it, as the worker tests check).
+    if rng.random_bool(0.2) {
+        req.logprobs = Some(rng.random_range(0..4));
+    }
+    if !matches!(req.model.as_str(), "huginn" | "armt") && rng.random_bool(0.1) {
+        use pb::structured_output::Kind;
+        let kind = match rng.random_range(0..3) {
+            0 => Kind::Regex("[a-z ]{1,12}".into()),
+            1 => Kind::Choice(pb::ChoiceList {
+                options: vec!["yes".into(), "no".into()],
+            }),
+            _ => Kind::Json(
+                r#"{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":9}},"required":["n"],"additionalProperties":false}"#
+                    .into(),
+            ),
+        };
+        req.structured_output = Some(pb::StructuredOutput {
+            kind: Some(kind),
+            strict: true,
+        });
+    }
     req
 }
 
