@@ -461,6 +461,75 @@ async fn the_tokenizer_is_served_over_grpc_and_http() {
     assert_eq!(status, 404);
 }
 
+/// `n` over gRPC, through the router: `Generate` answers choice 0 with every choice in
+/// `choices` (each indexed, completion i as the request alone with seed + i), the stream's
+/// messages carry their choice's index and end with one final message per choice; a worker
+/// refuses n > 1, and the router n outside 1..=16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_completions_over_grpc_are_indexed_and_seeded_apart() {
+    use futures::StreamExt;
+    let s = http_stack("huginn", "huginn-tiny").await;
+    let mut grpc = GenerationClient::new(channel(s.grpc).await);
+    let req = |n: Option<u32>, seed: u64| pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Text("You may copy".into())),
+        max_new_tokens: 8,
+        sampling: Some(pb::SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        n,
+        ..Default::default()
+    };
+    let r = grpc.generate(req(Some(3), 40)).await.unwrap().into_inner();
+    assert_eq!(r.choices.len(), 3);
+    for (i, c) in r.choices.iter().enumerate() {
+        assert_eq!(c.index, i as u32);
+        let alone = grpc
+            .generate(req(None, 40 + i as u64))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(c.token_ids, alone.token_ids, "choice {i}");
+    }
+    assert_eq!(r.token_ids, r.choices[0].token_ids);
+    assert!(
+        r.choices[0].token_ids != r.choices[1].token_ids
+            || r.choices[1].token_ids != r.choices[2].token_ids,
+        "three seeds drew the same tokens"
+    );
+    let mut stream = grpc
+        .generate_stream(req(Some(3), 40))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = vec![Vec::new(); 3];
+    let mut done = 0;
+    while let Some(m) = stream.next().await {
+        match m.unwrap().event {
+            Some(pb::generate_stream_response::Event::Tokens(t)) => {
+                tokens[t.index as usize].extend(t.token_ids)
+            }
+            Some(pb::generate_stream_response::Event::Done(d)) => {
+                assert_eq!(d.token_ids, r.choices[d.index as usize].token_ids);
+                done += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(done, 3);
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(*t, r.choices[i].token_ids, "streamed choice {i}");
+    }
+    let err = grpc.generate(req(Some(17), 1)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    let mut worker = GenerationClient::new(channel(s.worker.addr).await);
+    let err = worker.generate(req(Some(2), 1)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    assert!(err.message().contains("router"), "{err}");
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
+}
+
 /// `n` completions in one request: choice `i` drawn with seed + i, so choice 0 is the request
 /// alone, the same request gives the same choices, and they differ from each other; streamed,
 /// each choice's deltas carry its index and add up to its unary text, one usage chunk counts

@@ -39,6 +39,7 @@ fn request(
     seed: u64,
 ) -> pb::GenerateRequest {
     pb::GenerateRequest {
+        n: None,
         structured_output: None,
         prompt_logprobs: None,
         likelihood: None,

@@ -634,6 +634,7 @@ impl GenerationArgs {
         scheme: Option<pb::generate_request::Scheme>,
     ) -> pb::GenerateRequest {
         pb::GenerateRequest {
+            n: None,
             model: prompt.model_name.clone(),
             prompt: Some(prompt_oneof),
             max_new_tokens: self.max_new_tokens,

@@ -812,6 +812,8 @@ pub async fn run(a: RunArgs) -> Result<()> {
         None => (Vec::new(), String::new()),
     };
     let resp = pb::GenerateResponse {
+        index: 0,
+        choices: Vec::new(),
         model: String::new(),
         logprobs,
         prompt_logprobs,

@@ -40,7 +40,7 @@ use wavefront_net::Listener;
 /// `max_tokens` when a completion request sets none (OpenAI's default for completions).
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 /// Most completions one request may ask for (`n`).
-const MAX_N: u32 = 16;
+const MAX_N: u32 = crate::service::MAX_COMPLETIONS;
 
 /// `max_tokens` when a chat request sets none.
 const DEFAULT_CHAT_TOKENS: u32 = 128;
@@ -574,6 +574,7 @@ impl Common {
             ));
         }
         Ok(pb::GenerateRequest {
+            n: None,
             model: self.model,
             prompt: Some(prompt),
             max_new_tokens,
@@ -745,15 +746,7 @@ struct Answer {
     include_usage: bool,
 }
 
-/// Completion `i` of `n` of `req`: with a seed, seed + i, so choice 0 is what the request gives
-/// alone and every choice is reproducible and drawn apart; without one each draws its own.
-fn nth_request(req: &pb::GenerateRequest, i: u32) -> pb::GenerateRequest {
-    let mut r = req.clone();
-    if let Some(seed) = r.sampling.as_mut().and_then(|s| s.seed.as_mut()) {
-        *seed = seed.wrapping_add(u64::from(i));
-    }
-    r
-}
+use crate::service::nth_request;
 
 /// Sends `req` through the router (`n` times, one request per completion: each has its own
 /// slots; the prompt's state is not shared between them) and answers in `kind`'s shape.

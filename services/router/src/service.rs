@@ -468,21 +468,89 @@ impl Drop for Outcome {
     }
 }
 
+/// The most completions one request may ask for (`GenerateRequest.n`, HTTP's `n`).
+pub const MAX_COMPLETIONS: u32 = 16;
+
+/// How many completions `req` asks for (1 when unset), refused outside 1..=[`MAX_COMPLETIONS`].
+pub fn completions(req: &pb::GenerateRequest) -> Result<u32, Status> {
+    match req.n.unwrap_or(1) {
+        n @ 1..=MAX_COMPLETIONS => Ok(n),
+        n => Err(Status::invalid_argument(format!(
+            "n must be between 1 and {MAX_COMPLETIONS}, got {n}"
+        ))),
+    }
+}
+
+/// Completion `i` of `req`: one completion (`n` unset) drawn with seed + i when a seed is set,
+/// so choice 0 is the request alone and every choice is reproducible and drawn apart.
+pub fn nth_request(req: &pb::GenerateRequest, i: u32) -> pb::GenerateRequest {
+    let mut r = req.clone();
+    r.n = None;
+    if let Some(seed) = r.sampling.as_mut().and_then(|s| s.seed.as_mut()) {
+        *seed = seed.wrapping_add(u64::from(i));
+    }
+    r
+}
+
+/// A message of choice `i`'s stream, marked with its index.
+fn with_index(mut m: pb::GenerateStreamResponse, i: u32) -> pb::GenerateStreamResponse {
+    use pb::generate_stream_response::Event;
+    match &mut m.event {
+        Some(Event::Tokens(t)) => t.index = i,
+        Some(Event::Canvas(c)) => c.index = i,
+        Some(Event::Done(d)) => d.index = i,
+        None => {}
+    }
+    m
+}
+
+impl RouterService {
+    /// The event streams of `request`'s `n` completions, one request each.
+    async fn fan_out(
+        &self,
+        request: Request<pb::GenerateRequest>,
+        n: u32,
+    ) -> Result<Vec<EventStream>, Status> {
+        let metadata = request.metadata().clone();
+        let body = request.into_inner();
+        futures::future::try_join_all((0..n).map(|i| {
+            let mut r = Request::new(nth_request(&body, i));
+            *r.metadata_mut() = metadata.clone();
+            self.forward(r)
+        }))
+        .await
+    }
+}
+
 #[tonic::async_trait]
 impl pb::generation_server::Generation for RouterService {
     async fn generate(
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let mut stream = self.forward(request).await?;
-        while let Some(item) = stream.next().await {
-            if let Some(pb::generate_stream_response::Event::Done(done)) = item?.event {
-                return Ok(Response::new(done));
-            }
+        let n = completions(request.get_ref())?;
+        let streams = self.fan_out(request, n).await?;
+        let mut choices =
+            futures::future::try_join_all(streams.into_iter().map(|mut stream| async move {
+                while let Some(item) = stream.next().await {
+                    if let Some(pb::generate_stream_response::Event::Done(done)) = item?.event {
+                        return Ok(done);
+                    }
+                }
+                Err(Status::unavailable(
+                    "worker stream ended without a final message",
+                ))
+            }))
+            .await?;
+        if n == 1 {
+            return Ok(Response::new(choices.remove(0)));
         }
-        Err(Status::unavailable(
-            "worker stream ended without a final message",
-        ))
+        for (i, c) in choices.iter_mut().enumerate() {
+            c.index = i as u32;
+        }
+        let mut first = choices[0].clone();
+        first.choices = choices;
+        Ok(Response::new(first))
     }
 
     type GenerateStreamStream = EventStream;
@@ -491,7 +559,26 @@ impl pb::generation_server::Generation for RouterService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
-        self.forward(request).await.map(Response::new)
+        let n = completions(request.get_ref())?;
+        let mut streams = self.fan_out(request, n).await?;
+        if n == 1 {
+            return Ok(Response::new(streams.remove(0)));
+        }
+        // The choices' messages interleaved as they come, each marked with its index; an error
+        // ends the merged stream.
+        let merged = futures::stream::select_all(
+            streams
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| s.map(move |m| m.map(|m| with_index(m, i as u32)))),
+        );
+        let mut failed = false;
+        let merged: EventStream = Box::pin(merged.take_while(move |item| {
+            let go = !failed;
+            failed |= item.is_err();
+            futures::future::ready(go)
+        }));
+        Ok(Response::new(merged))
     }
 
     async fn list_models(

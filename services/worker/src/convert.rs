@@ -221,6 +221,7 @@ pub fn spec_from_proto(
 /// A canvas frame as the API's event.
 pub fn canvas_event(f: &CanvasFrame) -> pb::CanvasEvent {
     pb::CanvasEvent {
+        index: 0,
         step: f.step,
         full: f.full,
         positions: f.positions.clone(),

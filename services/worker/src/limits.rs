@@ -54,6 +54,13 @@ impl RequestLimits {
         model: &dyn ServedModel,
     ) -> Result<(), Status> {
         let bad = |m: String| Err(Status::invalid_argument(m));
+        if req.n.is_some_and(|n| n != 1) {
+            return bad(format!(
+                "n = {} completions are served by the router (each is one request to a \
+                 worker); a worker serves one: leave n unset",
+                req.n.unwrap_or(1)
+            ));
+        }
         if req.max_new_tokens as usize > self.max_new_tokens {
             return bad(format!(
                 "max_new_tokens {} is above this worker's limit of {} (--max-new-tokens-limit); \

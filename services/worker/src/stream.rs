@@ -265,6 +265,8 @@ impl StreamState {
         pb::GenerateStreamResponse {
             event: Some(pb::generate_stream_response::Event::Done(
                 pb::GenerateResponse {
+                    index: 0,
+                    choices: Vec::new(),
                     model: self.model.info().name.clone(),
                     text: f.text.clone(),
                     token_ids: f.token_ids.clone(),
@@ -298,6 +300,7 @@ fn chunk(
     pb::GenerateStreamResponse {
         event: Some(pb::generate_stream_response::Event::Tokens(
             pb::TokenChunk {
+                index: 0,
                 token_ids,
                 text,
                 logprobs,

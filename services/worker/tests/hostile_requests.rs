@@ -419,6 +419,7 @@ fn any_request() -> impl Strategy<Value = pb::GenerateRequest> {
                 scheme,
             )| {
                 pb::GenerateRequest {
+                    n: None,
                     prompt_logprobs,
                     structured_output,
                     likelihood: None,
