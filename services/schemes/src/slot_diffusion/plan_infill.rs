@@ -525,15 +525,22 @@ impl PlanInfill {
         tokens: &mut [u32],
         logits: impl Fn(usize) -> Option<&'a [f32]>,
         draw: bool,
-    ) -> Result<(), SchemeError> {
+    ) -> Result<Vec<TokenLogprob>, SchemeError> {
         let Some(guide) = &self.guide else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let mut look = guide.clone();
         let mut done = look.complete();
+        let mut scores = Vec::new();
         for (t, tok) in tokens.iter_mut().enumerate() {
             if done {
                 *tok = look.eos();
+                if self.logprobs.is_some() {
+                    scores.push(TokenLogprob {
+                        logprob: 0.0,
+                        top: Vec::new(),
+                    });
+                }
                 continue;
             }
             let Some(row) = logits(t) else {
@@ -550,9 +557,15 @@ impl PlanInfill {
                 (Some(sampler), true) => sampler.sample(&masked),
                 _ => crate::sampling::argmax(&masked),
             };
+            if let Some(top) = self.logprobs {
+                scores.push(match &self.sampler {
+                    Some(sampler) if draw => sampler.score(&masked, *tok, top),
+                    _ => score(&masked, *tok, Filter::model(), top),
+                });
+            }
             done = look.advance(*tok).map_err(SchemeError::inconsistent)?;
         }
-        Ok(())
+        Ok(scores)
     }
 
     fn commit_plan(&mut self, outs: &[Vec<ReadOut>], stats: &mut Stats) -> Result<(), SchemeError> {
@@ -649,20 +662,16 @@ impl PlanInfill {
         let s = self.s.span_size;
         let span = &outs[..s.min(outs.len())];
         let mut draft = vec![self.s.mask_id; s];
-        self.guided_draft(&mut draft, |t| span.get(t)?.logits.as_deref(), true)?;
+        let drafted = self.guided_draft(&mut draft, |t| span.get(t)?.logits.as_deref(), true)?;
         let first = span
             .first()
             .and_then(|o| o.logits.as_deref())
             .map_or(0.0, |l| softmax_prob(l, draft[0]));
-        let mut scores = Vec::new();
-        if let Some(top) = self.logprobs {
-            let row = |t: usize| span.get(t).and_then(|o| o.logits.as_deref()).unwrap_or(&[]);
-            scores.push(
-                (0..s)
-                    .map(|t| score(row(t), draft[t], Filter::model(), top))
-                    .collect(),
-            );
-        }
+        let scores = if self.logprobs.is_some() {
+            vec![drafted]
+        } else {
+            Vec::new()
+        };
         self.main.truncate(self.buffer_ids.len())?;
         stats.add_counter("iterations", 1);
         stats.add_counter("slots_selected", 1);
