@@ -679,3 +679,51 @@ fn prompt_logprobs_are_the_forwards_log_softmax() -> Result<()> {
     }
     Ok(())
 }
+
+/// Diffusion forcing's first token is decoded by the prefill at `num_steps` recurrences: with
+/// zero initial states at 4, its log-probability and alternatives are the log-softmax of
+/// upstream's forward logits at the prompt's last position (`forward.zero_state.steps4.logits`,
+/// computed apart from either sampler), within the README's tolerance.
+#[test]
+fn diffusion_forcings_first_logprob_is_the_forwards_log_softmax() -> Result<()> {
+    let fx = Fixture::load()?;
+    let rows: Vec<Vec<f32>> = fx
+        .tensors
+        .get("forward.zero_state.steps4.logits")
+        .context("forward logits")?
+        .to_vec2()?;
+    let mut spec = fx.spec(
+        "forward",
+        4,
+        SchemeParams::DiffusionForcing(DiffusionForcingParams {
+            num_steps: Some(4),
+            init_scale: 0.0,
+            ..DiffusionForcingParams::default()
+        }),
+    )?;
+    spec.sampling.logprobs = Some(3);
+    let opts = LoadOptions {
+        name: "fixture".into(),
+        ..LoadOptions::default()
+    };
+    let out = crate::test_support::served_outcomes(
+        ModelFiles::from_dir(fixture_dir())?,
+        opts,
+        std::slice::from_ref(&spec),
+    )?
+    .remove(0);
+    let first = out.logprobs.first().context("no log-probabilities")?;
+    let want = log_softmax(rows.last().context("rows")?);
+    ensure!(
+        first.top.first().map(|t| t.0) == out.tokens.first().copied(),
+        "the greedy first token is not its distribution's argmax"
+    );
+    for &(id, got) in std::iter::once(&(out.tokens[0], first.logprob)).chain(&first.top) {
+        ensure!(
+            (f64::from(got) - want[id as usize]).abs() < 1e-4,
+            "first token: logprob of {id} {got}, upstream {}",
+            want[id as usize]
+        );
+    }
+    Ok(())
+}
