@@ -56,6 +56,9 @@ pub struct SamplingParams {
 pub const DEFAULT_MC_SAMPLES: usize = 64;
 /// The most Monte Carlo samples a request may ask for.
 pub const MAX_MC_SAMPLES: usize = 1024;
+/// The longest answer masked diffusion's Monte Carlo bound scores (each sample's head reads a
+/// row of logits per masked answer token).
+pub const MAX_LIKELIHOOD_ANSWER: usize = 256;
 
 /// The most alternatives a request may ask for per token (OpenAI's limit for `top_logprobs`).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -639,6 +642,14 @@ impl GenerateSpec {
                     "likelihood.context_tokens must leave at least one of the prompt's {} tokens \
                      to score and condition on at least one, got {c}",
                     self.prompt_ids.len()
+                ));
+            }
+            let answer = self.prompt_ids.len() - c;
+            if answer > MAX_LIKELIHOOD_ANSWER {
+                return bad(format!(
+                    "the scored answer (the prompt after likelihood.context_tokens) is {answer} \
+                     tokens; at most {MAX_LIKELIHOOD_ANSWER} (every sample reads a row of logits \
+                     per masked answer token): raise context_tokens"
                 ));
             }
         }

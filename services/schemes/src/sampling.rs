@@ -278,6 +278,31 @@ pub fn score(logits: &[f32], token: u32, filter: Filter, top: usize) -> TokenLog
     }
 }
 
+/// Rows of a prompt's logits scored at a time: the head's output for this many rows is the
+/// most a scoring request holds at once (`SCORE_CHUNK × vocabulary` floats), however long its
+/// prompt.
+pub const SCORE_CHUNK: usize = 64;
+
+/// The model's log-probability of `targets[r]` under `head(rows r)` for every row of `hidden`
+/// `[M, H]`, the head run [`SCORE_CHUNK`] rows at a time (see [`score_rows`]).
+pub fn score_hidden(
+    hidden: &candle_core::Tensor,
+    targets: &[Option<u32>],
+    top: usize,
+    head: impl Fn(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> candle_core::Result<Vec<TokenLogprob>> {
+    let n = hidden.dim(0)?;
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0;
+    while at < n {
+        let k = SCORE_CHUNK.min(n - at);
+        let logits = head(&hidden.narrow(0, at, k)?)?;
+        out.extend(score_rows(&logits, &targets[at..at + k], top)?);
+        at += k;
+    }
+    Ok(out)
+}
+
 /// The model's log-probability of `targets[r]` under every row `r` of `logits` `[M, V]`, with
 /// `top` alternatives (one host copy of the rows; `None` targets give [`TokenLogprob::unscored`]).
 pub fn score_rows(

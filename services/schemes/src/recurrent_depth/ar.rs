@@ -34,7 +34,7 @@ use super::draws::DrawSource;
 pub use super::packed::NextToken;
 use super::packed::{cat_rows, core_call, next_tokens, seq_rows};
 use crate::packing::ends_after;
-use crate::sampling::{guided_pick, score_rows, TokenSampler};
+use crate::sampling::{guided_pick, score_hidden, TokenSampler};
 use crate::SchemeError;
 
 /// One request's autoregressive decoding state.
@@ -85,8 +85,9 @@ pub struct ArPlan {
     /// The token comes from the argmax (reduced on the device) rather than the request's
     /// sampler over the full logits row.
     pub greedy: bool,
-    /// The head reads every row (the prompt is being scored).
-    pub score_rows: bool,
+    /// The prompt is being scored: every row's target (the next prompt token, none for the
+    /// prompt's last row) and the alternatives asked for.
+    pub score: Option<(Vec<Option<u32>>, usize)>,
 }
 
 /// Initial states of a plan's positions.
@@ -107,8 +108,8 @@ pub struct ArOutput {
     pub next: Option<NextToken>,
     /// The last position's final state `[1, E]` (continuous compute, whole plans only).
     pub last_state: Option<Tensor>,
-    /// Every row's logits `[rows, V]` (plans that score their rows).
-    pub rows: Option<Tensor>,
+    /// Every row's entry (plans that score their rows).
+    pub scored: Option<Vec<TokenLogprob>>,
 }
 
 impl ArProgram {
@@ -137,7 +138,12 @@ impl ArProgram {
             exit_threshold: self.exit_threshold,
             init,
             greedy: !self.sampler.wants_logits() && !self.constrained,
-            score_rows: self.prompt_scores.is_some(),
+            // Row j predicts the position after it: the chunk's next id, or the first of the
+            // prompt's rest; the prompt's last row predicts no prompt token.
+            score: self.prompt_scores.as_ref().map(|_| {
+                let targets = (0..n).map(|j| self.pending.get(j + 1).copied()).collect();
+                (targets, self.sampler.params().prompt_logprobs.unwrap_or(0))
+            }),
         })
     }
 
@@ -151,18 +157,11 @@ impl ArProgram {
         outbox: &mut Outbox,
     ) -> Result<(), SchemeError> {
         self.stats.forward_passes += 1;
-        if let (Some(scores), Some(rows)) = (&mut self.prompt_scores, &out.rows) {
-            // Row j predicts the position after it: the chunk's next id, or the first of the
-            // prompt's rest; the prompt's last row predicts no prompt token.
+        if let (Some(scores), Some(scored)) = (&mut self.prompt_scores, out.scored) {
             let n = plan.ids.len();
-            let targets: Vec<Option<u32>> = (0..n)
-                .map(|j| plan.ids.get(j + 1).or(self.pending.get(n)).copied())
-                .collect();
             if scores.is_empty() {
                 scores.push(TokenLogprob::unscored());
             }
-            let top = self.sampler.params().prompt_logprobs.unwrap_or(0);
-            let scored = score_rows(rows, &targets, top)?;
             scores.extend(scored.into_iter().take(n - usize::from(plan.reads)));
         }
         let Some(next) = out.next else {
@@ -361,13 +360,21 @@ pub fn run(
         .enumerate()
         .map(|(i, (((p, s), next), steps))| {
             let n = p.ids.len();
-            let rows = if p.score_rows {
-                Some(model.lm_head(&hidden.narrow(0, offsets[i], n)?)?)
-            } else {
-                None
+            let scored = match &p.score {
+                Some((targets, top)) => Some(score_hidden(
+                    &hidden.narrow(0, offsets[i], n)?,
+                    targets,
+                    *top,
+                    |rows| {
+                        model
+                            .lm_head(rows)
+                            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                    },
+                )?),
+                None => None,
             };
             Ok(ArOutput {
-                rows,
+                scored,
                 steps,
                 last_state: if p.reads {
                     Some(s.narrow(0, n - 1, 1)?)
@@ -411,7 +418,7 @@ mod commit_tests {
             steps,
             next,
             last_state: None,
-            rows: None,
+            scored: None,
         }
     }
 
@@ -547,7 +554,7 @@ mod commit_tests {
             steps: 2,
             next: Some(NextToken::Argmax(9)),
             last_state: Some(last),
-            rows: None,
+            scored: None,
         };
         p.commit(&plan, output, &mut outbox)
             .map_err(anyhow::Error::msg)?;

@@ -29,6 +29,7 @@ use wavefront_models::ModelFamily;
 
 use super::program::{ArmtOutput, ArmtPlan, ArmtProgram};
 use crate::paging;
+use crate::sampling::score_hidden;
 use crate::SchemeError;
 
 /// This family's name.
@@ -177,11 +178,15 @@ fn grouped_step(
             let n = out.hidden.dim(0)?;
             heads.push((i, out.hidden.narrow(0, n - 1, 1)?));
         }
-        if l + 1 == n_layers && p.prompt_scores.is_some() {
+        if let (true, Some((targets, top))) = (l + 1 == n_layers, p.score_targets(s)) {
             // The segment's token rows (its memory tokens come after them).
-            let n = p.segment_ids(s).len();
-            let rows = out.hidden.narrow(0, 0, n)?;
-            outputs[i].scored.push((s, model.logits(&rows)?));
+            let rows = out.hidden.narrow(0, 0, targets.len())?;
+            let entries = score_hidden(&rows, &targets, top, |r| {
+                model
+                    .logits(r)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))
+            })?;
+            outputs[i].scored.push((s, entries));
         }
         // A stream a layer above still reads waits in a pool slot; the top layer's is dropped.
         let hidden = if l + 1 < n_layers {
@@ -279,12 +284,16 @@ fn layer_pass(
         if choose[k] {
             heads.push((i, out.narrow(0, offset + n - 1, 1)?));
         }
-        if let (ArmtPlan::Segment { segment, .. }, true) =
-            (&plans[i], work[i].program.prompt_scores.is_some())
-        {
-            let tokens = work[i].program.segment_ids(*segment).len();
-            let logits = model.logits(&out.narrow(0, offset, tokens)?)?;
-            outputs[i].scored.push((*segment, logits));
+        if let ArmtPlan::Segment { segment, .. } = &plans[i] {
+            if let Some((targets, top)) = work[i].program.score_targets(*segment) {
+                let rows = out.narrow(0, offset, targets.len())?;
+                let entries = score_hidden(&rows, &targets, top, |r| {
+                    model
+                        .logits(r)
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                })?;
+                outputs[i].scored.push((*segment, entries));
+            }
         }
         offset += n;
         outputs[i].writes = w;

@@ -9,7 +9,7 @@ use wavefront_models::armt::{LayerMemory, MemoryUpdate};
 use wavefront_models::transformer::KvCache;
 
 use crate::packing::ends_after;
-use crate::sampling::{guided_pick, score_rows, TokenSampler};
+use crate::sampling::{guided_pick, TokenSampler};
 use crate::SchemeError;
 
 /// Where a request stands.
@@ -49,9 +49,9 @@ pub struct ArmtOutput {
     pub token: Option<u32>,
     /// The logits row that chooses it (a sampling request, or one recording its logits).
     pub logits: Option<Vec<f32>>,
-    /// With prompt scoring: the logits `[tokens, V]` of each segment that reached the top layer
-    /// this tick, by segment.
-    pub scored: Vec<(usize, candle_core::Tensor)>,
+    /// With prompt scoring: the entries of each segment that reached the top layer this tick,
+    /// by segment (row j's: the token after it, in this segment or the next).
+    pub scored: Vec<(usize, Vec<TokenLogprob>)>,
 }
 
 /// An ARMT request.
@@ -232,6 +232,21 @@ impl ArmtProgram {
     }
 
     /// The ids of segment `s`.
+    /// Segment `s`'s scoring targets: each row's next prompt token (in this segment or the next;
+    /// none after the prompt's last), and the alternatives asked for.
+    pub(crate) fn score_targets(&self, s: usize) -> Option<(Vec<Option<u32>>, usize)> {
+        let top = self.sampler.params().prompt_logprobs?;
+        self.prompt_scores.as_ref()?;
+        let start = s * self.segment_size;
+        let n = self.segment_ids(s).len();
+        Some((
+            (0..n)
+                .map(|j| self.prompt.get(start + j + 1).copied())
+                .collect(),
+            top,
+        ))
+    }
+
     pub(crate) fn segment_ids(&self, s: usize) -> &[u32] {
         let start = s * self.segment_size;
         let end = (start + self.segment_size).min(self.prompt.len());
@@ -360,18 +375,10 @@ impl ArmtProgram {
         }
         self.stats.forward_passes += 1;
         if let Some(scores) = &mut self.prompt_scores {
-            let top = self.sampler.params().prompt_logprobs.unwrap_or(0);
-            for (s, logits) in &out.scored {
-                // Row j predicts the position after it, in this segment or the next.
+            for (s, entries) in out.scored {
                 let start = s * self.segment_size;
-                let n = self
-                    .segment_size
-                    .min(self.prompt.len().saturating_sub(start));
-                let targets: Vec<Option<u32>> = (0..n)
-                    .map(|j| self.prompt.get(start + j + 1).copied())
-                    .collect();
-                for (j, e) in score_rows(logits, &targets, top)?.into_iter().enumerate() {
-                    if targets[j].is_some() {
+                for (j, e) in entries.into_iter().enumerate() {
+                    if start + j + 1 < self.prompt.len() {
                         scores.insert(start + j + 1, e);
                     }
                 }

@@ -85,11 +85,21 @@ impl ArDecode {
         self.pending.len()
     }
 
+    /// The most rows the next call runs: every pending one, or while the prompt is scored (its
+    /// every row's logits read) a chunk of them.
+    pub(crate) fn call_rows(&self) -> usize {
+        if self.prompt_scores.is_some() {
+            self.pending.len().min(crate::sampling::SCORE_CHUNK)
+        } else {
+            self.pending.len()
+        }
+    }
+
     /// The next call: the first `rows` pending tokens (all by default). A call that leaves
     /// some of the prompt for later (a chunk of a long prefill) reads no logits.
     pub(crate) fn next_call(&mut self, rows: Option<usize>) -> Call {
         let start = self.cache.len() as u32;
-        let n = rows.map_or(self.pending.len(), |r| r.min(self.pending.len()));
+        let n = rows.map_or(self.call_rows(), |r| r.min(self.call_rows()));
         let last = n == self.pending.len();
         Call {
             rows: vec![CallRow {

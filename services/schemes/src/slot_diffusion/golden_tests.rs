@@ -472,7 +472,8 @@ fn plan_infill_logprobs_are_the_verifiers_or_the_planners_probabilities() -> Res
 fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
     use wavefront_models::transformer::{Keys, KvCache, MaskRule, SeqInput};
     let (model, _) = fixture()?;
-    let prompt_ids = prompt(9, 3);
+    // Longer than a scoring chunk: the prompt is scored over two calls.
+    let prompt_ids = prompt(100, 3);
     let mut s = spec(
         prompt_ids.clone(),
         10,

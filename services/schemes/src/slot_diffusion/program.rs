@@ -103,7 +103,7 @@ impl SdProgram {
     /// `None` for every other call (decoding steps and plan-and-infill calls run whole).
     pub(crate) fn prefill_rows(&self) -> Option<usize> {
         match &self.scheme {
-            Scheme::Ar(a) if a.pending() > 1 => Some(a.pending()),
+            Scheme::Ar(a) if a.pending() > 1 => Some(a.call_rows()),
             _ => None,
         }
     }
