@@ -325,9 +325,9 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
         b["echo"] = json!(true);
         b["logprobs"] = json!(1);
         b["max_tokens"] = json!(max_tokens);
-        let b = b.to_string();
+        let unary = b.to_string();
         let (status, echoed) =
-            tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            tokio::task::spawn_blocking(move || post(http, "/v1/completions", &unary))
                 .await
                 .unwrap();
         assert_eq!(status, 200, "{echoed}");
@@ -348,6 +348,37 @@ async fn logprobs_match_the_grpc_api_unary_and_streamed() {
         let got: Vec<f32> =
             serde_json::from_value(Value::Array(got.as_array().unwrap()[1..n].to_vec())).unwrap();
         assert_eq!(got, want);
+
+        // Streamed, the prompt's text and entries come first, in one chunk; joined, the chunks
+        // are the unary answer.
+        b["stream"] = json!(true);
+        let b = b.to_string();
+        let (status, events) =
+            tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+                .await
+                .unwrap();
+        assert_eq!(status, 200, "{events}");
+        let (data, _) = sse(&events);
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert_eq!(
+            chunks[0]["choices"][0]["text"].as_str().unwrap(),
+            scored.prompt_text
+        );
+        let (mut text, mut entries, mut offsets) = (String::new(), Vec::new(), Vec::new());
+        for c in &chunks {
+            text.push_str(c["choices"][0]["text"].as_str().unwrap_or(""));
+            let l = &c["choices"][0]["logprobs"];
+            if !l.is_null() {
+                entries.extend(l["token_logprobs"].as_array().unwrap().iter().cloned());
+                offsets.extend(l["text_offset"].as_array().unwrap().iter().cloned());
+            }
+        }
+        assert_eq!(text, choice["text"].as_str().unwrap());
+        assert_eq!(Value::Array(entries), choice["logprobs"]["token_logprobs"]);
+        assert_eq!(Value::Array(offsets), choice["logprobs"]["text_offset"]);
     }
 
     // Chat's terms on the completions endpoint, and counts past 20, are refused by name.

@@ -130,6 +130,7 @@ async fn served_tokens_equal_offline_run_unary_and_streamed() {
             pb::generate_stream_response::Event::Canvas(_) => {
                 panic!("canvas events were not asked for")
             }
+            pb::generate_stream_response::Event::Prompt(_) => panic!("no prompt scores asked for"),
         }
     }
     let done = done.expect("final message");
@@ -219,6 +220,7 @@ async fn a_stop_string_ends_the_response_with_the_engines_stats() {
             pb::generate_stream_response::Event::Tokens(c) => streamed.push_str(&c.text),
             pb::generate_stream_response::Event::Done(d) => done = Some(d),
             pb::generate_stream_response::Event::Canvas(_) => panic!("no canvas asked for"),
+            pb::generate_stream_response::Event::Prompt(_) => panic!("no prompt scores asked for"),
         }
     }
     let done = done.expect("final message");
@@ -717,6 +719,7 @@ async fn masked_diffusion_chat_prompt_and_canvas_stream() {
             pb::generate_stream_response::Event::Canvas(c) => frames.push(c),
             pb::generate_stream_response::Event::Tokens(t) => tokens.extend(t.token_ids),
             pb::generate_stream_response::Event::Done(d) => done = Some(d),
+            pb::generate_stream_response::Event::Prompt(_) => panic!("no prompt scores asked for"),
         }
     }
     let done = done.expect("final message");

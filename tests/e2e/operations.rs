@@ -76,7 +76,11 @@ async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
         match m.event {
             Some(pb::generate_stream_response::Event::Tokens(c)) => tokens += c.token_ids.len(),
             Some(pb::generate_stream_response::Event::Done(d)) => done = Some(d),
-            Some(pb::generate_stream_response::Event::Canvas(_)) | None => {}
+            Some(
+                pb::generate_stream_response::Event::Canvas(_)
+                | pb::generate_stream_response::Event::Prompt(_),
+            )
+            | None => {}
         }
     }
     let done = done.expect("final message");

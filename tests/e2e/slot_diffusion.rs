@@ -229,6 +229,7 @@ async fn a_worker_streams_slots_in_position_order_with_slot_events_ahead() {
                 }
             }
             pb::generate_stream_response::Event::Done(d) => done = Some(d),
+            pb::generate_stream_response::Event::Prompt(_) => panic!("no prompt scores asked for"),
         }
     }
     assert_eq!(tokens, golden.response);

@@ -479,7 +479,8 @@ async fn one(
                                 }
                                 return Ok(d);
                             }
-                            Some(pb::generate_stream_response::Event::Canvas(_)) => {}
+                            Some(pb::generate_stream_response::Event::Canvas(_))
+                            | Some(pb::generate_stream_response::Event::Prompt(_)) => {}
                             None => return Err(tonic::Status::unknown("empty stream message")),
                         },
                     }

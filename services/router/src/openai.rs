@@ -481,12 +481,6 @@ impl Common {
                 "echo repeats a completion's prompt: it applies to /v1/completions",
             ));
         }
-        if echo && self.stream {
-            return Err(ApiError::invalid(
-                "echo",
-                "echo is served in unary completions; leave stream unset with echo",
-            ));
-        }
         if self.likelihood.is_some() && !echo {
             return Err(ApiError::invalid(
                 "likelihood",
@@ -1037,6 +1031,23 @@ fn sse_events(
                     vec![data(&c)]
                 }
             }
+            // A streamed echo: the prompt's text and entries first (only completions echo).
+            Some((
+                i,
+                Ok(pb::GenerateStreamResponse {
+                    event: Some(PbEvent::Prompt(p)),
+                }),
+            )) => {
+                let lp = logprobs_json(kind, &p.logprobs, asked_logprobs, offsets[i]);
+                offsets[i] += p
+                    .logprobs
+                    .iter()
+                    .map(|l| l.token.chars().count())
+                    .sum::<usize>();
+                let c = chunk(&model, delta(i, &p.text, first[i], None, lp), None);
+                first[i] = false;
+                vec![data(&c)]
+            }
             Some((
                 i,
                 Ok(pb::GenerateStreamResponse {
@@ -1215,7 +1226,6 @@ mod tests {
             (json!({"logprobs": true}), "logprobs"),
             (json!({"top_logprobs": 2}), "top_logprobs"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
-            (json!({"echo": true, "stream": true}), "echo"),
             (json!({"likelihood": {"mc_samples": 8}}), "likelihood"),
             (json!({"ar": {}, "wino": {}}), "scheme"),
             (json!({"seed": -1}), "seed"),

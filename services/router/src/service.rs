@@ -499,6 +499,7 @@ fn with_index(mut m: pb::GenerateStreamResponse, i: u32) -> pb::GenerateStreamRe
         Some(Event::Tokens(t)) => t.index = i,
         Some(Event::Canvas(c)) => c.index = i,
         Some(Event::Done(d)) => d.index = i,
+        Some(Event::Prompt(p)) => p.index = i,
         None => {}
     }
     m

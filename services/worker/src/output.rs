@@ -307,6 +307,8 @@ pub enum Reply {
     Delta(Delta),
     /// A view of the canvas (requests that asked for one).
     Canvas(CanvasFrame),
+    /// The prompt's ids and entries (requests that asked to score it), before any token.
+    Prompt(Vec<u32>, Vec<TokenLogprob>),
     /// The request stopped at a step boundary to move to another worker.
     Parked,
     /// The response is complete.
@@ -371,12 +373,13 @@ impl Assembly {
         match event {
             // Tokens and frames the engine made before it saw the stop are not the response's.
             Some(Event::Tokens(_) | Event::Canvas(_) | Event::Logprobs(_)) if stopped => Vec::new(),
-            Some(Event::PromptLogprobs(lp)) => {
-                if let Some((_, scores)) = &mut self.out.prompt {
-                    *scores = lp;
+            Some(Event::PromptLogprobs(lp)) => match &mut self.out.prompt {
+                Some((ids, scores)) => {
+                    *scores = lp.clone();
+                    vec![Reply::Prompt(ids.clone(), lp)]
                 }
-                Vec::new()
-            }
+                None => Vec::new(),
+            },
             Some(Event::Logprobs(lp)) => {
                 self.scored = Some(lp);
                 Vec::new()
@@ -493,6 +496,8 @@ pub fn generate_blocking(
             match reply {
                 Reply::Delta(d) => on_delta(&d),
                 Reply::Canvas(frame) => on_canvas(&frame),
+                // The final result carries the prompt's entries.
+                Reply::Prompt(..) => {}
                 // Nothing offline exports a request.
                 Reply::Parked => {}
                 Reply::Done(finished) => return Ok(finished),

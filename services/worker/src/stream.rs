@@ -200,6 +200,19 @@ impl StreamState {
                         )),
                     }));
                 }
+                Reply::Prompt(ids, lps) => {
+                    self.messages += 1;
+                    let text = model.decode_text(&ids, self.response.output().skip_special());
+                    self.pending.push_back(Ok(pb::GenerateStreamResponse {
+                        event: Some(pb::generate_stream_response::Event::Prompt(
+                            pb::PromptChunk {
+                                text,
+                                logprobs: convert::logprobs(model.as_ref(), &ids, &lps),
+                                index: 0,
+                            },
+                        )),
+                    }));
+                }
                 Reply::Parked => self.park(),
                 Reply::Done(finished) => {
                     self.rx = None;
