@@ -870,3 +870,44 @@ fn read_draws(path: &PathBuf, name: Option<&str>) -> Result<ReplayDraws> {
     debug_assert_eq!(data.len(), rows * dim);
     Ok(ReplayDraws { dim, data })
 }
+
+#[derive(Debug, Args)]
+pub struct ExportGgufArgs {
+    /// The model to write: a Hugging Face directory, a GGUF file or an embedded model's name
+    /// (huginn, llada, refusion, armt).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The GGUF file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Block format of the matrices: f32 (exact), f16, q8_0, q4_0, q4_k or q6_k. A matrix whose
+    /// rows do not split into the format's blocks falls back to q8_0, else f32; vectors (norms,
+    /// biases) stay f32.
+    #[arg(long = "type", default_value = "q8_0")]
+    pub quant: String,
+}
+
+/// `export-gguf`: one GGUF file of wavefront's layout, read back by `--model FILE`.
+pub fn export_gguf(a: ExportGgufArgs) -> Result<()> {
+    use wavefront_models::gguf::GgufQuant;
+    let quant: GgufQuant = a
+        .quant
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--type: {e}"))?;
+    let (files, _) = crate::model_opts::resolve(Some(&a.model), None)?;
+    let report = files
+        .export_gguf(&a.out, quant)
+        .with_context(|| format!("cannot write {}", a.out.display()))?;
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for (_, format) in &report.tensors {
+        *counts.entry(format!("{format:?}")).or_default() += 1;
+    }
+    let counts: Vec<String> = counts.iter().map(|(f, n)| format!("{n} {f}")).collect();
+    println!(
+        "wrote {} ({} bytes; tensors: {})",
+        a.out.display(),
+        report.bytes,
+        counts.join(", ")
+    );
+    Ok(())
+}

@@ -69,6 +69,9 @@ enum Command {
     Generate(Box<commands::GenerateArgs>),
     /// Offline: load a model and generate without any server; prints JSON with --json.
     Run(Box<commands::RunArgs>),
+    /// Offline: write a model (a directory, an embedded model or a GGUF file) as one GGUF
+    /// file, its matrices in a llama.cpp block format, for `--model FILE.gguf`.
+    ExportGguf(commands::ExportGgufArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -111,6 +114,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Worker(_) => "wavefront-worker",
         Command::Generate(_) => "wavefront-client",
         Command::Run(_) => "wavefront-run",
+        Command::ExportGguf(_) => "wavefront-export",
     };
     let threads = match cli.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -143,11 +147,11 @@ fn run(cli: Cli) -> Result<()> {
             Command::Router(a) => a.metrics.metrics_listen.clone(),
             Command::Worker(a) => a.metrics.metrics_listen.clone(),
             Command::Run(a) => a.metrics.metrics_listen.clone(),
-            Command::Generate(_) => None,
+            Command::Generate(_) | Command::ExportGguf(_) => None,
         };
         // `generate` is a client: it has no metrics to serve (the variable, set for a pod's
         // server, is ignored there).
-        let serving = !matches!(cli.command, Command::Generate(_));
+        let serving = !matches!(cli.command, Command::Generate(_) | Command::ExportGguf(_));
         let metrics_listen = cli
             .metrics_listen
             .clone()
@@ -174,6 +178,7 @@ fn run(cli: Cli) -> Result<()> {
             Command::Worker(a) => commands::worker(a).await,
             Command::Generate(a) => commands::generate(*a).await,
             Command::Run(a) => commands::run(*a).await,
+            Command::ExportGguf(a) => commands::export_gguf(a),
         }
     })
 }

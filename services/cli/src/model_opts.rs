@@ -1,6 +1,6 @@
 //! Flags that say how a worker (or `run`) loads and sizes its model.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -14,7 +14,8 @@ use crate::embedded;
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Model directory in the Hugging Face layout (config.json, model.safetensors
-    /// or shards + index, tokenizer.json), or the name of an embedded model (huginn, llada,
+    /// or shards + index, tokenizer.json), a GGUF file (llama.cpp's LLaDA or Dream, or one
+    /// `wavefront export-gguf` wrote), or the name of an embedded model (huginn, llada,
     /// refusion, armt). Default: the embedded models (`serve`: all four, each under its
     /// family's name; `run` and `worker`: huginn, or for `run` the one --model-name names).
     #[arg(long, env = "WAVEFRONT_MODEL")]
@@ -119,50 +120,7 @@ impl ModelArgs {
 
     /// The model of `run` and `worker`: `--model`, or the embedded default.
     pub fn files(&self) -> Result<(ModelFiles, String)> {
-        match &self.model {
-            None => {
-                let m = embedded::default_model();
-                Ok((
-                    m.files(),
-                    self.served_name.clone().unwrap_or_else(|| m.name.into()),
-                ))
-            }
-            // An embedded model by name, unless a directory of that name is at hand.
-            Some(dir) if !dir.exists() => {
-                let name = dir.to_string_lossy();
-                let Some(m) = embedded::MODELS.iter().find(|m| m.name == name) else {
-                    let org_slash_name = name.matches('/').count() == 1
-                        && !name.starts_with(['/', '.', '~'])
-                        && !name.ends_with('/');
-                    let hint = if org_slash_name {
-                        " (a Hugging Face id? wavefront reads local files only: download the \
-                         checkpoint, e.g. with `huggingface-cli download`, and pass its \
-                         directory)"
-                    } else {
-                        ""
-                    };
-                    bail!(
-                        "--model {name}: no such directory, and not an embedded model ({}){hint}",
-                        embedded::MODELS.map(|m| m.name).join(", ")
-                    );
-                };
-                Ok((
-                    m.files(),
-                    self.served_name.clone().unwrap_or_else(|| m.name.into()),
-                ))
-            }
-            Some(dir) => {
-                let files = ModelFiles::from_dir(dir)
-                    .with_context(|| format!("cannot load model directory {}", dir.display()))?;
-                let name = self.served_name.clone().unwrap_or_else(|| {
-                    dir.canonicalize()
-                        .ok()
-                        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                        .unwrap_or_else(|| "model".into())
-                });
-                Ok((files, name))
-            }
-        }
+        resolve(self.model.as_deref(), self.served_name.clone())
     }
 
     pub fn load_options(&self, name: String) -> Result<LoadOptions> {
@@ -259,6 +217,61 @@ impl ModelArgs {
 
 fn parse_device(s: &str) -> Result<Device> {
     wavefront_models::device::parse_device(s).map_err(|e| anyhow::anyhow!("--{e}"))
+}
+
+/// The model `--model` names (a directory, a GGUF file or an embedded model's name), or the
+/// embedded default, and the name it is served under (`served_name`, else the directory's or
+/// file's name).
+pub fn resolve(model: Option<&Path>, served_name: Option<String>) -> Result<(ModelFiles, String)> {
+    match model {
+        None => {
+            let m = embedded::default_model();
+            Ok((
+                m.files(),
+                served_name.clone().unwrap_or_else(|| m.name.into()),
+            ))
+        }
+        // An embedded model by name, unless a directory of that name is at hand.
+        Some(dir) if !dir.exists() => {
+            let name = dir.to_string_lossy();
+            let Some(m) = embedded::MODELS.iter().find(|m| m.name == name) else {
+                let org_slash_name = name.matches('/').count() == 1
+                    && !name.starts_with(['/', '.', '~'])
+                    && !name.ends_with('/');
+                let hint = if org_slash_name {
+                    " (a Hugging Face id? wavefront reads local files only: download the \
+                     checkpoint, e.g. with `huggingface-cli download`, and pass its \
+                     directory)"
+                } else {
+                    ""
+                };
+                bail!(
+                    "--model {name}: no such directory or file, and not an embedded model ({}){hint}",
+                    embedded::MODELS.map(|m| m.name).join(", ")
+                );
+            };
+            Ok((
+                m.files(),
+                served_name.clone().unwrap_or_else(|| m.name.into()),
+            ))
+        }
+        Some(dir) => {
+            let what = if dir.is_file() { "file" } else { "directory" };
+            let files = ModelFiles::open(dir)
+                .with_context(|| format!("cannot load model {what} {}", dir.display()))?;
+            let name = served_name.clone().unwrap_or_else(|| {
+                let path = dir.canonicalize().ok();
+                let stem = if dir.is_file() {
+                    path.as_deref().and_then(Path::file_stem)
+                } else {
+                    path.as_deref().and_then(Path::file_name)
+                };
+                stem.map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "model".into())
+            });
+            Ok((files, name))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use serde::de::DeserializeOwned;
 
 use crate::chat::ChatTemplate;
 use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
 use crate::tokenizer::TextTokenizer;
 
 const CONFIG: &str = "config.json";
@@ -42,6 +43,8 @@ enum Weights {
     Files(Vec<PathBuf>),
     /// A safetensors image held in memory for the life of the program.
     Embedded(&'static [u8]),
+    /// A GGUF file (its path, for [`ModelFiles::weight_files`]), tensors decoded on demand.
+    Gguf(std::sync::Arc<GgufFile>, Vec<PathBuf>),
 }
 
 /// The files of one model: raw config and tokenizer documents plus a handle on the weights.
@@ -59,6 +62,120 @@ pub struct ModelFiles {
 }
 
 impl ModelFiles {
+    /// A model directory ([`Self::from_dir`]) or a GGUF file ([`Self::from_gguf`]).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if crate::gguf::is_gguf(path) {
+            Self::from_gguf(path)
+        } else if path.is_file() {
+            Err(ModelError::Io {
+                path: path.to_owned(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "a file that is not GGUF: pass a model directory (config.json, \
+                     model.safetensors, tokenizer.json) or a .gguf file",
+                ),
+            })
+        } else {
+            Self::from_dir(path)
+        }
+    }
+
+    /// Reads a GGUF file: llama.cpp's LLaDA or Dream, or one `wavefront export-gguf` wrote
+    /// (see [`crate::gguf`]). Only the header is read here.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let (file, docs) = GgufFile::open(path)?;
+        Ok(Self {
+            config_json: docs.config_json,
+            weights: Weights::Gguf(file, vec![path.to_owned()]),
+            tokenizer_json: docs.tokenizer_json,
+            tokenizer_config_json: docs.tokenizer_config_json,
+            armt_config_json: docs.armt_config_json,
+            generation_config_json: docs.generation_config_json,
+        })
+    }
+
+    /// The checkpoint's tensor names, sorted.
+    pub fn tensor_names(&self) -> Result<Vec<String>> {
+        let mut names: Vec<String> = match &self.weights {
+            Weights::Files(files) => {
+                // SAFETY: as in `var_builder`: model files are read-only while in use.
+                let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }
+                    .map_err(safetensors_error)?;
+                st.tensors().into_iter().map(|(n, _)| n).collect()
+            }
+            Weights::Embedded(bytes) => candle_core::safetensors::SliceSafetensors::new(bytes)?
+                .tensors()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect(),
+            Weights::Gguf(g, _) => g.tensor_names(),
+        };
+        names.sort();
+        Ok(names)
+    }
+
+    /// The checkpoint's tensor `name` in float32 on the CPU.
+    pub fn tensor_f32(&self, name: &str) -> Result<candle_core::Tensor> {
+        let t = match &self.weights {
+            Weights::Files(files) => {
+                // SAFETY: as in `var_builder`.
+                let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }
+                    .map_err(safetensors_error)?;
+                st.load(name, &Device::Cpu)?
+            }
+            Weights::Embedded(bytes) => {
+                candle_core::safetensors::SliceSafetensors::new(bytes)?.load(name, &Device::Cpu)?
+            }
+            Weights::Gguf(g, _) => g.tensor_f32(name)?,
+        };
+        Ok(t.to_dtype(DType::F32)?)
+    }
+
+    /// Writes the model as one GGUF file of wavefront's layout at `out`, its matrices in
+    /// `quant`'s block format where their rows split into its blocks (see [`crate::gguf`]);
+    /// [`Self::open`] reads it back as the same model (exactly so with `f32`).
+    pub fn export_gguf(
+        &self,
+        out: &Path,
+        quant: crate::gguf::GgufQuant,
+    ) -> Result<crate::gguf::ExportReport> {
+        crate::gguf::write(
+            &self.tensor_names()?,
+            |n| self.tensor_f32(n),
+            self.documents(),
+            out,
+            quant,
+        )
+    }
+
+    /// The documents beside the weights: `config.json`, `tokenizer.json`,
+    /// `tokenizer_config.json`, `generation_config.json`, `armt_config.json`.
+    fn documents(&self) -> [Option<String>; 5] {
+        [
+            Some(self.config_json.clone()),
+            self.tokenizer_json
+                .as_ref()
+                .map(|b| String::from_utf8_lossy(b).into_owned()),
+            self.tokenizer_config_json.clone(),
+            self.generation_config_json.clone(),
+            self.armt_config_json.clone(),
+        ]
+    }
+
+    /// The block format of each tensor of a GGUF checkpoint (empty for safetensors).
+    pub fn gguf_formats(&self) -> Vec<(String, candle_core::quantized::GgmlDType)> {
+        match &self.weights {
+            Weights::Gguf(g, _) => g
+                .tensor_names()
+                .into_iter()
+                .filter_map(|n| g.ggml_dtype(&n).map(|d| (n, d)))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Reads a Hugging Face model directory. Weights are not read here, only located.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
@@ -167,7 +284,7 @@ impl ModelFiles {
         doc(GENERATION_CONFIG, self.generation_config_json.as_deref());
         match &self.weights {
             Weights::Embedded(bytes) => h.update(bytes),
-            Weights::Files(files) => {
+            Weights::Files(files) | Weights::Gguf(_, files) => {
                 let mut buf = vec![0u8; 1 << 20];
                 for path in files {
                     let io = |source| ModelError::Io {
@@ -283,7 +400,7 @@ impl ModelFiles {
     /// The safetensors files backing the weights (empty for an embedded model).
     pub fn weight_files(&self) -> &[PathBuf] {
         match &self.weights {
-            Weights::Files(files) => files,
+            Weights::Files(files) | Weights::Gguf(_, files) => files,
             Weights::Embedded(_) => &[],
         }
     }
@@ -298,6 +415,11 @@ impl ModelFiles {
                     .map_err(safetensors_error)?
             },
             Weights::Embedded(bytes) => VarBuilder::from_slice_safetensors(bytes, dtype, device)?,
+            Weights::Gguf(g, _) => VarBuilder::from_backend(
+                Box::new(crate::gguf::Backend(g.clone())),
+                dtype,
+                device.clone(),
+            ),
         };
         Ok(vb)
     }

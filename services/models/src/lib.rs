@@ -29,6 +29,7 @@ pub mod diffusion_gemma;
 pub mod dream;
 pub mod error;
 pub mod files;
+pub mod gguf;
 pub mod huginn;
 pub mod llada;
 pub mod llada2;
