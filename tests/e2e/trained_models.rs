@@ -359,3 +359,66 @@ fn text_leaves_out_special_tokens_and_run_finds_embedded_models_by_name() {
         "the cause said once: {err}"
     );
 }
+
+/// `export-gguf` writes each trained model as one GGUF file that `run` and `serve` load by
+/// path: float32 gives the directory's tokens exactly; Q8_0 (about a quarter of the bytes)
+/// still answers the held-out prompts, and through `serve` under the file's name.
+#[tokio::test]
+async fn trained_models_exported_to_gguf_answer_as_their_directories() {
+    let dir = std::env::temp_dir().join(format!("wavefront-e2e-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases: [(&str, &[&str], &str, &str); 2] = [
+        ("llada-tiny", &LLADA_LC, "sort 9 0 1 8 =", " 0 1 8 9"),
+        ("huginn-tiny", &HUGINN_AR, "sort 6 8 2 3 7 =", " 2 3 6 7 8"),
+    ];
+    for (name, args, prompt, want) in cases {
+        for quant in ["f32", "q8_0"] {
+            let file = dir.join(format!("{name}-{quant}.gguf"));
+            let out = Command::new(bin())
+                .args(["export-gguf", "--model", model(name).to_str().unwrap()])
+                .args(["--out", file.to_str().unwrap(), "--type", quant])
+                .output()
+                .expect("run export-gguf");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let from_file = Command::new(bin())
+                .args(["run", "--model", file.to_str().unwrap(), "--json"])
+                .args(["--log-filter", "warn", "--prompt", prompt])
+                .args(args)
+                .output()
+                .expect("run wavefront run");
+            let got = json_result(&from_file);
+            if quant == "f32" {
+                assert_eq!(got["token_ids"], run_json(name, prompt, args)["token_ids"]);
+            }
+            assert_eq!(cut(got["text"].as_str().unwrap()), want, "{name} {quant}");
+        }
+    }
+    // Served by path, named after the file.
+    let file = dir.join("llada-tiny-q8_0.gguf");
+    let serve = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        file.to_str().unwrap(),
+    ]);
+    wait_serving(serve.addr, "wavefront.v1.Generation").await;
+    let mut client = GenerationClient::new(channel(serve.addr).await);
+    let scheme = pb::generate_request::Scheme::LowConfidence(pb::LowConfidenceScheme {
+        steps: Some(16),
+        block_length: Some(16),
+        ..Default::default()
+    });
+    let r = client
+        .generate(text_request("llada-tiny-q8_0", "sort 9 0 1 8 =", scheme))
+        .await
+        .expect("generate")
+        .into_inner();
+    assert_eq!(cut(&r.text), " 0 1 8 9");
+    drop(serve);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
