@@ -456,7 +456,7 @@ async fn shutdown_signal() {
 
 fn load(model: &ModelArgs) -> Result<Arc<dyn ServedModel>> {
     let (files, name) = model.files()?;
-    let opts = model.load_options(name)?;
+    let opts = model.load_options(name, &files)?;
     Ok(wavefront_schemes::load_model(files, opts)?)
 }
 
@@ -596,7 +596,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             m.serve_files()?
                 .into_iter()
                 .map(|(files, name)| {
-                    let opts = m.load_options(name.clone())?;
+                    let opts = m.load_options(name.clone(), &files)?;
                     wavefront_schemes::load_model(files, opts)
                         .with_context(|| format!("cannot load model {name}"))
                 })

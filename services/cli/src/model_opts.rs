@@ -71,9 +71,11 @@ pub struct ModelArgs {
     /// to 8 bits per row, exact integer products: AVX512-VNNI where the CPU has it), or q4
     /// (4-bit weights with a scale per channel and group of 32 inputs, an eighth of the bytes
     /// plus scales), or q4-dot (those weights times 8-bit activations, integer products per
-    /// group). CPU with --dtype f32 only.
-    #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE", default_value = "f32")]
-    pub weight_dtype: String,
+    /// group). CPU with --dtype f32 only. Default: f32, except for a GGUF file on the CPU,
+    /// whose matrices' block format picks it (8-bit and 5-6-bit blocks int8, 2-4-bit blocks q4,
+    /// f16 and bf16 bf16; f32 keeps the file's values exactly).
+    #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE")]
+    pub weight_dtype: Option<String>,
     /// How a request takes its K/V pages: on-demand (its first step's at admission, more as it
     /// grows, the newest request preempted to host memory when the pool is short) or
     /// worst-case (prompt and every token it may generate at admission; no preemption, fewer
@@ -123,7 +125,8 @@ impl ModelArgs {
         resolve(self.model.as_deref(), self.served_name.clone())
     }
 
-    pub fn load_options(&self, name: String) -> Result<LoadOptions> {
+    /// The options of `files`' model served as `name`.
+    pub fn load_options(&self, name: String, files: &ModelFiles) -> Result<LoadOptions> {
         let device = parse_device(&self.device)?;
         let dtype = match self.dtype.as_deref() {
             None if device.is_cuda() => DType::BF16,
@@ -160,8 +163,22 @@ impl ModelArgs {
                 self.occupancy_multiplier
             );
         }
-        let weight_dtype = wavefront_models::device::parse_weight_dtype(&self.weight_dtype)
-            .map_err(|e| anyhow::anyhow!("--{e}"))?;
+        let weight_dtype = match &self.weight_dtype {
+            Some(w) => wavefront_models::device::parse_weight_dtype(w)
+                .map_err(|e| anyhow::anyhow!("--{e}"))?,
+            None => match files.gguf_weight_dtype() {
+                Some(w) if device.is_cpu() && dtype == DType::F32 => {
+                    tracing::info!(
+                        model = %name,
+                        weight_dtype = w.name(),
+                        "GGUF weights stored in the format their blocks suggest \
+                         (--weight-dtype f32 keeps the file's values exactly)"
+                    );
+                    w
+                }
+                _ => WeightDtype::F32,
+            },
+        };
         // On the CPU, bf16 compute is the kernels' bf16 pair products over float32 tensors
         // (norms, softmax and reductions stay float32): `--weight-dtype bf16-dot`.
         let (dtype, weight_dtype) = if device.is_cpu() && dtype == DType::BF16 {
@@ -278,6 +295,7 @@ pub fn resolve(model: Option<&Path>, served_name: Option<String>) -> Result<(Mod
 mod tests {
     use super::*;
     use clap::Parser;
+    use wavefront_models::gguf::GgufQuant;
     use wavefront_models::transformer::WeightDtype;
 
     #[derive(Parser)]
@@ -288,7 +306,42 @@ mod tests {
 
     fn options(flags: &[&str]) -> Result<LoadOptions> {
         let cli = Cli::try_parse_from(["wavefront"].iter().chain(flags))?;
-        cli.model.load_options("m".into())
+        let (files, _) = resolve(None, None)?;
+        cli.model.load_options("m".into(), &files)
+    }
+
+    /// A GGUF file on the CPU is stored in the format its blocks suggest unless the flag says
+    /// otherwise; a directory stays float32.
+    #[test]
+    fn gguf_files_pick_their_weight_storage() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("wavefront-cli-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let (files, _) = resolve(None, None)?;
+        for (quant, want) in [
+            (GgufQuant::Q4K, WeightDtype::Q4),
+            (GgufQuant::Q4_0, WeightDtype::Q4),
+            (GgufQuant::Q8_0, WeightDtype::Int8),
+            (GgufQuant::Q6K, WeightDtype::Int8),
+            (GgufQuant::F16, WeightDtype::Bf16),
+            (GgufQuant::F32, WeightDtype::F32),
+        ] {
+            let path = dir.join(format!("{}.gguf", quant.name()));
+            files.export_gguf(&path, quant)?;
+            let (gguf, name) = resolve(Some(&path), None)?;
+            assert_eq!(name, quant.name());
+            let cli = Cli::try_parse_from(["wavefront"])?;
+            assert_eq!(
+                cli.model.load_options(name.clone(), &gguf)?.weight_dtype,
+                want
+            );
+            let cli = Cli::try_parse_from(["wavefront", "--weight-dtype", "f32"])?;
+            assert_eq!(
+                cli.model.load_options(name, &gguf)?.weight_dtype,
+                WeightDtype::F32
+            );
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
     }
 
     #[test]

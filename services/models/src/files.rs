@@ -164,6 +164,37 @@ impl ModelFiles {
         ]
     }
 
+    /// For a GGUF checkpoint, the CPU weight storage closest to its matrices' block format
+    /// (the most common one among its quantized or half-precision tensors): 8-bit and 5-6-bit
+    /// blocks int8, 2-4-bit blocks q4, f16 and bf16 bf16; `None` for float32 files and
+    /// safetensors.
+    pub fn gguf_weight_dtype(&self) -> Option<crate::transformer::WeightDtype> {
+        use crate::transformer::WeightDtype;
+        use candle_core::quantized::GgmlDType as G;
+        // Bf16, Int8, Q4, in that order; a tie goes to the wider storage.
+        let mut counts = [0usize; 3];
+        let kinds = [WeightDtype::Bf16, WeightDtype::Int8, WeightDtype::Q4];
+        for (_, format) in self.gguf_formats() {
+            let w = match format {
+                G::F32 => continue,
+                G::F16 | G::BF16 => WeightDtype::Bf16,
+                G::Q8_0 | G::Q8_1 | G::Q8K | G::Q6K | G::Q5_0 | G::Q5_1 | G::Q5K => {
+                    WeightDtype::Int8
+                }
+                G::Q4_0 | G::Q4_1 | G::Q4K | G::Q3K | G::Q2K => WeightDtype::Q4,
+            };
+            counts[kinds
+                .iter()
+                .position(|k| *k == w)
+                .expect("one of the kinds")] += 1;
+        }
+        let (i, &n) = counts
+            .iter()
+            .enumerate()
+            .max_by_key(|&(i, n)| (*n, std::cmp::Reverse(i)))?;
+        (n > 0).then_some(kinds[i])
+    }
+
     /// The block format of each tensor of a GGUF checkpoint (empty for safetensors).
     pub fn gguf_formats(&self) -> Vec<(String, candle_core::quantized::GgmlDType)> {
         match &self.weights {
