@@ -175,4 +175,33 @@ pub trait Family: Send + 'static {
     fn resume(&mut self, _active: &mut Active<Self::Program>) -> Result<Moved, FamilyError> {
         Ok(Moved::default())
     }
+
+    /// Prompt sharing: a key naming the state `program`'s prompt leaves in its pages (its
+    /// token ids and whatever else that state depends on), equal only for programs whose
+    /// prompt pages would hold the same rows; `None` (the default) for a program whose prompt
+    /// state is never shared. A waiting request whose key a running one has is admitted onto
+    /// that one's prompt pages ([`Family::adopt_prompt`]) instead of computing them again.
+    fn share_key(&self, _program: &Self::Program) -> Option<u64> {
+        None
+    }
+
+    /// Whether `active`'s prompt pages are still being computed: a waiting request with the
+    /// same [`Family::share_key`] waits for them rather than computing them too.
+    fn prompt_pending(&self, _active: &Active<Self::Program>) -> bool {
+        false
+    }
+
+    /// Makes the newly admitted `taker` read the pages that hold `donor`'s prompt (both have
+    /// the same [`Family::share_key`] and `donor`'s prompt is computed): whole pages only, and
+    /// never the page of the prompt's last position (the taker computes that position itself,
+    /// its first output). Returns the slots `taker` now reads and holds with `donor`; the
+    /// engine counts the new holder. Neither program writes those pages again. All or nothing:
+    /// an error leaves both as they were.
+    fn adopt_prompt(
+        &mut self,
+        _donor: &mut Active<Self::Program>,
+        _taker: &mut Active<Self::Program>,
+    ) -> Result<Vec<SlotId>, FamilyError> {
+        Ok(Vec::new())
+    }
 }

@@ -19,6 +19,8 @@ pub const PREEMPT_BYTES_TO_HOST: &str = "wavefront_engine_preempt_bytes_to_host_
 pub const PREEMPT_BYTES_FROM_HOST: &str = "wavefront_engine_preempt_bytes_from_host_total";
 pub const RECOMPUTED_ROWS_TOTAL: &str = "wavefront_engine_recomputed_rows_total";
 pub const POOL_ALLOCATED_BYTES: &str = "wavefront_pool_allocated_bytes";
+pub const PROMPT_PAGES_SHARED_TOTAL: &str = "wavefront_engine_prompt_pages_shared_total";
+pub const SLOTS_SHARED: &str = "wavefront_slots_shared";
 
 /// One engine's series, labelled with its model. Handles taken before a
 /// recorder is installed record nothing, so binaries install theirs first.
@@ -39,6 +41,8 @@ pub(crate) struct EngineMetrics {
     pub bytes_from_host: Counter,
     pub recomputed_rows: Counter,
     pub pool_bytes: Gauge,
+    pub prompt_pages_shared: Counter,
+    pub slots_shared: Gauge,
 }
 
 impl EngineMetrics {
@@ -59,7 +63,9 @@ impl EngineMetrics {
             bytes_to_host: metrics::counter!(PREEMPT_BYTES_TO_HOST, "model" => m.clone()),
             bytes_from_host: metrics::counter!(PREEMPT_BYTES_FROM_HOST, "model" => m.clone()),
             recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m.clone()),
-            pool_bytes: metrics::gauge!(POOL_ALLOCATED_BYTES, "model" => m),
+            pool_bytes: metrics::gauge!(POOL_ALLOCATED_BYTES, "model" => m.clone()),
+            prompt_pages_shared: metrics::counter!(PROMPT_PAGES_SHARED_TOTAL, "model" => m.clone()),
+            slots_shared: metrics::gauge!(SLOTS_SHARED, "model" => m),
         }
     }
 
@@ -82,6 +88,8 @@ impl EngineMetrics {
             bytes_from_host: Counter::noop(),
             recomputed_rows: Counter::noop(),
             pool_bytes: Gauge::noop(),
+            prompt_pages_shared: Counter::noop(),
+            slots_shared: Gauge::noop(),
         }
     }
 }

@@ -58,6 +58,11 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
+    /// Whether there is a head and `pred` holds for it.
+    pub fn front_is(&self, pred: impl FnOnce(&T) -> bool) -> bool {
+        self.items.front().is_some_and(pred)
+    }
+
     /// Removes every item matching `pred` (cancelled or expired while waiting).
     pub fn drain_where(&mut self, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut removed = Vec::new();

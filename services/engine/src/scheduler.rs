@@ -2,9 +2,11 @@
 //! time, so its invariants are tested directly (no thread, no model).
 //!
 //! One invariant drives it: every slot is held by at most one running
-//! request, and a request that leaves for any reason (finished, failed,
-//! cancelled by its client, expired) gives all its slots back in the same
-//! [`Scheduler::tick`] that notices it. Admission is FIFO from a bounded queue
+//! request, except prompt pages the family shares between requests with the
+//! same prompt ([`Family::adopt_prompt`]; the pool counts their holders), and a
+//! request that leaves for any reason (finished, failed, cancelled by its
+//! client, expired) gives all its slots back in the same [`Scheduler::tick`]
+//! that notices it (a shared one is free once its last holder gave it back). Admission is FIFO from a bounded queue
 //! and happens when the head's first step fits, with a watermark of slots kept
 //! free for the running requests to grow into.
 //!
@@ -18,7 +20,7 @@
 use crate::error::{EngineError, FamilyError};
 use crate::event::{Event, Outbox};
 use crate::family::Family;
-use crate::ids::RequestId;
+use crate::ids::{RequestId, SlotId};
 use crate::metrics::EngineMetrics;
 use crate::queue::AdmissionQueue;
 use crate::request::{Active, Carried, Exported, Prepared};
@@ -152,6 +154,11 @@ impl<P> SharedQueue<P> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether there is a head and `pred` holds for it.
+    fn front_is(&self, pred: impl FnOnce(&Waiting<P>) -> bool) -> bool {
+        self.state().queue.front_is(pred)
     }
 
     pub fn capacity(&self) -> usize {
@@ -329,6 +336,7 @@ impl<P: Send + 'static> Scheduler<P> {
         self.metrics.queue_depth.set(self.queue.len() as f64);
         self.metrics.active.set(self.running() as f64);
         self.metrics.preempted.set(self.preempted.len() as f64);
+        self.metrics.slots_shared.set(self.pool.shared() as f64);
     }
 
     /// Publishes the bytes the family's pools have allocated ([`crate::Family::pool_bytes`]).
@@ -563,6 +571,14 @@ impl<P: Send + 'static> Scheduler<P> {
             {
                 break;
             }
+            // A request whose prompt pages a running request is computing waits for them (it
+            // reads them instead of computing them again).
+            let fam: &F = family;
+            if self.queue.front_is(|w| {
+                w.prepared.carried.is_none() && self.waits_for_prompt(fam, &w.prepared.program)
+            }) {
+                break;
+            }
             let reserve = self.reserve();
             let free = self.pool.free();
             let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
@@ -576,38 +592,103 @@ impl<P: Send + 'static> Scheduler<P> {
                 // It resumes as a preempted request, ahead of every later arrival.
                 return self.admit(family, now, report);
             }
+            self.next_seq += 1;
+            let Waiting {
+                id,
+                prepared,
+                sink,
+                deadline,
+                submitted_at,
+                span,
+            } = w;
+            let mut active = Active {
+                id,
+                program: prepared.program,
+                new_slots: Vec::new(),
+                slots: Vec::new(),
+                outbox: Outbox::default(),
+                admitted_at: now,
+                ticks: 0,
+                seq: self.next_seq,
+                floor: prepared.floor,
+            };
+            let shared = self.adopt_prompt(family, &mut active, &span);
             let slots = self
                 .pool
-                .alloc(w.prepared.slots)
+                .alloc(prepared.slots.saturating_sub(shared.len()))
                 .expect("checked free slots above");
-            let queue_time = now.saturating_duration_since(w.submitted_at);
-            tracing::debug!(parent: &w.span, request = %w.id, slots = slots.len(), ?queue_time, "admitted");
-            self.next_seq += 1;
+            let queue_time = now.saturating_duration_since(submitted_at);
+            tracing::debug!(parent: &span, request = %active.id, slots = slots.len(), shared = shared.len(), ?queue_time, "admitted");
+            active.slots = shared;
+            active.slots.extend(&slots);
+            active.new_slots = slots;
             self.running.push(Running {
-                active: Active {
-                    id: w.id,
-                    program: w.prepared.program,
-                    new_slots: slots.clone(),
-                    slots,
-                    outbox: Outbox::default(),
-                    admitted_at: now,
-                    ticks: 0,
-                    seq: self.next_seq,
-                    floor: w.prepared.floor,
-                },
-                sink: w.sink,
-                deadline: w.deadline,
+                active,
+                sink,
+                deadline,
                 queue_time,
-                prompt_tokens: u32::try_from(w.prepared.prompt_tokens).unwrap_or(u32::MAX),
+                prompt_tokens: u32::try_from(prepared.prompt_tokens).unwrap_or(u32::MAX),
                 generated: 0,
                 backlog: VecDeque::new(),
                 paused_since: None,
                 outcome: None,
-                span: w.span,
+                span,
                 parked: false,
                 prior: Carried::default(),
             });
             report.admitted += 1;
+        }
+    }
+
+    /// A running request that computes the prompt pages `program` would share, and whose
+    /// client reads (one paused would hold the waiting one up).
+    fn waits_for_prompt<F: Family<Program = P>>(&self, family: &F, program: &P) -> bool {
+        let Some(key) = family.share_key(program) else {
+            return false;
+        };
+        self.running.iter().any(|r| {
+            !r.active.outbox.done
+                && !r.parked
+                && r.backlog.is_empty()
+                && family.share_key(&r.active.program) == Some(key)
+                && family.prompt_pending(&r.active)
+        })
+    }
+
+    /// Admits `taker` onto the prompt pages of a running request with its share key whose
+    /// prompt is computed, if there is one: the slots it now holds with that request (each
+    /// counted as held once more), none otherwise. A family's refusal is logged and the
+    /// request computes its prompt itself.
+    fn adopt_prompt<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        taker: &mut Active<P>,
+        span: &tracing::Span,
+    ) -> Vec<SlotId> {
+        let Some(key) = family.share_key(&taker.program) else {
+            return Vec::new();
+        };
+        let donor = self.running.iter().position(|r| {
+            !r.active.outbox.done
+                && !r.parked
+                && family.share_key(&r.active.program) == Some(key)
+                && !family.prompt_pending(&r.active)
+        });
+        let Some(j) = donor else {
+            return Vec::new();
+        };
+        match family.adopt_prompt(&mut self.running[j].active, taker) {
+            Ok(shared) => {
+                self.pool.share(&shared);
+                self.metrics
+                    .prompt_pages_shared
+                    .increment(shared.len() as u64);
+                shared
+            }
+            Err(e) => {
+                tracing::warn!(parent: span, request = %taker.id, error = %e, "prompt pages not shared");
+                Vec::new()
+            }
         }
     }
 

@@ -7,8 +7,12 @@
 //! contiguous, and a preempted request resumes in whatever slots are free. The pool only does
 //! the bookkeeping; the family that owns the storage indexes it by [`SlotId`].
 //!
-//! Invariants (property-tested below): a slot is never held twice, a failed
-//! allocation takes nothing, and freeing returns exactly what was taken.
+//! A slot may be *shared*: requests whose prompts are the same read the same prompt pages
+//! ([`SlotPool::share`]); the pool counts its holders and frees it when the last one releases
+//! it. Only the family knows that a shared slot is never written again.
+//!
+//! Invariants (property-tested below): a slot is never handed out twice, a failed
+//! allocation takes nothing, and a slot is free again exactly when every holder released it.
 
 use crate::ids::SlotId;
 
@@ -17,7 +21,10 @@ use crate::ids::SlotId;
 pub struct SlotPool {
     total: usize,
     free: Vec<SlotId>,
-    held: Vec<bool>,
+    /// Holders of each slot (0: free).
+    holders: Vec<u32>,
+    /// Slots held by more than one request now.
+    shared: usize,
 }
 
 impl SlotPool {
@@ -29,7 +36,8 @@ impl SlotPool {
         Self {
             total,
             free,
-            held: vec![false; total],
+            holders: vec![0; total],
+            shared: 0,
         }
     }
 
@@ -52,13 +60,34 @@ impl SlotPool {
         }
         let taken = self.free.split_off(self.free.len() - n);
         for s in &taken {
-            debug_assert!(!self.held[s.0 as usize], "{s} handed out twice");
-            self.held[s.0 as usize] = true;
+            debug_assert!(self.holders[s.0 as usize] == 0, "{s} handed out twice");
+            self.holders[s.0 as usize] = 1;
         }
         Some(taken)
     }
 
-    /// Returns slots to the pool.
+    /// One more holder for each of `slots`, which are held now: a request that reads another's
+    /// prompt pages. Each holder releases it once.
+    ///
+    /// # Panics
+    /// On a slot that is not held: sharing a free slot would let it be handed out while read.
+    pub fn share(&mut self, slots: &[SlotId]) {
+        for s in slots {
+            let h = &mut self.holders[s.0 as usize];
+            assert!(*h > 0, "share of {s} which is not held");
+            if *h == 1 {
+                self.shared += 1;
+            }
+            *h += 1;
+        }
+    }
+
+    /// Slots held by more than one request now.
+    pub fn shared(&self) -> usize {
+        self.shared
+    }
+
+    /// Gives up one holder's hold on each slot; a slot whose last holder released it is free.
     ///
     /// # Panics
     /// On a slot that is not currently held: that is a double free, a bug in
@@ -67,17 +96,21 @@ impl SlotPool {
         for s in slots {
             let idx = s.0 as usize;
             assert!(
-                idx < self.total && self.held[idx],
+                idx < self.total && self.holders[idx] > 0,
                 "release of {s} which is not held"
             );
-            self.held[idx] = false;
-            self.free.push(s);
+            self.holders[idx] -= 1;
+            match self.holders[idx] {
+                0 => self.free.push(s),
+                1 => self.shared -= 1,
+                _ => {}
+            }
         }
     }
 
     /// Whether `slot` is currently handed out.
     pub fn is_held(&self, slot: SlotId) -> bool {
-        self.held.get(slot.0 as usize).copied().unwrap_or(false)
+        self.holders.get(slot.0 as usize).is_some_and(|&h| h > 0)
     }
 }
 
@@ -91,12 +124,15 @@ mod tests {
     enum Op {
         Alloc(usize),
         Release(usize),
+        /// A new holder takes the first `n` slots of an existing holder's.
+        Share(usize, usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             (0usize..12).prop_map(Op::Alloc),
-            (0usize..8).prop_map(Op::Release)
+            (0usize..8).prop_map(Op::Release),
+            (0usize..8, 0usize..6).prop_map(|(i, n)| Op::Share(i, n))
         ]
     }
 
@@ -120,13 +156,29 @@ mod tests {
                             pool.release(s);
                         }
                     }
+                    Op::Share(i, n) => {
+                        if !owners.is_empty() {
+                            let from = &owners[i % owners.len()];
+                            let taken: Vec<SlotId> = from.iter().copied().take(n).collect();
+                            let before = pool.free();
+                            pool.share(&taken);
+                            prop_assert_eq!(pool.free(), before);
+                            owners.push(taken);
+                        }
+                    }
                 }
-                let mut seen = HashSet::new();
+                // Every held slot has as many holders as owners list it; free ones none.
+                let mut holders: std::collections::HashMap<SlotId, u32> = Default::default();
                 for s in owners.iter().flatten() {
-                    prop_assert!(seen.insert(*s), "slot {} held twice", s);
+                    *holders.entry(*s).or_default() += 1;
                     prop_assert!(pool.is_held(*s));
                 }
-                prop_assert_eq!(seen.len() + pool.free(), total);
+                for o in &owners {
+                    let distinct: HashSet<_> = o.iter().collect();
+                    prop_assert_eq!(distinct.len(), o.len(), "a holder lists a slot twice");
+                }
+                prop_assert_eq!(holders.len() + pool.free(), total);
+                prop_assert_eq!(holders.values().filter(|&&h| h > 1).count(), pool.shared());
             }
             for s in owners.drain(..) { pool.release(s); }
             prop_assert_eq!(pool.free(), total);

@@ -35,6 +35,8 @@ pub mod migrate;
 pub mod options;
 mod packing;
 mod paging;
+#[cfg(test)]
+mod prompt_sharing_tests;
 pub mod recurrent_depth;
 pub mod recurrent_memory;
 pub mod registry;

@@ -40,3 +40,10 @@ pub(crate) fn ends_after(
 pub(crate) fn to_candle(e: ModelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
+
+/// A 64-bit key of `value` (prompt sharing: equal prompts, and settings, give equal keys;
+/// programs compare the prompts themselves before sharing, so a collision costs nothing).
+pub(crate) fn key_of(value: &impl std::hash::Hash) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(value)
+}

@@ -48,6 +48,29 @@ pub trait Stepper: Send + 'static {
     ) -> Result<(), SchemeError>;
     /// The transport stopped the request: it finishes now with its statistics.
     fn stop(&self, program: &mut Self::Program, outbox: &mut Outbox);
+
+    /// Prompt sharing ([`Family::share_key`]): the key of the state `program`'s prompt leaves
+    /// in its cache; `None` (the default) when it is never shared.
+    fn share_key(&self, _program: &Self::Program) -> Option<u64> {
+        None
+    }
+
+    /// Whether the program's prompt rows are still being computed.
+    fn prompt_pending(&self, _program: &Self::Program) -> bool {
+        false
+    }
+
+    /// Buffer indices of `donor`'s cache that `taker` (same key, nothing computed yet) may
+    /// read as its own prompt's: a multiple of `page` (whole pages), before the prompt's last
+    /// index and within what `donor` holds final; 0 for none.
+    fn shareable(&self, _donor: &Self::Program, _taker: &Self::Program, _page: usize) -> usize {
+        0
+    }
+
+    /// `taker`'s cache now holds its first `rows` prompt indices: it goes on from there.
+    fn skip_prompt(&self, _taker: &mut Self::Program, _rows: usize) -> Result<(), SchemeError> {
+        Ok(())
+    }
 }
 
 /// A family whose programs each hold one paged K/V cache: the stepper `S` plans, runs and
@@ -168,6 +191,42 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
     fn resume(&mut self, a: &mut Active<S::Program>) -> Result<Moved, FamilyError> {
         self.bind(a);
         swap_in(a.program.cache(), S::FAMILY)
+    }
+
+    fn share_key(&self, program: &S::Program) -> Option<u64> {
+        self.stepper.share_key(program)
+    }
+
+    fn prompt_pending(&self, a: &Active<S::Program>) -> bool {
+        self.stepper.prompt_pending(&a.program)
+    }
+
+    /// The donor's whole prompt pages, in every table, become the taker's first pages; the
+    /// taker's program skips their rows.
+    fn adopt_prompt(
+        &mut self,
+        donor: &mut Active<S::Program>,
+        taker: &mut Active<S::Program>,
+    ) -> Result<Vec<SlotId>, FamilyError> {
+        let page = self.pool.page_size();
+        let rows = self.stepper.shareable(&donor.program, &taker.program, page);
+        if rows == 0 || donor.program.cache().is_swapped() {
+            return Ok(Vec::new());
+        }
+        // The taker's cache moves into the pool (it has no slots yet).
+        self.bind(taker);
+        let fail = |e| FamilyError::program(S::FAMILY, Phase::Plan, e);
+        let ids = taker
+            .program
+            .cache()
+            .share_prefix(donor.program.cache(), rows / page)
+            .map_err(|e| fail(SchemeError::from(e)))?;
+        if let Err(e) = self.stepper.skip_prompt(&mut taker.program, rows) {
+            // All or nothing: the taker's cache lets go of the pages again.
+            taker.program.cache().clear();
+            return Err(fail(e));
+        }
+        Ok(ids.into_iter().map(SlotId).collect())
     }
 }
 

@@ -9,8 +9,9 @@ use std::net::SocketAddr;
 
 pub use wavefront_engine::metrics::{
     ACTIVE_REQUESTS, CACHE_USAGE, POOL_ALLOCATED_BYTES, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL,
-    PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL,
-    SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS, TICK_ROWS,
+    PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, PROMPT_PAGES_SHARED_TOTAL, QUEUE_DEPTH,
+    RECOMPUTED_ROWS_TOTAL, SLOTS_SHARED, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
+    TICK_REQUESTS, TICK_ROWS,
 };
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -93,6 +94,16 @@ fn describe() {
         "Memory the model's slot pools have allocated so far: arenas are made on first use and \
          kept, so this is the pools' high-water mark, at most what wavefront_slots_total amounts \
          to."
+    );
+    describe_counter!(
+        PROMPT_PAGES_SHARED_TOTAL,
+        "Prompt pages (slots) admitted requests read from a running request with the same \
+         prompt instead of computing them (the choices of a request with n > 1, or identical \
+         prompts)."
+    );
+    describe_gauge!(
+        SLOTS_SHARED,
+        "Slots held by more than one request now (shared prompt pages)."
     );
     describe_gauge!(
         CACHE_USAGE,

@@ -552,6 +552,9 @@ pub struct KvCache {
     len: usize,
     /// Per layer, the pages moved to host memory while swapped out.
     swapped: Option<Vec<Vec<HostPage>>>,
+    /// Leading pages of every table that another cache reads too ([`Self::share_prefix`]):
+    /// never written again, and never given back as spare pages.
+    frozen: usize,
 }
 
 impl Default for KvCache {
@@ -602,6 +605,7 @@ impl KvCache {
             layer_lens: Vec::new(),
             len: 0,
             swapped: None,
+            frozen: 0,
         }
     }
 
@@ -660,15 +664,60 @@ impl KvCache {
         self.tables.clear();
         self.layer_lens.clear();
         self.len = 0;
+        self.frozen = 0;
     }
 
-    /// Pages of layer `l` past the first `len` indices go back to the spare ones.
+    /// Pages of layer `l` past the first `len` indices go back to the spare ones (a shared
+    /// page is only dropped from the table: its holders give it back to the engine).
     fn release_past(&mut self, l: usize, len: usize) {
         let keep = len.div_ceil(self.page_size());
         if self.tables[l].len() > keep {
             let freed = self.tables[l].split_off(keep);
-            self.supply.give(freed.into_iter().rev());
+            let own = freed.len() - self.frozen.saturating_sub(keep);
+            self.supply.give(freed.into_iter().rev().take(own));
         }
+    }
+
+    /// Makes this empty cache read the first `pages` pages of every table of `donor` (same
+    /// pool, same number of tables, each holding at least those pages whole): buffer indices
+    /// `0..pages · page_size` without computing them. Neither cache writes those pages again
+    /// or hands them out as spare pages; both keep reading them until they drop them. Returns
+    /// the page ids now read by both (for the engine to count the new holder).
+    pub fn share_prefix(&mut self, donor: &mut KvCache, pages: usize) -> Result<Vec<u32>> {
+        let p = self.page_size();
+        let rows = pages * p;
+        if !Arc::ptr_eq(&self.pool().inner, &donor.pool().inner) || !self.pool().is_shared() {
+            return Err(ModelError::Cache(
+                "prompt pages are shared only within a model's pool".into(),
+            ));
+        }
+        if !self.tables.is_empty() || self.len > 0 || self.swapped.is_some() {
+            return Err(ModelError::Cache(
+                "only an empty cache takes another's prompt pages".into(),
+            ));
+        }
+        if donor.swapped.is_some() || donor.len < rows || donor.layer_lens.iter().any(|&n| n < rows)
+        {
+            return Err(ModelError::Cache(format!(
+                "the cache holds {} indices, not the {rows} to share",
+                donor.len
+            )));
+        }
+        let mut ids = Vec::with_capacity(pages * donor.tables.len());
+        for table in &donor.tables {
+            ids.extend_from_slice(&table[..pages]);
+            self.tables.push(table[..pages].to_vec());
+            self.layer_lens.push(rows);
+        }
+        self.len = rows;
+        self.frozen = pages;
+        donor.frozen = donor.frozen.max(pages);
+        Ok(ids)
+    }
+
+    /// Leading pages of every table shared with another cache.
+    pub fn shared_pages(&self) -> usize {
+        self.frozen
     }
 
     /// Bytes of the pages this cache's tables hold.
@@ -812,6 +861,12 @@ impl KvCache {
             }));
         }
         let p = self.page_size();
+        if at < self.frozen * p {
+            return Err(ModelError::Cache(format!(
+                "rows at {at} would overwrite the {} shared prompt indices",
+                self.frozen * p
+            )));
+        }
         let mut done = 0;
         while done < n {
             let index = at + done;
@@ -873,6 +928,8 @@ impl KvCache {
         }
         self.supply.drop_spare();
         self.swapped = Some(layers);
+        // The pages come back as this cache's own.
+        self.frozen = 0;
         Ok(bytes)
     }
 

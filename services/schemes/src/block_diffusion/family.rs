@@ -137,4 +137,20 @@ impl Stepper for BlockDiffusion {
     fn stop(&self, p: &mut BdProgram, outbox: &mut Outbox) {
         p.finish(FinishReason::StopString, outbox);
     }
+
+    fn share_key(&self, p: &BdProgram) -> Option<u64> {
+        p.share_key()
+    }
+
+    fn prompt_pending(&self, p: &BdProgram) -> bool {
+        p.prompt_pending()
+    }
+
+    fn shareable(&self, donor: &BdProgram, taker: &BdProgram, page: usize) -> usize {
+        taker.shareable(donor, page)
+    }
+
+    fn skip_prompt(&self, taker: &mut BdProgram, rows: usize) -> Result<(), SchemeError> {
+        taker.skip_prompt(rows)
+    }
 }

@@ -121,6 +121,9 @@ pub struct BdProgram {
     guide: Option<crate::constraint::Guide>,
     #[serde(default)]
     constrained: bool,
+    /// The key of the prompt's whole blocks (prompt sharing), computed once.
+    #[serde(default)]
+    key: Option<u64>,
 }
 
 /// `num_transfer` of every step of a block of `block` tokens in `steps` steps.
@@ -140,6 +143,11 @@ impl BdProgram {
     ) -> Self {
         let b = s.block_length;
         let blocks = (prompt.len() + gen).div_ceil(b);
+        // Whole blocks see only themselves and earlier blocks: their K/V depend on their ids
+        // and the block length alone.
+        let whole = prompt.len() / b * b;
+        let key =
+            (whole > 0).then(|| crate::packing::key_of(&("llada2-blocks", b, &prompt[..whole])));
         let mut tokens = prompt.to_vec();
         tokens.resize(blocks * b, s.mask_id);
         Self {
@@ -163,7 +171,58 @@ impl BdProgram {
             stream_canvas: false,
             kv_tables,
             max_pages,
+            key,
         }
+    }
+
+    /// Rows of the prompt's whole blocks.
+    fn prompt_block_rows(&self) -> usize {
+        self.prompt_len / self.s.block_length * self.s.block_length
+    }
+
+    /// The key of the state the prompt's whole blocks leave in the cache (their ids and the
+    /// block length); `None` for a prompt shorter than a block.
+    pub(crate) fn share_key(&self) -> Option<u64> {
+        self.key
+    }
+
+    /// Whether the prompt's whole blocks are still being computed.
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.final_upto < self.prompt_block_rows()
+    }
+
+    /// Rows of `donor`'s cache this request, which has computed nothing, may read as its own:
+    /// the prompt's whole blocks the two have in common, in whole pages of `page` rows that end
+    /// on a block boundary.
+    pub(crate) fn shareable(&self, donor: &BdProgram, page: usize) -> usize {
+        let b = self.s.block_length;
+        let whole = self.prompt_block_rows();
+        if self.final_upto > 0
+            || !self.cache.is_empty()
+            || donor.s.block_length != b
+            || donor.final_upto < whole
+            || donor.tokens.get(..whole) != self.tokens.get(..whole)
+        {
+            return 0;
+        }
+        let unit = b / gcd(b, page) * page;
+        whole / unit * unit
+    }
+
+    /// The cache holds the prompt's first `rows` rows (another request's pages, whole blocks):
+    /// they are final here too.
+    pub(crate) fn skip_prompt(&mut self, rows: usize) -> Result<(), SchemeError> {
+        if self.cache.len() != rows
+            || rows > self.prompt_block_rows()
+            || rows % self.s.block_length != 0
+        {
+            return Err(SchemeError::inconsistent(
+                "shared prompt rows are not whole blocks of the prompt",
+            ));
+        }
+        self.final_upto = rows;
+        self.stats.add_counter("shared_prompt_tokens", rows as u64);
+        Ok(())
     }
 
     /// Keeps a [`BdStep`] per step.
@@ -625,5 +684,13 @@ mod tests {
             assert_eq!(p.decode(&logits)?, (vec![2, 0], vec![1.0, 1.0]));
         }
         Ok(())
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }

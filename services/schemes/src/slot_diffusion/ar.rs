@@ -33,6 +33,13 @@ pub struct ArDecode {
     guide: Option<crate::constraint::Guide>,
     #[serde(default)]
     constrained: bool,
+    /// The prompt's ids, kept for prompt sharing (a request with the same prompt reads this
+    /// one's prompt pages: their rows depend on the ids alone).
+    #[serde(default)]
+    prompt: Vec<u32>,
+    /// [`Self::share_key`], computed once.
+    #[serde(default)]
+    key: Option<u64>,
 }
 
 impl ArDecode {
@@ -46,11 +53,15 @@ impl ArDecode {
             .params()
             .prompt_logprobs
             .map(|_| vec![TokenLogprob::unscored()]);
+        let key = (prompt_scores.is_none() && prompt.len() > 1)
+            .then(|| crate::packing::key_of(&("refusion-ar", &prompt)));
         Self {
+            key,
             prompt_scores,
             guide: None,
             constrained: false,
             cache: KvCache::new(),
+            prompt: prompt.clone(),
             pending: prompt,
             sampler,
             max_new_tokens,
@@ -73,6 +84,42 @@ impl ArDecode {
 
     pub(crate) fn is_done(&self) -> bool {
         self.done
+    }
+
+    /// The key of the prompt's cached rows: its ids. `None` while the prompt is scored (a
+    /// request reading shared pages would not compute their rows' logits).
+    pub(crate) fn share_key(&self) -> Option<u64> {
+        self.key
+    }
+
+    /// Whether the prompt's rows are still being computed.
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.cache.len() < self.prompt.len()
+    }
+
+    /// Indices of `donor`'s cache this request, which has computed nothing, may read as its
+    /// own: the same prompt's whole pages of `page` rows before its last index.
+    pub(crate) fn shareable(&self, donor: &ArDecode, page: usize) -> usize {
+        if !self.cache.is_empty()
+            || self.pending != self.prompt
+            || donor.prompt != self.prompt
+            || donor.prompt_pending()
+        {
+            return 0;
+        }
+        (self.prompt.len() - 1) / page * page
+    }
+
+    /// The cache holds the prompt's first `rows` indices (another request's pages): they are
+    /// not run again.
+    pub(crate) fn skip_prompt(&mut self, rows: usize) -> Result<(), SchemeError> {
+        if self.cache.len() != rows || rows >= self.pending.len() {
+            return Err(SchemeError::inconsistent(
+                "shared prompt rows do not fit the prompt",
+            ));
+        }
+        self.pending.drain(..rows);
+        Ok(())
     }
 
     /// Buffer indices the cache holds after the next call.

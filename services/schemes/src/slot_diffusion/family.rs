@@ -16,7 +16,7 @@ use wavefront_models::ModelFamily;
 use wavefront_models::Qwen3;
 
 use super::call::{reduce, Call, ReadOut};
-use super::program::SdProgram;
+use super::program::{Scheme, SdProgram};
 use crate::packing::head_rows;
 use crate::paging::{self, OneCacheFamily, Stepper};
 use crate::SchemeError;
@@ -188,5 +188,39 @@ impl Stepper for SlotDiffusion {
     fn stop(&self, p: &mut SdProgram, outbox: &mut Outbox) {
         let stats = std::mem::take(&mut p.stats);
         outbox.finish(FinishReason::StopString, stats);
+    }
+
+    /// `ar` requests share their prompt's pages (a causal prompt's rows depend on its ids
+    /// alone); plan-and-infill runs its prompt in its first planning call, with that call's
+    /// masked spans, and does not.
+    fn share_key(&self, p: &SdProgram) -> Option<u64> {
+        match &p.scheme {
+            Scheme::Ar(a) => a.share_key(),
+            Scheme::PlanInfill(_) => None,
+        }
+    }
+
+    fn prompt_pending(&self, p: &SdProgram) -> bool {
+        matches!(&p.scheme, Scheme::Ar(a) if a.prompt_pending())
+    }
+
+    fn shareable(&self, donor: &SdProgram, taker: &SdProgram, page: usize) -> usize {
+        match (&donor.scheme, &taker.scheme) {
+            (Scheme::Ar(d), Scheme::Ar(t)) => t.shareable(d, page),
+            _ => 0,
+        }
+    }
+
+    fn skip_prompt(&self, taker: &mut SdProgram, rows: usize) -> Result<(), SchemeError> {
+        match &mut taker.scheme {
+            Scheme::Ar(a) => {
+                a.skip_prompt(rows)?;
+                taker.stats.add_counter("shared_prompt_tokens", rows as u64);
+                Ok(())
+            }
+            Scheme::PlanInfill(_) => Err(SchemeError::inconsistent(
+                "plan-and-infill does not share its prompt",
+            )),
+        }
     }
 }

@@ -1,0 +1,113 @@
+//! Prompt sharing behind the real engine thread ([`wavefront_engine::Family::adopt_prompt`]):
+//! requests with the same prompt, submitted together (the choices of a request with `n` > 1,
+//! seeded apart), read the first one's prompt pages instead of computing them, and each still
+//! decodes what it decodes alone; requests with other prompts share nothing; every slot comes
+//! back, shared ones included.
+
+use anyhow::{ensure, Result};
+use std::time::Duration;
+
+use crate::request::{ArParams, GenerateSpec, SchemeParams};
+use crate::test_support::{collect, serve, submit, wait_for_free_slots, Outcome};
+use wavefront_models::ModelFiles;
+
+/// Prompt rows a request read from another's pages.
+fn shared_rows(out: &Outcome) -> u64 {
+    out.stats
+        .counters
+        .get("shared_prompt_tokens")
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Serves every request alone, then all of them submitted at once: each decodes the same tokens
+/// both times; returns the rows each read from another request's pages when together.
+fn together_and_alone(files: ModelFiles, name: &str, specs: &[GenerateSpec]) -> Result<Vec<u64>> {
+    let served = serve(files, name, specs.len())?;
+    let alone = specs
+        .iter()
+        .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(
+        alone.iter().all(|o| shared_rows(o) == 0),
+        "a request alone shared"
+    );
+    let receivers = specs
+        .iter()
+        .map(|s| submit(served.as_ref(), s.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let together = receivers
+        .iter()
+        .map(|rx| collect(rx, Vec::new()))
+        .collect::<Result<Vec<_>>>()?;
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        ensure!(
+            (&a.tokens, a.reason) == (&t.tokens, t.reason),
+            "request {i}: together {:?} {:?}, alone {:?} {:?}",
+            t.tokens,
+            t.reason,
+            a.tokens,
+            a.reason
+        );
+    }
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
+    served.shutdown();
+    Ok(together.iter().map(shared_rows).collect())
+}
+
+/// ReFusion's `ar`: three choices of one 40-token prompt (greedy, and two sampled with seeds
+/// apart) share its first two pages (32 rows); a request with another prompt shares nothing.
+#[test]
+fn refusion_ar_choices_share_their_prompt_pages() -> Result<()> {
+    use crate::slot_diffusion::test_support::{fixture_files, prompt};
+    let p = prompt(40, 3);
+    let ar = || SchemeParams::Ar(ArParams::default());
+    let mut specs = vec![GenerateSpec::greedy(p.clone(), 8, 0, ar())];
+    for seed in [1, 2] {
+        let mut s = GenerateSpec::greedy(p.clone(), 8, seed, ar());
+        s.sampling.temperature = 0.9;
+        specs.push(s);
+    }
+    specs.push(GenerateSpec::greedy(prompt(40, 4), 8, 0, ar()));
+    let shared = together_and_alone(fixture_files()?, "refusion", &specs)?;
+    assert_eq!(shared, [0, 32, 32, 0]);
+    Ok(())
+}
+
+fn ids(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + salt * 101 + 11) % 470)
+        .collect()
+}
+
+/// LLaDA2.0's block diffusion: a prompt's whole blocks depend on their ids and the block
+/// length alone. Three choices of a 38-token prompt in blocks of 8 share its first 32 rows
+/// (two pages ending on a block boundary); a request whose prompt has the same whole blocks
+/// and another tail shares them too; blocks of 16 share only with blocks of 16.
+#[test]
+fn llada2_requests_share_their_prompts_whole_blocks() -> Result<()> {
+    use crate::request::BlockDiffusionParams;
+    let bd = |block_length| {
+        SchemeParams::BlockDiffusion(BlockDiffusionParams {
+            block_length,
+            steps: 4,
+            threshold: 0.9,
+            ..BlockDiffusionParams::default()
+        })
+    };
+    let p = ids(38, 1);
+    let mut tail = p[..32].to_vec();
+    tail.extend(ids(5, 2));
+    let mut specs = vec![GenerateSpec::greedy(p.clone(), 16, 0, bd(8))];
+    for seed in [1, 2] {
+        let mut s = GenerateSpec::greedy(p.clone(), 16, seed, bd(8));
+        s.sampling.temperature = 0.8;
+        specs.push(s);
+    }
+    specs.push(GenerateSpec::greedy(tail, 16, 0, bd(8)));
+    specs.push(GenerateSpec::greedy(p.clone(), 16, 0, bd(16)));
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("llada2"))?;
+    let shared = together_and_alone(files, "llada2", &specs)?;
+    assert_eq!(shared, [0, 32, 32, 32, 0]);
+    Ok(())
+}
