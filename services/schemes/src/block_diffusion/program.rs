@@ -214,7 +214,7 @@ impl BdProgram {
     pub(crate) fn skip_prompt(&mut self, rows: usize) -> Result<(), SchemeError> {
         if self.cache.len() != rows
             || rows > self.prompt_block_rows()
-            || rows % self.s.block_length != 0
+            || !rows.is_multiple_of(self.s.block_length)
         {
             return Err(SchemeError::inconsistent(
                 "shared prompt rows are not whole blocks of the prompt",
@@ -643,6 +643,14 @@ impl BdProgram {
     }
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,13 +692,5 @@ mod tests {
             assert_eq!(p.decode(&logits)?, (vec![2, 0], vec![1.0, 1.0]));
         }
         Ok(())
-    }
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
