@@ -111,3 +111,27 @@ fn llada2_requests_share_their_prompts_whole_blocks() -> Result<()> {
     assert_eq!(shared, [0, 32, 32, 32, 0]);
     Ok(())
 }
+
+/// DiffusionGemma: the causal encoder's prompt rows depend on the ids alone (the sliding layers
+/// read the same window either way). Three requests with a 40-token prompt and different seeds
+/// (their canvases' noise) share its first two pages.
+#[test]
+fn diffusion_gemma_requests_share_their_encoded_prompt() -> Result<()> {
+    use crate::request::EntropyBoundParams;
+    let eb = || {
+        SchemeParams::EntropyBound(EntropyBoundParams {
+            max_denoising_steps: Some(6),
+            stability_threshold: Some(1),
+            confidence_threshold: Some(0.6),
+            ..EntropyBoundParams::default()
+        })
+    };
+    let p: Vec<u32> = (0..40u32).map(|i| 21 + (i * 37 + 202) % 419).collect();
+    let specs: Vec<GenerateSpec> = (0..3)
+        .map(|seed| GenerateSpec::greedy(p.clone(), 16, seed, eb()))
+        .collect();
+    let files = ModelFiles::from_dir(wavefront_models::device::test_fixture("diffusion_gemma"))?;
+    let shared = together_and_alone(files, "diffusion_gemma", &specs)?;
+    assert_eq!(shared, [0, 32, 32]);
+    Ok(())
+}

@@ -142,4 +142,20 @@ impl Stepper for UniformDiffusion {
     fn stop(&self, p: &mut UdProgram, outbox: &mut Outbox) {
         p.finish(FinishReason::StopString, outbox);
     }
+
+    fn share_key(&self, p: &UdProgram) -> Option<u64> {
+        p.share_key()
+    }
+
+    fn prompt_pending(&self, p: &UdProgram) -> bool {
+        p.prompt_pending()
+    }
+
+    fn shareable(&self, donor: &UdProgram, taker: &UdProgram, page: usize) -> usize {
+        taker.shareable(donor, page)
+    }
+
+    fn skip_prompt(&self, taker: &mut UdProgram, rows: usize) -> Result<(), SchemeError> {
+        taker.skip_prompt(rows)
+    }
 }

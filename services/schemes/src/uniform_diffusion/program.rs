@@ -146,6 +146,10 @@ pub struct UdProgram {
     stop_ids: Vec<u32>,
     /// Cache rows holding encoded tokens.
     encoded: usize,
+    /// The key of the prompt's encoded rows (prompt sharing: they depend on its ids alone),
+    /// computed once.
+    #[serde(default)]
+    key: Option<u64>,
     pub(crate) cache: KvCache,
     draws: Draws,
     /// The canvas being denoised, its index and step count-down, its last argmax and the
@@ -233,6 +237,7 @@ impl UdProgram {
             None => Vec::new(),
         };
         Self {
+            key: (prompt.len() > 1).then(|| crate::packing::key_of(&("diffusion-gemma", prompt))),
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
             max_new,
@@ -288,6 +293,43 @@ impl UdProgram {
         }
         let rows = self.tokens.len() + self.s.canvas;
         (self.kv_tables * rows.div_ceil(page)).min(self.max_pages)
+    }
+
+    /// The key of the prompt's encoded rows (the causal encoder's K/V depend on the ids alone).
+    pub(crate) fn share_key(&self) -> Option<u64> {
+        self.key
+    }
+
+    /// Whether the prompt is still being encoded.
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.encoded < self.prompt_len
+    }
+
+    /// Rows of `donor`'s cache this request, which has encoded nothing, may read as its own: the
+    /// same prompt's whole pages of `page` rows before its last row.
+    pub(crate) fn shareable(&self, donor: &UdProgram, page: usize) -> usize {
+        let p = self.prompt_len;
+        if self.encoded > 0
+            || !self.cache.is_empty()
+            || donor.prompt_pending()
+            || donor.tokens.get(..p) != Some(&self.tokens[..p])
+            || donor.prompt_len != p
+        {
+            return 0;
+        }
+        (p - 1) / page * page
+    }
+
+    /// The cache holds the prompt's first `rows` encoded rows (another request's pages).
+    pub(crate) fn skip_prompt(&mut self, rows: usize) -> Result<(), SchemeError> {
+        if self.cache.len() != rows || rows >= self.prompt_len {
+            return Err(SchemeError::inconsistent(
+                "shared prompt rows do not fit the prompt",
+            ));
+        }
+        self.encoded = rows;
+        self.stats.add_counter("shared_prompt_tokens", rows as u64);
+        Ok(())
     }
 
     /// Rows the next step computes, and whether they are a prompt's prefill (which may run in
