@@ -991,3 +991,63 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
         .expect_err("worker unreachable without its token");
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
 }
+
+/// `n` choices go to one worker, which shares their prompt's pages: with two workers serving
+/// the model, two of the three choices of an `ar` request on ReFusion read the third's prompt
+/// pages (their statistics count the shared rows), and each is still the request alone with
+/// its seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
+    let a = spawn_worker("refusion", &["--served-name", "refusion"]);
+    let b = spawn_worker("refusion", &["--served-name", "refusion"]);
+    wait_serving(a.addr, "wavefront.worker.v1.Worker").await;
+    wait_serving(b.addr, "wavefront.worker.v1.Worker").await;
+    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let router = spawn_router(
+        "127.0.0.1:0",
+        &format!("{},{}", a.addr, b.addr),
+        200,
+        &["--http-listen", &http.to_string()],
+    );
+    wait_serving(router.addr, "wavefront.v1.Generation").await;
+    let ask = |body: Value| async move {
+        let b = body.to_string();
+        let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    // 40 prompt tokens: two whole pages before the last one.
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 480).collect();
+    let body = json!({
+        "model": "refusion", "prompt": prompt, "max_tokens": 6, "temperature": 0.9,
+        "seed": 3, "n": 3, "ar": {},
+    });
+    let got = ask(body.clone()).await;
+    let shared: Vec<u64> = (0..3)
+        .map(|i| {
+            got["choices"][i]["wavefront"]["stats"]["counters"]["shared_prompt_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .collect();
+    // Whichever choice the worker admitted first computed the prompt.
+    let mut sorted = shared.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, [0, 32, 32], "{got}");
+    for i in 0..3u64 {
+        let mut one = body.clone();
+        one["n"] = json!(1);
+        one["seed"] = json!(3 + i);
+        let alone = ask(one).await;
+        assert_eq!(
+            alone["wavefront"]["token_ids"],
+            got["choices"][i as usize]["wavefront"]["token_ids"],
+            "choice {i}"
+        );
+    }
+    drop(router);
+    wait_whole(a.addr, Duration::from_secs(10)).await;
+    wait_whole(b.addr, Duration::from_secs(10)).await;
+}

@@ -742,8 +742,9 @@ struct Answer {
 
 use crate::service::nth_request;
 
-/// Sends `req` through the router (`n` times, one request per completion: each has its own
-/// slots; the prompt's state is not shared between them) and answers in `kind`'s shape.
+/// Sends `req` through the router (`n` times, one request per completion, all to one worker,
+/// which shares the prompt's pages between them where the family allows it) and answers in
+/// `kind`'s shape.
 async fn respond(
     router: RouterService,
     headers: HeaderMap,
@@ -753,7 +754,7 @@ async fn respond(
 ) -> Result<Response, ApiError> {
     let asked = req.model.clone();
     let asked_logprobs = req.logprobs.is_some();
-    let call = |i: u32| {
+    let request = |i: u32| {
         let mut request = tonic::Request::new(nth_request(&req, i));
         // W3C trace context: the HTTP request's span parents the router's.
         for name in ["traceparent", "tracestate"] {
@@ -763,15 +764,16 @@ async fn respond(
                 }
             }
         }
-        let router = router.clone();
-        async move { router.stream(request).await }
+        request
     };
+    let streams = router
+        .stream_choices((0..answer.n).map(request).collect())
+        .await?;
     let (id, created) = match kind {
         Kind::Completion => (new_id("cmpl"), unix_now()),
         Kind::Chat => (new_id("chatcmpl"), unix_now()),
     };
     if answer.stream {
-        let streams = futures::future::try_join_all((0..answer.n).map(call)).await?;
         // Chunks before the final message name the model asked for, or the one that served it.
         let model = router.model_for(&asked);
         let sse = sse_events(
@@ -787,11 +789,7 @@ async fn respond(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let dones = futures::future::try_join_all((0..answer.n).map(|i| {
-        let events = call(i);
-        async move { collect_done(events.await?).await }
-    }))
-    .await?;
+    let dones = futures::future::try_join_all(streams.into_iter().map(collect_done)).await?;
     let several = dones.len() > 1;
     let choices: Vec<Value> = dones
         .iter()

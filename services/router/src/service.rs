@@ -121,7 +121,24 @@ impl RouterService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<EventStream, Status> {
-        self.forward(request).await
+        self.forward(request, None).await
+    }
+
+    /// [`Self::stream`] for the `n` completions of one request: each a request of its own,
+    /// all to the same worker (the best-ranked now) while it can take them, so they share the
+    /// prompt's pages there.
+    pub async fn stream_choices(
+        &self,
+        requests: Vec<Request<pb::GenerateRequest>>,
+    ) -> Result<Vec<EventStream>, Status> {
+        let prefer = requests.first().and_then(|r| {
+            let model = self.resolve_model(&r.get_ref().model);
+            let workers = self.discovery.snapshot();
+            rank(&workers, &model, &[])
+                .ok()
+                .and_then(|c| c.first().map(|w| w.addr))
+        });
+        futures::future::try_join_all(requests.into_iter().map(|r| self.forward(r, prefer))).await
     }
 
     fn no_worker(e: NoWorker) -> Status {
@@ -139,9 +156,12 @@ impl RouterService {
     }
 
     /// Forwards and counts the outcome (metrics) once the call ends.
+    /// Routes `request` to the best-ranked worker serving its model, or to `prefer` while it
+    /// is among the candidates.
     async fn forward(
         &self,
         mut request: Request<pb::GenerateRequest>,
+        prefer: Option<SocketAddr>,
     ) -> Result<EventStream, Status> {
         // The `model` label is a served model's name (or empty: none named), else `unknown`:
         // a client's arbitrary names never become series.
@@ -159,7 +179,7 @@ impl RouterService {
         // None named while several are served: the default model, when there is one.
         let resolved = self.resolve_model(&request.get_ref().model);
         request.get_mut().model = resolved;
-        match self.forward_inner(request).await {
+        match self.forward_inner(request, prefer).await {
             Err(s) => {
                 outcome.finish(s.code());
                 Err(s)
@@ -180,6 +200,7 @@ impl RouterService {
     async fn forward_inner(
         &self,
         request: Request<pb::GenerateRequest>,
+        prefer: Option<SocketAddr>,
     ) -> Result<EventStream, Status> {
         let deadline = wavefront_proto::timeout::deadline(request.metadata())
             .map_err(Status::invalid_argument)?;
@@ -201,9 +222,12 @@ impl RouterService {
                 Err(e) if last_err.is_none() => return Err(Self::no_worker(e)),
                 Err(_) => break,
             };
+            let at = prefer
+                .and_then(|a| candidates.iter().position(|w| w.addr == a))
+                .unwrap_or(0);
             let w = candidates
                 .into_iter()
-                .next()
+                .nth(at)
                 .expect("rank returns at least one candidate");
             tried.push(w.addr);
             span.record("worker", w.addr.to_string().as_str());
@@ -514,12 +538,14 @@ impl RouterService {
     ) -> Result<Vec<EventStream>, Status> {
         let metadata = request.metadata().clone();
         let body = request.into_inner();
-        futures::future::try_join_all((0..n).map(|i| {
-            let mut r = Request::new(nth_request(&body, i));
-            *r.metadata_mut() = metadata.clone();
-            self.forward(r)
-        }))
-        .await
+        let requests = (0..n)
+            .map(|i| {
+                let mut r = Request::new(nth_request(&body, i));
+                *r.metadata_mut() = metadata.clone();
+                r
+            })
+            .collect();
+        self.stream_choices(requests).await
     }
 }
 
