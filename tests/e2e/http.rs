@@ -1042,8 +1042,7 @@ async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
         one["seed"] = json!(3 + i);
         let alone = ask(one).await;
         assert_eq!(
-            alone["wavefront"]["token_ids"],
-            got["choices"][i as usize]["wavefront"]["token_ids"],
+            alone["wavefront"]["token_ids"], got["choices"][i as usize]["wavefront"]["token_ids"],
             "choice {i}"
         );
     }
