@@ -93,6 +93,11 @@ pub struct ModelArgs {
     /// wavefronts and plan-and-infill calls run whole and count against it.
     #[arg(long, env = "WAVEFRONT_MAX_BATCH_ROWS", default_value_t = 2048)]
     pub max_batch_rows: usize,
+    /// Whether requests with the same prompt (the choices of a request with n > 1, or
+    /// identical prompts) read one copy of its pages where the family allows it (ReFusion ar,
+    /// LLaDA2.0, DiffusionGemma): true or false.
+    #[arg(long, env = "WAVEFRONT_PROMPT_SHARING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prompt_sharing: bool,
     /// Seconds a client may leave its response unread before its request is cancelled and its
     /// memory freed (0: never). Until then the request is paused and is the first preempted
     /// (its state moved to host memory) when others need its slots.
@@ -224,6 +229,7 @@ impl ModelArgs {
             kv_reserve,
             kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
+            prompt_sharing: self.prompt_sharing,
             write_timeout: (self.write_timeout_s > 0)
                 .then(|| std::time::Duration::from_secs(self.write_timeout_s)),
             // Set by `load_model` from the checkpoint.

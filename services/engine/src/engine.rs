@@ -37,6 +37,9 @@ pub struct EngineConfig {
     /// (`--write-timeout-s`). Until then a request whose client is not reading is paused, and
     /// is the first preempted when the pool is short. `None`: forever.
     pub write_timeout: Option<Duration>,
+    /// Whether requests with the same prompt share its pages (`--prompt-sharing`;
+    /// [`crate::Family::adopt_prompt`]).
+    pub prompt_sharing: bool,
 }
 
 /// A request handed to the engine.
@@ -263,6 +266,7 @@ impl Engine {
         )
         .with_watermark(config.watermark_slots)
         .with_max_batch_rows(config.max_batch_rows)
+        .with_prompt_sharing(config.prompt_sharing)
         .with_write_timeout(config.write_timeout)
         .with_label(&label);
         let queue = sched.shared_queue();

@@ -270,6 +270,8 @@ pub struct Scheduler<P> {
     deferred: Vec<RequestId>,
     /// Rows one tick computes at most (`--max-batch-rows`).
     max_batch_rows: Option<usize>,
+    /// Whether requests with the same prompt share its pages.
+    prompt_sharing: bool,
     /// How long a request's client may leave its events unread before the request is
     /// cancelled (`--write-timeout-s`); `None`: forever.
     write_timeout: Option<Duration>,
@@ -295,6 +297,7 @@ impl<P: Send + 'static> Scheduler<P> {
             preemptions: 0,
             deferred: Vec::new(),
             max_batch_rows: None,
+            prompt_sharing: true,
             write_timeout: None,
             ticks: 0,
             metrics: EngineMetrics::none(),
@@ -309,6 +312,13 @@ impl<P: Send + 'static> Scheduler<P> {
     }
 
     /// Caps the rows of a tick: prefills that may run in part share what the whole steps leave.
+    /// Whether requests with the same prompt share its pages ([`Family::adopt_prompt`]); on by
+    /// default.
+    pub fn with_prompt_sharing(mut self, on: bool) -> Self {
+        self.prompt_sharing = on;
+        self
+    }
+
     pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
         self.max_batch_rows = rows;
         self
@@ -643,7 +653,7 @@ impl<P: Send + 'static> Scheduler<P> {
     /// A running request that computes the prompt pages `program` would share, and whose
     /// client reads (one paused would hold the waiting one up).
     fn waits_for_prompt<F: Family<Program = P>>(&self, family: &F, program: &P) -> bool {
-        let Some(key) = family.share_key(program) else {
+        let Some(key) = family.share_key(program).filter(|_| self.prompt_sharing) else {
             return false;
         };
         self.running.iter().any(|r| {
@@ -665,7 +675,10 @@ impl<P: Send + 'static> Scheduler<P> {
         taker: &mut Active<P>,
         span: &tracing::Span,
     ) -> Vec<SlotId> {
-        let Some(key) = family.share_key(&taker.program) else {
+        let Some(key) = family
+            .share_key(&taker.program)
+            .filter(|_| self.prompt_sharing)
+        else {
             return Vec::new();
         };
         let donor = self.running.iter().position(|r| {

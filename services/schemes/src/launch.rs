@@ -250,6 +250,7 @@ where
         max_active: opts.max_active,
         watermark_slots: total_slots * watermark_permille / 1000,
         max_batch_rows: opts.max_batch_rows,
+        prompt_sharing: opts.prompt_sharing,
         write_timeout: opts.write_timeout,
     };
     let (device, dtype) = (opts.device.clone(), opts.dtype);

@@ -46,6 +46,8 @@ pub struct LoadOptions {
     /// the decoding of the others. Work that runs whole (decoding steps, canvases, segments,
     /// wavefronts, plan-and-infill calls) counts against it. `None`: no cap.
     pub max_batch_rows: Option<usize>,
+    /// Whether requests with the same prompt share its pages (on by default).
+    pub prompt_sharing: bool,
     /// How long a client may leave a request's events unread before the request is cancelled
     /// (until then it is paused, and the first preempted when the pool is short); `None`:
     /// forever.
@@ -110,6 +112,7 @@ impl Default for LoadOptions {
             kv_reserve: KvReserve::OnDemand,
             kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,
+            prompt_sharing: true,
             write_timeout: Some(std::time::Duration::from_secs(30)),
             fingerprint: Fingerprint::default(),
         }

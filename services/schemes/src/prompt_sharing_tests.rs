@@ -135,3 +135,28 @@ fn diffusion_gemma_requests_share_their_encoded_prompt() -> Result<()> {
     assert_eq!(shared, [0, 32, 32]);
     Ok(())
 }
+
+/// `--prompt-sharing false`: the same requests together compute their prompts each.
+#[test]
+fn prompt_sharing_can_be_switched_off() -> Result<()> {
+    use crate::slot_diffusion::test_support::{fixture_files, prompt};
+    let opts = crate::LoadOptions {
+        name: "refusion".into(),
+        max_active: 3,
+        prompt_sharing: false,
+        ..crate::LoadOptions::default()
+    };
+    let specs: Vec<GenerateSpec> = (0..3)
+        .map(|seed| {
+            GenerateSpec::greedy(
+                prompt(40, 3),
+                8,
+                seed,
+                SchemeParams::Ar(ArParams::default()),
+            )
+        })
+        .collect();
+    let outs = crate::test_support::served_outcomes(fixture_files()?, opts, &specs)?;
+    assert_eq!(outs.iter().map(shared_rows).collect::<Vec<_>>(), [0, 0, 0]);
+    Ok(())
+}
