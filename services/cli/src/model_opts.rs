@@ -94,7 +94,7 @@ pub struct ModelArgs {
     #[arg(long, env = "WAVEFRONT_MAX_BATCH_ROWS", default_value_t = 2048)]
     pub max_batch_rows: usize,
     /// Whether requests with the same prompt (the choices of a request with n > 1, or
-    /// identical prompts) read one copy of its pages where the family allows it (ReFusion ar,
+    /// identical prompts) read one copy of its pages where the family allows it (ReFusion,
     /// LLaDA2.0, DiffusionGemma): true or false.
     #[arg(long, env = "WAVEFRONT_PROMPT_SHARING", default_value_t = true, action = clap::ArgAction::Set)]
     pub prompt_sharing: bool,

@@ -50,8 +50,9 @@ pub trait Stepper: Send + 'static {
     fn stop(&self, program: &mut Self::Program, outbox: &mut Outbox);
 
     /// Prompt sharing ([`Family::share_key`]): the key of the state `program`'s prompt leaves
-    /// in its cache; `None` (the default) when it is never shared.
-    fn share_key(&self, _program: &Self::Program) -> Option<u64> {
+    /// in its cache; `None` (the default) when it is never shared, or when its prompt fills no
+    /// whole page of `page` rows to share (a request with its key would wait for nothing).
+    fn share_key(&self, _program: &Self::Program, _page: usize) -> Option<u64> {
         None
     }
 
@@ -194,7 +195,7 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
     }
 
     fn share_key(&self, program: &S::Program) -> Option<u64> {
-        self.stepper.share_key(program)
+        self.stepper.share_key(program, self.pool.page_size())
     }
 
     fn prompt_pending(&self, a: &Active<S::Program>) -> bool {

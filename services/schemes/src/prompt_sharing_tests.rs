@@ -55,8 +55,9 @@ fn together_and_alone(files: ModelFiles, name: &str, specs: &[GenerateSpec]) -> 
     Ok(together.iter().map(shared_rows).collect())
 }
 
-/// ReFusion's `ar`: three choices of one 40-token prompt (greedy, and two sampled with seeds
-/// apart) share its first two pages (32 rows); a request with another prompt shares nothing.
+/// ReFusion: three `ar` choices of one 40-token prompt (greedy, and two sampled with seeds
+/// apart) and two plan-and-infill requests with it share its first two pages (32 rows; the
+/// two schemes write the prompt's rows alike); a request with another prompt shares nothing.
 #[test]
 fn refusion_ar_choices_share_their_prompt_pages() -> Result<()> {
     use crate::slot_diffusion::test_support::{fixture_files, prompt};
@@ -68,9 +69,14 @@ fn refusion_ar_choices_share_their_prompt_pages() -> Result<()> {
         s.sampling.temperature = 0.9;
         specs.push(s);
     }
+    let pi = || SchemeParams::PlanInfill(crate::request::PlanInfillParams::default());
+    specs.push(GenerateSpec::greedy(p.clone(), 16, 0, pi()));
+    let mut sampled = GenerateSpec::greedy(p.clone(), 16, 5, pi());
+    sampled.sampling.temperature = 0.7;
+    specs.push(sampled);
     specs.push(GenerateSpec::greedy(prompt(40, 4), 8, 0, ar()));
     let shared = together_and_alone(fixture_files()?, "refusion", &specs)?;
-    assert_eq!(shared, [0, 32, 32, 0]);
+    assert_eq!(shared, [0, 32, 32, 32, 32, 0]);
     Ok(())
 }
 

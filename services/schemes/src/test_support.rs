@@ -78,14 +78,23 @@ pub struct Outcome {
 
 impl Outcome {
     /// Tokens, finish reason and every statistic that does not depend on
-    /// timing or on what else shared the batch.
+    /// timing or on what else shared the batch. A request that read `k` prompt rows from
+    /// another request's pages (prompt sharing: `shared_prompt_tokens`) computed `k` fewer rows
+    /// in its first forward; they are counted back, as if it had computed them.
     pub fn work(&self) -> (Vec<u32>, FinishReason, Stats) {
-        let stats = Stats {
+        let mut stats = Stats {
             queue_time: Default::default(),
             compute_time: Default::default(),
             ticks: 0,
             ..self.stats.clone()
         };
+        if let Some(k) = stats.counters.remove("shared_prompt_tokens") {
+            for rows in ["active_rows", "rows_per_call"] {
+                if let Some(first) = stats.series.get_mut(rows).and_then(|s| s.first_mut()) {
+                    *first += k as u32;
+                }
+            }
+        }
         (self.tokens.clone(), self.reason, stats)
     }
 }

@@ -138,8 +138,8 @@ impl Stepper for BlockDiffusion {
         p.finish(FinishReason::StopString, outbox);
     }
 
-    fn share_key(&self, p: &BdProgram) -> Option<u64> {
-        p.share_key()
+    fn share_key(&self, p: &BdProgram, page: usize) -> Option<u64> {
+        p.share_key(page)
     }
 
     fn prompt_pending(&self, p: &BdProgram) -> bool {

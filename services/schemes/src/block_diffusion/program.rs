@@ -181,9 +181,17 @@ impl BdProgram {
     }
 
     /// The key of the state the prompt's whole blocks leave in the cache (their ids and the
-    /// block length); `None` for a prompt shorter than a block.
-    pub(crate) fn share_key(&self) -> Option<u64> {
+    /// block length); `None` when they fill no whole page of `page` rows ending on a block
+    /// boundary.
+    pub(crate) fn share_key(&self, page: usize) -> Option<u64> {
         self.key
+            .filter(|_| self.prompt_block_rows() >= self.share_unit(page))
+    }
+
+    /// Shared rows come in multiples of this: whole pages ending on a block boundary.
+    fn share_unit(&self, page: usize) -> usize {
+        let b = self.s.block_length;
+        b / gcd(b, page) * page
     }
 
     /// Whether the prompt's whole blocks are still being computed.
@@ -205,7 +213,7 @@ impl BdProgram {
         {
             return 0;
         }
-        let unit = b / gcd(b, page) * page;
+        let unit = self.share_unit(page);
         whole / unit * unit
     }
 

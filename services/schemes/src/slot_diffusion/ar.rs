@@ -53,8 +53,8 @@ impl ArDecode {
             .params()
             .prompt_logprobs
             .map(|_| vec![TokenLogprob::unscored()]);
-        let key = (prompt_scores.is_none() && prompt.len() > 1)
-            .then(|| crate::packing::key_of(&("refusion-ar", &prompt)));
+        let key =
+            (prompt_scores.is_none() && prompt.len() > 1).then(|| super::call::prompt_key(&prompt));
         Self {
             key,
             prompt_scores,
@@ -97,17 +97,14 @@ impl ArDecode {
         self.cache.len() < self.prompt.len()
     }
 
-    /// Indices of `donor`'s cache this request, which has computed nothing, may read as its
-    /// own: the same prompt's whole pages of `page` rows before its last index.
-    pub(crate) fn shareable(&self, donor: &ArDecode, page: usize) -> usize {
-        if !self.cache.is_empty()
-            || self.pending != self.prompt
-            || donor.prompt != self.prompt
-            || donor.prompt_pending()
-        {
-            return 0;
-        }
-        (self.prompt.len() - 1) / page * page
+    /// The prompt's ids.
+    pub(crate) fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// Whether nothing has run yet (a request that may take another's prompt pages).
+    pub(crate) fn at_start(&self) -> bool {
+        self.cache.is_empty() && self.pending == self.prompt
     }
 
     /// The cache holds the prompt's first `rows` indices (another request's pages): they are

@@ -106,6 +106,12 @@ pub(crate) fn reduce(logits: &Tensor, targets: &[u32]) -> candle_core::Result<Ve
         .collect())
 }
 
+/// The prompt-sharing key of a ReFusion prompt: its rows are written first, causal in position
+/// order, by both schemes, so they depend on its ids alone.
+pub(crate) fn prompt_key(prompt: &[u32]) -> u64 {
+    crate::packing::key_of(&("refusion-prompt", prompt))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

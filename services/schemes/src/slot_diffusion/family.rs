@@ -190,37 +190,54 @@ impl Stepper for SlotDiffusion {
         outbox.finish(FinishReason::StopString, stats);
     }
 
-    /// `ar` requests share their prompt's pages (a causal prompt's rows depend on its ids
-    /// alone); plan-and-infill runs its prompt in its first planning call, with that call's
-    /// masked spans, and does not.
-    fn share_key(&self, p: &SdProgram) -> Option<u64> {
-        match &p.scheme {
-            Scheme::Ar(a) => a.share_key(),
-            Scheme::PlanInfill(_) => None,
-        }
+    /// Both schemes write the prompt's rows first, causal in position order, so they depend
+    /// on its ids alone: `ar` and plan-and-infill requests share them, with each other too
+    /// (a plan's masked spans come after the prompt's rows and do not change them).
+    fn share_key(&self, p: &SdProgram, page: usize) -> Option<u64> {
+        let (key, prompt) = match &p.scheme {
+            Scheme::Ar(a) => (a.share_key(), a.prompt().len()),
+            Scheme::PlanInfill(pi) => (pi.share_key(), pi.prompt().len()),
+        };
+        key.filter(|_| prompt > page)
     }
 
     fn prompt_pending(&self, p: &SdProgram) -> bool {
-        matches!(&p.scheme, Scheme::Ar(a) if a.prompt_pending())
+        match &p.scheme {
+            Scheme::Ar(a) => a.prompt_pending(),
+            Scheme::PlanInfill(pi) => pi.prompt_pending(),
+        }
     }
 
+    /// The prompt's whole pages before its last row, when the taker has run nothing and the
+    /// donor's prompt rows are computed.
     fn shareable(&self, donor: &SdProgram, taker: &SdProgram, page: usize) -> usize {
-        match (&donor.scheme, &taker.scheme) {
-            (Scheme::Ar(d), Scheme::Ar(t)) => t.shareable(d, page),
-            _ => 0,
+        let (prompt, at_start) = match &taker.scheme {
+            Scheme::Ar(a) => (a.prompt(), a.at_start()),
+            Scheme::PlanInfill(pi) => (pi.prompt(), pi.at_start()),
+        };
+        let donor_prompt = match &donor.scheme {
+            Scheme::Ar(a) => a.prompt(),
+            Scheme::PlanInfill(pi) => pi.prompt(),
+        };
+        if !at_start || donor_prompt != prompt || self.prompt_pending(donor) || prompt.is_empty() {
+            return 0;
         }
+        (prompt.len() - 1) / page * page
     }
 
     fn skip_prompt(&self, taker: &mut SdProgram, rows: usize) -> Result<(), SchemeError> {
         match &mut taker.scheme {
-            Scheme::Ar(a) => {
-                a.skip_prompt(rows)?;
-                taker.stats.add_counter("shared_prompt_tokens", rows as u64);
-                Ok(())
+            Scheme::Ar(a) => a.skip_prompt(rows)?,
+            // Its first planning call starts after the rows its cache holds.
+            Scheme::PlanInfill(pi) => {
+                if pi.main.len() != rows || rows >= pi.prompt().len() {
+                    return Err(SchemeError::inconsistent(
+                        "shared prompt rows do not fit the prompt",
+                    ));
+                }
             }
-            Scheme::PlanInfill(_) => Err(SchemeError::inconsistent(
-                "plan-and-infill does not share its prompt",
-            )),
         }
+        taker.stats.add_counter("shared_prompt_tokens", rows as u64);
+        Ok(())
     }
 }

@@ -206,6 +206,9 @@ pub struct PlanInfill {
     pub(crate) guide: Option<crate::constraint::Guide>,
     #[serde(default)]
     pub(crate) constrained: bool,
+    /// The prompt-sharing key of the prompt's rows, computed once.
+    #[serde(default)]
+    key: Option<u64>,
 }
 
 impl PlanInfill {
@@ -213,6 +216,26 @@ impl PlanInfill {
     /// committed buffer (the prompt, from the first call on) and one block.
     pub(crate) fn rows_after_next_commit(&self) -> usize {
         self.buffer_ids.len() + self.s.block_length
+    }
+
+    /// The prompt's ids.
+    pub(crate) fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// The key of the prompt's rows ([`super::call::prompt_key`]).
+    pub(crate) fn share_key(&self) -> Option<u64> {
+        self.key
+    }
+
+    /// Whether the prompt's rows are still to be computed (before the first planning call).
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.main.len() < self.prompt.len()
+    }
+
+    /// Whether nothing has run yet (a request that may take another's prompt pages).
+    pub(crate) fn at_start(&self) -> bool {
+        self.main.is_empty() && matches!(self.phase, Phase::Plan) && self.block == 0
     }
 
     /// A request decoding a canvas of `gen_length` positions whose response holds at most
@@ -226,6 +249,7 @@ impl PlanInfill {
     ) -> Self {
         let p = prompt.len();
         let mut me = Self {
+            key: (p > 1).then(|| super::call::prompt_key(&prompt)),
             buffer_ids: prompt.clone(),
             buffer_pos: (0..p as u32).collect(),
             prompt,
@@ -287,11 +311,9 @@ impl PlanInfill {
         let s = self.s.span_size;
         match &self.phase {
             Phase::Plan => {
-                let prompt = if self.main.is_empty() {
-                    self.prompt.len()
-                } else {
-                    0
-                };
+                // The prompt's rows not in the cache yet (all of them at the first call, unless
+                // it read some from another request's pages).
+                let prompt = self.prompt.len().saturating_sub(self.main.len());
                 prompt + self.pool.len() * s
             }
             Phase::Verify(sel) => sel.drafts.iter().map(Vec::len).sum(),
@@ -304,9 +326,12 @@ impl PlanInfill {
         let s = self.s.span_size;
         let rows = match &self.phase {
             Phase::Plan => {
-                let first = self.main.is_empty();
-                let (mut ids, mut positions) = if first {
-                    (self.prompt.clone(), (0..self.prompt.len() as u32).collect())
+                let from = self.main.len();
+                let (mut ids, mut positions) = if from < self.prompt.len() {
+                    (
+                        self.prompt[from..].to_vec(),
+                        (from as u32..self.prompt.len() as u32).collect(),
+                    )
                 } else {
                     (Vec::new(), Vec::new())
                 };

@@ -143,8 +143,8 @@ impl Stepper for UniformDiffusion {
         p.finish(FinishReason::StopString, outbox);
     }
 
-    fn share_key(&self, p: &UdProgram) -> Option<u64> {
-        p.share_key()
+    fn share_key(&self, p: &UdProgram, page: usize) -> Option<u64> {
+        p.share_key(page)
     }
 
     fn prompt_pending(&self, p: &UdProgram) -> bool {

@@ -295,9 +295,10 @@ impl UdProgram {
         (self.kv_tables * rows.div_ceil(page)).min(self.max_pages)
     }
 
-    /// The key of the prompt's encoded rows (the causal encoder's K/V depend on the ids alone).
-    pub(crate) fn share_key(&self) -> Option<u64> {
-        self.key
+    /// The key of the prompt's encoded rows (the causal encoder's K/V depend on the ids
+    /// alone); `None` for a prompt of no whole page of `page` rows before its last row.
+    pub(crate) fn share_key(&self, page: usize) -> Option<u64> {
+        self.key.filter(|_| self.prompt_len > page)
     }
 
     /// Whether the prompt is still being encoded.
