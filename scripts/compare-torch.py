@@ -4,10 +4,12 @@ side by side with wavefront's in one run.
 
     pip install torch transformers
     cargo build --release -p wavefront-bench --bin bench-forward
-    python scripts/compare-torch.py [--threads N] [--rounds R] [--weight-dtype f32|bf16]
+    python scripts/compare-torch.py [--threads N] [--rounds R] [--weight-dtype f32|bf16|bf16-dot]
+                                    [--torch-dtype f32|bf16]
 
-Both sides run on the same number of threads (default: the machine's cores), float32, random
-weights of the same shapes, and report the median time of one call over a fixed duration after
+Both sides run on the same number of threads (default: the machine's cores), float32 unless
+asked (`--torch-dtype bf16 --weight-dtype bf16-dot`: both in bf16, PyTorch's eager bf16 modules
+against wavefront's bf16 products with float32 accumulation), random weights of the same shapes, and report the median time of one call over a fixed duration after
 warm-up. Rounds alternate PyTorch and wavefront so that both see the same machine; the table
 gives each side's median over the rounds and the ratio PyTorch time / wavefront time (above 1:
 wavefront is faster).
@@ -204,8 +206,10 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.5)
-    ap.add_argument("--weight-dtype", default="f32", choices=["f32", "bf16"],
-                    help="wavefront's weight storage (PyTorch stays float32)")
+    ap.add_argument("--weight-dtype", default="f32", choices=["f32", "bf16", "bf16-dot"],
+                    help="wavefront's weight storage")
+    ap.add_argument("--torch-dtype", default="f32", choices=["f32", "bf16"],
+                    help="PyTorch's module and activation dtype")
     ap.add_argument("--binary", default="target/release/bench-forward")
     ap.add_argument("--generate", action="store_true",
                     help="also time 128-token greedy generation end to end")
@@ -215,7 +219,7 @@ def main():
     import transformers
 
     torch.set_num_threads(a.threads)
-    shapes = build(torch, torch.float32)
+    shapes = build(torch, {"f32": torch.float32, "bf16": torch.bfloat16}[a.torch_dtype])
     tt, wt, report = {}, {}, None
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: pytorch", file=sys.stderr)
@@ -227,7 +231,8 @@ def main():
             wt.setdefault(k, []).append(v)
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{a.threads} threads; wavefront weights {a.weight_dtype}; {a.rounds} alternating rounds, "
+          f"{a.threads} threads; PyTorch {a.torch_dtype}, wavefront weights {a.weight_dtype}; "
+          f"{a.rounds} alternating rounds, "
           f"median ms per call")
     print(f"machine peaks (wavefront's measure, last round): read {report['read_bandwidth_gb_per_s']:.1f} GB/s, "
           f"FMA {report['fma_peak_gflop_per_s']:.1f} GFLOP/s\n")
