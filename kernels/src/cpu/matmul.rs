@@ -591,7 +591,7 @@ pub fn linear_with(
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
     // `[k][rows]`, so a kernel broadcasts every row's value of `kk` from one stream.
     let tiles = row_tiles(isa, m);
-    let a = pack_rows(x, k, &tiles);
+    let a = pack_rows(x, k, &tiles, threads);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         // SAFETY: every task writes the outputs of its own panels and rows only.
@@ -633,20 +633,31 @@ fn fixed_tiles(m: usize, mr: usize) -> Vec<(usize, usize)> {
 }
 
 /// `x` `[m, k]` repacked tile by tile: tile `(i, mr)` holds rows `i..i + mr` as `[k][mr]`, at
-/// offset `i · k`.
-fn pack_rows(x: &[f32], k: usize, tiles: &[(usize, usize)]) -> Vec<f32> {
+/// offset `i · k`; the tiles split over `threads` pool threads when there are enough values.
+fn pack_rows(x: &[f32], k: usize, tiles: &[(usize, usize)], threads: usize) -> Vec<f32> {
     if let [(_, 1)] = tiles {
         return x.to_vec();
     }
     let mut a = vec![0f32; x.len()];
-    for &(i, mr) in tiles {
-        let dst = &mut a[i * k..(i + mr) * k];
-        for r in 0..mr {
-            let row = &x[(i + r) * k..(i + r + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                dst[kk * mr + r] = v;
+    let ap = SendPtr(a.as_mut_ptr());
+    let pack = |tiles: &[(usize, usize)]| {
+        for &(i, mr) in tiles {
+            // SAFETY: tile (i, mr) owns `a[i · k..(i + mr) · k]`, no other task writes it, and
+            // `a` outlives every task.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ap.ptr().add(i * k), mr * k) };
+            for r in 0..mr {
+                let row = &x[(i + r) * k..(i + r + 1) * k];
+                for (kk, &v) in row.iter().enumerate() {
+                    dst[kk * mr + r] = v;
+                }
             }
         }
+    };
+    if threads > 1 && tiles.len() > 1 && x.len() >= 1 << 14 {
+        let parts: Vec<_> = split(tiles.len(), threads).collect();
+        super::pool::pool().run(parts.len(), &|t| pack(&tiles[parts[t].clone()]));
+    } else {
+        pack(tiles);
     }
     a
 }
@@ -680,7 +691,7 @@ pub(crate) fn gemm_panels(
 ) {
     debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
     let tiles = row_tiles(isa, m);
-    let packed = pack_rows(&a[..m * k], k, &tiles);
+    let packed = pack_rows(&a[..m * k], k, &tiles, 1);
     let mut tile = [0f32; MR_MAX * NR];
     for p in 0..n.div_ceil(NR) {
         let cols = NR.min(n - p * NR);
@@ -771,20 +782,9 @@ unsafe fn run_block(
                 Store::I8 { scales, .. } => Some(&scales[p * NR..(p + 1) * NR]),
                 _ => None,
             };
+            let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
             for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
-                for r in 0..mr {
-                    let out = y.0.add((i + r) * n + p * NR);
-                    for c in 0..cols {
-                        let mut val = acc[r * NR + c];
-                        if let Some(s) = scales {
-                            val *= s[c];
-                        }
-                        if let Some(b) = bias {
-                            val += b[p * NR + c];
-                        }
-                        *out.add(c) = val;
-                    }
-                }
+                write_tile(isa, acc, mr, cols, scales, bias, y.0.add(i * n + p * NR), n);
             }
         }
     }
@@ -1142,7 +1142,16 @@ fn bf16_dot(
                     // SAFETY: every task writes the outputs of its own panels and rows only:
                     // rows i..i + mr, columns p · NR..p · NR + cols, of `y` (`[m, n]`).
                     unsafe {
-                        write_tile(isa, tile, mr, cols, bias, yp.ptr().add(i * n + p * NR), n)
+                        write_tile(
+                            isa,
+                            tile,
+                            mr,
+                            cols,
+                            None,
+                            bias,
+                            yp.ptr().add(i * n + p * NR),
+                            n,
+                        )
                     };
                 }
             }
@@ -1232,16 +1241,18 @@ unsafe fn pack_row_pairs_avx512(row: &[f32], dst: &mut [u32], r: usize, mr: usiz
     chunks * 8
 }
 
-/// Writes a finished `mr x NR` tile's first `cols` columns, plus `bias` (`cols` values), to
-/// `mr` rows of `ld` floats from `out`.
+/// Writes a finished `mr x NR` tile's first `cols` columns, times `scales` then plus `bias`
+/// (`cols` values each, when given), to `mr` rows of `ld` floats from `out`.
 ///
 /// # Safety
 /// `out.add(r · ld + c)` must be writable for every `r < mr`, `c < cols`.
+#[allow(clippy::too_many_arguments)]
 unsafe fn write_tile(
     isa: Isa,
     tile: &[f32; MR_MAX * NR],
     mr: usize,
     cols: usize,
+    scales: Option<&[f32]>,
     bias: Option<&[f32]>,
     out: *mut f32,
     ld: usize,
@@ -1249,11 +1260,14 @@ unsafe fn write_tile(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: AVX512F was detected; the caller's promise covers the masked stores.
-        return unsafe { write_tile_avx512(tile, mr, cols, bias, out, ld) };
+        return unsafe { write_tile_avx512(tile, mr, cols, scales, bias, out, ld) };
     }
     for r in 0..mr {
         for c in 0..cols {
             let mut v = tile[r * NR + c];
+            if let Some(s) = scales {
+                v *= s[c];
+            }
             if let Some(b) = bias {
                 v += b[c];
             }
@@ -1269,6 +1283,7 @@ unsafe fn write_tile_avx512(
     tile: &[f32; MR_MAX * NR],
     mr: usize,
     cols: usize,
+    scales: Option<&[f32]>,
     bias: Option<&[f32]>,
     out: *mut f32,
     ld: usize,
@@ -1276,19 +1291,24 @@ unsafe fn write_tile_avx512(
     use std::arch::x86_64::*;
     let mask = |n: usize| -> __mmask16 { ((1u32 << n.min(16)) - 1) as __mmask16 };
     let (m0, m1) = (mask(cols), mask(cols.saturating_sub(16)));
-    let (b0, b1) = match bias {
-        Some(b) => (
-            _mm512_maskz_loadu_ps(m0, b.as_ptr()),
-            _mm512_maskz_loadu_ps(m1, b.as_ptr().wrapping_add(16)),
+    let load = |v: Option<&[f32]>| match v {
+        Some(v) => (
+            _mm512_maskz_loadu_ps(m0, v.as_ptr()),
+            _mm512_maskz_loadu_ps(m1, v.as_ptr().wrapping_add(16)),
         ),
         None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
     };
+    let ((b0, b1), (s0, s1)) = (load(bias), load(scales));
     let tp = tile.as_ptr();
     for r in 0..mr {
         let (mut v0, mut v1) = (
             _mm512_loadu_ps(tp.add(r * NR)),
             _mm512_loadu_ps(tp.add(r * NR + 16)),
         );
+        if scales.is_some() {
+            v0 = _mm512_mul_ps(v0, s0);
+            v1 = _mm512_mul_ps(v1, s1);
+        }
         if bias.is_some() {
             v0 = _mm512_add_ps(v0, b0);
             v1 = _mm512_add_ps(v1, b1);
@@ -1769,15 +1789,20 @@ mod tests {
         }
         let tile: [f32; MR_MAX * NR] = std::array::from_fn(|i| i as f32 * 0.5 - 7.0);
         let bias: Vec<f32> = (0..NR).map(|c| c as f32 * 0.25).collect();
+        let scales: Vec<f32> = (0..NR).map(|c| 1.0 + c as f32 / 64.0).collect();
         for cols in [1, 15, 16, 17, 31, 32] {
-            for b in [None, Some(&bias[..cols])] {
+            for (sc, b) in [
+                (None, None),
+                (None, Some(&bias[..cols])),
+                (Some(&scales[..cols]), Some(&bias[..cols])),
+            ] {
                 let ld = 40;
                 let mut want = vec![-1f32; MR_MAX * ld];
                 let mut got = want.clone();
                 // SAFETY: both buffers hold MR_MAX rows of `ld` floats.
                 unsafe {
-                    write_tile(Isa::Portable, &tile, 6, cols, b, want.as_mut_ptr(), ld);
-                    write_tile(Isa::get(), &tile, 6, cols, b, got.as_mut_ptr(), ld);
+                    write_tile(Isa::Portable, &tile, 6, cols, sc, b, want.as_mut_ptr(), ld);
+                    write_tile(Isa::get(), &tile, 6, cols, sc, b, got.as_mut_ptr(), ld);
                 }
                 assert_eq!(
                     got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
