@@ -166,3 +166,36 @@ fn prompt_sharing_can_be_switched_off() -> Result<()> {
     assert_eq!(outs.iter().map(shared_rows).collect::<Vec<_>>(), [0, 0, 0]);
     Ok(())
 }
+
+/// ARMT: the memories a prompt's memory segments leave (every segment but the last) depend on
+/// their ids and how they ran, and decoding never writes them: choices with the same memory
+/// segments take copies of the first one's memories and run only their prompt segment.
+/// Sequential and diagonal requests (each from a donor of its own execution), greedy and
+/// sampled; a request whose memory segments differ shares nothing.
+#[test]
+fn armt_choices_take_the_first_ones_memories() -> Result<()> {
+    use crate::recurrent_memory::test_support::{ar, fixture_files, prompt};
+    use crate::request::Execution;
+    // 30 tokens in segments of 8: three memory segments (24 tokens) and a prompt segment of 6.
+    let p = prompt(30, 1);
+    let mut specs = Vec::new();
+    for execution in [Execution::Sequential, Execution::Diagonal] {
+        specs.push(GenerateSpec::greedy(p.clone(), 8, 0, ar(execution)));
+        let mut s = GenerateSpec::greedy(p.clone(), 8, 4, ar(execution));
+        s.sampling.temperature = 0.8;
+        specs.push(s);
+    }
+    // The same memory segments, another prompt segment.
+    let mut tail = p[..24].to_vec();
+    tail.extend(prompt(5, 9));
+    specs.push(GenerateSpec::greedy(tail, 8, 0, ar(Execution::Sequential)));
+    specs.push(GenerateSpec::greedy(
+        prompt(30, 2),
+        8,
+        0,
+        ar(Execution::Sequential),
+    ));
+    let shared = together_and_alone(fixture_files()?, "armt", &specs)?;
+    assert_eq!(shared, [0, 24, 0, 24, 24, 0]);
+    Ok(())
+}

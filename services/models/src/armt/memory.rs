@@ -93,6 +93,17 @@ impl MemoryPool {
             written: memory.written,
         })
     }
+
+    /// A copy of `memory`, which is in this pool's entries (another request's), in new entries.
+    pub fn copy(&self, layer: usize, memory: &LayerMemory) -> Result<LayerMemory> {
+        let (a, z) = self.layer(layer)?;
+        // Through fresh tensors: an entry is a view of the arena the new one is made in.
+        Ok(LayerMemory {
+            a: Pooled::new_in(a, &memory.a().copy()?)?,
+            z: Pooled::new_in(z, &memory.z().copy()?)?,
+            written: memory.written,
+        })
+    }
 }
 
 /// One layer's associative memory of one request: in [`MemoryPool`] entries while its request

@@ -339,6 +339,15 @@ impl Armt {
             .collect()
     }
 
+    /// Copies of another running request's `memory` (in this model's pool) in new slots.
+    pub fn copied_memory(&self, memory: &[LayerMemory]) -> Result<Vec<LayerMemory>> {
+        memory
+            .iter()
+            .enumerate()
+            .map(|(l, m)| self.memories.copy(l, m))
+            .collect()
+    }
+
     /// The slots requests' memories live in.
     pub fn memory_pool(&self) -> &MemoryPool {
         &self.memories

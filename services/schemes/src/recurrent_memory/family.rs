@@ -464,4 +464,34 @@ impl Family for RecurrentMemoryFamily {
         self.move_state(a, &mut moved, true)?;
         Ok(moved)
     }
+
+    /// The memories a prompt's memory segments leave depend on their ids alone (and the
+    /// execution): a request with the same ones takes copies of them.
+    fn share_key(&self, program: &ArmtProgram) -> Option<u64> {
+        program.share_key()
+    }
+
+    fn prompt_pending(&self, a: &Active<ArmtProgram>) -> bool {
+        a.program.prompt_pending()
+    }
+
+    /// ARMT's prompt state is its memories, not pages: the taker gets copies of the donor's
+    /// (a few hundred kilobytes per layer at most, constant in the prompt's length) in its own
+    /// memory slots and skips the memory segments; no page is shared.
+    fn adopt_prompt(
+        &mut self,
+        donor: &mut Active<ArmtProgram>,
+        taker: &mut Active<ArmtProgram>,
+    ) -> Result<Vec<SlotId>, FamilyError> {
+        if !taker.program.can_take_memories_of(&donor.program) {
+            return Ok(Vec::new());
+        }
+        let memories = donor.program.memories().expect("checked above");
+        let copies = self
+            .model
+            .copied_memory(memories)
+            .map_err(|e| FamilyError::program(FAMILY, Phase::Plan, e))?;
+        taker.program.take_memories(copies);
+        Ok(Vec::new())
+    }
 }

@@ -62,7 +62,7 @@ mod golden_tests;
 #[cfg(test)]
 mod serving_tests;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use std::sync::Arc;
 

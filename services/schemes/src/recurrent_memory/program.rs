@@ -95,6 +95,10 @@ pub struct ArmtProgram {
     pub(crate) guide: Option<crate::constraint::Guide>,
     #[serde(default)]
     pub(crate) constrained: bool,
+    /// The prompt-sharing key of the memory segments (their ids, the segment size and the
+    /// execution), computed once; `None` with one segment or a scored prompt.
+    #[serde(default)]
+    key: Option<u64>,
 }
 
 /// The slots of an ARMT request: the fixed ones (memories, diagonal residual streams) and the
@@ -134,7 +138,14 @@ impl ArmtProgram {
     ) -> Self {
         let segments = prompt.len().div_ceil(segment_size);
         let prompt_scores = sampler.params().prompt_logprobs.map(|_| BTreeMap::new());
+        // The memories after the prompt depend on its memory segments' ids (all but the last
+        // segment) and how they ran.
+        let memory_ids = segments.saturating_sub(1) * segment_size;
+        let key = (prompt_scores.is_none() && memory_ids > 0).then(|| {
+            crate::packing::key_of(&("armt", segment_size, diagonal, &prompt[..memory_ids]))
+        });
         Self {
+            key,
             prompt,
             segment_size,
             segments,
@@ -251,6 +262,56 @@ impl ArmtProgram {
         let start = s * self.segment_size;
         let end = (start + self.segment_size).min(self.prompt.len());
         &self.prompt[start..end]
+    }
+
+    /// The prompt-sharing key ([`Self::new`]).
+    pub(crate) fn share_key(&self) -> Option<u64> {
+        self.key
+    }
+
+    /// Whether the prompt's segments are still running (the memories are final after them:
+    /// decoding reads them without writing).
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.phase == Phase::Prefill
+    }
+
+    /// Tokens of the memory segments (every segment but the prompt segment).
+    fn memory_ids(&self) -> &[u32] {
+        &self.prompt[..self.segments.saturating_sub(1) * self.segment_size]
+    }
+
+    /// Whether this request, which has run nothing, may take `donor`'s memories as its own:
+    /// the same memory segments, run the same way, and `donor`'s prompt done.
+    pub(crate) fn can_take_memories_of(&self, donor: &ArmtProgram) -> bool {
+        let fresh = self.phase == Phase::Prefill
+            && self.memory.is_none()
+            && self.next_segment == 0
+            && self.step == 0
+            && self.inflight.is_empty()
+            && self.cache.is_empty();
+        fresh
+            && self.key.is_some()
+            && !donor.prompt_pending()
+            && donor.memory.is_some()
+            && donor.segment_size == self.segment_size
+            && donor.diagonal == self.diagonal
+            && donor.memory_ids() == self.memory_ids()
+    }
+
+    /// The memories of a request with the same memory segments (copies in this request's
+    /// slots): the memory segments are not run again, the prompt segment runs next, as one
+    /// segment through every layer.
+    pub(crate) fn take_memories(&mut self, memory: Vec<LayerMemory>) {
+        self.memory = Some(memory);
+        self.next_segment = self.segments - 1;
+        self.diagonal = false;
+        let skipped = self.memory_ids().len() as u64;
+        self.stats.add_counter("shared_prompt_tokens", skipped);
+    }
+
+    /// The donor's memories (for [`Self::take_memories`] of a copy).
+    pub(crate) fn memories(&self) -> Option<&[LayerMemory]> {
+        self.memory.as_deref()
     }
 
     /// The last segment: run without memory tokens and without writes, its keys cached.
