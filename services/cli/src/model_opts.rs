@@ -95,8 +95,8 @@ pub struct ModelArgs {
     pub max_batch_rows: usize,
     /// Whether requests with the same prompt (the choices of a request with n > 1, or
     /// identical prompts) read one copy of its pages where the family allows it (ReFusion,
-    /// LLaDA2.0, DiffusionGemma; ARMT takes a copy of the memories its memory segments leave):
-    /// true or false.
+    /// LLaDA2.0, DiffusionGemma, Huginn when the initial states agree; ARMT takes a copy of the
+    /// memories its memory segments leave): true or false.
     #[arg(long, env = "WAVEFRONT_PROMPT_SHARING", default_value_t = true, action = clap::ArgAction::Set)]
     pub prompt_sharing: bool,
     /// Seconds a client may leave its response unread before its request is cancelled and its

@@ -199,3 +199,40 @@ fn armt_choices_take_the_first_ones_memories() -> Result<()> {
     assert_eq!(shared, [0, 24, 0, 24, 24, 0]);
     Ok(())
 }
+
+/// Huginn's static `ar`: a prompt's rows depend on its initial states too. With zero initial
+/// states (`init_scale` 0) every choice shares the first one's pages whatever its seed; with
+/// drawn ones only a request of the same seed does (its draws for the shared positions are
+/// drawn and dropped, so the rest are the ones it takes alone); choices seeded apart, an
+/// adaptive exit (it averages over a call's positions) and another recurrence count share
+/// nothing.
+#[test]
+fn huginn_static_requests_share_prompt_pages_when_their_initial_states_agree() -> Result<()> {
+    use crate::recurrent_depth::test_support::{ar_adaptive, ar_static, fixture_files, prompt};
+    let p = prompt(40, 1);
+    let zero = |steps| {
+        let mut s = ar_static(steps, "full");
+        if let SchemeParams::Ar(a) = &mut s {
+            a.init_scale = Some(0.0);
+        }
+        s
+    };
+    let sampled = |mut s: GenerateSpec| {
+        s.sampling.temperature = 0.8;
+        s
+    };
+    let specs = vec![
+        GenerateSpec::greedy(p.clone(), 6, 0, zero(4)),
+        sampled(GenerateSpec::greedy(p.clone(), 6, 1, zero(4))),
+        sampled(GenerateSpec::greedy(p.clone(), 6, 2, zero(4))),
+        // Drawn initial states: the same seed shares, another does not.
+        GenerateSpec::greedy(p.clone(), 6, 7, ar_static(4, "full")),
+        sampled(GenerateSpec::greedy(p.clone(), 6, 7, ar_static(4, "full"))),
+        GenerateSpec::greedy(p.clone(), 6, 8, ar_static(4, "full")),
+        GenerateSpec::greedy(p.clone(), 6, 0, zero(3)),
+        GenerateSpec::greedy(p.clone(), 6, 0, ar_adaptive(4, "latest-m4", 0.5)),
+    ];
+    let shared = together_and_alone(fixture_files()?, "huginn", &specs)?;
+    assert_eq!(shared, [0, 32, 32, 0, 32, 0, 0, 0]);
+    Ok(())
+}

@@ -182,6 +182,9 @@ pub struct HuginnCache {
     latent: Option<KvStore>,
     supply: PageSupply,
     swapped: Option<Vec<SwappedStore>>,
+    /// Leading pages of every position store that another cache reads too
+    /// ([`Self::share_prefix`]): never written again, never given back as spare pages.
+    frozen: usize,
 }
 
 impl fmt::Debug for HuginnCache {
@@ -223,6 +226,7 @@ impl HuginnCache {
             latent: None,
             supply: PageSupply::new(pool),
             swapped: None,
+            frozen: 0,
         }
     }
 
@@ -329,19 +333,85 @@ impl HuginnCache {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
         let keep = len.div_ceil(self.page_size());
+        // Shared pages leave the tables only: their holders give them back to the engine.
+        let own_from = keep.max(self.frozen);
         let mut freed = Vec::new();
         for store in self.stores_mut() {
             store.present.truncate(len);
             if store.pages.len() > keep {
-                freed.extend(store.pages.split_off(keep).into_iter().flatten());
+                let dropped = store.pages.split_off(keep);
+                freed.extend(dropped.into_iter().skip(own_from - keep).flatten());
             }
         }
         self.supply.give(freed);
     }
 
+    /// Makes this empty cache read the first `pages` pages of every position store of `donor`
+    /// (same pool; each store holding those pages whole, every position present): positions
+    /// `0..pages · page_size` without computing them. Neither cache writes those pages again or
+    /// hands them out as spare pages. Returns the page ids now read by both.
+    pub fn share_prefix(&mut self, donor: &mut HuginnCache, pages: usize) -> Result<Vec<u32>> {
+        let rows = pages * self.page_size();
+        let same_pool = self.pool().same_as(donor.pool());
+        if !same_pool || !self.pool().is_shared() || self.strategy != donor.strategy {
+            return Err(ModelError::Cache(
+                "prompt pages are shared only within a model's pool, under one lookup strategy"
+                    .into(),
+            ));
+        }
+        if self.len > 0 || self.pages_used() > 0 || self.swapped.is_some() {
+            return Err(ModelError::Cache(
+                "only an empty cache takes another's prompt pages".into(),
+            ));
+        }
+        if donor.swapped.is_some() || donor.len < rows {
+            return Err(ModelError::Cache(format!(
+                "the cache holds {} positions, not the {rows} to share",
+                donor.len
+            )));
+        }
+        let mut ids = Vec::new();
+        let mut stores = Vec::new();
+        for (list, make) in [
+            (&donor.prelude, StoreKey::Prelude as fn(usize) -> StoreKey),
+            (&donor.core, StoreKey::Core),
+            (&donor.coda, StoreKey::Coda),
+        ] {
+            for (i, store) in list.iter().enumerate() {
+                let Some(store) = store else { continue };
+                let whole = store.pages.len() >= pages
+                    && store.pages[..pages].iter().all(Option::is_some)
+                    && store.covers(rows);
+                if !whole {
+                    return Err(ModelError::Cache(format!(
+                        "{:?} does not hold the {rows} positions to share",
+                        make(i)
+                    )));
+                }
+                ids.extend(store.pages[..pages].iter().flatten());
+                stores.push((
+                    make(i),
+                    KvStore {
+                        pages: store.pages[..pages].to_vec(),
+                        present: vec![true; rows],
+                    },
+                ));
+            }
+        }
+        for (key, store) in stores {
+            *self.store_mut(key) = Some(store);
+        }
+        self.core_layers = donor.core_layers;
+        self.len = rows;
+        self.frozen = pages;
+        donor.frozen = donor.frozen.max(pages);
+        Ok(ids)
+    }
+
     /// Drops every entry (the pages stay this cache's to reuse).
     pub fn clear(&mut self) {
         self.truncate(0);
+        self.frozen = 0;
         self.prelude.clear();
         self.core.clear();
         self.coda.clear();
@@ -467,6 +537,12 @@ impl HuginnCache {
         let key = self.resolve(layer)?;
         let used = self.pages_used();
         let p = self.page_size();
+        if start < self.frozen * p {
+            return Err(ModelError::Cache(format!(
+                "{layer:?}: positions from {start} would overwrite the {} shared prompt positions",
+                self.frozen * p
+            )));
+        }
         let mut store = self.store_mut(key).take().unwrap_or_default();
         let mut done = 0;
         let written = (|| {
@@ -718,6 +794,8 @@ impl HuginnCache {
         }
         self.supply.drop_spare();
         self.swapped = Some(out);
+        // The pages come back as this cache's own.
+        self.frozen = 0;
         Ok(bytes)
     }
 

@@ -115,6 +115,11 @@ impl KvPool {
         self.inner.page_size
     }
 
+    /// Whether `other` is this pool (clones of one pool are the same pool).
+    pub(crate) fn same_as(&self, other: &KvPool) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Whether this is a model's shared pool.
     pub fn is_shared(&self) -> bool {
         self.inner.shared
@@ -686,7 +691,7 @@ impl KvCache {
     pub fn share_prefix(&mut self, donor: &mut KvCache, pages: usize) -> Result<Vec<u32>> {
         let p = self.page_size();
         let rows = pages * p;
-        if !Arc::ptr_eq(&self.pool().inner, &donor.pool().inner) || !self.pool().is_shared() {
+        if !self.pool().same_as(donor.pool()) || !self.pool().is_shared() {
             return Err(ModelError::Cache(
                 "prompt pages are shared only within a model's pool".into(),
             ));

@@ -66,6 +66,13 @@ pub struct ArProgram {
     pub(crate) guide: Option<crate::constraint::Guide>,
     #[serde(default)]
     pub(crate) constrained: bool,
+    /// The prompt's ids (prompt sharing compares them).
+    #[serde(default)]
+    pub(crate) prompt: Vec<u32>,
+    /// The prompt-sharing key of the prefill's rows (the planner's), `None` when they are
+    /// this request's own.
+    #[serde(default)]
+    pub(crate) key: Option<u64>,
 }
 
 /// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
@@ -113,6 +120,36 @@ pub struct ArOutput {
 }
 
 impl ArProgram {
+    /// Whether the prompt's rows are still being computed.
+    pub(crate) fn prompt_pending(&self) -> bool {
+        self.cache.len() < self.prompt.len()
+    }
+
+    /// Positions of `donor`'s cache this request, which has run nothing, may read as its own:
+    /// the same prompt's whole pages of `page` positions before its last one.
+    pub(crate) fn shareable(&self, donor: &ArProgram, page: usize) -> usize {
+        let fresh = self.cache.is_empty() && self.pending == self.prompt && self.generated == 0;
+        if !fresh || self.key.is_none() || donor.prompt != self.prompt || donor.prompt_pending() {
+            return 0;
+        }
+        (self.prompt.len() - 1) / page * page
+    }
+
+    /// The cache holds the prompt's first `rows` positions (another request's pages): they are
+    /// not run again, and their initial states are drawn and dropped, so the rest of the
+    /// request's draws are the ones it takes alone.
+    pub(crate) fn skip_prompt(&mut self, rows: usize, dim: usize) -> Result<(), SchemeError> {
+        if self.cache.len() != rows || rows >= self.pending.len() {
+            return Err(SchemeError::inconsistent(
+                "shared prompt rows do not fit the prompt",
+            ));
+        }
+        self.draws.next(rows, dim, false)?;
+        self.pending.drain(..rows);
+        self.stats.add_counter("shared_prompt_tokens", rows as u64);
+        Ok(())
+    }
+
     /// The plan of the next `rows` pending positions (a chunk of a static prefill when fewer
     /// than it has). Takes the positions' initial states: draws from the request's source, or
     /// its warm state.

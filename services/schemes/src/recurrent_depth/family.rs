@@ -262,6 +262,49 @@ impl Family for HuginnFamily {
         Ok(moved)
     }
 
+    /// Static `ar` requests with the same prompt, recurrences, cache layout and initial states
+    /// (zeros, or one seed's draws) share the prompt's pages; diffusion forcing does not.
+    fn share_key(&self, program: &Program) -> Option<u64> {
+        match program {
+            Program::Ar(p) => p.key.filter(|_| p.prompt.len() > self.pool.page_size()),
+            Program::Diffusion(_) => None,
+        }
+    }
+
+    fn prompt_pending(&self, a: &Active<Program>) -> bool {
+        matches!(&a.program, Program::Ar(p) if p.prompt_pending())
+    }
+
+    /// Every cache layer's whole prompt pages before the prompt's last position.
+    fn adopt_prompt(
+        &mut self,
+        donor: &mut Active<Program>,
+        taker: &mut Active<Program>,
+    ) -> Result<Vec<SlotId>, FamilyError> {
+        let page = self.pool.page_size();
+        let rows = match (&donor.program, &taker.program) {
+            (Program::Ar(d), Program::Ar(t)) if !d.cache.is_swapped() => t.shareable(d, page),
+            _ => 0,
+        };
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        self.bind(taker);
+        let fail = |e| FamilyError::program(FAMILY, Phase::Plan, e);
+        let (Program::Ar(d), Program::Ar(t)) = (&mut donor.program, &mut taker.program) else {
+            unreachable!("both are ar requests (checked above)")
+        };
+        let ids = t
+            .cache
+            .share_prefix(&mut d.cache, rows / page)
+            .map_err(|e| fail(SchemeError::from(e)))?;
+        if let Err(e) = t.skip_prompt(rows, self.model.config().n_embd) {
+            t.cache.clear();
+            return Err(fail(e));
+        }
+        Ok(ids.into_iter().map(SlotId).collect())
+    }
+
     fn stop(&mut self, a: &mut Active<Program>) {
         match &mut a.program {
             Program::Ar(p) => {

@@ -173,7 +173,28 @@ impl HuginnPlanner {
         };
         let max_slots = self.kv_pages(positions, strategy, num_steps);
         let prompt_tokens = spec.prompt_ids.len();
+        // Prompt sharing: a static prefill's rows depend on the ids, the recurrences, the cache
+        // layout and the initial states (zeros, or the seed's draws). An adaptive exit averages
+        // over the positions of a call, and replayed or scored prompts are the request's own.
+        let init = match &draws {
+            DrawSource::Zeros => Some((0u8, 0, 0)),
+            DrawSource::Seeded { .. } => Some((1, spec.sampling.seed, init_scale.to_bits())),
+            DrawSource::Replay { .. } => None,
+        };
+        let key = init
+            .filter(|_| a.exit_threshold.is_none() && spec.sampling.prompt_logprobs.is_none())
+            .map(|init| {
+                crate::packing::key_of(&(
+                    "huginn-ar",
+                    &spec.prompt_ids,
+                    num_steps,
+                    strategy.to_string(),
+                    init,
+                ))
+            });
         let program = ArProgram {
+            key,
+            prompt: spec.prompt_ids.clone(),
             cache: self.cache(strategy),
             pending: spec.prompt_ids,
             num_steps,
