@@ -236,3 +236,21 @@ fn huginn_static_requests_share_prompt_pages_when_their_initial_states_agree() -
     assert_eq!(shared, [0, 32, 32, 0, 32, 0, 0, 0]);
     Ok(())
 }
+
+/// Huginn caches that keep one core slot per layer across recurrences (`compress-sN`, diffusion
+/// forcing's only layout) hold a position's last recurrence alone, where the positions after it
+/// read each recurrence's: such requests compute their prompts each.
+#[test]
+fn huginn_caches_shared_across_recurrences_do_not_share_prompts() -> Result<()> {
+    use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
+    let mut zero = ar_static(4, "compress-s4");
+    if let SchemeParams::Ar(a) = &mut zero {
+        a.init_scale = Some(0.0);
+    }
+    let specs: Vec<GenerateSpec> = (0..2)
+        .map(|seed| GenerateSpec::greedy(prompt(40, 1), 6, seed, zero.clone()))
+        .collect();
+    let shared = together_and_alone(fixture_files()?, "huginn", &specs)?;
+    assert_eq!(shared, [0, 0]);
+    Ok(())
+}

@@ -176,13 +176,17 @@ impl HuginnPlanner {
         // Prompt sharing: a static prefill's rows depend on the ids, the recurrences, the cache
         // layout and the initial states (zeros, or the seed's draws). An adaptive exit averages
         // over the positions of a call, and replayed or scored prompts are the request's own.
+        // A cache that shares core slots across recurrences (`compress-sN`) keeps a position's
+        // last recurrence only, where the positions after it would read each recurrence's.
         let init = match &draws {
             DrawSource::Zeros => Some((0u8, 0, 0)),
             DrawSource::Seeded { .. } => Some((1, spec.sampling.seed, init_scale.to_bits())),
             DrawSource::Replay { .. } => None,
         };
+        let per_recurrence = !matches!(strategy, CacheStrategy::Compress { .. });
         let key = init
             .filter(|_| a.exit_threshold.is_none() && spec.sampling.prompt_logprobs.is_none())
+            .filter(|_| per_recurrence)
             .map(|init| {
                 crate::packing::key_of(&(
                     "huginn-ar",
