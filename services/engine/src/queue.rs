@@ -58,9 +58,22 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
-    /// Whether there is a head and `pred` holds for it.
-    pub fn front_is(&self, pred: impl FnOnce(&T) -> bool) -> bool {
-        self.items.front().is_some_and(pred)
+    /// The first item `held` does not hold back, removed if `fits` accepts it. `Err(true)`: that
+    /// item does not fit (it stays, and so does everything after it); `Err(false)`: every item
+    /// is held back (or there is none).
+    pub fn pop_first_unheld(
+        &mut self,
+        held: impl Fn(&T) -> bool,
+        fits: impl FnOnce(&T) -> bool,
+    ) -> Result<T, bool> {
+        let Some(i) = self.items.iter().position(|t| !held(t)) else {
+            return Err(false);
+        };
+        if fits(&self.items[i]) {
+            Ok(self.items.remove(i).expect("a position in the queue"))
+        } else {
+            Err(true)
+        }
     }
 
     /// Removes every item matching `pred` (cancelled or expired while waiting).
@@ -86,6 +99,21 @@ impl<T> AdmissionQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn held_items_keep_their_place_and_the_first_other_one_pops_if_it_fits() {
+        let mut q = AdmissionQueue::new(8);
+        for x in [1, 2, 30, 4] {
+            assert!(q.push(x).is_ok());
+        }
+        let held = |x: &i32| *x < 3;
+        // 1 and 2 are held back; 30 is the first other one and does not fit: nothing pops.
+        assert_eq!(q.pop_first_unheld(held, |&x| x < 10), Err(true));
+        assert_eq!(q.pop_first_unheld(held, |&x| x < 100), Ok(30));
+        assert_eq!(q.pop_first_unheld(held, |_| true), Ok(4));
+        assert_eq!(q.pop_first_unheld(held, |_| true), Err(false));
+        assert_eq!(q.pop_first_unheld(|_| false, |_| true), Ok(1));
+    }
 
     #[test]
     fn full_queue_hands_the_item_back() {

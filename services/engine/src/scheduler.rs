@@ -142,23 +142,22 @@ impl<P> SharedQueue<P> {
         s.free_places = free_places;
     }
 
-    /// Pops the head if `fits` accepts it (the engine admitting a request).
-    fn pop_if(&self, fits: impl FnOnce(&Waiting<P>) -> bool) -> Option<Waiting<P>> {
-        let mut s = self.state();
-        let w = s.queue.pop_if(fits);
-        if w.is_some() {
-            s.taken += 1;
-        }
-        w
-    }
-
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Whether there is a head and `pred` holds for it.
-    fn front_is(&self, pred: impl FnOnce(&Waiting<P>) -> bool) -> bool {
-        self.state().queue.front_is(pred)
+    /// [`AdmissionQueue::pop_first_unheld`] under the lock.
+    fn pop_first_unheld(
+        &self,
+        held: impl Fn(&Waiting<P>) -> bool,
+        fits: impl FnOnce(&Waiting<P>) -> bool,
+    ) -> Result<Waiting<P>, bool> {
+        let mut s = self.state();
+        let w = s.queue.pop_first_unheld(held, fits);
+        if w.is_ok() {
+            s.taken += 1;
+        }
+        w
     }
 
     pub fn capacity(&self) -> usize {
@@ -582,20 +581,19 @@ impl<P: Send + 'static> Scheduler<P> {
                 break;
             }
             // A request whose prompt pages a running request is computing waits for them (it
-            // reads them instead of computing them again).
-            let fam: &F = family;
-            if self.queue.front_is(|w| {
-                w.prepared.carried.is_none() && self.waits_for_prompt(fam, &w.prepared.program)
-            }) {
-                break;
-            }
+            // reads them instead of computing them again), keeping its place; the requests
+            // behind it go ahead.
             let reserve = self.reserve();
             let free = self.pool.free();
-            let Some(w) = self.queue.pop_if(|w| w.prepared.slots + reserve <= free) else {
-                if !self.queue.is_empty() && self.preempt_paused(family, report) {
-                    continue;
-                }
-                break;
+            let fam: &F = family;
+            let popped = self.queue.pop_first_unheld(
+                |w| w.prepared.carried.is_none() && self.waits_for_prompt(fam, &w.prepared.program),
+                |w| w.prepared.slots + reserve <= free,
+            );
+            let w = match popped {
+                Ok(w) => w,
+                Err(true) if self.preempt_paused(family, report) => continue,
+                Err(_) => break,
             };
             if w.prepared.carried.is_some() {
                 self.take_in(family, w, now, report);

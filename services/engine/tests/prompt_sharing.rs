@@ -1,7 +1,8 @@
 //! Prompt sharing in the scheduler, with a fake family: a request whose prompt a running request
-//! is computing waits for it, then is admitted onto that request's pages (each shared slot
-//! counted with both holders, only the rest allocated); a donor that fails or leaves before its
-//! prompt is done holds nobody up; every slot is free once both requests are gone.
+//! is computing waits for it in its place (the requests behind it go ahead), then is admitted
+//! onto that request's pages (each shared slot counted with both holders, only the rest
+//! allocated); a donor that fails or leaves before its prompt is done holds nobody up; every
+//! slot is free once both requests are gone.
 
 use std::sync::mpsc;
 use std::time::Instant;
@@ -134,19 +135,18 @@ fn a_request_waits_for_the_prompt_pages_it_shares_and_holds_only_the_rest() {
     for w in [a, b, c] {
         assert!(s.enqueue(w).is_ok());
     }
-    // The donor computes its prompt; the request with its key waits at the head (and so does
-    // the one behind it).
+    // The donor computes its prompt; the request with its key waits in its place, and the one
+    // behind it, another prompt, goes ahead.
     for _ in 0..3 {
         s.tick(&mut f, Instant::now());
-        assert_eq!(s.running(), 1);
-        assert_eq!(s.queued(), 2);
-        assert_eq!(s.pool().used(), 4);
+        assert_eq!(s.running(), 2);
+        assert_eq!(s.queued(), 1);
+        assert_eq!(s.pool().used(), 4 + 4);
     }
-    // Prompt done: the second reads its first two slots and takes two more; the third, another
-    // prompt, takes its own four.
+    // Prompt done: the second reads its first two slots and takes two more.
     s.tick(&mut f, Instant::now());
     assert_eq!(s.running(), 3);
-    assert_eq!(s.pool().used(), 4 + 2 + 4);
+    assert_eq!(s.pool().used(), 4 + 4 + 2);
     assert_eq!(s.pool().shared(), 2);
     let (mut done_a, mut done_b, mut done_c) = (false, false, false);
     for _ in 0..20 {
