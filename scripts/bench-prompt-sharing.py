@@ -4,7 +4,7 @@ request with `n` choices of a long token-id prompt and reads its wall time and t
 statistics (rows each computed, rows it read from another choice's pages).
 
 usage: bench-prompt-sharing.py [--model models/refusion-tiny] [--prompt 1024] [--n 8]
-                               [--max-tokens 16] [--rounds 4] [--scheme ar]
+                               [--max-tokens 16] [--rounds 4] [--scheme ar] [--params JSON]
 """
 
 import argparse
@@ -46,12 +46,13 @@ def main():
     a.add_argument("--max-tokens", type=int, default=16)
     a.add_argument("--rounds", type=int, default=4)
     a.add_argument("--scheme", default="ar")
+    a.add_argument("--params", default="{}", help="the scheme object's fields, as JSON")
     args = a.parse_args()
     servers = {s: start(args.wavefront, args.model, s) for s in ("true", "false")}
     prompt = [(i * 37 + 11) % 400 + 20 for i in range(args.prompt)]
     body = {"model": args.model.rstrip("/").split("/")[-1], "prompt": prompt,
             "max_tokens": args.max_tokens, "temperature": 0.8, "seed": 1, "n": args.n,
-            args.scheme: {}}
+            args.scheme: json.loads(args.params)}
     times = {"true": [], "false": []}
     rows = {}
     try:
