@@ -18,7 +18,7 @@
 //! ahead of every new arrival, so nobody starves.
 
 use crate::error::{EngineError, FamilyError};
-use crate::event::{Event, Outbox};
+use crate::event::Event;
 use crate::family::Family;
 use crate::ids::{RequestId, SlotId};
 use crate::metrics::EngineMetrics;
@@ -610,15 +610,10 @@ impl<P: Send + 'static> Scheduler<P> {
                 span,
             } = w;
             let mut active = Active {
-                id,
-                program: prepared.program,
-                new_slots: Vec::new(),
-                slots: Vec::new(),
-                outbox: Outbox::default(),
                 admitted_at: now,
-                ticks: 0,
                 seq: self.next_seq,
                 floor: prepared.floor,
+                ..Active::new(id, prepared.program)
             };
             let shared = self.adopt_prompt(family, &mut active, &span);
             let slots = self
@@ -969,15 +964,10 @@ impl<P: Send + 'static> Scheduler<P> {
         self.next_seq += 1;
         let mut r = Running {
             active: Active {
-                id: w.id,
-                program: w.prepared.program,
-                new_slots: Vec::new(),
-                slots: Vec::new(),
-                outbox: Outbox::default(),
                 admitted_at: now,
-                ticks: 0,
                 seq: self.next_seq,
                 floor: w.prepared.floor,
+                ..Active::new(w.id, w.prepared.program)
             },
             sink: w.sink,
             deadline: w.deadline,
