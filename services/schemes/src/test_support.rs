@@ -62,6 +62,21 @@ impl EventSink for TestSink {
     }
 }
 
+/// The float64 log-softmax of a logits row (what tests check log-probabilities against).
+pub fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row
+        .iter()
+        .map(|&v| f64::from(v))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let lse = max
+        + row
+            .iter()
+            .map(|&v| (f64::from(v) - max).exp())
+            .sum::<f64>()
+            .ln();
+    row.iter().map(|&v| f64::from(v) - lse).collect()
+}
+
 /// What a finished request produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {

@@ -468,17 +468,7 @@ fn masked_logprob(model: &wavefront_models::Llada, ids: &[u32], at: usize) -> Re
         .logits(&hidden.narrow(0, at, 1)?)?
         .to_vec2()?
         .remove(0);
-    let max = row
-        .iter()
-        .map(|&v| f64::from(v))
-        .fold(f64::NEG_INFINITY, f64::max);
-    let lse = max
-        + row
-            .iter()
-            .map(|&v| (f64::from(v) - max).exp())
-            .sum::<f64>()
-            .ln();
-    Ok(f64::from(row[ids[at] as usize]) - lse)
+    Ok(crate::test_support::log_softmax(&row)[ids[at] as usize])
 }
 
 /// `prompt_logprobs`, served, scoring only, checked against independent forwards:

@@ -28,6 +28,7 @@ use crate::request::{
     SchemeParams,
 };
 use crate::served::Planner;
+use crate::test_support::log_softmax;
 
 const AR_CASES: [&str; 8] = [
     "ar_static_s4_full",
@@ -528,21 +529,6 @@ fn aligned_freeze_test_and_seeded_draws_finish() -> Result<()> {
     }
     ensure!(outputs[0] == outputs[1], "same seed, different output");
     Ok(())
-}
-
-/// Float64 log-softmax of a row.
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row
-        .iter()
-        .map(|&v| f64::from(v))
-        .fold(f64::NEG_INFINITY, f64::max);
-    let lse = max
-        + row
-            .iter()
-            .map(|&v| (f64::from(v) - max).exp())
-            .sum::<f64>()
-            .ln();
-    row.iter().map(|&v| f64::from(v) - lse).collect()
 }
 
 /// `logprobs`, served: an AR token's log-probability and alternatives are the log-softmax of the

@@ -150,24 +150,14 @@ fn logprobs_are_the_log_softmax_of_upstreams_step_logits() -> Result<()> {
             .tensor(&format!("gen.{name}.step_logits"))?
             .to_vec2()?;
         for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
-            let row = &rows[i];
-            let max = row
-                .iter()
-                .map(|&v| f64::from(v))
-                .fold(f64::NEG_INFINITY, f64::max);
-            let lse = max
-                + row
-                    .iter()
-                    .map(|&v| (f64::from(v) - max).exp())
-                    .sum::<f64>()
-                    .ln();
+            let row = crate::test_support::log_softmax(&rows[i]);
             ensure!(
                 lp.top.len() == 3 && lp.top[0] == (token, lp.logprob),
                 "{name} token {i}: alternatives {:?}",
                 lp.top
             );
             for &(id, got) in &lp.top {
-                let want = f64::from(row[id as usize]) - lse;
+                let want = row[id as usize];
                 ensure!(
                     (f64::from(got) - want).abs() < 2e-3,
                     "{name} token {i}: logprob of {id} {got}, upstream's logits give {want}"
@@ -217,20 +207,10 @@ fn prompt_logprobs_are_the_segmented_forwards_log_softmax() -> Result<()> {
             let scored = out.prompt_logprobs.as_ref().context("no prompt entries")?;
             ensure!(scored.len() == ids.len() && scored[0].logprob.is_nan());
             for (j, lp) in scored.iter().enumerate().skip(1) {
-                let row = &rows[j - 1];
-                let max = row
-                    .iter()
-                    .map(|&v| f64::from(v))
-                    .fold(f64::NEG_INFINITY, f64::max);
-                let lse = max
-                    + row
-                        .iter()
-                        .map(|&v| (f64::from(v) - max).exp())
-                        .sum::<f64>()
-                        .ln();
+                let row = crate::test_support::log_softmax(&rows[j - 1]);
                 ensure!(lp.top.len() == 2, "{name} position {j}: {:?}", lp.top);
                 for &(id, got) in std::iter::once(&(ids[j], lp.logprob)).chain(&lp.top) {
-                    let want = f64::from(row[id as usize]) - lse;
+                    let want = row[id as usize];
                     ensure!(
                         (f64::from(got) - want).abs() < 2e-3,
                         "{name} position {j}: logprob of {id} {got}, upstream {want}"

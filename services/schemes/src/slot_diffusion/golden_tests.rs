@@ -504,19 +504,7 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
         }],
     )?;
     let rows: Vec<Vec<f32>> = model.logits(&hidden)?.to_vec2()?;
-    let log_softmax = |row: &[f32], id: u32| {
-        let max = row
-            .iter()
-            .map(|&v| f64::from(v))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let lse = max
-            + row
-                .iter()
-                .map(|&v| (f64::from(v) - max).exp())
-                .sum::<f64>()
-                .ln();
-        f64::from(row[id as usize]) - lse
-    };
+    let log_softmax = |row: &[f32], id: u32| crate::test_support::log_softmax(row)[id as usize];
     let prompt_scores = out.prompt_logprobs.as_ref().context("no prompt entries")?;
     ensure!(prompt_scores.len() == prompt_ids.len() && prompt_scores[0].logprob.is_nan());
     for (j, lp) in prompt_scores.iter().enumerate().skip(1) {
@@ -530,24 +518,14 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
         }
     }
     for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
-        let row = &rows[prompt_ids.len() + i - 1];
-        let max = row
-            .iter()
-            .map(|&v| f64::from(v))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let lse = max
-            + row
-                .iter()
-                .map(|&v| (f64::from(v) - max).exp())
-                .sum::<f64>()
-                .ln();
+        let row = crate::test_support::log_softmax(&rows[prompt_ids.len() + i - 1]);
         ensure!(
             lp.top.len() == 4 && lp.top[0] == (token, lp.logprob),
             "token {i}: {:?}",
             lp.top
         );
         for &(id, got) in &lp.top {
-            let want = f64::from(row[id as usize]) - lse;
+            let want = row[id as usize];
             ensure!(
                 (f64::from(got) - want).abs() < 1e-3,
                 "token {i}: logprob of {id} {got}, the forward gives {want}"
