@@ -34,7 +34,6 @@
 //!   taken with its probability under the same posterior.
 
 use crate::migrate::RequestRng;
-use candle_core::{DType, Tensor};
 use rand::Rng;
 
 use super::canvas::Canvas;
@@ -273,16 +272,7 @@ pub(crate) fn step(
 ) -> candle_core::Result<StepRecord> {
     let i = dg.step;
     let cands = inputs.candidates;
-    let rows = inputs.rows(cands.iter().copied());
-    let host: Vec<Vec<f32>> = if rows.is_empty() {
-        Vec::new()
-    } else {
-        inputs
-            .logits
-            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?
-    };
+    let host = inputs.host_rows(cands.iter().copied())?;
     let mut record = StepRecord::default();
     if dg.alg == DreamAlg::Origin {
         let p_transfer = dg.transfer(i);
@@ -357,16 +347,7 @@ pub(crate) fn guided_step(
         dg.commits(i, cands.len())
     };
     let chosen: Vec<usize> = cands.iter().copied().take(k).collect();
-    let rows = inputs.rows(chosen.iter().copied());
-    let host: Vec<Vec<f32>> = if rows.is_empty() {
-        Vec::new()
-    } else {
-        inputs
-            .logits
-            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?
-    };
+    let host = inputs.host_rows(chosen.iter().copied())?;
     let mut record = StepRecord::default();
     let mut scores = Vec::new();
     let mut complete = false;

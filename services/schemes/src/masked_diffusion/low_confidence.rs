@@ -294,26 +294,12 @@ pub(crate) fn guided_step(
     logprobs: Option<usize>,
 ) -> Result<(StepRecord, Vec<wavefront_engine::TokenLogprob>, bool), crate::SchemeError> {
     use crate::sampling::{draw_with, score, Filter};
-    let err = |e: candle_core::Error| crate::SchemeError::from(e);
     let k = match lc.threshold {
         Some(_) => inputs.candidates.len(),
         None => lc.next_commit().unwrap_or(0),
     };
     let cands: Vec<usize> = inputs.candidates.iter().copied().take(k).collect();
-    let rows = inputs.rows(cands.iter().copied());
-    let host: Vec<Vec<f32>> = if rows.is_empty() {
-        Vec::new()
-    } else {
-        inputs
-            .logits
-            .index_select(
-                &candle_core::Tensor::new(rows.as_slice(), inputs.logits.device()).map_err(err)?,
-                0,
-            )
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.to_vec2())
-            .map_err(err)?
-    };
+    let host = inputs.host_rows(cands.iter().copied())?;
     let filter = Filter::new(draw.temperature, draw.top_k, draw.top_p);
     let greedy = draw.temperature == 0.0;
     let mut record = StepRecord::default();

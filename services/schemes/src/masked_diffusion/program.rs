@@ -413,98 +413,72 @@ impl MdProgram {
                 "a structured-output request cannot continue on another worker",
             ));
         }
-        let mut guided = false;
-        let mut record = match &mut self.decoder {
-            Decoder::LowConfidence(lc) if self.guide.is_some() => {
-                let guide = self.guide.as_mut().expect("checked");
-                let (r, scores, _) = low_confidence::guided_step(
-                    lc,
-                    &mut self.canvas,
-                    &mut self.rng,
-                    draw,
-                    &inputs,
-                    guide,
-                    self.logprobs,
-                )?;
-                for (&p, s) in r.committed.iter().zip(scores) {
-                    self.scores.insert(p, s);
+        let guided = self.guide.is_some();
+        let mut record = if let Some(guide) = self.guide.as_mut() {
+            let (canvas, rng, top) = (&mut self.canvas, &mut self.rng, self.logprobs);
+            let (r, scores, _) = match &mut self.decoder {
+                Decoder::LowConfidence(lc) => {
+                    low_confidence::guided_step(lc, canvas, rng, draw, &inputs, guide, top)?
                 }
-                guided = true;
-                self.stats
-                    .push_series("committed_per_step", r.committed.len() as u32);
-                r
-            }
-            Decoder::LowConfidence(lc) => {
-                let r = low_confidence::step(lc, &mut self.canvas, &mut self.rng, draw, &inputs)?;
-                self.stats
-                    .push_series("committed_per_step", r.committed.len() as u32);
-                r
-            }
-            Decoder::Wino(w) if self.guide.is_some() => {
-                let guide = self.guide.as_mut().expect("checked");
-                let (r, scores, _) = wino::guided_step(
-                    w,
-                    &mut self.canvas,
-                    &mut self.rng,
-                    draw,
-                    &inputs,
-                    guide,
-                    self.logprobs,
-                )?;
-                for (&p, s) in r.committed.iter().zip(scores) {
-                    self.scores.insert(p, s);
-                }
-                guided = true;
-                self.stats
-                    .push_series("drafted_per_step", r.committed.len() as u32);
-                self.stats.add_counter("drafted", r.committed.len() as u64);
-                r
-            }
-            Decoder::Wino(w) => {
-                let surelock = self.surelock.as_ref();
-                let locked = |i: usize| surelock.is_some_and(|s| s.is_locked(i));
-                let r = wino::step(w, &mut self.canvas, &mut self.rng, draw, &locked, &inputs)?;
-                self.stats
-                    .push_series("drafted_per_step", r.committed.len() as u32);
-                self.stats
-                    .push_series("revoked_per_step", r.revoked.len() as u32);
-                self.stats.add_counter("drafted", r.committed.len() as u64);
-                self.stats.add_counter("revoked", r.revoked.len() as u64);
-                r
-            }
-            Decoder::DiffusionGenerate(dg) if self.guide.is_some() => {
-                let guide = self.guide.as_mut().expect("checked");
-                let (r, scores, _) = diffusion_generate::guided_step(
+                Decoder::Wino(w) => wino::guided_step(w, canvas, rng, draw, &inputs, guide, top)?,
+                Decoder::DiffusionGenerate(dg) => diffusion_generate::guided_step(
                     dg,
-                    &mut self.canvas,
-                    &mut self.rng,
+                    canvas,
+                    rng,
                     self.temperature,
                     &inputs,
                     guide,
-                    self.logprobs,
-                )?;
-                for (&p, s) in r.committed.iter().zip(scores) {
-                    self.scores.insert(p, s);
-                }
-                guided = true;
-                self.stats
-                    .push_series("committed_per_step", r.committed.len() as u32);
-                r
+                    top,
+                )?,
+            };
+            for (&p, s) in r.committed.iter().zip(scores) {
+                self.scores.insert(p, s);
             }
-            Decoder::DiffusionGenerate(dg) => {
-                let mut r = diffusion_generate::step(
-                    dg,
-                    &mut self.canvas,
-                    &mut self.rng,
-                    self.temperature,
-                    &inputs,
-                )?;
+            if matches!(self.decoder, Decoder::Wino(_)) {
+                self.stats
+                    .push_series("drafted_per_step", r.committed.len() as u32);
+                self.stats.add_counter("drafted", r.committed.len() as u64);
+            } else {
                 self.stats
                     .push_series("committed_per_step", r.committed.len() as u32);
-                if self.record.is_none() {
-                    r.confidence = Vec::new();
+            }
+            r
+        } else {
+            match &mut self.decoder {
+                Decoder::LowConfidence(lc) => {
+                    let r =
+                        low_confidence::step(lc, &mut self.canvas, &mut self.rng, draw, &inputs)?;
+                    self.stats
+                        .push_series("committed_per_step", r.committed.len() as u32);
+                    r
                 }
-                r
+                Decoder::Wino(w) => {
+                    let surelock = self.surelock.as_ref();
+                    let locked = |i: usize| surelock.is_some_and(|s| s.is_locked(i));
+                    let r = wino::step(w, &mut self.canvas, &mut self.rng, draw, &locked, &inputs)?;
+                    self.stats
+                        .push_series("drafted_per_step", r.committed.len() as u32);
+                    self.stats
+                        .push_series("revoked_per_step", r.revoked.len() as u32);
+                    self.stats.add_counter("drafted", r.committed.len() as u64);
+                    self.stats.add_counter("revoked", r.revoked.len() as u64);
+                    r
+                }
+                Decoder::DiffusionGenerate(dg) => {
+                    let mut r = diffusion_generate::step(
+                        dg,
+                        &mut self.canvas,
+                        &mut self.rng,
+                        self.temperature,
+                        &inputs,
+                    )?;
+                    self.stats
+                        .push_series("committed_per_step", r.committed.len() as u32);
+                    if self.record.is_none() {
+                        r.confidence = Vec::new();
+                    }
+                    r
+                }
             }
         };
         if let (Some(top), false) = (self.logprobs, guided) {

@@ -50,4 +50,19 @@ impl StepInputs<'_> {
     pub(crate) fn rows(&self, buffer: impl Iterator<Item = usize>) -> Vec<u32> {
         buffer.map(|b| self.row_of[&b] as u32).collect()
     }
+
+    /// The float32 logits of buffer indices (each must have a row), copied to the host.
+    pub(crate) fn host_rows(
+        &self,
+        buffer: impl Iterator<Item = usize>,
+    ) -> candle_core::Result<Vec<Vec<f32>>> {
+        let rows = self.rows(buffer);
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.logits
+            .index_select(&Tensor::new(rows.as_slice(), self.logits.device())?, 0)?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec2()
+    }
 }

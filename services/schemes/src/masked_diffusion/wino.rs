@@ -230,16 +230,7 @@ pub(crate) fn guided_step(
     let s = canvas.block_start();
     let cands = inputs.candidates;
     let cap = max_accept(cands.len());
-    let rows = inputs.rows(cands.iter().copied().take(cap));
-    let host: Vec<Vec<f32>> = if rows.is_empty() {
-        Vec::new()
-    } else {
-        inputs
-            .logits
-            .index_select(&Tensor::new(rows.as_slice(), inputs.logits.device())?, 0)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?
-    };
+    let host = inputs.host_rows(cands.iter().copied().take(cap))?;
     let filter = Filter::new(draw.temperature, draw.top_k, draw.top_p);
     let greedy = draw.temperature == 0.0;
     let mut record = StepRecord {
