@@ -77,6 +77,66 @@ pub fn log_softmax(row: &[f32]) -> Vec<f64> {
     row.iter().map(|&v| f64::from(v) - lse).collect()
 }
 
+/// Checks a served entry against a float64 log-softmax row (`want`, by token id) within `tol`:
+/// the token's own log-probability and every alternative's.
+pub fn check_entry(
+    what: &str,
+    token: u32,
+    lp: &TokenLogprob,
+    want: &[f64],
+    tol: f64,
+) -> Result<()> {
+    for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
+        let w = want[id as usize];
+        ensure!(
+            (f64::from(got) - w).abs() < tol,
+            "{what}: logprob of {id} {got}, the reference gives {w}"
+        );
+    }
+    Ok(())
+}
+
+/// Checks served log-probabilities against upstream's own confidences: each token's
+/// `exp(logprob)` is `want[position]`, the probability upstream computed for it from the step
+/// that committed it, and its alternatives are that distribution's most likely tokens, the
+/// token itself first (a greedy choice).
+pub fn check_logprobs_are_confidences(
+    name: &str,
+    out: &Outcome,
+    prompt_len: usize,
+    want: &std::collections::HashMap<usize, f64>,
+    top: Option<usize>,
+) -> Result<()> {
+    ensure!(
+        !out.tokens.is_empty() && out.logprobs.len() == out.tokens.len(),
+        "{name}: {} log-probabilities for {} tokens",
+        out.logprobs.len(),
+        out.tokens.len()
+    );
+    for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+        let p = want
+            .get(&(prompt_len + i))
+            .with_context(|| format!("{name}: upstream committed nothing at {i}"))?;
+        ensure!(
+            (f64::from(lp.logprob).exp() - p).abs() < 2e-4,
+            "{name} token {i}: logprob {} (p {}), upstream's confidence {p}",
+            lp.logprob,
+            f64::from(lp.logprob).exp()
+        );
+        ensure!(
+            top.is_none_or(|n| lp.top.len() == n) && lp.top.first() == Some(&(token, lp.logprob)),
+            "{name} token {i}: alternatives {:?} for greedy token {token}",
+            lp.top
+        );
+        ensure!(
+            lp.top.windows(2).all(|w| w[0].1 >= w[1].1),
+            "{name} token {i}: alternatives out of order {:?}",
+            lp.top
+        );
+    }
+    Ok(())
+}
+
 /// What a finished request produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {

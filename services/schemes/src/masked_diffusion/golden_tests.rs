@@ -359,47 +359,6 @@ fn ragged_attention_makes_sdpas_surelock_decisions() -> Result<()> {
     Ok(())
 }
 
-/// Checks served log-probabilities against upstream's own confidences: each token's
-/// `exp(logprob)` is `want[position]`, the probability upstream computed for it from the step
-/// that committed it, and its alternatives are that distribution's most likely tokens, the
-/// token itself first (a greedy choice).
-fn check_logprobs(
-    name: &str,
-    out: &crate::test_support::Outcome,
-    prompt_len: usize,
-    want: &std::collections::HashMap<usize, f64>,
-    top: usize,
-) -> Result<()> {
-    ensure!(
-        !out.tokens.is_empty() && out.logprobs.len() == out.tokens.len(),
-        "{name}: {} log-probabilities for {} tokens",
-        out.logprobs.len(),
-        out.tokens.len()
-    );
-    for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
-        let p = want
-            .get(&(prompt_len + i))
-            .with_context(|| format!("{name}: upstream committed nothing at {i}"))?;
-        ensure!(
-            (f64::from(lp.logprob).exp() - p).abs() < 2e-4,
-            "{name} token {i}: logprob {} (p {}), upstream's confidence {p}",
-            lp.logprob,
-            f64::from(lp.logprob).exp()
-        );
-        ensure!(
-            lp.top.len() == top && lp.top[0] == (token, lp.logprob),
-            "{name} token {i}: alternatives {:?} for greedy token {token}",
-            lp.top
-        );
-        ensure!(
-            lp.top.windows(2).all(|w| w[0].1 >= w[1].1),
-            "{name} token {i}: alternatives out of order {:?}",
-            lp.top
-        );
-    }
-    Ok(())
-}
-
 /// `logprobs`, served: every low-confidence run's tokens carry the log of the confidence
 /// upstream's `generate()` committed them with (the softmax of that step's logits at the
 /// position), and WINO's the log of the confidence of their last draft (a revoked draft's
@@ -442,7 +401,7 @@ fn logprobs_are_upstreams_confidences_at_the_committing_step() -> Result<()> {
                 conf.insert(p, c);
             }
         }
-        check_logprobs(name, out, prompt_len, &conf, 4)?;
+        crate::test_support::check_logprobs_are_confidences(name, out, prompt_len, &conf, Some(4))?;
     }
     let wg = &golden.json["wino"];
     let mut last_draft = HashMap::new();
@@ -453,7 +412,13 @@ fn logprobs_are_upstreams_confidences_at_the_committing_step() -> Result<()> {
         }
     }
     let wino_prompt = ids(&wg["prompt_ids"]).len();
-    check_logprobs("wino", &outcomes[runs.len()], wino_prompt, &last_draft, 2)
+    crate::test_support::check_logprobs_are_confidences(
+        "wino",
+        &outcomes[runs.len()],
+        wino_prompt,
+        &last_draft,
+        Some(2),
+    )
 }
 
 /// `log p(ids[at] | ids with ids[at] masked)` from one bidirectional forward of `ids` (the

@@ -28,7 +28,7 @@ use crate::request::{
     SchemeParams,
 };
 use crate::served::Planner;
-use crate::test_support::log_softmax;
+use crate::test_support::{check_entry, log_softmax};
 
 const AR_CASES: [&str; 8] = [
     "ar_static_s4_full",
@@ -596,13 +596,7 @@ fn logprobs_are_the_recorded_next_token_distributions() -> Result<()> {
             );
             let Some(rows) = &logits else { continue };
             let want = log_softmax(&rows[i]);
-            for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
-                ensure!(
-                    (f64::from(got) - want[id as usize]).abs() < 1e-4,
-                    "{name} token {i}: logprob of {id} {got}, upstream's logits give {}",
-                    want[id as usize]
-                );
-            }
+            check_entry(&format!("{name} token {i}"), token, lp, &want, 1e-4)?;
         }
     }
     Ok(())
@@ -654,13 +648,8 @@ fn prompt_logprobs_are_the_forwards_log_softmax() -> Result<()> {
             let want = log_softmax(&rows[j - 1]);
             let token = fx.prompt_ids[j];
             ensure!(lp.top.len() == 2, "position {j}: {:?}", lp.top);
-            for &(id, got) in std::iter::once(&(token, lp.logprob)).chain(&lp.top) {
-                ensure!(
-                    (f64::from(got) - want[id as usize]).abs() < 1e-4,
-                    "{max_batch_rows:?} position {j}: logprob of {id} {got}, upstream {}",
-                    want[id as usize]
-                );
-            }
+            let what = format!("{max_batch_rows:?} position {j}");
+            check_entry(&what, token, lp, &want, 1e-4)?;
         }
     }
     Ok(())
@@ -704,12 +693,5 @@ fn diffusion_forcings_first_logprob_is_the_forwards_log_softmax() -> Result<()> 
         first.top.first().map(|t| t.0) == out.tokens.first().copied(),
         "the greedy first token is not its distribution's argmax"
     );
-    for &(id, got) in std::iter::once(&(out.tokens[0], first.logprob)).chain(&first.top) {
-        ensure!(
-            (f64::from(got) - want[id as usize]).abs() < 1e-4,
-            "first token: logprob of {id} {got}, upstream {}",
-            want[id as usize]
-        );
-    }
-    Ok(())
+    check_entry("first token", out.tokens[0], first, &want, 1e-4)
 }

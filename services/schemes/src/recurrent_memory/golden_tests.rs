@@ -156,13 +156,8 @@ fn logprobs_are_the_log_softmax_of_upstreams_step_logits() -> Result<()> {
                 "{name} token {i}: alternatives {:?}",
                 lp.top
             );
-            for &(id, got) in &lp.top {
-                let want = row[id as usize];
-                ensure!(
-                    (f64::from(got) - want).abs() < 2e-3,
-                    "{name} token {i}: logprob of {id} {got}, upstream's logits give {want}"
-                );
-            }
+            let what = format!("{name} token {i}");
+            crate::test_support::check_entry(&what, token, lp, &row, 2e-3)?;
         }
     }
     Ok(())
@@ -209,13 +204,8 @@ fn prompt_logprobs_are_the_segmented_forwards_log_softmax() -> Result<()> {
             for (j, lp) in scored.iter().enumerate().skip(1) {
                 let row = crate::test_support::log_softmax(&rows[j - 1]);
                 ensure!(lp.top.len() == 2, "{name} position {j}: {:?}", lp.top);
-                for &(id, got) in std::iter::once(&(ids[j], lp.logprob)).chain(&lp.top) {
-                    let want = row[id as usize];
-                    ensure!(
-                        (f64::from(got) - want).abs() < 2e-3,
-                        "{name} position {j}: logprob of {id} {got}, upstream {want}"
-                    );
-                }
+                let what = format!("{name} position {j}");
+                crate::test_support::check_entry(&what, ids[j], lp, &row, 2e-3)?;
             }
         }
     }

@@ -504,18 +504,13 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
         }],
     )?;
     let rows: Vec<Vec<f32>> = model.logits(&hidden)?.to_vec2()?;
-    let log_softmax = |row: &[f32], id: u32| crate::test_support::log_softmax(row)[id as usize];
     let prompt_scores = out.prompt_logprobs.as_ref().context("no prompt entries")?;
     ensure!(prompt_scores.len() == prompt_ids.len() && prompt_scores[0].logprob.is_nan());
     for (j, lp) in prompt_scores.iter().enumerate().skip(1) {
         ensure!(lp.top.len() == 2, "position {j}: {:?}", lp.top);
-        for &(id, got) in std::iter::once(&(prompt_ids[j], lp.logprob)).chain(&lp.top) {
-            let want = log_softmax(&rows[j - 1], id);
-            ensure!(
-                (f64::from(got) - want).abs() < 1e-3,
-                "prompt position {j}: logprob of {id} {got}, the forward gives {want}"
-            );
-        }
+        let want = crate::test_support::log_softmax(&rows[j - 1]);
+        let what = format!("prompt position {j}");
+        crate::test_support::check_entry(&what, prompt_ids[j], lp, &want, 1e-3)?;
     }
     for (i, (&token, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
         let row = crate::test_support::log_softmax(&rows[prompt_ids.len() + i - 1]);
@@ -524,13 +519,7 @@ fn ar_logprobs_are_an_independent_forwards_log_softmax() -> Result<()> {
             "token {i}: {:?}",
             lp.top
         );
-        for &(id, got) in &lp.top {
-            let want = row[id as usize];
-            ensure!(
-                (f64::from(got) - want).abs() < 1e-3,
-                "token {i}: logprob of {id} {got}, the forward gives {want}"
-            );
-        }
+        crate::test_support::check_entry(&format!("token {i}"), token, lp, &row, 1e-3)?;
     }
     Ok(())
 }
