@@ -69,15 +69,18 @@ FAMILIES = {
         "models/llada-tiny",
         "copy,sort,prose",
         [
-            ("low-confidence, 64 steps (exact, 1 token per step)", FAST + ["--steps", "64"]),
+            ("low-confidence, one token per step (exact)", FAST + ["--steps", "64"]),
             ("threshold 0.9", FAST + ["--steps", "4", "--threshold", "0.9"]),
             ("threshold 0.7", FAST + ["--steps", "4", "--threshold", "0.7"]),
-            ("prefix cache", FAST + ["--steps", "64", "--kv-cache", "prefix"]),
-            ("dual cache", FAST + ["--steps", "64", "--kv-cache", "dual"]),
+            ("prefix cache, one token per step", FAST + ["--steps", "64", "--kv-cache", "prefix"]),
+            ("dual cache, one token per step", FAST + ["--steps", "64", "--kv-cache", "dual"]),
             ("prefix cache + threshold 0.9", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.9"]),
             ("dual cache + threshold 0.9", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.9"]),
             ("prefix cache + threshold 0.7", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.7"]),
             ("dual cache + threshold 0.7", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.7"]),
+            ("prefix cache + threshold 0.5", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.5"]),
+            ("dual cache + threshold 0.5", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.5"]),
+            ("prefix cache + threshold 0.3", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.3"]),
             ("wino (tau1 0.6, tau2 0.9), blocks of 16", ["--scheme", "wino", "--max-new-tokens", "64", "--block-length", "16"]),
         ],
     ),
@@ -114,6 +117,17 @@ def flops_ratio(wavefront: str, model: str, args: list[str]) -> float | None:
     return c["algorithmic_flops"] / c["algorithmic_flops_dense"] if "algorithmic_flops_dense" in c else None
 
 
+def with_canvas(run_args: list[str], canvas: int) -> list[str]:
+    """The run arguments for another canvas length: `--max-new-tokens` becomes `canvas`, and a
+    one-token-per-step setting (steps equal to the old length) takes `canvas` steps."""
+    out = list(run_args)
+    old = out[out.index("--max-new-tokens") + 1]
+    out[out.index("--max-new-tokens") + 1] = str(canvas)
+    if "--steps" in out and out[out.index("--steps") + 1] == old:
+        out[out.index("--steps") + 1] = str(canvas)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=FAMILIES, required=True)
@@ -121,8 +135,16 @@ def main():
     p.add_argument("--model", default=None, help="checkpoint directory (default: the family's)")
     p.add_argument("--per-task", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2, help="alternating passes; times are averaged")
+    p.add_argument("--canvas", type=int, default=None,
+                   help="fast-dllm: the canvas length (default 64); one-token-per-step rows take as many steps")
+    p.add_argument("--only", default=None, help="comma-separated substrings: the settings to run besides the baseline")
     args = p.parse_args()
     default_model, tasks, settings = FAMILIES[args.family]
+    if args.only:
+        wanted = args.only.split(",")
+        settings = settings[:1] + [s for s in settings[1:] if any(w in s[0] for w in wanted)]
+    if args.canvas:
+        settings = [(name, with_canvas(run_args, args.canvas)) for name, run_args in settings]
     model = args.model or default_model
     runs: dict[str, list[dict]] = {name: [] for name, _ in settings}
     for _ in range(args.rounds):
@@ -136,8 +158,9 @@ def main():
     print("| setting | " + " | ".join(f"{t} accuracy" for t in checked)
           + (" | prose: known words / seen pairs / distinct pairs" if prose else "")
           + " | forwards | tokens / forward | rows | core iterations | FLOPs ratio | compute ms"
-          + " | forwards vs baseline | time vs baseline | tokens/s vs baseline |")
-    print("|---|" + "---|" * (len(checked) + int(prose) + 10))
+          + " | forwards vs baseline | time vs baseline | tokens/s vs baseline"
+          + (f" | tokens/s vs baseline per task ({' / '.join(names)})" if len(names) > 1 else "") + " |")
+    print("|---|" + "---|" * (len(checked) + int(prose) + 10 + int(len(names) > 1)))
     base = None
     for name, run_args in settings:
         rs = runs[name]
@@ -151,8 +174,14 @@ def main():
         tps = sum(r[t]["tokens_per_forward"] * r[t]["forward_passes"] for r in rs for t in names) / max(
             sum(r[t]["compute_ms"] for r in rs for t in names), 1e-9
         )
+        # The same per task: tasks whose answers differ in length weigh differently in the total.
+        per_task = [
+            sum(r[t]["tokens_per_forward"] * r[t]["forward_passes"] for r in rs)
+            / max(sum(r[t]["compute_ms"] for r in rs), 1e-9)
+            for t in names
+        ]
         if base is None:
-            base = (fwd, ms, tps)
+            base = (fwd, ms, tps, per_task)
         flops = flops_ratio(args.wavefront, model, run_args) if "--surelock-eps" in run_args else None
         acc = " | ".join(f"{first[t]['accuracy']:.0%}" for t in checked)
         p = first.get("prose", {})
@@ -160,7 +189,9 @@ def main():
         print(
             f"| {name} | {acc}{quality} | {fwd:.2f} | {tpf:.2f} | {rows:.0f} | {steps:.1f} | "
             + (f"{flops:.3f}" if flops is not None else "")
-            + f" | {ms:.1f} | {fwd / base[0]:.2f}x | {ms / base[1]:.2f}x | {tps / base[2]:.2f}x |"
+            + f" | {ms:.1f} | {fwd / base[0]:.2f}x | {ms / base[1]:.2f}x | {tps / base[2]:.2f}x"
+            + (" | " + " / ".join(f"{x / b:.2f}x" for x, b in zip(per_task, base[3])) if len(names) > 1 else "")
+            + " |"
         )
     if prose:
         ref = runs[settings[0][0]][0]["prose"]["reference"]
