@@ -691,6 +691,36 @@ pub(crate) fn gemm_panels(
 ) {
     debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
     let tiles = row_tiles(isa, m);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // Rows read where they are (broadcast from each row in turn): these operands are built
+        // per call, and repacking them cost more than the locality it buys.
+        let mut tile = [0f32; MR_MAX * NR];
+        for p in 0..n.div_ceil(NR) {
+            let cols = NR.min(n - p * NR);
+            let panel = &panels[p * k * NR..(p + 1) * k * NR];
+            for &(i, mr) in &tiles {
+                macro_rules! by_rows {
+                    ($($m:literal)*) => {
+                        match mr {
+                            // SAFETY: AVX512 was detected on this machine; rows i..i + mr of `a`
+                            // hold k values each.
+                            $($m => unsafe {
+                                tile_avx512_row_major::<$m>(&a[i * k..(i + mr) * k], k, panel, &mut tile)
+                            },)*
+                            _ => unreachable!("tile of {mr} rows"),
+                        }
+                    };
+                }
+                by_rows!(1 2 3 4 5 6 7 8);
+                for r in 0..mr {
+                    let row = &mut c[(i + r) * ldc + p * NR..];
+                    row[..cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+                }
+            }
+        }
+        return;
+    }
     let packed = pack_rows(&a[..m * k], k, &tiles, 1);
     let mut tile = [0f32; MR_MAX * NR];
     for p in 0..n.div_ceil(NR) {
@@ -950,6 +980,36 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     store_tile_avx512(&acc, tile, start);
 }
 
+/// [`tile_avx512`] for rows stored one after another (`x` is `[MR][k]`, row-major) rather than
+/// packed: each step broadcasts the value of every row at `kk`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512_row_major<const MR: usize>(
+    x: &[f32],
+    k: usize,
+    panel: &[f32],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() == MR * k && panel.len() == k * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let xp = x.as_ptr();
+    let bp = panel.as_ptr();
+    for kk in 0..k {
+        let next = (bp.wrapping_add(kk * NR) as *const i8).wrapping_add(PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(next);
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+        let b0 = _mm512_loadu_ps(bp.add(kk * NR));
+        let b1 = _mm512_loadu_ps(bp.add(kk * NR + 16));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*xp.add(r * k + kk));
+            a[0] = _mm512_fmadd_ps(xv, b0, a[0]);
+            a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
+        }
+    }
+    store_tile_avx512(&acc, tile, true);
+}
+
 /// Writes a register tile's rows (two registers of 16 columns each) into `tile`: stored with
 /// `start`, else added to what it holds (the next block of the blocked sum).
 #[cfg(target_arch = "x86_64")]
@@ -1132,9 +1192,16 @@ fn bf16_dot(
                 for j0 in (0..kp).step_by(KC_PAIRS) {
                     let jb = KC_PAIRS.min(kp - j0);
                     let panel = &words[p * kp * NR + j0 * NR..p * kp * NR + (j0 + jb) * NR];
-                    for (&(i, mr), tile) in group.iter().zip(accs.iter_mut()) {
+                    for (t, (&(i, mr), tile)) in group.iter().zip(accs.iter_mut()).enumerate() {
                         let at = &a[i * kp + j0 * mr..i * kp + (j0 + jb) * mr];
-                        bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0);
+                        // As on the float32 path: the first tile streams the block, the others
+                        // find it in L1 and ask for the next block meanwhile.
+                        let ahead = if t == 0 {
+                            PREFETCH_BYTES
+                        } else {
+                            KC_PAIRS * NR * 4
+                        };
+                        bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0, ahead);
                     }
                 }
                 let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
@@ -1318,7 +1385,9 @@ unsafe fn write_tile_avx512(
     }
 }
 
-/// One `mr x NR` tile of the bfloat16 path over `jb` pairs; `start` stores, else adds.
+/// One `mr x NR` tile of the bfloat16 path over `jb` pairs; `start` stores, else adds; the
+/// panel is prefetched `ahead` bytes past the pair being multiplied.
+#[allow(clippy::too_many_arguments)]
 fn bf16_tile(
     dot: bool,
     mr: usize,
@@ -1327,6 +1396,7 @@ fn bf16_tile(
     panel: &[u32],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
+    ahead: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -1334,14 +1404,14 @@ fn bf16_tile(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-BF16.
-                    $($m => unsafe { bf16_tile_avx512::<$m>(a, jb, panel, tile, start) },)*
+                    $($m => unsafe { bf16_tile_avx512::<$m>(a, jb, panel, tile, start, ahead) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
         return by_rows!(1 2 3 4 5 6 7 8);
     }
-    let _ = dot;
+    let _ = (dot, ahead);
     let half = |w: u32, h: usize| bf16_to_f32((w >> (16 * h)) as u16);
     for r in 0..mr {
         let mut acc = [0f32; NR];
@@ -1370,12 +1440,16 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     panel: &[u32],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
     for j in 0..jb {
-        _mm_prefetch::<_MM_HINT_T0>((bp.wrapping_add(j * NR) as *const i8).wrapping_add(1024));
+        // A pair row of the panel is 128 bytes: two lines.
+        let next = (bp.wrapping_add(j * NR) as *const i8).wrapping_add(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(next);
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
         let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
         let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
         for (r, acc) in acc.iter_mut().enumerate() {
