@@ -575,8 +575,7 @@ pub fn linear_with(
         sums,
     } = &w.store
     {
-        let dot = vnni(isa);
-        return int8_dot(dot, threads, x, m, k, n, (words, scales, sums), bias, y);
+        return int8_dot(isa, threads, x, m, k, n, (words, scales, sums), bias, y);
     }
     if let Store::Q4Octets {
         words,
@@ -1477,27 +1476,96 @@ fn row_scale(row: &[f32]) -> f32 {
 
 /// Rows of `x` quantised for [`WeightDtype::Int8Dot`]: per row its scale ([`row_scale`])
 /// and its values `q + 128` (unsigned, what `vpdpbusd` takes) four to a word, row-major
-/// `[m][ceil(k / 4)]`; 128 (zero) past `k`.
-fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
+/// `[m][ceil(k / 4)]`; 128 (zero) past `k`. The rows split over `threads` pool threads when
+/// there are enough values; AVX512 quantises 16 values at a time, bit for bit [`quantize8`].
+fn quantize_rows(isa: Isa, threads: usize, x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
     let kq = k.div_ceil(4);
-    let mut scales = Vec::with_capacity(m);
-    let mut quads = Vec::with_capacity(m * kq);
-    for row in x.chunks(k).take(m) {
-        let s = row_scale(row);
-        let finite = !s.is_nan();
-        scales.push(s);
-        let q = |kk: usize| -> u32 {
-            if kk < k && finite {
-                (i32::from(quantize8(row[kk], s)) + 128) as u32
-            } else {
-                128
-            }
-        };
-        quads.extend(
-            (0..kq).map(|j| q(4 * j) | q(4 * j + 1) << 8 | q(4 * j + 2) << 16 | q(4 * j + 3) << 24),
-        );
+    let mut scales = vec![0f32; m];
+    let mut quads = vec![0u32; m * kq];
+    let (sp, qp) = (SendPtr(scales.as_mut_ptr()), SendPtr(quads.as_mut_ptr()));
+    let rows = |range: std::ops::Range<usize>| {
+        for r in range {
+            let row = &x[r * k..(r + 1) * k];
+            // SAFETY: row r owns `scales[r]` and `quads[r · kq..(r + 1) · kq]`; no other task
+            // writes them and both outlive every task.
+            let (scale, out) = unsafe {
+                (
+                    &mut *sp.ptr().add(r),
+                    std::slice::from_raw_parts_mut(qp.ptr().add(r * kq), kq),
+                )
+            };
+            *scale = row_scale(row);
+            quantize_row(isa, row, *scale, out);
+        }
+    };
+    if threads > 1 && m > 1 && m * k >= 1 << 15 {
+        let parts: Vec<_> = split(m, threads).collect();
+        super::pool::pool().run(parts.len(), &|t| rows(parts[t].clone()));
+    } else {
+        rows(0..m);
     }
     (scales, quads)
+}
+
+/// One row of [`quantize_rows`] into its `ceil(k / 4)` words.
+fn quantize_row(isa: Isa, row: &[f32], s: f32, out: &mut [u32]) {
+    let k = row.len();
+    if s.is_nan() {
+        out.fill(0x8080_8080);
+        return;
+    }
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX512 was detected on this machine; `out` holds `ceil(k / 4)` words.
+        done = unsafe { quantize_row_avx512(row, s, out) };
+    }
+    let _ = isa;
+    let q = |kk: usize| -> u32 {
+        if kk < k {
+            (i32::from(quantize8(row[kk], s)) + 128) as u32
+        } else {
+            128
+        }
+    };
+    for (j, w) in out.iter_mut().enumerate().skip(done / 4) {
+        *w = q(4 * j) | q(4 * j + 1) << 8 | q(4 * j + 2) << 16 | q(4 * j + 3) << 24;
+    }
+}
+
+/// The whole blocks of 16 values of [`quantize_row`]; returns how many values it wrote.
+/// `round` (half away from zero) is rebuilt from truncation: `t = trunc(y)`, plus `±1` where
+/// `|y − t| ≥ 0.5` (`y − t` is exact), and a NaN quotient gives 0 as `as i8` does.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_row_avx512(row: &[f32], s: f32, out: &mut [u32]) -> usize {
+    use std::arch::x86_64::*;
+    let n = row.len() / 16 * 16;
+    let sv = _mm512_set1_ps(s);
+    let (half, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let offset = _mm512_set1_epi32(128);
+    let dst = out.as_mut_ptr() as *mut u8;
+    for i in (0..n).step_by(16) {
+        let y = _mm512_div_ps(_mm512_loadu_ps(row.as_ptr().add(i)), sv);
+        let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+        let frac = _mm512_castsi512_ps(_mm512_andnot_si512(
+            sign,
+            _mm512_castps_si512(_mm512_sub_ps(y, t)),
+        ));
+        let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
+        let unit = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_and_si512(sign, _mm512_castps_si512(y)),
+            _mm512_castps_si512(one),
+        ));
+        let r = _mm512_mask_add_ps(t, away, t, unit);
+        let r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r), r);
+        let r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        let b = _mm512_add_epi32(_mm512_cvttps_epi32(r), offset);
+        _mm_storeu_si128(dst.add(i) as *mut __m128i, _mm512_cvtepi32_epi8(b));
+    }
+    n
 }
 
 /// Whether the 8-bit paths run `vpdpbusd` on `isa` (else the same integer sums in plain Rust).
@@ -1505,15 +1573,23 @@ fn vnni(isa: Isa) -> bool {
     has_int8_dot() && isa == Isa::Avx512
 }
 
-/// Rows per register tile of the int8 path.
+/// Rows per register tile of the 4-bit path.
 const MR_INT8: usize = 4;
+
+/// Rows per register tile of the int8 path.
+const MR_I8: usize = 8;
+
+/// Quads of `k` per block of the int8 path (a block of a panel is 16 KiB, as on the bf16 path).
+const KC_QUADS: usize = 128;
 
 /// [`WeightDtype::Int8Dot`]: every row quantised, its integer products with a panel summed in
 /// `i32` by `vpdpbusd` (`dot`) or in plain integer arithmetic (the same sums), then
-/// `(sum − 128 · Σ w) · s_x · s_w (+ bias)` per output.
+/// `(sum − 128 · Σ w) · s_x · s_w (+ bias)` per output. As on the bf16 path, a group of row
+/// tiles shares each block of a panel while it is in L1 (integer sums, so the blocking changes
+/// no bit).
 #[allow(clippy::too_many_arguments)]
 fn int8_dot(
-    dot: bool,
+    isa: Isa,
     threads: usize,
     x: &[f32],
     m: usize,
@@ -1525,28 +1601,49 @@ fn int8_dot(
 ) -> Result<(), KernelError> {
     let kq = k.div_ceil(4);
     let panels = n.div_ceil(NR);
-    let (row_scales, quads) = quantize_rows(x, m, k);
-    let tiles = fixed_tiles(m, MR_INT8);
+    let dot = vnni(isa);
+    let (row_scales, quads) = quantize_rows(isa, threads, x, m, k);
+    let tiles = fixed_tiles(m, MR_I8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
-        let mut acc = [[0i32; NR]; MR_INT8];
+        let mut accs = [[[0i32; NR]; MR_I8]; GROUP_TILES];
         for p in panels {
             let cols = NR.min(n - p * NR);
-            let panel = &words[p * kq * NR..(p + 1) * kq * NR];
-            for &(i, mr) in tiles {
-                int8_tile(dot, mr, &quads[i * kq..(i + mr) * kq], kq, panel, &mut acc);
-                for (r, acc) in acc.iter().enumerate().take(mr) {
-                    let sx = row_scales[i + r];
-                    // SAFETY: every task writes the outputs of its own panels and rows only.
-                    let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
-                    for (c, &sum) in acc.iter().enumerate().take(cols) {
-                        let j = p * NR + c;
-                        let mut v = (sum - 128 * sums[j]) as f32 * (sx * scales[j]);
-                        if let Some(b) = bias {
-                            v += b[j];
+            for group in tiles.chunks(GROUP_TILES) {
+                for j0 in (0..kq).step_by(KC_QUADS) {
+                    let jb = KC_QUADS.min(kq - j0);
+                    let panel = &words[p * kq * NR + j0 * NR..p * kq * NR + (j0 + jb) * NR];
+                    for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
+                        // The first tile streams the block; the others find it in L1 and ask
+                        // for the next block meanwhile.
+                        let ahead = if t == 0 {
+                            PREFETCH_BYTES
+                        } else {
+                            KC_QUADS * NR * 4
+                        };
+                        let a = &quads[i * kq..(i + mr) * kq];
+                        int8_tile(dot, mr, a, kq, j0..j0 + jb, panel, acc, ahead);
+                    }
+                }
+                let cs = p * NR..p * NR + cols;
+                let bias = bias.map(|b| &b[cs.clone()]);
+                for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
+                    for (r, acc) in acc.iter().enumerate().take(mr) {
+                        // SAFETY: every task writes the outputs of its own panels and rows only:
+                        // row i + r, columns p · NR..p · NR + cols, of `y` (`[m, n]`).
+                        unsafe {
+                            let out = yp.ptr().add((i + r) * n + p * NR);
+                            let sx = row_scales[i + r];
+                            write_int8_row(
+                                isa,
+                                acc,
+                                &sums[cs.clone()],
+                                &scales[cs.clone()],
+                                bias,
+                                sx,
+                                out,
+                            );
                         }
-                        // SAFETY: as above.
-                        unsafe { *out.add(c) = v };
                     }
                 }
             }
@@ -1556,14 +1653,79 @@ fn int8_dot(
     Ok(())
 }
 
-/// One `mr x NR` tile of the int8 path: `a` holds `mr` rows of `kq` quads (row-major).
+/// Writes one row of an int8 tile: `(sum − 128 · Σ w) · (s_x · s_w) (+ bias)` for the
+/// `sums.len()` columns there are (16 at a time on AVX512, the same operations in the same
+/// order, so the same bits).
+///
+/// # Safety
+/// `out` points to `sums.len()` writable floats.
+unsafe fn write_int8_row(
+    isa: Isa,
+    acc: &[i32; NR],
+    sums: &[i32],
+    scales: &[f32],
+    bias: Option<&[f32]>,
+    sx: f32,
+    out: *mut f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        return write_int8_row_avx512(acc, sums, scales, bias, sx, out);
+    }
+    let _ = isa;
+    for (c, &sum) in acc.iter().enumerate().take(sums.len()) {
+        let mut v = (sum - 128 * sums[c]) as f32 * (sx * scales[c]);
+        if let Some(b) = bias {
+            v += b[c];
+        }
+        *out.add(c) = v;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn write_int8_row_avx512(
+    acc: &[i32; NR],
+    sums: &[i32],
+    scales: &[f32],
+    bias: Option<&[f32]>,
+    sx: f32,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let cols = sums.len();
+    let sxv = _mm512_set1_ps(sx);
+    for c0 in (0..cols).step_by(16) {
+        let mask: __mmask16 = if cols - c0 >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << (cols - c0)) - 1) as u16
+        };
+        let sum = _mm512_loadu_si512(acc.as_ptr().add(c0) as *const _);
+        let w = _mm512_maskz_loadu_epi32(mask, sums.as_ptr().add(c0));
+        let d = _mm512_sub_epi32(sum, _mm512_slli_epi32::<7>(w));
+        let scale = _mm512_mul_ps(sxv, _mm512_maskz_loadu_ps(mask, scales.as_ptr().add(c0)));
+        let mut v = _mm512_mul_ps(_mm512_cvtepi32_ps(d), scale);
+        if let Some(b) = bias {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, b.as_ptr().add(c0)));
+        }
+        _mm512_mask_storeu_ps(out.add(c0), mask, v);
+    }
+}
+
+/// One `mr x NR` tile of the int8 path over the quads `js` of `a` (`mr` rows of `kq` quads,
+/// row-major) and `panel` (those quads' rows of the panel): the sums are stored when the range
+/// starts at 0, else added; the panel is prefetched `ahead` bytes past the quad being used.
+#[allow(clippy::too_many_arguments)]
 fn int8_tile(
     dot: bool,
     mr: usize,
     a: &[u32],
     kq: usize,
+    js: std::ops::Range<usize>,
     panel: &[u32],
-    acc: &mut [[i32; NR]; MR_INT8],
+    acc: &mut [[i32; NR]; MR_I8],
+    ahead: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -1571,20 +1733,22 @@ fn int8_tile(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-VNNI.
-                    $($m => unsafe { int8_tile_avx512::<$m>(a, kq, panel, acc) },)*
+                    $($m => unsafe { int8_tile_avx512::<$m>(a, kq, js, panel, acc, ahead) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
-        return by_rows!(1 2 3 4);
+        return by_rows!(1 2 3 4 5 6 7 8);
     }
-    let _ = dot;
+    let _ = (dot, ahead);
     for (r, acc) in acc.iter_mut().enumerate().take(mr) {
-        acc.fill(0);
-        for j in 0..kq {
+        if js.start == 0 {
+            acc.fill(0);
+        }
+        for (jj, j) in js.clone().enumerate() {
             let av = a[r * kq + j];
             for (c, acc) in acc.iter_mut().enumerate() {
-                let w = panel[j * NR + c];
+                let w = panel[jj * NR + c];
                 for b in 0..4 {
                     let xa = ((av >> (8 * b)) & 0xFF) as i32;
                     let wb = i32::from((w >> (8 * b)) as u8 as i8);
@@ -1600,18 +1764,27 @@ fn int8_tile(
 unsafe fn int8_tile_avx512<const MR: usize>(
     a: &[u32],
     kq: usize,
+    js: std::ops::Range<usize>,
     panel: &[u32],
-    acc_out: &mut [[i32; NR]; MR_INT8],
+    acc_out: &mut [[i32; NR]; MR_I8],
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_si512(); 2]; MR];
+    if js.start > 0 {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            acc[0] = _mm512_loadu_si512(acc_out[r].as_ptr() as *const _);
+            acc[1] = _mm512_loadu_si512(acc_out[r].as_ptr().add(16) as *const _);
+        }
+    }
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
-    for j in 0..kq {
-        _mm_prefetch::<_MM_HINT_T0>(
-            (bp.wrapping_add(j * NR) as *const i8).wrapping_add(PREFETCH_BYTES),
-        );
-        let b0 = _mm512_loadu_si512(bp.add(j * NR) as *const _);
-        let b1 = _mm512_loadu_si512(bp.add(j * NR + 16) as *const _);
+    for (jj, j) in js.enumerate() {
+        // A quad row of the panel is 128 bytes: two lines.
+        let next = (bp.wrapping_add(jj * NR) as *const i8).wrapping_add(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(next);
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+        let b0 = _mm512_loadu_si512(bp.add(jj * NR) as *const _);
+        let b1 = _mm512_loadu_si512(bp.add(jj * NR + 16) as *const _);
         for (r, acc) in acc.iter_mut().enumerate() {
             let av = _mm512_set1_epi32(*ap.add(r * kq + j) as i32);
             acc[0] = _mm512_dpbusd_epi32(acc[0], av, b0);
@@ -2094,6 +2267,9 @@ mod tests {
             (4, 64, 64),
             (9, 40, 5),
             (6, 96, 1030),
+            // More row tiles than a group and blocks of k: the blocked sums.
+            (70, 40, 600),
+            (17, 33, 1030),
         ] {
             let mut x = data(m * k, (m * 7 + k) as u32);
             let w = data(n * k, (n + 3 * k) as u32);
@@ -2167,6 +2343,32 @@ mod tests {
     /// float32 sum in group order (one fused multiply-add each), times the row's scale, plus the
     /// bias; bit for bit on every path, with `k` not a multiple of 8 or of the group, ragged
     /// panels and rows of zeros and of non-finite values.
+    /// The 16-wide quantiser gives the scalar one's bytes: ties rounded away from zero,
+    /// values past ±127 clamped, infinities, signed zeros, and a NaN quotient (0 / 0) as 0.
+    #[test]
+    fn int8_row_quantisation_is_the_scalar_one_on_every_path() {
+        let mut row: Vec<f32> = (0..83).map(|i| (i as f32 - 41.0) * 0.5).collect();
+        row.extend([
+            126.5, -126.5, 127.5, -127.5, 1e30, -1e30, 0.0, -0.0, 1e-40, -1e-40,
+        ]);
+        row.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            2.499_999_8,
+            -2.500_000_2,
+            0.499_999_97,
+        ]);
+        for s in [1.0f32, 0.37, 3.0, 0.0] {
+            let mut want = vec![0u32; row.len().div_ceil(4)];
+            quantize_row(Isa::Portable, &row, s, &mut want);
+            for isa in Isa::available() {
+                let mut got = vec![0u32; want.len()];
+                quantize_row(isa, &row, s, &mut got);
+                assert_eq!(got, want, "{isa:?} scale {s}");
+            }
+        }
+    }
+
     #[test]
     fn q4_dot_products_match_their_definition_on_every_path() {
         for &(m, n, k) in &[
