@@ -583,8 +583,7 @@ pub fn linear_with(
         corr,
     } = &w.store
     {
-        let dot = vnni(isa);
-        return q4_dot(dot, threads, x, m, k, n, (words, scales, corr), bias, y);
+        return q4_dot(isa, threads, x, m, k, n, (words, scales, corr), bias, y);
     }
     let panels = n.div_ceil(NR);
     // Row tiles of the instruction set's register tile; `x` repacked tile by tile as
@@ -1801,34 +1800,61 @@ unsafe fn int8_tile_avx512<const MR: usize>(
 /// the even and of the odd inputs of each octet (`[m][groups · 4][2]`, matching the low and
 /// high nibbles of [`Store::Q4Octets`]), and each row's sum of its quantised values per group
 /// (`[m][groups]`).
-fn quantize_rows_q4(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>, Vec<i32>) {
+fn quantize_rows_q4(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<u32>, Vec<i32>) {
     let groups = k.div_ceil(Q4_GROUP);
     let nj = groups * Q4_GROUP / 8;
-    let mut scales = Vec::with_capacity(m);
-    let mut words = Vec::with_capacity(m * nj * 2);
+    let mut scales = vec![0f32; m];
+    let mut words = vec![0u32; m * nj * 2];
     let mut sums = vec![0i32; m * groups];
-    for (r, row) in x.chunks(k).take(m).enumerate() {
-        let s = row_scale(row);
-        let finite = !s.is_nan();
-        scales.push(s);
-        let q = |kk: usize| -> i32 {
-            if kk < k && finite {
-                i32::from(quantize8(row[kk], s))
-            } else {
-                0
-            }
-        };
-        for j in 0..nj {
-            for half in 0..2 {
-                let mut word = 0u32;
-                for i in 0..4 {
-                    let v = q(8 * j + 2 * i + half);
-                    sums[r * groups + 8 * j / Q4_GROUP] += v;
-                    word |= ((v + 128) as u32) << (8 * i);
+    let (sp, wp, gp) = (
+        SendPtr(scales.as_mut_ptr()),
+        SendPtr(words.as_mut_ptr()),
+        SendPtr(sums.as_mut_ptr()),
+    );
+    let rows = |range: std::ops::Range<usize>| {
+        // The row's values `q + 128` in order, four to a word ([`quantize_row`]), padded with
+        // 128 (zero) to whole groups.
+        let mut bytes = vec![0u32; nj * 2];
+        for r in range {
+            let row = &x[r * k..(r + 1) * k];
+            // SAFETY: row r owns `scales[r]`, its `2 · nj` words and its `groups` sums; no
+            // other task writes them and all outlive every task.
+            let (scale, out, sum) = unsafe {
+                (
+                    &mut *sp.ptr().add(r),
+                    std::slice::from_raw_parts_mut(wp.ptr().add(r * nj * 2), nj * 2),
+                    std::slice::from_raw_parts_mut(gp.ptr().add(r * groups), groups),
+                )
+            };
+            *scale = row_scale(row);
+            let kq = k.div_ceil(4);
+            quantize_row(isa, row, *scale, &mut bytes[..kq]);
+            bytes[kq..].fill(0x8080_8080);
+            let b = |kk: usize| (bytes[kk / 4] >> (8 * (kk % 4))) & 0xFF;
+            for j in 0..nj {
+                for half in 0..2 {
+                    let mut word = 0u32;
+                    for i in 0..4 {
+                        let v = b(8 * j + 2 * i + half);
+                        sum[8 * j / Q4_GROUP] += v as i32 - 128;
+                        word |= v << (8 * i);
+                    }
+                    out[2 * j + half] = word;
                 }
-                words.push(word);
             }
         }
+    };
+    if threads > 1 && m > 1 && m * k >= 1 << 15 {
+        let parts: Vec<_> = split(m, threads).collect();
+        super::pool::pool().run(parts.len(), &|t| rows(parts[t].clone()));
+    } else {
+        rows(0..m);
     }
     (scales, words, sums)
 }
@@ -1838,7 +1864,7 @@ fn quantize_rows_q4(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<u32>, Vec<i
 /// order; then times the row's scale (+ bias).
 #[allow(clippy::too_many_arguments)]
 fn q4_dot(
-    dot: bool,
+    isa: Isa,
     threads: usize,
     x: &[f32],
     m: usize,
@@ -1851,7 +1877,8 @@ fn q4_dot(
     let groups = k.div_ceil(Q4_GROUP);
     let nj = groups * Q4_GROUP / 8;
     let panels = n.div_ceil(NR);
-    let (row_scales, quads, sums) = quantize_rows_q4(x, m, k);
+    let dot = vnni(isa);
+    let (row_scales, quads, sums) = quantize_rows_q4(isa, threads, x, m, k);
     let tiles = fixed_tiles(m, MR_INT8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
@@ -2377,6 +2404,8 @@ mod tests {
             (4, 64, 64),
             (9, 40, 5),
             (6, 96, 1030),
+            // Enough values that the rows are quantised on every pool thread.
+            (70, 40, 600),
         ] {
             let mut x = data(m * k, (m * 11 + k) as u32);
             let w = data(n * k, (n + 5 * k) as u32);
