@@ -1575,6 +1575,9 @@ fn vnni(isa: Isa) -> bool {
 /// Rows per register tile of the 4-bit path.
 const MR_INT8: usize = 4;
 
+/// Groups of 32 `k` per block of the 4-bit path (a block of a panel is 16 KiB).
+const KC_Q4_GROUPS: usize = 32;
+
 /// Rows per register tile of the int8 path.
 const MR_I8: usize = 8;
 
@@ -1882,7 +1885,7 @@ fn q4_dot(
     let tiles = fixed_tiles(m, MR_INT8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
-        let mut acc = [[0f32; NR]; MR_INT8];
+        let mut accs = [[[0f32; NR]; MR_INT8]; GROUP_TILES];
         for p in panels {
             let cols = NR.min(n - p * NR);
             let panel = Q4Panel {
@@ -1891,21 +1894,35 @@ fn q4_dot(
                 corr: &corr[p * groups * NR..(p + 1) * groups * NR],
                 groups,
             };
-            for &(i, mr) in tiles {
-                let a = &quads[i * nj * 2..(i + mr) * nj * 2];
-                let s = &sums[i * groups..(i + mr) * groups];
-                q4_tile_dot(dot, mr, a, s, &panel, &mut acc);
-                for (r, acc) in acc.iter().enumerate().take(mr) {
-                    let sx = row_scales[i + r];
-                    // SAFETY: every task writes the outputs of its own panels and rows only.
-                    let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
-                    for (c, &sum) in acc.iter().enumerate().take(cols) {
-                        let mut v = sum * sx;
-                        if let Some(b) = bias {
-                            v += b[p * NR + c];
+            for group in tiles.chunks(GROUP_TILES) {
+                // As on the int8 path: a block of the panel's groups at a time for every tile
+                // of the group, in group order (each output's sum in the same order).
+                for g0 in (0..groups).step_by(KC_Q4_GROUPS) {
+                    let gs = g0..groups.min(g0 + KC_Q4_GROUPS);
+                    for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
+                        let ahead = if t == 0 {
+                            PREFETCH_BYTES
+                        } else {
+                            KC_Q4_GROUPS * Q4_GROUP / 8 * NR * 4
+                        };
+                        let a = &quads[i * nj * 2..(i + mr) * nj * 2];
+                        let s = &sums[i * groups..(i + mr) * groups];
+                        q4_tile_dot(dot, mr, a, s, &panel, gs.clone(), acc, ahead);
+                    }
+                }
+                for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
+                    for (r, acc) in acc.iter().enumerate().take(mr) {
+                        let sx = row_scales[i + r];
+                        // SAFETY: every task writes the outputs of its own panels and rows only.
+                        let out = unsafe { yp.ptr().add((i + r) * n + p * NR) };
+                        for (c, &sum) in acc.iter().enumerate().take(cols) {
+                            let mut v = sum * sx;
+                            if let Some(b) = bias {
+                                v += b[p * NR + c];
+                            }
+                            // SAFETY: as above.
+                            unsafe { *out.add(c) = v };
                         }
-                        // SAFETY: as above.
-                        unsafe { *out.add(c) = v };
                     }
                 }
             }
@@ -1925,13 +1942,16 @@ struct Q4Panel<'a> {
 
 /// One `mr x NR` tile of the q4 path: `a` holds `mr` rows of `groups · 4` (even, odd) word
 /// pairs, `sums` their per-group sums.
+#[allow(clippy::too_many_arguments)]
 fn q4_tile_dot(
     dot: bool,
     mr: usize,
     a: &[u32],
     sums: &[i32],
     panel: &Q4Panel<'_>,
+    gs: std::ops::Range<usize>,
     acc: &mut [[f32; NR]; MR_INT8],
+    ahead: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -1939,18 +1959,20 @@ fn q4_tile_dot(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-VNNI.
-                    $($m => unsafe { q4_dot_tile_avx512::<$m>(a, sums, panel, acc) },)*
+                    $($m => unsafe { q4_dot_tile_avx512::<$m>(a, sums, panel, gs, acc, ahead) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
         return by_rows!(1 2 3 4);
     }
-    let _ = dot;
+    let _ = (dot, ahead);
     let nj = panel.groups * Q4_GROUP / 8;
     for (r, acc) in acc.iter_mut().enumerate().take(mr) {
-        acc.fill(0.0);
-        for g in 0..panel.groups {
+        if gs.start == 0 {
+            acc.fill(0.0);
+        }
+        for g in gs.clone() {
             for (c, acc) in acc.iter_mut().enumerate() {
                 let mut t = 0i32;
                 for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
@@ -1977,19 +1999,28 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     a: &[u32],
     sums: &[i32],
     panel: &Q4Panel<'_>,
+    gs: std::ops::Range<usize>,
     acc_out: &mut [[f32; NR]; MR_INT8],
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let nj = panel.groups * Q4_GROUP / 8;
     let mut facc = [[_mm512_setzero_ps(); 2]; MR];
+    if gs.start > 0 {
+        for (r, facc) in facc.iter_mut().enumerate() {
+            facc[0] = _mm512_loadu_ps(acc_out[r].as_ptr());
+            facc[1] = _mm512_loadu_ps(acc_out[r].as_ptr().add(16));
+        }
+    }
     let low = _mm512_set1_epi32(0x0F0F_0F0F);
     let (ap, wp) = (a.as_ptr(), panel.words.as_ptr());
-    for g in 0..panel.groups {
+    for g in gs {
         let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
         for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
-            _mm_prefetch::<_MM_HINT_T0>(
-                (wp.wrapping_add(j * NR) as *const i8).wrapping_add(PREFETCH_BYTES),
-            );
+            // A row of the panel is 128 bytes: two lines.
+            let next = (wp.wrapping_add(j * NR) as *const i8).wrapping_add(ahead);
+            _mm_prefetch::<_MM_HINT_T0>(next);
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
             let w0 = _mm512_loadu_si512(wp.add(j * NR) as *const _);
             let w1 = _mm512_loadu_si512(wp.add(j * NR + 16) as *const _);
             let lo = [_mm512_and_si512(w0, low), _mm512_and_si512(w1, low)];
@@ -2404,8 +2435,10 @@ mod tests {
             (4, 64, 64),
             (9, 40, 5),
             (6, 96, 1030),
-            // Enough values that the rows are quantised on every pool thread.
+            // Enough values that the rows are quantised on every pool thread; more row tiles
+            // than a group and more groups of k than a block.
             (70, 40, 600),
+            (37, 33, 1100),
         ] {
             let mut x = data(m * k, (m * 11 + k) as u32);
             let w = data(n * k, (n + 5 * k) as u32);
