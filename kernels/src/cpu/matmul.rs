@@ -1513,13 +1513,13 @@ fn quantize_row(isa: Isa, row: &[f32], s: f32, out: &mut [u32]) {
         out.fill(0x8080_8080);
         return;
     }
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    // Values already written (the whole blocks of 16, on AVX512).
+    let done = match isa {
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX512 was detected on this machine; `out` holds `ceil(k / 4)` words.
-        done = unsafe { quantize_row_avx512(row, s, out) };
-    }
-    let _ = isa;
+        Isa::Avx512 => unsafe { quantize_row_avx512(row, s, out) },
+        _ => 0,
+    };
     let q = |kk: usize| -> u32 {
         if kk < k {
             (i32::from(quantize8(row[kk], s)) + 128) as u32
