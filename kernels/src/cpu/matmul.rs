@@ -978,6 +978,18 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     store_tile_avx512(&acc, tile, start);
 }
 
+/// Asks for the 128 bytes (two lines) of the panel row `ahead` bytes past `row`: the rows of
+/// the float32, bf16-pair, int8-quad and q4-octet panels are 32 words. An address past the
+/// panel is never dereferenced, and prefetching it is a no-op.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_panel_row<T>(row: *const T, ahead: usize) {
+    use std::arch::x86_64::*;
+    let next = (row as *const i8).wrapping_add(ahead);
+    _mm_prefetch::<_MM_HINT_T0>(next);
+    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+}
+
 /// [`tile_avx512`] for rows stored one after another (`x` is `[MR][k]`, row-major) rather than
 /// packed: each step broadcasts the value of every row at `kk`.
 #[cfg(target_arch = "x86_64")]
@@ -994,9 +1006,7 @@ unsafe fn tile_avx512_row_major<const MR: usize>(
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
     for kk in 0..k {
-        let next = (bp.wrapping_add(kk * NR) as *const i8).wrapping_add(PREFETCH_BYTES);
-        _mm_prefetch::<_MM_HINT_T0>(next);
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+        prefetch_panel_row(bp.wrapping_add(kk * NR), PREFETCH_BYTES);
         let b0 = _mm512_loadu_ps(bp.add(kk * NR));
         let b1 = _mm512_loadu_ps(bp.add(kk * NR + 16));
         for (r, a) in acc.iter_mut().enumerate() {
@@ -1444,10 +1454,7 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
     for j in 0..jb {
-        // A pair row of the panel is 128 bytes: two lines.
-        let next = (bp.wrapping_add(j * NR) as *const i8).wrapping_add(ahead);
-        _mm_prefetch::<_MM_HINT_T0>(next);
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+        prefetch_panel_row(bp.wrapping_add(j * NR), ahead);
         let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
         let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -1781,10 +1788,7 @@ unsafe fn int8_tile_avx512<const MR: usize>(
     }
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
     for (jj, j) in js.enumerate() {
-        // A quad row of the panel is 128 bytes: two lines.
-        let next = (bp.wrapping_add(jj * NR) as *const i8).wrapping_add(ahead);
-        _mm_prefetch::<_MM_HINT_T0>(next);
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+        prefetch_panel_row(bp.wrapping_add(jj * NR), ahead);
         let b0 = _mm512_loadu_si512(bp.add(jj * NR) as *const _);
         let b1 = _mm512_loadu_si512(bp.add(jj * NR + 16) as *const _);
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -2017,10 +2021,7 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     for g in gs {
         let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
         for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
-            // A row of the panel is 128 bytes: two lines.
-            let next = (wp.wrapping_add(j * NR) as *const i8).wrapping_add(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(next);
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+            prefetch_panel_row(wp.wrapping_add(j * NR), ahead);
             let w0 = _mm512_loadu_si512(wp.add(j * NR) as *const _);
             let w1 = _mm512_loadu_si512(wp.add(j * NR + 16) as *const _);
             let lo = [_mm512_and_si512(w0, low), _mm512_and_si512(w1, low)];
