@@ -144,20 +144,6 @@ impl Family for PagedFamily {
     }
 }
 
-struct Sink(mpsc::SyncSender<Event>);
-
-impl EventSink for Sink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
-            mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
-            mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 fn grower(seed: u64, len: usize) -> Prepared<Grower> {
     Prepared {
         program: Grower {
@@ -198,7 +184,7 @@ fn run(total: usize, watermark: usize, reqs: &[(u64, usize, u64)]) -> (Vec<Outco
                 let w = Waiting {
                     id: RequestId(i as u64),
                     prepared: grower(seed, len),
-                    sink: Box::new(Sink(tx)),
+                    sink: Box::new(tx),
                     deadline: None,
                     submitted_at: Instant::now(),
                     span: tracing::Span::none(),
@@ -273,7 +259,7 @@ fn admission_takes_the_first_step_not_the_worst_case() {
             id: RequestId(i),
             // Worst case 10 slots each: a worst-case reservation would admit one.
             prepared: grower(i, 20),
-            sink: Box::new(Sink(tx)),
+            sink: Box::new(tx),
             deadline: None,
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
@@ -293,7 +279,7 @@ fn a_request_larger_than_the_pool_is_refused_at_submission() {
     let w = Waiting {
         id: RequestId(0),
         prepared: grower(1, 9),
-        sink: Box::new(Sink(tx)),
+        sink: Box::new(tx),
         deadline: None,
         submitted_at: Instant::now(),
         span: tracing::Span::none(),
@@ -351,7 +337,7 @@ fn a_preempted_request_whose_deadline_passes_leaves_and_the_other_finishes() {
         let w = Waiting {
             id: RequestId(i),
             prepared: grower(i, 8),
-            sink: Box::new(Sink(tx)),
+            sink: Box::new(tx),
             deadline,
             submitted_at: t0,
             span: tracing::Span::none(),
@@ -404,7 +390,7 @@ fn a_request_waits_for_slots_held_by_a_slow_reader_instead_of_failing() {
             let w = Waiting {
                 id: RequestId(i),
                 prepared: grower(i, len),
-                sink: Box::new(Sink(tx)),
+                sink: Box::new(tx),
                 deadline: None,
                 submitted_at: t0,
                 span: tracing::Span::none(),
@@ -468,7 +454,7 @@ fn submit(
     let w = Waiting {
         id: RequestId(id),
         prepared: grower(id + 1, len),
-        sink: Box::new(Sink(tx)),
+        sink: Box::new(tx),
         deadline: None,
         submitted_at: Instant::now(),
         span: tracing::Span::none(),
@@ -598,7 +584,7 @@ impl EventSink for Gated {
         if !self.open.load(Ordering::Relaxed) {
             return Err((SinkError::Full, event));
         }
-        Sink(self.tx.clone()).try_send(event)
+        EventSink::try_send(&mut self.tx.clone(), event)
     }
     fn is_closed(&self) -> bool {
         false

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Demand, Event, EventSink, Family, FamilyError, FinishReason, Group, Planned, Prepared,
-    RequestId, SinkError, SlotId, Stats,
+    Active, Demand, Event, Family, FamilyError, FinishReason, Group, Planned, Prepared, RequestId,
+    SlotId, Stats,
 };
 
 /// A request whose first `prompt` ticks compute its prompt, which then emits until `len`
@@ -80,27 +80,13 @@ impl Family for Sharing {
     }
 }
 
-struct Sink(mpsc::SyncSender<Event>);
-
-impl EventSink for Sink {
-    fn try_send(&mut self, event: Event) -> Result<(), (SinkError, Event)> {
-        self.0.try_send(event).map_err(|e| match e {
-            mpsc::TrySendError::Full(ev) => (SinkError::Full, ev),
-            mpsc::TrySendError::Disconnected(ev) => (SinkError::Closed, ev),
-        })
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 fn waiting(id: u64, program: Program) -> (Waiting<Program>, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::sync_channel(64);
     (
         Waiting {
             id: RequestId(id),
             prepared: Prepared::reserved(program, 4, 8),
-            sink: Box::new(Sink(tx)),
+            sink: Box::new(tx),
             deadline: None,
             submitted_at: Instant::now(),
             span: tracing::Span::none(),
