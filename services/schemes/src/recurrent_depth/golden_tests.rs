@@ -79,6 +79,16 @@ struct Fixture {
 }
 
 impl Fixture {
+    /// Upstream's forward logits of the prompt with zero initial states at 4 recurrences, one
+    /// row per position (computed apart from either sampler).
+    fn zero_state_logits(&self) -> Result<Vec<Vec<f32>>> {
+        Ok(self
+            .tensors
+            .get("forward.zero_state.steps4.logits")
+            .context("forward logits")?
+            .to_vec2()?)
+    }
+
     fn load() -> Result<Self> {
         let dir = fixture_dir();
         let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json"))?)?;
@@ -610,11 +620,7 @@ fn logprobs_are_the_recorded_next_token_distributions() -> Result<()> {
 #[test]
 fn prompt_logprobs_are_the_forwards_log_softmax() -> Result<()> {
     let fx = Fixture::load()?;
-    let rows: Vec<Vec<f32>> = fx
-        .tensors
-        .get("forward.zero_state.steps4.logits")
-        .context("forward logits")?
-        .to_vec2()?;
+    let rows = fx.zero_state_logits()?;
     let mut spec = fx.spec(
         "forward",
         0,
@@ -662,11 +668,7 @@ fn prompt_logprobs_are_the_forwards_log_softmax() -> Result<()> {
 #[test]
 fn diffusion_forcings_first_logprob_is_the_forwards_log_softmax() -> Result<()> {
     let fx = Fixture::load()?;
-    let rows: Vec<Vec<f32>> = fx
-        .tensors
-        .get("forward.zero_state.steps4.logits")
-        .context("forward logits")?
-        .to_vec2()?;
+    let rows = fx.zero_state_logits()?;
     let mut spec = fx.spec(
         "forward",
         4,
