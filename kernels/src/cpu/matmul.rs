@@ -689,52 +689,40 @@ pub(crate) fn gemm_panels(
 ) {
     debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
     let tiles = row_tiles(isa, m);
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
-        // Rows read where they are (broadcast from each row in turn): these operands are built
-        // per call, and repacking them cost more than the locality it buys.
-        let mut tile = [0f32; MR_MAX * NR];
-        for p in 0..n.div_ceil(NR) {
-            let cols = NR.min(n - p * NR);
-            let panel = &panels[p * k * NR..(p + 1) * k * NR];
-            for &(i, mr) in &tiles {
-                macro_rules! by_rows {
-                    ($($m:literal)*) => {
-                        match mr {
-                            // SAFETY: AVX512 was detected on this machine; rows i..i + mr of `a`
-                            // hold k values each.
-                            $($m => unsafe {
-                                tile_avx512_row_major::<$m>(&a[i * k..(i + mr) * k], k, panel, &mut tile)
-                            },)*
-                            _ => unreachable!("tile of {mr} rows"),
-                        }
-                    };
-                }
-                by_rows!(1 2 3 4 5 6 7 8);
-                for r in 0..mr {
-                    let row = &mut c[(i + r) * ldc + p * NR..];
-                    row[..cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
-                }
-            }
-        }
-        return;
-    }
-    let packed = pack_rows(&a[..m * k], k, &tiles, 1);
+    // On AVX512 the rows are read where they are (broadcast from each row in turn): these
+    // operands are built per call, and repacking them cost more than the locality it buys.
+    let in_place = cfg!(target_arch = "x86_64") && isa == Isa::Avx512;
+    let packed = if in_place {
+        Vec::new()
+    } else {
+        pack_rows(&a[..m * k], k, &tiles, 1)
+    };
     let mut tile = [0f32; MR_MAX * NR];
     for p in 0..n.div_ceil(NR) {
         let cols = NR.min(n - p * NR);
+        let panel = &panels[p * k * NR..(p + 1) * k * NR];
         for &(i, mr) in &tiles {
-            let at = &packed[i * k..(i + mr) * k];
-            tile_dispatch(
-                isa,
-                mr,
-                at,
-                k,
-                &panels[p * k * NR..(p + 1) * k * NR],
-                &mut tile,
-                true,
-                PREFETCH_BYTES,
-            );
+            if in_place {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    macro_rules! by_rows {
+                        ($($m:literal)*) => {
+                            match mr {
+                                // SAFETY: AVX512 was detected on this machine; rows i..i + mr
+                                // of `a` hold k values each.
+                                $($m => unsafe {
+                                    tile_avx512_row_major::<$m>(&a[i * k..(i + mr) * k], k, panel, &mut tile)
+                                },)*
+                                _ => unreachable!("tile of {mr} rows"),
+                            }
+                        };
+                    }
+                    by_rows!(1 2 3 4 5 6 7 8);
+                }
+            } else {
+                let at = &packed[i * k..(i + mr) * k];
+                tile_dispatch(isa, mr, at, k, panel, &mut tile, true, PREFETCH_BYTES);
+            }
             for r in 0..mr {
                 let row = &mut c[(i + r) * ldc + p * NR..];
                 row[..cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
