@@ -68,6 +68,23 @@ impl Mask {
         }
     }
 
+    /// The keys `query` sees when they are one run of indices (`None` for the rules whose
+    /// visible keys can have gaps): what [`Mask::allows`] says of every key, computed once.
+    pub fn visible(self, query: u32) -> Option<Range<u32>> {
+        match self {
+            Mask::Bidirectional => Some(0..u32::MAX),
+            Mask::Causal => Some(0..query.saturating_add(1)),
+            Mask::BlockCausal { block } => {
+                let b = block.max(1);
+                Some(0..(query / b).saturating_add(1).saturating_mul(b))
+            }
+            Mask::SlidingCausal { window } => {
+                Some((query + 1).saturating_sub(window)..query.saturating_add(1))
+            }
+            _ => None,
+        }
+    }
+
     /// The `(kind, p0, p1)` triple the CUDA kernel reads.
     pub fn encode(self) -> [u32; 3] {
         match self {
@@ -239,6 +256,37 @@ pub fn ragged_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run from `visible` is exactly the keys `allows` lets through.
+    #[test]
+    fn visible_runs_are_what_the_rule_allows() {
+        let masks = [
+            Mask::Bidirectional,
+            Mask::Causal,
+            Mask::BlockCausal { block: 4 },
+            Mask::BlockCausal { block: 0 },
+            Mask::SlidingCausal { window: 3 },
+            Mask::SlidingCausal { window: 0 },
+            Mask::SlidingCausal { window: 50 },
+        ];
+        for m in masks {
+            for q in 0..40u32 {
+                let run = m.visible(q).expect("one run");
+                for key in 0..45u32 {
+                    assert_eq!(
+                        run.contains(&key),
+                        m.allows(q, key),
+                        "{m:?} q {q} key {key}"
+                    );
+                }
+            }
+        }
+        let gaps = Mask::ShadowBlock {
+            main_len: 4,
+            block_start: 1,
+        };
+        assert_eq!(gaps.visible(5), None);
+    }
 
     #[test]
     fn mask_rules_on_buffer_indices() {

@@ -10,7 +10,10 @@
 //! Work: one task per (sequence, key/value head, run of rows), spread over the pool. A task
 //! streams its keys and values once for all the query heads of its group and all its rows:
 //! scores for every query, a softmax per query (maximum, `exp`, sum, in float32, as the
-//! reference implementations do it), then the weighted sum of the values.
+//! reference implementations do it), then the weighted sum of the values. Runs of rows are as
+//! long as keep every thread busy (at least 64 rows), so a sequence's keys are packed once for
+//! as many rows as possible. In the bf16 compute mode the two products of many queries take
+//! bfloat16 operands and float32 sums, as bf16-dot weights do.
 //!
 //! Reductions have one order on every instruction set (see [`super::simd`]), so results do not
 //! depend on the machine's vector width or on the other sequences of the call.
@@ -20,7 +23,7 @@ use std::ops::Range;
 use crate::attention::Mask;
 use crate::{check, KernelError};
 
-use super::matmul::{gemm_panels, NR};
+use super::matmul::{bf16_panels, gemm_panels, pack_column_pairs, pack_row_pairs, NR};
 use super::simd::{self, Isa};
 use super::SendPtr;
 
@@ -65,12 +68,19 @@ pub struct Heads {
     /// Write the output row-major `[rows, H, D]` (what the output projection reads) instead of
     /// head-major `[H, rows, D]`.
     pub rows_out: bool,
+    /// The bf16 compute mode: a sequence of at least [`GEMM_QUERIES`] queries per key/value
+    /// head multiplies queries by keys and probabilities by values with both operands rounded
+    /// to bfloat16 and float32 sums (the kernel of bf16-dot weights); the scale, masks and
+    /// softmax stay float32. Fewer queries (decode) read the float32 keys as they are.
+    pub bf16_products: bool,
 }
 
 /// Keys ahead of the one in use whose rows are prefetched (few queries: the keys stream by).
 const PREFETCH_AHEAD: usize = 16;
-/// Query rows per task, at most.
+/// Query rows per task, at least (when the sequence has as many).
 const ROWS_PER_TASK: usize = 64;
+/// Scores a task holds at most, when it takes more than [`ROWS_PER_TASK`] rows.
+const SCORES_PER_TASK: usize = 1 << 17;
 /// Queries of a task from which scores and values go through the product kernel.
 const GEMM_QUERIES: usize = 4;
 
@@ -145,10 +155,11 @@ pub fn attention_with(
     }
     let mut tasks = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
+        let per_task = rows_per_task(s.rows.len(), s.keys(), seqs.len() * hkv, threads);
         for g in 0..hkv {
             let mut r = s.rows.start;
             while r < s.rows.end {
-                let end = (r + ROWS_PER_TASK).min(s.rows.end);
+                let end = (r + per_task).min(s.rows.end);
                 tasks.push((si, g, r..end));
                 r = end;
             }
@@ -166,6 +177,21 @@ pub fn attention_with(
         super::pool::pool().run(tasks.len(), &|i| run(&tasks[i]));
     }
     Ok(())
+}
+
+/// Query rows per task of a sequence of `rows` rows over `keys` keys, in a call of `groups`
+/// (sequence, key/value head) pairs on `threads` threads: a task packs its group's keys and
+/// values once for all its rows, so as many rows as keep four tasks per thread, at least
+/// [`ROWS_PER_TASK`], and a score matrix of at most [`SCORES_PER_TASK`] values.
+fn rows_per_task(rows: usize, keys: usize, groups: usize, threads: usize) -> usize {
+    let mut per = ROWS_PER_TASK;
+    while per < rows
+        && 2 * per * keys <= SCORES_PER_TASK
+        && groups * rows.div_ceil(2 * per) >= 4 * threads
+    {
+        per *= 2;
+    }
+    per
 }
 
 /// One (sequence, kv head, rows) task.
@@ -202,8 +228,9 @@ unsafe fn task(
     };
     // Many queries: scores and weighted values as two small products through the linear
     // kernel (keys and values packed once for all queries); few: dot products over the keys
-    // as they stream by.
-    let gemm = nq >= GEMM_QUERIES;
+    // as they stream by. Decided by the sequence's queries, not the task's, so a row's
+    // result does not depend on how the call's rows were cut into tasks.
+    let gemm = s.rows.len() * rep >= GEMM_QUERIES;
     // Scores [nq][t_all]; masked keys get -inf.
     let mut scores = vec![0f32; nq * t_all];
     if gemm {
@@ -211,16 +238,26 @@ unsafe fn task(
         for &(hh, row) in &queries {
             a.extend_from_slice(&q[(hh * rows + row) * d..(hh * rows + row + 1) * d]);
         }
-        // Kᵀ in panels of NR keys: panel p holds `[D][NR]`.
-        let mut kp = vec![0f32; t_all.div_ceil(NR) * d * NR];
-        for (t, (kt, _)) in key_rows().enumerate() {
-            let base = (t / NR) * d * NR + t % NR;
-            for (dd, &x) in kt.iter().enumerate() {
-                kp[base + dd * NR] = x;
+        if heads.bf16_products {
+            // Kᵀ in bfloat16 pair panels of NR keys: panel p holds `[ceil(D / 2)][NR]`.
+            let dp = d.div_ceil(2);
+            let mut kw = vec![0u32; t_all.div_ceil(NR) * dp * NR];
+            for (t, (kt, _)) in key_rows().enumerate() {
+                let panel = &mut kw[(t / NR) * dp * NR..(t / NR + 1) * dp * NR];
+                pack_row_pairs(isa, kt, panel, t % NR, NR);
             }
+            bf16_panels(isa, &a, nq, d, &kw, t_all, &mut scores);
+        } else {
+            // Kᵀ in panels of NR keys: panel p holds `[D][NR]`.
+            let mut kp = vec![0f32; t_all.div_ceil(NR) * d * NR];
+            for (t, (kt, _)) in key_rows().enumerate() {
+                let base = (t / NR) * d * NR + t % NR;
+                for (dd, &x) in kt.iter().enumerate() {
+                    kp[base + dd * NR] = x;
+                }
+            }
+            gemm_panels(isa, &a, nq, d, &kp, t_all, &mut scores, t_all);
         }
-        gemm_panels(isa, &a, nq, d, &kp, t_all, &mut scores, t_all);
-        scores.iter_mut().for_each(|v| *v *= heads.scale);
     } else {
         let keys: Vec<&[f32]> = key_rows().map(|(k, _)| k).collect();
         for (t, kt) in keys.iter().enumerate() {
@@ -229,15 +266,39 @@ unsafe fn task(
             }
             for (qi, &(hh, row)) in queries.iter().enumerate() {
                 let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
-                scores[qi * t_all + t] = simd::dot(isa, qv, kt) * heads.scale;
+                scores[qi * t_all + t] = simd::dot(isa, qv, kt);
             }
         }
     }
+    // The scale: with the softmax's first pass, where a masked key's `-inf` stays `-inf`
+    // (a positive scale), else before the masks.
+    let scale = if heads.scale > 0.0 {
+        heads.scale
+    } else {
+        scores.iter_mut().for_each(|v| *v *= heads.scale);
+        1.0
+    };
     // Masks.
     if s.mask != Mask::Bidirectional {
+        // Keys in consecutive buffer indices from `base`: a rule's visible run is a run of
+        // them, the rest filled at once.
+        let base = match s.key_index {
+            None => Some(0),
+            Some(ix) => ix
+                .windows(2)
+                .all(|w| w[0].checked_add(1) == Some(w[1]))
+                .then(|| ix.first().copied().unwrap_or(0)),
+        };
         for (qi, &(_, row)) in queries.iter().enumerate() {
             let qix = s.row_index[row - s.rows.start];
             let sc = &mut scores[qi * t_all..(qi + 1) * t_all];
+            if let (Some(base), Some(run)) = (base, s.mask.visible(qix)) {
+                let at = |i: u32| (i.saturating_sub(base) as usize).min(t_all);
+                let (lo, hi) = (at(run.start), at(run.end));
+                sc[..lo].fill(f32::NEG_INFINITY);
+                sc[hi.max(lo)..].fill(f32::NEG_INFINITY);
+                continue;
+            }
             for (t, v) in sc.iter_mut().enumerate() {
                 if !s.mask.allows(qix, s.key_at(t)) {
                     *v = f32::NEG_INFINITY;
@@ -245,13 +306,32 @@ unsafe fn task(
             }
         }
     }
-    // Softmax per query: max, exp, sum, then normalised probabilities.
+    // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
     for sc in scores.chunks_mut(t_all.max(1)).take(nq) {
-        simd::softmax(isa, sc);
+        simd::softmax(isa, sc, scale);
     }
     // Weighted values.
     let mut acc = vec![0f32; nq * d];
-    if gemm {
+    if gemm && heads.bf16_products {
+        // V in bfloat16 pair panels of NR dims: panel p holds `[ceil(T / 2)][NR]`, pair j
+        // the values of keys 2j and 2j + 1.
+        let tp = t_all.div_ceil(2);
+        let mut vw = vec![0u32; d.div_ceil(NR) * tp * NR];
+        let values: Vec<&[f32]> = key_rows().map(|(_, v)| v).collect();
+        for (j, pair) in values.chunks(2).enumerate() {
+            for p in 0..d.div_ceil(NR) {
+                let cols = p * NR..(p * NR + NR).min(d);
+                let at = p * tp * NR + j * NR;
+                pack_column_pairs(
+                    isa,
+                    &pair[0][cols.clone()],
+                    pair.get(1).map(|v| &v[cols.clone()]),
+                    &mut vw[at..at + cols.len()],
+                );
+            }
+        }
+        bf16_panels(isa, &scores, nq, t_all, &vw, d, &mut acc);
+    } else if gemm {
         // V in panels of NR dims: panel p holds `[T][NR]`.
         let mut vp = vec![0f32; d.div_ceil(NR) * t_all * NR];
         for (t, (_, vt)) in key_rows().enumerate() {
@@ -313,6 +393,7 @@ mod tests {
             head_dim: d,
             scale: 0.3,
             rows_out: false,
+            bf16_products: false,
         };
         // Sequence 0: 3 rows at buffer 5..8 over 8 causal keys (a cache of 5 + the rows);
         // sequence 1: 4 rows, WINO shadow mask over 6 keys.
@@ -437,6 +518,98 @@ mod tests {
         }
     }
 
+    /// One sequence of many rows under each mask rule, its keys at consecutive buffer indices
+    /// (a visible run filled at once), at scattered ones (key by key), against the reference;
+    /// in float32 the same bits on every instruction set and thread count, in bf16 products
+    /// within bfloat16's rounding of the reference.
+    #[test]
+    fn mask_runs_and_bf16_products_match_the_ragged_reference() {
+        let (h, hkv, d, t) = (4, 2, 40, 150);
+        // One thread cuts the rows in runs of 128, two in runs of 64 (the same bits).
+        let rows = 150;
+        assert_eq!(
+            (
+                rows_per_task(rows, t, hkv, 1),
+                rows_per_task(rows, t, hkv, 2)
+            ),
+            (128, 64)
+        );
+        let k = data(hkv * t * d, 21);
+        let v = data(hkv * t * d, 22);
+        let q = data(h * rows * d, 23);
+        // The rows are the keys' positions, from buffer index 5.
+        let row_index: Vec<u32> = (t as u32 - rows as u32..t as u32).map(|r| r + 5).collect();
+        let consecutive: Vec<u32> = (5..t as u32 + 5).collect();
+        let mut scattered = consecutive.clone();
+        scattered.swap(3, 90);
+        let masks = [
+            Mask::Causal,
+            Mask::BlockCausal { block: 16 },
+            Mask::SlidingCausal { window: 33 },
+            Mask::Bidirectional,
+        ];
+        for mask in masks {
+            for keys in [&consecutive, &scattered] {
+                let seqs = vec![SeqAttention {
+                    rows: 0..rows,
+                    row_index: &row_index,
+                    blocks: vec![KvBlock {
+                        k: &k,
+                        v: &v,
+                        len: t,
+                        head_stride: t * d,
+                    }],
+                    key_index: Some(keys),
+                    mask,
+                }];
+                let layout = RaggedLayout {
+                    n_heads: h,
+                    n_kv_heads: hkv,
+                    head_dim: d,
+                    scale: 0.15,
+                    seqs: vec![RaggedSeq {
+                        rows: 0..rows as u32,
+                        keys: 0..t as u32,
+                        mask,
+                    }],
+                    row_index: row_index.clone(),
+                    key_index: keys.clone(),
+                };
+                let want = ragged_attention(&layout, &q, &k, &v).unwrap();
+                for bf16_products in [false, true] {
+                    let heads = Heads {
+                        n_heads: h,
+                        n_kv_heads: hkv,
+                        head_dim: d,
+                        scale: 0.15,
+                        rows_out: false,
+                        bf16_products,
+                    };
+                    let tol = if bf16_products { 2e-2 } else { 1e-5 };
+                    let mut first: Option<Vec<f32>> = None;
+                    for isa in Isa::available() {
+                        for threads in [1, 2] {
+                            let mut out = vec![f32::NAN; q.len()];
+                            attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
+                            let diff = out
+                                .iter()
+                                .zip(&want)
+                                .map(|(a, b)| (a - b).abs())
+                                .fold(0f32, f32::max);
+                            assert!(diff < tol, "{mask:?} bf16 {bf16_products} {isa:?}: {diff}");
+                            if !bf16_products {
+                                match &first {
+                                    None => first = Some(out),
+                                    Some(f) => assert_eq!(&out, f, "{mask:?} {isa:?} x{threads}"),
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// One query row per head (decode): the dot-product path, against the reference.
     #[test]
     fn single_rows_match_the_ragged_reference() {
@@ -470,6 +643,7 @@ mod tests {
             head_dim: d,
             scale: 0.2,
             rows_out: false,
+            bf16_products: false,
         };
         let layout = RaggedLayout {
             n_heads: h,
@@ -505,6 +679,7 @@ mod tests {
             head_dim: 2,
             scale: 1.0,
             rows_out: false,
+            bf16_products: false,
         };
         let k = [1.0f32, 2.0];
         let seqs = vec![SeqAttention {

@@ -82,7 +82,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), K
 
 /// The softmax of `x` in place, float32, sums in the canonical lane order.
 pub fn softmax(x: &mut [f32]) {
-    simd::softmax(Isa::get(), x);
+    simd::softmax(Isa::get(), x, 1.0);
 }
 
 /// The maximum of `x` and the first index holding it (`-inf` and 0 when empty or all NaN).

@@ -567,7 +567,8 @@ pub fn linear_with(
         return Ok(());
     }
     if let Store::Bf16Pairs(words) = &w.store {
-        return bf16_dot(isa, threads, x, m, k, n, words, bias, y);
+        bf16_dot(isa, threads, x, m, k, n, words, bias, y);
+        return Ok(());
     }
     if let Store::I8Quads {
         words,
@@ -688,6 +689,8 @@ pub(crate) fn gemm_panels(
     ldc: usize,
 ) {
     debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
+    // The tiles below write through a pointer: `c` must hold every output.
+    assert!(n <= ldc && (m == 0 || c.len() >= (m - 1) * ldc + n));
     let tiles = row_tiles(isa, m);
     // On AVX512 the rows are read where they are (broadcast from each row in turn): these
     // operands are built per call, and repacking them cost more than the locality it buys.
@@ -723,10 +726,20 @@ pub(crate) fn gemm_panels(
                 let at = &packed[i * k..(i + mr) * k];
                 tile_dispatch(isa, mr, at, k, panel, &mut tile, true, PREFETCH_BYTES);
             }
-            for r in 0..mr {
-                let row = &mut c[(i + r) * ldc + p * NR..];
-                row[..cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
-            }
+            // SAFETY: rows i..i + mr of `c` hold columns p · NR..p · NR + cols (asserted
+            // above).
+            unsafe {
+                write_tile(
+                    isa,
+                    &tile,
+                    mr,
+                    cols,
+                    None,
+                    None,
+                    c.as_mut_ptr().add(i * ldc + p * NR),
+                    ldc,
+                )
+            };
         }
     }
 }
@@ -1171,7 +1184,7 @@ fn bf16_dot(
     words: &[u32],
     bias: Option<&[f32]>,
     y: &mut [f32],
-) -> Result<(), KernelError> {
+) {
     let kp = k.div_ceil(2);
     let panels = n.div_ceil(NR);
     let tiles = fixed_tiles(m, MR_MAX);
@@ -1221,7 +1234,6 @@ fn bf16_dot(
         }
     };
     on_threads(m * n * k, threads, panels, &tiles, &run);
-    Ok(())
 }
 
 /// `x` `[m, k]` rounded to bfloat16 ([`f32_to_bf16`]) and packed tile by tile: tile `(i, mr)`
@@ -1253,7 +1265,7 @@ fn pack_pairs(isa: Isa, threads: usize, x: &[f32], k: usize, tiles: &[(usize, us
 }
 
 /// Row `r` of a tile of `mr` rows: `dst[j · mr + r]` holds the pair `row[2j]`, `row[2j + 1]`.
-fn pack_row_pairs(isa: Isa, row: &[f32], dst: &mut [u32], r: usize, mr: usize) {
+pub(crate) fn pack_row_pairs(isa: Isa, row: &[f32], dst: &mut [u32], r: usize, mr: usize) {
     let k = row.len();
     #[allow(unused_mut)]
     let mut done = 0;
@@ -1277,22 +1289,20 @@ unsafe fn pack_row_pairs_avx512(row: &[f32], dst: &mut [u32], r: usize, mr: usiz
     let chunks = row.len() / 16;
     let mut words = [0u32; 8];
     for c in 0..chunks {
-        let v = _mm512_loadu_ps(row.as_ptr().add(16 * c));
-        let bits = _mm512_castps_si512(v);
-        // f32_to_bf16: round to nearest even on the upper half; a NaN keeps its upper half,
-        // made quiet.
-        let upper = _mm512_srli_epi32::<16>(bits);
-        let lsb = _mm512_and_si512(upper, _mm512_set1_epi32(1));
-        let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb);
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
-        let quiet = _mm512_or_si512(upper, _mm512_set1_epi32(0x40));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        let half = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let half = bf16_halves_avx512(_mm512_loadu_ps(row.as_ptr().add(16 * c)));
         // Each 64-bit lane holds (value 2w, value 2w + 1): the pair is lo | hi << 16.
         let pairs = _mm512_or_si512(
             _mm512_and_si512(half, _mm512_set1_epi64(0xFFFF)),
             _mm512_srli_epi64::<16>(half),
         );
+        if mr == 1 {
+            // One row: its pairs are contiguous.
+            _mm256_storeu_si256(
+                dst.as_mut_ptr().add(8 * c) as *mut __m256i,
+                _mm512_cvtepi64_epi32(pairs),
+            );
+            continue;
+        }
         _mm256_storeu_si256(
             words.as_mut_ptr() as *mut __m256i,
             _mm512_cvtepi64_epi32(pairs),
@@ -1302,6 +1312,147 @@ unsafe fn pack_row_pairs_avx512(row: &[f32], dst: &mut [u32], r: usize, mr: usiz
         }
     }
     chunks * 8
+}
+
+/// [`f32_to_bf16`] on 16 lanes: each 32-bit lane holds its value's bfloat16 in the low half.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn bf16_halves_avx512(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let bits = _mm512_castps_si512(v);
+    // Round to nearest even on the upper half; a NaN keeps its upper half, made quiet.
+    let upper = _mm512_srli_epi32::<16>(bits);
+    let lsb = _mm512_and_si512(upper, _mm512_set1_epi32(1));
+    let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb);
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+    let quiet = _mm512_or_si512(upper, _mm512_set1_epi32(0x40));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+    _mm512_mask_blend_epi32(nan, rounded, quiet)
+}
+
+/// `dst[c]` = the pair (`lo[c]`, `hi[c]`) rounded to bfloat16 (`hi` 0 when `None`): two rows of
+/// `B` `[k, n]` (rows `2j`, `2j + 1`) as one row of a bfloat16 pair panel.
+pub(crate) fn pack_column_pairs(isa: Isa, lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
+    let n = dst.len();
+    debug_assert!(lo.len() >= n && hi.is_none_or(|h| h.len() >= n));
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX512F was detected; whole chunks of 16 of the `n` values only.
+        done = unsafe { pack_column_pairs_avx512(lo, hi, dst) };
+    }
+    for c in done..n {
+        dst[c] = bf16_pair(lo[c], hi.map_or(0.0, |h| h[c]));
+    }
+}
+
+/// [`pack_column_pairs`] over whole chunks of 16 values; returns the values written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_column_pairs_avx512(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) -> usize {
+    use std::arch::x86_64::*;
+    let chunks = dst.len() / 16;
+    for c in 0..chunks {
+        let l = bf16_halves_avx512(_mm512_loadu_ps(lo.as_ptr().add(16 * c)));
+        let h = match hi {
+            Some(h) => {
+                _mm512_slli_epi32::<16>(bf16_halves_avx512(_mm512_loadu_ps(h.as_ptr().add(16 * c))))
+            }
+            None => _mm512_setzero_si512(),
+        };
+        let w = _mm512_or_si512(_mm512_and_si512(l, _mm512_set1_epi32(0xFFFF)), h);
+        _mm512_storeu_si512(dst.as_mut_ptr().add(16 * c) as *mut _, w);
+    }
+    chunks * 16
+}
+
+/// On the calling thread, `c [m, n] = a [m, k] · B` with `a` row-major float32 rounded to
+/// bfloat16 and `B` given as bfloat16 pair panels (per [`NR`] columns, `[ceil(k / 2)][NR]`
+/// words, the pair of rows `2j`, `2j + 1`; zero-padded), accumulated in float32: attention's
+/// products in bf16 compute, by the kernel of [`WeightDtype::Bf16Dot`].
+pub(crate) fn bf16_panels(
+    isa: Isa,
+    a: &[f32],
+    m: usize,
+    k: usize,
+    words: &[u32],
+    n: usize,
+    c: &mut [f32],
+) {
+    let kp = k.div_ceil(2);
+    assert!(a.len() >= m * k && words.len() >= n.div_ceil(NR) * kp * NR && c.len() >= m * n);
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && isa == Isa::Avx512 {
+        // The rows as bfloat16 pairs, row-major `[m][kp]`: a contiguous conversion (no
+        // scatter into tiles) that the kernel broadcasts from row by row.
+        let mut rows = vec![0u32; m * kp];
+        for (row, dst) in a[..m * k].chunks(k).zip(rows.chunks_mut(kp)) {
+            pack_row_pairs(isa, row, dst, 0, 1);
+        }
+        let mut tile = [0f32; MR_MAX * NR];
+        for p in 0..n.div_ceil(NR) {
+            let cols = NR.min(n - p * NR);
+            let panel = &words[p * kp * NR..(p + 1) * kp * NR];
+            for (i, mr) in fixed_tiles(m, MR_MAX) {
+                let at = &rows[i * kp..(i + mr) * kp];
+                macro_rules! by_rows {
+                    ($($m:literal)*) => {
+                        match mr {
+                            // SAFETY: the CPU has AVX512-BF16; `at` holds mr rows of kp pairs
+                            // and `panel` kp rows of NR pairs.
+                            $($m => unsafe { bf16_tile_avx512_row_major::<$m>(at, kp, panel, &mut tile) },)*
+                            _ => unreachable!("tile of {mr} rows"),
+                        }
+                    };
+                }
+                by_rows!(1 2 3 4 5 6 7 8);
+                // SAFETY: rows i..i + mr of `c` (`[m][n]`, asserted above) hold columns
+                // p · NR..p · NR + cols.
+                unsafe {
+                    write_tile(
+                        isa,
+                        &tile,
+                        mr,
+                        cols,
+                        None,
+                        None,
+                        c.as_mut_ptr().add(i * n + p * NR),
+                        n,
+                    )
+                };
+            }
+        }
+        return;
+    }
+    bf16_dot(isa, 1, &a[..m * k], m, k, n, words, None, &mut c[..m * n]);
+}
+
+/// [`bf16_tile_avx512`] over rows stored one after another (`a` is `[MR][kp]` pairs) rather
+/// than packed by tile, the whole sum in one pass.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_tile_avx512_row_major<const MR: usize>(
+    a: &[u32],
+    kp: usize,
+    panel: &[u32],
+    tile: &mut [f32; MR_MAX * NR],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(a.len() == MR * kp && panel.len() == kp * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    for j in 0..kp {
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(r * kp + j) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+        }
+    }
+    store_tile_avx512(&acc, tile, true);
 }
 
 /// Writes a finished `mr x NR` tile's first `cols` columns, times `scales` then plus `bias`

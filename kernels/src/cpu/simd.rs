@@ -262,29 +262,84 @@ const EXP_P: [f32; 6] = [
     0.5,
 ];
 
-/// The softmax of `x` in place, in float32: maximum, `exp(x - max)` and their sum (in the
-/// canonical lane order of [`dot`]), then each divided by the sum; a row of only `-inf`
-/// becomes zeros. The same bits on every instruction set.
-pub(crate) fn softmax(isa: Isa, x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+/// The softmax of `x · scale` in place, in float32: each value times `scale`, the maximum,
+/// `exp(x - max)` and their sum (in the canonical lane order of [`dot`]), then each divided by
+/// the sum; a row of only `-inf` becomes zeros. The same bits on every instruction set.
+pub(crate) fn softmax(isa: Isa, x: &mut [f32], scale: f32) {
+    let m = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine.
+        Isa::Avx512 => unsafe { scale_max_avx512(x, scale) },
+        _ => x.iter_mut().fold(f32::NEG_INFINITY, |m, v| {
+            *v *= scale;
+            m.max(*v)
+        }),
+    };
     if m == f32::NEG_INFINITY {
         x.iter_mut().for_each(|v| *v = 0.0);
         return;
     }
-    let sum = match isa {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
-        Isa::Avx512 => unsafe { exp_sum_avx512(x, m) },
+        Isa::Avx512 => unsafe {
+            let sum = exp_sum_avx512(x, m);
+            divide_avx512(x, sum)
+        },
         _ => {
             let mut l = [0f32; LANES];
             for (i, v) in x.iter_mut().enumerate() {
                 *v = exp_scalar(*v - m);
                 l[i % LANES] += *v;
             }
-            reduce_lanes(l)
+            let sum = reduce_lanes(l);
+            x.iter_mut().for_each(|v| *v /= sum);
         }
-    };
-    x.iter_mut().for_each(|v| *v /= sum);
+    }
+}
+
+/// `x[i] *= scale` and the maximum of the products (NaNs ignored, as `f32::max` does).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scale_max_avx512(x: &mut [f32], scale: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let sv = _mm512_set1_ps(scale);
+    let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), sv);
+        _mm512_mask_storeu_ps(p.add(i), mask, v);
+        // `max(v, m)` returns `m` where `v` is NaN; lanes past the end keep `m`.
+        mv = _mm512_mask_max_ps(mv, mask, v, mv);
+        i += LANES;
+    }
+    _mm512_reduce_max_ps(mv)
+}
+
+/// `x[i] /= d`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn divide_avx512(x: &mut [f32], d: f32) {
+    use std::arch::x86_64::*;
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let dv = _mm512_set1_ps(d);
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= LANES {
+            0xFFFF
+        } else {
+            ((1u32 << (n - i)) - 1) as u16
+        };
+        let v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), dv);
+        _mm512_mask_storeu_ps(p.add(i), mask, v);
+        i += LANES;
+    }
 }
 
 /// `Σ exp(x[i] - m)` without writing the exponentials, in the canonical lane order.
@@ -598,7 +653,7 @@ mod tests {
         let e: Vec<f64> = x.iter().map(|&v| f64::from(v - m).exp()).collect();
         let sum: f64 = e.iter().sum();
         let mut want = x.clone();
-        softmax(Isa::Portable, &mut want);
+        softmax(Isa::Portable, &mut want, 1.0);
         for (w, e) in want.iter().zip(&e) {
             assert!(
                 (f64::from(*w) - e / sum).abs() <= 1e-6 * (e / sum) + 1e-30,
@@ -608,11 +663,11 @@ mod tests {
         }
         for isa in Isa::available() {
             let mut got = x.clone();
-            softmax(isa, &mut got);
+            softmax(isa, &mut got, 1.0);
             assert_eq!(got, want, "{isa:?}");
         }
         let mut none = vec![f32::NEG_INFINITY; 3];
-        softmax(Isa::get(), &mut none);
+        softmax(Isa::get(), &mut none, 1.0);
         assert_eq!(none, [0.0; 3]);
         for v in [0.0f32, -1e-3, -0.5, -1.0, -10.0, -87.0] {
             let rel = (f64::from(exp_scalar(v)) - f64::from(v).exp()).abs() / f64::from(v).exp();

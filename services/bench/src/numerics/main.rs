@@ -290,6 +290,7 @@ fn main() -> Result<()> {
         head_dim: hd,
         scale: scale as f32,
         rows_out: false,
+        bf16_products: false,
     };
     attention(hh, &qs, n, &seqs, &mut after).map_err(anyhow::Error::msg)?;
     let r = f64s(&ref64)?;

@@ -209,7 +209,7 @@ impl RankStack {
         let q = rope(&heads(0, h)?, cos, sin)?;
         let k = rope(&heads(h, hkv)?, cos, sin)?;
         let v = heads(h + hkv, hkv)?;
-        let attn = attention(&q, &k, &v, mask)?
+        let attn = attention(&q, &k, &v, mask, self.qkv.bf16_products())?
             .transpose(1, 2)?
             .reshape((g_n, rows, h * hd))?;
         Ok((grouped_linear(&attn, &self.o, lo)?, k, v))
@@ -542,8 +542,8 @@ fn causal_mask(p: usize, device: &Device) -> Result<Tensor> {
 
 /// Causal attention (`mask` `[P, P]`) of `q` `[B, h, P, hd]` over `k`, `v` `[B, h_kv, P, hd]`
 /// (query head j reads key head `j / (h / h_kv)`), scaled by `1 / sqrt(hd)`, scores and softmax
-/// in float32; returns `[B, h, P, hd]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+/// in float32; returns `[B, h, P, hd]`. `bf16`: the CPU kernel's products in bfloat16.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, bf16: bool) -> Result<Tensor> {
     let dtype = q.dtype();
     let (b, h, p, hd) = q.dims4()?;
     let hkv = k.dim(1)?;
@@ -561,7 +561,14 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor
             })
             .collect::<Result<Vec<_>>>()?;
         let qh = q.transpose(0, 1)?.reshape((h, b * p, hd))?;
-        let y = cpu::attend(&qh, hkv, (1.0 / (hd as f64).sqrt()) as f32, &seqs, false)?;
+        let y = cpu::attend(
+            &qh,
+            hkv,
+            (1.0 / (hd as f64).sqrt()) as f32,
+            &seqs,
+            false,
+            bf16,
+        )?;
         return Ok(y.reshape((h, b, p, hd))?.transpose(0, 1)?.contiguous()?);
     }
     let (k, v) = if h == hkv {

@@ -659,7 +659,7 @@ impl DiffusionGemma {
         };
         let (q, k) = (rope(&q)?, rope(&k)?);
         let v = v.transpose(0, 1)?.contiguous()?;
-        let y = attend_packed(&q, &k, &v, layout, seqs, l)?;
+        let y = attend_packed(&q, &k, &v, layout, seqs, l, layer.qkv.bf16_products())?;
         layer.o.forward(&y)
     }
 

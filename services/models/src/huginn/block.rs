@@ -323,7 +323,8 @@ impl Attention {
                 mask: Mask::Causal,
             });
         }
-        cpu::attend(q, q.dim(0)?, scale as f32, &calls, rows_out)
+        let bf16 = self.shards[0].wqkv.bf16_products();
+        cpu::attend(q, q.dim(0)?, scale as f32, &calls, rows_out, bf16)
     }
 
     /// The candle path (GPU, bf16): one attention per sequence.

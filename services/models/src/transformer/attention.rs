@@ -338,7 +338,8 @@ fn buffer_keys(
 /// Attention of every sequence over its own keys. `q` `[H, N, D]`, `k`/`v` `[H_kv, N, D]` (keys
 /// after RoPE); returns `[N, H · D]`, the rows the output projection reads. Writes the assembled keys of buffer sequences to their
 /// caches at `layer`. With a ragged plan all sequences attend in one operation, else one
-/// [`sdpa`] per sequence.
+/// [`sdpa`] per sequence. `bf16`: the CPU kernel multiplies in bfloat16 (the bf16 compute
+/// mode of the layer's weights).
 pub(crate) fn attend_packed(
     q: &Tensor,
     k: &Tensor,
@@ -346,6 +347,7 @@ pub(crate) fn attend_packed(
     layout: &PackedLayout,
     seqs: &mut [SeqInput],
     layer: usize,
+    bf16: bool,
 ) -> Result<Tensor> {
     let scale = layout
         .scale
@@ -383,7 +385,7 @@ pub(crate) fn attend_packed(
         }
     }
     if on_cpu {
-        return cpu::attend(q, k.dim(0)?, scale as f32, &cpu_seqs, true);
+        return cpu::attend(q, k.dim(0)?, scale as f32, &cpu_seqs, true, bf16);
     }
     let y = if let Some(plan) = &layout.ragged {
         plan.attend(q, &all_keys, scale)?

@@ -576,7 +576,8 @@ impl Shard {
             let k = rope_heads(&k.transpose(0, 1)?, &layout.cos, &layout.sin)?;
             (q, k, v.transpose(0, 1)?.contiguous()?)
         };
-        let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot)?;
+        let bf16 = self.w.qkv.bf16_products();
+        let y = attend_packed(&q, &k, &v, layout, seqs, self.cache_slot, bf16)?;
         self.w.o.forward(&y)
     }
 }

@@ -114,12 +114,14 @@ pub(crate) struct CpuSeq {
 
 /// `softmax(q kᵀ · scale + mask) v` for every sequence, `q` `[H, N, D]` float32 on the CPU;
 /// returns `[H, N, D]`, or `[N, H · D]` with `rows_out` (what an output projection reads).
+/// `bf16`: the bf16 compute mode ([`Heads::bf16_products`]).
 pub(crate) fn attend(
     q: &Tensor,
     n_kv_heads: usize,
     scale: f32,
     seqs: &[CpuSeq],
     rows_out: bool,
+    bf16: bool,
 ) -> Result<Tensor> {
     let (h, n, d) = q.dims3()?;
     let q = q.contiguous()?;
@@ -159,6 +161,7 @@ pub(crate) fn attend(
         head_dim: d,
         scale,
         rows_out,
+        bf16_products: bf16,
     };
     attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out).map_err(ModelError::from)?;
     Ok(if rows_out {

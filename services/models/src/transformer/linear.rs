@@ -99,6 +99,13 @@ impl Linear {
         Ok(())
     }
 
+    /// Whether the layer computes in the CPU's bf16 mode (weights stored as
+    /// [`WeightDtype::Bf16Dot`]): the products next to it (attention's) then multiply in
+    /// bfloat16 too.
+    pub fn bf16_products(&self) -> bool {
+        matches!(&self.weight, Weight::Packed(p) if p.dtype() == WeightDtype::Bf16Dot)
+    }
+
     /// `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.weight {
@@ -339,6 +346,11 @@ impl LinearStack {
     /// Stores every packed layer as `dtype`.
     pub(crate) fn store_as(&mut self, dtype: WeightDtype) -> Result<()> {
         self.layers.iter_mut().try_for_each(|l| l.store_as(dtype))
+    }
+
+    /// [`Linear::bf16_products`] of the stack's layers.
+    pub(crate) fn bf16_products(&self) -> bool {
+        self.layers.first().is_some_and(Linear::bf16_products)
     }
 
     /// `x` `[G, R, in]`, group `g` through layer `lo + g`: `[G, R, out]`.
