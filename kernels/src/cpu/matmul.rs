@@ -412,6 +412,36 @@ impl PackedWeight {
         })
     }
 
+    /// Packs `b` (row-major `[k, n]`, as [`PackedWeight::pack_kn`]) as bfloat16 pairs along
+    /// `k` ([`WeightDtype::Bf16Dot`]: rounded to nearest even), for a per-call right operand
+    /// in the bf16 compute mode.
+    pub fn pack_kn_pairs(b: &[f32], k: usize, n: usize) -> Result<Self, KernelError> {
+        check(b.len() == k * n, || {
+            format!("operand has {} values, want {k}x{n}", b.len())
+        })?;
+        let (kp, panels, isa) = (k.div_ceil(2), n.div_ceil(NR), Isa::get());
+        let mut out = vec![0u32; panels * kp * NR];
+        for j in 0..kp {
+            let lo = &b[2 * j * n..(2 * j + 1) * n];
+            let hi = (2 * j + 1 < k).then(|| &b[(2 * j + 1) * n..(2 * j + 2) * n]);
+            for p in 0..panels {
+                let cols = p * NR..(p * NR + NR).min(n);
+                let at = p * kp * NR + j * NR;
+                pack_column_pairs(
+                    isa,
+                    &lo[cols.clone()],
+                    hi.map(|h| &h[cols.clone()]),
+                    &mut out[at..at + cols.len()],
+                );
+            }
+        }
+        Ok(Self {
+            n,
+            k,
+            store: Store::Bf16Pairs(out),
+        })
+    }
+
     /// Output features (`n`).
     pub fn out_features(&self) -> usize {
         self.n
@@ -2344,6 +2374,21 @@ mod tests {
         let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
         linear(&x, 3, &w, None, &mut y2).unwrap();
         assert_eq!(y1, y2);
+        // As bfloat16 pairs (odd k: the last pair's high half is 0): the same words as the
+        // transpose packed as bf16-dot weights, so the same bits.
+        for (k, n) in [(11, 45), (40, 64), (37, 17)] {
+            let b = data(k * n, 6);
+            let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let x = data(3 * k, 7);
+            let (mut y1, mut y2) = (vec![0f32; 3 * n], vec![0f32; 3 * n]);
+            let pairs = PackedWeight::pack_kn_pairs(&b, k, n).unwrap();
+            assert_eq!(pairs.dtype(), WeightDtype::Bf16Dot);
+            linear(&x, 3, &pairs, None, &mut y1).unwrap();
+            let w = PackedWeight::pack(&bt, n, k, WeightDtype::Bf16Dot).unwrap();
+            linear(&x, 3, &w, None, &mut y2).unwrap();
+            assert_eq!(y1, y2, "{k}x{n}");
+        }
+        assert!(PackedWeight::pack_kn_pairs(&b, k + 1, n).is_err());
     }
 
     #[test]

@@ -416,7 +416,7 @@ impl GroupedContext<'_> {
         if let (true, Some(a), Some(z)) = (any_read, &a, &z) {
             let q = grouped_linear(&x, &self.stacked.mq, lo)?.to_dtype(DType::F32)?;
             let q = dpfp(&q, cfg.nu)?.reshape((blocks, p, cfg.d_key()))?;
-            let assoc = read_term(&q, a, z, eps)?
+            let assoc = read_term(&q, a, z, eps, self.stacked.mq.bf16_products())?
                 .reshape((g_n, k_n * p, d))?
                 .to_dtype(self.dtype)?;
             x = (x + assoc)?;
@@ -493,6 +493,7 @@ impl GroupedContext<'_> {
                 first: &first,
                 correction: cfg.armt.correction,
                 eps,
+                bf16: self.stacked.mkvb.bf16_products(),
             })?;
             for (b, u) in updates(&da, &dz)?.into_iter().enumerate() {
                 if matches!(lay.grid[b], Some(c) if cells[c].write) {

@@ -222,10 +222,12 @@ pub fn dpfp(x: &Tensor, nu: usize) -> Result<Tensor> {
 }
 
 /// The read term `phi(q) A / (phi(q) · z + eps)` `[C, n, d]` (float32) of keys
-/// `phi_q` `[C, n, d_key]` against memories `a` `[C, d_key, d]` and `z` `[C, d_key]`.
-pub fn read_term(phi_q: &Tensor, a: &Tensor, z: &Tensor, eps: f64) -> Result<Tensor> {
-    let num = matmul(phi_q, a)?;
-    let den = (matmul(phi_q, &z.unsqueeze(D::Minus1)?)? + eps)?;
+/// `phi_q` `[C, n, d_key]` against memories `a` `[C, d_key, d]` and `z` `[C, d_key]`. `bf16`
+/// (the bf16 compute mode): `phi(q) A` multiplies bfloat16-rounded operands with float32
+/// sums; the memory itself and the denominator stay float32.
+pub fn read_term(phi_q: &Tensor, a: &Tensor, z: &Tensor, eps: f64, bf16: bool) -> Result<Tensor> {
+    let num = matmul(phi_q, a, bf16)?;
+    let den = (matmul(phi_q, &z.unsqueeze(D::Minus1)?, false)? + eps)?;
     Ok(num.broadcast_div(&den)?)
 }
 
@@ -244,6 +246,9 @@ pub struct WriteInputs<'a> {
     pub first: &'a Tensor,
     pub correction: bool,
     pub eps: f64,
+    /// The bf16 compute mode: `k A` and `kᵀ (v - v_prev)` multiply bfloat16-rounded operands
+    /// with float32 sums (the memory stays float32).
+    pub bf16: bool,
 }
 
 /// The updates `(ΔA [C, d_key, d], Δz [C, d_key])` of a batch of writes (all float32).
@@ -252,11 +257,12 @@ pub fn write_delta(w: &WriteInputs) -> Result<(Tensor, Tensor)> {
     let first = w.first.reshape((w.first.elem_count(), 1, 1))?;
     let keep = first.affine(-1.0, 1.0)?;
     // den_j = k_j · z + eps; on a first write z = 0 and A = 0, so v_prev = 0 / eps = 0 exactly.
-    let den = (matmul(w.k, &w.z.unsqueeze(D::Minus1)?)? + w.eps)?;
-    let v_prev = matmul(w.k, w.a)?.broadcast_div(&den)?;
+    let den = (matmul(w.k, &w.z.unsqueeze(D::Minus1)?, false)? + w.eps)?;
+    let v_prev = matmul(w.k, w.a, w.bf16)?.broadcast_div(&den)?;
     let delta_a = matmul(
         &w.k.transpose(1, 2)?,
         &(w.v - v_prev)?.broadcast_mul(&beta)?,
+        w.bf16,
     )?;
     let k = w.k;
     let delta_z = if w.correction {
@@ -362,19 +368,23 @@ mod tests {
         let a = Tensor::zeros((1, 2, 1), DType::F32, &dev)?;
         let z = Tensor::zeros((1, 2), DType::F32, &dev)?;
         let first = Tensor::ones(1, DType::F32, &dev)?;
-        let (da, dz) = write_delta(&WriteInputs {
-            k: &k,
-            v: &v,
-            beta_logit: &beta_logit,
-            a: &a,
-            z: &z,
-            first: &first,
-            correction: true,
-            eps: 1e-5,
-        })?;
-        // beta = 0.5: A = 0.5 · (k0ᵀ v0 + k1ᵀ v1); z = k0 + k1.
-        assert_eq!(da.to_vec3::<f32>()?, vec![vec![vec![0.25], vec![3.0]]]);
-        assert_eq!(dz.to_vec2::<f32>()?, vec![vec![0.5, 2.0]]);
+        // Every operand is a bfloat16 value: the bf16 products give the same bits.
+        for bf16 in [false, true] {
+            let (da, dz) = write_delta(&WriteInputs {
+                k: &k,
+                v: &v,
+                beta_logit: &beta_logit,
+                a: &a,
+                z: &z,
+                first: &first,
+                correction: true,
+                eps: 1e-5,
+                bf16,
+            })?;
+            // beta = 0.5: A = 0.5 · (k0ᵀ v0 + k1ᵀ v1); z = k0 + k1.
+            assert_eq!(da.to_vec3::<f32>()?, vec![vec![vec![0.25], vec![3.0]]]);
+            assert_eq!(dz.to_vec2::<f32>()?, vec![vec![0.5, 2.0]]);
+        }
         // Not first: gamma_j = clip(1 - (k_j · z + eps) / (|k_j|² + eps)).
         let z = Tensor::new(&[[0.5f32, 0.0]], &dev)?;
         let first = Tensor::zeros(1, DType::F32, &dev)?;
@@ -387,6 +397,7 @@ mod tests {
             first: &first,
             correction: true,
             eps: 1e-5,
+            bf16: false,
         })?;
         let dz: Vec<f32> = dz.get(0)?.to_vec1()?;
         let g0 = 1.0 - (0.25f32 + 1e-5) / (0.25 + 1e-5); // 0

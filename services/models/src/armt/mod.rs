@@ -489,8 +489,9 @@ impl Armt {
         if !mems.iter().any(|m| m.layers[l].is_written()) {
             return Ok(x.clone());
         }
-        let q = self.stacked.mq.layer(l)?.forward(x)?.to_dtype(DType::F32)?;
-        let q = dpfp(&q, self.cfg.nu)?;
+        let mq = self.stacked.mq.layer(l)?;
+        let bf16 = mq.bf16_products();
+        let q = dpfp(&mq.forward(x)?.to_dtype(DType::F32)?, self.cfg.nu)?;
         let mut pieces = Vec::with_capacity(rows.len());
         let mut offset = 0;
         for (&n, mem) in rows.iter().zip(mems) {
@@ -501,6 +502,7 @@ impl Armt {
                     &lm.a().unsqueeze(0)?,
                     &lm.z().unsqueeze(0)?,
                     self.cfg.mem_eps,
+                    bf16,
                 )?;
                 pieces.push(t.squeeze(0)?);
             } else {
@@ -524,17 +526,14 @@ impl Armt {
         if !memory.is_written() {
             return Ok(Tensor::zeros((n, d), DType::F32, self.device())?);
         }
-        let q = self
-            .stacked
-            .mq
-            .layer(layer)?
-            .forward(hidden)?
-            .to_dtype(DType::F32)?;
+        let mq = self.stacked.mq.layer(layer)?;
+        let q = mq.forward(hidden)?.to_dtype(DType::F32)?;
         let t = read_term(
             &dpfp(&q, self.cfg.nu)?.unsqueeze(0)?,
             &memory.a().unsqueeze(0)?,
             &memory.z().unsqueeze(0)?,
             self.cfg.mem_eps,
+            mq.bf16_products(),
         )?;
         Ok(t.squeeze(0)?)
     }
@@ -608,6 +607,7 @@ impl Armt {
             first: &first,
             correction: self.cfg.armt.correction,
             eps: self.cfg.mem_eps,
+            bf16: self.stacked.mkvb.bf16_products(),
         })?;
         Ok(writers.into_iter().zip(updates(&da, &dz)?).collect())
     }

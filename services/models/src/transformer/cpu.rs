@@ -322,8 +322,9 @@ pub(crate) fn split_heads(
 }
 
 /// `a · b` for `a` `[.., m, k]` and `b` `[.., k, n]` (the same leading dims): the product
-/// kernel for float32 on the CPU (`b` packed per call), candle's matmul elsewhere.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// kernel for float32 on the CPU (`b` packed per call; with `bf16`, the bf16 compute mode,
+/// both operands rounded to bfloat16 pairs and summed in float32), candle's matmul elsewhere.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, bf16: bool) -> Result<Tensor> {
     if !(on_cpu_f32(a) && on_cpu_f32(b)) || a.rank() < 2 || a.rank() != b.rank() {
         return Ok(a.matmul(b)?);
     }
@@ -339,11 +340,13 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let (ab, bb) = (Borrowed::new(&a)?, Borrowed::new(&b)?);
         let (av, bv) = (ab.tail()?, bb.tail()?);
         for c in 0..batch {
-            let w = wavefront_kernels::cpu::matmul::PackedWeight::pack_kn(
-                &bv[c * k * n..(c + 1) * k * n],
-                k,
-                n,
-            )
+            use wavefront_kernels::cpu::matmul::PackedWeight;
+            let b = &bv[c * k * n..(c + 1) * k * n];
+            let w = if bf16 {
+                PackedWeight::pack_kn_pairs(b, k, n)
+            } else {
+                PackedWeight::pack_kn(b, k, n)
+            }
             .map_err(ModelError::from)?;
             wavefront_kernels::cpu::matmul::linear(
                 &av[c * m * k..(c + 1) * m * k],
