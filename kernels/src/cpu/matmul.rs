@@ -2487,11 +2487,18 @@ mod tests {
                 }
             }
         }
-        let mut alone = vec![0f32; n];
-        linear(&x[(m - 1) * k..], 1, packed, Some(bias), &mut alone).unwrap();
+        // Every row's bits whatever rows share its call.
         let mut all = vec![0f32; m * n];
         linear(x, m, packed, Some(bias), &mut all).unwrap();
-        assert_eq!(alone, &all[(m - 1) * n..], "m={m} n={n} k={k}");
+        for i in 0..m {
+            let mut alone = vec![0f32; n];
+            linear(&x[i * k..(i + 1) * k], 1, packed, Some(bias), &mut alone).unwrap();
+            assert_eq!(
+                alone,
+                &all[i * n..(i + 1) * n],
+                "row {i}, m={m} n={n} k={k}"
+            );
+        }
     }
 
     /// The int8 dot-product path against its definition computed here independently: weights
@@ -2707,7 +2714,15 @@ mod tests {
     #[test]
     fn bf16_dot_products_match_their_definition_on_every_path() {
         let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
-        for &(m, n, k) in &[(1, 40, 7), (5, 33, 300), (19, 70, 513), (8, 32, 1)] {
+        // 13 and 16 rows: a group of two tiles.
+        for &(m, n, k) in &[
+            (1, 40, 7),
+            (5, 33, 300),
+            (19, 70, 513),
+            (8, 32, 1),
+            (13, 70, 513),
+            (16, 33, 300),
+        ] {
             let x = data(m * k, 3 + k as u32);
             let w = data(n * k, 7 + n as u32);
             let bias = data(n, 11);
