@@ -371,6 +371,13 @@ mod tests {
     use super::*;
     use crate::attention::{ragged_attention, RaggedLayout, RaggedSeq};
 
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    }
+
     fn data(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
         (0..n)
@@ -488,11 +495,7 @@ mod tests {
             for threads in [1, 2] {
                 let mut out = vec![f32::NAN; q.len()];
                 attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
-                let diff = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
+                let diff = max_diff(&out, &want);
                 assert!(diff < 1e-5, "{isa:?} x{threads}: {diff}");
                 // Row-major output: the same values, transposed.
                 let mut by_rows = vec![f32::NAN; q.len()];
@@ -591,11 +594,7 @@ mod tests {
                         for threads in [1, 2] {
                             let mut out = vec![f32::NAN; q.len()];
                             attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
-                            let diff = out
-                                .iter()
-                                .zip(&want)
-                                .map(|(a, b)| (a - b).abs())
-                                .fold(0f32, f32::max);
+                            let diff = max_diff(&out, &want);
                             assert!(diff < tol, "{mask:?} bf16 {bf16_products} {isa:?}: {diff}");
                             if !bf16_products {
                                 match &first {
@@ -662,11 +661,7 @@ mod tests {
         for isa in Isa::available() {
             let mut out = vec![0f32; q.len()];
             attention_with(isa, 2, heads, &q, 1, &seqs, &mut out).unwrap();
-            let diff = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let diff = max_diff(&out, &want);
             assert!(diff < 1e-5, "{isa:?}: {diff}");
         }
     }

@@ -1533,7 +1533,7 @@ unsafe fn write_tile_avx512(
     ld: usize,
 ) {
     use std::arch::x86_64::*;
-    let mask = |n: usize| -> __mmask16 { ((1u32 << n.min(16)) - 1) as __mmask16 };
+    let mask = super::simd::chunk_mask;
     let (m0, m1) = (mask(cols), mask(cols.saturating_sub(16)));
     let load = |v: Option<&[f32]>| match v {
         Some(v) => (
@@ -1874,11 +1874,7 @@ unsafe fn write_int8_row_avx512(
     let cols = sums.len();
     let sxv = _mm512_set1_ps(sx);
     for c0 in (0..cols).step_by(16) {
-        let mask: __mmask16 = if cols - c0 >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << (cols - c0)) - 1) as u16
-        };
+        let mask = super::simd::chunk_mask(cols - c0);
         let sum = _mm512_loadu_si512(acc.as_ptr().add(c0) as *const _);
         let w = _mm512_maskz_loadu_epi32(mask, sums.as_ptr().add(c0));
         let d = _mm512_sub_epi32(sum, _mm512_slli_epi32::<7>(w));

@@ -52,6 +52,18 @@ impl Isa {
 /// Lanes of the canonical reduction order (one AVX-512 register).
 const LANES: usize = 16;
 
+/// The lanes of a 16-value chunk that hold values when `left` values remain (all of them from
+/// 16 on): the mask of the chunked loops' masked loads and stores.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn chunk_mask(left: usize) -> u16 {
+    if left >= LANES {
+        0xFFFF
+    } else {
+        ((1u32 << left) - 1) as u16
+    }
+}
+
 /// `Σ a[i]·b[i]` in one order on every instruction set: lane `j` accumulates the elements
 /// `i ≡ j (mod 16)` with fused multiply-adds in ascending `i` (missing tail elements count as
 /// `0·0`), then the lanes are summed pairwise `j + (j + 8)`, `j + (j + 4)`, `j + (j + 2)`,
@@ -308,11 +320,7 @@ unsafe fn scale_max_avx512(x: &mut [f32], scale: f32) -> f32 {
     let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), sv);
         _mm512_mask_storeu_ps(p.add(i), mask, v);
         // `max(v, m)` returns `m` where `v` is NaN; lanes past the end keep `m`.
@@ -331,11 +339,7 @@ unsafe fn divide_avx512(x: &mut [f32], d: f32) {
     let dv = _mm512_set1_ps(d);
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), dv);
         _mm512_mask_storeu_ps(p.add(i), mask, v);
         i += LANES;
@@ -368,11 +372,7 @@ unsafe fn exp_sum_ro_avx512(x: &[f32], m: f32) -> f32 {
     let mut acc = _mm512_setzero_ps();
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let v = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), mv);
         acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, exp_avx512(v)));
         i += LANES;
@@ -392,11 +392,7 @@ unsafe fn exp_sum_avx512(x: &mut [f32], m: f32) -> f32 {
     let mut acc = _mm512_setzero_ps();
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let v = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), mv);
         let e = exp_avx512(v);
         _mm512_mask_storeu_ps(p.add(i), mask, e);
@@ -461,11 +457,7 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
     let one = _mm512_set1_ps(1.0);
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
         let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
         let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
@@ -506,11 +498,7 @@ unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
     let k = _mm512_set1_ps(-2.0 * GELU_K);
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
         let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
         let g3 = _mm512_mul_ps(_mm512_mul_ps(c, gv), gv);
@@ -549,11 +537,7 @@ unsafe fn soft_cap_avx512(x: &mut [f32], cap: f32) {
     let (s, c) = (_mm512_set1_ps(2.0 / cap), _mm512_set1_ps(cap));
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let v = _mm512_maskz_loadu_ps(mask, p.add(i));
         let e = exp_avx512(_mm512_mul_ps(v, s));
         let t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
@@ -592,11 +576,7 @@ unsafe fn exp_sums_avx512(x: &[f32], m: f32) -> (f32, f32) {
     let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= LANES {
-            0xFFFF
-        } else {
-            ((1u32 << (n - i)) - 1) as u16
-        };
+        let mask = chunk_mask(n - i);
         let d = _mm512_sub_ps(mv, _mm512_maskz_loadu_ps(mask, p.add(i)));
         let e = _mm512_maskz_mov_ps(mask, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), d)));
         a0 = _mm512_add_ps(a0, e);
