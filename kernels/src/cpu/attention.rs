@@ -79,8 +79,8 @@ pub struct Heads {
 const PREFETCH_AHEAD: usize = 16;
 /// Query rows per task, at least (when the sequence has as many).
 const ROWS_PER_TASK: usize = 64;
-/// Scores a task holds at most, when it takes more than [`ROWS_PER_TASK`] rows.
-const SCORES_PER_TASK: usize = 1 << 17;
+/// Queries whose scores are computed together, over the keys the last of them sees.
+const QUERIES_PER_RUN: usize = 32;
 /// Queries of a task from which scores and values go through the product kernel.
 const GEMM_QUERIES: usize = 4;
 
@@ -155,7 +155,7 @@ pub fn attention_with(
     }
     let mut tasks = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        let per_task = rows_per_task(s.rows.len(), s.keys(), seqs.len() * hkv, threads);
+        let per_task = rows_per_task(s.rows.len(), seqs.len() * hkv, threads);
         for g in 0..hkv {
             let mut r = s.rows.start;
             while r < s.rows.end {
@@ -179,16 +179,13 @@ pub fn attention_with(
     Ok(())
 }
 
-/// Query rows per task of a sequence of `rows` rows over `keys` keys, in a call of `groups`
+/// Query rows per task of a sequence of `rows` rows, in a call of `groups`
 /// (sequence, key/value head) pairs on `threads` threads: a task packs its group's keys and
 /// values once for all its rows, so as many rows as keep four tasks per thread, at least
-/// [`ROWS_PER_TASK`], and a score matrix of at most [`SCORES_PER_TASK`] values.
-fn rows_per_task(rows: usize, keys: usize, groups: usize, threads: usize) -> usize {
+/// [`ROWS_PER_TASK`].
+fn rows_per_task(rows: usize, groups: usize, threads: usize) -> usize {
     let mut per = ROWS_PER_TASK;
-    while per < rows
-        && 2 * per * keys <= SCORES_PER_TASK
-        && groups * rows.div_ceil(2 * per) >= 4 * threads
-    {
+    while per < rows && groups * rows.div_ceil(2 * per) >= 4 * threads {
         per *= 2;
     }
     per
@@ -231,34 +228,47 @@ unsafe fn task(
     // as they stream by. Decided by the sequence's queries, not the task's, so a row's
     // result does not depend on how the call's rows were cut into tasks.
     let gemm = s.rows.len() * rep >= GEMM_QUERIES;
-    // Scores [nq][t_all]; masked keys get -inf.
-    let mut scores = vec![0f32; nq * t_all];
+    let mut acc = vec![0f32; nq * d];
+    let masks = Masks::new(s, t_all);
     if gemm {
-        let mut a = Vec::with_capacity(nq * d);
-        for &(hh, row) in &queries {
-            a.extend_from_slice(&q[(hh * rows + row) * d..(hh * rows + row + 1) * d]);
-        }
-        if heads.bf16_products {
-            // Kᵀ in bfloat16 pair panels of NR keys: panel p holds `[ceil(D / 2)][NR]`.
-            let dp = d.div_ceil(2);
-            let mut kw = vec![0u32; t_all.div_ceil(NR) * dp * NR];
-            for (t, (kt, _)) in key_rows().enumerate() {
-                let panel = &mut kw[(t / NR) * dp * NR..(t / NR + 1) * dp * NR];
-                pack_row_pairs(isa, kt, panel, t % NR, NR);
+        let qrows = |qs: &[(usize, usize)]| -> Vec<f32> {
+            let mut a = Vec::with_capacity(qs.len() * d);
+            for &(hh, row) in qs {
+                a.extend_from_slice(&q[(hh * rows + row) * d..(hh * rows + row + 1) * d]);
             }
-            bf16_panels(isa, &a, nq, d, &kw, t_all, &mut scores);
-        } else {
-            // Kᵀ in panels of NR keys: panel p holds `[D][NR]`.
-            let mut kp = vec![0f32; t_all.div_ceil(NR) * d * NR];
-            for (t, (kt, _)) in key_rows().enumerate() {
-                let base = (t / NR) * d * NR + t % NR;
-                for (dd, &x) in kt.iter().enumerate() {
-                    kp[base + dd * NR] = x;
-                }
+            a
+        };
+        let products = Products::pack(isa, heads.bf16_products, d, t_all, key_rows);
+        // Runs of queries: each multiplies only the keys its last visible key needs (a causal
+        // prefill skips the keys after its rows), the scores of a run `[queries][keys]`.
+        for (c, qs) in queries.chunks(QUERIES_PER_RUN).enumerate() {
+            let keys = qs
+                .iter()
+                .map(|&(_, row)| masks.keys_needed(s.row_index[row - s.rows.start]))
+                .max()
+                .unwrap_or(0);
+            if keys == 0 {
+                continue;
             }
-            gemm_panels(isa, &a, nq, d, &kp, t_all, &mut scores, t_all);
+            let mut scores = vec![0f32; qs.len() * keys];
+            products.scores(isa, &qrows(qs), qs.len(), keys, &mut scores);
+            let scale = pre_scale(heads.scale, &mut scores);
+            for (sc, &(_, row)) in scores.chunks_mut(keys).zip(qs) {
+                masks.apply(s.row_index[row - s.rows.start], sc);
+                simd::softmax(isa, sc, scale);
+            }
+            let at = c * QUERIES_PER_RUN * d;
+            products.weighted(
+                isa,
+                &scores,
+                qs.len(),
+                keys,
+                &mut acc[at..at + qs.len() * d],
+            );
         }
     } else {
+        // Scores [nq][t_all]; masked keys get -inf.
+        let mut scores = vec![0f32; nq * t_all];
         let keys: Vec<&[f32]> = key_rows().map(|(k, _)| k).collect();
         for (t, kt) in keys.iter().enumerate() {
             if let Some(ahead) = keys.get(t + PREFETCH_AHEAD) {
@@ -269,79 +279,12 @@ unsafe fn task(
                 scores[qi * t_all + t] = simd::dot(isa, qv, kt);
             }
         }
-    }
-    // The scale: with the softmax's first pass, where a masked key's `-inf` stays `-inf`
-    // (a positive scale), else before the masks.
-    let scale = if heads.scale > 0.0 {
-        heads.scale
-    } else {
-        scores.iter_mut().for_each(|v| *v *= heads.scale);
-        1.0
-    };
-    // Masks.
-    if s.mask != Mask::Bidirectional {
-        // Keys in consecutive buffer indices from `base`: a rule's visible run is a run of
-        // them, the rest filled at once.
-        let base = match s.key_index {
-            None => Some(0),
-            Some(ix) => ix
-                .windows(2)
-                .all(|w| w[0].checked_add(1) == Some(w[1]))
-                .then(|| ix.first().copied().unwrap_or(0)),
-        };
-        for (qi, &(_, row)) in queries.iter().enumerate() {
-            let qix = s.row_index[row - s.rows.start];
-            let sc = &mut scores[qi * t_all..(qi + 1) * t_all];
-            if let (Some(base), Some(run)) = (base, s.mask.visible(qix)) {
-                let at = |i: u32| (i.saturating_sub(base) as usize).min(t_all);
-                let (lo, hi) = (at(run.start), at(run.end));
-                sc[..lo].fill(f32::NEG_INFINITY);
-                sc[hi.max(lo)..].fill(f32::NEG_INFINITY);
-                continue;
-            }
-            for (t, v) in sc.iter_mut().enumerate() {
-                if !s.mask.allows(qix, s.key_at(t)) {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
+        let scale = pre_scale(heads.scale, &mut scores);
+        // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
+        for (sc, &(_, row)) in scores.chunks_mut(t_all.max(1)).zip(&queries) {
+            masks.apply(s.row_index[row - s.rows.start], sc);
+            simd::softmax(isa, sc, scale);
         }
-    }
-    // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
-    for sc in scores.chunks_mut(t_all.max(1)).take(nq) {
-        simd::softmax(isa, sc, scale);
-    }
-    // Weighted values.
-    let mut acc = vec![0f32; nq * d];
-    if gemm && heads.bf16_products {
-        // V in bfloat16 pair panels of NR dims: panel p holds `[ceil(T / 2)][NR]`, pair j
-        // the values of keys 2j and 2j + 1.
-        let tp = t_all.div_ceil(2);
-        let mut vw = vec![0u32; d.div_ceil(NR) * tp * NR];
-        let values: Vec<&[f32]> = key_rows().map(|(_, v)| v).collect();
-        for (j, pair) in values.chunks(2).enumerate() {
-            for p in 0..d.div_ceil(NR) {
-                let cols = p * NR..(p * NR + NR).min(d);
-                let at = p * tp * NR + j * NR;
-                pack_column_pairs(
-                    isa,
-                    &pair[0][cols.clone()],
-                    pair.get(1).map(|v| &v[cols.clone()]),
-                    &mut vw[at..at + cols.len()],
-                );
-            }
-        }
-        bf16_panels(isa, &scores, nq, t_all, &vw, d, &mut acc);
-    } else if gemm {
-        // V in panels of NR dims: panel p holds `[T][NR]`.
-        let mut vp = vec![0f32; d.div_ceil(NR) * t_all * NR];
-        for (t, (_, vt)) in key_rows().enumerate() {
-            for (p, chunk) in vt.chunks(NR).enumerate() {
-                let at = p * t_all * NR + t * NR;
-                vp[at..at + chunk.len()].copy_from_slice(chunk);
-            }
-        }
-        gemm_panels(isa, &scores, nq, t_all, &vp, d, &mut acc, d);
-    } else {
         let values: Vec<&[f32]> = key_rows().map(|(_, v)| v).collect();
         for (t, vt) in values.iter().enumerate() {
             if let Some(ahead) = values.get(t + PREFETCH_AHEAD) {
@@ -363,6 +306,159 @@ unsafe fn task(
         };
         let dst = out.0.add(at);
         std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
+    }
+}
+
+/// The scale the softmax applies: a positive one in its first pass, where a masked key's
+/// `-inf` stays `-inf`; any other applied to the scores here, before the masks (then 1).
+fn pre_scale(scale: f32, scores: &mut [f32]) -> f32 {
+    if scale > 0.0 {
+        scale
+    } else {
+        scores.iter_mut().for_each(|v| *v *= scale);
+        1.0
+    }
+}
+
+/// A sequence's mask over its `keys` keys, as a query's scores see it.
+struct Masks<'s, 'a> {
+    s: &'s SeqAttention<'a>,
+    keys: usize,
+    /// Keys at consecutive buffer indices from this one: a rule's visible run is a run of
+    /// them (`None`: the keys' indices have gaps).
+    base: Option<u32>,
+}
+
+impl<'s, 'a> Masks<'s, 'a> {
+    fn new(s: &'s SeqAttention<'a>, keys: usize) -> Self {
+        let base = match s.key_index {
+            None => Some(0),
+            Some(ix) => ix
+                .windows(2)
+                .all(|w| w[0].checked_add(1) == Some(w[1]))
+                .then(|| ix.first().copied().unwrap_or(0)),
+        };
+        Self { s, keys, base }
+    }
+
+    /// The keys of query `qix` between the first key and its last visible one, when its rule
+    /// gives one run of them; all of them otherwise.
+    fn visible_run(&self, qix: u32) -> Option<(usize, usize)> {
+        let (base, run) = (self.base?, self.s.mask.visible(qix)?);
+        let at = |i: u32| (i.saturating_sub(base) as usize).min(self.keys);
+        let (lo, hi) = (at(run.start), at(run.end));
+        Some((lo, hi.max(lo)))
+    }
+
+    /// How many leading keys query `qix`'s scores need: past them every key is masked.
+    fn keys_needed(&self, qix: u32) -> usize {
+        self.visible_run(qix).map_or(self.keys, |(_, hi)| hi)
+    }
+
+    /// `-inf` on the scores `sc` (the first `sc.len()` keys) of query `qix` its rule masks.
+    fn apply(&self, qix: u32, sc: &mut [f32]) {
+        if self.s.mask == Mask::Bidirectional {
+            return;
+        }
+        let n = sc.len();
+        if let Some((lo, hi)) = self.visible_run(qix) {
+            sc[..lo.min(n)].fill(f32::NEG_INFINITY);
+            sc[hi.min(n)..].fill(f32::NEG_INFINITY);
+            return;
+        }
+        for (t, v) in sc.iter_mut().enumerate() {
+            if !self.s.mask.allows(qix, self.s.key_at(t)) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// A task's keys and values packed for the two products of many queries: `[D][NR]` panels of
+/// keys and `[T][NR]` panels of value dims in float32, or the same as bfloat16 pairs
+/// (`[ceil(D / 2)][NR]`, `[ceil(T / 2)][NR]`) in the bf16 compute mode.
+enum Products {
+    F32 {
+        d: usize,
+        t: usize,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
+    Bf16 {
+        d: usize,
+        t: usize,
+        k: Vec<u32>,
+        v: Vec<u32>,
+    },
+}
+
+impl Products {
+    fn pack<'a, I: Iterator<Item = (&'a [f32], &'a [f32])>>(
+        isa: Isa,
+        bf16: bool,
+        d: usize,
+        t: usize,
+        rows: impl Fn() -> I,
+    ) -> Self {
+        if bf16 {
+            // Kᵀ: panel p holds keys p·NR.. as `[ceil(D / 2)][NR]` pairs.
+            let dp = d.div_ceil(2);
+            let mut k = vec![0u32; t.div_ceil(NR) * dp * NR];
+            for (i, (kt, _)) in rows().enumerate() {
+                let panel = &mut k[(i / NR) * dp * NR..(i / NR + 1) * dp * NR];
+                pack_row_pairs(isa, kt, panel, i % NR, NR);
+            }
+            // V: panel p holds dims p·NR.. as `[ceil(T / 2)][NR]`, pair j keys 2j and 2j + 1.
+            let tp = t.div_ceil(2);
+            let mut v = vec![0u32; d.div_ceil(NR) * tp * NR];
+            let values: Vec<&[f32]> = rows().map(|(_, v)| v).collect();
+            for (j, pair) in values.chunks(2).enumerate() {
+                for p in 0..d.div_ceil(NR) {
+                    let cols = p * NR..(p * NR + NR).min(d);
+                    let at = p * tp * NR + j * NR;
+                    pack_column_pairs(
+                        isa,
+                        &pair[0][cols.clone()],
+                        pair.get(1).map(|v| &v[cols.clone()]),
+                        &mut v[at..at + cols.len()],
+                    );
+                }
+            }
+            return Self::Bf16 { d, t, k, v };
+        }
+        let mut k = vec![0f32; t.div_ceil(NR) * d * NR];
+        let mut v = vec![0f32; d.div_ceil(NR) * t * NR];
+        for (i, (kt, vt)) in rows().enumerate() {
+            let base = (i / NR) * d * NR + i % NR;
+            for (dd, &x) in kt.iter().enumerate() {
+                k[base + dd * NR] = x;
+            }
+            for (p, chunk) in vt.chunks(NR).enumerate() {
+                let at = p * t * NR + i * NR;
+                v[at..at + chunk.len()].copy_from_slice(chunk);
+            }
+        }
+        Self::F32 { d, t, k, v }
+    }
+
+    /// `scores [m][keys]` of the query rows `a` `[m][D]` against the first `keys` keys.
+    fn scores(&self, isa: Isa, a: &[f32], m: usize, keys: usize, scores: &mut [f32]) {
+        match self {
+            Self::F32 { d, k, .. } => gemm_panels(isa, a, m, *d, k, d * NR, keys, scores, keys),
+            Self::Bf16 { d, k, .. } => {
+                bf16_panels(isa, a, m, *d, k, d.div_ceil(2) * NR, keys, scores)
+            }
+        }
+    }
+
+    /// `out [m][D]` of the probabilities `p` `[m][keys]` times the first `keys` values.
+    fn weighted(&self, isa: Isa, p: &[f32], m: usize, keys: usize, out: &mut [f32]) {
+        match self {
+            Self::F32 { d, t, v, .. } => gemm_panels(isa, p, m, keys, v, t * NR, *d, out, *d),
+            Self::Bf16 { d, t, v, .. } => {
+                bf16_panels(isa, p, m, keys, v, t.div_ceil(2) * NR, *d, out)
+            }
+        }
     }
 }
 
@@ -531,10 +627,7 @@ mod tests {
         // One thread cuts the rows in runs of 128, two in runs of 64 (the same bits).
         let rows = 150;
         assert_eq!(
-            (
-                rows_per_task(rows, t, hkv, 1),
-                rows_per_task(rows, t, hkv, 2)
-            ),
+            (rows_per_task(rows, hkv, 1), rows_per_task(rows, hkv, 2)),
             (128, 64)
         );
         let k = data(hkv * t * d, 21);

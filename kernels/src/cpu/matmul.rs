@@ -704,9 +704,10 @@ fn row_tiles(isa: Isa, m: usize) -> Vec<(usize, usize)> {
 }
 
 /// On the calling thread, `c[i][j] = Σ_kk a[i][kk] · B[kk][j]` for `a` row-major `[m, k]` and
-/// `B` `[k, n]` given as [`NR`]-column panels (`panels`, each `[k][NR]`, the last zero-padded),
-/// into `c` with row stride `ldc`: the kernel of [`linear`] for operands built per call (the
-/// scores and weighted values of attention).
+/// `B` `[k, n]` given as [`NR`]-column panels (panel `p` from `panels[p · panel_stride]`, its
+/// first `k` rows of `NR` read: `[k][NR]`, the last zero-padded), into `c` with row stride
+/// `ldc`: the kernel of [`linear`] for operands built per call (the scores and weighted values
+/// of attention, over a leading part of the keys packed).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_panels(
     isa: Isa,
@@ -714,11 +715,16 @@ pub(crate) fn gemm_panels(
     m: usize,
     k: usize,
     panels: &[f32],
+    panel_stride: usize,
     n: usize,
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(a.len() >= m * k && panels.len() >= n.div_ceil(NR) * k * NR);
+    assert!(k * NR <= panel_stride || n == 0);
+    assert!(
+        a.len() >= m * k
+            && panels.len() >= n.div_ceil(NR).saturating_sub(1) * panel_stride + k * NR
+    );
     // The tiles below write through a pointer: `c` must hold every output.
     assert!(n <= ldc && (m == 0 || c.len() >= (m - 1) * ldc + n));
     let tiles = row_tiles(isa, m);
@@ -733,7 +739,7 @@ pub(crate) fn gemm_panels(
     let mut tile = [0f32; MR_MAX * NR];
     for p in 0..n.div_ceil(NR) {
         let cols = NR.min(n - p * NR);
-        let panel = &panels[p * k * NR..(p + 1) * k * NR];
+        let panel = &panels[p * panel_stride..p * panel_stride + k * NR];
         for &(i, mr) in &tiles {
             if in_place {
                 #[cfg(target_arch = "x86_64")]
@@ -1399,20 +1405,25 @@ unsafe fn pack_column_pairs_avx512(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u3
 }
 
 /// On the calling thread, `c [m, n] = a [m, k] · B` with `a` row-major float32 rounded to
-/// bfloat16 and `B` given as bfloat16 pair panels (per [`NR`] columns, `[ceil(k / 2)][NR]`
-/// words, the pair of rows `2j`, `2j + 1`; zero-padded), accumulated in float32: attention's
-/// products in bf16 compute, by the kernel of [`WeightDtype::Bf16Dot`].
+/// bfloat16 and `B` given as bfloat16 pair panels (per [`NR`] columns, from
+/// `words[p · panel_stride]`, its first `ceil(k / 2)` rows of `NR` words read, the pair of rows
+/// `2j`, `2j + 1`; zero-padded), accumulated in float32: attention's products in bf16 compute,
+/// by the kernel of [`WeightDtype::Bf16Dot`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn bf16_panels(
     isa: Isa,
     a: &[f32],
     m: usize,
     k: usize,
     words: &[u32],
+    panel_stride: usize,
     n: usize,
     c: &mut [f32],
 ) {
-    let kp = k.div_ceil(2);
-    assert!(a.len() >= m * k && words.len() >= n.div_ceil(NR) * kp * NR && c.len() >= m * n);
+    let (kp, panels) = (k.div_ceil(2), n.div_ceil(NR));
+    assert!(kp * NR <= panel_stride || n == 0);
+    assert!(a.len() >= m * k && c.len() >= m * n);
+    assert!(words.len() >= panels.saturating_sub(1) * panel_stride + kp * NR);
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && isa == Isa::Avx512 {
         // The rows as bfloat16 pairs, row-major `[m][kp]`: a contiguous conversion (no
@@ -1424,7 +1435,7 @@ pub(crate) fn bf16_panels(
         let mut tile = [0f32; MR_MAX * NR];
         for p in 0..n.div_ceil(NR) {
             let cols = NR.min(n - p * NR);
-            let panel = &words[p * kp * NR..(p + 1) * kp * NR];
+            let panel = &words[p * panel_stride..p * panel_stride + kp * NR];
             for (i, mr) in fixed_tiles(m, MR_MAX) {
                 let at = &rows[i * kp..(i + mr) * kp];
                 macro_rules! by_rows {
@@ -1456,7 +1467,15 @@ pub(crate) fn bf16_panels(
         }
         return;
     }
-    bf16_dot(isa, 1, &a[..m * k], m, k, n, words, None, &mut c[..m * n]);
+    // Elsewhere the weights' path, over the panels' leading rows made contiguous.
+    let words: Vec<u32> = (0..panels)
+        .flat_map(|p| {
+            words[p * panel_stride..p * panel_stride + kp * NR]
+                .iter()
+                .copied()
+        })
+        .collect();
+    bf16_dot(isa, 1, &a[..m * k], m, k, n, &words, None, &mut c[..m * n]);
 }
 
 /// [`bf16_tile_avx512`] over rows stored one after another (`a` is `[MR][kp]` pairs) rather
