@@ -341,8 +341,8 @@ impl<'s, 'a> Masks<'s, 'a> {
         Self { s, keys, base }
     }
 
-    /// The keys of query `qix` between the first key and its last visible one, when its rule
-    /// gives one run of them; all of them otherwise.
+    /// The keys query `qix` sees as one run `(first, end)` of key positions, when its rule and
+    /// the keys' indices make them one (`None` otherwise: ask the rule key by key).
     fn visible_run(&self, qix: u32) -> Option<(usize, usize)> {
         let (base, run) = (self.base?, self.s.mask.visible(qix)?);
         let at = |i: u32| (i.saturating_sub(base) as usize).min(self.keys);
