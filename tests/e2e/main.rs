@@ -280,8 +280,12 @@ async fn reflected_services(addr: std::net::SocketAddr) -> Vec<String> {
 async fn cancelling_a_stream_frees_its_slots() {
     let s = stack(&[]).await;
     let mut client = GenerationClient::new(channel(s.router.addr).await);
+    // Connected before the request starts, and a request far longer than the look takes (240
+    // tokens of 128 recurrences each): on a loaded machine a 200-token request of 32
+    // recurrences once finished while a new channel to the worker was being opened.
+    let mut w = WorkerClient::new(channel(s.worker.addr).await);
     let mut stream = client
-        .generate_stream(request(text(PROMPT), 200, 32, 1))
+        .generate_stream(request(text(PROMPT), 240, 128, 1))
         .await
         .unwrap()
         .into_inner();
@@ -290,7 +294,6 @@ async fn cancelling_a_stream_frees_its_slots() {
         first.event,
         Some(pb::generate_stream_response::Event::Tokens(_))
     ));
-    let mut w = WorkerClient::new(channel(s.worker.addr).await);
     let load = w
         .get_load(LoadRequest { interval_ms: 0 })
         .await
