@@ -398,13 +398,15 @@ impl PackedWeight {
         })?;
         let panels = n.div_ceil(NR);
         let mut out = vec![0f32; panels * k * NR];
-        for p in 0..panels {
-            let cols = NR.min(n - p * NR);
+        by_panels(&mut out, k * NR, panels, k * n, |ps, dst| {
             for kk in 0..k {
-                let at = p * k * NR + kk * NR;
-                out[at..at + cols].copy_from_slice(&b[kk * n + p * NR..kk * n + p * NR + cols]);
+                for p in ps.clone() {
+                    let cols = NR.min(n - p * NR);
+                    let at = (p - ps.start) * k * NR + kk * NR;
+                    dst[at..at + cols].copy_from_slice(&b[kk * n + p * NR..kk * n + p * NR + cols]);
+                }
             }
-        }
+        });
         Ok(Self {
             n,
             k,
@@ -421,20 +423,22 @@ impl PackedWeight {
         })?;
         let (kp, panels, isa) = (k.div_ceil(2), n.div_ceil(NR), Isa::get());
         let mut out = vec![0u32; panels * kp * NR];
-        for j in 0..kp {
-            let lo = &b[2 * j * n..(2 * j + 1) * n];
-            let hi = (2 * j + 1 < k).then(|| &b[(2 * j + 1) * n..(2 * j + 2) * n]);
-            for p in 0..panels {
-                let cols = p * NR..(p * NR + NR).min(n);
-                let at = p * kp * NR + j * NR;
-                pack_column_pairs(
-                    isa,
-                    &lo[cols.clone()],
-                    hi.map(|h| &h[cols.clone()]),
-                    &mut out[at..at + cols.len()],
-                );
+        by_panels(&mut out, kp * NR, panels, k * n, |ps, dst| {
+            for j in 0..kp {
+                let lo = &b[2 * j * n..(2 * j + 1) * n];
+                let hi = (2 * j + 1 < k).then(|| &b[(2 * j + 1) * n..(2 * j + 2) * n]);
+                for p in ps.clone() {
+                    let cols = p * NR..(p * NR + NR).min(n);
+                    let at = (p - ps.start) * kp * NR + j * NR;
+                    pack_column_pairs(
+                        isa,
+                        &lo[cols.clone()],
+                        hi.map(|h| &h[cols.clone()]),
+                        &mut dst[at..at + cols.len()],
+                    );
+                }
             }
-        }
+        });
         Ok(Self {
             n,
             k,
@@ -628,6 +632,34 @@ pub fn linear_with(
     };
     on_threads(m * n * k, threads, panels, &tiles, &run);
     Ok(())
+}
+
+/// Runs `pack(panels, their part of out)` over `panels` panels of `panel_len` values each of
+/// `out`, split over the pool's threads when the operand has enough values (`work`) to pay
+/// for it: a per-call operand packed on every core instead of on the caller alone.
+fn by_panels<T: Send>(
+    out: &mut [T],
+    panel_len: usize,
+    panels: usize,
+    work: usize,
+    pack: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
+) {
+    let threads = super::threads();
+    if threads <= 1 || panels < 2 || work < 1 << 16 {
+        return pack(0..panels, out);
+    }
+    let parts: Vec<_> = split(panels, threads).collect();
+    let mut rest = &mut out[..];
+    let mut slices = Vec::with_capacity(parts.len());
+    for r in &parts {
+        let (head, tail) = rest.split_at_mut(r.len() * panel_len);
+        slices.push(std::sync::Mutex::new(head));
+        rest = tail;
+    }
+    super::pool::pool().run(parts.len(), &|i| {
+        let mut dst = slices[i].lock().unwrap_or_else(|e| e.into_inner());
+        pack(parts[i].clone(), &mut dst)
+    });
 }
 
 /// The work of one task: a run of panels times a run of row tiles `(first row, rows)`.
@@ -2390,8 +2422,9 @@ mod tests {
         linear(&x, 3, &w, None, &mut y2).unwrap();
         assert_eq!(y1, y2);
         // As bfloat16 pairs (odd k: the last pair's high half is 0): the same words as the
-        // transpose packed as bf16-dot weights, so the same bits.
-        for (k, n) in [(11, 45), (40, 64), (37, 17)] {
+        // transpose packed as bf16-dot weights, so the same bits; 301 x 260 is packed on the
+        // pool's threads, a panel range each.
+        for (k, n) in [(11, 45), (40, 64), (37, 17), (301, 260)] {
             let b = data(k * n, 6);
             let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
             let x = data(3 * k, 7);
@@ -2402,6 +2435,18 @@ mod tests {
             let w = PackedWeight::pack(&bt, n, k, WeightDtype::Bf16Dot).unwrap();
             linear(&x, 3, &w, None, &mut y2).unwrap();
             assert_eq!(y1, y2, "{k}x{n}");
+            // And as float32.
+            linear(
+                &x,
+                3,
+                &PackedWeight::pack_kn(&b, k, n).unwrap(),
+                None,
+                &mut y1,
+            )
+            .unwrap();
+            let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
+            linear(&x, 3, &w, None, &mut y2).unwrap();
+            assert_eq!(y1, y2, "{k}x{n} f32");
         }
         assert!(PackedWeight::pack_kn_pairs(&b, k + 1, n).is_err());
     }
