@@ -12,8 +12,11 @@
 //! scores for every query, a softmax per query (maximum, `exp`, sum, in float32, as the
 //! reference implementations do it), then the weighted sum of the values. Runs of rows are as
 //! long as keep every thread busy (at least 64 rows), so a sequence's keys are packed once for
-//! as many rows as possible. In the bf16 compute mode the two products of many queries take
-//! bfloat16 operands and float32 sums, as bf16-dot weights do.
+//! as many rows as possible. Many queries go 32 at a time through the two products, over only
+//! the leading keys the last of them can see (a causal prefill skips the keys after its rows;
+//! a masked key would add an exact 0, so the bits are those of the whole product). In the bf16
+//! compute mode the two products take bfloat16 operands and float32 sums, as bf16-dot weights
+//! do.
 //!
 //! Reductions have one order on every instruction set (see [`super::simd`]), so results do not
 //! depend on the machine's vector width or on the other sequences of the call.
