@@ -601,7 +601,17 @@ pub fn linear_with(
         return Ok(());
     }
     if let Store::Bf16Pairs(words) = &w.store {
-        bf16_dot(isa, threads, x, m, k, n, words, bias, y);
+        bf16_dot(
+            isa,
+            threads,
+            x,
+            m,
+            k,
+            n,
+            (words, k.div_ceil(2) * NR),
+            bias,
+            y,
+        );
         return Ok(());
     }
     if let Store::I8Quads {
@@ -757,8 +767,6 @@ pub(crate) fn gemm_panels(
         a.len() >= m * k
             && panels.len() >= n.div_ceil(NR).saturating_sub(1) * panel_stride + k * NR
     );
-    // The tiles below write through a pointer: `c` must hold every output.
-    assert!(n <= ldc && (m == 0 || c.len() >= (m - 1) * ldc + n));
     let tiles = row_tiles(isa, m);
     // On AVX512 the rows are read where they are (broadcast from each row in turn): these
     // operands are built per call, and repacking them cost more than the locality it buys.
@@ -768,38 +776,57 @@ pub(crate) fn gemm_panels(
     } else {
         pack_rows(&a[..m * k], k, &tiles, 1)
     };
-    let mut tile = [0f32; MR_MAX * NR];
+    each_panel_tile(isa, &tiles, n, c, ldc, |p, i, mr, tile| {
+        let panel = &panels[p * panel_stride..p * panel_stride + k * NR];
+        if in_place {
+            #[cfg(target_arch = "x86_64")]
+            {
+                macro_rules! by_rows {
+                    ($($m:literal)*) => {
+                        match mr {
+                            // SAFETY: AVX512 was detected on this machine; rows i..i + mr
+                            // of `a` hold k values each.
+                            $($m => unsafe {
+                                tile_avx512_row_major::<$m>(&a[i * k..(i + mr) * k], k, panel, tile)
+                            },)*
+                            _ => unreachable!("tile of {mr} rows"),
+                        }
+                    };
+                }
+                by_rows!(1 2 3 4 5 6 7 8);
+            }
+        } else {
+            let at = &packed[i * k..(i + mr) * k];
+            tile_dispatch(isa, mr, at, k, panel, tile, true, PREFETCH_BYTES);
+        }
+    });
+}
+
+/// For every panel `p` of `n` columns and row tile `(i, mr)`: `tile(p, i, mr, acc)` computes
+/// the `mr x NR` tile into `acc`, written to rows `i..i + mr`, columns `p · NR..` of `c` (row
+/// stride `ldc`): the loop of the per-call products ([`gemm_panels`], [`bf16_panels`]).
+fn each_panel_tile(
+    isa: Isa,
+    tiles: &[(usize, usize)],
+    n: usize,
+    c: &mut [f32],
+    ldc: usize,
+    mut tile: impl FnMut(usize, usize, usize, &mut [f32; MR_MAX * NR]),
+) {
+    let m = tiles.last().map_or(0, |&(i, mr)| i + mr);
+    // The tiles are written through a pointer: `c` must hold every output.
+    assert!(n <= ldc && (m == 0 || c.len() >= (m - 1) * ldc + n));
+    let mut acc = [0f32; MR_MAX * NR];
     for p in 0..n.div_ceil(NR) {
         let cols = NR.min(n - p * NR);
-        let panel = &panels[p * panel_stride..p * panel_stride + k * NR];
-        for &(i, mr) in &tiles {
-            if in_place {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    macro_rules! by_rows {
-                        ($($m:literal)*) => {
-                            match mr {
-                                // SAFETY: AVX512 was detected on this machine; rows i..i + mr
-                                // of `a` hold k values each.
-                                $($m => unsafe {
-                                    tile_avx512_row_major::<$m>(&a[i * k..(i + mr) * k], k, panel, &mut tile)
-                                },)*
-                                _ => unreachable!("tile of {mr} rows"),
-                            }
-                        };
-                    }
-                    by_rows!(1 2 3 4 5 6 7 8);
-                }
-            } else {
-                let at = &packed[i * k..(i + mr) * k];
-                tile_dispatch(isa, mr, at, k, panel, &mut tile, true, PREFETCH_BYTES);
-            }
+        for &(i, mr) in tiles {
+            tile(p, i, mr, &mut acc);
             // SAFETY: rows i..i + mr of `c` hold columns p · NR..p · NR + cols (asserted
             // above).
             unsafe {
                 write_tile(
                     isa,
-                    &tile,
+                    &acc,
                     mr,
                     cols,
                     None,
@@ -1240,7 +1267,8 @@ const KC_PAIRS: usize = KC / 2;
 /// [`linear_with`] for weights stored as [`WeightDtype::Bf16Dot`]: `x` rounded to bfloat16 and
 /// packed tile by tile as `[ceil(k / 2)][mr]` pairs, each `mr x NR` tile accumulated in float32
 /// by `vdpbf16ps` (or the same products in float32 FMAs), block by block of [`KC`] values of
-/// `k`.
+/// `k`. Panel `p` starts at `words[p · panel_stride]` (`ceil(k / 2) · NR` for weights; more
+/// when a call reads the leading rows of longer panels, as attention does).
 #[allow(clippy::too_many_arguments)]
 fn bf16_dot(
     isa: Isa,
@@ -1249,7 +1277,7 @@ fn bf16_dot(
     m: usize,
     k: usize,
     n: usize,
-    words: &[u32],
+    (words, panel_stride): (&[u32], usize),
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) {
@@ -1268,7 +1296,8 @@ fn bf16_dot(
                 // read once and stays in L1 for the others (as the float32 path does).
                 for j0 in (0..kp).step_by(KC_PAIRS) {
                     let jb = KC_PAIRS.min(kp - j0);
-                    let panel = &words[p * kp * NR + j0 * NR..p * kp * NR + (j0 + jb) * NR];
+                    let at = p * panel_stride;
+                    let panel = &words[at + j0 * NR..at + (j0 + jb) * NR];
                     for (t, (&(i, mr), tile)) in group.iter().zip(accs.iter_mut()).enumerate() {
                         let at = &a[i * kp + j0 * mr..i * kp + (j0 + jb) * mr];
                         // As on the float32 path: the first tile streams the block, the others
@@ -1464,50 +1493,35 @@ pub(crate) fn bf16_panels(
         for (row, dst) in a[..m * k].chunks(k).zip(rows.chunks_mut(kp)) {
             pack_row_pairs(isa, row, dst, 0, 1);
         }
-        let mut tile = [0f32; MR_MAX * NR];
-        for p in 0..n.div_ceil(NR) {
-            let cols = NR.min(n - p * NR);
+        each_panel_tile(isa, &fixed_tiles(m, MR_MAX), n, c, n, |p, i, mr, tile| {
             let panel = &words[p * panel_stride..p * panel_stride + kp * NR];
-            for (i, mr) in fixed_tiles(m, MR_MAX) {
-                let at = &rows[i * kp..(i + mr) * kp];
-                macro_rules! by_rows {
-                    ($($m:literal)*) => {
-                        match mr {
-                            // SAFETY: the CPU has AVX512-BF16; `at` holds mr rows of kp pairs
-                            // and `panel` kp rows of NR pairs.
-                            $($m => unsafe { bf16_tile_avx512_row_major::<$m>(at, kp, panel, &mut tile) },)*
-                            _ => unreachable!("tile of {mr} rows"),
-                        }
-                    };
-                }
-                by_rows!(1 2 3 4 5 6 7 8);
-                // SAFETY: rows i..i + mr of `c` (`[m][n]`, asserted above) hold columns
-                // p · NR..p · NR + cols.
-                unsafe {
-                    write_tile(
-                        isa,
-                        &tile,
-                        mr,
-                        cols,
-                        None,
-                        None,
-                        c.as_mut_ptr().add(i * n + p * NR),
-                        n,
-                    )
+            let at = &rows[i * kp..(i + mr) * kp];
+            macro_rules! by_rows {
+                ($($m:literal)*) => {
+                    match mr {
+                        // SAFETY: the CPU has AVX512-BF16; `at` holds mr rows of kp pairs and
+                        // `panel` kp rows of NR pairs.
+                        $($m => unsafe { bf16_tile_avx512_row_major::<$m>(at, kp, panel, tile) },)*
+                        _ => unreachable!("tile of {mr} rows"),
+                    }
                 };
             }
-        }
+            by_rows!(1 2 3 4 5 6 7 8);
+        });
         return;
     }
-    // Elsewhere the weights' path, over the panels' leading rows made contiguous.
-    let words: Vec<u32> = (0..panels)
-        .flat_map(|p| {
-            words[p * panel_stride..p * panel_stride + kp * NR]
-                .iter()
-                .copied()
-        })
-        .collect();
-    bf16_dot(isa, 1, &a[..m * k], m, k, n, &words, None, &mut c[..m * n]);
+    // Elsewhere the weights' path.
+    bf16_dot(
+        isa,
+        1,
+        &a[..m * k],
+        m,
+        k,
+        n,
+        (words, panel_stride),
+        None,
+        &mut c[..m * n],
+    );
 }
 
 /// [`bf16_tile_avx512`] over rows stored one after another (`a` is `[MR][kp]` pairs) rather
