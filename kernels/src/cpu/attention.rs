@@ -168,10 +168,12 @@ pub fn attention_with(
             }
         }
     }
+    // Each sequence's mask, its keys' indices scanned once for all its tasks.
+    let masks: Vec<Masks> = seqs.iter().map(Masks::new).collect();
     let op = SendPtr(out.as_mut_ptr());
     let run = |&(si, g, ref r): &(usize, usize, Range<usize>)| {
         // SAFETY: a task writes the rows `r` of its group's query heads only.
-        unsafe { task(isa, heads, q, rows, &seqs[si], g, r.clone(), op) }
+        unsafe { task(isa, heads, q, rows, &seqs[si], &masks[si], g, r.clone(), op) }
     };
     let work: usize = seqs.iter().map(|s| s.rows.len() * s.keys()).sum::<usize>() * h * d;
     if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
@@ -205,6 +207,7 @@ unsafe fn task(
     q: &[f32],
     rows: usize,
     s: &SeqAttention,
+    masks: &Masks,
     g: usize,
     r: Range<usize>,
     out: SendPtr<f32>,
@@ -232,7 +235,6 @@ unsafe fn task(
     // result does not depend on how the call's rows were cut into tasks.
     let gemm = s.rows.len() * rep >= GEMM_QUERIES;
     let mut acc = vec![0f32; nq * d];
-    let masks = Masks::new(s, t_all);
     if gemm {
         let qrows = |qs: &[(usize, usize)]| -> Vec<f32> {
             let mut a = Vec::with_capacity(qs.len() * d);
@@ -333,15 +335,21 @@ struct Masks<'s, 'a> {
 }
 
 impl<'s, 'a> Masks<'s, 'a> {
-    fn new(s: &'s SeqAttention<'a>, keys: usize) -> Self {
-        let base = match s.key_index {
-            None => Some(0),
-            Some(ix) => ix
+    fn new(s: &'s SeqAttention<'a>) -> Self {
+        let base = match (s.mask, s.key_index) {
+            // Every key is visible: no run to find.
+            (Mask::Bidirectional, _) => None,
+            (_, None) => Some(0),
+            (_, Some(ix)) => ix
                 .windows(2)
                 .all(|w| w[0].checked_add(1) == Some(w[1]))
                 .then(|| ix.first().copied().unwrap_or(0)),
         };
-        Self { s, keys, base }
+        Self {
+            s,
+            keys: s.keys(),
+            base,
+        }
     }
 
     /// The keys query `qix` sees as one run `(first, end)` of key positions, when its rule and

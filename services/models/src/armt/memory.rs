@@ -366,21 +366,24 @@ mod tests {
         let v = Tensor::new(&[[[1f32], [3.0]]], &dev)?;
         let beta_logit = Tensor::zeros((1, 2, 1), DType::F32, &dev)?;
         let a = Tensor::zeros((1, 2, 1), DType::F32, &dev)?;
-        let z = Tensor::zeros((1, 2), DType::F32, &dev)?;
-        let first = Tensor::ones(1, DType::F32, &dev)?;
-        // Every operand is a bfloat16 value: the bf16 products give the same bits.
-        for bf16 in [false, true] {
-            let (da, dz) = write_delta(&WriteInputs {
+        let write = |z: &Tensor, first: &Tensor, bf16: bool| {
+            write_delta(&WriteInputs {
                 k: &k,
                 v: &v,
                 beta_logit: &beta_logit,
                 a: &a,
-                z: &z,
-                first: &first,
+                z,
+                first,
                 correction: true,
                 eps: 1e-5,
                 bf16,
-            })?;
+            })
+        };
+        let z = Tensor::zeros((1, 2), DType::F32, &dev)?;
+        let first = Tensor::ones(1, DType::F32, &dev)?;
+        // Every operand is a bfloat16 value: the bf16 products give the same bits.
+        for bf16 in [false, true] {
+            let (da, dz) = write(&z, &first, bf16)?;
             // beta = 0.5: A = 0.5 · (k0ᵀ v0 + k1ᵀ v1); z = k0 + k1.
             assert_eq!(da.to_vec3::<f32>()?, vec![vec![vec![0.25], vec![3.0]]]);
             assert_eq!(dz.to_vec2::<f32>()?, vec![vec![0.5, 2.0]]);
@@ -388,17 +391,7 @@ mod tests {
         // Not first: gamma_j = clip(1 - (k_j · z + eps) / (|k_j|² + eps)).
         let z = Tensor::new(&[[0.5f32, 0.0]], &dev)?;
         let first = Tensor::zeros(1, DType::F32, &dev)?;
-        let (_, dz) = write_delta(&WriteInputs {
-            k: &k,
-            v: &v,
-            beta_logit: &beta_logit,
-            a: &a,
-            z: &z,
-            first: &first,
-            correction: true,
-            eps: 1e-5,
-            bf16: false,
-        })?;
+        let (_, dz) = write(&z, &first, false)?;
         let dz: Vec<f32> = dz.get(0)?.to_vec1()?;
         let g0 = 1.0 - (0.25f32 + 1e-5) / (0.25 + 1e-5); // 0
         let g1 = 1.0 - 1e-5f32 / (4.0 + 1e-5);
