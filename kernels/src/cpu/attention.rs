@@ -478,6 +478,33 @@ mod tests {
     use super::*;
     use crate::attention::{ragged_attention, RaggedLayout, RaggedSeq};
 
+    /// The call on every instruction set and thread count: each output within `tol` of `want`
+    /// and, with `same_bits`, all with the same bits. Returns them for further checks.
+    fn check_everywhere(
+        heads: Heads,
+        q: &[f32],
+        rows: usize,
+        seqs: &[SeqAttention],
+        want: &[f32],
+        tol: f32,
+        same_bits: bool,
+    ) -> Vec<(Isa, usize, Vec<f32>)> {
+        let mut all: Vec<(Isa, usize, Vec<f32>)> = Vec::new();
+        for isa in Isa::available() {
+            for threads in [1, 2] {
+                let mut out = vec![f32::NAN; q.len()];
+                attention_with(isa, threads, heads, q, rows, seqs, &mut out).unwrap();
+                let diff = max_diff(&out, want);
+                assert!(diff < tol, "{isa:?} x{threads}: {diff} ({heads:?})");
+                if let (true, Some((_, _, first))) = (same_bits, all.first()) {
+                    assert_eq!(&out, first, "{isa:?} x{threads} ({heads:?})");
+                }
+                all.push((isa, threads, out));
+            }
+        }
+        all
+    }
+
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         a.iter()
             .zip(b)
@@ -597,32 +624,20 @@ mod tests {
             key_index: (0..8).chain(0..6).collect(),
         };
         let want = ragged_attention(&layout, &q, &kk, &vv).unwrap();
-        let mut first: Option<Vec<f32>> = None;
-        for isa in Isa::available() {
-            for threads in [1, 2] {
-                let mut out = vec![f32::NAN; q.len()];
-                attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
-                let diff = max_diff(&out, &want);
-                assert!(diff < 1e-5, "{isa:?} x{threads}: {diff}");
-                // Row-major output: the same values, transposed.
-                let mut by_rows = vec![f32::NAN; q.len()];
-                let rheads = Heads {
-                    rows_out: true,
-                    ..heads
-                };
-                attention_with(isa, threads, rheads, &q, rows, &seqs, &mut by_rows).unwrap();
-                for hh in 0..h {
-                    for r in 0..rows {
-                        assert_eq!(
-                            by_rows[(r * h + hh) * d..(r * h + hh + 1) * d],
-                            out[(hh * rows + r) * d..(hh * rows + r + 1) * d]
-                        );
-                    }
-                }
-                // The same bits on every instruction set and thread count.
-                match &first {
-                    None => first = Some(out),
-                    Some(f) => assert_eq!(&out, f, "{isa:?} x{threads}"),
+        for (isa, threads, out) in check_everywhere(heads, &q, rows, &seqs, &want, 1e-5, true) {
+            // Row-major output: the same values, transposed.
+            let mut by_rows = vec![f32::NAN; q.len()];
+            let rheads = Heads {
+                rows_out: true,
+                ..heads
+            };
+            attention_with(isa, threads, rheads, &q, rows, &seqs, &mut by_rows).unwrap();
+            for hh in 0..h {
+                for r in 0..rows {
+                    assert_eq!(
+                        by_rows[(r * h + hh) * d..(r * h + hh + 1) * d],
+                        out[(hh * rows + r) * d..(hh * rows + r + 1) * d]
+                    );
                 }
             }
         }
@@ -692,22 +707,9 @@ mod tests {
                         rows_out: false,
                         bf16_products,
                     };
+                    // bf16 products: within bfloat16's rounding, bits up to summation order.
                     let tol = if bf16_products { 2e-2 } else { 1e-5 };
-                    let mut first: Option<Vec<f32>> = None;
-                    for isa in Isa::available() {
-                        for threads in [1, 2] {
-                            let mut out = vec![f32::NAN; q.len()];
-                            attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
-                            let diff = max_diff(&out, &want);
-                            assert!(diff < tol, "{mask:?} bf16 {bf16_products} {isa:?}: {diff}");
-                            if !bf16_products {
-                                match &first {
-                                    None => first = Some(out),
-                                    Some(f) => assert_eq!(&out, f, "{mask:?} {isa:?} x{threads}"),
-                                }
-                            }
-                        }
-                    }
+                    check_everywhere(heads, &q, rows, &seqs, &want, tol, !bf16_products);
                 }
             }
         }
