@@ -78,8 +78,9 @@ pub struct Heads {
     pub bf16_products: bool,
 }
 
-/// Keys ahead of the one in use whose rows are prefetched (few queries: the keys stream by).
-const PREFETCH_AHEAD: usize = 16;
+/// Keys whose scores (and then weighted values) are computed for all of a group's few queries
+/// while they are in L1, the next run prefetched (few queries: the keys stream by).
+const KEYS_PER_RUN: usize = 16;
 /// Query rows per task, at least (when the sequence has as many).
 const ROWS_PER_TASK: usize = 64;
 /// Queries whose scores are computed together, over the keys the last of them sees.
@@ -216,9 +217,8 @@ unsafe fn task(
     let rep = h / hkv;
     let t_all = s.keys();
     // Queries of the task: (query head, row), and for each its visible key range or mask.
-    let queries: Vec<(usize, usize)> = (g * rep..(g + 1) * rep)
-        .flat_map(|hh| r.clone().map(move |row| (hh, row)))
-        .collect();
+    let mut queries = Vec::with_capacity(rep * r.len());
+    queries.extend((g * rep..(g + 1) * rep).flat_map(|hh| r.clone().map(move |row| (hh, row))));
     let nq = queries.len();
     // Key t of the group: its key and value rows.
     let key_rows = || {
@@ -272,16 +272,32 @@ unsafe fn task(
             );
         }
     } else {
-        // Scores [nq][t_all]; masked keys get -inf.
+        // Scores [nq][t_all]; masked keys get -inf. Keys and values go by in runs of
+        // `KEYS_PER_RUN`, every query of the group over a run while it is in L1, the next run
+        // prefetched.
         let mut scores = vec![0f32; nq * t_all];
-        let keys: Vec<&[f32]> = key_rows().map(|(k, _)| k).collect();
-        for (t, kt) in keys.iter().enumerate() {
-            if let Some(ahead) = keys.get(t + PREFETCH_AHEAD) {
-                simd::prefetch(ahead);
-            }
-            for (qi, &(hh, row)) in queries.iter().enumerate() {
-                let qv = &q[(hh * rows + row) * d..(hh * rows + row + 1) * d];
-                scores[qi * t_all + t] = simd::dot(isa, qv, kt);
+        let (mut keys, mut values) = (Vec::with_capacity(t_all), Vec::with_capacity(t_all));
+        for (k, v) in key_rows() {
+            keys.push(k);
+            values.push(v);
+        }
+        let qv = |qi: usize| {
+            let (hh, row) = queries[qi];
+            &q[(hh * rows + row) * d..(hh * rows + row + 1) * d]
+        };
+        for t in (0..t_all).step_by(KEYS_PER_RUN) {
+            let run = t..(t + KEYS_PER_RUN).min(t_all);
+            keys[run.end..t_all.min(run.end + KEYS_PER_RUN)]
+                .iter()
+                .for_each(|k| simd::prefetch(k));
+            for qi in 0..nq {
+                let at = qi * t_all;
+                simd::dots(
+                    isa,
+                    qv(qi),
+                    &keys[run.clone()],
+                    &mut scores[at + run.start..at + run.end],
+                );
             }
         }
         let scale = pre_scale(heads.scale, &mut scores);
@@ -290,16 +306,19 @@ unsafe fn task(
             masks.apply(s.row_index[row - s.rows.start], sc);
             simd::softmax(isa, sc, scale);
         }
-        let values: Vec<&[f32]> = key_rows().map(|(_, v)| v).collect();
-        for (t, vt) in values.iter().enumerate() {
-            if let Some(ahead) = values.get(t + PREFETCH_AHEAD) {
-                simd::prefetch(ahead);
-            }
+        for t in (0..t_all).step_by(KEYS_PER_RUN) {
+            let run = t..(t + KEYS_PER_RUN).min(t_all);
+            values[run.end..t_all.min(run.end + KEYS_PER_RUN)]
+                .iter()
+                .for_each(|v| simd::prefetch(v));
             for qi in 0..nq {
-                let p = scores[qi * t_all + t];
-                if p != 0.0 {
-                    simd::axpy(isa, p, vt, &mut acc[qi * d..(qi + 1) * d]);
-                }
+                let at = qi * t_all;
+                simd::weighted_sum(
+                    isa,
+                    &scores[at + run.start..at + run.end],
+                    &values[run.clone()],
+                    &mut acc[qi * d..(qi + 1) * d],
+                );
             }
         }
     }
@@ -422,7 +441,8 @@ impl Products {
             // V: panel p holds dims p·NR.. as `[ceil(T / 2)][NR]`, pair j keys 2j and 2j + 1.
             let tp = t.div_ceil(2);
             let mut v = vec![0u32; d.div_ceil(NR) * tp * NR];
-            let values: Vec<&[f32]> = rows().map(|(_, v)| v).collect();
+            let mut values = Vec::with_capacity(t);
+            values.extend(rows().map(|(_, v)| v));
             for (j, pair) in values.chunks(2).enumerate() {
                 for p in 0..d.div_ceil(NR) {
                     let cols = p * NR..(p * NR + NR).min(d);

@@ -196,6 +196,137 @@ pub(crate) fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `out[j] = dot(q, keys[j])` for every key, bit for bit [`dot`] of each key alone. On AVX-512
+/// sixteen keys share each load of `q`, and their lanes are summed in [`dot`]'s order by a
+/// transposing tree of shuffles (four additions for sixteen keys at each level) instead of a
+/// store and fifteen scalar additions per key: the scores of decode attention.
+pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    debug_assert_eq!(keys.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        for (ks, o) in keys.chunks(LANES).zip(out.chunks_mut(LANES)) {
+            // SAFETY: the instruction set was detected on this machine; every key holds
+            // `q.len()` values (checked in debug builds).
+            unsafe { dots16_avx512(q, ks, o) };
+        }
+        return;
+    }
+    for (k, o) in keys.iter().zip(out) {
+        *o = dot(isa, q, k);
+    }
+}
+
+/// [`dots`] of up to 16 keys.
+///
+/// # Safety
+/// AVX-512F is present, `keys` holds 1 to 16 slices of `q.len()` values and `out` as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = q.len();
+    // Missing keys (a short last chunk) read the first key again; their sums are dropped.
+    let mut ptr = [keys[0].as_ptr(); LANES];
+    for (p, k) in ptr.iter_mut().zip(keys) {
+        debug_assert_eq!(k.len(), n);
+        *p = k.as_ptr();
+    }
+    // Lane j of acc[key] accumulates the elements i ≡ j (mod 16), as `dot_avx512` does.
+    let mut acc = [_mm512_setzero_ps(); LANES];
+    let mut i = 0;
+    while i < n {
+        let m = chunk_mask(n - i);
+        let x = _mm512_maskz_loadu_ps(m, q.as_ptr().add(i));
+        for (a, p) in acc.iter_mut().zip(&ptr) {
+            *a = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, p.add(i)), *a);
+        }
+        i += LANES;
+    }
+    // l[j] += l[j + 8]: keys 2m and 2m + 1 side by side, eight partial sums each.
+    let mut s1 = [_mm512_setzero_ps(); 8];
+    for (m, s) in s1.iter_mut().enumerate() {
+        let (a, b) = (acc[2 * m], acc[2 * m + 1]);
+        *s = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        );
+    }
+    // l[j] += l[j + 4]: 128-bit lane L of s2[m] holds key 4m + L's four partial sums.
+    let mut s2 = [_mm512_setzero_ps(); 4];
+    for (m, s) in s2.iter_mut().enumerate() {
+        let (a, b) = (s1[2 * m], s1[2 * m + 1]);
+        *s = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        );
+    }
+    // l[j] += l[j + 2]: lane L of s3[m] holds keys 8m + L and 8m + 4 + L, two sums each.
+    let mut s3 = [_mm512_setzero_ps(); 2];
+    for (m, s) in s3.iter_mut().enumerate() {
+        let (a, b) = (s2[2 * m], s2[2 * m + 1]);
+        *s = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b));
+    }
+    // l[0] + l[1]: element 4L + e holds key L + 4e; put key k at element k.
+    let (a, b) = (s3[0], s3[1]);
+    let sums = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(a, b), _mm512_shuffle_ps::<0xDD>(a, b));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let sums = _mm512_permutexvar_ps(order, sums);
+    _mm512_mask_storeu_ps(out.as_mut_ptr(), chunk_mask(out.len()), sums);
+}
+
+/// `acc += Σ_t probs[t]·values[t]` in key order, keys of probability 0 skipped: bit for bit
+/// [`axpy`] key by key. On AVX-512, for head sizes of 16 to 256 in multiples of 16, `acc`
+/// stays in registers over all the keys (the weighted values of decode attention).
+pub(crate) fn weighted_sum(isa: Isa, probs: &[f32], values: &[&[f32]], acc: &mut [f32]) {
+    debug_assert_eq!(probs.len(), values.len());
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: the instruction set was detected on this machine; every value row holds
+        // `acc.len()` values (checked in debug builds).
+        unsafe {
+            match acc.len() {
+                16 => return weighted_avx512::<1>(probs, values, acc),
+                32 => return weighted_avx512::<2>(probs, values, acc),
+                64 => return weighted_avx512::<4>(probs, values, acc),
+                128 => return weighted_avx512::<8>(probs, values, acc),
+                256 => return weighted_avx512::<16>(probs, values, acc),
+                _ => {}
+            }
+        }
+    }
+    for (&p, v) in probs.iter().zip(values) {
+        if p != 0.0 {
+            axpy(isa, p, v, acc);
+        }
+    }
+}
+
+/// [`weighted_sum`] over `16·N` values.
+///
+/// # Safety
+/// AVX-512F is present, `acc` holds `16·N` values and every value row as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_avx512<const N: usize>(probs: &[f32], values: &[&[f32]], acc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut r = [_mm512_setzero_ps(); N];
+    for (j, r) in r.iter_mut().enumerate() {
+        *r = _mm512_loadu_ps(acc.as_ptr().add(j * LANES));
+    }
+    for (&p, v) in probs.iter().zip(values) {
+        debug_assert_eq!(v.len(), N * LANES);
+        if p != 0.0 {
+            let a = _mm512_set1_ps(p);
+            for (j, r) in r.iter_mut().enumerate() {
+                *r = _mm512_fmadd_ps(a, _mm512_loadu_ps(v.as_ptr().add(j * LANES)), *r);
+            }
+        }
+    }
+    for (j, r) in r.iter().enumerate() {
+        _mm512_storeu_ps(acc.as_mut_ptr().add(j * LANES), *r);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn axpy_avx512(alpha: f32, x: &[f32], y: &mut [f32]) {
@@ -668,6 +799,42 @@ mod tests {
                 let mut y = b.clone();
                 axpy(isa, 0.37, &a, &mut y);
                 assert_eq!(y, y0, "{isa:?} n{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn many_keys_give_the_bits_of_one_key_at_a_time() {
+        let val = |i: usize, s: usize| ((i * 37 + s * 11) % 23) as f32 / 7.0 - 1.6;
+        for d in [1, 15, 16, 40, 64, 128, 256] {
+            let q: Vec<f32> = (0..d).map(|i| val(i, 1)).collect();
+            for keys in [1, 5, 16, 17, 33, 70] {
+                let rows: Vec<Vec<f32>> = (0..keys)
+                    .map(|t| (0..d).map(|i| val(i, t + 2)).collect())
+                    .collect();
+                let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                // Probabilities with zeros (skipped) and an accumulator that starts non-zero.
+                let probs: Vec<f32> = (0..keys)
+                    .map(|t| if t % 3 == 1 { 0.0 } else { val(t, 5) / 3.0 })
+                    .collect();
+                let start: Vec<f32> = (0..d).map(|i| val(i, 9)).collect();
+                let mut want_acc = start.clone();
+                for (&p, v) in probs.iter().zip(&refs) {
+                    if p != 0.0 {
+                        axpy(Isa::Portable, p, v, &mut want_acc);
+                    }
+                }
+                for isa in Isa::available() {
+                    let mut got = vec![0f32; keys];
+                    dots(isa, &q, &refs, &mut got);
+                    for (t, g) in got.iter().enumerate() {
+                        let want = dot_portable(&q, &refs[t]);
+                        assert_eq!(g.to_bits(), want.to_bits(), "{isa:?} d{d} key {t}/{keys}");
+                    }
+                    let mut acc = start.clone();
+                    weighted_sum(isa, &probs, &refs, &mut acc);
+                    assert_eq!(acc, want_acc, "{isa:?} d{d} keys {keys}");
+                }
             }
         }
     }
