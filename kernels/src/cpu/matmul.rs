@@ -1298,16 +1298,24 @@ fn bf16_dot(
                     let jb = KC_PAIRS.min(kp - j0);
                     let at = p * panel_stride;
                     let panel = &words[at + j0 * NR..at + (j0 + jb) * NR];
+                    let tiles_here = group.len();
                     for (t, (&(i, mr), tile)) in group.iter().zip(accs.iter_mut()).enumerate() {
                         let at = &a[i * kp + j0 * mr..i * kp + (j0 + jb) * mr];
-                        // As on the float32 path: the first tile streams the block, the others
-                        // find it in L1 and ask for the next block meanwhile.
-                        let ahead = if t == 0 {
-                            PREFETCH_BYTES
+                        let prefetch = if tiles_here == 1 {
+                            // One tile streams its block, asking just ahead.
+                            Prefetch::Ahead(PREFETCH_BYTES)
                         } else {
-                            KC_PAIRS * NR * 4
+                            // Several: each asks for its share of the next block, a line at a
+                            // time over its steps, so memory streams at an even rate while
+                            // they compute (the next block asked for at once by the later
+                            // tiles came in bursts, and the first tile of a block waited).
+                            let share = KC_PAIRS * NR * 4 / tiles_here;
+                            Prefetch::Share {
+                                from: jb * NR * 4 + t * share,
+                                step: NR * 4 / tiles_here,
+                            }
                         };
-                        bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0, ahead);
+                        bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0, prefetch);
                     }
                 }
                 let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
@@ -1638,7 +1646,7 @@ fn bf16_tile(
     panel: &[u32],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: usize,
+    prefetch: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -1646,14 +1654,14 @@ fn bf16_tile(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-BF16.
-                    $($m => unsafe { bf16_tile_avx512::<$m>(a, jb, panel, tile, start, ahead) },)*
+                    $($m => unsafe { bf16_tile_avx512::<$m>(a, jb, panel, tile, start, prefetch) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
         return by_rows!(1 2 3 4 5 6 7 8);
     }
-    let _ = (dot, ahead);
+    let _ = (dot, prefetch);
     let half = |w: u32, h: usize| bf16_to_f32((w >> (16 * h)) as u16);
     for r in 0..mr {
         let mut acc = [0f32; NR];
@@ -1682,13 +1690,27 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     panel: &[u32],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: usize,
+    prefetch: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    // `Share`: the bytes asked for so far and the next line to ask for.
+    let (mut asked, mut line) = match prefetch {
+        Prefetch::Share { from, .. } => (from, from),
+        Prefetch::Ahead(_) => (0, 0),
+    };
     for j in 0..jb {
-        prefetch_panel_row(bp.wrapping_add(j * NR), ahead);
+        match prefetch {
+            Prefetch::Ahead(ahead) => prefetch_panel_row(bp.wrapping_add(j * NR), ahead),
+            Prefetch::Share { step, .. } => {
+                asked += step;
+                while line < asked {
+                    _mm_prefetch::<_MM_HINT_T0>((bp as *const i8).wrapping_add(line));
+                    line += 64;
+                }
+            }
+        }
         let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
         let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -1698,6 +1720,16 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
         }
     }
     store_tile_avx512(&acc, tile, start);
+}
+
+/// What a bf16 tile asks the cache for while it multiplies a block of a panel.
+#[derive(Debug, Clone, Copy)]
+enum Prefetch {
+    /// A panel row (two lines) this many bytes past each row it reads.
+    Ahead(usize),
+    /// The lines from `from` bytes past the block's start on, `step` bytes more per row it
+    /// reads.
+    Share { from: usize, step: usize },
 }
 
 /// A row's 8-bit scale, `max |x| / 127` (1 for a row of zeros); NaN when the row holds a value
