@@ -273,8 +273,8 @@ unsafe fn task(
         }
     } else {
         // Scores [nq][t_all]; masked keys get -inf. Keys and values go by in runs of
-        // `KEYS_PER_RUN`, every query of the group over a run while it is in L1, the next run
-        // prefetched.
+        // `KEYS_PER_RUN`, every query of the group over a run while it is in L1; the first
+        // query's pass asks for the next run's rows as it goes.
         let mut scores = vec![0f32; nq * t_all];
         let (mut keys, mut values) = (Vec::with_capacity(t_all), Vec::with_capacity(t_all));
         for (k, v) in key_rows() {
@@ -285,11 +285,16 @@ unsafe fn task(
             let (hh, row) = queries[qi];
             &q[(hh * rows + row) * d..(hh * rows + row + 1) * d]
         };
+        // The rows the pass of query `qi` over `run` asks for.
+        let next = |run: &Range<usize>, qi: usize| {
+            if qi == 0 {
+                run.end..(run.end + KEYS_PER_RUN).min(t_all)
+            } else {
+                0..0
+            }
+        };
         for t in (0..t_all).step_by(KEYS_PER_RUN) {
             let run = t..(t + KEYS_PER_RUN).min(t_all);
-            keys[run.end..t_all.min(run.end + KEYS_PER_RUN)]
-                .iter()
-                .for_each(|k| simd::prefetch(k));
             for qi in 0..nq {
                 let at = qi * t_all;
                 simd::dots(
@@ -297,6 +302,7 @@ unsafe fn task(
                     qv(qi),
                     &keys[run.clone()],
                     &mut scores[at + run.start..at + run.end],
+                    &keys[next(&run, qi)],
                 );
             }
         }
@@ -308,9 +314,6 @@ unsafe fn task(
         }
         for t in (0..t_all).step_by(KEYS_PER_RUN) {
             let run = t..(t + KEYS_PER_RUN).min(t_all);
-            values[run.end..t_all.min(run.end + KEYS_PER_RUN)]
-                .iter()
-                .for_each(|v| simd::prefetch(v));
             for qi in 0..nq {
                 let at = qi * t_all;
                 simd::weighted_sum(
@@ -318,6 +321,7 @@ unsafe fn task(
                     &scores[at + run.start..at + run.end],
                     &values[run.clone()],
                     &mut acc[qi * d..(qi + 1) * d],
+                    &values[next(&run, qi)],
                 );
             }
         }

@@ -797,7 +797,7 @@ pub(crate) fn gemm_panels(
             }
         } else {
             let at = &packed[i * k..(i + mr) * k];
-            tile_dispatch(isa, mr, at, k, panel, tile, true, PREFETCH_BYTES);
+            tile_dispatch(isa, mr, at, k, panel, tile, true, Prefetch::Ahead(PREFETCH_BYTES));
         }
     });
 }
@@ -868,15 +868,10 @@ unsafe fn run_block(
                     let at = &a[i * k + k0 * mr..i * k + (k0 + kb) * mr];
                     let start = k0 == 0;
                     let range = p * k * NR + k0 * NR..p * k * NR + (k0 + kb) * NR;
-                    // The first tile streams the block from memory, prefetching just ahead;
-                    // the others find it in L1 and prefetch the next block meanwhile, so
-                    // memory keeps streaming while they compute.
+                    // The block stays in L1 for the group's tiles; see [`Prefetch::for_tile`].
                     let ahead = |elem: usize| {
-                        if t == 0 {
-                            PREFETCH_BYTES
-                        } else {
-                            KC * NR * elem
-                        }
+                        let (row, block) = (NR * elem, kb * NR * elem);
+                        Prefetch::for_tile(t, group.len(), block, block, row)
                     };
                     match &w.store {
                         Store::F32(v) => {
@@ -992,7 +987,7 @@ fn tile_dispatch<E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     debug_assert!(x.len() == mr * k && panel.len() == k * NR);
     macro_rules! by_rows {
@@ -1049,20 +1044,16 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
+    let mut stream = Stream::new(ahead);
+    let row = size_of::<E>() * NR;
     for kk in 0..k {
-        // Ask for the panel `ahead` bytes past the row being multiplied (a prefetch of an
-        // address past the panel is a no-op; the address is never dereferenced).
-        let next = (bp.wrapping_add(kk * NR) as *const i8).wrapping_add(ahead);
-        _mm_prefetch::<_MM_HINT_T0>(next);
-        if size_of::<E>() * NR > 64 {
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
-        }
+        stream.row(bp, kk * row, row);
         let b0 = E::load16(bp.add(kk * NR));
         let b1 = E::load16(bp.add(kk * NR + 16));
         for (r, a) in acc.iter_mut().enumerate() {
@@ -1072,6 +1063,84 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
         }
     }
     store_tile_avx512(&acc, tile, start);
+}
+
+/// What a tile asks the cache for while it multiplies a block of a panel. Offsets are bytes
+/// past the panel pointer the tile kernel reads from.
+#[derive(Debug, Clone, Copy)]
+enum Prefetch {
+    /// A panel row (two lines) this many bytes past each row it reads.
+    Ahead(usize),
+    /// The lines from `from` on, `step` bytes more per row it reads.
+    Share { from: usize, step: usize },
+}
+
+impl Prefetch {
+    /// For tile `t` of a group of `tiles` that share a block of panel rows of `row` bytes, the
+    /// next block `next` bytes past the kernel's panel pointer. One tile streams its block,
+    /// asking just ahead. Several ask for a share of the next block each, a line at a time
+    /// over their rows, so memory streams at an even rate while they compute (the next block
+    /// asked for at once by the later tiles came in bursts, and the first tile of each block
+    /// waited for it).
+    fn for_tile(t: usize, tiles: usize, next: usize, block: usize, row: usize) -> Self {
+        if tiles <= 1 {
+            Self::Ahead(PREFETCH_BYTES)
+        } else {
+            Self::Share {
+                from: next + t * (block / tiles),
+                step: row / tiles,
+            }
+        }
+    }
+}
+
+/// A tile's [`Prefetch`] as it goes: [`Stream::row`] for every panel row it reads.
+#[cfg(target_arch = "x86_64")]
+struct Stream {
+    prefetch: Prefetch,
+    /// `Share`: bytes asked for so far, and the next line to ask for.
+    asked: usize,
+    line: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Stream {
+    #[inline(always)]
+    fn new(prefetch: Prefetch) -> Self {
+        let from = match prefetch {
+            Prefetch::Share { from, .. } => from,
+            Prefetch::Ahead(_) => 0,
+        };
+        Self {
+            prefetch,
+            asked: from,
+            line: from,
+        }
+    }
+
+    /// The prefetches due as the kernel reads the panel row `at` bytes past `base`, a row of
+    /// `row_bytes`. An address past the panel is never dereferenced; prefetching it is a no-op.
+    #[inline(always)]
+    unsafe fn row<T>(&mut self, base: *const T, at: usize, row_bytes: usize) {
+        use std::arch::x86_64::*;
+        let base = base as *const i8;
+        match self.prefetch {
+            Prefetch::Ahead(ahead) => {
+                let next = base.wrapping_add(at + ahead);
+                _mm_prefetch::<_MM_HINT_T0>(next);
+                if row_bytes > 64 {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
+                }
+            }
+            Prefetch::Share { step, .. } => {
+                self.asked += step;
+                while self.line < self.asked {
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(self.line));
+                    self.line += 64;
+                }
+            }
+        }
+    }
 }
 
 /// Asks for the 128 bytes (two lines) of the panel row `ahead` bytes past `row`: the rows of
@@ -1145,7 +1214,7 @@ unsafe fn tile_avx2_rows<const MR: usize, E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    _ahead: usize,
+    _ahead: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let xp = x.as_ptr();
@@ -1298,23 +1367,10 @@ fn bf16_dot(
                     let jb = KC_PAIRS.min(kp - j0);
                     let at = p * panel_stride;
                     let panel = &words[at + j0 * NR..at + (j0 + jb) * NR];
-                    let tiles_here = group.len();
                     for (t, (&(i, mr), tile)) in group.iter().zip(accs.iter_mut()).enumerate() {
                         let at = &a[i * kp + j0 * mr..i * kp + (j0 + jb) * mr];
-                        let prefetch = if tiles_here == 1 {
-                            // One tile streams its block, asking just ahead.
-                            Prefetch::Ahead(PREFETCH_BYTES)
-                        } else {
-                            // Several: each asks for its share of the next block, a line at a
-                            // time over its steps, so memory streams at an even rate while
-                            // they compute (the next block asked for at once by the later
-                            // tiles came in bursts, and the first tile of a block waited).
-                            let share = KC_PAIRS * NR * 4 / tiles_here;
-                            Prefetch::Share {
-                                from: jb * NR * 4 + t * share,
-                                step: NR * 4 / tiles_here,
-                            }
-                        };
+                        let (row, block) = (NR * 4, jb * NR * 4);
+                        let prefetch = Prefetch::for_tile(t, group.len(), block, block, row);
                         bf16_tile(dot, mr, at, jb, panel, tile, j0 == 0, prefetch);
                     }
                 }
@@ -1695,22 +1751,9 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
-    // `Share`: the bytes asked for so far and the next line to ask for.
-    let (mut asked, mut line) = match prefetch {
-        Prefetch::Share { from, .. } => (from, from),
-        Prefetch::Ahead(_) => (0, 0),
-    };
+    let mut stream = Stream::new(prefetch);
     for j in 0..jb {
-        match prefetch {
-            Prefetch::Ahead(ahead) => prefetch_panel_row(bp.wrapping_add(j * NR), ahead),
-            Prefetch::Share { step, .. } => {
-                asked += step;
-                while line < asked {
-                    _mm_prefetch::<_MM_HINT_T0>((bp as *const i8).wrapping_add(line));
-                    line += 64;
-                }
-            }
-        }
+        stream.row(bp, j * NR * 4, NR * 4);
         let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR) as *const _));
         let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(j * NR + 16) as *const _));
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -1720,16 +1763,6 @@ unsafe fn bf16_tile_avx512<const MR: usize>(
         }
     }
     store_tile_avx512(&acc, tile, start);
-}
-
-/// What a bf16 tile asks the cache for while it multiplies a block of a panel.
-#[derive(Debug, Clone, Copy)]
-enum Prefetch {
-    /// A panel row (two lines) this many bytes past each row it reads.
-    Ahead(usize),
-    /// The lines from `from` bytes past the block's start on, `step` bytes more per row it
-    /// reads.
-    Share { from: usize, step: usize },
 }
 
 /// A row's 8-bit scale, `max |x| / 127` (1 for a row of zeros); NaN when the row holds a value
@@ -1889,13 +1922,8 @@ fn int8_dot(
                     let jb = KC_QUADS.min(kq - j0);
                     let panel = &words[p * kq * NR + j0 * NR..p * kq * NR + (j0 + jb) * NR];
                     for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
-                        // The first tile streams the block; the others find it in L1 and ask
-                        // for the next block meanwhile.
-                        let ahead = if t == 0 {
-                            PREFETCH_BYTES
-                        } else {
-                            KC_QUADS * NR * 4
-                        };
+                        let (row, block) = (NR * 4, jb * NR * 4);
+                        let ahead = Prefetch::for_tile(t, group.len(), block, block, row);
                         let a = &quads[i * kq..(i + mr) * kq];
                         int8_tile(dot, mr, a, kq, j0..j0 + jb, panel, acc, ahead);
                     }
@@ -1996,7 +2024,7 @@ fn int8_tile(
     js: std::ops::Range<usize>,
     panel: &[u32],
     acc: &mut [[i32; NR]; MR_I8],
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -2038,7 +2066,7 @@ unsafe fn int8_tile_avx512<const MR: usize>(
     js: std::ops::Range<usize>,
     panel: &[u32],
     acc_out: &mut [[i32; NR]; MR_I8],
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_si512(); 2]; MR];
@@ -2049,8 +2077,9 @@ unsafe fn int8_tile_avx512<const MR: usize>(
         }
     }
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    let mut stream = Stream::new(ahead);
     for (jj, j) in js.enumerate() {
-        prefetch_panel_row(bp.wrapping_add(jj * NR), ahead);
+        stream.row(bp, jj * NR * 4, NR * 4);
         let b0 = _mm512_loadu_si512(bp.add(jj * NR) as *const _);
         let b1 = _mm512_loadu_si512(bp.add(jj * NR + 16) as *const _);
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -2166,11 +2195,12 @@ fn q4_dot(
                 for g0 in (0..groups).step_by(KC_Q4_GROUPS) {
                     let gs = g0..groups.min(g0 + KC_Q4_GROUPS);
                     for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
-                        let ahead = if t == 0 {
-                            PREFETCH_BYTES
-                        } else {
-                            KC_Q4_GROUPS * Q4_GROUP / 8 * NR * 4
-                        };
+                        // Offsets from the panel's first row (the kernel reads the whole panel).
+                        let row = NR * 4;
+                        let rows = |g: usize| g * Q4_GROUP / 8;
+                        let block = rows(gs.len()) * row;
+                        let next = rows(gs.end) * row;
+                        let ahead = Prefetch::for_tile(t, group.len(), next, block, row);
                         let a = &quads[i * nj * 2..(i + mr) * nj * 2];
                         let s = &sums[i * groups..(i + mr) * groups];
                         q4_tile_dot(dot, mr, a, s, &panel, gs.clone(), acc, ahead);
@@ -2217,7 +2247,7 @@ fn q4_tile_dot(
     panel: &Q4Panel<'_>,
     gs: std::ops::Range<usize>,
     acc: &mut [[f32; NR]; MR_INT8],
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -2267,7 +2297,7 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     panel: &Q4Panel<'_>,
     gs: std::ops::Range<usize>,
     acc_out: &mut [[f32; NR]; MR_INT8],
-    ahead: usize,
+    ahead: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let nj = panel.groups * Q4_GROUP / 8;
@@ -2280,10 +2310,11 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     }
     let low = _mm512_set1_epi32(0x0F0F_0F0F);
     let (ap, wp) = (a.as_ptr(), panel.words.as_ptr());
+    let mut stream = Stream::new(ahead);
     for g in gs {
         let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
         for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
-            prefetch_panel_row(wp.wrapping_add(j * NR), ahead);
+            stream.row(wp, j * NR * 4, NR * 4);
             let w0 = _mm512_loadu_si512(wp.add(j * NR) as *const _);
             let w1 = _mm512_loadu_si512(wp.add(j * NR + 16) as *const _);
             let lo = [_mm512_and_si512(w0, low), _mm512_and_si512(w1, low)];

@@ -200,18 +200,25 @@ pub(crate) fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
 /// sixteen keys share each load of `q`, and their lanes are summed in [`dot`]'s order by a
 /// transposing tree of shuffles (four additions for sixteen keys at each level) instead of a
 /// store and fifteen scalar additions per key: the scores of decode attention.
-pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+///
+/// `ahead` are rows read soon after (the next keys): the lines of `ahead[j]` are asked for as
+/// key `j` is multiplied, so memory streams at the rate the keys are used.
+pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[f32]]) {
     debug_assert_eq!(keys.len(), out.len());
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
-        for (ks, o) in keys.chunks(LANES).zip(out.chunks_mut(LANES)) {
+        for (c, (ks, o)) in keys.chunks(LANES).zip(out.chunks_mut(LANES)).enumerate() {
+            let next = &ahead[(c * LANES).min(ahead.len())..((c + 1) * LANES).min(ahead.len())];
             // SAFETY: the instruction set was detected on this machine; every key holds
             // `q.len()` values (checked in debug builds).
-            unsafe { dots16_avx512(q, ks, o) };
+            unsafe { dots16_avx512(q, ks, o, next) };
         }
         return;
     }
-    for (k, o) in keys.iter().zip(out) {
+    for (j, (k, o)) in keys.iter().zip(out).enumerate() {
+        if let Some(next) = ahead.get(j) {
+            prefetch(next);
+        }
         *o = dot(isa, q, k);
     }
 }
@@ -222,7 +229,7 @@ pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
 /// AVX-512F is present, `keys` holds 1 to 16 slices of `q.len()` values and `out` as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[f32]]) {
     use std::arch::x86_64::*;
     let n = q.len();
     // Missing keys (a short last chunk) read the first key again; their sums are dropped.
@@ -232,15 +239,19 @@ unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
         *p = k.as_ptr();
     }
     // Lane j of acc[key] accumulates the elements i ≡ j (mod 16), as `dot_avx512` does.
+    // Key by key, so the keys are read in address order (a run of keys is contiguous).
     let mut acc = [_mm512_setzero_ps(); LANES];
-    let mut i = 0;
-    while i < n {
-        let m = chunk_mask(n - i);
-        let x = _mm512_maskz_loadu_ps(m, q.as_ptr().add(i));
-        for (a, p) in acc.iter_mut().zip(&ptr) {
-            *a = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, p.add(i)), *a);
+    for (j, (a, p)) in acc.iter_mut().zip(&ptr).enumerate() {
+        if let Some(next) = ahead.get(j) {
+            prefetch(next);
         }
-        i += LANES;
+        let mut i = 0;
+        while i < n {
+            let m = chunk_mask(n - i);
+            let x = _mm512_maskz_loadu_ps(m, q.as_ptr().add(i));
+            *a = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, p.add(i)), *a);
+            i += LANES;
+        }
     }
     // l[j] += l[j + 8]: keys 2m and 2m + 1 side by side, eight partial sums each.
     let mut s1 = [_mm512_setzero_ps(); 8];
@@ -277,7 +288,14 @@ unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
 /// `acc += Σ_t probs[t]·values[t]` in key order, keys of probability 0 skipped: bit for bit
 /// [`axpy`] key by key. On AVX-512, for head sizes of 16 to 256 in multiples of 16, `acc`
 /// stays in registers over all the keys (the weighted values of decode attention).
-pub(crate) fn weighted_sum(isa: Isa, probs: &[f32], values: &[&[f32]], acc: &mut [f32]) {
+/// `ahead` as for [`dots`].
+pub(crate) fn weighted_sum(
+    isa: Isa,
+    probs: &[f32],
+    values: &[&[f32]],
+    acc: &mut [f32],
+    ahead: &[&[f32]],
+) {
     debug_assert_eq!(probs.len(), values.len());
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
@@ -285,16 +303,19 @@ pub(crate) fn weighted_sum(isa: Isa, probs: &[f32], values: &[&[f32]], acc: &mut
         // `acc.len()` values (checked in debug builds).
         unsafe {
             match acc.len() {
-                16 => return weighted_avx512::<1>(probs, values, acc),
-                32 => return weighted_avx512::<2>(probs, values, acc),
-                64 => return weighted_avx512::<4>(probs, values, acc),
-                128 => return weighted_avx512::<8>(probs, values, acc),
-                256 => return weighted_avx512::<16>(probs, values, acc),
+                16 => return weighted_avx512::<1>(probs, values, acc, ahead),
+                32 => return weighted_avx512::<2>(probs, values, acc, ahead),
+                64 => return weighted_avx512::<4>(probs, values, acc, ahead),
+                128 => return weighted_avx512::<8>(probs, values, acc, ahead),
+                256 => return weighted_avx512::<16>(probs, values, acc, ahead),
                 _ => {}
             }
         }
     }
-    for (&p, v) in probs.iter().zip(values) {
+    for (j, (&p, v)) in probs.iter().zip(values).enumerate() {
+        if let Some(next) = ahead.get(j) {
+            prefetch(next);
+        }
         if p != 0.0 {
             axpy(isa, p, v, acc);
         }
@@ -307,14 +328,22 @@ pub(crate) fn weighted_sum(isa: Isa, probs: &[f32], values: &[&[f32]], acc: &mut
 /// AVX-512F is present, `acc` holds `16·N` values and every value row as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_avx512<const N: usize>(probs: &[f32], values: &[&[f32]], acc: &mut [f32]) {
+unsafe fn weighted_avx512<const N: usize>(
+    probs: &[f32],
+    values: &[&[f32]],
+    acc: &mut [f32],
+    ahead: &[&[f32]],
+) {
     use std::arch::x86_64::*;
     let mut r = [_mm512_setzero_ps(); N];
     for (j, r) in r.iter_mut().enumerate() {
         *r = _mm512_loadu_ps(acc.as_ptr().add(j * LANES));
     }
-    for (&p, v) in probs.iter().zip(values) {
+    for (j, (&p, v)) in probs.iter().zip(values).enumerate() {
         debug_assert_eq!(v.len(), N * LANES);
+        if let Some(next) = ahead.get(j) {
+            prefetch(next);
+        }
         if p != 0.0 {
             let a = _mm512_set1_ps(p);
             for (j, r) in r.iter_mut().enumerate() {
@@ -826,13 +855,13 @@ mod tests {
                 }
                 for isa in Isa::available() {
                     let mut got = vec![0f32; keys];
-                    dots(isa, &q, &refs, &mut got);
+                    dots(isa, &q, &refs, &mut got, &refs[1..]);
                     for (t, g) in got.iter().enumerate() {
                         let want = dot_portable(&q, &refs[t]);
                         assert_eq!(g.to_bits(), want.to_bits(), "{isa:?} d{d} key {t}/{keys}");
                     }
                     let mut acc = start.clone();
-                    weighted_sum(isa, &probs, &refs, &mut acc);
+                    weighted_sum(isa, &probs, &refs, &mut acc, &[]);
                     assert_eq!(acc, want_acc, "{isa:?} d{d} keys {keys}");
                 }
             }
