@@ -797,7 +797,16 @@ pub(crate) fn gemm_panels(
             }
         } else {
             let at = &packed[i * k..(i + mr) * k];
-            tile_dispatch(isa, mr, at, k, panel, tile, true, Prefetch::Ahead(PREFETCH_BYTES));
+            tile_dispatch(
+                isa,
+                mr,
+                at,
+                k,
+                panel,
+                tile,
+                true,
+                Prefetch::Ahead(PREFETCH_BYTES),
+            );
         }
     });
 }
@@ -1086,9 +1095,11 @@ impl Prefetch {
         if tiles <= 1 {
             Self::Ahead(PREFETCH_BYTES)
         } else {
+            // Shares one after another, rounded up so that together they cover the block.
+            let step = row.div_ceil(tiles);
             Self::Share {
-                from: next + t * (block / tiles),
-                step: row / tiles,
+                from: next + t * step * (block / row),
+                step,
             }
         }
     }
@@ -2449,6 +2460,43 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn a_group_of_tiles_asks_for_the_whole_next_block_once() {
+        // Every path's block: float32 (32 KiB), bf16 and bf16 pairs, int8 and q4 rows.
+        for (rows, row) in [
+            (KC, NR * 4),
+            (KC, NR * 2),
+            (KC_PAIRS, NR * 4),
+            (KC_QUADS, NR * 4),
+        ] {
+            let block = rows * row;
+            let next = 3 * block;
+            assert!(matches!(
+                Prefetch::for_tile(0, 1, next, block, row),
+                Prefetch::Ahead(PREFETCH_BYTES)
+            ));
+            for tiles in 2..=GROUP_TILES {
+                // The shares follow one another and cover the next block (past its end by
+                // less than the rounding up), each asked for over the tile's rows.
+                let mut at = next;
+                for t in 0..tiles {
+                    let Prefetch::Share { from, step } =
+                        Prefetch::for_tile(t, tiles, next, block, row)
+                    else {
+                        panic!("{tiles} tiles share the next block");
+                    };
+                    assert_eq!(from, at, "tile {t} of {tiles}");
+                    assert!(step > 0);
+                    at += step * rows;
+                }
+                assert!(
+                    at >= next + block && at - (next + block) < tiles * rows,
+                    "{tiles} tiles"
+                );
+            }
+        }
     }
 
     #[test]

@@ -275,11 +275,17 @@ unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[
     let mut s3 = [_mm512_setzero_ps(); 2];
     for (m, s) in s3.iter_mut().enumerate() {
         let (a, b) = (s2[2 * m], s2[2 * m + 1]);
-        *s = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b));
+        *s = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(a, b),
+            _mm512_shuffle_ps::<0xEE>(a, b),
+        );
     }
     // l[0] + l[1]: element 4L + e holds key L + 4e; put key k at element k.
     let (a, b) = (s3[0], s3[1]);
-    let sums = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(a, b), _mm512_shuffle_ps::<0xDD>(a, b));
+    let sums = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(a, b),
+        _mm512_shuffle_ps::<0xDD>(a, b),
+    );
     let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     let sums = _mm512_permutexvar_ps(order, sums);
     _mm512_mask_storeu_ps(out.as_mut_ptr(), chunk_mask(out.len()), sums);
