@@ -863,7 +863,7 @@ mod tests {
                     let mut got = vec![0f32; keys];
                     dots(isa, &q, &refs, &mut got, &refs[1..]);
                     for (t, g) in got.iter().enumerate() {
-                        let want = dot_portable(&q, &refs[t]);
+                        let want = dot_portable(&q, refs[t]);
                         assert_eq!(g.to_bits(), want.to_bits(), "{isa:?} d{d} key {t}/{keys}");
                     }
                     let mut acc = start.clone();
