@@ -878,19 +878,19 @@ unsafe fn run_block(
                     let start = k0 == 0;
                     let range = p * k * NR + k0 * NR..p * k * NR + (k0 + kb) * NR;
                     // The block stays in L1 for the group's tiles; see [`Prefetch::for_tile`].
-                    let ahead = |elem: usize| {
+                    let prefetch = |elem: usize| {
                         let (row, block) = (NR * elem, kb * NR * elem);
                         Prefetch::for_tile(t, group.len(), block, block, row)
                     };
                     match &w.store {
                         Store::F32(v) => {
-                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(4))
+                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, prefetch(4))
                         }
                         Store::Bf16(v) => {
-                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, ahead(2))
+                            tile_dispatch(isa, mr, at, kb, &v[range], acc, start, prefetch(2))
                         }
                         Store::I8 { values, .. } => {
-                            tile_dispatch(isa, mr, at, kb, &values[range], acc, start, ahead(1))
+                            tile_dispatch(isa, mr, at, kb, &values[range], acc, start, prefetch(1))
                         }
                         Store::Q4 { nibbles, scales } => {
                             let groups = k.div_ceil(Q4_GROUP);
@@ -996,13 +996,13 @@ fn tile_dispatch<E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     debug_assert!(x.len() == mr * k && panel.len() == k * NR);
     macro_rules! by_rows {
         ($f:ident, $($m:literal)*) => {
             match mr {
-                $($m => $f::<$m, E>(x, k, panel, tile, start, ahead),)*
+                $($m => $f::<$m, E>(x, k, panel, tile, start, prefetch),)*
                 _ => unreachable!("tile of {mr} rows"),
             }
         };
@@ -1053,13 +1053,13 @@ unsafe fn tile_avx512<const MR: usize, E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
-    let mut stream = Stream::new(ahead);
+    let mut stream = Stream::new(prefetch);
     let row = size_of::<E>() * NR;
     for kk in 0..k {
         stream.row(bp, kk * row, row);
@@ -1225,7 +1225,7 @@ unsafe fn tile_avx2_rows<const MR: usize, E: PanelElem>(
     panel: &[E],
     tile: &mut [f32; MR_MAX * NR],
     start: bool,
-    _ahead: Prefetch,
+    _prefetch: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let xp = x.as_ptr();
@@ -1703,7 +1703,7 @@ unsafe fn write_tile_avx512(
 }
 
 /// One `mr x NR` tile of the bfloat16 path over `jb` pairs; `start` stores, else adds; the
-/// panel is prefetched `ahead` bytes past the pair being multiplied.
+/// panel is asked for as `prefetch` says.
 #[allow(clippy::too_many_arguments)]
 fn bf16_tile(
     dot: bool,
@@ -1934,9 +1934,9 @@ fn int8_dot(
                     let panel = &words[p * kq * NR + j0 * NR..p * kq * NR + (j0 + jb) * NR];
                     for (t, (&(i, mr), acc)) in group.iter().zip(accs.iter_mut()).enumerate() {
                         let (row, block) = (NR * 4, jb * NR * 4);
-                        let ahead = Prefetch::for_tile(t, group.len(), block, block, row);
+                        let prefetch = Prefetch::for_tile(t, group.len(), block, block, row);
                         let a = &quads[i * kq..(i + mr) * kq];
-                        int8_tile(dot, mr, a, kq, j0..j0 + jb, panel, acc, ahead);
+                        int8_tile(dot, mr, a, kq, j0..j0 + jb, panel, acc, prefetch);
                     }
                 }
                 let cs = p * NR..p * NR + cols;
@@ -2025,7 +2025,7 @@ unsafe fn write_int8_row_avx512(
 
 /// One `mr x NR` tile of the int8 path over the quads `js` of `a` (`mr` rows of `kq` quads,
 /// row-major) and `panel` (those quads' rows of the panel): the sums are stored when the range
-/// starts at 0, else added; the panel is prefetched `ahead` bytes past the quad being used.
+/// starts at 0, else added; the panel is asked for as `prefetch` says.
 #[allow(clippy::too_many_arguments)]
 fn int8_tile(
     dot: bool,
@@ -2035,7 +2035,7 @@ fn int8_tile(
     js: std::ops::Range<usize>,
     panel: &[u32],
     acc: &mut [[i32; NR]; MR_I8],
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -2043,14 +2043,14 @@ fn int8_tile(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-VNNI.
-                    $($m => unsafe { int8_tile_avx512::<$m>(a, kq, js, panel, acc, ahead) },)*
+                    $($m => unsafe { int8_tile_avx512::<$m>(a, kq, js, panel, acc, prefetch) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
         return by_rows!(1 2 3 4 5 6 7 8);
     }
-    let _ = (dot, ahead);
+    let _ = (dot, prefetch);
     for (r, acc) in acc.iter_mut().enumerate().take(mr) {
         if js.start == 0 {
             acc.fill(0);
@@ -2077,7 +2077,7 @@ unsafe fn int8_tile_avx512<const MR: usize>(
     js: std::ops::Range<usize>,
     panel: &[u32],
     acc_out: &mut [[i32; NR]; MR_I8],
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_si512(); 2]; MR];
@@ -2088,7 +2088,7 @@ unsafe fn int8_tile_avx512<const MR: usize>(
         }
     }
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
-    let mut stream = Stream::new(ahead);
+    let mut stream = Stream::new(prefetch);
     for (jj, j) in js.enumerate() {
         stream.row(bp, jj * NR * 4, NR * 4);
         let b0 = _mm512_loadu_si512(bp.add(jj * NR) as *const _);
@@ -2211,10 +2211,10 @@ fn q4_dot(
                         let rows = |g: usize| g * Q4_GROUP / 8;
                         let block = rows(gs.len()) * row;
                         let next = rows(gs.end) * row;
-                        let ahead = Prefetch::for_tile(t, group.len(), next, block, row);
+                        let prefetch = Prefetch::for_tile(t, group.len(), next, block, row);
                         let a = &quads[i * nj * 2..(i + mr) * nj * 2];
                         let s = &sums[i * groups..(i + mr) * groups];
-                        q4_tile_dot(dot, mr, a, s, &panel, gs.clone(), acc, ahead);
+                        q4_tile_dot(dot, mr, a, s, &panel, gs.clone(), acc, prefetch);
                     }
                 }
                 for (&(i, mr), acc) in group.iter().zip(accs.iter()) {
@@ -2258,7 +2258,7 @@ fn q4_tile_dot(
     panel: &Q4Panel<'_>,
     gs: std::ops::Range<usize>,
     acc: &mut [[f32; NR]; MR_INT8],
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if dot {
@@ -2266,14 +2266,14 @@ fn q4_tile_dot(
             ($($m:literal)*) => {
                 match mr {
                     // SAFETY: `dot` says the CPU has AVX512-VNNI.
-                    $($m => unsafe { q4_dot_tile_avx512::<$m>(a, sums, panel, gs, acc, ahead) },)*
+                    $($m => unsafe { q4_dot_tile_avx512::<$m>(a, sums, panel, gs, acc, prefetch) },)*
                     _ => unreachable!("tile of {mr} rows"),
                 }
             };
         }
         return by_rows!(1 2 3 4);
     }
-    let _ = (dot, ahead);
+    let _ = (dot, prefetch);
     let nj = panel.groups * Q4_GROUP / 8;
     for (r, acc) in acc.iter_mut().enumerate().take(mr) {
         if gs.start == 0 {
@@ -2308,7 +2308,7 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     panel: &Q4Panel<'_>,
     gs: std::ops::Range<usize>,
     acc_out: &mut [[f32; NR]; MR_INT8],
-    ahead: Prefetch,
+    prefetch: Prefetch,
 ) {
     use std::arch::x86_64::*;
     let nj = panel.groups * Q4_GROUP / 8;
@@ -2321,7 +2321,7 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
     }
     let low = _mm512_set1_epi32(0x0F0F_0F0F);
     let (ap, wp) = (a.as_ptr(), panel.words.as_ptr());
-    let mut stream = Stream::new(ahead);
+    let mut stream = Stream::new(prefetch);
     for g in gs {
         let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
         for j in g * Q4_GROUP / 8..(g + 1) * Q4_GROUP / 8 {
