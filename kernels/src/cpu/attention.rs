@@ -71,10 +71,11 @@ pub struct Heads {
     /// Write the output row-major `[rows, H, D]` (what the output projection reads) instead of
     /// head-major `[H, rows, D]`.
     pub rows_out: bool,
-    /// The bf16 compute mode: a sequence of at least [`GEMM_QUERIES`] queries per key/value
-    /// head multiplies queries by keys and probabilities by values with both operands rounded
-    /// to bfloat16 and float32 sums (the kernel of bf16-dot weights); the scale, masks and
-    /// softmax stay float32. Fewer queries (decode) read the float32 keys as they are.
+    /// The bf16 compute mode: a sequence of two or more rows and at least [`GEMM_QUERIES`]
+    /// queries per key/value head multiplies queries by keys and probabilities by values with
+    /// both operands rounded to bfloat16 and float32 sums (the kernel of bf16-dot weights);
+    /// the scale, masks and softmax stay float32. Fewer queries, or one row (decode), read the
+    /// float32 keys as they are.
     pub bf16_products: bool,
 }
 
@@ -85,7 +86,8 @@ const KEYS_PER_RUN: usize = 16;
 const ROWS_PER_TASK: usize = 64;
 /// Queries whose scores are computed together, over the keys the last of them sees.
 const QUERIES_PER_RUN: usize = 32;
-/// Queries of a task from which scores and values go through the product kernel.
+/// Queries per kv head of a sequence (of two or more rows) from which scores and values go
+/// through the product kernel.
 const GEMM_QUERIES: usize = 4;
 
 /// Attention of every sequence; `q` is `[H, rows, D]` with `rows` the call's rows, `out` the
@@ -230,10 +232,13 @@ unsafe fn task(
         })
     };
     // Many queries: scores and weighted values as two small products through the linear
-    // kernel (keys and values packed once for all queries); few: dot products over the keys
-    // as they stream by. Decided by the sequence's queries, not the task's, so a row's
-    // result does not depend on how the call's rows were cut into tasks.
-    let gemm = s.rows.len() * rep >= GEMM_QUERIES;
+    // kernel (keys and values packed once for all queries); few, or one row (decode, whose
+    // keys are read once where packing them would read and write them again: a one-row
+    // decode of 4 queries per kv head over 4096 keys took 4.4 ms packed against 0.94 ms
+    // streamed): dot products over the keys as they stream by. Decided by the sequence's
+    // rows, not the task's, so a row's result does not depend on how the call's rows were
+    // cut into tasks.
+    let gemm = s.rows.len() >= 2 && s.rows.len() * rep >= GEMM_QUERIES;
     let mut acc = vec![0f32; nq * d];
     if gemm {
         let qrows = |qs: &[(usize, usize)]| -> Vec<f32> {
