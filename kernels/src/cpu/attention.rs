@@ -442,14 +442,14 @@ impl Products {
         if bf16 {
             // Kᵀ: panel p holds keys p·NR.. as `[ceil(D / 2)][NR]` pairs.
             let dp = d.div_ceil(2);
-            let mut k = vec![0u32; t.div_ceil(NR) * dp * NR];
+            let mut k = spare::take(t.div_ceil(NR) * dp * NR);
             for (i, (kt, _)) in rows().enumerate() {
                 let panel = &mut k[(i / NR) * dp * NR..(i / NR + 1) * dp * NR];
                 pack_row_pairs(isa, kt, panel, i % NR, NR);
             }
             // V: panel p holds dims p·NR.. as `[ceil(T / 2)][NR]`, pair j keys 2j and 2j + 1.
             let tp = t.div_ceil(2);
-            let mut v = vec![0u32; d.div_ceil(NR) * tp * NR];
+            let mut v = spare::take(d.div_ceil(NR) * tp * NR);
             let mut values = Vec::with_capacity(t);
             values.extend(rows().map(|(_, v)| v));
             for (j, pair) in values.chunks(2).enumerate() {
@@ -466,8 +466,8 @@ impl Products {
             }
             return Self::Bf16 { d, t, k, v };
         }
-        let mut k = vec![0f32; t.div_ceil(NR) * d * NR];
-        let mut v = vec![0f32; d.div_ceil(NR) * t * NR];
+        let mut k = spare::take(t.div_ceil(NR) * d * NR);
+        let mut v = spare::take(d.div_ceil(NR) * t * NR);
         for (i, (kt, vt)) in rows().enumerate() {
             let base = (i / NR) * d * NR + i % NR;
             for (dd, &x) in kt.iter().enumerate() {
@@ -498,6 +498,71 @@ impl Products {
             Self::Bf16 { d, t, v, .. } => {
                 bf16_panels(isa, p, m, keys, v, t.div_ceil(2) * NR, *d, out)
             }
+        }
+    }
+}
+
+impl Drop for Products {
+    fn drop(&mut self) {
+        match self {
+            Self::F32 { k, v, .. } => {
+                spare::give(std::mem::take(k));
+                spare::give(std::mem::take(v));
+            }
+            Self::Bf16 { k, v, .. } => {
+                spare::give(std::mem::take(k));
+                spare::give(std::mem::take(v));
+            }
+        }
+    }
+}
+
+/// Packing buffers kept per thread between calls: a long context's keys and values packed
+/// into fresh buffers of several MiB cost a page fault per 4 KiB each call (the allocator
+/// maps and unmaps them): a fifth of a 64-row chunk's attention over 4096 keys.
+mod spare {
+    use std::cell::RefCell;
+
+    /// Bytes of one kept buffer, at most: a larger one goes back to the allocator.
+    const MAX_BYTES: usize = 8 << 20;
+
+    pub(super) trait Word: Copy + Default + 'static {
+        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R;
+    }
+
+    thread_local! {
+        static F32: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
+        static U32: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    impl Word for f32 {
+        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R {
+            F32.with_borrow_mut(f)
+        }
+    }
+
+    impl Word for u32 {
+        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R {
+            U32.with_borrow_mut(f)
+        }
+    }
+
+    /// `len` zeros, in a kept buffer when this thread has one.
+    pub(super) fn take<T: Word>(len: usize) -> Vec<T> {
+        let mut v = T::with(|spare| spare.pop()).unwrap_or_default();
+        v.clear();
+        v.resize(len, T::default());
+        v
+    }
+
+    /// Keeps `v` for this thread's next [`take`] (two at most, as a call packs two).
+    pub(super) fn give<T: Word>(v: Vec<T>) {
+        if v.capacity() * size_of::<T>() <= MAX_BYTES {
+            T::with(|spare| {
+                if spare.len() < 2 {
+                    spare.push(v);
+                }
+            });
         }
     }
 }
