@@ -277,9 +277,8 @@ unsafe fn task(
             );
         }
     } else {
-        // Scores [nq][t_all]; masked keys get -inf. Keys and values go by in runs of
-        // `KEYS_PER_RUN`, every query of the group over a run while it is in L1; the first
-        // query's pass asks for the next run's rows as it goes.
+        // Scores [nq][t_all]; masked keys get -inf. Keys, then values, go by in runs
+        // ([`each_key_run`]).
         let mut scores = vec![0f32; nq * t_all];
         let (mut keys, mut values) = (Vec::with_capacity(t_all), Vec::with_capacity(t_all));
         for (k, v) in key_rows() {
@@ -290,46 +289,32 @@ unsafe fn task(
             let (hh, row) = queries[qi];
             &q[(hh * rows + row) * d..(hh * rows + row + 1) * d]
         };
-        // The rows the pass of query `qi` over `run` asks for.
-        let next = |run: &Range<usize>, qi: usize| {
-            if qi == 0 {
-                run.end..(run.end + KEYS_PER_RUN).min(t_all)
-            } else {
-                0..0
-            }
-        };
-        for t in (0..t_all).step_by(KEYS_PER_RUN) {
-            let run = t..(t + KEYS_PER_RUN).min(t_all);
-            for qi in 0..nq {
-                let at = qi * t_all;
-                simd::dots(
-                    isa,
-                    qv(qi),
-                    &keys[run.clone()],
-                    &mut scores[at + run.start..at + run.end],
-                    &keys[next(&run, qi)],
-                );
-            }
-        }
+        each_key_run(t_all, nq, |run, qi, next| {
+            let at = qi * t_all;
+            simd::dots(
+                isa,
+                qv(qi),
+                &keys[run.clone()],
+                &mut scores[at + run.start..at + run.end],
+                &keys[next],
+            );
+        });
         let scale = pre_scale(heads.scale, &mut scores);
         // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
         for (sc, &(_, row)) in scores.chunks_mut(t_all.max(1)).zip(&queries) {
             masks.apply(s.row_index[row - s.rows.start], sc);
             simd::softmax(isa, sc, scale);
         }
-        for t in (0..t_all).step_by(KEYS_PER_RUN) {
-            let run = t..(t + KEYS_PER_RUN).min(t_all);
-            for qi in 0..nq {
-                let at = qi * t_all;
-                simd::weighted_sum(
-                    isa,
-                    &scores[at + run.start..at + run.end],
-                    &values[run.clone()],
-                    &mut acc[qi * d..(qi + 1) * d],
-                    &values[next(&run, qi)],
-                );
-            }
-        }
+        each_key_run(t_all, nq, |run, qi, next| {
+            let at = qi * t_all;
+            simd::weighted_sum(
+                isa,
+                &scores[at + run.start..at + run.end],
+                &values[run],
+                &mut acc[qi * d..(qi + 1) * d],
+                &values[next],
+            );
+        });
     }
     for (qi, &(hh, row)) in queries.iter().enumerate() {
         let at = if heads.rows_out {
@@ -339,6 +324,27 @@ unsafe fn task(
         };
         let dst = out.0.add(at);
         std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
+    }
+}
+
+/// `pass(run, qi, next)` for every run of [`KEYS_PER_RUN`] of `keys` keys and, within it,
+/// every one of `queries` queries: each run is used by all the queries while it is in L1, and
+/// the first query's pass asks for the rows `next` (the next run's) as it goes.
+fn each_key_run(
+    keys: usize,
+    queries: usize,
+    mut pass: impl FnMut(Range<usize>, usize, Range<usize>),
+) {
+    for t in (0..keys).step_by(KEYS_PER_RUN) {
+        let run = t..(t + KEYS_PER_RUN).min(keys);
+        for qi in 0..queries {
+            let next = if qi == 0 {
+                run.end..(run.end + KEYS_PER_RUN).min(keys)
+            } else {
+                0..0
+            };
+            pass(run.clone(), qi, next);
+        }
     }
 }
 

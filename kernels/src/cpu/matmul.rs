@@ -2530,50 +2530,28 @@ mod tests {
 
     #[test]
     fn a_right_operand_packed_as_given_is_its_transpose_packed_as_a_weight() {
-        let (k, n) = (11, 45);
-        let b = data(k * n, 4);
-        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
-        let x = data(3 * k, 5);
-        let (mut y1, mut y2) = (vec![0f32; 3 * n], vec![0f32; 3 * n]);
-        linear(
-            &x,
-            3,
-            &PackedWeight::pack_kn(&b, k, n).unwrap(),
-            None,
-            &mut y1,
-        )
-        .unwrap();
-        let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
-        linear(&x, 3, &w, None, &mut y2).unwrap();
-        assert_eq!(y1, y2);
-        // As bfloat16 pairs (odd k: the last pair's high half is 0): the same words as the
-        // transpose packed as bf16-dot weights, so the same bits; 301 x 260 is packed on the
-        // pool's threads, a panel range each.
+        // In float32, and as bfloat16 pairs (odd k: the last pair's high half is 0): the same
+        // words as the transpose packed as a weight, so the same bits; 301 x 260 is packed on
+        // the pool's threads, a panel range each.
         for (k, n) in [(11, 45), (40, 64), (37, 17), (301, 260)] {
             let b = data(k * n, 6);
             let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
             let x = data(3 * k, 7);
             let (mut y1, mut y2) = (vec![0f32; 3 * n], vec![0f32; 3 * n]);
+            let as_given = PackedWeight::pack_kn(&b, k, n).unwrap();
+            linear(&x, 3, &as_given, None, &mut y1).unwrap();
+            let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
+            linear(&x, 3, &w, None, &mut y2).unwrap();
+            assert_eq!(y1, y2, "{k}x{n} f32");
             let pairs = PackedWeight::pack_kn_pairs(&b, k, n).unwrap();
             assert_eq!(pairs.dtype(), WeightDtype::Bf16Dot);
             linear(&x, 3, &pairs, None, &mut y1).unwrap();
             let w = PackedWeight::pack(&bt, n, k, WeightDtype::Bf16Dot).unwrap();
             linear(&x, 3, &w, None, &mut y2).unwrap();
             assert_eq!(y1, y2, "{k}x{n}");
-            // And as float32.
-            linear(
-                &x,
-                3,
-                &PackedWeight::pack_kn(&b, k, n).unwrap(),
-                None,
-                &mut y1,
-            )
-            .unwrap();
-            let w = PackedWeight::pack(&bt, n, k, WeightDtype::F32).unwrap();
-            linear(&x, 3, &w, None, &mut y2).unwrap();
-            assert_eq!(y1, y2, "{k}x{n} f32");
         }
-        assert!(PackedWeight::pack_kn_pairs(&b, k + 1, n).is_err());
+        let (k, n) = (11, 45);
+        assert!(PackedWeight::pack_kn_pairs(&data(k * n, 4), k + 1, n).is_err());
     }
 
     #[test]
