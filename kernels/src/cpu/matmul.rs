@@ -1154,18 +1154,6 @@ impl Stream {
     }
 }
 
-/// Asks for the 128 bytes (two lines) of the panel row `ahead` bytes past `row`: the rows of
-/// the float32, bf16-pair, int8-quad and q4-octet panels are 32 words. An address past the
-/// panel is never dereferenced, and prefetching it is a no-op.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn prefetch_panel_row<T>(row: *const T, ahead: usize) {
-    use std::arch::x86_64::*;
-    let next = (row as *const i8).wrapping_add(ahead);
-    _mm_prefetch::<_MM_HINT_T0>(next);
-    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64));
-}
-
 /// [`tile_avx512`] for rows stored one after another (`x` is `[MR][k]`, row-major) rather than
 /// packed: each step broadcasts the value of every row at `kk`.
 #[cfg(target_arch = "x86_64")]
@@ -1181,8 +1169,9 @@ unsafe fn tile_avx512_row_major<const MR: usize>(
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let xp = x.as_ptr();
     let bp = panel.as_ptr();
+    let mut stream = Stream::new(Prefetch::Ahead(PREFETCH_BYTES));
     for kk in 0..k {
-        prefetch_panel_row(bp.wrapping_add(kk * NR), PREFETCH_BYTES);
+        stream.row(bp, kk * NR * 4, NR * 4);
         let b0 = _mm512_loadu_ps(bp.add(kk * NR));
         let b1 = _mm512_loadu_ps(bp.add(kk * NR + 16));
         for (r, a) in acc.iter_mut().enumerate() {
