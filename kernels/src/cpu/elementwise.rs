@@ -125,8 +125,15 @@ pub struct HeadSplit<'a> {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Biases of q `[n_heads · head_dim]` and k `[n_kv_heads · head_dim]` added first (Huginn's
+    /// learned q/k bias).
+    pub qk_bias: Option<(&'a [f32], &'a [f32])>,
     /// Per-head RMSNorm weights of q and k `[head_dim]` (Qwen3), with their epsilon.
     pub qk_norm: Option<(&'a [f32], &'a [f32], f32)>,
+    /// Which dims RoPE pairs: `false`, dim `i` with `i + rotary_dim / 2` (GPT-NeoX's "half"
+    /// layout); `true`, dims `2i` and `2i + 1` (the original "interleaved" or complex form,
+    /// Huginn's). Pair `i` turns by angle `i` of the row either way.
+    pub interleaved: bool,
     /// Leading dims of a head that RoPE rotates (`head_dim`, or fewer under partial rotary
     /// embeddings: LLaDA2 rotates half); the rest pass through.
     pub rotary_dim: usize,
@@ -137,9 +144,9 @@ pub struct HeadSplit<'a> {
 }
 
 /// Splits `qkv` `[rows, (H + 2 H_kv) · D]` (q, k and v side by side) into head-major q
-/// `[H, rows, D]`, k and v `[H_kv, rows, D]`: q and k normed per head when asked, then rotated;
-/// v copied. One pass over the product instead of a copy per step. RoPE as the reference
-/// computes it: `x1·cos - x2·sin`, `x1·sin + x2·cos`.
+/// `[H, rows, D]`, k and v `[H_kv, rows, D]`: q and k biased and normed per head when asked,
+/// then rotated; v copied. One pass over the product instead of a copy per step. RoPE as the
+/// references compute it: `x1·cos - x2·sin`, `x1·sin + x2·cos`.
 pub fn split_heads(
     qkv: &[f32],
     rows: usize,
@@ -164,6 +171,11 @@ pub fn split_heads(
         s.cos.len() >= rows * rot / 2 && s.sin.len() >= rows * rot / 2,
         || format!("RoPE rows for {rows} rows of {rot} dims"),
     )?;
+    check(
+        s.qk_bias
+            .is_none_or(|(qb, kb)| qb.len() == h * d && kb.len() == hkv * d),
+        || format!("q/k biases of {h} and {hkv} heads of {d}"),
+    )?;
     let isa = Isa::get();
     let (qp, kp, vp) = (
         SendPtr(q.as_mut_ptr()),
@@ -173,13 +185,6 @@ pub fn split_heads(
     // Unit u: query head u, key head u - H, value head u - H - H_kv.
     let units = h + 2 * hkv;
     let work = |u: usize| {
-        let (dst, col, norm, rotate) = if u < h {
-            (qp.ptr(), u * d, s.qk_norm.map(|(w, _, e)| (w, e)), true)
-        } else if u < h + hkv {
-            (kp.ptr(), u * d, s.qk_norm.map(|(_, w, e)| (w, e)), true)
-        } else {
-            (vp.ptr(), u * d, None, false)
-        };
         let head = if u < h {
             u
         } else if u < h + hkv {
@@ -187,22 +192,35 @@ pub fn split_heads(
         } else {
             u - h - hkv
         };
-        let mut buf = vec![0f32; d];
+        let (dst, norm, bias, rotate) = if u < h {
+            let bias = s.qk_bias.map(|(b, _)| &b[head * d..(head + 1) * d]);
+            (qp.ptr(), s.qk_norm.map(|(w, _, e)| (w, e)), bias, true)
+        } else if u < h + hkv {
+            let bias = s.qk_bias.map(|(_, b)| &b[head * d..(head + 1) * d]);
+            (kp.ptr(), s.qk_norm.map(|(_, w, e)| (w, e)), bias, true)
+        } else {
+            (vp.ptr(), None, None, false)
+        };
+        let col = u * d;
+        let (mut biased, mut normed) = (vec![0f32; d], vec![0f32; d]);
         for r in 0..rows {
-            let src = &qkv[r * width + col..r * width + col + d];
+            let mut x = &qkv[r * width + col..r * width + col + d];
             // SAFETY: each unit writes its own head's rows.
             let out = unsafe { std::slice::from_raw_parts_mut(dst.add((head * rows + r) * d), d) };
-            let x: &[f32] = match norm {
-                Some((w, eps)) => {
-                    let ms = simd::dot(isa, src, src) / d as f32;
-                    let scale = 1.0 / (ms + eps).sqrt();
-                    for ((b, &x), &w) in buf.iter_mut().zip(src).zip(w) {
-                        *b = w * (x * scale);
-                    }
-                    &buf
+            if let Some(b) = bias {
+                for ((o, &x), &b) in biased.iter_mut().zip(x).zip(b) {
+                    *o = x + b;
                 }
-                None => src,
-            };
+                x = &biased;
+            }
+            if let Some((w, eps)) = norm {
+                let ms = simd::dot(isa, x, x) / d as f32;
+                let scale = 1.0 / (ms + eps).sqrt();
+                for ((o, &x), &w) in normed.iter_mut().zip(x).zip(w) {
+                    *o = w * (x * scale);
+                }
+                x = &normed;
+            }
             if rotate {
                 let half = rot / 2;
                 let (cos, sin) = (
@@ -210,9 +228,14 @@ pub fn split_heads(
                     &s.sin[r * half..(r + 1) * half],
                 );
                 for i in 0..half {
-                    let (x1, x2) = (x[i], x[i + half]);
-                    out[i] = x1 * cos[i] - x2 * sin[i];
-                    out[i + half] = x1 * sin[i] + x2 * cos[i];
+                    let (a, b) = if s.interleaved {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (x1, x2) = (x[a], x[b]);
+                    out[a] = x1 * cos[i] - x2 * sin[i];
+                    out[b] = x1 * sin[i] + x2 * cos[i];
                 }
                 out[rot..].copy_from_slice(&x[rot..]);
             } else {
@@ -268,7 +291,9 @@ mod tests {
             n_heads: h,
             n_kv_heads: hkv,
             head_dim: d,
+            qk_bias: None,
             qk_norm: Some((&wq, &wk, 1e-6)),
+            interleaved: false,
             rotary_dim: d,
             cos: &cos,
             sin: &sin,
@@ -321,6 +346,47 @@ mod tests {
                 assert!((g - w).abs() < 1e-6, "{g} vs {w}");
             }
         }
+        // Huginn: q/k biased, then rotated in interleaved pairs, bit for bit as the sum and
+        // the two products are written.
+        let qb: Vec<f32> = (0..h * d).map(|i| i as f32 * 0.11 - 0.3).collect();
+        let kb: Vec<f32> = (0..hkv * d).map(|i| 0.2 - i as f32 * 0.07).collect();
+        let huginn = HeadSplit {
+            qk_bias: Some((&qb, &kb)),
+            qk_norm: None,
+            interleaved: true,
+            ..split
+        };
+        split_heads(&qkv, rows, &huginn, &mut q, &mut k, &mut v).unwrap();
+        for r in 0..rows {
+            let (c, s) = (&cos[r * 2..r * 2 + 2], &sin[r * 2..r * 2 + 2]);
+            for (head, out, bias, col) in [
+                (0, &q[r * d..(r + 1) * d], &qb[..d], 0),
+                (1, &q[(rows + r) * d..(rows + r + 1) * d], &qb[d..], d),
+                (0, &k[r * d..(r + 1) * d], &kb[..], 2 * d),
+            ] {
+                let x: Vec<f32> = qkv[r * width + col..r * width + col + d]
+                    .iter()
+                    .zip(bias)
+                    .map(|(x, b)| x + b)
+                    .collect();
+                let want = [
+                    x[0] * c[0] - x[1] * s[0],
+                    x[0] * s[0] + x[1] * c[0],
+                    x[2] * c[1] - x[3] * s[1],
+                    x[2] * s[1] + x[3] * c[1],
+                ];
+                assert_eq!(out, want, "head {head} of row {r}");
+            }
+            assert_eq!(
+                v[r * d..(r + 1) * d],
+                qkv[r * width + 3 * d..r * width + 4 * d]
+            );
+        }
+        let short = HeadSplit {
+            qk_bias: Some((&qb[..d], &kb)),
+            ..huginn
+        };
+        assert!(split_heads(&qkv, rows, &short, &mut q, &mut k, &mut v).is_err());
     }
 
     #[test]

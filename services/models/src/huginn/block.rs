@@ -218,6 +218,29 @@ impl Attention {
         let d = self.head_dim;
         let dtype = x.dtype();
         let comm = self.comm.as_ref();
+        let scale = 1.0 / (d as f64).sqrt();
+        if let [s] = &self.shards[..] {
+            if cpu::on_cpu_f32(x) {
+                // One pass from the product to head-major q, k, v: bias, RoPE and the layout
+                // (float32, the same operations as the candle path below, so the same bits).
+                let qkv = s.wqkv.forward(x)?;
+                let prep = cpu::QkPrep {
+                    bias: s.qk_bias.as_ref().map(|(q, k)| (q, k)),
+                    interleaved: true,
+                    ..Default::default()
+                };
+                let (q, k, v) = cpu::split_heads(
+                    &qkv,
+                    (s.n_heads, s.n_heads, d),
+                    prep,
+                    &layout.cos,
+                    &layout.sin,
+                )?;
+                // The kernel writes the rows the output projection reads.
+                let y = self.attend_cpu(&q, &k, &v, scale, layout, seqs, layer, true)?;
+                return s.proj.forward(&y);
+            }
+        }
         // Every rank's q, k, v `[H_r, N, D]`, gathered along the heads on rank 0.
         let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
         for (rank, s) in self.shards.iter().enumerate() {
@@ -243,12 +266,6 @@ impl Attention {
         };
         let (q, k, v) = (gather(qs)?, gather(ks)?, gather(vs)?);
 
-        let scale = 1.0 / (d as f64).sqrt();
-        if cpu::on_cpu_f32(&q) && self.shards.len() == 1 {
-            // The kernel writes the rows the output projection reads.
-            let y = self.attend_cpu(&q, &k, &v, scale, layout, seqs, layer, true)?;
-            return self.shards[0].proj.forward(&y);
-        }
         let y = if cpu::on_cpu_f32(&q) {
             self.attend_cpu(&q, &k, &v, scale, layout, seqs, layer, false)?
         } else {
@@ -289,18 +306,11 @@ impl Attention {
         layer: &dyn Fn(&SeqRows) -> CacheLayer,
         rows_out: bool,
     ) -> Result<Tensor> {
-        let single = seqs.len() == 1;
         let mut calls = Vec::with_capacity(seqs.len());
         for (i, seq) in seqs.iter_mut().enumerate() {
             let off = layout.offsets[i];
-            let (ks, vs) = if single {
-                (k.clone(), v.clone())
-            } else {
-                (
-                    k.narrow(1, off, seq.len)?.contiguous()?,
-                    v.narrow(1, off, seq.len)?.contiguous()?,
-                )
-            };
+            // The pages take the sequence's rows from where they lie.
+            let (ks, vs) = (k.narrow(1, off, seq.len)?, v.narrow(1, off, seq.len)?);
             let layer = layer(seq);
             let upto = seq.start + seq.len;
             seq.cache.write(layer, seq.start, &ks, &vs)?;

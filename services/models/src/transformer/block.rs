@@ -557,11 +557,14 @@ impl Shard {
         let qkv = self.w.qkv.forward(h)?;
         let (q, k, v) = if cpu::on_cpu_f32(&qkv) && cpu::on_cpu_f32(&layout.cos) {
             // One pass: split, per-head norm, RoPE and the head-major layout.
-            let norm = self
-                .qk_norm
-                .as_ref()
-                .map(|(qn, kn)| (qn.weight(), kn.weight(), qn.eps() as f32));
-            cpu::split_heads(&qkv, (nh, nkv, d), norm, &layout.cos, &layout.sin)?
+            let prep = cpu::QkPrep {
+                norm: self
+                    .qk_norm
+                    .as_ref()
+                    .map(|(qn, kn)| (qn.weight(), kn.weight(), qn.eps() as f32)),
+                ..Default::default()
+            };
+            cpu::split_heads(&qkv, (nh, nkv, d), prep, &layout.cos, &layout.sin)?
         } else {
             let mut q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
             let mut k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;

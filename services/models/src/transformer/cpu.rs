@@ -268,29 +268,55 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
 }
 
+/// How [`split_heads`] treats q and k before RoPE, and how RoPE pairs dims.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct QkPrep<'a> {
+    /// Biases of q and k, `H · D` and `H_kv · D` values in any shape (added first).
+    pub(crate) bias: Option<(&'a Tensor, &'a Tensor)>,
+    /// Per-head RMSNorm weights `[D]` of q and k, and epsilon.
+    pub(crate) norm: Option<(&'a Tensor, &'a Tensor, f32)>,
+    /// RoPE over dims `2i, 2i + 1` (true) or `i, i + D / 2` (false).
+    pub(crate) interleaved: bool,
+}
+
 /// q `[H, N, D]`, k and v `[H_kv, N, D]` of the fused product `qkv` `[N, (H + 2 H_kv) · D]`,
-/// q and k normed per head by `qk_norm` (weights and epsilon) and rotated by the rows' RoPE
+/// q and k biased and normed per head as `prep` says and rotated by the rows' RoPE
 /// `cos`/`sin` `[N, D / 2]`, in one pass (float32 on the CPU).
 pub(crate) fn split_heads(
     qkv: &Tensor,
     (h, hkv, d): (usize, usize, usize),
-    qk_norm: Option<(&Tensor, &Tensor, f32)>,
+    prep: QkPrep,
     cos: &Tensor,
     sin: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let n = qkv.dim(0)?;
     let qkv = qkv.contiguous()?;
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+    let bias = match prep.bias {
+        Some((qb, kb)) => Some((qb.contiguous()?, kb.contiguous()?)),
+        None => None,
+    };
     let (mut q, mut k, mut v) = (output(h * n * d), output(hkv * n * d), output(hkv * n * d));
     {
         let b = Borrowed::new(&qkv)?;
         let (cb, sb) = (Borrowed::new(&cos)?, Borrowed::new(&sin)?);
-        let norms = match qk_norm {
+        let norms = match prep.norm {
             Some((qw, kw, eps)) => Some((Borrowed::new(qw)?, Borrowed::new(kw)?, eps)),
             None => None,
         };
         let norm_slices = match &norms {
             Some((qw, kw, eps)) => Some((&qw.tail()?[..d], &kw.tail()?[..d], *eps)),
+            None => None,
+        };
+        let biases = match &bias {
+            Some((qb, kb)) => Some((
+                (Borrowed::new(qb)?, qb.elem_count()),
+                (Borrowed::new(kb)?, kb.elem_count()),
+            )),
+            None => None,
+        };
+        let bias_slices = match &biases {
+            Some(((qb, qn), (kb, kn))) => Some((&qb.tail()?[..*qn], &kb.tail()?[..*kn])),
             None => None,
         };
         // The table's width says how many dims rotate (all, or fewer under partial RoPE).
@@ -299,7 +325,9 @@ pub(crate) fn split_heads(
             n_heads: h,
             n_kv_heads: hkv,
             head_dim: d,
+            qk_bias: bias_slices,
             qk_norm: norm_slices,
+            interleaved: prep.interleaved,
             rotary_dim: 2 * half,
             cos: &cb.tail()?[..n * half],
             sin: &sb.tail()?[..n * half],
