@@ -304,15 +304,22 @@ impl PageSupply {
         self.spare.clear();
     }
 
-    /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`.
+    /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`. They may be views
+    /// (a sequence's rows of a packed call's `[H, N, D]`): in host memory they are copied row by
+    /// row from where they lie, elsewhere made contiguous first.
     pub(crate) fn write(&mut self, id: u32, off: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let (arena, base) = self.pool.arena_for_write(id, k)?;
         // The largest page written (layers may cache rows of different shapes).
         let (h, _, d) = k.dims3()?;
         let bytes = 2 * h * self.page_size() * d * k.dtype().size_in_bytes();
         self.page_bytes = self.page_bytes.max(bytes);
-        arena.k.slice_set(&k.contiguous()?, 1, base + off)?;
-        arena.v.slice_set(&v.contiguous()?, 1, base + off)?;
+        for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
+            if src.device().is_cpu() && dst.device().is_cpu() {
+                dst.inplace_op2(src, &SetRows { at: base + off })?;
+            } else {
+                dst.slice_set(&src.contiguous()?, 1, base + off)?;
+            }
+        }
         Ok(())
     }
 
@@ -378,6 +385,67 @@ impl PageSupply {
         let v = host.v.to_device(&host.device)?;
         self.write(id, 0, &k, &v)?;
         Ok(id)
+    }
+}
+
+/// Copies `src` `[H, n, D]` (any strides, rows of `D` consecutive values) into rows
+/// `at..at + n` of a contiguous `[H, T, D]` in host memory, in place: a page write without
+/// gathering the rows first.
+struct SetRows {
+    at: usize,
+}
+
+impl SetRows {
+    fn copy<T: Copy>(
+        &self,
+        dst: &mut [T],
+        dl: &candle_core::Layout,
+        src: &[T],
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (h, t, d) = dl.shape().dims3()?;
+        let (sh, n, sd) = sl.shape().dims3()?;
+        let (ds, ss) = (dl.stride(), sl.stride());
+        if !dl.is_contiguous() || sh != h || sd != d || self.at + n > t || (d > 1 && ss[2] != 1) {
+            candle_core::bail!(
+                "set-rows: [{sh}, {n}, {sd}] (strides {ss:?}) into rows {} of [{h}, {t}, {d}]",
+                self.at
+            );
+        }
+        let (s0, d0) = (sl.start_offset(), dl.start_offset());
+        for head in 0..h {
+            for r in 0..n {
+                let from = s0 + head * ss[0] + r * ss[1];
+                let to = d0 + head * ds[0] + (self.at + r) * ds[1];
+                dst[to..to + d].copy_from_slice(&src[from..from + d]);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp2 for SetRows {
+    fn name(&self) -> &'static str {
+        "set-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut candle_core::CpuStorage,
+        dl: &candle_core::Layout,
+        src: &candle_core::CpuStorage,
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::CpuStorage as S;
+        match (dst, src) {
+            (S::F32(d), S::F32(s)) => self.copy(d, dl, s, sl),
+            (S::BF16(d), S::BF16(s)) => self.copy(d, dl, s, sl),
+            (S::F16(d), S::F16(s)) => self.copy(d, dl, s, sl),
+            (d, s) => {
+                candle_core::bail!("set-rows: {:?} rows into a {:?} page", s.dtype(), d.dtype())
+            }
+        }
     }
 }
 
@@ -1041,6 +1109,42 @@ mod tests {
         assert_eq!(c.pages_held(), 3);
         c.write_rows(0, 10, &rows(10, 20)?, &rows(10, 20)?)?;
         assert_eq!(c.pages_held(), 3);
+        Ok(())
+    }
+
+    #[test]
+    fn rows_written_from_a_view_of_a_packed_call_are_the_rows_of_a_copy() -> Result<()> {
+        // A packed call's keys `[H, N, D]`; a sequence's rows are a strided view of them.
+        let (h, n, d) = (3, 7, 5);
+        let packed = Tensor::arange(0f32, (h * n * d) as f32, &Device::Cpu)?.reshape((h, n, d))?;
+        for dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
+            let packed = packed.to_dtype(dtype)?;
+            let (mut viewed, mut copied) = (KvCache::new(), KvCache::new());
+            // The last view lands at indices 15..19: across the first page's end.
+            viewed.write_rows(0, 0, &packed.narrow(1, 0, 7)?, &packed.narrow(1, 0, 7)?)?;
+            copied.write_rows(0, 0, &packed.narrow(1, 0, 7)?.contiguous()?, &packed)?;
+            for (at, from) in [(7, 0), (11, 2), (15, 3)] {
+                let view = packed.narrow(1, from, 4)?;
+                assert!(!view.is_contiguous());
+                viewed.write_rows(0, at, &view, &view)?;
+                let copy = view.contiguous()?;
+                copied.write_rows(0, at, &copy, &copy)?;
+            }
+            let (vk, vv) = viewed.layer_kv(0)?;
+            let (ck, cv) = copied.layer_kv(0)?;
+            assert_eq!(vk.dims(), [h, 19, d]);
+            let bits = |t: &Tensor| -> Result<Vec<f32>> {
+                Ok(t.to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1()?)
+            };
+            assert_eq!(bits(&vk)?, bits(&ck)?);
+            assert_eq!(bits(&vv)?, bits(&cv)?);
+            assert_eq!(
+                bits(&vk.narrow(1, 15, 4)?)?,
+                bits(&packed.narrow(1, 3, 4)?)?
+            );
+        }
         Ok(())
     }
 
