@@ -95,6 +95,12 @@ struct Args {
     /// Seed of the weights, prompts and initial states.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Skip warming the slot pool before the concurrency runs. By default the largest
+    /// concurrency of the first batched workload is served once first, so that the K/V arenas
+    /// it needs exist (a served worker's steady state) and the first measured run does not
+    /// pay for touching fresh memory that the runs after it reuse.
+    #[arg(long)]
+    cold_pool: bool,
     #[command(flatten)]
     target: run::Target,
 }
@@ -214,6 +220,15 @@ fn main() -> Result<()> {
         total.elapsed().as_secs_f64()
     );
     run::serve(served.as_ref(), Workload::ArStatic.request(&args, 999, 2))?;
+    if let (false, Some(&w), Some(&n)) = (
+        args.cold_pool,
+        args.batched.first(),
+        args.concurrency.iter().max(),
+    ) {
+        eprintln!("warming the slot pool: {n} concurrent {}", w.label());
+        let specs = (0..n as u64).map(|i| w.request(&args, 900 + i, args.batched_max_new_tokens));
+        run::together(served.as_ref(), specs)?;
+    }
 
     println!(
         "Synthetic Huginn: n_embd {}, heads {}, prelude/core/coda {}/{}/{}, intermediate {}, vocab {}; \
