@@ -182,9 +182,42 @@ pub fn attention_with(
     if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
         tasks.iter().for_each(run);
     } else {
-        super::pool::pool().run(tasks.len(), &|i| run(&tasks[i]));
+        // Consecutive tasks in chunks, eight or more per thread: each task asks for the next
+        // one's first keys and values while it runs, so a chunk of small decode tasks (one row
+        // of one request per kv head) waits on memory once, not once per task.
+        let chunk = (tasks.len() / (8 * threads)).max(1);
+        super::pool::pool().run(tasks.len().div_ceil(chunk), &|c| {
+            let end = ((c + 1) * chunk).min(tasks.len());
+            for i in c * chunk..end {
+                if let Some(&(si, g, _)) = tasks.get(i + 1).filter(|_| i + 1 < end) {
+                    first_run_ahead(&seqs[si], g, d);
+                }
+                run(&tasks[i]);
+            }
+        });
     }
     Ok(())
+}
+
+/// Asks for the first [`KEYS_PER_RUN`] keys and values of kv head `g` of `s`, when its tasks
+/// stream them (one-row sequences; the product path packs them in one sweep instead).
+fn first_run_ahead(s: &SeqAttention, g: usize, d: usize) {
+    if s.rows.len() >= 2 {
+        return;
+    }
+    let mut left = KEYS_PER_RUN;
+    for b in &s.blocks {
+        let n = b.len.min(left);
+        if n > 0 {
+            let at = g * b.head_stride;
+            simd::prefetch(&b.k[at..at + n * d]);
+            simd::prefetch(&b.v[at..at + n * d]);
+        }
+        left -= n;
+        if left == 0 {
+            break;
+        }
+    }
 }
 
 /// Query rows per task of a sequence of `rows` rows, in a call of `groups`
@@ -282,6 +315,13 @@ unsafe fn task(
         for (k, v) in key_rows() {
             keys.push(k);
             values.push(v);
+        }
+        // The first run of keys and of values, asked for at once: a decode task's rows are a
+        // few KiB in pages nothing touched since this layer's last step, so each run would
+        // otherwise start with a wait on memory (the values' after the whole score pass).
+        for (k, v) in keys.iter().zip(&values).take(KEYS_PER_RUN) {
+            simd::prefetch(k);
+            simd::prefetch(v);
         }
         let qv = |qi: usize| {
             let (hh, row) = queries[qi];
