@@ -182,10 +182,16 @@ pub fn attention_with(
     if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
         tasks.iter().for_each(run);
     } else {
-        // Consecutive tasks in chunks, eight or more per thread: each task asks for the next
-        // one's first keys and values while it runs, so a chunk of small decode tasks (one row
-        // of one request per kv head) waits on memory once, not once per task.
-        let chunk = (tasks.len() / (8 * threads)).max(1);
+        // Decode (every sequence one row): consecutive tasks in chunks, eight or more per
+        // thread, each task asking for the next one's first keys and values while it runs, so
+        // a chunk of small tasks (one row of one request per kv head) waits on memory once,
+        // not once per task. Tasks of many rows, whose sizes differ, are claimed one by one.
+        let decode = seqs.iter().all(|s| s.rows.len() == 1);
+        let chunk = if decode {
+            (tasks.len() / (8 * threads)).max(1)
+        } else {
+            1
+        };
         super::pool::pool().run(tasks.len().div_ceil(chunk), &|c| {
             let end = ((c + 1) * chunk).min(tasks.len());
             for i in c * chunk..end {
