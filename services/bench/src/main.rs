@@ -101,6 +101,10 @@ struct Args {
     /// pay for touching fresh memory that the runs after it reuse.
     #[arg(long)]
     cold_pool: bool,
+    /// Time only the continuous-batching runs, not the same requests one after another (for
+    /// profiling the batched tick; the speed-up column then reads "-").
+    #[arg(long)]
+    batched_only: bool,
     #[command(flatten)]
     target: run::Target,
 }
@@ -319,17 +323,24 @@ fn main() -> Result<()> {
                 .collect();
             eprintln!("{}: {n} concurrent", w.label());
             let (batched, t_batched) = run::together(served.as_ref(), specs.iter().cloned())?;
+            let nb = table::total_tokens(&batched);
+            let rb = nb as f64 / t_batched.as_secs_f64();
+            if args.batched_only {
+                println!(
+                    "| {} | {n} | {nb} | {:.2} | {rb:.2} | - | - | - | - |",
+                    w.label(),
+                    t_batched.as_secs_f64(),
+                );
+                continue;
+            }
             eprintln!("{}: {n} one after another", w.label());
             let (alone, t_alone) = run::one_after_another(served.as_ref(), specs.iter().cloned())?;
             let same = batched
                 .iter()
                 .zip(&alone)
                 .all(|(a, b)| a.tokens == b.tokens);
-            let (nb, na) = (table::total_tokens(&batched), table::total_tokens(&alone));
-            let (rb, ra) = (
-                nb as f64 / t_batched.as_secs_f64(),
-                na as f64 / t_alone.as_secs_f64(),
-            );
+            let na = table::total_tokens(&alone);
+            let ra = na as f64 / t_alone.as_secs_f64();
             println!(
                 "| {} | {n} | {nb} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x | {} |",
                 w.label(),

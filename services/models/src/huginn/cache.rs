@@ -535,8 +535,14 @@ impl HuginnCache {
             self.len
         };
         let key = self.resolve(layer)?;
-        let used = self.pages_used();
         let p = self.page_size();
+        // The pages held, for the message when the grant runs out: counted (over every layer)
+        // only when the spare pages might not cover the pages this write can take.
+        let used = if self.supply.spare() <= n.div_ceil(p) {
+            self.pages_used()
+        } else {
+            0
+        };
         if start < self.frozen * p {
             return Err(ModelError::Cache(format!(
                 "{layer:?}: positions from {start} would overwrite the {} shared prompt positions",
