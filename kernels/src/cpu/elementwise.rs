@@ -227,15 +227,19 @@ pub fn split_heads(
                     &s.cos[r * half..(r + 1) * half],
                     &s.sin[r * half..(r + 1) * half],
                 );
-                for i in 0..half {
-                    let (a, b) = if s.interleaved {
-                        (2 * i, 2 * i + 1)
-                    } else {
-                        (i, i + half)
-                    };
-                    let (x1, x2) = (x[a], x[b]);
-                    out[a] = x1 * cos[i] - x2 * sin[i];
-                    out[b] = x1 * sin[i] + x2 * cos[i];
+                // One loop per layout, so that each vectorises.
+                if s.interleaved {
+                    for i in 0..half {
+                        let (x1, x2) = (x[2 * i], x[2 * i + 1]);
+                        out[2 * i] = x1 * cos[i] - x2 * sin[i];
+                        out[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+                    }
+                } else {
+                    for i in 0..half {
+                        let (x1, x2) = (x[i], x[i + half]);
+                        out[i] = x1 * cos[i] - x2 * sin[i];
+                        out[i + half] = x1 * sin[i] + x2 * cos[i];
+                    }
                 }
                 out[rot..].copy_from_slice(&x[rot..]);
             } else {
