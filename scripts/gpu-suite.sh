@@ -154,7 +154,7 @@ figures() {
   # Huginn-0125: n_embd 5280, 55 heads, prelude/core/coda 2/4/2, 3.5 B parameters.
   step huginn-0125 "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 --n-embd 5280 \
     --n-heads 55 --intermediate-size 17920 --vocab-size 65536 --max-new-tokens 32 \
-    --batched-max-new-tokens 16 --repeat 2 --concurrency 1,8,32 --memory-budget-mb 24000
+    --batched-max-new-tokens 16 --repeat 2 --concurrency 1,8,32 --memory-budget-mb 24000 --cold-pool
   # LLaDA-8B: d_model 4096, 32 heads, 32 layers, MLP 12288, vocab 126464; gen length 256.
   for attention in sdpa ragged; do
     step "llada-8b-$attention" "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
@@ -248,7 +248,7 @@ lease() {
   LIMIT=120 step huginn-0125 "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 \
     --n-embd 5280 --n-heads 55 --intermediate-size 17920 --vocab-size 65536 \
     --max-new-tokens 32 --batched-max-new-tokens 16 --repeat 1 --concurrency 1,16 \
-    --memory-budget-mb 24000
+    --memory-budget-mb 24000 --cold-pool
   LIMIT=90 step llada2-mini-ragged "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
     --hidden-size 2048 --heads 16 --kv-heads 4 --layers 20 --intermediate-size 5120 \
     --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
@@ -287,7 +287,7 @@ next_steps() {
   LIMIT=150 step huginn-0125-static "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 \
     --n-embd 5280 --n-heads 55 --intermediate-size 17920 --vocab-size 65536 \
     --max-new-tokens 16 --batched-max-new-tokens 16 --repeat 1 --single ar-static \
-    --batched ar-static --concurrency 1,16 --memory-budget-mb 24000
+    --batched ar-static --concurrency 1,16 --memory-budget-mb 24000 --cold-pool
   LIMIT=120 step llada2-mini-ragged "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
     --hidden-size 2048 --heads 16 --kv-heads 4 --layers 20 --intermediate-size 5120 \
     --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
