@@ -276,7 +276,14 @@ unsafe fn task(
     // the keys as they stream by. Decided by the sequence's rows, not the task's, so a row's
     // result does not depend on how the call's rows were cut into tasks.
     let gemm = s.rows.len() >= 2 && s.rows.len() * rep >= GEMM_QUERIES;
-    let mut acc = vec![0f32; nq * d];
+    // Decode's small buffers are this thread's kept ones (a task per request and kv head
+    // allocated and freed them a thousand times a step); the product path keeps those for its
+    // packed keys and values.
+    let mut acc = if gemm {
+        vec![0f32; nq * d]
+    } else {
+        spare::take::<f32>(nq * d)
+    };
     if gemm {
         let qrows = |qs: &[(usize, usize)]| -> Vec<f32> {
             let mut a = Vec::with_capacity(qs.len() * d);
@@ -316,7 +323,7 @@ unsafe fn task(
     } else {
         // Scores [nq][t_all]; masked keys get -inf. Keys, then values, go by in runs
         // ([`each_key_run`]).
-        let mut scores = vec![0f32; nq * t_all];
+        let mut scores = spare::take::<f32>(nq * t_all);
         let (mut keys, mut values) = (Vec::with_capacity(t_all), Vec::with_capacity(t_all));
         for (k, v) in key_rows() {
             keys.push(k);
@@ -359,6 +366,7 @@ unsafe fn task(
                 &values[next],
             );
         });
+        spare::give(scores);
     }
     for (qi, &(hh, row)) in queries.iter().enumerate() {
         let at = if heads.rows_out {
@@ -368,6 +376,9 @@ unsafe fn task(
         };
         let dst = out.0.add(at);
         std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
+    }
+    if !gemm {
+        spare::give(acc);
     }
 }
 
