@@ -202,7 +202,8 @@ pub fn split_heads(
             (vp.ptr(), None, None, false)
         };
         let col = u * d;
-        let (mut biased, mut normed) = (vec![0f32; d], vec![0f32; d]);
+        let scratch = |wanted: bool| if wanted { vec![0f32; d] } else { Vec::new() };
+        let (mut biased, mut normed) = (scratch(bias.is_some()), scratch(norm.is_some()));
         for r in 0..rows {
             let mut x = &qkv[r * width + col..r * width + col + d];
             // SAFETY: each unit writes its own head's rows.
@@ -229,10 +230,10 @@ pub fn split_heads(
                 );
                 // One loop per layout, so that each vectorises.
                 if s.interleaved {
-                    for i in 0..half {
-                        let (x1, x2) = (x[2 * i], x[2 * i + 1]);
-                        out[2 * i] = x1 * cos[i] - x2 * sin[i];
-                        out[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+                    let pairs = out[..rot].chunks_exact_mut(2).zip(x[..rot].chunks_exact(2));
+                    for ((o, p), (&c, &sn)) in pairs.zip(cos.iter().zip(sin)) {
+                        o[0] = p[0] * c - p[1] * sn;
+                        o[1] = p[0] * sn + p[1] * c;
                     }
                 } else {
                     for i in 0..half {
