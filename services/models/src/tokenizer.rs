@@ -21,9 +21,13 @@ pub struct TextTokenizer {
     chat: Option<Arc<ChatTemplate>>,
     /// The fewest tokens the chat template adds: `(once per conversation, per message)`.
     chat_overhead: ChatOverhead,
-    /// The longest vocabulary entry in UTF-8 bytes: no token covers more bytes of text (byte
-    /// and sentencepiece alphabets spell a byte with at least one byte).
+    /// The most bytes of counted text one token can stand for: the longest vocabulary entry
+    /// in UTF-8 bytes (byte and sentencepiece alphabets spell a byte with at least one byte),
+    /// times what the normalizer may shrink text by; `usize::MAX` when no bound holds
+    /// ([`TokenBound`]).
     max_token_bytes: usize,
+    /// The bytes of text that count towards the bound (`None`: every byte).
+    counted: Option<Arc<[bool; 256]>>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -54,26 +58,38 @@ impl TextTokenizer {
         serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
             .map_err(|e| ModelError::Tokenizer(format!("not valid JSON: {e}")))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
-        let max_token_bytes = inner
-            .get_vocab(true)
-            .keys()
-            .map(String::len)
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        let vocab = inner.get_vocab(true);
+        let longest = vocab.keys().map(String::len).max().unwrap_or(1).max(1);
+        let config: serde_json::Value = serde_json::from_slice(bytes)
+            .map_err(|e| ModelError::Tokenizer(format!("not valid JSON: {e}")))?;
+        let (max_token_bytes, counted) = match token_bound(&config, &vocab) {
+            Some(TokenBound { factor, counted }) => (longest.saturating_mul(factor), counted),
+            None => (usize::MAX, None),
+        };
         Ok(Self {
             inner,
             chat: None,
             chat_overhead: ChatOverhead::default(),
             max_token_bytes,
+            counted: counted.map(Arc::new),
         })
     }
 
-    /// The fewest tokens `text_bytes` bytes of text can become (each token covers at most the
-    /// longest vocabulary entry): a bound checked before tokenizing, so an oversized prompt is
-    /// refused without the work proportional to its size.
-    pub fn min_tokens(&self, text_bytes: usize) -> usize {
-        text_bytes.div_ceil(self.max_token_bytes)
+    /// The fewest tokens `text` can become (each token covers at most the longest vocabulary
+    /// entry): a bound checked before tokenizing, so an oversized prompt is refused without
+    /// the work of tokenizing it (a pass over its bytes at most). Where the tokenizer drops the
+    /// characters its vocabulary cannot spell (a BPE without an unknown token) or folds a run
+    /// of them into one unknown token, only the bytes it surely spells count; where a
+    /// normalizer or pre-tokenizer may delete text, nothing but one token is bounded.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        if self.max_token_bytes == usize::MAX {
+            return 0;
+        }
+        let bytes = match &self.counted {
+            None => text.len(),
+            Some(counted) => text.bytes().filter(|&b| counted[usize::from(b)]).count(),
+        };
+        bytes.div_ceil(self.max_token_bytes)
     }
 
     /// Attaches a chat template, and measures the tokens it adds per conversation and per
@@ -106,13 +122,13 @@ impl TextTokenizer {
         }
     }
 
-    /// The fewest tokens a conversation of messages whose contents are `content_bytes` bytes
-    /// each can become through the chat template, known without rendering it: the template's
-    /// fixed and per-message tokens, and each content's [`Self::min_tokens`]. A bound checked
-    /// before the work of rendering and tokenizing, which grows with the number of messages.
-    pub fn min_chat_tokens(&self, content_bytes: impl ExactSizeIterator<Item = usize>) -> usize {
-        let n = content_bytes.len();
-        let contents: usize = content_bytes.map(|b| self.min_tokens(b)).sum();
+    /// The fewest tokens a conversation of messages with these contents can become through the
+    /// chat template, known without rendering it: the template's fixed and per-message tokens,
+    /// and each content's [`Self::min_tokens`]. A bound checked before the work of rendering
+    /// and tokenizing, which grows with the number of messages.
+    pub fn min_chat_tokens<'a>(&self, contents: impl ExactSizeIterator<Item = &'a str>) -> usize {
+        let n = contents.len();
+        let contents: usize = contents.map(|c| self.min_tokens(c)).sum();
         self.chat_overhead.fixed + n * self.chat_overhead.per_message + contents
     }
 
@@ -323,9 +339,223 @@ fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
         .collect()
 }
 
+/// What bounds a tokenizer's token count from below ([`TextTokenizer::min_tokens`]): no token
+/// spells more than the longest vocabulary entry of the counted bytes times `factor`.
+struct TokenBound {
+    /// What the normalizer may shrink text by (Unicode normal forms and case folding: at most
+    /// 3, Hangul jamo composing into a syllable, a full-width letter becoming ASCII), times 4
+    /// where an unknown token stands for a character the vocabulary cannot spell.
+    factor: usize,
+    /// The bytes that count (`None`: all): where the model drops what its vocabulary cannot
+    /// spell (a BPE without an unknown token) or folds a run of it into one unknown token,
+    /// only the bytes it surely spells.
+    counted: Option<[bool; 256]>,
+}
+
+/// The bound of a `tokenizer.json`'s pipeline, or `None` where none holds (a model other than
+/// BPE, a pre-tokenizer or normalizer that may delete text, or dropped characters behind a
+/// normalizer).
+fn token_bound(
+    config: &serde_json::Value,
+    vocab: &std::collections::HashMap<String, u32>,
+) -> Option<TokenBound> {
+    use serde_json::Value;
+    let model = &config["model"];
+    if model["type"].as_str() != Some("BPE") {
+        return None;
+    }
+    fn pre_keeps_text(p: &Value, byte_level: &mut bool) -> bool {
+        match p["type"].as_str() {
+            None if p.is_null() => true,
+            Some("Sequence") => p["pretokenizers"]
+                .as_array()
+                .is_some_and(|all| all.iter().all(|p| pre_keeps_text(p, byte_level))),
+            Some("ByteLevel") => {
+                *byte_level = true;
+                true
+            }
+            Some("Split") => p["behavior"].as_str() != Some("Removed"),
+            Some("Digits" | "Metaspace" | "Punctuation" | "UnicodeScripts") => true,
+            _ => false,
+        }
+    }
+    fn shrink(n: &Value) -> Option<usize> {
+        match n["type"].as_str() {
+            None if n.is_null() => Some(1),
+            Some("Sequence") => n["normalizers"]
+                .as_array()?
+                .iter()
+                .try_fold(1usize, |f, n| Some(f * shrink(n)?)),
+            Some("NFC" | "NFD" | "NFKC" | "NFKD" | "Lowercase") => Some(3),
+            _ => None,
+        }
+    }
+    let mut byte_level = false;
+    if !pre_keeps_text(&config["pre_tokenizer"], &mut byte_level) {
+        return None;
+    }
+    let shrink = shrink(&config["normalizer"])?;
+    // Which bytes the vocabulary spells on their own: under a byte-level alphabet (GPT-2's
+    // map: printable Latin-1 bytes stand for themselves, the rest for 256, 257, ... in byte
+    // order) every byte; otherwise the ASCII characters (a longer character's bytes are not
+    // counted).
+    let mut spelled = [false; 256];
+    let mut next = 256u32;
+    for (b, spelled) in spelled.iter_mut().enumerate() {
+        let b = b as u32;
+        let c = if !byte_level || matches!(b, 33..=126 | 161..=172 | 174..=255) {
+            b
+        } else {
+            next += 1;
+            next - 1
+        };
+        *spelled = (byte_level || b < 128)
+            && char::from_u32(c).is_some_and(|c| vocab.contains_key(c.encode_utf8(&mut [0; 4])));
+    }
+    // Bytes that never occur in UTF-8 (0xC0, 0xC1, 0xF5 and above) need no entry.
+    let every_byte = byte_level
+        && spelled
+            .iter()
+            .enumerate()
+            .all(|(b, &s)| s || matches!(b, 0xC0 | 0xC1 | 0xF5..));
+    let fallback = model["byte_fallback"].as_bool() == Some(true)
+        && (0..256).all(|b| vocab.contains_key(&format!("<0x{b:02X}>")));
+    let unknown = !model["unk_token"].is_null() && model["fuse_unk"].as_bool() != Some(true);
+    if every_byte || fallback || unknown {
+        // Every character reaches tokens: an unknown one stands for up to 4 bytes.
+        return Some(TokenBound {
+            factor: shrink
+                * if unknown && !(every_byte || fallback) {
+                    4
+                } else {
+                    1
+                },
+            counted: None,
+        });
+    }
+    // Characters are dropped or folded: count the bytes spelled, where no normalizer can turn
+    // a spelled character into one that is not.
+    (shrink == 1).then_some(TokenBound {
+        factor: 1,
+        counted: Some(spelled),
+    })
+}
+
 #[cfg(test)]
 mod token_bytes_tests {
     use super::*;
+
+    /// The pre-tokenizing bound never exceeds the real count, on every fixture's tokenizer,
+    /// for text its vocabulary spells and text it does not: the Huginn fixture's 480 entries
+    /// lack most bytes above ASCII, and its BPE (no unknown token) drops them, so 17 bytes of
+    /// rare characters became one token where the bound said two.
+    #[test]
+    fn the_bound_holds_where_a_tokenizer_drops_or_folds_text() {
+        let texts = [
+            "\u{14647}\u{18cd6}{\u{1005e}\u{2ee5e}",
+            "plain words and spaces, then digits 0123456789",
+            "\u{1100}\u{1161}\u{11a8}\u{1100}\u{1161}\u{11a8} ＡＢＣ e\u{301}",
+            "\u{0}\u{7}\u{7f}\u{80}\u{ff}\u{fffd}",
+            "          ",
+            "\0",
+        ];
+        for fixture in [
+            "huginn",
+            "llada",
+            "armt",
+            "refusion",
+            "dream",
+            "llada2",
+            "diffusion_gemma",
+        ] {
+            let path = crate::device::test_fixture(fixture).join("tokenizer.json");
+            if !path.exists() {
+                // ARMT's fixture has no tokenizer.
+                continue;
+            }
+            let tok = TextTokenizer::from_file(&path).expect("tokenizer");
+            for text in texts {
+                let ids = tok.encode(text, false).expect("encodes");
+                assert!(
+                    tok.min_tokens(text) <= ids.len(),
+                    "{fixture}: bound {} above {} tokens for {text:?}",
+                    tok.min_tokens(text),
+                    ids.len()
+                );
+            }
+        }
+        // The Huginn fixture's pre-tokenizer removes what its pattern does not match ("\0"
+        // becomes no token): no bound from the text; LLaDA's byte-level BPE keeps one.
+        let huginn = crate::device::test_fixture("huginn").join("tokenizer.json");
+        let huginn = TextTokenizer::from_file(&huginn).unwrap();
+        assert_eq!(huginn.min_tokens(&"word ".repeat(200)), 0);
+        let llada = crate::device::test_fixture("llada").join("tokenizer.json");
+        let llada = TextTokenizer::from_file(&llada).unwrap();
+        assert!(llada.min_tokens(&"word ".repeat(200)) > 0);
+    }
+
+    /// What the bound's reading of `tokenizer.json` makes of pipelines that drop or fold
+    /// text, and of ones that do not: `(factor, whether only spelled bytes count)`.
+    #[test]
+    fn pipelines_that_drop_or_fold_text_count_only_what_they_spell() {
+        let vocab: std::collections::HashMap<String, u32> = [("a", 0u32), ("b", 1), ("<unk>", 2)]
+            .iter()
+            .map(|&(k, v)| (k.to_string(), v))
+            .collect();
+        let bound = |model: serde_json::Value, pre: serde_json::Value, norm: serde_json::Value| {
+            let config =
+                serde_json::json!({"model": model, "pre_tokenizer": pre, "normalizer": norm});
+            token_bound(&config, &vocab).map(|b| {
+                (
+                    b.factor,
+                    b.counted
+                        .map(|c| c[usize::from(b'a')] && !c[usize::from(b'c')]),
+                )
+            })
+        };
+        let bpe = |unk: Option<&str>, fuse: bool| serde_json::json!({"type": "BPE", "unk_token": unk, "fuse_unk": fuse, "byte_fallback": false});
+        let null = serde_json::Value::Null;
+        // Unknown characters dropped (no unknown token) or a run of them one token: only the
+        // spelled bytes count ('a' does, 'c' does not).
+        assert_eq!(
+            bound(bpe(None, false), null.clone(), null.clone()),
+            Some((1, Some(true)))
+        );
+        assert_eq!(
+            bound(bpe(Some("<unk>"), true), null.clone(), null.clone()),
+            Some((1, Some(true)))
+        );
+        // One unknown token per character: every byte counts, up to 4 to a token.
+        assert_eq!(
+            bound(bpe(Some("<unk>"), false), null.clone(), null.clone()),
+            Some((4, None))
+        );
+        // Whitespace removed by the pre-tokenizer, text deleted by a replacing normalizer.
+        let ws = serde_json::json!({"type": "WhitespaceSplit"});
+        assert_eq!(bound(bpe(Some("<unk>"), false), ws, null.clone()), None);
+        let replace =
+            serde_json::json!({"type": "Replace", "pattern": {"String": " "}, "content": ""});
+        assert_eq!(
+            bound(bpe(Some("<unk>"), false), null.clone(), replace),
+            None
+        );
+        // Normal forms shrink text by at most 3; behind one, dropped characters bound nothing.
+        let nfc = serde_json::json!({"type": "NFC"});
+        assert_eq!(
+            bound(bpe(Some("<unk>"), false), null.clone(), nfc.clone()),
+            Some((12, None))
+        );
+        assert_eq!(bound(bpe(None, false), null.clone(), nfc), None);
+        // A byte-level alphabet with gaps counts the bytes it has.
+        let byte_level = serde_json::json!({"type": "ByteLevel"});
+        assert_eq!(
+            bound(bpe(None, false), byte_level, null.clone()),
+            Some((1, Some(true)))
+        );
+        // Other models are not read.
+        let wordpiece = serde_json::json!({"type": "WordPiece", "unk_token": "<unk>"});
+        assert_eq!(bound(wordpiece, null.clone(), null), None);
+    }
 
     /// Every ordinary token's bytes are what decoding it alone writes (where that is whole
     /// UTF-8), special tokens carry the marker, and ids past the tokenizer have none: for a

@@ -20,10 +20,23 @@ use crate::request::GenerateSpec;
 use crate::served::{no_tokenizer, ModelInfo, Planner, ServedModel};
 use crate::SchemeError;
 
-/// Refuses, before tokenizing, a text of `bytes` bytes that must become more tokens than a
-/// context of `max_context` holds.
-fn too_long(tok: &TextTokenizer, bytes: usize, max_context: usize) -> Result<(), SchemeError> {
-    let at_least = tok.min_tokens(bytes);
+/// Bytes of prompt text a worker takes per token of the model's context, at most: far more than
+/// any tokenizer's text per token (about 4 bytes for English), and the cap that holds where a
+/// tokenizer may drop text and its token count has no lower bound from the text's length.
+pub const PROMPT_BYTES_PER_CONTEXT_TOKEN: usize = 64;
+
+/// Refuses, before tokenizing, a text that must become more tokens than a context of
+/// `max_context` holds, or that is more than [`PROMPT_BYTES_PER_CONTEXT_TOKEN`] bytes per
+/// token of it.
+fn too_long(tok: &TextTokenizer, text: &str, max_context: usize) -> Result<(), SchemeError> {
+    let bytes = text.len();
+    let cap = max_context.saturating_mul(PROMPT_BYTES_PER_CONTEXT_TOKEN);
+    if bytes > cap {
+        return Err(SchemeError::Prompt(format!(
+            "the prompt's {bytes} bytes are more than {cap}, {PROMPT_BYTES_PER_CONTEXT_TOKEN}              per token of the {max_context} this model accepts (prompt plus max_new_tokens);              shorten it"
+        )));
+    }
+    let at_least = tok.min_tokens(text);
     if at_least > max_context {
         return Err(SchemeError::Prompt(format!(
             "the prompt's {bytes} bytes make at least {at_least} tokens, more than the \
@@ -116,14 +129,23 @@ impl<P: Planner> ServedModel for Served<P> {
 
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, SchemeError> {
         let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
-        too_long(tok, text.len(), self.info().max_context)?;
+        too_long(tok, text, self.info().max_context)?;
         self.planner.encode_prompt(tok, text)
     }
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, SchemeError> {
         let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
-        let at_least = tok.min_chat_tokens(messages.iter().map(|m| m.content.len()));
+        let at_least = tok.min_chat_tokens(messages.iter().map(|m| m.content.as_str()));
         let max_context = self.info().max_context;
+        let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+        let cap = max_context.saturating_mul(PROMPT_BYTES_PER_CONTEXT_TOKEN);
+        if bytes > cap {
+            return Err(SchemeError::Prompt(format!(
+                "the conversation's messages hold {bytes} bytes, more than {cap}, \
+                 {PROMPT_BYTES_PER_CONTEXT_TOKEN} per token of the {max_context} this model \
+                 accepts (prompt plus max_new_tokens); send fewer or shorter messages"
+            )));
+        }
         if at_least > max_context {
             return Err(SchemeError::Prompt(format!(
                 "the conversation's {} messages make at least {at_least} tokens through the \

@@ -60,17 +60,16 @@ pub trait ServedModel: Send + Sync {
             .ok_or_else(no_tokenizer)?
             .encode_chat(messages)?)
     }
-    /// The fewest tokens a text prompt of `text_bytes` bytes can become, known without
-    /// tokenizing it (0 without a tokenizer).
-    fn min_prompt_tokens(&self, text_bytes: usize) -> usize {
-        self.tokenizer().map_or(0, |t| t.min_tokens(text_bytes))
-    }
-    /// The fewest tokens a conversation of messages with contents of `content_bytes` bytes
-    /// each can become through the chat template, known without rendering it (0 without a
+    /// The fewest tokens a text prompt can become, known without tokenizing it (0 without a
     /// tokenizer).
-    fn min_chat_tokens(&self, content_bytes: &[usize]) -> usize {
+    fn min_prompt_tokens(&self, text: &str) -> usize {
+        self.tokenizer().map_or(0, |t| t.min_tokens(text))
+    }
+    /// The fewest tokens a conversation of messages with these contents can become through
+    /// the chat template, known without rendering it (0 without a tokenizer).
+    fn min_chat_tokens(&self, contents: &[&str]) -> usize {
         self.tokenizer()
-            .map_or(0, |t| t.min_chat_tokens(content_bytes.iter().copied()))
+            .map_or(0, |t| t.min_chat_tokens(contents.iter().copied()))
     }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;

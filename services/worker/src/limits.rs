@@ -109,12 +109,12 @@ impl RequestLimits {
         }
         let at_least = match &req.prompt {
             Some(Prompt::TokenIds(ids)) => ids.ids.len(),
-            Some(Prompt::Text(t)) => model.min_prompt_tokens(t.len()),
+            Some(Prompt::Text(t)) => model.min_prompt_tokens(t),
             // The template's tokens per message count too: a conversation of many empty
             // messages is refused here, before it is rendered.
             Some(Prompt::Chat(c)) => {
-                let bytes: Vec<usize> = c.messages.iter().map(|m| m.content.len()).collect();
-                model.min_chat_tokens(&bytes)
+                let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+                model.min_chat_tokens(&contents)
             }
             None => 0,
         };
@@ -151,10 +151,10 @@ impl RequestLimits {
                         self.max_chat_messages
                     )));
                 }
-                let bytes: Vec<usize> = c.messages.iter().map(|m| m.content.len()).collect();
-                model.min_chat_tokens(&bytes)
+                let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+                model.min_chat_tokens(&contents)
             }
-            Some(Input::Text(t)) => model.min_prompt_tokens(t.len()),
+            Some(Input::Text(t)) => model.min_prompt_tokens(t),
             None => 0,
         };
         if at_least > context {
