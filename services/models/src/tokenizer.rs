@@ -459,20 +459,16 @@ mod token_bytes_tests {
             "          ",
             "\0",
         ];
-        for fixture in [
-            "huginn",
-            "llada",
-            "armt",
-            "refusion",
-            "dream",
-            "llada2",
-            "diffusion_gemma",
-        ] {
-            let path = crate::device::test_fixture(fixture).join("tokenizer.json");
+        // Every fixture with a tokenizer (ARMT's has none).
+        let fixtures = std::fs::read_dir(crate::device::test_fixture("")).expect("fixtures");
+        let mut tested = 0;
+        for dir in fixtures {
+            let path = dir.expect("fixture").path().join("tokenizer.json");
             if !path.exists() {
-                // ARMT's fixture has no tokenizer.
                 continue;
             }
+            tested += 1;
+            let fixture = path.display();
             let tok = TextTokenizer::from_file(&path).expect("tokenizer");
             for text in texts {
                 let ids = tok.encode(text, false).expect("encodes");
@@ -484,6 +480,7 @@ mod token_bytes_tests {
                 );
             }
         }
+        assert!(tested >= 6, "{tested} fixtures with a tokenizer");
         // The Huginn fixture's pre-tokenizer removes what its pattern does not match ("\0"
         // becomes no token): no bound from the text; LLaDA's byte-level BPE keeps one.
         let huginn = crate::device::test_fixture("huginn").join("tokenizer.json");
