@@ -446,9 +446,9 @@ mod token_bytes_tests {
     use super::*;
 
     /// The pre-tokenizing bound never exceeds the real count, on every fixture's tokenizer,
-    /// for text its vocabulary spells and text it does not: the Huginn fixture's 480 entries
-    /// lack most bytes above ASCII, and its BPE (no unknown token) drops them, so 17 bytes of
-    /// rare characters became one token where the bound said two.
+    /// for text its pipeline keeps and text it does not: the Huginn fixture's pre-tokenizer
+    /// (upstream's layout) deletes what its pattern does not match, so 17 bytes of rare
+    /// characters became one token where the bound said two.
     #[test]
     fn the_bound_holds_where_a_tokenizer_drops_or_folds_text() {
         let texts = [
