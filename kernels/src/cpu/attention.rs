@@ -178,35 +178,49 @@ pub fn attention_with(
         // SAFETY: a task writes the rows `r` of its group's query heads only.
         unsafe { task(isa, heads, q, rows, &seqs[si], &masks[si], g, r.clone(), op) }
     };
+    // Consecutive tasks in chunks, each task asking for its own first keys and values and
+    // the next one's before it runs: a decode task's rows are a few KiB in pages nothing
+    // touched since the layer's last step, so a chunk of them (one row of one request per kv
+    // head) waits on memory once, not once per task. Decode (every sequence one row) takes
+    // eight or more chunks per thread; tasks of many rows, whose sizes differ, are claimed one
+    // by one.
     let work: usize = seqs.iter().map(|s| s.rows.len() * s.keys()).sum::<usize>() * h * d;
-    if threads <= 1 || tasks.len() == 1 || work < 1 << 15 {
-        tasks.iter().for_each(run);
+    let serial = threads <= 1 || tasks.len() == 1 || work < 1 << 15;
+    let chunk = if serial {
+        tasks.len().max(1)
+    } else if seqs.iter().all(|s| s.rows.len() == 1) {
+        (tasks.len() / (8 * threads)).max(1)
     } else {
-        // Decode (every sequence one row): consecutive tasks in chunks, eight or more per
-        // thread, each task asking for the next one's first keys and values while it runs, so
-        // a chunk of small tasks (one row of one request per kv head) waits on memory once,
-        // not once per task. Tasks of many rows, whose sizes differ, are claimed one by one.
-        let decode = seqs.iter().all(|s| s.rows.len() == 1);
-        let chunk = if decode {
-            (tasks.len() / (8 * threads)).max(1)
-        } else {
-            1
-        };
-        super::pool::pool().run(tasks.len().div_ceil(chunk), &|c| {
-            let end = ((c + 1) * chunk).min(tasks.len());
-            for i in c * chunk..end {
-                if let Some(&(si, g, _)) = tasks.get(i + 1).filter(|_| i + 1 < end) {
-                    first_run_ahead(&seqs[si], g, d);
-                }
-                run(&tasks[i]);
+        1
+    };
+    let ahead = |i: usize| {
+        let (si, g, _) = tasks[i];
+        first_run_ahead(&seqs[si], g, d);
+    };
+    let run_chunk = |c: usize| {
+        let (first, end) = (c * chunk, ((c + 1) * chunk).min(tasks.len()));
+        if first < end {
+            ahead(first);
+        }
+        for i in first..end {
+            if i + 1 < end {
+                ahead(i + 1);
             }
-        });
+            run(&tasks[i]);
+        }
+    };
+    let chunks = tasks.len().div_ceil(chunk);
+    if serial {
+        (0..chunks).for_each(run_chunk);
+    } else {
+        super::pool::pool().run(chunks, &run_chunk);
     }
     Ok(())
 }
 
 /// Asks for the first [`KEYS_PER_RUN`] keys and values of kv head `g` of `s`, when its tasks
-/// stream them (one-row sequences; the product path packs them in one sweep instead).
+/// stream them (one-row sequences; the product path packs them in one sweep instead): the
+/// values' first run would otherwise wait until the whole score pass was done.
 fn first_run_ahead(s: &SeqAttention, g: usize, d: usize) {
     if s.rows.len() >= 2 {
         return;
@@ -328,13 +342,6 @@ unsafe fn task(
         for (k, v) in key_rows() {
             keys.push(k);
             values.push(v);
-        }
-        // The first run of keys and of values, asked for at once: a decode task's rows are a
-        // few KiB in pages nothing touched since this layer's last step, so each run would
-        // otherwise start with a wait on memory (the values' after the whole score pass).
-        for (k, v) in keys.iter().zip(&values).take(KEYS_PER_RUN) {
-            simd::prefetch(k);
-            simd::prefetch(v);
         }
         let qv = |qi: usize| {
             let (hh, row) = queries[qi];
