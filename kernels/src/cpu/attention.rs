@@ -202,11 +202,11 @@ pub fn attention_with(
         if first < end {
             ahead(first);
         }
-        for i in first..end {
-            if i + 1 < end {
-                ahead(i + 1);
+        for (i, task) in tasks[first..end].iter().enumerate() {
+            if first + i + 1 < end {
+                ahead(first + i + 1);
             }
-            run(&tasks[i]);
+            run(task);
         }
     };
     let chunks = tasks.len().div_ceil(chunk);
