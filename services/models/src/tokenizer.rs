@@ -55,13 +55,12 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         // The document must be well-formed JSON before `tokenizers` reads it: its decoder
         // deserializer panics (`expect("Helper")`) on a syntax error, e.g. a truncated file.
-        serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
+        // The parsed document also says what bounds the token count ([`token_bound`]).
+        let config: serde_json::Value = serde_json::from_slice(bytes)
             .map_err(|e| ModelError::Tokenizer(format!("not valid JSON: {e}")))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
         let vocab = inner.get_vocab(true);
         let longest = vocab.keys().map(String::len).max().unwrap_or(1).max(1);
-        let config: serde_json::Value = serde_json::from_slice(bytes)
-            .map_err(|e| ModelError::Tokenizer(format!("not valid JSON: {e}")))?;
         let (max_token_bytes, counted) = match token_bound(&config, &vocab) {
             Some(TokenBound { factor, counted }) => (longest.saturating_mul(factor), counted),
             None => (usize::MAX, None),

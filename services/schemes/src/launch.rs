@@ -25,17 +25,30 @@ use crate::SchemeError;
 /// tokenizer may drop text and its token count has no lower bound from the text's length.
 pub const PROMPT_BYTES_PER_CONTEXT_TOKEN: usize = 64;
 
+/// Refuses `bytes` of text (`what`: whose) over [`PROMPT_BYTES_PER_CONTEXT_TOKEN`] per token of
+/// a context of `max_context`, saying how to fix it.
+fn over_byte_cap(
+    what: &str,
+    bytes: usize,
+    max_context: usize,
+    fix: &str,
+) -> Result<(), SchemeError> {
+    let cap = max_context.saturating_mul(PROMPT_BYTES_PER_CONTEXT_TOKEN);
+    if bytes > cap {
+        return Err(SchemeError::Prompt(format!(
+            "{what} {bytes} bytes are more than {cap}, {PROMPT_BYTES_PER_CONTEXT_TOKEN} per \
+             token of the {max_context} this model accepts (prompt plus max_new_tokens); {fix}"
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses, before tokenizing, a text that must become more tokens than a context of
 /// `max_context` holds, or that is more than [`PROMPT_BYTES_PER_CONTEXT_TOKEN`] bytes per
 /// token of it.
 fn too_long(tok: &TextTokenizer, text: &str, max_context: usize) -> Result<(), SchemeError> {
     let bytes = text.len();
-    let cap = max_context.saturating_mul(PROMPT_BYTES_PER_CONTEXT_TOKEN);
-    if bytes > cap {
-        return Err(SchemeError::Prompt(format!(
-            "the prompt's {bytes} bytes are more than {cap}, {PROMPT_BYTES_PER_CONTEXT_TOKEN}              per token of the {max_context} this model accepts (prompt plus max_new_tokens);              shorten it"
-        )));
-    }
+    over_byte_cap("the prompt's", bytes, max_context, "shorten it")?;
     let at_least = tok.min_tokens(text);
     if at_least > max_context {
         return Err(SchemeError::Prompt(format!(
@@ -137,15 +150,13 @@ impl<P: Planner> ServedModel for Served<P> {
         let tok = self.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
         let at_least = tok.min_chat_tokens(messages.iter().map(|m| m.content.as_str()));
         let max_context = self.info().max_context;
-        let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
-        let cap = max_context.saturating_mul(PROMPT_BYTES_PER_CONTEXT_TOKEN);
-        if bytes > cap {
-            return Err(SchemeError::Prompt(format!(
-                "the conversation's messages hold {bytes} bytes, more than {cap}, \
-                 {PROMPT_BYTES_PER_CONTEXT_TOKEN} per token of the {max_context} this model \
-                 accepts (prompt plus max_new_tokens); send fewer or shorter messages"
-            )));
-        }
+        let bytes = messages.iter().map(|m| m.content.len()).sum();
+        over_byte_cap(
+            "the conversation's messages'",
+            bytes,
+            max_context,
+            "send fewer or shorter messages",
+        )?;
         if at_least > max_context {
             return Err(SchemeError::Prompt(format!(
                 "the conversation's {} messages make at least {at_least} tokens through the \
