@@ -30,12 +30,53 @@ use super::matmul::{bf16_panels, gemm_panels, pack_column_pairs, pack_row_pairs,
 use super::simd::{self, Isa};
 use super::SendPtr;
 
+/// Keys or values as stored: float32, or bfloat16 (each value the upper half of a float32's
+/// bits, the K/V cache's bf16 storage). Attention over bfloat16 keys and values has the bits of
+/// attention over the float32 values they stand for.
+#[derive(Debug, Clone, Copy)]
+pub enum KvData<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl KvData<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len(),
+            Self::Bf16(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn prefetch(&self, at: usize, n: usize) {
+        match self {
+            Self::F32(x) => simd::prefetch(&x[at..at + n]),
+            Self::Bf16(x) => simd::prefetch(&x[at..at + n]),
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for KvData<'a> {
+    fn from(x: &'a [f32]) -> Self {
+        Self::F32(x)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for KvData<'a> {
+    fn from(x: &'a Vec<f32>) -> Self {
+        Self::F32(x)
+    }
+}
+
 /// A run of `len` consecutive keys: key `t` of head `g` starts at `k[g·head_stride + t·D]`
 /// (values alike).
 #[derive(Debug, Clone, Copy)]
 pub struct KvBlock<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: KvData<'a>,
+    pub v: KvData<'a>,
     pub len: usize,
     pub head_stride: usize,
 }
@@ -230,8 +271,8 @@ fn first_run_ahead(s: &SeqAttention, g: usize, d: usize) {
         let n = b.len.min(left);
         if n > 0 {
             let at = g * b.head_stride;
-            simd::prefetch(&b.k[at..at + n * d]);
-            simd::prefetch(&b.v[at..at + n * d]);
+            b.k.prefetch(at, n * d);
+            b.v.prefetch(at, n * d);
         }
         left -= n;
         if left == 0 {
@@ -275,12 +316,12 @@ unsafe fn task(
     let mut queries = Vec::with_capacity(rep * r.len());
     queries.extend((g * rep..(g + 1) * rep).flat_map(|hh| r.clone().map(move |row| (hh, row))));
     let nq = queries.len();
-    // Key t of the group: its key and value rows.
+    // Key t of the group: its key and value rows, as stored.
     let key_rows = || {
         s.blocks.iter().flat_map(move |b| {
             (0..b.len).map(move |t| {
                 let at = g * b.head_stride + t * d;
-                (&b.k[at..at + d], &b.v[at..at + d])
+                (row_of(b.k, at, d), row_of(b.v, at, d))
             })
         })
     };
@@ -335,17 +376,99 @@ unsafe fn task(
             );
         }
     } else {
+        let stream = Stream {
+            isa,
+            scale: heads.scale,
+            q,
+            rows,
+            s,
+            masks,
+            queries: &queries,
+        };
+        let all = |f: fn(&KvData) -> bool| s.blocks.iter().all(|b| f(&b.k) && f(&b.v));
+        if all(|x| matches!(x, KvData::F32(_))) {
+            let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = key_rows()
+                .map(|(k, v)| match (k, v) {
+                    (KvData::F32(k), KvData::F32(v)) => (k, v),
+                    _ => unreachable!("every block is float32"),
+                })
+                .unzip();
+            stream.run(&k, &v, &mut acc);
+        } else if all(|x| matches!(x, KvData::Bf16(_))) {
+            let (k, v): (Vec<&[u16]>, Vec<&[u16]>) = key_rows()
+                .map(|(k, v)| match (k, v) {
+                    (KvData::Bf16(k), KvData::Bf16(v)) => (k, v),
+                    _ => unreachable!("every block is bfloat16"),
+                })
+                .unzip();
+            stream.run(&k, &v, &mut acc);
+        } else {
+            // Keys stored both ways (a cache moved between precisions): float32 copies.
+            let (mut kf, mut vf) = (Vec::with_capacity(t_all * d), Vec::with_capacity(t_all * d));
+            for (k, v) in key_rows() {
+                k.extend_f32(&mut kf);
+                v.extend_f32(&mut vf);
+            }
+            let (k, v): (Vec<&[f32]>, Vec<&[f32]>) =
+                kf.chunks(d.max(1)).zip(vf.chunks(d.max(1))).unzip();
+            stream.run(&k, &v, &mut acc);
+        }
+    }
+    for (qi, &(hh, row)) in queries.iter().enumerate() {
+        let at = if heads.rows_out {
+            (row * h + hh) * d
+        } else {
+            (hh * rows + row) * d
+        };
+        let dst = out.0.add(at);
+        std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
+    }
+    if !gemm {
+        spare::give(acc);
+    }
+}
+
+/// The `d` values of `x` from `at`.
+fn row_of<'a>(x: KvData<'a>, at: usize, d: usize) -> KvData<'a> {
+    match x {
+        KvData::F32(x) => KvData::F32(&x[at..at + d]),
+        KvData::Bf16(x) => KvData::Bf16(&x[at..at + d]),
+    }
+}
+
+impl KvData<'_> {
+    /// Appends the values, as float32.
+    fn extend_f32(&self, out: &mut Vec<f32>) {
+        match self {
+            Self::F32(x) => out.extend_from_slice(x),
+            Self::Bf16(x) => out.extend(x.iter().map(|&b| simd::Elem::to_f32(b))),
+        }
+    }
+}
+
+/// The few queries of a task against keys and values that stream by (see [`task`]).
+struct Stream<'q, 's, 'a> {
+    isa: Isa,
+    scale: f32,
+    q: &'q [f32],
+    rows: usize,
+    s: &'s SeqAttention<'a>,
+    masks: &'s Masks<'s, 'a>,
+    queries: &'q [(usize, usize)],
+}
+
+impl Stream<'_, '_, '_> {
+    /// Every query's weighted values into `acc` `[queries][D]`, over the key rows `keys` and
+    /// value rows `values` (`D` each) in key order.
+    fn run<T: simd::Elem>(&self, keys: &[&[T]], values: &[&[T]], acc: &mut [f32]) {
+        let (isa, t_all, nq) = (self.isa, keys.len(), self.queries.len());
+        let d = acc.len() / nq.max(1);
         // Scores [nq][t_all]; masked keys get -inf. Keys, then values, go by in runs
         // ([`each_key_run`]).
         let mut scores = spare::take::<f32>(nq * t_all);
-        let (mut keys, mut values) = (Vec::with_capacity(t_all), Vec::with_capacity(t_all));
-        for (k, v) in key_rows() {
-            keys.push(k);
-            values.push(v);
-        }
         let qv = |qi: usize| {
-            let (hh, row) = queries[qi];
-            &q[(hh * rows + row) * d..(hh * rows + row + 1) * d]
+            let (hh, row) = self.queries[qi];
+            &self.q[(hh * self.rows + row) * d..(hh * self.rows + row + 1) * d]
         };
         each_key_run(t_all, nq, |run, qi, next| {
             let at = qi * t_all;
@@ -357,10 +480,11 @@ unsafe fn task(
                 &keys[next],
             );
         });
-        let scale = pre_scale(heads.scale, &mut scores);
+        let scale = pre_scale(self.scale, &mut scores);
         // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
-        for (sc, &(_, row)) in scores.chunks_mut(t_all.max(1)).zip(&queries) {
-            masks.apply(s.row_index[row - s.rows.start], sc);
+        for (sc, &(_, row)) in scores.chunks_mut(t_all.max(1)).zip(self.queries) {
+            self.masks
+                .apply(self.s.row_index[row - self.s.rows.start], sc);
             simd::softmax(isa, sc, scale);
         }
         each_key_run(t_all, nq, |run, qi, next| {
@@ -374,18 +498,6 @@ unsafe fn task(
             );
         });
         spare::give(scores);
-    }
-    for (qi, &(hh, row)) in queries.iter().enumerate() {
-        let at = if heads.rows_out {
-            (row * h + hh) * d
-        } else {
-            (hh * rows + row) * d
-        };
-        let dst = out.0.add(at);
-        std::ptr::copy_nonoverlapping(acc[qi * d..].as_ptr(), dst, d);
-    }
-    if !gemm {
-        spare::give(acc);
     }
 }
 
@@ -500,20 +612,41 @@ enum Products {
 }
 
 impl Products {
-    fn pack<'a, I: Iterator<Item = (&'a [f32], &'a [f32])>>(
+    fn pack<'a, I: Iterator<Item = (KvData<'a>, KvData<'a>)>>(
         isa: Isa,
         bf16: bool,
         d: usize,
         t: usize,
         rows: impl Fn() -> I,
     ) -> Self {
+        // A row as float32: itself, or its bfloat16 values widened into `buf`.
+        fn f32_row<'r>(x: &KvData<'r>, buf: &'r mut Vec<f32>) -> &'r [f32] {
+            match *x {
+                KvData::F32(x) => x,
+                KvData::Bf16(_) => {
+                    buf.clear();
+                    x.extend_f32(buf);
+                    buf
+                }
+            }
+        }
+        let (mut b0, mut b1) = (Vec::new(), Vec::new());
         if bf16 {
-            // Kᵀ: panel p holds keys p·NR.. as `[ceil(D / 2)][NR]` pairs.
+            // Kᵀ: panel p holds keys p·NR.. as `[ceil(D / 2)][NR]` pairs (a bfloat16 row's
+            // consecutive values are its pairs already).
             let dp = d.div_ceil(2);
             let mut k = spare::take(t.div_ceil(NR) * dp * NR);
             for (i, (kt, _)) in rows().enumerate() {
                 let panel = &mut k[(i / NR) * dp * NR..(i / NR + 1) * dp * NR];
-                pack_row_pairs(isa, kt, panel, i % NR, NR);
+                match kt {
+                    KvData::F32(kt) => pack_row_pairs(isa, kt, panel, i % NR, NR),
+                    KvData::Bf16(kt) => {
+                        for (j, pair) in kt.chunks(2).enumerate() {
+                            let hi = pair.get(1).map_or(0, |&h| u32::from(h));
+                            panel[j * NR + i % NR] = u32::from(pair[0]) | hi << 16;
+                        }
+                    }
+                }
             }
             // V: panel p holds dims p·NR.. as `[ceil(T / 2)][NR]`, pair j keys 2j and 2j + 1.
             let tp = t.div_ceil(2);
@@ -521,13 +654,31 @@ impl Products {
             let mut values = Vec::with_capacity(t);
             values.extend(rows().map(|(_, v)| v));
             for (j, pair) in values.chunks(2).enumerate() {
+                if let (KvData::Bf16(lo), hi) = (pair[0], pair.get(1)) {
+                    if let None | Some(KvData::Bf16(_)) = hi {
+                        let hi = match hi {
+                            Some(KvData::Bf16(h)) => Some(*h),
+                            _ => None,
+                        };
+                        for p in 0..d.div_ceil(NR) {
+                            let cols = p * NR..(p * NR + NR).min(d);
+                            let at = p * tp * NR + j * NR;
+                            for (o, c) in v[at..at + cols.len()].iter_mut().zip(cols) {
+                                *o = u32::from(lo[c]) | hi.map_or(0, |h| u32::from(h[c]) << 16);
+                            }
+                        }
+                        continue;
+                    }
+                }
+                let lo = f32_row(&pair[0], &mut b0);
+                let hi = pair.get(1).map(|h| f32_row(h, &mut b1));
                 for p in 0..d.div_ceil(NR) {
                     let cols = p * NR..(p * NR + NR).min(d);
                     let at = p * tp * NR + j * NR;
                     pack_column_pairs(
                         isa,
-                        &pair[0][cols.clone()],
-                        pair.get(1).map(|v| &v[cols.clone()]),
+                        &lo[cols.clone()],
+                        hi.map(|v| &v[cols.clone()]),
                         &mut v[at..at + cols.len()],
                     );
                 }
@@ -537,6 +688,7 @@ impl Products {
         let mut k = spare::take(t.div_ceil(NR) * d * NR);
         let mut v = spare::take(d.div_ceil(NR) * t * NR);
         for (i, (kt, vt)) in rows().enumerate() {
+            let (kt, vt) = (f32_row(&kt, &mut b0), f32_row(&vt, &mut b1));
             let base = (i / NR) * d * NR + i % NR;
             for (dd, &x) in kt.iter().enumerate() {
                 k[base + dd * NR] = x;
@@ -716,14 +868,14 @@ mod tests {
         let split = |k: &'static [f32], v: &'static [f32], t: usize, at: usize| {
             vec![
                 KvBlock {
-                    k,
-                    v,
+                    k: k.into(),
+                    v: v.into(),
                     len: at,
                     head_stride: t * d,
                 },
                 KvBlock {
-                    k: &k[at * d..],
-                    v: &v[at * d..],
+                    k: (&k[at * d..]).into(),
+                    v: (&v[at * d..]).into(),
                     len: t - at,
                     head_stride: t * d,
                 },
@@ -838,8 +990,8 @@ mod tests {
                     rows: 0..rows,
                     row_index: &row_index,
                     blocks: vec![KvBlock {
-                        k: &k,
-                        v: &v,
+                        k: (&k).into(),
+                        v: (&v).into(),
                         len: t,
                         head_stride: t * d,
                     }],
@@ -893,14 +1045,14 @@ mod tests {
                 row_index: &[36],
                 blocks: vec![
                     KvBlock {
-                        k: &k,
-                        v: &v,
+                        k: (&k).into(),
+                        v: (&v).into(),
                         len: 30,
                         head_stride: t * d,
                     },
                     KvBlock {
-                        k: &k[30 * d..],
-                        v: &v[30 * d..],
+                        k: (&k[30 * d..]).into(),
+                        v: (&v[30 * d..]).into(),
                         len: 7,
                         head_stride: t * d,
                     },
@@ -958,8 +1110,8 @@ mod tests {
             rows: 0..1,
             row_index: &[0],
             blocks: vec![KvBlock {
-                k: &k,
-                v: &k,
+                k: (&k[..]).into(),
+                v: (&k[..]).into(),
                 len: 1,
                 head_stride: 2,
             }],
@@ -970,5 +1122,83 @@ mod tests {
         attention(heads, &[1.0, 1.0], 1, &seqs, &mut out).unwrap();
         assert_eq!(out, [0.0, 0.0]);
         assert!(attention(heads, &[1.0], 1, &seqs, &mut out).is_err());
+    }
+
+    /// Keys and values stored as bfloat16 (the bf16 K/V cache) give the bits of the same call
+    /// over float32 buffers holding their values, on every path: decode, few queries, the
+    /// products in float32 and in bf16, and a sequence whose blocks are stored both ways.
+    #[test]
+    fn bf16_keys_and_values_have_the_bits_of_their_float32_values() {
+        use super::super::matmul::{bf16_to_f32, f32_to_bf16};
+        let (hkv, t) = (2, 45);
+        for (h, d, rows) in [(8, 64, 1), (2, 24, 1), (2, 40, 1), (4, 40, 2), (4, 33, 40)] {
+            let kb: Vec<u16> = data(hkv * t * d, 31).into_iter().map(f32_to_bf16).collect();
+            let vb: Vec<u16> = data(hkv * t * d, 32).into_iter().map(f32_to_bf16).collect();
+            let kf: Vec<f32> = kb.iter().map(|&x| bf16_to_f32(x)).collect();
+            let vf: Vec<f32> = vb.iter().map(|&x| bf16_to_f32(x)).collect();
+            let q = data(h * rows * d, 33);
+            let row_index: Vec<u32> = (t - rows..t).map(|r| r as u32).collect();
+            let at = 20;
+            let seq = |blocks: Vec<KvBlock<'static>>| SeqAttention {
+                rows: 0..rows,
+                row_index: Box::leak(row_index.clone().into_boxed_slice()),
+                blocks,
+                key_index: None,
+                mask: Mask::Causal,
+            };
+            let (kb, vb, kf, vf): (
+                &'static [u16],
+                &'static [u16],
+                &'static [f32],
+                &'static [f32],
+            ) = (
+                Box::leak(kb.into_boxed_slice()),
+                Box::leak(vb.into_boxed_slice()),
+                Box::leak(kf.into_boxed_slice()),
+                Box::leak(vf.into_boxed_slice()),
+            );
+            let block = |k: KvData<'static>, v: KvData<'static>, from: usize, len: usize| KvBlock {
+                k: match k {
+                    KvData::F32(x) => KvData::F32(&x[from * d..]),
+                    KvData::Bf16(x) => KvData::Bf16(&x[from * d..]),
+                },
+                v: match v {
+                    KvData::F32(x) => KvData::F32(&x[from * d..]),
+                    KvData::Bf16(x) => KvData::Bf16(&x[from * d..]),
+                },
+                len,
+                head_stride: t * d,
+            };
+            let (f, b) = (
+                (KvData::F32(kf), KvData::F32(vf)),
+                (KvData::Bf16(kb), KvData::Bf16(vb)),
+            );
+            let float = seq(vec![block(f.0, f.1, 0, at), block(f.0, f.1, at, t - at)]);
+            let stored = seq(vec![block(b.0, b.1, 0, at), block(b.0, b.1, at, t - at)]);
+            let mixed = seq(vec![block(b.0, b.1, 0, at), block(f.0, f.1, at, t - at)]);
+            for bf16_products in [false, true] {
+                let heads = Heads {
+                    n_heads: h,
+                    n_kv_heads: hkv,
+                    head_dim: d,
+                    scale: 0.2,
+                    rows_out: false,
+                    bf16_products,
+                };
+                for isa in Isa::available() {
+                    for threads in [1, 2] {
+                        let call = |s: &SeqAttention| {
+                            let mut out = vec![f32::NAN; q.len()];
+                            let seqs = [s.clone()];
+                            attention_with(isa, threads, heads, &q, rows, &seqs, &mut out).unwrap();
+                            out
+                        };
+                        let want = call(&float);
+                        assert_eq!(call(&stored), want, "{isa:?} x{threads} h{h} d{d} r{rows}");
+                        assert_eq!(call(&mixed), want, "{isa:?} x{threads} h{h} d{d} r{rows}");
+                    }
+                }
+            }
+        }
     }
 }

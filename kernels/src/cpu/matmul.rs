@@ -239,6 +239,37 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     (bits.wrapping_add(round) >> 16) as u16
 }
 
+/// [`f32_to_bf16`] of every value of `x` into `out` (the bf16 K/V cache's page writes).
+pub fn round_to_bf16(x: &[f32], out: &mut [u16]) {
+    assert_eq!(x.len(), out.len(), "one bfloat16 per value");
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if Isa::get() == Isa::Avx512 {
+        // SAFETY: AVX512F was detected; whole chunks of 16 values only.
+        done = unsafe { round_to_bf16_avx512(x, out) };
+    }
+    for (o, &v) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = f32_to_bf16(v);
+    }
+}
+
+/// [`round_to_bf16`] over whole chunks of 16 values; returns the values written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_to_bf16_avx512(x: &[f32], out: &mut [u16]) -> usize {
+    use std::arch::x86_64::*;
+    let chunks = x.len() / 16;
+    for c in 0..chunks {
+        let half = bf16_halves_avx512(_mm512_loadu_ps(x.as_ptr().add(16 * c)));
+        _mm256_storeu_si256(
+            out.as_mut_ptr().add(16 * c) as *mut __m256i,
+            _mm512_cvtepi32_epi16(half),
+        );
+    }
+    chunks * 16
+}
+
 /// The float32 value of a bfloat16.
 pub fn bf16_to_f32(x: u16) -> f32 {
     f32::from_bits(u32::from(x) << 16)

@@ -24,6 +24,8 @@ pub mod peaks;
 pub mod pool;
 mod simd;
 
+pub use matmul::{bf16_to_f32, f32_to_bf16, round_to_bf16};
+
 /// Threads a kernel call splits its work over.
 pub fn threads() -> usize {
     pool::pool().threads()

@@ -64,19 +64,75 @@ pub(crate) fn chunk_mask(left: usize) -> u16 {
     }
 }
 
-/// `Σ a[i]·b[i]` in one order on every instruction set: lane `j` accumulates the elements
-/// `i ≡ j (mod 16)` with fused multiply-adds in ascending `i` (missing tail elements count as
-/// `0·0`), then the lanes are summed pairwise `j + (j + 8)`, `j + (j + 4)`, `j + (j + 2)`,
-/// `j + (j + 1)`.
+/// An element of stored keys and values: float32, or bfloat16 (`u16`, a float32's upper half:
+/// the bf16 K/V cache). Read as float32 exactly, so a product over bfloat16 keys has the bits
+/// of the same product over the float32 values they stand for.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// The slice as float32, when it is (the AVX2 paths take float32 only).
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+    /// The 16 elements from `p` as floats, lanes outside `m` zero (and not read).
+    ///
+    /// # Safety
+    /// AVX-512F is present and the lanes of `m` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16m(p: *const Self, m: u16) -> std::arch::x86_64::__m512;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        Some(x)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16m(p: *const Self, m: u16) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_maskz_loadu_ps(m, p)
+    }
+}
+
+impl Elem for u16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16m(p: *const Self, m: u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let h = if m == 0xFFFF {
+            _mm256_loadu_si256(p as *const __m256i)
+        } else {
+            // A short tail: only its lanes are read (AVX-512F has no masked 16-bit load).
+            let mut t = [0u16; LANES];
+            for (i, v) in t.iter_mut().enumerate() {
+                if m & (1 << i) != 0 {
+                    *v = *p.add(i);
+                }
+            }
+            _mm256_loadu_si256(t.as_ptr() as *const __m256i)
+        };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
 /// Asks the cache hierarchy for the lines of `x` ahead of use (a hint: no effect on results).
 /// Keys and values read page by page come in runs of a few KiB at scattered addresses, where
 /// the hardware prefetcher starts late on every run.
 #[inline]
-pub(crate) fn prefetch(x: &[f32]) {
+pub(crate) fn prefetch<T>(x: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for line in x.chunks(16) {
+        for line in x.chunks((64 / size_of::<T>().max(1)).max(1)) {
             // SAFETY: a prefetch of an address inside a live slice; it never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
         }
@@ -85,15 +141,19 @@ pub(crate) fn prefetch(x: &[f32]) {
     let _ = x;
 }
 
-pub(crate) fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+/// `Σ a[i]·b[i]` in one order on every instruction set: lane `j` accumulates the elements
+/// `i ≡ j (mod 16)` with fused multiply-adds in ascending `i` (missing tail elements count as
+/// `0·0`), then the lanes are summed pairwise `j + (j + 8)`, `j + (j + 4)`, `j + (j + 2)`,
+/// `j + (j + 1)`.
+pub(crate) fn dot<T: Elem>(isa: Isa, a: &[f32], b: &[T]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    match isa {
+    match (isa, T::as_f32(b)) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
-        Isa::Avx512 => unsafe { dot_avx512(a, b) },
+        (Isa::Avx512, _) => unsafe { dot_avx512(a, b) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { dot_avx2(a, b) },
+        (Isa::Avx2, Some(b)) => unsafe { dot_avx2(a, b) },
         _ => dot_portable(a, b),
     }
 }
@@ -109,12 +169,12 @@ fn reduce_lanes(mut l: [f32; LANES]) -> f32 {
     l[0]
 }
 
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+fn dot_portable<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let mut l = [0f32; LANES];
     let n = a.len().div_ceil(LANES) * LANES;
     for i in 0..n {
         let (x, y) = if i < a.len() {
-            (a[i], b[i])
+            (a[i], b[i].to_f32())
         } else {
             (0.0, 0.0)
         };
@@ -125,20 +185,24 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx512<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len();
     let (ap, bp) = (a.as_ptr(), b.as_ptr());
     let mut acc = _mm512_setzero_ps();
     let mut i = 0;
     while i + LANES <= n {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)), acc);
+        acc = _mm512_fmadd_ps(
+            _mm512_loadu_ps(ap.add(i)),
+            T::load16m(bp.add(i), 0xFFFF),
+            acc,
+        );
         i += LANES;
     }
     if i < n {
         let m: __mmask16 = (1u32 << (n - i)) as u16 - 1;
         let x = _mm512_maskz_loadu_ps(m, ap.add(i));
-        let y = _mm512_maskz_loadu_ps(m, bp.add(i));
+        let y = T::load16m(bp.add(i), m);
         acc = _mm512_fmadd_ps(x, y, acc);
     }
     let mut l = [0f32; LANES];
@@ -180,19 +244,19 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y[i] = alpha·x[i] + y[i]`, each with one rounding (the same bits on every instruction set).
-pub(crate) fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
+pub(crate) fn axpy<T: Elem>(isa: Isa, alpha: f32, x: &[T], y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
-    match isa {
+    match (isa, T::as_f32(x)) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
-        Isa::Avx512 => unsafe { axpy_avx512(alpha, x, y) },
+        (Isa::Avx512, _) => unsafe { axpy_avx512(alpha, x, y) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (AVX2 machines have FMA here: `Isa::available`).
-        Isa::Avx2 => unsafe { axpy_avx2(alpha, x, y) },
+        (Isa::Avx2, Some(x)) => unsafe { axpy_avx2(alpha, x, y) },
         _ => y
             .iter_mut()
             .zip(x)
-            .for_each(|(y, &x)| *y = alpha.mul_add(x, *y)),
+            .for_each(|(y, &x)| *y = alpha.mul_add(x.to_f32(), *y)),
     }
 }
 
@@ -203,7 +267,7 @@ pub(crate) fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
 ///
 /// `ahead` are rows read soon after (the next keys): the lines of `ahead[j]` are asked for as
 /// key `j` is multiplied, so memory streams at the rate the keys are used.
-pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[f32]]) {
+pub(crate) fn dots<T: Elem>(isa: Isa, q: &[f32], keys: &[&[T]], out: &mut [f32], ahead: &[&[T]]) {
     debug_assert_eq!(keys.len(), out.len());
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
@@ -229,7 +293,7 @@ pub(crate) fn dots(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead:
 /// AVX-512F is present, `keys` holds 1 to 16 slices of `q.len()` values and `out` as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[f32]]) {
+unsafe fn dots16_avx512<T: Elem>(q: &[f32], keys: &[&[T]], out: &mut [f32], ahead: &[&[T]]) {
     use std::arch::x86_64::*;
     let n = q.len();
     // Missing keys (a short last chunk) read the first key again; their sums are dropped.
@@ -249,7 +313,7 @@ unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[
         while i < n {
             let m = chunk_mask(n - i);
             let x = _mm512_maskz_loadu_ps(m, q.as_ptr().add(i));
-            *a = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, p.add(i)), *a);
+            *a = _mm512_fmadd_ps(x, T::load16m(p.add(i), m), *a);
             i += LANES;
         }
     }
@@ -295,12 +359,12 @@ unsafe fn dots16_avx512(q: &[f32], keys: &[&[f32]], out: &mut [f32], ahead: &[&[
 /// [`axpy`] key by key. On AVX-512, for head sizes of 16 to 256 in multiples of 16, `acc`
 /// stays in registers over all the keys (the weighted values of decode attention).
 /// `ahead` as for [`dots`].
-pub(crate) fn weighted_sum(
+pub(crate) fn weighted_sum<T: Elem>(
     isa: Isa,
     probs: &[f32],
-    values: &[&[f32]],
+    values: &[&[T]],
     acc: &mut [f32],
-    ahead: &[&[f32]],
+    ahead: &[&[T]],
 ) {
     debug_assert_eq!(probs.len(), values.len());
     #[cfg(target_arch = "x86_64")]
@@ -309,11 +373,11 @@ pub(crate) fn weighted_sum(
         // `acc.len()` values (checked in debug builds).
         unsafe {
             match acc.len() {
-                16 => return weighted_avx512::<1>(probs, values, acc, ahead),
-                32 => return weighted_avx512::<2>(probs, values, acc, ahead),
-                64 => return weighted_avx512::<4>(probs, values, acc, ahead),
-                128 => return weighted_avx512::<8>(probs, values, acc, ahead),
-                256 => return weighted_avx512::<16>(probs, values, acc, ahead),
+                16 => return weighted_avx512::<T, 1>(probs, values, acc, ahead),
+                32 => return weighted_avx512::<T, 2>(probs, values, acc, ahead),
+                64 => return weighted_avx512::<T, 4>(probs, values, acc, ahead),
+                128 => return weighted_avx512::<T, 8>(probs, values, acc, ahead),
+                256 => return weighted_avx512::<T, 16>(probs, values, acc, ahead),
                 _ => {}
             }
         }
@@ -334,11 +398,11 @@ pub(crate) fn weighted_sum(
 /// AVX-512F is present, `acc` holds `16·N` values and every value row as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_avx512<const N: usize>(
+unsafe fn weighted_avx512<T: Elem, const N: usize>(
     probs: &[f32],
-    values: &[&[f32]],
+    values: &[&[T]],
     acc: &mut [f32],
-    ahead: &[&[f32]],
+    ahead: &[&[T]],
 ) {
     use std::arch::x86_64::*;
     let mut r = [_mm512_setzero_ps(); N];
@@ -353,7 +417,7 @@ unsafe fn weighted_avx512<const N: usize>(
         if p != 0.0 {
             let a = _mm512_set1_ps(p);
             for (j, r) in r.iter_mut().enumerate() {
-                *r = _mm512_fmadd_ps(a, _mm512_loadu_ps(v.as_ptr().add(j * LANES)), *r);
+                *r = _mm512_fmadd_ps(a, T::load16m(v.as_ptr().add(j * LANES), 0xFFFF), *r);
             }
         }
     }
@@ -364,14 +428,14 @@ unsafe fn weighted_avx512<const N: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn axpy_avx512(alpha: f32, x: &[f32], y: &mut [f32]) {
+unsafe fn axpy_avx512<T: Elem>(alpha: f32, x: &[T], y: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = x.len();
     let a = _mm512_set1_ps(alpha);
     let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
     let mut i = 0;
     while i + LANES <= n {
-        let r = _mm512_fmadd_ps(a, _mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(yp.add(i)));
+        let r = _mm512_fmadd_ps(a, T::load16m(xp.add(i), 0xFFFF), _mm512_loadu_ps(yp.add(i)));
         _mm512_storeu_ps(yp.add(i), r);
         i += LANES;
     }
@@ -379,7 +443,7 @@ unsafe fn axpy_avx512(alpha: f32, x: &[f32], y: &mut [f32]) {
         let m: __mmask16 = (1u32 << (n - i)) as u16 - 1;
         let r = _mm512_fmadd_ps(
             a,
-            _mm512_maskz_loadu_ps(m, xp.add(i)),
+            T::load16m(xp.add(i), m),
             _mm512_maskz_loadu_ps(m, yp.add(i)),
         );
         _mm512_mask_storeu_ps(yp.add(i), m, r);
