@@ -366,6 +366,7 @@ impl Attention {
             let upto = seq.start + seq.len;
             seq.cache.write(layer, seq.start, &ks, &vs)?;
             let (kc, vc) = seq.cache.read(layer, upto)?;
+            let (kc, vc) = (kc.to_dtype(qs.dtype())?, vc.to_dtype(qs.dtype())?);
             outs.push(attend(
                 &qs,
                 &kc,

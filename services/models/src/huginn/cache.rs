@@ -30,7 +30,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::transformer::kv_cache::{HostPage, PageSupply};
@@ -574,6 +574,16 @@ impl HuginnCache {
         Ok(())
     }
 
+    /// Page rows one latent row takes: 2 where the pool stores K/V rows as bf16 in host
+    /// memory (a float32 row's bits, whole, in two bf16 rows), else 1.
+    pub fn latent_rows(&self) -> usize {
+        if self.supply.pool().kv_dtype() == Some(DType::BF16) {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Stores diffusion forcing's wavefront in the cache's pages: `states` `[n, n_embd]` as
     /// rows `0..n` of the key half, `embeds` `[m, n_embd]` (momentum) as rows `0..m` of the
     /// value half (each split into `heads` heads, as K/V rows are), replacing what was there.
@@ -609,8 +619,13 @@ impl HuginnCache {
                 .transpose(0, 1)?
                 .contiguous()?)
         };
-        let k = split(Some(states), n)?;
-        let v = split(embeds, m)?;
+        let (k, v) = (split(Some(states), n)?, split(embeds, m)?);
+        // In a pool that stores bf16, each float32 row goes whole into two rows of the page.
+        let (k, v, rows) = if self.latent_rows() == 2 {
+            (float_bits_as_bf16(&k)?, float_bits_as_bf16(&v)?, 2 * rows)
+        } else {
+            (k, v, rows)
+        };
         let p = self.page_size();
         let used = self.pages_used();
         let mut store = self.latent.take().unwrap_or_default();
@@ -638,15 +653,16 @@ impl HuginnCache {
     /// The wavefront's states (rows `0..n`) and momentum embeddings (rows `0..m`, `None` when
     /// `m` is 0) as [`Self::write_latents`] stored them, `[rows, n_embd]` copies.
     pub fn read_latents(&self, n: usize, m: usize) -> Result<(Tensor, Option<Tensor>)> {
+        let f = self.latent_rows();
         let store = self
             .latent
             .as_ref()
-            .filter(|s| s.present.len() >= n.max(m))
+            .filter(|s| s.present.len() >= f * n.max(m))
             .ok_or_else(|| {
                 ModelError::Cache(format!("the cache holds no {} latent rows", n.max(m)))
             })?;
         let p = self.page_size();
-        let rows = n.max(m);
+        let rows = f * n.max(m);
         let pieces: Vec<(u32, usize, usize)> = (0..rows.div_ceil(p))
             .map(|pi| {
                 let id = store.pages[pi].expect("written rows have pages");
@@ -654,6 +670,11 @@ impl HuginnCache {
             })
             .collect();
         let (k, v) = crate::transformer::merge_runs(&self.supply.views(&pieces)?)?;
+        let (k, v) = if f == 2 {
+            (bf16_bits_as_float(&k)?, bf16_bits_as_float(&v)?)
+        } else {
+            (k, v)
+        };
         let join = |t: Tensor, len: usize| -> Result<Tensor> {
             let (h, _, d) = t.dims3()?;
             Ok(t.narrow(1, 0, len)?
@@ -962,6 +983,33 @@ impl<'a> SeqRows<'a> {
     }
 }
 
+/// `[H, n, D]` float32 (host memory) as `[H, 2n, D]` bf16 holding its bits: value `j` of a row
+/// is values `2j` (low half) and `2j + 1` of the pair of rows (little-endian).
+fn float_bits_as_bf16(t: &Tensor) -> Result<Tensor> {
+    let (h, n, d) = t.dims3()?;
+    let x: Vec<f32> = t.flatten_all()?.to_vec1()?;
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(Tensor::from_raw_buffer(
+        &bytes,
+        DType::BF16,
+        &[h, 2 * n, d],
+        &candle_core::Device::Cpu,
+    )?)
+}
+
+/// The inverse of [`float_bits_as_bf16`].
+fn bf16_bits_as_float(t: &Tensor) -> Result<Tensor> {
+    let (h, n2, d) = t.dims3()?;
+    let x: Vec<half::bf16> = t.flatten_all()?.to_vec1()?;
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    Ok(Tensor::from_raw_buffer(
+        &bytes,
+        DType::F32,
+        &[h, n2 / 2, d],
+        &candle_core::Device::Cpu,
+    )?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1209,6 +1257,63 @@ mod tests {
             cache.write_latents(&rows(2, 0.0), None, 4).is_err(),
             "6 is not 4 heads"
         );
+    }
+
+    /// A pool that stores bf16: K/V rows are rounded as they are written (half the bytes),
+    /// latent states keep their float32 bits (each in two rows of a page), through host memory
+    /// and back; host pages of float32 are refused with the flag to set.
+    #[test]
+    fn a_bf16_pool_rounds_kv_rows_and_keeps_latent_bits() {
+        let pool = KvPool::shared_storing(4, Some(DType::BF16));
+        let mut cache = HuginnCache::in_pool(CacheStrategy::Full, pool.clone());
+        cache.bind_core_layers(4).unwrap();
+        cache.grant((0..12).rev());
+        assert_eq!(cache.latent_rows(), 2);
+        // Values off the bf16 grid: 1 + 2^-10 rounds to 1.
+        let kv = Tensor::from_vec(
+            vec![1.0f32 + 1.0 / 1024.0; 2 * 3 * 3],
+            (2, 3, 3),
+            &Device::Cpu,
+        )
+        .unwrap();
+        cache.write(CacheLayer::Prelude(0), 0, &kv, &kv).unwrap();
+        let (k, _) = cache.read(CacheLayer::Prelude(0), 3).unwrap();
+        assert_eq!(k.dtype(), DType::BF16);
+        let k: Vec<f32> = k
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(k.iter().all(|&x| x == 1.0), "{k:?}");
+        assert_eq!(pool.allocated_bytes(), 2 * 2 * (256 * 4) * 3 * 2);
+        // 5 states of width 6 in 2 heads: 10 rows, 3 pages of 4.
+        let z: Vec<f32> = (0..30).map(|i| 0.1 + i as f32 / 7.0).collect();
+        let z = Tensor::from_vec(z, (5, 6), &Device::Cpu).unwrap();
+        cache
+            .write_latents(&z, Some(&z.affine(-1.0, 0.0).unwrap()), 2)
+            .unwrap();
+        assert_eq!(cache.latent_pages(), 3);
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (rz, re) = cache.read_latents(5, 5).unwrap();
+        assert_eq!(values(&rz), values(&z));
+        assert_eq!(values(&re.unwrap()), values(&z.affine(-1.0, 0.0).unwrap()));
+        cache.swap_out().unwrap();
+        cache.grant((0..12).rev());
+        cache.swap_in().unwrap();
+        let (rz, _) = cache.read_latents(5, 0).unwrap();
+        assert_eq!(values(&rz), values(&z));
+        // A float32 cache's pages do not go into this pool.
+        let mut float = HuginnCache::in_pool(CacheStrategy::Full, KvPool::shared(4));
+        float.bind_core_layers(4).unwrap();
+        float.grant((0..4).rev());
+        float.write(CacheLayer::Prelude(0), 0, &kv, &kv).unwrap();
+        float.swap_out().unwrap();
+        float.adopt(KvPool::shared_storing(4, Some(DType::BF16)));
+        float.grant((0..4).rev());
+        let err = float.swap_in().unwrap_err().to_string();
+        assert!(err.contains("--kv-cache-dtype"), "{err}");
     }
 
     #[test]

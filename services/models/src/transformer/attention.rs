@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::cpu;
 pub use super::kv_cache::KvCache;
@@ -377,8 +377,9 @@ pub(crate) fn attend_packed(
             });
         } else if layout.ragged.is_some() {
             // Concatenated once, with every other sequence's, by the ragged operation.
-            all_keys.extend(parts);
+            all_keys.extend(as_dtype(parts, q.dtype())?);
         } else {
+            let parts = as_dtype(parts, q.dtype())?;
             // One product over the sequence's keys (its pages merged), as before paging.
             let (k, v) = super::kv_cache::merge_runs(&parts)?;
             outs.push(sdpa(&rows(q, s)?, &[(&k, &v)], s.mask.as_ref(), scale)?);
@@ -396,6 +397,20 @@ pub(crate) fn attend_packed(
     };
     let (h, n, d) = y.dims3()?;
     Ok(y.transpose(0, 1)?.contiguous()?.reshape((n, h * d))?)
+}
+
+/// Runs of keys and values in `dtype` (pages that store bf16 K/V, read by a float32 path other
+/// than the CPU kernel).
+pub(crate) fn as_dtype(runs: Vec<(Tensor, Tensor)>, dtype: DType) -> Result<Vec<(Tensor, Tensor)>> {
+    runs.into_iter()
+        .map(|(k, v)| {
+            Ok(if k.dtype() == dtype && v.dtype() == dtype {
+                (k, v)
+            } else {
+                (k.to_dtype(dtype)?, v.to_dtype(dtype)?)
+            })
+        })
+        .collect()
 }
 
 /// One sequence's keys and values `[H_kv, T, D]` at `layer` from its rows' fresh `ks`/`vs`,

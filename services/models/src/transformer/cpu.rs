@@ -8,7 +8,7 @@ use std::ops::Deref;
 
 use candle_core::{DType, Device, Layout, Storage, Tensor};
 use wavefront_kernels::attention::Mask;
-use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, SeqAttention};
+use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, KvData, SeqAttention};
 
 use crate::error::{ModelError, Result};
 
@@ -32,15 +32,45 @@ pub(crate) struct Borrowed<'a> {
 impl<'a> Borrowed<'a> {
     /// Borrows `t`, which must be float32 on the CPU.
     pub(crate) fn new(t: &'a Tensor) -> Result<Self> {
-        let (guard, layout) = t.storage_and_layout();
-        if !matches!(&*guard, Storage::Cpu(_)) || t.dtype() != DType::F32 {
+        if t.dtype() != DType::F32 {
             return Err(ModelError::Shape(
                 "the CPU kernels take float32 tensors on the CPU".into(),
             ));
         }
+        Self::kv(t)
+    }
+
+    /// Borrows keys or values `t`: float32 or bfloat16 (the bf16 K/V cache) on the CPU.
+    pub(crate) fn kv(t: &'a Tensor) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        if !matches!(&*guard, Storage::Cpu(_)) || !matches!(t.dtype(), DType::F32 | DType::BF16) {
+            return Err(ModelError::Shape(format!(
+                "the CPU attention kernel takes float32 or bf16 keys on the CPU, not {:?} on {:?}",
+                t.dtype(),
+                t.device()
+            )));
+        }
         Ok(Self {
             guard: Box::new(guard),
             layout,
+        })
+    }
+
+    /// The keys or values from the tensor's first element to the end of its storage.
+    fn kv_tail(&self) -> Result<KvData<'_>> {
+        let Storage::Cpu(cpu) = &**self.guard else {
+            unreachable!("checked in kv");
+        };
+        let at = self.layout.start_offset();
+        Ok(match cpu {
+            candle_core::CpuStorage::BF16(x) => {
+                let x = &x[at..];
+                // SAFETY: `half::bf16` is a `repr(transparent)` u16.
+                KvData::Bf16(unsafe {
+                    std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len())
+                })
+            }
+            _ => KvData::F32(&cpu.as_slice::<f32>()?[at..]),
         })
     }
 
@@ -70,8 +100,8 @@ impl<'a> Borrowed<'a> {
             ));
         }
         Ok(KvBlock {
-            k: self.tail()?,
-            v: values.tail()?,
+            k: self.kv_tail()?,
+            v: values.kv_tail()?,
             len: *n,
             head_stride,
         })
@@ -134,7 +164,7 @@ pub(crate) fn attend(
         .iter()
         .map(|r| {
             r.iter()
-                .map(|(k, v)| Ok((Borrowed::new(k)?, Borrowed::new(v)?)))
+                .map(|(k, v)| Ok((Borrowed::kv(k)?, Borrowed::kv(v)?)))
                 .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<_>>()?;

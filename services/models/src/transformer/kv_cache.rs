@@ -26,7 +26,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::state::Saved;
@@ -69,6 +69,8 @@ struct PoolInner {
     page_size: usize,
     /// Whether page ids are granted from outside (the engine's slots) rather than made here.
     shared: bool,
+    /// The dtype host-memory pages store K/V rows in, whatever the rows' own (`None`: theirs).
+    kv_dtype: Option<DType>,
     state: Mutex<PoolState>,
 }
 
@@ -92,21 +94,52 @@ impl KvPool {
 
     /// A model's pool, whose page ids are granted by the engine (its slot ids).
     pub fn shared(page_size: usize) -> Self {
-        Self::make(page_size, true)
+        Self::make(page_size, true, None)
+    }
+
+    /// [`Self::shared`] whose pages in host memory store K/V rows as `kv_dtype` (float32 or
+    /// bf16: `--kv-cache-dtype`), converting the rows written (`None`: as they come).
+    pub fn shared_storing(page_size: usize, kv_dtype: Option<DType>) -> Self {
+        Self::make(page_size, true, kv_dtype)
     }
 
     pub(crate) fn private(page_size: usize) -> Self {
-        Self::make(page_size, false)
+        Self::make(page_size, false, None)
     }
 
-    fn make(page_size: usize, shared: bool) -> Self {
+    /// A private pool (pages made as a cache grows: tools and tests) storing K/V rows as
+    /// `kv_dtype` in host memory.
+    pub fn private_storing(page_size: usize, kv_dtype: Option<DType>) -> Self {
+        Self::make(page_size, false, kv_dtype)
+    }
+
+    /// A private pool storing K/V rows as `like` does.
+    pub(crate) fn private_like(like: &KvPool) -> Self {
+        Self::make(like.page_size(), false, like.kv_dtype())
+    }
+
+    fn make(page_size: usize, shared: bool, kv_dtype: Option<DType>) -> Self {
         assert!(page_size > 0, "a page holds at least one index");
         Self {
             inner: Arc::new(PoolInner {
                 page_size,
                 shared,
+                kv_dtype,
                 state: Mutex::new(PoolState::default()),
             }),
+        }
+    }
+
+    /// The dtype pages in host memory store K/V rows in (`None`: the rows' own).
+    pub fn kv_dtype(&self) -> Option<DType> {
+        self.inner.kv_dtype
+    }
+
+    /// The dtype rows like `like` are stored in: the pool's in host memory, else their own.
+    fn stored_dtype(&self, like: &Tensor) -> DType {
+        match self.inner.kv_dtype {
+            Some(dt) if like.device().is_cpu() => dt,
+            _ => like.dtype(),
         }
     }
 
@@ -160,8 +193,9 @@ impl KvPool {
         let p = self.inner.page_size;
         let (a, first, pages) = self.locate(id);
         let slot = id as usize - first;
+        let dtype = self.stored_dtype(like);
         let mut st = self.state();
-        let row: RowShape = (like.dim(0)?, like.dim(2)?, like.dtype());
+        let row: RowShape = (like.dim(0)?, like.dim(2)?, dtype);
         let d = match st
             .devices
             .iter()
@@ -180,12 +214,12 @@ impl KvPool {
         let shape = (like.dim(0)?, pages * p, like.dim(2)?);
         let arena = match &arenas[a] {
             Some(arena) => {
-                if arena.k.dims3()? != shape || arena.k.dtype() != like.dtype() {
+                if arena.k.dims3()? != shape || arena.k.dtype() != dtype {
                     return Err(ModelError::Cache(format!(
                         "page {id} takes [{}, {p}, {}] {:?} rows; its pool holds {:?} {:?}",
                         shape.0,
                         shape.2,
-                        like.dtype(),
+                        dtype,
                         arena.k.dims(),
                         arena.k.dtype()
                     )));
@@ -194,8 +228,8 @@ impl KvPool {
             }
             None => {
                 let arena = Arena {
-                    k: Tensor::zeros(shape, like.dtype(), like.device())?,
-                    v: Tensor::zeros(shape, like.dtype(), like.device())?,
+                    k: Tensor::zeros(shape, dtype, like.device())?,
+                    v: Tensor::zeros(shape, dtype, like.device())?,
                 };
                 arenas[a] = Some(arena.clone());
                 arena
@@ -311,13 +345,14 @@ impl PageSupply {
         let (arena, base) = self.pool.arena_for_write(id, k)?;
         // The largest page written (layers may cache rows of different shapes).
         let (h, _, d) = k.dims3()?;
-        let bytes = 2 * h * self.page_size() * d * k.dtype().size_in_bytes();
+        let bytes = 2 * h * self.page_size() * d * arena.k.dtype().size_in_bytes();
         self.page_bytes = self.page_bytes.max(bytes);
         for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
             if src.device().is_cpu() && dst.device().is_cpu() {
+                // Float32 rows into a bf16 page are rounded to nearest even as they are copied.
                 dst.inplace_op2(src, &SetRows { at: base + off })?;
             } else {
-                dst.slice_set(&src.contiguous()?, 1, base + off)?;
+                dst.slice_set(&src.contiguous()?.to_dtype(dst.dtype())?, 1, base + off)?;
             }
         }
         Ok(())
@@ -380,6 +415,16 @@ impl PageSupply {
 
     /// Takes a page and fills it with `host`; returns its id.
     pub(crate) fn copy_in(&mut self, host: &HostPage, used: usize) -> Result<u32> {
+        if let Some(dt) = self.pool.kv_dtype() {
+            if host.k.dtype() != dt && host.device.is_cpu() {
+                return Err(ModelError::Cache(format!(
+                    "the cache's pages hold {:?} K/V rows and this pool stores {dt:?} \
+                     (--kv-cache-dtype): a request moves only between workers that store K/V \
+                     alike",
+                    host.k.dtype()
+                )));
+            }
+        }
         let id = self.take(used)?;
         let k = host.k.to_device(&host.device)?;
         let v = host.v.to_device(&host.device)?;
@@ -422,6 +467,38 @@ impl SetRows {
         }
         Ok(())
     }
+
+    /// [`Self::copy`] of float32 rows into a bf16 page, each value rounded to nearest even.
+    fn convert(
+        &self,
+        dst: &mut [half::bf16],
+        dl: &candle_core::Layout,
+        src: &[f32],
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (h, t, d) = dl.shape().dims3()?;
+        let (sh, n, sd) = sl.shape().dims3()?;
+        let (ds, ss) = (dl.stride(), sl.stride());
+        if !dl.is_contiguous() || sh != h || sd != d || self.at + n > t || (d > 1 && ss[2] != 1) {
+            candle_core::bail!(
+                "set-rows: [{sh}, {n}, {sd}] (strides {ss:?}) into rows {} of [{h}, {t}, {d}]",
+                self.at
+            );
+        }
+        let (s0, d0) = (sl.start_offset(), dl.start_offset());
+        for head in 0..h {
+            for r in 0..n {
+                let from = s0 + head * ss[0] + r * ss[1];
+                let to = d0 + head * ds[0] + (self.at + r) * ds[1];
+                // SAFETY: `half::bf16` is a `repr(transparent)` u16.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst[to..to + d].as_mut_ptr().cast::<u16>(), d)
+                };
+                wavefront_kernels::cpu::round_to_bf16(&src[from..from + d], out);
+            }
+        }
+        Ok(())
+    }
 }
 
 impl candle_core::InplaceOp2 for SetRows {
@@ -442,6 +519,7 @@ impl candle_core::InplaceOp2 for SetRows {
             (S::F32(d), S::F32(s)) => self.copy(d, dl, s, sl),
             (S::BF16(d), S::BF16(s)) => self.copy(d, dl, s, sl),
             (S::F16(d), S::F16(s)) => self.copy(d, dl, s, sl),
+            (S::BF16(d), S::F32(s)) => self.convert(d, dl, s, sl),
             (d, s) => {
                 candle_core::bail!("set-rows: {:?} rows into a {:?} page", s.dtype(), d.dtype())
             }
@@ -638,7 +716,7 @@ impl Default for KvCache {
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        let mut c = Self::in_pool(KvPool::private(self.page_size()));
+        let mut c = Self::in_pool(KvPool::private_like(self.pool()));
         for l in 0..self.tables.len() {
             if self.layer_lens[l] == 0 {
                 continue;
