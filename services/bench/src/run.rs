@@ -13,7 +13,7 @@ use wavefront_engine::{Event, Stats};
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::device::{check_weight_dtype, parse_device, parse_dtype, parse_weight_dtype};
 use wavefront_models::ModelError;
-use wavefront_schemes::{GenerateSpec, LoadOptions, SchemeParams, ServedModel};
+use wavefront_schemes::{GenerateSpec, KvCacheDtype, LoadOptions, SchemeParams, ServedModel};
 
 /// How long a request may go without an event before the engine counts as stalled.
 const STALL_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -162,6 +162,10 @@ pub struct Target {
     /// How CPU weights are stored: `f32`, or `bf16` (float32 arithmetic).
     #[arg(long, default_value = "f32")]
     pub weight_dtype: String,
+    /// What the CPU K/V cache stores: `auto` (bf16 with bf16-dot weights), `float32` or
+    /// `bf16`.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// Threads of the CPU kernels (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -194,6 +198,12 @@ impl Target {
             .attention
             .parse()
             .map_err(|e| anyhow!("--attention: {e}"))?;
+        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).ok_or_else(|| {
+            anyhow!(
+                "--kv-cache-dtype must be auto, float32 or bf16, got {:?}",
+                self.kv_cache_dtype
+            )
+        })?;
         Ok(LoadOptions {
             name: name.into(),
             device,
@@ -201,6 +211,7 @@ impl Target {
             queue_capacity: 64,
             attention,
             weight_dtype,
+            kv_cache_dtype,
             ..LoadOptions::default()
         })
     }
@@ -227,6 +238,7 @@ mod tests {
             dtype: "bf16".into(),
             attention: "ragged".into(),
             weight_dtype: "f32".into(),
+            kv_cache_dtype: "auto".into(),
             threads: 0,
         };
         let opts = target.load_options("synthetic").unwrap();

@@ -7,7 +7,7 @@ use clap::Args;
 use wavefront_models::candle_core::{DType, Device};
 use wavefront_models::transformer::{CollectiveKind, WeightDtype};
 use wavefront_models::ModelFiles;
-use wavefront_schemes::{KvReserve, LoadOptions};
+use wavefront_schemes::{KvCacheDtype, KvReserve, LoadOptions};
 
 use crate::embedded;
 
@@ -76,6 +76,13 @@ pub struct ModelArgs {
     /// f16 and bf16 bf16; f32 keeps the file's values exactly).
     #[arg(long, env = "WAVEFRONT_WEIGHT_DTYPE")]
     pub weight_dtype: Option<String>,
+    /// What the K/V cache stores on the CPU: auto (bf16 with --dtype bf16, float32 otherwise),
+    /// float32, or bf16 (half the memory per cached position, so twice the positions in
+    /// --memory-budget-mb, and half the bytes decode attention reads; keys and values rounded
+    /// to nearest even when written: approximate, see docs/benchmarks.md). On a GPU the cache
+    /// holds the model's --dtype.
+    #[arg(long, env = "WAVEFRONT_KV_CACHE_DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// How a request takes its K/V pages: on-demand (its first step's at admission, more as it
     /// grows, the newest request preempted to host memory when the pool is short) or
     /// worst-case (prompt and every token it may generate at admission; no preemption, fewer
@@ -209,6 +216,12 @@ impl ModelArgs {
                 self.kv_page_size
             );
         }
+        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).with_context(|| {
+            format!(
+                "--kv-cache-dtype must be auto, float32 or bf16, got {:?}",
+                self.kv_cache_dtype
+            )
+        })?;
         let kv_reserve = match self.kv_reserve.as_str() {
             "on-demand" => KvReserve::OnDemand,
             "worst-case" => KvReserve::WorstCase,
@@ -227,6 +240,7 @@ impl ModelArgs {
             collective,
             attention,
             weight_dtype,
+            kv_cache_dtype,
             kv_reserve,
             kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),

@@ -42,11 +42,6 @@ impl KvRow {
     pub(crate) fn bytes(&self) -> usize {
         2 * self.cached_heads * self.head_dim * self.dtype_size
     }
-
-    /// Bytes of one value of the model dtype.
-    pub(crate) fn dtype_size(&self) -> usize {
-        self.dtype_size
-    }
 }
 
 /// How the planner of a family whose slots are K/V pages (block diffusion, recurrent memory,

@@ -96,9 +96,11 @@ impl<P: Planner> Served<P> {
         self.device = opts.device.clone();
         self.fingerprint = fingerprint;
         self.settings = format!(
-            "dtype={:?};weights={:?};attention={:?};tensor_parallel={};kv_page_size={};device={}",
+            "dtype={:?};weights={:?};kv={:?};attention={:?};tensor_parallel={};kv_page_size={};\
+             device={}",
             opts.dtype,
             opts.weight_dtype,
+            opts.kv_dtype(),
             opts.attention,
             opts.tensor_parallel,
             opts.kv_page_size,
@@ -286,6 +288,7 @@ where
         prompt_sharing: opts.prompt_sharing,
         write_timeout: opts.write_timeout,
     };
+    opts.check_kv_cache_dtype()?;
     let (device, dtype) = (opts.device.clone(), opts.dtype);
     tracing::info!(
         model = %opts.name,
@@ -293,6 +296,7 @@ where
         total_slots,
         bytes_per_slot,
         ?dtype,
+        kv_dtype = ?opts.kv_dtype(),
         "starting engine"
     );
     let handle = Engine::start_labeled(&opts.name, engine_cfg, move || make(&device, dtype))?;

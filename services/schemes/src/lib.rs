@@ -52,7 +52,7 @@ pub use error::SchemeError;
 pub use fingerprint::Fingerprint;
 pub use kv_row::{PageSizing, PagedPlanner};
 pub use launch::Served;
-pub use options::{KvReserve, LoadOptions};
+pub use options::{KvCacheDtype, KvReserve, LoadOptions};
 pub use registry::load_model;
 pub use request::{
     ArParams, BlockDiffusionParams, DiffusionForcingParams, DiffusionGenerateParams, DreamAlg,

@@ -5,6 +5,7 @@ use candle_core::{DType, Device};
 use wavefront_engine::Prepared;
 use wavefront_models::transformer::{AttentionKernel, CollectiveKind, WeightDtype};
 
+use crate::error::SchemeError;
 use crate::fingerprint::Fingerprint;
 
 /// How to load and size a served model.
@@ -36,6 +37,8 @@ pub struct LoadOptions {
     pub attention: AttentionKernel,
     /// How CPU float32 weights are stored (bf16: half the bytes, float32 arithmetic).
     pub weight_dtype: WeightDtype,
+    /// What the K/V pages store in host memory ([`Self::kv_dtype`]).
+    pub kv_cache_dtype: KvCacheDtype,
     /// How requests of a paged family take their K/V pages.
     pub kv_reserve: KvReserve,
     /// Positions a K/V page holds (per layer): smaller pages waste less of a request's last
@@ -55,6 +58,81 @@ pub struct LoadOptions {
     /// The checkpoint's fingerprint (set by [`load_model`]): requests move only between workers
     /// that serve the same one.
     pub fingerprint: Fingerprint,
+}
+
+/// What a model's K/V pages store (`--kv-cache-dtype`, vLLM's name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// The compute dtype's: bf16 in the CPU's bf16 compute mode (bf16-dot weights), float32
+    /// otherwise on the CPU; the model's dtype on a GPU.
+    #[default]
+    Auto,
+    /// Float32 (the exact default on the CPU).
+    F32,
+    /// bfloat16: half the bytes per cached position (twice the positions in a memory budget,
+    /// half the bytes decode attention reads); keys and values rounded to nearest even when
+    /// written, read exactly as float32.
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// From `auto`, `float32`/`f32` or `bf16`/`bfloat16`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Self::Auto),
+            "float32" | "f32" => Some(Self::F32),
+            "bf16" | "bfloat16" => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::F32 => "float32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+impl LoadOptions {
+    /// The dtype K/V pages hold: on the CPU float32 or bf16 as [`KvCacheDtype`] says (auto:
+    /// bf16 with bf16-dot weights, the bf16 compute mode); on a GPU the model's dtype.
+    pub fn kv_dtype(&self) -> DType {
+        if !self.device.is_cpu() {
+            return self.dtype;
+        }
+        match self.kv_cache_dtype {
+            KvCacheDtype::F32 => DType::F32,
+            KvCacheDtype::Bf16 => DType::BF16,
+            KvCacheDtype::Auto if self.weight_dtype == WeightDtype::Bf16Dot => DType::BF16,
+            KvCacheDtype::Auto => self.dtype,
+        }
+    }
+
+    /// The dtype a model's pool converts K/V rows to as it stores them: the CPU's
+    /// [`Self::kv_dtype`]; `None` on a GPU (rows are stored as the model makes them).
+    pub fn kv_store(&self) -> Option<DType> {
+        self.device.is_cpu().then(|| self.kv_dtype())
+    }
+
+    /// Refuses a K/V dtype the device cannot take: on a GPU the cache holds the model's dtype.
+    pub fn check_kv_cache_dtype(&self) -> Result<(), SchemeError> {
+        let asked = match self.kv_cache_dtype {
+            KvCacheDtype::Auto => return Ok(()),
+            KvCacheDtype::F32 => DType::F32,
+            KvCacheDtype::Bf16 => DType::BF16,
+        };
+        if !self.device.is_cpu() && asked != self.dtype {
+            return Err(SchemeError::InvalidOption(format!(
+                "--kv-cache-dtype {} on a GPU: its K/V cache holds the model's dtype ({:?}); \
+                 leave --kv-cache-dtype auto or set --dtype",
+                self.kv_cache_dtype.name(),
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// How a request of a family with paged K/V takes its pages.
@@ -109,6 +187,7 @@ impl Default for LoadOptions {
             collective: CollectiveKind::Auto,
             attention: AttentionKernel::Sdpa,
             weight_dtype: WeightDtype::F32,
+            kv_cache_dtype: KvCacheDtype::Auto,
             kv_reserve: KvReserve::OnDemand,
             kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,

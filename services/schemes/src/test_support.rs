@@ -478,6 +478,24 @@ pub fn assert_preempted_requests_match_alone(
     memory_budget_bytes: u64,
     specs: &[GenerateSpec],
 ) -> Result<u64> {
+    assert_preempted_requests_match_alone_with(
+        files,
+        served,
+        memory_budget_bytes,
+        specs,
+        LoadOptions::default(),
+    )
+}
+
+/// [`assert_preempted_requests_match_alone`] with the tight engine loaded with `base` (its
+/// budget and concurrency set here).
+pub fn assert_preempted_requests_match_alone_with(
+    files: ModelFiles,
+    served: &dyn ServedModel,
+    memory_budget_bytes: u64,
+    specs: &[GenerateSpec],
+    base: LoadOptions,
+) -> Result<u64> {
     let alone = specs
         .iter()
         .map(|s| collect(&submit(served, s.clone())?, Vec::new()))
@@ -485,7 +503,7 @@ pub fn assert_preempted_requests_match_alone(
     let opts = LoadOptions {
         memory_budget_bytes,
         max_active: specs.len(),
-        ..LoadOptions::default()
+        ..base
     };
     let tight = load_model(files, opts)?;
     let receivers = specs
@@ -783,12 +801,23 @@ pub fn assert_moved_requests_match_alone(
     served: &dyn ServedModel,
     specs: &[GenerateSpec],
 ) -> Result<u32> {
+    assert_moved_requests_match_alone_with(files, served, specs, LoadOptions::default())
+}
+
+/// [`assert_moved_requests_match_alone`] with the second engine loaded with `base` (its name
+/// and concurrency set here).
+pub fn assert_moved_requests_match_alone_with(
+    files: ModelFiles,
+    served: &dyn ServedModel,
+    specs: &[GenerateSpec],
+    base: LoadOptions,
+) -> Result<u32> {
     let other = load_model(
         files,
         LoadOptions {
             name: served.info().name.clone(),
             max_active: specs.len(),
-            ..LoadOptions::default()
+            ..base
         },
     )?;
     ensure!(

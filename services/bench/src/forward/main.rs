@@ -52,8 +52,8 @@ const INTERLEAVED: usize = 0;
 /// A cache over a shared pool of pages granted so that each layer's pages interleave with the
 /// other layers' (the worst layout a served request's cache has: no two pages of a layer
 /// adjacent).
-fn interleaved_cache(layers: usize, positions: usize, page: usize) -> KvCache {
-    let mut cache = KvCache::in_pool(KvPool::shared(page));
+fn interleaved_cache(layers: usize, positions: usize, page: usize, kv: Option<DType>) -> KvCache {
+    let mut cache = KvCache::in_pool(KvPool::shared_storing(page, kv));
     let pages = positions.div_ceil(page);
     let order: Vec<u32> = (0..layers)
         .flat_map(|l| (0..pages).map(move |i| (i * layers + l) as u32))
@@ -125,6 +125,7 @@ fn main() -> Result<()> {
     a.target.init_threads()?;
     let opts = a.target.load_options("forward")?;
     let (device, dtype, wdt) = (opts.device.clone(), opts.dtype, opts.weight_dtype);
+    let kv_store = opts.kv_store();
     use wavefront_models::transformer::WeightDtype;
     // Bytes per weight; with bf16-dot the products run at the bf16 pair-product peak.
     let bytes_per = match wdt {
@@ -210,9 +211,9 @@ fn main() -> Result<()> {
             // Fill the cache with t positions, then time one row at position t (the cache
             // cut back to t after every call).
             let mut cache = if page == INTERLEAVED {
-                interleaved_cache(8, t + 1, a.page_size)
+                interleaved_cache(8, t + 1, a.page_size, kv_store)
             } else {
-                KvCache::with_page_size(page)
+                KvCache::in_pool(KvPool::private_storing(page, kv_store))
             };
             let ids: Vec<u32> = (0..t as u32).map(|k| k % 30000).collect();
             let mut seqs =
@@ -310,7 +311,8 @@ fn main() -> Result<()> {
             if !want(name) {
                 continue;
             }
-            let mut cache = HuginnCache::with_page_size(CacheStrategy::Full, page);
+            let mut cache =
+                HuginnCache::in_pool(CacheStrategy::Full, KvPool::private_storing(page, kv_store));
             let ids: Vec<u32> = (0..=t as u32).map(|k| k * 7 % 32000).collect();
             let emb = model.embed(&ids)?;
             let injected = {

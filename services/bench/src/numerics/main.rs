@@ -275,8 +275,8 @@ fn main() -> Result<()> {
         rows: 0..n,
         row_index: &index,
         blocks: vec![KvBlock {
-            k: &ks,
-            v: &vs,
+            k: (&ks).into(),
+            v: (&vs).into(),
             len: n,
             head_stride: n * hd,
         }],

@@ -238,15 +238,15 @@ where
     L: FnOnce(&Device, DType) -> Result<Llada2, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
-        Llada2Planner::new(cfg.clone(), opts.name.clone(), opts.dtype, mask, eos)?
+        Llada2Planner::new(cfg.clone(), opts.name.clone(), opts.kv_dtype(), mask, eos)?
             .with_tensor_parallel(opts.tensor_parallel)
             .with_reserve(opts.kv_reserve)
             .with_page_size(opts.kv_page_size),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada2::config, BlockDiffusionFamily::new);
-    let page = opts.kv_page_size;
-    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
+    let (page, kv) = (opts.kv_page_size, opts.kv_store());
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_pages(page, kv));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -140,6 +140,12 @@ impl<M: MdNetwork> MaskedDiffusionFamily<M> {
         }
     }
 
+    /// Stores the K/V rows of its caches as `kv_dtype` in host memory (`LoadOptions::kv_store`).
+    pub fn with_kv_store(mut self, kv_dtype: Option<candle_core::DType>) -> Self {
+        self.pool = KvPool::shared_storing(1, kv_dtype);
+        self
+    }
+
     /// Hands the slots granted to `a` to its SureLock cache (moved into the pool at its first
     /// tick: programs are built outside the engine thread).
     fn bind(&self, a: &mut Active<MdProgram>) {

@@ -396,3 +396,48 @@ fn the_sampled_run_matches_upstream_with_its_draws_replayed() -> Result<()> {
     run(&model, &mut ps)?;
     check(r, &ps[0])
 }
+
+/// Fast-dLLM's cached modes over bf16 K/V pages (`--kv-cache-dtype bf16`): every cached greedy
+/// run of the fixture, served, produces what it produces alone when the runs join one
+/// another's ticks (prefix and dual caches of different blocks and rules in one forward, their
+/// pages rounded to bf16 as they are written); most decode upstream's float32 tokens.
+#[test]
+fn cached_runs_over_bf16_pages_are_served_alike_alone_and_joining() -> Result<()> {
+    use crate::options::{KvCacheDtype, LoadOptions};
+    let golden = FastGolden::load()?;
+    let runs: Vec<&Value> = golden
+        .greedy_runs()
+        .into_iter()
+        .filter(|r| mode(r) != KvCacheMode::None)
+        .collect();
+    let specs: Vec<GenerateSpec> = runs.iter().map(|r| run_spec(&golden, r, false)).collect();
+    let served = crate::registry::load_model(
+        fixture_files()?,
+        LoadOptions {
+            name: "llada-fixture".into(),
+            max_active: specs.len(),
+            kv_cache_dtype: KvCacheDtype::Bf16,
+            ..LoadOptions::default()
+        },
+    )?;
+    let alone =
+        crate::test_support::assert_joining_requests_match_alone(served.as_ref(), &specs, |_| {
+            true
+        })?;
+    let same = runs
+        .iter()
+        .zip(&alone)
+        .filter(|(r, o)| {
+            // Upstream's output is the prompt and the generated tokens.
+            let ids: Vec<u32> = serde_json::from_value(r["output_ids"].clone()).unwrap_or_default();
+            ids.get(golden.prompt(r).len()..) == Some(o.tokens.as_slice())
+        })
+        .count();
+    ensure!(
+        2 * same >= runs.len(),
+        "{same} of {} cached runs decode upstream's tokens over bf16 pages",
+        runs.len()
+    );
+    served.shutdown();
+    Ok(())
+}

@@ -617,11 +617,13 @@ where
     L: FnOnce(&Device, DType) -> Result<Llada, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
-        MdPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype)
+        MdPlanner::new(cfg.clone(), opts.name.clone(), opts.kv_dtype())
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Llada::config, MaskedDiffusionFamily::new);
+    let kv = opts.kv_store();
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_kv_store(kv));
     start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }
 
@@ -634,10 +636,12 @@ pub fn serve_dream(
     let tokenizer = optional_tokenizer(&files);
     let load = checkpoint_loader(files, cfg.clone(), &opts, Dream::load_parallel);
     let planner = Arc::new(
-        MdPlanner::dream(&cfg, opts.name.clone(), opts.dtype)
+        MdPlanner::dream(&cfg, opts.name.clone(), opts.kv_dtype())
             .with_tensor_parallel(opts.tensor_parallel),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Dream::config, MaskedDiffusionFamily::new);
+    let kv = opts.kv_store();
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_kv_store(kv));
     start_served(planner, tokenizer, &opts, bytes_per_slot, 0, make)
 }

@@ -55,9 +55,10 @@ impl HuginnFamily {
         }
     }
 
-    /// Pages of `page` positions (the planner's page size).
-    pub fn with_page_size(mut self, page: usize) -> Self {
-        self.pool = KvPool::shared(page.max(1));
+    /// Pages of `page` positions (the planner's page size), storing K/V rows as `kv_dtype` in
+    /// host memory (`LoadOptions::kv_store`; `None`: as the model makes them).
+    pub fn with_pages(mut self, page: usize, kv_dtype: Option<candle_core::DType>) -> Self {
+        self.pool = KvPool::shared_storing(page.max(1), kv_dtype);
         self
     }
 

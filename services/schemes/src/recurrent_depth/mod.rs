@@ -110,8 +110,8 @@ where
     L: FnOnce(&Device, DType) -> Result<Huginn, SchemeError> + Send + 'static,
 {
     let make = checked_family(cfg.clone(), &opts, load, Huginn::config, HuginnFamily::new);
-    let page = opts.kv_page_size;
-    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
+    let (page, kv) = (opts.kv_page_size, opts.kv_store());
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_pages(page, kv));
     serve_family(cfg, tokenizer, opts, make)
 }
 
@@ -137,9 +137,14 @@ where
         HuginnPlanner::new(cfg.clone(), opts.name.clone(), tokenizer.as_ref())
             .with_occupancy_multiplier(m)
             .with_reserve(opts.kv_reserve)
-            .with_page_size(opts.kv_page_size),
+            .with_page_size(opts.kv_page_size)
+            .with_latent_rows(if opts.kv_store() == Some(DType::BF16) {
+                2
+            } else {
+                1
+            }),
     );
-    let bytes_per_slot = opts.kv_page_size * 2 * cfg.n_embd * opts.dtype.size_in_bytes();
+    let bytes_per_slot = opts.kv_page_size * 2 * cfg.n_embd * opts.kv_dtype().size_in_bytes();
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -34,6 +34,9 @@ pub struct HuginnPlanner {
     reserve: KvReserve,
     /// Positions a page holds.
     pub(crate) page: usize,
+    /// Page rows one latent state takes: 2 where the pool stores bf16 K/V (a float32 state's
+    /// bits in two rows: `HuginnCache::latent_rows`).
+    latent_rows: usize,
 }
 
 impl HuginnPlanner {
@@ -53,7 +56,14 @@ impl HuginnPlanner {
             occupancy_multiplier: 1.0,
             reserve: KvReserve::OnDemand,
             page: PAGE_SIZE,
+            latent_rows: 1,
         }
+    }
+
+    /// Page rows per latent state (1, or 2 where the K/V pages store bf16).
+    pub fn with_latent_rows(mut self, rows: usize) -> Self {
+        self.latent_rows = rows.max(1);
+        self
     }
 
     /// Latent slots reserved per wavefront position a diffusion-forcing request may hold
@@ -66,7 +76,13 @@ impl HuginnPlanner {
     /// Latent slots a diffusion-forcing request with this wavefront cap reserves: at least one
     /// per position, since the states are stored in them.
     pub fn latent_slots(&self, max_wavefront: usize) -> usize {
-        (max_wavefront as f64 * f64::from(self.occupancy_multiplier).max(1.0)).ceil() as usize
+        (max_wavefront as f64 * self.latent_multiplier()).ceil() as usize
+    }
+
+    /// Page rows reserved per wavefront position: the occupancy multiplier (at least 1) times
+    /// the rows a state takes.
+    fn latent_multiplier(&self) -> f64 {
+        f64::from(self.occupancy_multiplier).max(1.0) * self.latent_rows as f64
     }
 
     /// Takes each request's worst case at admission instead of pages on demand.
@@ -433,7 +449,7 @@ impl HuginnPlanner {
             self.stop_ids(spec.stop_token_ids),
         );
         program.latent_pages = latent_pages;
-        program.latent_page = (self.page, f64::from(self.occupancy_multiplier));
+        program.latent_page = (self.page, self.latent_multiplier());
         program.constrained = spec.guide.is_some();
         program.guide = spec.guide;
         Ok(self.prepared(Program::Diffusion(program), max_slots, prompt_tokens))

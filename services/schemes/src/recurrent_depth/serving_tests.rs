@@ -604,6 +604,83 @@ fn diffusion_reserves_latent_slots_scaled_by_the_occupancy_multiplier() -> Resul
     Ok(())
 }
 
+/// `--kv-cache-dtype bf16`: the pool holds twice the pages in the same budget (a page is half
+/// the bytes, a latent state two of its rows), and the sixteen mixed requests produce what they
+/// produce alone when they join a running batch, when they are preempted (K/V pages and the
+/// latent states stored in them to host memory and back) and when they move between two such
+/// engines. An engine storing float32 does not take their requests. Every request stays within
+/// bf16 rounding of float32: the greedy tokens of the static requests mostly agree.
+#[test]
+fn bf16_kv_pages_serve_the_mix_batched_preempted_and_moved_alike() -> Result<()> {
+    use crate::options::KvCacheDtype;
+    let specs = mixed_requests();
+    let cfg = fixture_config()?;
+    let page_bytes = (PAGE_SIZE * 2 * cfg.n_embd * 2) as u64;
+    let base = LoadOptions {
+        name: "fixture".into(),
+        kv_cache_dtype: KvCacheDtype::Bf16,
+        ..LoadOptions::default()
+    };
+    let served = load_model(
+        fixture_files()?,
+        LoadOptions {
+            max_active: specs.len(),
+            ..base.clone()
+        },
+    )?;
+    let float = fixture_served(specs.len())?;
+    ensure!(
+        served.load().total_slots == 2 * float.load().total_slots,
+        "bf16 pages: {} slots, float32 {}",
+        served.load().total_slots,
+        float.load().total_slots
+    );
+    ensure!(
+        served.migration_key().map_err(anyhow::Error::msg)?
+            != float.migration_key().map_err(anyhow::Error::msg)?,
+        "engines storing K/V differently must not take each other's requests"
+    );
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |ev| {
+        matches!(ev, Event::Tokens(_))
+    })?;
+    ensure!(alone.iter().all(|o| !o.tokens.is_empty()));
+    // Against float32: the first greedy static request (4 steps, full cache) decodes the same
+    // first tokens (bf16 keys move its logits by a few thousandths on this fixture).
+    let f = collect(&submit(float.as_ref(), specs[0].clone())?, Vec::new())?;
+    ensure!(
+        f.tokens[..4] == alone[0].tokens[..4],
+        "bf16 K/V {:?}, float32 {:?}",
+        alone[0].tokens,
+        f.tokens
+    );
+    float.shutdown();
+    let (_, planner) = fixture_model_and_planner()?;
+    let largest = specs
+        .iter()
+        .map(|s| planner.prepare(s.clone()).map(|p| p.max_slots))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+    // Latent states take two rows each here: twice float32's latent pages at most.
+    let preemptions = crate::test_support::assert_preempted_requests_match_alone_with(
+        fixture_files()?,
+        served.as_ref(),
+        (2 * largest as u64 + 16) * page_bytes,
+        &specs,
+        base.clone(),
+    )?;
+    ensure!(preemptions > 0, "16 requests on a tight pool must preempt");
+    crate::test_support::assert_moved_requests_match_alone_with(
+        fixture_files()?,
+        served.as_ref(),
+        &specs,
+        base,
+    )?;
+    served.shutdown();
+    Ok(())
+}
+
 /// The served model split over 2 and 4 in-process tensor-parallel ranks decodes what one rank
 /// decodes (static, adaptive and diffusion-forcing requests sharing ticks).
 #[test]

@@ -96,10 +96,13 @@ pub struct ArmtPlanner {
     info: ModelInfo,
     /// The slot unit: one position's K/V in one layer, over all tensor-parallel ranks.
     sizing: PageSizing,
+    /// Bytes of one value of the residual streams (the model's dtype).
+    act_size: usize,
 }
 
 impl ArmtPlanner {
-    /// A planner for `cfg` served under `name` in `dtype`, accepting prompt + `max_new_tokens`
+    /// A planner for `cfg` served under `name` with K/V (and, unless
+    /// [`Self::with_activation_dtype`] says otherwise, activations) in `dtype`, accepting prompt + `max_new_tokens`
     /// up to `max_context` tokens.
     pub fn new(cfg: ArmtConfig, name: String, dtype: DType, max_context: usize) -> Self {
         let info = ModelInfo {
@@ -111,9 +114,17 @@ impl ArmtPlanner {
         };
         Self {
             sizing: PageSizing::new(&cfg.block_config(), dtype, cfg.n_layers()),
+            act_size: dtype.size_in_bytes(),
             cfg,
             info,
         }
+    }
+
+    /// The residual streams between layers are `dtype` (the model's; the K/V pages may store
+    /// another, the dtype [`Self::new`] was given).
+    pub fn with_activation_dtype(mut self, dtype: DType) -> Self {
+        self.act_size = dtype.size_in_bytes();
+        self
     }
 
     /// Slots a request holds from admission to its end whatever it does: its memories and,
@@ -123,8 +134,7 @@ impl ArmtPlanner {
         let (layers, d) = (self.cfg.n_layers(), self.cfg.hidden_size());
         let memory = layers * (4 * (self.cfg.d_key() * d + self.cfg.d_key())).div_ceil(unit);
         let inflight = if diagonal {
-            (layers.min(segments) * self.cfg.cell_rows() * d * self.sizing.kv.dtype_size())
-                .div_ceil(unit)
+            (layers.min(segments) * self.cfg.cell_rows() * d * self.act_size).div_ceil(unit)
         } else {
             0
         };
@@ -278,15 +288,16 @@ where
         )));
     }
     let planner = Arc::new(
-        ArmtPlanner::new(cfg.clone(), opts.name.clone(), opts.dtype, max_context)
+        ArmtPlanner::new(cfg.clone(), opts.name.clone(), opts.kv_dtype(), max_context)
+            .with_activation_dtype(opts.dtype)
             .with_tensor_parallel(opts.tensor_parallel)
             .with_reserve(opts.kv_reserve)
             .with_page_size(opts.kv_page_size),
     );
     let bytes_per_slot = planner.slot_bytes();
     let make = checked_family(cfg, &opts, load, Armt::config, RecurrentMemoryFamily::new);
-    let page = opts.kv_page_size;
-    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
+    let (page, kv) = (opts.kv_page_size, opts.kv_store());
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_pages(page, kv));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }

@@ -150,6 +150,46 @@ fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> 
     Ok(())
 }
 
+/// `--kv-cache-dtype bf16` on a transformer family (ReFusion: committed caches, their scratch
+/// copies for verification, prompt sharing): twice the pages in a budget, and the mix produces
+/// what it produces alone when requests join a running batch and when they are preempted and
+/// resumed in other pages.
+#[test]
+fn bf16_kv_pages_serve_the_mix_batched_and_preempted_alike() -> Result<()> {
+    use crate::options::{KvCacheDtype, LoadOptions};
+    let specs = mixed_requests();
+    let base = LoadOptions {
+        name: "refusion-fixture".into(),
+        kv_cache_dtype: KvCacheDtype::Bf16,
+        ..LoadOptions::default()
+    };
+    let served = crate::registry::load_model(
+        fixture_files()?,
+        LoadOptions {
+            max_active: specs.len(),
+            ..base.clone()
+        },
+    )?;
+    let float = fixture_served(1)?;
+    ensure!(served.load().total_slots == 2 * float.load().total_slots);
+    float.shutdown();
+    let alone = assert_joining_requests_match_alone(served.as_ref(), &specs, |_| true)?;
+    for (s, o) in specs.iter().zip(&alone) {
+        assert_ends_at_first_stop(s, o, EOS)?;
+    }
+    let page_bytes = (256 << 20) / served.load().total_slots as u64;
+    let preemptions = crate::test_support::assert_preempted_requests_match_alone_with(
+        fixture_files()?,
+        served.as_ref(),
+        12 * page_bytes,
+        &specs,
+        base,
+    )?;
+    ensure!(preemptions > 0, "12 pages for 12 requests must preempt");
+    served.shutdown();
+    Ok(())
+}
+
 /// A row budget of 16 per tick: `ar` prefills of 30 to 60 tokens run in chunks beside
 /// plan-and-infill calls that run whole; each request produces what it produces without a
 /// budget (forward passes and rows per call aside). A request decoding when a 200-token prompt

@@ -473,7 +473,7 @@ where
     L: FnOnce(&Device, DType) -> Result<DiffusionGemma, SchemeError> + Send + 'static,
 {
     let planner = Arc::new(
-        DiffusionGemmaPlanner::new(cfg.clone(), defaults, opts.name.clone(), opts.dtype)
+        DiffusionGemmaPlanner::new(cfg.clone(), defaults, opts.name.clone(), opts.kv_dtype())
             .with_reserve(opts.kv_reserve)
             .with_page_size(opts.kv_page_size),
     );
@@ -485,8 +485,8 @@ where
         DiffusionGemma::config,
         UniformDiffusionFamily::new,
     );
-    let page = opts.kv_page_size;
-    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_page_size(page));
+    let (page, kv) = (opts.kv_page_size, opts.kv_store());
+    let make = move |device: &Device, dtype| make(device, dtype).map(|f| f.with_pages(page, kv));
     // 1% of the pool kept free at admission for running requests to grow into.
     start_served(planner, tokenizer, &opts, bytes_per_slot, 10, make)
 }
