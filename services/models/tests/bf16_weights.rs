@@ -241,3 +241,104 @@ fn bf16_weights_stay_close_to_f32_on_every_fixture() -> Result<()> {
     }
     Ok(())
 }
+
+/// bf16 K/V pages (`--kv-cache-dtype bf16`, the default under `--dtype bf16`) against float32
+/// pages, with float32 weights and with bf16 products, on the fixtures whose forwards read a
+/// cache: Huginn (a prefill, four recurrences and one decoded position over the per-recurrence
+/// caches), ReFusion's Qwen3 (a prefill and one decoded position over its cache) and
+/// DiffusionGemma (a denoising step over the encoder's cache).
+#[test]
+fn bf16_kv_pages_stay_close_to_f32_pages() -> Result<()> {
+    use wavefront_models::transformer::{Keys, KvCache, KvPool, PAGE_SIZE};
+    let device = test_device();
+    if !device.is_cpu() {
+        eprintln!("bf16 K/V pages are a CPU option; skipped on {device:?}");
+        return Ok(());
+    }
+    let pool = |bf16: bool| KvPool::private_storing(PAGE_SIZE, bf16.then_some(DType::BF16));
+    let ids: Vec<u32> = (1..17).collect();
+    let run = |family: &str, logits: &dyn Fn(WeightDtype, bool) -> Result<Tensor>| -> Result<()> {
+        for dtype in [WeightDtype::F32, WeightDtype::Bf16Dot] {
+            let exact = logits(dtype, false)?;
+            let label = format!("{family} {dtype:?} bf16 K/V");
+            compare(&label, &exact, &logits(dtype, true)?)?;
+        }
+        Ok(())
+    };
+
+    let f = files("huginn")?;
+    let cfg = HuginnConfig::from_json(f.config_json())?;
+    let h = Huginn::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+    let huginn = |dtype: WeightDtype, bf16: bool| -> Result<Tensor> {
+        let mut m = h.clone();
+        m.store_weights(dtype)?;
+        let mut cache = HuginnCache::in_pool(CacheStrategy::Full, pool(bf16));
+        let mut out = None;
+        // The prompt, then one more position over the cached keys.
+        for (start, n) in [(0, ids.len() - 1), (ids.len() - 1, 1)] {
+            let e = m.prelude(
+                &m.embed(&ids[start..start + n])?,
+                &mut [SeqRows::new(&mut cache, start, n)],
+            )?;
+            let mut s = Tensor::zeros(e.dims(), DType::F32, &device)?;
+            for r in 0..4 {
+                s = m.core_step(
+                    &s,
+                    &e,
+                    &mut [SeqRows::new(&mut cache, start, n).at_recurrence(r)],
+                )?;
+            }
+            out = Some(m.predict_from_latents(&s, &mut [SeqRows::new(&mut cache, start, n)])?);
+        }
+        Ok(out.expect("two calls"))
+    };
+    run("huginn", &huginn)?;
+
+    let f = files("refusion")?;
+    let cfg = Qwen3Config::from_json(f.config_json())?;
+    let q = Qwen3::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+    let qwen = |dtype: WeightDtype, bf16: bool| -> Result<Tensor> {
+        let mut m = q.clone();
+        m.store_weights(dtype)?;
+        let mut cache = KvCache::in_pool(pool(bf16));
+        let t = ids.len() - 1;
+        let mut seqs = [SeqInput::dense(t)
+            .with_mask(MaskRule::Causal)
+            .with_keys(Keys::Buffer {
+                cache: &mut cache,
+                len: t,
+            })];
+        m.forward(&ids[..t], &mut seqs)?;
+        let mut seqs = [SeqInput {
+            index: vec![t as u32],
+            positions: vec![t as u32],
+            mask: MaskRule::Causal,
+            keys: Keys::Buffer {
+                cache: &mut cache,
+                len: t + 1,
+            },
+        }];
+        let h = m.forward(&ids[t..], &mut seqs)?;
+        Ok(m.logits(&h)?)
+    };
+    run("refusion", &qwen)?;
+
+    let f = files("diffusion_gemma")?;
+    let cfg = DiffusionGemmaConfig::from_json(f.config_json())?;
+    let g = DiffusionGemma::load(f.var_builder(DType::F32, &device)?, cfg.clone())?;
+    let dg = |dtype: WeightDtype, bf16: bool| -> Result<Tensor> {
+        let mut m = g.clone();
+        m.store_weights(dtype)?;
+        let mut cache = KvCache::in_pool(pool(bf16));
+        m.forward(&mut [DgSeq::encode(ids.clone(), 0, &mut cache)])?;
+        let h = m.forward(&mut [DgSeq::denoise(
+            (20..36).collect(),
+            ids.len(),
+            None,
+            &mut cache,
+        )])?;
+        Ok(m.logits(&h)?)
+    };
+    run("diffusion_gemma", &dg)?;
+    Ok(())
+}
