@@ -387,21 +387,9 @@ unsafe fn task(
         };
         let all = |f: fn(&KvData) -> bool| s.blocks.iter().all(|b| f(&b.k) && f(&b.v));
         if all(|x| matches!(x, KvData::F32(_))) {
-            let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = key_rows()
-                .map(|(k, v)| match (k, v) {
-                    (KvData::F32(k), KvData::F32(v)) => (k, v),
-                    _ => unreachable!("every block is float32"),
-                })
-                .unzip();
-            stream.run(&k, &v, &mut acc);
+            stream.run::<f32>(&s.blocks, g, d, &mut acc);
         } else if all(|x| matches!(x, KvData::Bf16(_))) {
-            let (k, v): (Vec<&[u16]>, Vec<&[u16]>) = key_rows()
-                .map(|(k, v)| match (k, v) {
-                    (KvData::Bf16(k), KvData::Bf16(v)) => (k, v),
-                    _ => unreachable!("every block is bfloat16"),
-                })
-                .unzip();
-            stream.run(&k, &v, &mut acc);
+            stream.run::<u16>(&s.blocks, g, d, &mut acc);
         } else {
             // Keys stored both ways (a cache moved between precisions): float32 copies.
             let (mut kf, mut vf) = (Vec::with_capacity(t_all * d), Vec::with_capacity(t_all * d));
@@ -409,9 +397,13 @@ unsafe fn task(
                 k.extend_f32(&mut kf);
                 v.extend_f32(&mut vf);
             }
-            let (k, v): (Vec<&[f32]>, Vec<&[f32]>) =
-                kf.chunks(d.max(1)).zip(vf.chunks(d.max(1))).unzip();
-            stream.run(&k, &v, &mut acc);
+            let copy = [KvBlock {
+                k: KvData::F32(&kf),
+                v: KvData::F32(&vf),
+                len: t_all,
+                head_stride: 0,
+            }];
+            stream.run::<f32>(&copy, 0, d, &mut acc);
         }
     }
     for (qi, &(hh, row)) in queries.iter().enumerate() {
@@ -457,28 +449,115 @@ struct Stream<'q, 's, 'a> {
     queries: &'q [(usize, usize)],
 }
 
+/// A pass over one run of keys of [`Stream::run`]: its first key, its key and value rows, and
+/// the next run's (to ask for as the first query goes).
+type RunPass<'p, T> = dyn FnMut(usize, &[&[T]], &[&[T]], &[&[T]], &[&[T]]) + 'p;
+
+/// The stored element of a sequence's blocks when they are all stored alike.
+trait Stored: simd::Elem {
+    fn of(x: KvData<'_>) -> &[Self];
+}
+
+impl Stored for f32 {
+    fn of(x: KvData<'_>) -> &[f32] {
+        match x {
+            KvData::F32(x) => x,
+            KvData::Bf16(_) => unreachable!("checked: every block is float32"),
+        }
+    }
+}
+
+impl Stored for u16 {
+    fn of(x: KvData<'_>) -> &[u16] {
+        match x {
+            KvData::Bf16(x) => x,
+            KvData::F32(_) => unreachable!("checked: every block is bfloat16"),
+        }
+    }
+}
+
+/// The key and value rows of kv head `g` in key order, walked block by block.
+#[derive(Clone)]
+struct KeyWalk<'s, 'a> {
+    blocks: &'s [KvBlock<'a>],
+    g: usize,
+    d: usize,
+    b: usize,
+    t: usize,
+}
+
+impl<'a> KeyWalk<'_, 'a> {
+    /// The next key's row and value row.
+    fn next<T: Stored>(&mut self) -> (&'a [T], &'a [T]) {
+        while self.t >= self.blocks[self.b].len {
+            self.b += 1;
+            self.t = 0;
+        }
+        let blk = &self.blocks[self.b];
+        let at = self.g * blk.head_stride + self.t * self.d;
+        self.t += 1;
+        (
+            &T::of(blk.k)[at..at + self.d],
+            &T::of(blk.v)[at..at + self.d],
+        )
+    }
+
+    /// The next `n` (at most [`KEYS_PER_RUN`]) keys' rows into `k` and `v`.
+    fn fill<T: Stored>(
+        &mut self,
+        n: usize,
+        k: &mut [&'a [T]; KEYS_PER_RUN],
+        v: &mut [&'a [T]; KEYS_PER_RUN],
+    ) {
+        for j in 0..n {
+            (k[j], v[j]) = self.next();
+        }
+    }
+}
+
 impl Stream<'_, '_, '_> {
-    /// Every query's weighted values into `acc` `[queries][D]`, over the key rows `keys` and
-    /// value rows `values` (`D` each) in key order.
-    fn run<T: simd::Elem>(&self, keys: &[&[T]], values: &[&[T]], acc: &mut [f32]) {
-        let (isa, t_all, nq) = (self.isa, keys.len(), self.queries.len());
-        let d = acc.len() / nq.max(1);
-        // Scores [nq][t_all]; masked keys get -inf. Keys, then values, go by in runs
-        // ([`each_key_run`]).
+    /// Every query's weighted values into `acc` `[queries][D]`, over kv head `g` of `blocks`
+    /// (stored as `T`), key runs gathered on the stack as they are reached.
+    fn run<T: Stored>(&self, blocks: &[KvBlock], g: usize, d: usize, acc: &mut [f32]) {
+        let (isa, nq) = (self.isa, self.queries.len());
+        let t_all: usize = blocks.iter().map(|b| b.len).sum();
+        let walk = KeyWalk {
+            blocks,
+            g,
+            d,
+            b: 0,
+            t: 0,
+        };
+        let empty: &[T] = &[];
+        // Scores [nq][t_all]; masked keys get -inf. Keys, then values, go by in runs of
+        // [`KEYS_PER_RUN`]: each run is used by every query while it is in L1, and the first
+        // query's pass asks for the next run's rows as it goes.
         let mut scores = spare::take::<f32>(nq * t_all);
         let qv = |qi: usize| {
             let (hh, row) = self.queries[qi];
             &self.q[(hh * self.rows + row) * d..(hh * self.rows + row + 1) * d]
         };
-        each_key_run(t_all, nq, |run, qi, next| {
-            let at = qi * t_all;
-            simd::dots(
-                isa,
-                qv(qi),
-                &keys[run.clone()],
-                &mut scores[at + run.start..at + run.end],
-                &keys[next],
-            );
+        let runs = |pass: &mut RunPass<T>| {
+            let mut w = walk.clone();
+            let (mut k, mut v) = ([empty; KEYS_PER_RUN], [empty; KEYS_PER_RUN]);
+            let (mut nk, mut nv) = ([empty; KEYS_PER_RUN], [empty; KEYS_PER_RUN]);
+            let first = KEYS_PER_RUN.min(t_all);
+            w.fill(first, &mut nk, &mut nv);
+            for t in (0..t_all).step_by(KEYS_PER_RUN) {
+                let n = KEYS_PER_RUN.min(t_all - t);
+                std::mem::swap(&mut k, &mut nk);
+                std::mem::swap(&mut v, &mut nv);
+                let m = KEYS_PER_RUN.min(t_all - t - n);
+                w.fill(m, &mut nk, &mut nv);
+                pass(t, &k[..n], &v[..n], &nk[..m], &nv[..m]);
+            }
+        };
+        runs(&mut |t, k, _, nk, _| {
+            for qi in 0..nq {
+                let at = qi * t_all + t;
+                let ahead: &[&[T]] = if qi == 0 { nk } else { &[] };
+                simd::dots(isa, qv(qi), k, &mut scores[at..at + k.len()], ahead);
+            }
         });
         let scale = pre_scale(self.scale, &mut scores);
         // Softmax per query: scaled scores, max, exp, sum, then normalised probabilities.
@@ -487,38 +566,20 @@ impl Stream<'_, '_, '_> {
                 .apply(self.s.row_index[row - self.s.rows.start], sc);
             simd::softmax(isa, sc, scale);
         }
-        each_key_run(t_all, nq, |run, qi, next| {
-            let at = qi * t_all;
-            simd::weighted_sum(
-                isa,
-                &scores[at + run.start..at + run.end],
-                &values[run],
-                &mut acc[qi * d..(qi + 1) * d],
-                &values[next],
-            );
+        runs(&mut |t, _, v, _, nv| {
+            for qi in 0..nq {
+                let at = qi * t_all + t;
+                let ahead: &[&[T]] = if qi == 0 { nv } else { &[] };
+                simd::weighted_sum(
+                    isa,
+                    &scores[at..at + v.len()],
+                    v,
+                    &mut acc[qi * d..(qi + 1) * d],
+                    ahead,
+                );
+            }
         });
         spare::give(scores);
-    }
-}
-
-/// `pass(run, qi, next)` for every run of [`KEYS_PER_RUN`] of `keys` keys and, within it,
-/// every one of `queries` queries: each run is used by all the queries while it is in L1, and
-/// the first query's pass asks for the rows `next` (the next run's) as it goes.
-fn each_key_run(
-    keys: usize,
-    queries: usize,
-    mut pass: impl FnMut(Range<usize>, usize, Range<usize>),
-) {
-    for t in (0..keys).step_by(KEYS_PER_RUN) {
-        let run = t..(t + KEYS_PER_RUN).min(keys);
-        for qi in 0..queries {
-            let next = if qi == 0 {
-                run.end..(run.end + KEYS_PER_RUN).min(keys)
-            } else {
-                0..0
-            };
-            pass(run.clone(), qi, next);
-        }
     }
 }
 
