@@ -26,7 +26,9 @@ use std::ops::Range;
 use crate::attention::Mask;
 use crate::{check, KernelError};
 
-use super::matmul::{bf16_panels, gemm_panels, pack_column_pairs, pack_row_pairs, NR};
+use super::matmul::{
+    bf16_panels, gemm_panels, pack_bf16_column_pairs, pack_column_pairs, pack_row_pairs, NR,
+};
 use super::simd::{self, Isa};
 use super::SendPtr;
 
@@ -724,9 +726,12 @@ impl Products {
                         for p in 0..d.div_ceil(NR) {
                             let cols = p * NR..(p * NR + NR).min(d);
                             let at = p * tp * NR + j * NR;
-                            for (o, c) in v[at..at + cols.len()].iter_mut().zip(cols) {
-                                *o = u32::from(lo[c]) | hi.map_or(0, |h| u32::from(h[c]) << 16);
-                            }
+                            pack_bf16_column_pairs(
+                                isa,
+                                &lo[cols.clone()],
+                                hi.map(|h| &h[cols.clone()]),
+                                &mut v[at..at + cols.len()],
+                            );
                         }
                         continue;
                     }

@@ -1560,6 +1560,41 @@ unsafe fn pack_column_pairs_avx512(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u3
     chunks * 16
 }
 
+/// [`pack_column_pairs`] of rows already in bfloat16 (the bf16 K/V cache's values): `dst[c]` =
+/// `lo[c] | hi[c] << 16` (`hi` 0 when `None`).
+pub(crate) fn pack_bf16_column_pairs(isa: Isa, lo: &[u16], hi: Option<&[u16]>, dst: &mut [u32]) {
+    let n = dst.len();
+    debug_assert!(lo.len() >= n && hi.is_none_or(|h| h.len() >= n));
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX512F was detected; whole chunks of 16 of the `n` values only.
+        done = unsafe { pack_bf16_column_pairs_avx512(lo, hi, dst) };
+    }
+    for c in done..n {
+        dst[c] = u32::from(lo[c]) | hi.map_or(0, |h| u32::from(h[c]) << 16);
+    }
+}
+
+/// [`pack_bf16_column_pairs`] over whole chunks of 16 values; returns the values written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_bf16_column_pairs_avx512(lo: &[u16], hi: Option<&[u16]>, dst: &mut [u32]) -> usize {
+    use std::arch::x86_64::*;
+    let chunks = dst.len() / 16;
+    let widen = |p: *const u16| _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+    for c in 0..chunks {
+        let l = widen(lo.as_ptr().add(16 * c));
+        let w = match hi {
+            Some(h) => _mm512_or_si512(l, _mm512_slli_epi32::<16>(widen(h.as_ptr().add(16 * c)))),
+            None => l,
+        };
+        _mm512_storeu_si512(dst.as_mut_ptr().add(16 * c) as *mut _, w);
+    }
+    chunks * 16
+}
+
 /// On the calling thread, `c [m, n] = a [m, k] · B` with `a` row-major float32 rounded to
 /// bfloat16 and `B` given as bfloat16 pair panels (per [`NR`] columns, from
 /// `words[p · panel_stride]`, its first `ceil(k / 2)` rows of `NR` words read, the pair of rows
@@ -2381,6 +2416,26 @@ unsafe fn q4_dot_tile_avx512<const MR: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pairs of bfloat16 rows pack to the words their float32 values pack to, on every
+    /// instruction set, whole chunks and tails.
+    #[test]
+    fn bf16_column_pairs_are_the_pairs_of_their_values() {
+        for n in [5, 16, 40] {
+            let lo: Vec<u16> = (0..n).map(|i| f32_to_bf16(i as f32 * 0.37 - 3.0)).collect();
+            let hi: Vec<u16> = (0..n).map(|i| f32_to_bf16(1.5 - i as f32 * 0.11)).collect();
+            let wide = |x: &[u16]| x.iter().map(|&b| bf16_to_f32(b)).collect::<Vec<f32>>();
+            for isa in Isa::available() {
+                for h in [None, Some(&hi[..])] {
+                    let (mut got, mut want) = (vec![0u32; n], vec![0u32; n]);
+                    pack_bf16_column_pairs(isa, &lo, h, &mut got);
+                    let hw = h.map(wide);
+                    pack_column_pairs(isa, &wide(&lo), hw.as_deref(), &mut want);
+                    assert_eq!(got, want, "{isa:?} n{n}");
+                }
+            }
+        }
+    }
 
     /// The bfloat16 packing and the tile write-out give the same bits on every instruction set
     /// the CPU has: odd and short rows, NaN, infinities, subnormals, signed zeros, values
