@@ -393,6 +393,21 @@ mod tests {
             (o.dtype, o.weight_dtype),
             (DType::F32, WeightDtype::Bf16Dot)
         );
+        // ... and bf16 K/V pages unless asked otherwise; float32 compute keeps float32 pages.
+        assert_eq!(o.kv_dtype(), DType::BF16);
+        assert_eq!(o.kv_store(), Some(DType::BF16));
+        let o = options(&["--dtype", "bf16", "--kv-cache-dtype", "float32"])?;
+        assert_eq!(o.kv_dtype(), DType::F32);
+        assert_eq!(options(&[])?.kv_dtype(), DType::F32);
+        let o = options(&["--kv-cache-dtype", "bf16"])?;
+        assert_eq!((o.dtype, o.kv_dtype()), (DType::F32, DType::BF16));
+        let err = options(&["--kv-cache-dtype", "fp8"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--kv-cache-dtype must be auto, float32 or bf16, got \"fp8\""),
+            "{err}"
+        );
         Ok(())
     }
 
