@@ -441,12 +441,13 @@ struct SetRows {
 }
 
 impl SetRows {
-    fn copy<T: Copy>(
+    /// `f(to, from, d)` for every row of `src` (`sl`): its `d` values at `from` go to `to` in
+    /// the page `dl`, after checking the shapes.
+    fn each_row(
         &self,
-        dst: &mut [T],
         dl: &candle_core::Layout,
-        src: &[T],
         sl: &candle_core::Layout,
+        mut f: impl FnMut(usize, usize, usize),
     ) -> candle_core::Result<()> {
         let (h, t, d) = dl.shape().dims3()?;
         let (sh, n, sd) = sl.shape().dims3()?;
@@ -460,12 +461,26 @@ impl SetRows {
         let (s0, d0) = (sl.start_offset(), dl.start_offset());
         for head in 0..h {
             for r in 0..n {
-                let from = s0 + head * ss[0] + r * ss[1];
-                let to = d0 + head * ds[0] + (self.at + r) * ds[1];
-                dst[to..to + d].copy_from_slice(&src[from..from + d]);
+                f(
+                    d0 + head * ds[0] + (self.at + r) * ds[1],
+                    s0 + head * ss[0] + r * ss[1],
+                    d,
+                );
             }
         }
         Ok(())
+    }
+
+    fn copy<T: Copy>(
+        &self,
+        dst: &mut [T],
+        dl: &candle_core::Layout,
+        src: &[T],
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        self.each_row(dl, sl, |to, from, d| {
+            dst[to..to + d].copy_from_slice(&src[from..from + d]);
+        })
     }
 
     /// [`Self::copy`] of float32 rows into a bf16 page, each value rounded to nearest even.
@@ -476,28 +491,13 @@ impl SetRows {
         src: &[f32],
         sl: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        let (h, t, d) = dl.shape().dims3()?;
-        let (sh, n, sd) = sl.shape().dims3()?;
-        let (ds, ss) = (dl.stride(), sl.stride());
-        if !dl.is_contiguous() || sh != h || sd != d || self.at + n > t || (d > 1 && ss[2] != 1) {
-            candle_core::bail!(
-                "set-rows: [{sh}, {n}, {sd}] (strides {ss:?}) into rows {} of [{h}, {t}, {d}]",
-                self.at
-            );
-        }
-        let (s0, d0) = (sl.start_offset(), dl.start_offset());
-        for head in 0..h {
-            for r in 0..n {
-                let from = s0 + head * ss[0] + r * ss[1];
-                let to = d0 + head * ds[0] + (self.at + r) * ds[1];
-                // SAFETY: `half::bf16` is a `repr(transparent)` u16.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(dst[to..to + d].as_mut_ptr().cast::<u16>(), d)
-                };
-                wavefront_kernels::cpu::round_to_bf16(&src[from..from + d], out);
-            }
-        }
-        Ok(())
+        self.each_row(dl, sl, |to, from, d| {
+            // SAFETY: `half::bf16` is a `repr(transparent)` u16.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(dst[to..to + d].as_mut_ptr().cast::<u16>(), d)
+            };
+            wavefront_kernels::cpu::round_to_bf16(&src[from..from + d], out);
+        })
     }
 }
 

@@ -121,6 +121,18 @@ fn mixed_requests() -> Vec<GenerateSpec> {
     specs
 }
 
+/// The most slots any of `specs` may hold over its life (float32 pages of the fixture).
+fn largest_request(specs: &[GenerateSpec]) -> Result<usize> {
+    let (_, planner) = fixture_model_and_planner()?;
+    Ok(specs
+        .iter()
+        .map(|s| planner.prepare(s.clone()).map(|p| p.max_slots))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(1))
+}
+
 fn fixture_served(max_active: usize) -> Result<Arc<dyn ServedModel>> {
     serve(fixture_files()?, "fixture", max_active)
 }
@@ -148,14 +160,7 @@ fn requests_arriving_at_different_ticks_produce_what_they_produce_alone() -> Res
 #[test]
 fn requests_preempted_for_pages_produce_what_they_produce_alone() -> Result<()> {
     let specs = mixed_requests();
-    let (_, planner) = fixture_model_and_planner()?;
-    let largest = specs
-        .iter()
-        .map(|s| planner.prepare(s.clone()).map(|p| p.max_slots))
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .max()
-        .unwrap_or(1);
+    let largest = largest_request(&specs)?;
     let cfg = fixture_config()?;
     let page_bytes = (PAGE_SIZE * 2 * cfg.n_embd * 4) as u64;
     let roomy = fixture_served(specs.len())?;
@@ -654,14 +659,7 @@ fn bf16_kv_pages_serve_the_mix_batched_preempted_and_moved_alike() -> Result<()>
         f.tokens
     );
     float.shutdown();
-    let (_, planner) = fixture_model_and_planner()?;
-    let largest = specs
-        .iter()
-        .map(|s| planner.prepare(s.clone()).map(|p| p.max_slots))
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .max()
-        .unwrap_or(1);
+    let largest = largest_request(&specs)?;
     // Latent states take two rows each here: twice float32's latent pages at most.
     let preemptions = crate::test_support::assert_preempted_requests_match_alone_with(
         fixture_files()?,
