@@ -193,6 +193,9 @@ WAVEFRONT_COLLECTIVE: {{ $w.collective | quote }}
 WAVEFRONT_ATTENTION: {{ $w.attention | quote }}
 {{- end }}
 WAVEFRONT_MEMORY_BUDGET_MB: {{ $w.memoryBudgetMb | int64 | toString | quote }}
+{{- if $w.kvCacheDtype }}
+WAVEFRONT_KV_CACHE_DTYPE: {{ $w.kvCacheDtype | quote }}
+{{- end }}
 {{- if $w.kvReserve }}
 WAVEFRONT_KV_RESERVE: {{ $w.kvReserve | quote }}
 {{- end }}
