@@ -198,12 +198,7 @@ impl Target {
             .attention
             .parse()
             .map_err(|e| anyhow!("--attention: {e}"))?;
-        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).ok_or_else(|| {
-            anyhow!(
-                "--kv-cache-dtype must be auto, float32 or bf16, got {:?}",
-                self.kv_cache_dtype
-            )
-        })?;
+        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).map_err(|e| anyhow!(e))?;
         Ok(LoadOptions {
             name: name.into(),
             device,

@@ -216,12 +216,8 @@ impl ModelArgs {
                 self.kv_page_size
             );
         }
-        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).with_context(|| {
-            format!(
-                "--kv-cache-dtype must be auto, float32 or bf16, got {:?}",
-                self.kv_cache_dtype
-            )
-        })?;
+        let kv_cache_dtype =
+            KvCacheDtype::parse(&self.kv_cache_dtype).map_err(anyhow::Error::msg)?;
         let kv_reserve = match self.kv_reserve.as_str() {
             "on-demand" => KvReserve::OnDemand,
             "worst-case" => KvReserve::WorstCase,

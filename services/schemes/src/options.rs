@@ -76,13 +76,16 @@ pub enum KvCacheDtype {
 }
 
 impl KvCacheDtype {
-    /// From `auto`, `float32`/`f32` or `bf16`/`bfloat16`.
-    pub fn parse(s: &str) -> Option<Self> {
+    /// From `auto`, `float32`/`f32` or `bf16`/`bfloat16`; the error names the flag and the
+    /// values it takes.
+    pub fn parse(s: &str) -> Result<Self, String> {
         match s {
-            "auto" => Some(Self::Auto),
-            "float32" | "f32" => Some(Self::F32),
-            "bf16" | "bfloat16" => Some(Self::Bf16),
-            _ => None,
+            "auto" => Ok(Self::Auto),
+            "float32" | "f32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            _ => Err(format!(
+                "--kv-cache-dtype must be auto, float32 or bf16, got {s:?}"
+            )),
         }
     }
 

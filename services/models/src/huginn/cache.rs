@@ -577,7 +577,13 @@ impl HuginnCache {
     /// Page rows one latent row takes: 2 where the pool stores K/V rows as bf16 in host
     /// memory (a float32 row's bits, whole, in two bf16 rows), else 1.
     pub fn latent_rows(&self) -> usize {
-        if self.supply.pool().kv_dtype() == Some(DType::BF16) {
+        Self::latent_rows_storing(self.supply.pool().kv_dtype())
+    }
+
+    /// [`Self::latent_rows`] of a cache whose pool stores K/V rows as `kv_dtype`
+    /// (`KvPool::kv_dtype`): what a planner reserves per latent state.
+    pub fn latent_rows_storing(kv_dtype: Option<DType>) -> usize {
+        if kv_dtype == Some(DType::BF16) {
             2
         } else {
             1

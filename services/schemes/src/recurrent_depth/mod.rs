@@ -81,7 +81,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use wavefront_engine::Family;
-use wavefront_models::{Huginn, HuginnConfig, ModelFiles, TextTokenizer};
+use wavefront_models::{Huginn, HuginnCache, HuginnConfig, ModelFiles, TextTokenizer};
 
 pub use self::family::{HuginnFamily, HuginnOutput, HuginnPlan};
 pub use self::planner::{HuginnPlanner, Program, MAX_NUM_STEPS};
@@ -138,11 +138,7 @@ where
             .with_occupancy_multiplier(m)
             .with_reserve(opts.kv_reserve)
             .with_page_size(opts.kv_page_size)
-            .with_latent_rows(if opts.kv_store() == Some(DType::BF16) {
-                2
-            } else {
-                1
-            }),
+            .with_latent_rows(HuginnCache::latent_rows_storing(opts.kv_store())),
     );
     let bytes_per_slot = opts.kv_page_size * 2 * cfg.n_embd * opts.kv_dtype().size_in_bytes();
     // 1% of the pool kept free at admission for running requests to grow into.
