@@ -41,7 +41,23 @@ pub enum KvData<'a> {
     Bf16(&'a [u16]),
 }
 
-impl KvData<'_> {
+impl<'a> KvData<'a> {
+    /// The values `r`.
+    fn sub(self, r: Range<usize>) -> KvData<'a> {
+        match self {
+            KvData::F32(x) => KvData::F32(&x[r]),
+            KvData::Bf16(x) => KvData::Bf16(&x[r]),
+        }
+    }
+
+    /// Appends the values, as float32.
+    fn extend_f32(&self, out: &mut Vec<f32>) {
+        match self {
+            Self::F32(x) => out.extend_from_slice(x),
+            Self::Bf16(x) => out.extend(x.iter().map(|&b| simd::Elem::to_f32(b))),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Self::F32(x) => x.len(),
@@ -323,7 +339,7 @@ unsafe fn task(
         s.blocks.iter().flat_map(move |b| {
             (0..b.len).map(move |t| {
                 let at = g * b.head_stride + t * d;
-                (row_of(b.k, at, d), row_of(b.v, at, d))
+                (b.k.sub(at..at + d), b.v.sub(at..at + d))
             })
         })
     };
@@ -419,24 +435,6 @@ unsafe fn task(
     }
     if !gemm {
         spare::give(acc);
-    }
-}
-
-/// The `d` values of `x` from `at`.
-fn row_of<'a>(x: KvData<'a>, at: usize, d: usize) -> KvData<'a> {
-    match x {
-        KvData::F32(x) => KvData::F32(&x[at..at + d]),
-        KvData::Bf16(x) => KvData::Bf16(&x[at..at + d]),
-    }
-}
-
-impl KvData<'_> {
-    /// Appends the values, as float32.
-    fn extend_f32(&self, out: &mut Vec<f32>) {
-        match self {
-            Self::F32(x) => out.extend_from_slice(x),
-            Self::Bf16(x) => out.extend(x.iter().map(|&b| simd::Elem::to_f32(b))),
-        }
     }
 }
 
@@ -1205,43 +1203,36 @@ mod tests {
             let q = data(h * rows * d, 33);
             let row_index: Vec<u32> = (t - rows..t).map(|r| r as u32).collect();
             let at = 20;
-            let seq = |blocks: Vec<KvBlock<'static>>| SeqAttention {
+            let seq = |blocks| SeqAttention {
                 rows: 0..rows,
-                row_index: Box::leak(row_index.clone().into_boxed_slice()),
+                row_index: &row_index,
                 blocks,
                 key_index: None,
                 mask: Mask::Causal,
             };
-            let (kb, vb, kf, vf): (
-                &'static [u16],
-                &'static [u16],
-                &'static [f32],
-                &'static [f32],
-            ) = (
-                Box::leak(kb.into_boxed_slice()),
-                Box::leak(vb.into_boxed_slice()),
-                Box::leak(kf.into_boxed_slice()),
-                Box::leak(vf.into_boxed_slice()),
-            );
-            let block = |k: KvData<'static>, v: KvData<'static>, from: usize, len: usize| KvBlock {
-                k: match k {
-                    KvData::F32(x) => KvData::F32(&x[from * d..]),
-                    KvData::Bf16(x) => KvData::Bf16(&x[from * d..]),
-                },
-                v: match v {
-                    KvData::F32(x) => KvData::F32(&x[from * d..]),
-                    KvData::Bf16(x) => KvData::Bf16(&x[from * d..]),
-                },
-                len,
-                head_stride: t * d,
-            };
+            // Keys `from..from + len` of `k` and `v` as one block.
+            fn block<'a>(
+                kv: (KvData<'a>, KvData<'a>),
+                from: usize,
+                len: usize,
+                d: usize,
+                t: usize,
+            ) -> KvBlock<'a> {
+                KvBlock {
+                    k: kv.0.sub(from * d..kv.0.len()),
+                    v: kv.1.sub(from * d..kv.1.len()),
+                    len,
+                    head_stride: t * d,
+                }
+            }
+            let block = |kv, from, len| block(kv, from, len, d, t);
             let (f, b) = (
-                (KvData::F32(kf), KvData::F32(vf)),
-                (KvData::Bf16(kb), KvData::Bf16(vb)),
+                (KvData::F32(&kf), KvData::F32(&vf)),
+                (KvData::Bf16(&kb), KvData::Bf16(&vb)),
             );
-            let float = seq(vec![block(f.0, f.1, 0, at), block(f.0, f.1, at, t - at)]);
-            let stored = seq(vec![block(b.0, b.1, 0, at), block(b.0, b.1, at, t - at)]);
-            let mixed = seq(vec![block(b.0, b.1, 0, at), block(f.0, f.1, at, t - at)]);
+            let float = seq(vec![block(f, 0, at), block(f, at, t - at)]);
+            let stored = seq(vec![block(b, 0, at), block(b, at, t - at)]);
+            let mixed = seq(vec![block(b, 0, at), block(f, at, t - at)]);
             for bf16_products in [false, true] {
                 let heads = Heads {
                     n_heads: h,
