@@ -301,25 +301,23 @@ fn bf16_kv_pages_stay_close_to_f32_pages() -> Result<()> {
         let mut m = q.clone();
         m.store_weights(dtype)?;
         let mut cache = KvCache::in_pool(pool(bf16));
+        // The prompt, then one more position over the cached keys.
         let t = ids.len() - 1;
-        let mut seqs = [SeqInput::dense(t)
-            .with_mask(MaskRule::Causal)
-            .with_keys(Keys::Buffer {
-                cache: &mut cache,
-                len: t,
-            })];
-        m.forward(&ids[..t], &mut seqs)?;
-        let mut seqs = [SeqInput {
-            index: vec![t as u32],
-            positions: vec![t as u32],
-            mask: MaskRule::Causal,
-            keys: Keys::Buffer {
-                cache: &mut cache,
-                len: t + 1,
-            },
-        }];
-        let h = m.forward(&ids[t..], &mut seqs)?;
-        Ok(m.logits(&h)?)
+        let mut h = None;
+        for rows in [0..t, t..t + 1] {
+            let index: Vec<u32> = rows.clone().map(|r| r as u32).collect();
+            let mut seqs = [SeqInput {
+                positions: index.clone(),
+                index,
+                mask: MaskRule::Causal,
+                keys: Keys::Buffer {
+                    cache: &mut cache,
+                    len: rows.end,
+                },
+            }];
+            h = Some(m.forward(&ids[rows], &mut seqs)?);
+        }
+        Ok(m.logits(&h.expect("two calls"))?)
     };
     run("refusion", &qwen)?;
 
