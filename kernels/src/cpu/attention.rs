@@ -715,36 +715,38 @@ impl Products {
             let mut values = Vec::with_capacity(t);
             values.extend(rows().map(|(_, v)| v));
             for (j, pair) in values.chunks(2).enumerate() {
-                if let (KvData::Bf16(lo), hi) = (pair[0], pair.get(1)) {
-                    if let None | Some(KvData::Bf16(_)) = hi {
-                        let hi = match hi {
-                            Some(KvData::Bf16(h)) => Some(*h),
-                            _ => None,
-                        };
-                        for p in 0..d.div_ceil(NR) {
-                            let cols = p * NR..(p * NR + NR).min(d);
-                            let at = p * tp * NR + j * NR;
-                            pack_bf16_column_pairs(
-                                isa,
-                                &lo[cols.clone()],
-                                hi.map(|h| &h[cols.clone()]),
-                                &mut v[at..at + cols.len()],
-                            );
-                        }
-                        continue;
-                    }
-                }
-                let lo = f32_row(&pair[0], &mut b0);
-                let hi = pair.get(1).map(|h| f32_row(h, &mut b1));
+                // Both rows bfloat16 (or one, the last of an odd count): their values pair as
+                // they are; otherwise float32 rows, rounded as they pack.
+                let stored = match (pair[0], pair.get(1)) {
+                    (KvData::Bf16(lo), None) => Some((lo, None)),
+                    (KvData::Bf16(lo), Some(KvData::Bf16(hi))) => Some((lo, Some(*hi))),
+                    _ => None,
+                };
+                let (lo, hi) = match stored {
+                    Some(_) => (&[][..], None),
+                    None => (
+                        f32_row(&pair[0], &mut b0),
+                        pair.get(1).map(|h| f32_row(h, &mut b1)),
+                    ),
+                };
                 for p in 0..d.div_ceil(NR) {
                     let cols = p * NR..(p * NR + NR).min(d);
                     let at = p * tp * NR + j * NR;
-                    pack_column_pairs(
-                        isa,
-                        &lo[cols.clone()],
-                        hi.map(|v| &v[cols.clone()]),
-                        &mut v[at..at + cols.len()],
-                    );
+                    let dst = &mut v[at..at + cols.len()];
+                    match stored {
+                        Some((l, h)) => pack_bf16_column_pairs(
+                            isa,
+                            &l[cols.clone()],
+                            h.map(|h| &h[cols.clone()]),
+                            dst,
+                        ),
+                        None => pack_column_pairs(
+                            isa,
+                            &lo[cols.clone()],
+                            hi.map(|h| &h[cols.clone()]),
+                            dst,
+                        ),
+                    }
                 }
             }
             return Self::Bf16 { d, t, k, v };
