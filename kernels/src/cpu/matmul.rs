@@ -221,6 +221,37 @@ pub fn has_bf16_dot() -> bool {
     false
 }
 
+/// What multiplies the bfloat16 pairs of [`WeightDtype::Bf16Dot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PairUnit {
+    /// AMX tiles ([`super::amx`]).
+    Amx,
+    /// AVX512-BF16's `vdpbf16ps`.
+    Dot,
+    /// Float32 FMAs of the widened values: the same products.
+    Fma,
+}
+
+impl PairUnit {
+    /// The best unit for `isa` on this CPU: AMX and AVX512-BF16 need the AVX-512 path.
+    pub(crate) fn for_isa(isa: Isa) -> Self {
+        Self::available(isa)[0]
+    }
+
+    /// Every unit `isa` can use on this CPU, best first (tests compare them).
+    pub(crate) fn available(isa: Isa) -> Vec<Self> {
+        let mut out = Vec::new();
+        if isa == Isa::Avx512 && has_bf16_dot() {
+            if super::amx::enabled() {
+                out.push(Self::Amx);
+            }
+            out.push(Self::Dot);
+        }
+        out.push(Self::Fma);
+        out
+    }
+}
+
 /// A linear layer's weight `[n, k]`, packed for [`linear`].
 #[derive(Debug, Clone)]
 pub struct PackedWeight {
@@ -634,6 +665,7 @@ pub fn linear_with(
     if let Store::Bf16Pairs(words) = &w.store {
         bf16_dot(
             isa,
+            PairUnit::for_isa(isa),
             threads,
             x,
             m,
@@ -1372,6 +1404,7 @@ const KC_PAIRS: usize = KC / 2;
 #[allow(clippy::too_many_arguments)]
 fn bf16_dot(
     isa: Isa,
+    unit: PairUnit,
     threads: usize,
     x: &[f32],
     m: usize,
@@ -1382,10 +1415,13 @@ fn bf16_dot(
     y: &mut [f32],
 ) {
     let kp = k.div_ceil(2);
+    if unit == PairUnit::Amx {
+        return super::amx::bf16_dot(threads, x, m, k, n, (words, panel_stride), bias, y);
+    }
     let panels = n.div_ceil(NR);
     let tiles = fixed_tiles(m, MR_MAX);
     let a = pack_pairs(isa, threads, x, k, &tiles);
-    let dot = has_bf16_dot() && isa == Isa::Avx512;
+    let dot = unit == PairUnit::Dot;
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
         let mut accs = [[0f32; MR_MAX * NR]; GROUP_TILES];
@@ -1615,6 +1651,11 @@ pub(crate) fn bf16_panels(
     assert!(kp * NR <= panel_stride || n == 0);
     assert!(a.len() >= m * k && c.len() >= m * n);
     assert!(words.len() >= panels.saturating_sub(1) * panel_stride + kp * NR);
+    if PairUnit::for_isa(isa) == PairUnit::Amx {
+        // On AMX tiles, on this thread, as the weights' products.
+        let (a, c) = (&a[..m * k], &mut c[..m * n]);
+        return super::amx::bf16_dot(1, a, m, k, n, (words, panel_stride), None, c);
+    }
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && isa == Isa::Avx512 {
         // The rows as bfloat16 pairs, row-major `[m][kp]`: a contiguous conversion (no
@@ -1643,6 +1684,7 @@ pub(crate) fn bf16_panels(
     // Elsewhere the weights' path.
     bf16_dot(
         isa,
+        PairUnit::for_isa(isa),
         1,
         &a[..m * k],
         m,
@@ -2972,6 +3014,87 @@ mod tests {
                 "stored weights"
             );
             assert_products(&packed, &x, r, &bias, (m, n, k));
+        }
+    }
+
+    /// Every unit that multiplies bfloat16 pairs (AMX tiles, AVX512-BF16, float32 FMAs; those
+    /// this CPU has) gives the float64 product of the rounded operands within float32
+    /// summation error, on one and two threads, for row counts around AMX's 16-row tiles and
+    /// `k` with and without pairs past the last whole tile step; and on each unit a row's bits
+    /// do not depend on the rows beside it.
+    #[test]
+    fn bf16_pair_products_agree_on_every_unit() {
+        let units = PairUnit::available(Isa::get());
+        if !units.contains(&PairUnit::Amx) {
+            eprintln!("this CPU or kernel gives no AMX tiles: the AMX unit is not compared");
+        }
+        let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
+        for &(m, n, k) in &[
+            (1, 40, 7),
+            (1, 64, 64),
+            (3, 33, 31),
+            (15, 70, 300),
+            (16, 32, 64),
+            (17, 33, 513),
+            (31, 96, 96),
+            (40, 70, 1000),
+            (70, 65, 129),
+        ] {
+            let x = data(m * k, 3 + k as u32);
+            let w = data(n * k, 7 + n as u32);
+            let bias = data(n, 11);
+            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Bf16Dot).unwrap();
+            let Store::Bf16Pairs(words) = &packed.store else {
+                unreachable!("bf16-dot packs pairs")
+            };
+            let stored = packed.unpack();
+            let want: Vec<f64> = (0..m * n)
+                .map(|ij| {
+                    let (i, j) = (ij / n, ij % n);
+                    let dot: f64 = (0..k)
+                        .map(|kk| f64::from(r(x[i * k + kk])) * f64::from(stored[j * k + kk]))
+                        .sum();
+                    dot + f64::from(bias[j])
+                })
+                .collect();
+            let stride = k.div_ceil(2) * NR;
+            for &unit in &units {
+                let product = |threads: usize, x: &[f32], m: usize| {
+                    let mut y = vec![0f32; m * n];
+                    let isa = Isa::get();
+                    bf16_dot(
+                        isa,
+                        unit,
+                        threads,
+                        x,
+                        m,
+                        k,
+                        n,
+                        (words, stride),
+                        Some(&bias),
+                        &mut y,
+                    );
+                    y
+                };
+                for threads in [1, 2] {
+                    let y = product(threads, &x, m);
+                    for (g, w) in y.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                            "{unit:?} threads={threads} m={m} n={n} k={k}: {g} vs {w}"
+                        );
+                    }
+                }
+                let all = product(2, &x, m);
+                for i in 0..m {
+                    let alone = product(1, &x[i * k..(i + 1) * k], 1);
+                    assert_eq!(
+                        alone,
+                        &all[i * n..(i + 1) * n],
+                        "{unit:?} row {i}, m={m} k={k}"
+                    );
+                }
+            }
         }
     }
 

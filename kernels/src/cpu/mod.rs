@@ -11,12 +11,16 @@
 //! (AVX-512, AVX2 + FMA, or the portable fallback, all with single-rounding FMAs). A request's
 //! logits are therefore bit-identical whether its rows run alone or packed with other
 //! requests' rows: batch invariance holds by construction, not up to summation noise.
+//! The reduced-precision products keep this per path: bf16 pair products on AMX tiles
+//! ([`amx`], where the CPU and the kernel give them), AVX512-BF16 or float32 FMAs each sum a
+//! row in an order fixed by `k` alone; those paths differ from one another in summation order.
 //!
 //! Threads: the work of one call is split over the kernels' own pool ([`pool`]: the calling
 //! thread and `--threads - 1` workers that spin between calls), the machine's cores by
 //! default. A call returns when its work is done, so kernels need no synchronisation with
 //! the caller.
 
+pub mod amx;
 pub mod attention;
 pub mod elementwise;
 pub mod matmul;
@@ -40,6 +44,16 @@ pub fn init_threads(n: usize) -> Result<(), crate::KernelError> {
 /// The instruction set the kernels of this process use, decided once.
 pub fn isa() -> &'static str {
     simd::Isa::get().name()
+}
+
+/// What multiplies bfloat16 pairs ([`matmul::WeightDtype::Bf16Dot`]) in this process: `amx`
+/// (AMX tiles), `avx512-bf16` (`vdpbf16ps`) or `fma` (float32 FMAs of the widened values).
+pub fn bf16_unit() -> &'static str {
+    match matmul::PairUnit::for_isa(simd::Isa::get()) {
+        matmul::PairUnit::Amx => "amx",
+        matmul::PairUnit::Dot => "avx512-bf16",
+        matmul::PairUnit::Fma => "fma",
+    }
 }
 
 /// A raw pointer that may cross to pool threads: every user writes a disjoint part of the

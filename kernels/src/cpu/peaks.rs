@@ -91,6 +91,16 @@ unsafe fn dot_bf16_avx512(iters: usize) -> f64 {
     (iters * 12 * 16 * 4) as f64
 }
 
+/// Floating-point operations per second of bfloat16 pair products on AMX tiles
+/// (`tdpbf16ps`, operands in tiles) on every pool thread; `None` where this process has no
+/// AMX tiles ([`super::amx::enabled`]).
+pub fn amx_bf16_peak(seconds: f64) -> Option<f64> {
+    if !super::amx::enabled() {
+        return None;
+    }
+    Some(rate(seconds, || super::amx::peak_loop(1 << 16)))
+}
+
 /// Integer operations per second of 8-bit products (`vpdpbusd`: 4 products and 4 additions per
 /// 32-bit lane, counted as FLOPs are) on every pool thread, operands in registers; `None` where
 /// the CPU has no AVX512-VNNI.
