@@ -44,12 +44,30 @@ pub fn enabled() -> bool {
     })
 }
 
+/// Whether this process multiplies 8-bit quads on AMX tiles: the CPU has AMX-INT8 (and
+/// AVX512-VNNI, for the quads past the last whole step) and [`enabled`] holds.
+pub fn int8_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // CPUID leaf 7: EDX bit 25 AMX-INT8.
+            let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+            leaf.edx & (1 << 25) != 0 && super::matmul::has_int8_dot() && enabled()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
 /// Whether the CPU has AMX-BF16 and tiles, and the kernel lets this process use them.
 fn usable() -> bool {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     {
         use std::arch::x86_64::__cpuid_count;
-        if !super::matmul::has_bf16_dot() {
+        // The tiles' kernel also runs AVX512-BF16 and VNNI on the pairs and quads past its
+        // last whole step.
+        if !super::matmul::has_bf16_dot() || !super::matmul::has_int8_dot() {
             return false;
         }
         // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
@@ -88,19 +106,22 @@ unsafe fn request_tile_data() -> bool {
     ret == 0
 }
 
-/// Runs `iters` rounds of four independent `tdpbf16ps` (operands in tiles, as a product of
-/// many rows keeps them) on this thread; returns the floating-point operations done (two per
-/// product of a pair's value, as the other peaks count them).
+/// Runs `iters` rounds of four independent tile products (`tdpbf16ps`, or `tdpbusd` with
+/// `int8`; operands in tiles, as a product of many rows keeps them) on this thread; returns
+/// the operations done (two per product of a value, as the other peaks count them).
 ///
-/// Callers check [`enabled`] first.
-pub(crate) fn peak_loop(iters: usize) -> f64 {
-    assert!(enabled(), "AMX tiles are not available to this process");
+/// Callers check [`enabled`] (and [`int8_enabled`] with `int8`) first.
+pub(crate) fn peak_loop(iters: usize, int8: bool) -> f64 {
+    assert!(
+        enabled() && (!int8 || int8_enabled()),
+        "AMX tiles are not available"
+    );
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::asm;
         let config = TileConfig::new(TILE_ROWS);
         let ones = vec![0x3f80_3f80u32; TILE_ROWS * STEP];
-        // SAFETY: `enabled` said the CPU has AMX-BF16 and Linux granted tile data; the loads
+        // SAFETY: the CPU has the tiles and Linux granted tile data (the assert); the loads
         // read `ones` (16 rows of 64 bytes).
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack));
@@ -113,18 +134,29 @@ pub(crate) fn peak_loop(iters: usize) -> f64 {
                 s = in(reg) STEP * 4,
                 options(nostack, readonly),
             );
-            for _ in 0..iters {
-                asm!(
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    options(nostack, nomem),
-                );
+            macro_rules! four {
+                ($op:literal) => {
+                    for _ in 0..iters {
+                        asm!(
+                            concat!($op, " tmm0, tmm4, tmm6"),
+                            concat!($op, " tmm1, tmm4, tmm7"),
+                            concat!($op, " tmm2, tmm5, tmm6"),
+                            concat!($op, " tmm3, tmm5, tmm7"),
+                            options(nostack, nomem),
+                        );
+                    }
+                };
+            }
+            if int8 {
+                four!("tdpbusd");
+            } else {
+                four!("tdpbf16ps");
             }
             asm!("tilerelease", options(nostack, nomem));
         }
-        (iters * 4 * TILE_ROWS * NR / 2 * STEP * 2 * 2) as f64
+        // 16 rows x 16 columns x 64 bytes of `k` per tile row (32 pairs or 64 quads' values).
+        let per_byte = if int8 { 1 } else { 2 };
+        (iters * 4 * TILE_ROWS * (NR / 2) * (STEP * 4 / per_byte) * 2) as f64
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("AMX is x86-64 only")
@@ -148,12 +180,69 @@ pub(crate) fn bf16_dot(
     y: &mut [f32],
 ) {
     assert!(enabled(), "AMX tiles are not available to this process");
-    let (kp, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    assert!(x.len() >= m * k && y.len() >= m * n);
-    assert!(kp * NR <= panel_stride || panels == 0);
-    assert!(words.len() >= panels.saturating_sub(1) * panel_stride + kp * NR);
+    assert!(x.len() >= m * k);
+    let isa = super::simd::Isa::get();
+    let a = Activations::pack(threads, m, k.div_ceil(2), |i, dst| {
+        super::matmul::pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1)
+    });
+    let finish = Finish::Bf16 { bias };
+    run_units(threads, &a, n, (words, panel_stride), finish, y);
+}
+
+/// The 8-bit products of [`super::matmul::WeightDtype::Int8Dot`] on AMX-INT8 tiles
+/// (`tdpbusd`): `quads` holds each row's activations quantised to `q + 128`, four to a word
+/// (`[m][kq]`), `row_scales` their scales; `words` the panels of 8-bit weight quads
+/// (`[kq][NR]`, the weight tiles' layout as they are), with each column's scale and sum of
+/// weights. The integer sums are exact, so the outputs have the bits of the VNNI path's.
+///
+/// Callers check [`int8_enabled`] first.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn int8_dot(
+    threads: usize,
+    (quads, row_scales): (&[u32], &[f32]),
+    m: usize,
+    kq: usize,
+    n: usize,
+    (words, scales, sums): (&[u32], &[f32], &[i32]),
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    assert!(
+        int8_enabled(),
+        "AMX-INT8 tiles are not available to this process"
+    );
+    assert!(quads.len() >= m * kq && row_scales.len() >= m);
+    let panels = n.div_ceil(NR);
+    assert!(scales.len() >= panels * NR && sums.len() >= panels * NR);
+    let a = Activations::pack(threads, m, kq, |i, dst| {
+        dst[..kq].copy_from_slice(&quads[i * kq..(i + 1) * kq])
+    });
+    let finish = Finish::Int8 {
+        row_scales,
+        scales,
+        sums,
+        bias,
+    };
+    run_units(threads, &a, n, (words, kq * NR), finish, y);
+}
+
+/// Every panel of `words` times the activations `a` into `y`, on `threads` pool threads.
+fn run_units(
+    threads: usize,
+    a: &Activations,
+    n: usize,
+    (words, panel_stride): (&[u32], usize),
+    finish: Finish<'_>,
+    y: &mut [f32],
+) {
+    let (m, panels) = (a.m, n.div_ceil(NR));
+    assert!(y.len() >= m * n);
+    assert!(a.kw * NR <= panel_stride || panels == 0);
+    assert!(words.len() >= panels.saturating_sub(1) * panel_stride + a.kw * NR);
+    let bias = match finish {
+        Finish::Bf16 { bias } | Finish::Int8 { bias, .. } => bias,
+    };
     assert!(bias.is_none_or(|b| b.len() >= n));
-    let a = Activations::pack(threads, x, m, k);
     // Units of work: up to two activation tiles, `(first tile, tiles)`.
     let units: Vec<(usize, usize)> = (0..a.tiles)
         .step_by(2)
@@ -162,21 +251,25 @@ pub(crate) fn bf16_dot(
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, units: &[(usize, usize)]| {
         let job = Job {
-            a: &a,
-            m,
+            a,
             n,
             words,
             panel_stride,
-            bias,
+            finish,
             y: yp,
         };
-        // SAFETY: `enabled` said the CPU has AMX-BF16 and AVX512-BF16 and Linux granted tile
-        // data; the asserts above bound every read; each task writes its own panels' columns
-        // of its own rows.
-        unsafe { job.run(panels, units) }
+        // SAFETY: the callers checked that the CPU has the tiles (and the vector instructions
+        // of the tails) and Linux granted tile data; the asserts above bound every read; each
+        // task writes its own panels' columns of its own rows.
+        unsafe {
+            match finish {
+                Finish::Bf16 { .. } => job.run::<false>(panels, units),
+                Finish::Int8 { .. } => job.run::<true>(panels, units),
+            }
+        }
     };
-    let macs = m * n * k;
-    if threads <= 1 || macs < 1 << 16 {
+    let macs = m * n * a.kw;
+    if threads <= 1 || macs < 1 << 15 {
         run(0..panels, &units);
     } else if panels >= threads {
         let parts: Vec<_> = split(panels, threads).collect();
@@ -187,40 +280,55 @@ pub(crate) fn bf16_dot(
     }
 }
 
+/// How a product's sums become outputs.
+#[derive(Clone, Copy)]
+enum Finish<'a> {
+    /// Float32 sums of bfloat16 pair products, plus the bias.
+    Bf16 { bias: Option<&'a [f32]> },
+    /// 32-bit integer sums of 8-bit products: `(sum − 128 · Σ w) · (s_x · s_w) (+ bias)`.
+    Int8 {
+        row_scales: &'a [f32],
+        scales: &'a [f32],
+        sums: &'a [i32],
+        bias: Option<&'a [f32]>,
+    },
+}
+
 /// The activations as AMX reads them: rows in tiles of 16 (`min(m, 16)` rows when `m` is
 /// smaller; the last tile padded with rows of zeros), each tile as `steps` blocks of its rows'
-/// 16 pairs, `[tile][step][row][16]` words: every tile load reads 1 KB (or `64 · rows` bytes)
-/// in one run, whatever `k` (rows `4 kp` bytes apart alias in the L1 cache when `kp` is a
-/// multiple of 1024). The last step's pairs past `kp` are 0.
+/// 16 words (bfloat16 pairs or 8-bit quads), `[tile][step][row][16]`: every tile load reads 1
+/// KB (or `64 · rows` bytes) in one run, whatever `k` (rows `4 kw` bytes apart alias in the L1
+/// cache when `kw` is a multiple of 1024). The last step's words past `kw` are 0.
 struct Activations {
     words: Vec<u32>,
-    /// Rows per tile, and tiles.
+    /// Rows, rows per tile, and tiles.
+    m: usize,
     rows: usize,
     tiles: usize,
-    /// Pairs per row, and steps (blocks of 16 pairs, the last one maybe partial).
-    kp: usize,
+    /// Words per row, and steps (blocks of 16 words, the last one maybe partial).
+    kw: usize,
     steps: usize,
 }
 
 impl Activations {
-    fn pack(threads: usize, x: &[f32], m: usize, k: usize) -> Self {
-        let (kp, rows) = (k.div_ceil(2), m.min(TILE_ROWS));
-        let (tiles, steps) = (m.div_ceil(rows), kp.div_ceil(STEP));
+    /// `m` rows of `kw` words, row `i` written by `fill(i, its words)` (`16 · steps` of them,
+    /// those past `kw` left 0), on `threads` pool threads when there are enough.
+    fn pack(threads: usize, m: usize, kw: usize, fill: impl Fn(usize, &mut [u32]) + Sync) -> Self {
+        let rows = m.min(TILE_ROWS);
+        let (tiles, steps) = (m.div_ceil(rows), kw.div_ceil(STEP));
         let tile_len = steps * rows * STEP;
         let mut words = vec![0u32; tiles * tile_len];
-        let isa = super::simd::Isa::get();
         let pack = |t: usize, dst: &mut [u32]| {
-            let mut row_pairs = vec![0u32; steps * STEP];
+            let mut row = vec![0u32; steps * STEP];
             for r in 0..rows.min(m - t * rows) {
-                let i = t * rows + r;
-                super::matmul::pack_row_pairs(isa, &x[i * k..(i + 1) * k], &mut row_pairs, 0, 1);
-                for (s, chunk) in row_pairs.chunks(STEP).enumerate() {
+                fill(t * rows + r, &mut row);
+                for (s, chunk) in row.chunks(STEP).enumerate() {
                     let at = (s * rows + r) * STEP;
                     dst[at..at + STEP].copy_from_slice(chunk);
                 }
             }
         };
-        if threads > 1 && tiles > 1 && m * k >= 1 << 14 {
+        if threads > 1 && tiles > 1 && m * kw >= 1 << 13 {
             let parts: Vec<_> = split(tiles, threads).collect();
             let mut rest = &mut words[..];
             let mut slices = Vec::with_capacity(parts.len());
@@ -242,9 +350,10 @@ impl Activations {
         }
         Self {
             words,
+            m,
             rows,
             tiles,
-            kp,
+            kw,
             steps,
         }
     }
@@ -255,14 +364,13 @@ impl Activations {
     }
 }
 
-/// One call's operands, as [`bf16_dot`] takes them.
+/// One call's operands.
 struct Job<'a> {
     a: &'a Activations,
-    m: usize,
     n: usize,
     words: &'a [u32],
     panel_stride: usize,
-    bias: Option<&'a [f32]>,
+    finish: Finish<'a>,
     y: SendPtr<f32>,
 }
 
@@ -285,22 +393,65 @@ impl TileConfig {
     }
 }
 
+/// One step of a unit: the activation tiles' block at `a0` (and `a1`), the weights' block at
+/// `b`, multiplied by `$op` (`tdpbf16ps` or `tdpbusd`) into the accumulator tiles.
+#[cfg(target_arch = "x86_64")]
+macro_rules! step {
+    ($op:literal, two, $a0:expr, $a1:expr, $b:expr, $lda:expr, $ldb:expr) => {
+        std::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm6, [{b} + {ldb}*1]",
+            concat!($op, " tmm0, tmm4, tmm6"),
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            concat!($op, " tmm2, tmm5, tmm6"),
+            "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+            concat!($op, " tmm1, tmm4, tmm7"),
+            concat!($op, " tmm3, tmm5, tmm7"),
+            a0 = in(reg) $a0,
+            a1 = in(reg) $a1,
+            b = in(reg) $b,
+            lda = in(reg) $lda,
+            ldb = in(reg) $ldb,
+            options(nostack, readonly),
+        )
+    };
+    ($op:literal, one, $a0:expr, $b:expr, $lda:expr, $ldb:expr) => {
+        std::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm6, [{b} + {ldb}*1]",
+            concat!($op, " tmm0, tmm4, tmm6"),
+            "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
+            concat!($op, " tmm1, tmm4, tmm7"),
+            a0 = in(reg) $a0,
+            b = in(reg) $b,
+            lda = in(reg) $lda,
+            ldb = in(reg) $ldb,
+            options(nostack, readonly),
+        )
+    };
+}
+
 impl Job<'_> {
     /// Every panel of `panels` for every unit (one or two activation tiles) of `units`, on
-    /// this thread.
+    /// this thread: bfloat16 pairs (`tdpbf16ps`), or 8-bit quads with `INT8` (`tdpbusd`).
     ///
     /// # Safety
-    /// AMX-BF16 and AVX512-BF16 are present and tile data granted; no other task writes these
-    /// panels' columns of these units' rows.
+    /// The CPU has the tiles (AMX-BF16, or AMX-INT8 with `INT8`) and the tails' vector
+    /// instructions (AVX512-BF16, or AVX512-VNNI), tile data is granted; no other task writes
+    /// these panels' columns of these units' rows.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn run(&self, panels: std::ops::Range<usize>, units: &[(usize, usize)]) {
+    #[target_feature(enable = "avx512f,avx512bf16,avx512vnni")]
+    unsafe fn run<const INT8: bool>(
+        &self,
+        panels: std::ops::Range<usize>,
+        units: &[(usize, usize)],
+    ) {
         use std::arch::asm;
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let a = self.a;
         let config = TileConfig::new(a.rows);
-        // Whole steps; the pairs past them are added by `finish_row`.
-        let whole = a.kp / STEP;
+        // Whole steps; the words past them are added by `finish_row`.
+        let whole = a.kw / STEP;
         let (ldb, ldc) = (NR * 4, NR * 4);
         let lda = STEP * 4;
         // SAFETY: the caller's promise; the configuration is 64 aligned bytes.
@@ -359,37 +510,12 @@ impl Job<'_> {
                                 _mm_prefetch::<_MM_HINT_T0>(at);
                             }
                         }
-                        let a0 = a.block(t, s);
-                        if two {
-                            asm!(
-                                "tileloadd tmm4, [{a0} + {lda}*1]",
-                                "tileloadd tmm6, [{b} + {ldb}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tileloadd tmm5, [{a1} + {lda}*1]",
-                                "tdpbf16ps tmm2, tmm5, tmm6",
-                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                "tdpbf16ps tmm3, tmm5, tmm7",
-                                a0 = in(reg) a0,
-                                a1 = in(reg) a.block(t + 1, s),
-                                b = in(reg) b,
-                                lda = in(reg) lda,
-                                ldb = in(reg) ldb,
-                                options(nostack, readonly),
-                            );
-                        } else {
-                            asm!(
-                                "tileloadd tmm4, [{a0} + {lda}*1]",
-                                "tileloadd tmm6, [{b} + {ldb}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tileloadd tmm7, [{b} + {ldb}*1 + 64]",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                a0 = in(reg) a0,
-                                b = in(reg) b,
-                                lda = in(reg) lda,
-                                ldb = in(reg) ldb,
-                                options(nostack, readonly),
-                            );
+                        let (a0, a1) = (a.block(t, s), a.block(t + usize::from(two), s));
+                        match (INT8, two) {
+                            (false, true) => step!("tdpbf16ps", two, a0, a1, b, lda, ldb),
+                            (false, false) => step!("tdpbf16ps", one, a0, b, lda, ldb),
+                            (true, true) => step!("tdpbusd", two, a0, a1, b, lda, ldb),
+                            (true, false) => step!("tdpbusd", one, a0, b, lda, ldb),
                         }
                     }
                     asm!(
@@ -408,9 +534,10 @@ impl Job<'_> {
             // rows are not written.
             for (u, &(t, count)) in units.iter().enumerate() {
                 for h in 0..count {
-                    for r in 0..a.rows.min(self.m - (t + h) * a.rows) {
+                    for r in 0..a.rows.min(a.m - (t + h) * a.rows) {
                         let at = u * unit_len + (h * TILE_ROWS + r) * NR;
-                        self.finish_row(&acc[at..at + NR], t + h, r, panel, p, cols);
+                        let sums = acc[at..at + NR].as_ptr();
+                        self.finish_row(sums, t + h, r, panel, p, cols);
                     }
                 }
             }
@@ -418,16 +545,17 @@ impl Job<'_> {
         asm!("tilerelease", options(nostack, nomem));
     }
 
-    /// Row `r` of tile `t`: its columns of panel `p` (`cols` of them), the tiles' sums `acc`
-    /// plus the pairs past the last whole step by `vdpbf16ps`, plus the bias.
+    /// Row `r` of tile `t`: its columns of panel `p` (`cols` of them) from the tiles' sums at
+    /// `acc` (32 floats, or 32-bit integers for 8-bit products), plus the words past the last
+    /// whole step by `vdpbf16ps` (or `vpdpbusd`), made outputs as [`Finish`] says.
     ///
     /// # Safety
-    /// As [`Job::run`].
+    /// As [`Job::run`]; `acc` points to 32 values.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bf16,avx512vnni")]
     unsafe fn finish_row(
         &self,
-        acc: &[f32],
+        acc: *const f32,
         t: usize,
         r: usize,
         panel: *const u32,
@@ -436,37 +564,68 @@ impl Job<'_> {
     ) {
         use std::arch::x86_64::*;
         let a = self.a;
-        let mut v0 = _mm512_loadu_ps(acc.as_ptr());
-        let mut v1 = _mm512_loadu_ps(acc.as_ptr().add(16));
-        let whole = a.kp / STEP;
+        let mut v0 = _mm512_loadu_ps(acc);
+        let mut v1 = _mm512_loadu_ps(acc.add(16));
+        let whole = a.kw / STEP;
+        let int8 = matches!(self.finish, Finish::Int8 { .. });
         if whole < a.steps {
             let ap = a.block(t, whole).add(r * STEP);
-            for j in whole * STEP..a.kp {
-                let av: __m512bh =
-                    std::mem::transmute(_mm512_set1_epi32(*ap.add(j - whole * STEP) as i32));
-                let b0: __m512bh =
-                    std::mem::transmute(_mm512_loadu_si512(panel.add(j * NR) as *const _));
-                let b1: __m512bh =
-                    std::mem::transmute(_mm512_loadu_si512(panel.add(j * NR + 16) as *const _));
-                v0 = _mm512_dpbf16_ps(v0, av, b0);
-                v1 = _mm512_dpbf16_ps(v1, av, b1);
+            for j in whole * STEP..a.kw {
+                let av = _mm512_set1_epi32(*ap.add(j - whole * STEP) as i32);
+                let b0 = _mm512_loadu_si512(panel.add(j * NR) as *const _);
+                let b1 = _mm512_loadu_si512(panel.add(j * NR + 16) as *const _);
+                if int8 {
+                    let (s0, s1) = (_mm512_castps_si512(v0), _mm512_castps_si512(v1));
+                    v0 = _mm512_castsi512_ps(_mm512_dpbusd_epi32(s0, av, b0));
+                    v1 = _mm512_castsi512_ps(_mm512_dpbusd_epi32(s1, av, b1));
+                } else {
+                    let av: __m512bh = std::mem::transmute(av);
+                    v0 = _mm512_dpbf16_ps(v0, av, std::mem::transmute::<__m512i, __m512bh>(b0));
+                    v1 = _mm512_dpbf16_ps(v1, av, std::mem::transmute::<__m512i, __m512bh>(b1));
+                }
             }
-        }
-        let mask = super::simd::chunk_mask;
-        let (m0, m1) = (mask(cols), mask(cols.saturating_sub(16)));
-        if let Some(b) = self.bias {
-            let b = b.as_ptr().add(p * NR);
-            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, b));
-            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, b.wrapping_add(16)));
         }
         let row = t * a.rows + r;
         let out = self.y.ptr().add(row * self.n + p * NR);
-        _mm512_mask_storeu_ps(out, m0, v0);
-        _mm512_mask_storeu_ps(out.wrapping_add(16), m1, v1);
+        let cs = p * NR..p * NR + cols;
+        match self.finish {
+            Finish::Int8 {
+                row_scales,
+                scales,
+                sums,
+                bias,
+            } => {
+                let mut ints = [0i32; NR];
+                _mm512_storeu_si512(ints.as_mut_ptr() as *mut _, _mm512_castps_si512(v0));
+                _mm512_storeu_si512(ints.as_mut_ptr().add(16) as *mut _, _mm512_castps_si512(v1));
+                let bias = bias.map(|b| &b[cs.clone()]);
+                let (sums, scales) = (&sums[cs.clone()], &scales[cs]);
+                super::matmul::write_int8_row(
+                    super::simd::Isa::Avx512,
+                    &ints,
+                    sums,
+                    scales,
+                    bias,
+                    row_scales[row],
+                    out,
+                );
+            }
+            Finish::Bf16 { bias } => {
+                let mask = super::simd::chunk_mask;
+                let (m0, m1) = (mask(cols), mask(cols.saturating_sub(16)));
+                if let Some(b) = bias {
+                    let b = b.as_ptr().add(p * NR);
+                    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, b));
+                    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, b.wrapping_add(16)));
+                }
+                _mm512_mask_storeu_ps(out, m0, v0);
+                _mm512_mask_storeu_ps(out.wrapping_add(16), m1, v1);
+            }
+        }
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn run(&self, _: std::ops::Range<usize>, _: &[(usize, usize)]) {
+    unsafe fn run<const INT8: bool>(&self, _: std::ops::Range<usize>, _: &[(usize, usize)]) {
         unreachable!("AMX is x86-64 only")
     }
 }

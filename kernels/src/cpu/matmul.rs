@@ -683,7 +683,19 @@ pub fn linear_with(
         sums,
     } = &w.store
     {
-        return int8_dot(isa, threads, x, m, k, n, (words, scales, sums), bias, y);
+        let tiles = vnni(isa) && super::amx::int8_enabled();
+        return int8_dot(
+            isa,
+            tiles,
+            threads,
+            x,
+            m,
+            k,
+            n,
+            (words, scales, sums),
+            bias,
+            y,
+        );
     }
     if let Store::Q4Octets {
         words,
@@ -2006,6 +2018,7 @@ const KC_QUADS: usize = 128;
 #[allow(clippy::too_many_arguments)]
 fn int8_dot(
     isa: Isa,
+    tiles: bool,
     threads: usize,
     x: &[f32],
     m: usize,
@@ -2019,6 +2032,12 @@ fn int8_dot(
     let panels = n.div_ceil(NR);
     let dot = vnni(isa);
     let (row_scales, quads) = quantize_rows(isa, threads, x, m, k);
+    if tiles {
+        // On AMX-INT8 tiles: the same integer sums, so the same bits.
+        let a = (&quads[..], &row_scales[..]);
+        super::amx::int8_dot(threads, a, m, kq, n, (words, scales, sums), bias, y);
+        return Ok(());
+    }
     let tiles = fixed_tiles(m, MR_I8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
@@ -2070,7 +2089,7 @@ fn int8_dot(
 ///
 /// # Safety
 /// `out` points to `sums.len()` writable floats.
-unsafe fn write_int8_row(
+pub(crate) unsafe fn write_int8_row(
     isa: Isa,
     acc: &[i32; NR],
     sums: &[i32],
@@ -2790,6 +2809,8 @@ mod tests {
     fn int8_dot_products_match_their_definition_on_every_path() {
         if !has_int8_dot() {
             eprintln!("this CPU has no AVX512-VNNI: only the integer path is compared");
+        } else if !crate::cpu::amx::int8_enabled() {
+            eprintln!("this CPU or kernel gives no AMX-INT8 tiles: the tile path is not compared");
         }
         for &(m, n, k) in &[
             (1, 70, 257),
@@ -2800,6 +2821,9 @@ mod tests {
             // More row tiles than a group and blocks of k: the blocked sums.
             (70, 40, 600),
             (17, 33, 1030),
+            // AMX-INT8's 16-row tiles, whole and with quads past the last 16-quad step.
+            (16, 64, 256),
+            (40, 64, 520),
         ] {
             let mut x = data(m * k, (m * 7 + k) as u32);
             let w = data(n * k, (n + 3 * k) as u32);
@@ -2846,11 +2870,31 @@ mod tests {
                     }
                 }
             }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            // Both 8-bit units where this CPU has them (VNNI, and AMX-INT8 tiles, which
+            // `linear` takes when present): the definition's bits.
+            let Store::I8Quads {
+                words,
+                scales,
+                sums,
+            } = &packed.store
+            else {
+                unreachable!("int8-dot packs quads")
+            };
+            let isa = Isa::get();
+            for tiles in [false, true] {
+                if !vnni(isa) || (tiles && !crate::cpu::amx::int8_enabled()) {
+                    continue;
+                }
+                let mut y = vec![0f32; m * n];
+                let store = (&words[..], &scales[..], &sums[..]);
+                int8_dot(isa, tiles, 2, &x, m, k, n, store, Some(&bias), &mut y).unwrap();
+                assert_eq!(bits(&y), bits(&want), "tiles {tiles} m={m} n={n} k={k}");
+            }
             let mut alone = vec![0f32; n];
             linear(&x[(m - 1) * k..], 1, &packed, Some(&bias), &mut alone).unwrap();
             let mut all = vec![0f32; m * n];
             linear(&x, m, &packed, Some(&bias), &mut all).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&alone), bits(&all[(m - 1) * n..]), "m={m} n={n} k={k}");
             // The stored weight: each value its channel's quantised one.
             let stored = packed.unpack();

@@ -56,6 +56,17 @@ pub fn bf16_unit() -> &'static str {
     }
 }
 
+/// What multiplies 8-bit quads ([`matmul::WeightDtype::Int8Dot`]) in this process: `amx`
+/// (AMX-INT8 tiles), `avx512-vnni` (`vpdpbusd`) or `integer` (the same sums in plain code).
+pub fn int8_unit() -> &'static str {
+    let vnni = simd::Isa::get() == simd::Isa::Avx512 && matmul::has_int8_dot();
+    match (vnni, amx::int8_enabled()) {
+        (true, true) => "amx",
+        (true, false) => "avx512-vnni",
+        (false, _) => "integer",
+    }
+}
+
 /// A raw pointer that may cross to pool threads: every user writes a disjoint part of the
 /// buffer it points into, and the call that made it outlives every task.
 #[derive(Clone, Copy)]

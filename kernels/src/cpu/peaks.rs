@@ -98,7 +98,17 @@ pub fn amx_bf16_peak(seconds: f64) -> Option<f64> {
     if !super::amx::enabled() {
         return None;
     }
-    Some(rate(seconds, || super::amx::peak_loop(1 << 16)))
+    Some(rate(seconds, || super::amx::peak_loop(1 << 16, false)))
+}
+
+/// Integer operations per second of 8-bit products on AMX tiles (`tdpbusd`, operands in
+/// tiles, counted as FLOPs are) on every pool thread; `None` where this process has no
+/// AMX-INT8 tiles ([`super::amx::int8_enabled`]).
+pub fn amx_int8_peak(seconds: f64) -> Option<f64> {
+    if !super::amx::int8_enabled() {
+        return None;
+    }
+    Some(rate(seconds, || super::amx::peak_loop(1 << 16, true)))
 }
 
 /// Integer operations per second of 8-bit products (`vpdpbusd`: 4 products and 4 additions per

@@ -55,8 +55,8 @@ pub use tokenizer::{IncrementalDecoder, TextTokenizer};
 /// The CPU kernels' thread pool: [`init_cpu_threads`] sizes it once at start-up (`--threads`),
 /// [`cpu_threads`] says its size; [`cpu_isa`] names the vector instructions they use.
 pub use wavefront_kernels::cpu::{
-    bf16_unit as cpu_bf16_unit, init_threads as init_cpu_threads, isa as cpu_isa,
-    peaks as cpu_peaks, threads as cpu_threads,
+    bf16_unit as cpu_bf16_unit, init_threads as init_cpu_threads, int8_unit as cpu_int8_unit,
+    isa as cpu_isa, peaks as cpu_peaks, threads as cpu_threads,
 };
 
 /// Sets glibc's allocator up for inference (call once at start-up, before threads allocate):

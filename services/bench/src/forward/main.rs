@@ -150,15 +150,16 @@ fn main() -> Result<()> {
     };
 
     eprintln!(
-        "measuring peaks ({} threads, {}, bf16 pairs on {})",
+        "measuring peaks ({} threads, {}, bf16 pairs on {}, 8-bit quads on {})",
         wavefront_models::cpu_threads(),
         wavefront_models::cpu_isa(),
-        wavefront_models::cpu_bf16_unit()
+        wavefront_models::cpu_bf16_unit(),
+        wavefront_models::cpu_int8_unit()
     );
     // The peaks are measured before and after the shapes, three times each, and the medians
     // kept: on a shared machine one reading can be far off.
-    let mut peak_runs: Vec<[f64; 5]> = Vec::new();
-    let measure_peaks = |runs: &mut Vec<[f64; 5]>| {
+    let mut peak_runs: Vec<[f64; 6]> = Vec::new();
+    let measure_peaks = |runs: &mut Vec<[f64; 6]>| {
         if !a.no_peaks {
             for _ in 0..3 {
                 runs.push([
@@ -167,6 +168,7 @@ fn main() -> Result<()> {
                     cpu_peaks::bf16_dot_peak(0.5).unwrap_or(f64::NAN),
                     cpu_peaks::int8_dot_peak(0.5).unwrap_or(f64::NAN),
                     cpu_peaks::amx_bf16_peak(0.5).unwrap_or(f64::NAN),
+                    cpu_peaks::amx_int8_peak(0.5).unwrap_or(f64::NAN),
                 ]);
             }
         }
@@ -493,7 +495,7 @@ fn main() -> Result<()> {
     };
     let peak = |i: usize| median(peak_runs.iter().map(|p| p[i]).collect());
     let (bandwidth, fma, bf16_peak, int8_peak) = (peak(0), peak(1), peak(2), peak(3));
-    let amx_peak = peak(4);
+    let (amx_peak, amx_int8_peak) = (peak(4), peak(5));
     // The arithmetic ceiling of the products: bf16 pair products with bf16-dot (on AMX tiles
     // where this process uses them) and 8-bit products with int8-dot where the CPU has them,
     // float32 FMAs otherwise.
@@ -501,6 +503,8 @@ fn main() -> Result<()> {
         amx_peak
     } else if dot && bf16_peak.is_finite() {
         bf16_peak
+    } else if wdt == WeightDtype::Int8Dot && amx_int8_peak.is_finite() {
+        amx_int8_peak
     } else if matches!(wdt, WeightDtype::Int8Dot | WeightDtype::Q4Dot) && int8_peak.is_finite() {
         int8_peak
     } else {
@@ -532,7 +536,9 @@ fn main() -> Result<()> {
         "fma_peak_gflop_per_s": fma / 1e9,
         "bf16_dot_peak_gflop_per_s": bf16_peak / 1e9,
         "amx_bf16_peak_gflop_per_s": amx_peak / 1e9,
+        "amx_int8_peak_gop_per_s": amx_int8_peak / 1e9,
         "bf16_unit": wavefront_models::cpu_bf16_unit(),
+        "int8_unit": wavefront_models::cpu_int8_unit(),
         "int8_dot_peak_gop_per_s": int8_peak / 1e9,
         "gemm_2048_gflop_per_s": gemm / 1e9,
         "shapes": results,
@@ -542,7 +548,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; bf16 pair products {:.1} GFLOP/s (AMX tiles {:.1}; bf16-dot runs on {}); 8-bit products {:.1} GOP/s; 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
+        "Peaks ({} threads, {}): read bandwidth {:.1} GB/s; FMA {:.1} GFLOP/s; bf16 pair products {:.1} GFLOP/s (AMX tiles {:.1}; bf16-dot runs on {}); 8-bit products {:.1} GOP/s (AMX tiles {:.1}; int8-dot runs on {}); 2048^3 product through the model kernel {:.1} GFLOP/s ({:.0}% of FMA). Weights {}.\n",
         report["threads"],
         report["isa"].as_str().unwrap_or(""),
         bandwidth / 1e9,
@@ -551,6 +557,8 @@ fn main() -> Result<()> {
         amx_peak / 1e9,
         wavefront_models::cpu_bf16_unit(),
         int8_peak / 1e9,
+        amx_int8_peak / 1e9,
+        wavefront_models::cpu_int8_unit(),
         gemm / 1e9,
         100.0 * gemm / fma,
         report["weight_dtype"].as_str().unwrap_or(""),
