@@ -22,7 +22,10 @@
 //! refused. `WAVEFRONT_AMX=0` turns AMX off (the AVX512-BF16 path runs instead).
 
 use super::{split, SendPtr};
-use crate::cpu::matmul::NR;
+
+/// Output columns per weight panel: [`super::matmul::NR`], which checks that the two agree.
+pub(crate) const PANEL_COLUMNS: usize = 32;
+const NR: usize = PANEL_COLUMNS;
 
 /// Pairs of `k` per tile step (a tile row is 64 bytes).
 const STEP: usize = 16;
@@ -53,7 +56,7 @@ pub fn int8_enabled() -> bool {
         {
             // CPUID leaf 7: EDX bit 25 AMX-INT8.
             let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-            leaf.edx & (1 << 25) != 0 && super::matmul::has_int8_dot() && enabled()
+            leaf.edx & (1 << 25) != 0 && super::simd::has_int8_dot() && enabled()
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
@@ -67,7 +70,7 @@ fn usable() -> bool {
         use std::arch::x86_64::__cpuid_count;
         // The tiles' kernel also runs AVX512-BF16 and VNNI on the pairs and quads past its
         // last whole step.
-        if !super::matmul::has_bf16_dot() || !super::matmul::has_int8_dot() {
+        if !super::simd::has_bf16_dot() || !super::simd::has_int8_dot() {
             return false;
         }
         // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
@@ -162,68 +165,56 @@ pub(crate) fn peak_loop(iters: usize, int8: bool) -> f64 {
     unreachable!("AMX is x86-64 only")
 }
 
-/// `y[i, j] = Σ_kk x[i, kk] · W[j, kk] (+ bias[j])` on AMX tiles, `x` (`[m, k]`) rounded to
-/// bfloat16 pairs; `words[p · panel_stride..]` is panel `p` of `n` columns as `[ceil(k / 2)][NR]`
-/// pairs, `y` row-major `[m, n]`. The panels are split over `threads` pool threads (each
-/// streams its own part of the weights), or the 32-row tiles when there are fewer panels.
+/// The activations' rows as a product takes them: `(m, words per row, fill)`, where
+/// `fill(i, dst)` writes row `i`'s words (bfloat16 pairs or 8-bit quads) to the start of `dst`.
+pub(crate) type Rows<'a> = (usize, usize, &'a (dyn Fn(usize, &mut [u32]) + Sync));
+
+/// `y[i, j] = Σ a[i] · W[j] (+ bias[j])` on AMX tiles for `rows` of bfloat16 pairs;
+/// `words[p · panel_stride..]` is panel `p` of `n` columns as `[kp][NR]` pairs, `y` row-major
+/// `[m, n]`. The panels are split over `threads` pool threads (each streams its own part of
+/// the weights), or the 32-row units when there are fewer panels.
 ///
 /// Callers check [`enabled`] first.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn bf16_dot(
     threads: usize,
-    x: &[f32],
-    m: usize,
-    k: usize,
+    rows: Rows<'_>,
     n: usize,
-    (words, panel_stride): (&[u32], usize),
+    panels: (&[u32], usize),
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) {
     assert!(enabled(), "AMX tiles are not available to this process");
-    assert!(x.len() >= m * k);
-    let isa = super::simd::Isa::get();
-    let a = Activations::pack(threads, m, k.div_ceil(2), |i, dst| {
-        super::matmul::pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1)
-    });
-    let finish = Finish::Bf16 { bias };
-    run_units(threads, &a, n, (words, panel_stride), finish, y);
+    assert!(bias.is_none_or(|b| b.len() >= n));
+    let a = Activations::pack(threads, rows);
+    run_units(threads, &a, n, panels, Finish::Bf16 { bias }, y);
 }
 
+/// Makes one output row (its index, the panel's columns `cs`) from its 32-bit sums, into
+/// `out` (`cs.len()` floats).
+pub(crate) type WriteInt8<'a> =
+    dyn Fn(usize, std::ops::Range<usize>, &[i32; NR], *mut f32) + Sync + 'a;
+
 /// The 8-bit products of [`super::matmul::WeightDtype::Int8Dot`] on AMX-INT8 tiles
-/// (`tdpbusd`): `quads` holds each row's activations quantised to `q + 128`, four to a word
-/// (`[m][kq]`), `row_scales` their scales; `words` the panels of 8-bit weight quads
-/// (`[kq][NR]`, the weight tiles' layout as they are), with each column's scale and sum of
-/// weights. The integer sums are exact, so the outputs have the bits of the VNNI path's.
+/// (`tdpbusd`): `rows` of 8-bit quads (activations quantised to `q + 128`, four to a word);
+/// `panels` the 8-bit weight quads' panels (the weight tiles' layout as they are). Each row's
+/// sums go to `write` (the VNNI path's scaling: the integer sums are exact, so the outputs
+/// have its bits).
 ///
 /// Callers check [`int8_enabled`] first.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn int8_dot(
     threads: usize,
-    (quads, row_scales): (&[u32], &[f32]),
-    m: usize,
-    kq: usize,
+    rows: Rows<'_>,
     n: usize,
-    (words, scales, sums): (&[u32], &[f32], &[i32]),
-    bias: Option<&[f32]>,
+    panels: (&[u32], usize),
+    write: &WriteInt8<'_>,
     y: &mut [f32],
 ) {
     assert!(
         int8_enabled(),
         "AMX-INT8 tiles are not available to this process"
     );
-    assert!(quads.len() >= m * kq && row_scales.len() >= m);
-    let panels = n.div_ceil(NR);
-    assert!(scales.len() >= panels * NR && sums.len() >= panels * NR);
-    let a = Activations::pack(threads, m, kq, |i, dst| {
-        dst[..kq].copy_from_slice(&quads[i * kq..(i + 1) * kq])
-    });
-    let finish = Finish::Int8 {
-        row_scales,
-        scales,
-        sums,
-        bias,
-    };
-    run_units(threads, &a, n, (words, kq * NR), finish, y);
+    let a = Activations::pack(threads, rows);
+    run_units(threads, &a, n, panels, Finish::Int8(write), y);
 }
 
 /// Every panel of `words` times the activations `a` into `y`, on `threads` pool threads.
@@ -239,10 +230,6 @@ fn run_units(
     assert!(y.len() >= m * n);
     assert!(a.kw * NR <= panel_stride || panels == 0);
     assert!(words.len() >= panels.saturating_sub(1) * panel_stride + a.kw * NR);
-    let bias = match finish {
-        Finish::Bf16 { bias } | Finish::Int8 { bias, .. } => bias,
-    };
-    assert!(bias.is_none_or(|b| b.len() >= n));
     // Units of work: up to two activation tiles, `(first tile, tiles)`.
     let units: Vec<(usize, usize)> = (0..a.tiles)
         .step_by(2)
@@ -264,7 +251,7 @@ fn run_units(
         unsafe {
             match finish {
                 Finish::Bf16 { .. } => job.run::<false>(panels, units),
-                Finish::Int8 { .. } => job.run::<true>(panels, units),
+                Finish::Int8(_) => job.run::<true>(panels, units),
             }
         }
     };
@@ -285,13 +272,8 @@ fn run_units(
 enum Finish<'a> {
     /// Float32 sums of bfloat16 pair products, plus the bias.
     Bf16 { bias: Option<&'a [f32]> },
-    /// 32-bit integer sums of 8-bit products: `(sum − 128 · Σ w) · (s_x · s_w) (+ bias)`.
-    Int8 {
-        row_scales: &'a [f32],
-        scales: &'a [f32],
-        sums: &'a [i32],
-        bias: Option<&'a [f32]>,
-    },
+    /// 32-bit integer sums of 8-bit products, made outputs by the caller's function.
+    Int8(&'a WriteInt8<'a>),
 }
 
 /// The activations as AMX reads them: rows in tiles of 16 (`min(m, 16)` rows when `m` is
@@ -313,7 +295,7 @@ struct Activations {
 impl Activations {
     /// `m` rows of `kw` words, row `i` written by `fill(i, its words)` (`16 · steps` of them,
     /// those past `kw` left 0), on `threads` pool threads when there are enough.
-    fn pack(threads: usize, m: usize, kw: usize, fill: impl Fn(usize, &mut [u32]) + Sync) -> Self {
+    fn pack(threads: usize, (m, kw, fill): Rows<'_>) -> Self {
         let rows = m.min(TILE_ROWS);
         let (tiles, steps) = (m.div_ceil(rows), kw.div_ceil(STEP));
         let tile_len = steps * rows * STEP;
@@ -567,7 +549,7 @@ impl Job<'_> {
         let mut v0 = _mm512_loadu_ps(acc);
         let mut v1 = _mm512_loadu_ps(acc.add(16));
         let whole = a.kw / STEP;
-        let int8 = matches!(self.finish, Finish::Int8 { .. });
+        let int8 = matches!(self.finish, Finish::Int8(_));
         if whole < a.steps {
             let ap = a.block(t, whole).add(r * STEP);
             for j in whole * STEP..a.kw {
@@ -589,26 +571,11 @@ impl Job<'_> {
         let out = self.y.ptr().add(row * self.n + p * NR);
         let cs = p * NR..p * NR + cols;
         match self.finish {
-            Finish::Int8 {
-                row_scales,
-                scales,
-                sums,
-                bias,
-            } => {
+            Finish::Int8(write) => {
                 let mut ints = [0i32; NR];
                 _mm512_storeu_si512(ints.as_mut_ptr() as *mut _, _mm512_castps_si512(v0));
                 _mm512_storeu_si512(ints.as_mut_ptr().add(16) as *mut _, _mm512_castps_si512(v1));
-                let bias = bias.map(|b| &b[cs.clone()]);
-                let (sums, scales) = (&sums[cs.clone()], &scales[cs]);
-                super::matmul::write_int8_row(
-                    super::simd::Isa::Avx512,
-                    &ints,
-                    sums,
-                    scales,
-                    bias,
-                    row_scales[row],
-                    out,
-                );
+                write(row, cs, &ints, out);
             }
             Finish::Bf16 { bias } => {
                 let mask = super::simd::chunk_mask;

@@ -25,8 +25,11 @@ use crate::{check, KernelError};
 use super::simd::Isa;
 use super::{split, SendPtr};
 
+pub use super::simd::{has_bf16_dot, has_int8_dot};
+
 /// Output columns per panel.
 pub const NR: usize = 32;
+const _: () = assert!(NR == super::amx::PANEL_COLUMNS);
 /// Panel rows (of `k`) per block of the blocked sum.
 pub const KC: usize = 256;
 /// How far ahead of the panel row being multiplied the kernel asks for the panel.
@@ -148,20 +151,6 @@ fn bf16_pair(lo: f32, hi: f32) -> u32 {
     u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16)
 }
 
-/// Whether this CPU multiplies 8-bit quads (`avx512vnni`).
-pub fn has_int8_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vnni")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// One scale per output channel (`panels · NR`): `max |w| / 127` over the channel's inputs, 1
 /// for a channel of zeros (and the padding past `n`).
 fn channel_scales(w: &[f32], n: usize, k: usize, panels: usize) -> Vec<f32> {
@@ -207,20 +196,6 @@ fn quantize8(v: f32, scale: f32) -> i8 {
     (v / scale).round().clamp(-127.0, 127.0) as i8
 }
 
-/// Whether this CPU multiplies bfloat16 pairs (`avx512bf16`).
-pub fn has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bf16")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// What multiplies the bfloat16 pairs of [`WeightDtype::Bf16Dot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PairUnit {
@@ -249,6 +224,26 @@ impl PairUnit {
         }
         out.push(Self::Fma);
         out
+    }
+}
+
+/// What multiplies bfloat16 pairs ([`WeightDtype::Bf16Dot`]) in this process: `amx` (AMX
+/// tiles), `avx512-bf16` (`vdpbf16ps`) or `fma` (float32 FMAs of the widened values).
+pub fn bf16_unit() -> &'static str {
+    match PairUnit::for_isa(Isa::get()) {
+        PairUnit::Amx => "amx",
+        PairUnit::Dot => "avx512-bf16",
+        PairUnit::Fma => "fma",
+    }
+}
+
+/// What multiplies 8-bit quads ([`WeightDtype::Int8Dot`]) in this process: `amx` (AMX-INT8
+/// tiles), `avx512-vnni` (`vpdpbusd`) or `integer` (the same sums in plain code).
+pub fn int8_unit() -> &'static str {
+    match (vnni(Isa::get()), super::amx::int8_enabled()) {
+        (true, true) => "amx",
+        (true, false) => "avx512-vnni",
+        (false, _) => "integer",
     }
 }
 
@@ -1428,7 +1423,10 @@ fn bf16_dot(
 ) {
     let kp = k.div_ceil(2);
     if unit == PairUnit::Amx {
-        return super::amx::bf16_dot(threads, x, m, k, n, (words, panel_stride), bias, y);
+        let rows =
+            |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1);
+        let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
+        return super::amx::bf16_dot(threads, a, n, (words, panel_stride), bias, y);
     }
     let panels = n.div_ceil(NR);
     let tiles = fixed_tiles(m, MR_MAX);
@@ -1665,8 +1663,10 @@ pub(crate) fn bf16_panels(
     assert!(words.len() >= panels.saturating_sub(1) * panel_stride + kp * NR);
     if PairUnit::for_isa(isa) == PairUnit::Amx {
         // On AMX tiles, on this thread, as the weights' products.
-        let (a, c) = (&a[..m * k], &mut c[..m * n]);
-        return super::amx::bf16_dot(1, a, m, k, n, (words, panel_stride), None, c);
+        let rows =
+            |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &a[i * k..(i + 1) * k], dst, 0, 1);
+        let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
+        return super::amx::bf16_dot(1, a, n, (words, panel_stride), None, &mut c[..m * n]);
     }
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && isa == Isa::Avx512 {
@@ -2034,8 +2034,25 @@ fn int8_dot(
     let (row_scales, quads) = quantize_rows(isa, threads, x, m, k);
     if tiles {
         // On AMX-INT8 tiles: the same integer sums, so the same bits.
-        let a = (&quads[..], &row_scales[..]);
-        super::amx::int8_dot(threads, a, m, kq, n, (words, scales, sums), bias, y);
+        let write = |row: usize, cs: std::ops::Range<usize>, acc: &[i32; NR], out: *mut f32| {
+            let bias = bias.map(|b| &b[cs.clone()]);
+            // SAFETY: the tile kernel passes the output row's `cs.len()` columns.
+            unsafe {
+                write_int8_row(
+                    isa,
+                    acc,
+                    &sums[cs.clone()],
+                    &scales[cs],
+                    bias,
+                    row_scales[row],
+                    out,
+                )
+            }
+        };
+        let fill =
+            |i: usize, dst: &mut [u32]| dst[..kq].copy_from_slice(&quads[i * kq..(i + 1) * kq]);
+        let rows = (m, kq, &fill as &(dyn Fn(usize, &mut [u32]) + Sync));
+        super::amx::int8_dot(threads, rows, n, (words, kq * NR), &write, y);
         return Ok(());
     }
     let tiles = fixed_tiles(m, MR_I8);
@@ -2089,7 +2106,7 @@ fn int8_dot(
 ///
 /// # Safety
 /// `out` points to `sums.len()` writable floats.
-pub(crate) unsafe fn write_int8_row(
+unsafe fn write_int8_row(
     isa: Isa,
     acc: &[i32; NR],
     sums: &[i32],

@@ -28,7 +28,7 @@ pub mod peaks;
 pub mod pool;
 mod simd;
 
-pub use matmul::{bf16_to_f32, f32_to_bf16, round_to_bf16};
+pub use matmul::{bf16_to_f32, bf16_unit, f32_to_bf16, int8_unit, round_to_bf16};
 
 /// Threads a kernel call splits its work over.
 pub fn threads() -> usize {
@@ -44,27 +44,6 @@ pub fn init_threads(n: usize) -> Result<(), crate::KernelError> {
 /// The instruction set the kernels of this process use, decided once.
 pub fn isa() -> &'static str {
     simd::Isa::get().name()
-}
-
-/// What multiplies bfloat16 pairs ([`matmul::WeightDtype::Bf16Dot`]) in this process: `amx`
-/// (AMX tiles), `avx512-bf16` (`vdpbf16ps`) or `fma` (float32 FMAs of the widened values).
-pub fn bf16_unit() -> &'static str {
-    match matmul::PairUnit::for_isa(simd::Isa::get()) {
-        matmul::PairUnit::Amx => "amx",
-        matmul::PairUnit::Dot => "avx512-bf16",
-        matmul::PairUnit::Fma => "fma",
-    }
-}
-
-/// What multiplies 8-bit quads ([`matmul::WeightDtype::Int8Dot`]) in this process: `amx`
-/// (AMX-INT8 tiles), `avx512-vnni` (`vpdpbusd`) or `integer` (the same sums in plain code).
-pub fn int8_unit() -> &'static str {
-    let vnni = simd::Isa::get() == simd::Isa::Avx512 && matmul::has_int8_dot();
-    match (vnni, amx::int8_enabled()) {
-        (true, true) => "amx",
-        (true, false) => "avx512-vnni",
-        (false, _) => "integer",
-    }
 }
 
 /// A raw pointer that may cross to pool threads: every user writes a disjoint part of the

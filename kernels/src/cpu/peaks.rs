@@ -65,7 +65,7 @@ fn rate(seconds: f64, round: impl Fn() -> f64 + Sync) -> f64 {
 /// 2 additions per float32 lane) on every pool thread, operands in registers; `None` where the
 /// CPU has no AVX512-BF16.
 pub fn bf16_dot_peak(seconds: f64) -> Option<f64> {
-    if !super::matmul::has_bf16_dot() {
+    if !super::simd::has_bf16_dot() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -115,7 +115,7 @@ pub fn amx_int8_peak(seconds: f64) -> Option<f64> {
 /// 32-bit lane, counted as FLOPs are) on every pool thread, operands in registers; `None` where
 /// the CPU has no AVX512-VNNI.
 pub fn int8_dot_peak(seconds: f64) -> Option<f64> {
-    if !super::matmul::has_int8_dot() {
+    if !super::simd::has_int8_dot() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]

@@ -849,6 +849,34 @@ pub(crate) fn sample(isa: Isa, x: &[f32], m: f32, s0: f32, u: f32) -> usize {
         .unwrap_or(0)
 }
 
+/// Whether this CPU multiplies bfloat16 pairs (`avx512bf16`).
+pub fn has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this CPU multiplies 8-bit quads (`avx512vnni`).
+pub fn has_int8_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
