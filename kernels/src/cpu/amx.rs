@@ -185,7 +185,7 @@ pub(crate) fn bf16_dot(
 ) {
     assert!(enabled(), "AMX tiles are not available to this process");
     assert!(bias.is_none_or(|b| b.len() >= n));
-    let a = Activations::pack(threads, rows);
+    let a = Activations::pack(rows);
     run_units(threads, &a, n, panels, Finish::Bf16 { bias }, y);
 }
 
@@ -213,7 +213,7 @@ pub(crate) fn int8_dot(
         int8_enabled(),
         "AMX-INT8 tiles are not available to this process"
     );
-    let a = Activations::pack(threads, rows);
+    let a = Activations::pack(rows);
     run_units(threads, &a, n, panels, Finish::Int8(write), y);
 }
 
@@ -294,8 +294,8 @@ struct Activations {
 
 impl Activations {
     /// `m` rows of `kw` words, row `i` written by `fill(i, its words)` (`16 · steps` of them,
-    /// those past `kw` left 0), on `threads` pool threads when there are enough.
-    fn pack(threads: usize, (m, kw, fill): Rows<'_>) -> Self {
+    /// those past `kw` left 0), on the pool's threads when there are enough.
+    fn pack((m, kw, fill): Rows<'_>) -> Self {
         let rows = m.min(TILE_ROWS);
         let (tiles, steps) = (m.div_ceil(rows), kw.div_ceil(STEP));
         let tile_len = steps * rows * STEP;
@@ -310,26 +310,11 @@ impl Activations {
                 }
             }
         };
-        if threads > 1 && tiles > 1 && m * kw >= 1 << 13 {
-            let parts: Vec<_> = split(tiles, threads).collect();
-            let mut rest = &mut words[..];
-            let mut slices = Vec::with_capacity(parts.len());
-            for r in &parts {
-                let (head, tail) = rest.split_at_mut(r.len() * tile_len);
-                slices.push(std::sync::Mutex::new(head));
-                rest = tail;
+        super::by_parts(&mut words, tile_len, tiles, m * kw * 8, |ts, dst| {
+            for (j, t) in ts.enumerate() {
+                pack(t, &mut dst[j * tile_len..(j + 1) * tile_len]);
             }
-            super::pool::pool().run(parts.len(), &|i| {
-                let mut dst = slices[i].lock().unwrap_or_else(|e| e.into_inner());
-                for (j, t) in parts[i].clone().enumerate() {
-                    pack(t, &mut dst[j * tile_len..(j + 1) * tile_len]);
-                }
-            });
-        } else {
-            for (t, dst) in words.chunks_mut(tile_len).enumerate() {
-                pack(t, dst);
-            }
-        }
+        });
         Self {
             words,
             m,

@@ -455,7 +455,7 @@ impl PackedWeight {
         })?;
         let panels = n.div_ceil(NR);
         let mut out = vec![0f32; panels * k * NR];
-        by_panels(&mut out, k * NR, panels, k * n, |ps, dst| {
+        super::by_parts(&mut out, k * NR, panels, k * n, |ps, dst| {
             for kk in 0..k {
                 for p in ps.clone() {
                     let cols = NR.min(n - p * NR);
@@ -480,7 +480,7 @@ impl PackedWeight {
         })?;
         let (kp, panels, isa) = (k.div_ceil(2), n.div_ceil(NR), Isa::get());
         let mut out = vec![0u32; panels * kp * NR];
-        by_panels(&mut out, kp * NR, panels, k * n, |ps, dst| {
+        super::by_parts(&mut out, kp * NR, panels, k * n, |ps, dst| {
             for j in 0..kp {
                 let lo = &b[2 * j * n..(2 * j + 1) * n];
                 let hi = (2 * j + 1 < k).then(|| &b[(2 * j + 1) * n..(2 * j + 2) * n]);
@@ -712,34 +712,6 @@ pub fn linear_with(
     };
     on_threads(m * n * k, threads, panels, &tiles, &run);
     Ok(())
-}
-
-/// Runs `pack(panels, their part of out)` over `panels` panels of `panel_len` values each of
-/// `out`, split over the pool's threads when the operand has enough values (`work`) to pay
-/// for it: a per-call operand packed on every core instead of on the caller alone.
-fn by_panels<T: Send>(
-    out: &mut [T],
-    panel_len: usize,
-    panels: usize,
-    work: usize,
-    pack: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
-) {
-    let threads = super::threads();
-    if threads <= 1 || panels < 2 || work < 1 << 16 {
-        return pack(0..panels, out);
-    }
-    let parts: Vec<_> = split(panels, threads).collect();
-    let mut rest = &mut out[..];
-    let mut slices = Vec::with_capacity(parts.len());
-    for r in &parts {
-        let (head, tail) = rest.split_at_mut(r.len() * panel_len);
-        slices.push(std::sync::Mutex::new(head));
-        rest = tail;
-    }
-    super::pool::pool().run(parts.len(), &|i| {
-        let mut dst = slices[i].lock().unwrap_or_else(|e| e.into_inner());
-        pack(parts[i].clone(), &mut dst)
-    });
 }
 
 /// The work of one task: a run of panels times a run of row tiles `(first row, rows)`.

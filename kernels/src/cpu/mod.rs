@@ -61,6 +61,35 @@ impl<T> SendPtr<T> {
     }
 }
 
+/// Runs `pack(parts, their part of out)` over `panels` parts of `panel_len` values each of
+/// `out` (a per-call operand's panels or tiles), split over the pool's threads when the
+/// operand has enough values (`work`) to pay for it: packed on every core instead of on the
+/// caller alone.
+pub(crate) fn by_parts<T: Send>(
+    out: &mut [T],
+    panel_len: usize,
+    panels: usize,
+    work: usize,
+    pack: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
+) {
+    let threads = threads();
+    if threads <= 1 || panels < 2 || work < 1 << 16 {
+        return pack(0..panels, out);
+    }
+    let parts: Vec<_> = split(panels, threads).collect();
+    let mut rest = &mut out[..];
+    let mut slices = Vec::with_capacity(parts.len());
+    for r in &parts {
+        let (head, tail) = rest.split_at_mut(r.len() * panel_len);
+        slices.push(std::sync::Mutex::new(head));
+        rest = tail;
+    }
+    pool::pool().run(parts.len(), &|i| {
+        let mut dst = slices[i].lock().unwrap_or_else(|e| e.into_inner());
+        pack(parts[i].clone(), &mut dst)
+    });
+}
+
 /// Splits `0..n` into at most `parts` contiguous ranges of near-equal length.
 pub(crate) fn split(n: usize, parts: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let parts = parts.clamp(1, n.max(1));
