@@ -172,6 +172,19 @@ fn run(cli: Cli) -> Result<()> {
         ) {
             memory::spawn_heap_trimmer();
         }
+        if matches!(
+            cli.command,
+            Command::Serve(_) | Command::Worker(_) | Command::Run(_)
+        ) {
+            // What the CPU kernels run on (`WAVEFRONT_AMX=0` keeps AMX tiles out).
+            tracing::info!(
+                threads = wavefront_models::cpu_threads(),
+                isa = wavefront_models::cpu_isa(),
+                bf16_products = wavefront_models::cpu_bf16_unit(),
+                int8_products = wavefront_models::cpu_int8_unit(),
+                "CPU kernels"
+            );
+        }
         match cli.command {
             Command::Serve(a) => commands::serve(a).await,
             Command::Router(a) => commands::router(a).await,
