@@ -2763,15 +2763,42 @@ mod tests {
                 want[i * n + j] = dot + f64::from(bias[j]);
             }
         }
+        let close = |y: &[f32], what: &str| {
+            for (g, w) in y.iter().zip(&want) {
+                assert!(
+                    (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                    "{what} m={m} n={n} k={k}: {g} vs {w}"
+                );
+            }
+        };
         for isa in Isa::available() {
             for threads in [1, 2] {
                 let mut y = vec![0f32; m * n];
                 linear_with(isa, threads, x, m, packed, Some(bias), &mut y).unwrap();
-                for (g, w) in y.iter().zip(&want) {
-                    assert!(
-                        (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
-                        "{isa:?} m={m} n={n} k={k}: {g} vs {w}"
-                    );
+                close(&y, &format!("{isa:?} x{threads}"));
+            }
+        }
+        // bfloat16 pairs: every unit this CPU has (AMX tiles, AVX512-BF16, float32 FMAs; the
+        // call above takes the best), each row's bits on each unit whatever rows share its call.
+        if let Store::Bf16Pairs(words) = &packed.store {
+            let isa = Isa::get();
+            if !PairUnit::available(isa).contains(&PairUnit::Amx) {
+                eprintln!("this CPU or kernel gives no AMX tiles: the AMX unit is not compared");
+            }
+            let panels = (&words[..], k.div_ceil(2) * NR);
+            for unit in PairUnit::available(isa) {
+                let product = |threads: usize, x: &[f32], m: usize| {
+                    let mut y = vec![0f32; m * n];
+                    bf16_dot(isa, unit, threads, x, m, k, n, panels, Some(bias), &mut y);
+                    y
+                };
+                for threads in [1, 2] {
+                    close(&product(threads, x, m), &format!("{unit:?} x{threads}"));
+                }
+                let all = product(2, x, m);
+                for i in 0..m {
+                    let alone = product(1, &x[i * k..(i + 1) * k], 1);
+                    assert_eq!(alone, &all[i * n..(i + 1) * n], "{unit:?} row {i}, k={k}");
                 }
             }
         }
@@ -3021,13 +3048,14 @@ mod tests {
     }
 
     /// The bfloat16 dot-product path: activations and weights rounded to bfloat16, products
-    /// summed in float32, against a float64 sum of the same rounded values; AVX512-BF16 (where
-    /// the CPU has it) against the float32-FMA path; a row's result whatever rows share its
-    /// call; odd `k`, ragged panels; the stored weight read back.
+    /// summed in float32, against a float64 sum of the same rounded values; every unit the CPU
+    /// has (AMX tiles, AVX512-BF16, the float32-FMA path); a row's result whatever rows share
+    /// its call, on each unit; odd `k`, ragged panels; the stored weight read back.
     #[test]
     fn bf16_dot_products_match_their_definition_on_every_path() {
         let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
-        // 13 and 16 rows: a group of two tiles.
+        // 13 and 16 rows: a group of two tiles. Around AMX's 16-row tiles, with and without
+        // pairs past the last whole 16-pair step, one and several units of 32 rows.
         for &(m, n, k) in &[
             (1, 40, 7),
             (5, 33, 300),
@@ -3035,35 +3063,6 @@ mod tests {
             (8, 32, 1),
             (13, 70, 513),
             (16, 33, 300),
-        ] {
-            let x = data(m * k, 3 + k as u32);
-            let w = data(n * k, 7 + n as u32);
-            let bias = data(n, 11);
-            let packed = PackedWeight::pack(&w, n, k, WeightDtype::Bf16Dot).unwrap();
-            assert_eq!(packed.dtype(), WeightDtype::Bf16Dot);
-            let back = packed.unpack();
-            assert!(
-                back.iter().zip(&w).all(|(b, &w)| *b == r(w)),
-                "stored weights"
-            );
-            assert_products(&packed, &x, r, &bias, (m, n, k));
-        }
-    }
-
-    /// Every unit that multiplies bfloat16 pairs (AMX tiles, AVX512-BF16, float32 FMAs; those
-    /// this CPU has) gives the float64 product of the rounded operands within float32
-    /// summation error, on one and two threads, for row counts around AMX's 16-row tiles and
-    /// `k` with and without pairs past the last whole tile step; and on each unit a row's bits
-    /// do not depend on the rows beside it.
-    #[test]
-    fn bf16_pair_products_agree_on_every_unit() {
-        let units = PairUnit::available(Isa::get());
-        if !units.contains(&PairUnit::Amx) {
-            eprintln!("this CPU or kernel gives no AMX tiles: the AMX unit is not compared");
-        }
-        let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
-        for &(m, n, k) in &[
-            (1, 40, 7),
             (1, 64, 64),
             (3, 33, 31),
             (15, 70, 300),
@@ -3077,57 +3076,13 @@ mod tests {
             let w = data(n * k, 7 + n as u32);
             let bias = data(n, 11);
             let packed = PackedWeight::pack(&w, n, k, WeightDtype::Bf16Dot).unwrap();
-            let Store::Bf16Pairs(words) = &packed.store else {
-                unreachable!("bf16-dot packs pairs")
-            };
-            let stored = packed.unpack();
-            let want: Vec<f64> = (0..m * n)
-                .map(|ij| {
-                    let (i, j) = (ij / n, ij % n);
-                    let dot: f64 = (0..k)
-                        .map(|kk| f64::from(r(x[i * k + kk])) * f64::from(stored[j * k + kk]))
-                        .sum();
-                    dot + f64::from(bias[j])
-                })
-                .collect();
-            let stride = k.div_ceil(2) * NR;
-            for &unit in &units {
-                let product = |threads: usize, x: &[f32], m: usize| {
-                    let mut y = vec![0f32; m * n];
-                    let isa = Isa::get();
-                    bf16_dot(
-                        isa,
-                        unit,
-                        threads,
-                        x,
-                        m,
-                        k,
-                        n,
-                        (words, stride),
-                        Some(&bias),
-                        &mut y,
-                    );
-                    y
-                };
-                for threads in [1, 2] {
-                    let y = product(threads, &x, m);
-                    for (g, w) in y.iter().zip(&want) {
-                        assert!(
-                            (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
-                            "{unit:?} threads={threads} m={m} n={n} k={k}: {g} vs {w}"
-                        );
-                    }
-                }
-                let all = product(2, &x, m);
-                for i in 0..m {
-                    let alone = product(1, &x[i * k..(i + 1) * k], 1);
-                    assert_eq!(
-                        alone,
-                        &all[i * n..(i + 1) * n],
-                        "{unit:?} row {i}, m={m} k={k}"
-                    );
-                }
-            }
+            assert_eq!(packed.dtype(), WeightDtype::Bf16Dot);
+            let back = packed.unpack();
+            assert!(
+                back.iter().zip(&w).all(|(b, &w)| *b == r(w)),
+                "stored weights"
+            );
+            assert_products(&packed, &x, r, &bias, (m, n, k));
         }
     }
 
