@@ -208,22 +208,24 @@ pub(crate) enum PairUnit {
 }
 
 impl PairUnit {
-    /// The best unit for `isa` on this CPU: AMX and AVX512-BF16 need the AVX-512 path.
+    /// The best unit for `isa` on this CPU (asked on every product: no allocation): AMX and
+    /// AVX512-BF16 need the AVX-512 path.
     pub(crate) fn for_isa(isa: Isa) -> Self {
-        Self::available(isa)[0]
+        match (isa == Isa::Avx512 && has_bf16_dot(), super::amx::enabled()) {
+            (true, true) => Self::Amx,
+            (true, false) => Self::Dot,
+            (false, _) => Self::Fma,
+        }
     }
 
     /// Every unit `isa` can use on this CPU, best first (tests compare them).
+    #[cfg(test)]
     pub(crate) fn available(isa: Isa) -> Vec<Self> {
-        let mut out = Vec::new();
-        if isa == Isa::Avx512 && has_bf16_dot() {
-            if super::amx::enabled() {
-                out.push(Self::Amx);
-            }
-            out.push(Self::Dot);
+        match Self::for_isa(isa) {
+            Self::Amx => vec![Self::Amx, Self::Dot, Self::Fma],
+            Self::Dot => vec![Self::Dot, Self::Fma],
+            Self::Fma => vec![Self::Fma],
         }
-        out.push(Self::Fma);
-        out
     }
 }
 
