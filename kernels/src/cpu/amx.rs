@@ -282,7 +282,7 @@ enum Finish<'a> {
 /// KB (or `64 · rows` bytes) in one run, whatever `k` (rows `4 kw` bytes apart alias in the L1
 /// cache when `kw` is a multiple of 1024). The last step's words past `kw` are 0.
 struct Activations {
-    words: Vec<u32>,
+    words: super::aligned::Aligned<u32>,
     /// Rows, rows per tile, and tiles.
     m: usize,
     rows: usize,
@@ -299,7 +299,7 @@ impl Activations {
         let rows = m.min(TILE_ROWS);
         let (tiles, steps) = (m.div_ceil(rows), kw.div_ceil(STEP));
         let tile_len = steps * rows * STEP;
-        let mut words = vec![0u32; tiles * tile_len];
+        let mut words = super::aligned::Aligned::zeroed(tiles * tile_len);
         let pack = |t: usize, dst: &mut [u32]| {
             let mut row = vec![0u32; steps * STEP];
             for r in 0..rows.min(m - t * rows) {

@@ -26,6 +26,7 @@ use std::ops::Range;
 use crate::attention::Mask;
 use crate::{check, KernelError};
 
+use super::aligned::Aligned;
 use super::matmul::{
     bf16_panels, gemm_panels, pack_bf16_column_pairs, pack_column_pairs, pack_row_pairs, NR,
 };
@@ -353,7 +354,7 @@ unsafe fn task(
     // allocated and freed them a thousand times a step); the product path keeps those for its
     // packed keys and values.
     let mut acc = if gemm {
-        vec![0f32; nq * d]
+        Aligned::zeroed(nq * d)
     } else {
         spare::take::<f32>(nq * d)
     };
@@ -661,14 +662,14 @@ enum Products {
     F32 {
         d: usize,
         t: usize,
-        k: Vec<f32>,
-        v: Vec<f32>,
+        k: Aligned<f32>,
+        v: Aligned<f32>,
     },
     Bf16 {
         d: usize,
         t: usize,
-        k: Vec<u32>,
-        v: Vec<u32>,
+        k: Aligned<u32>,
+        v: Aligned<u32>,
     },
 }
 
@@ -809,41 +810,42 @@ impl Drop for Products {
 mod spare {
     use std::cell::RefCell;
 
+    use crate::cpu::aligned::{Aligned, Plain};
+
     /// Bytes of one kept buffer, at most: a larger one goes back to the allocator.
     const MAX_BYTES: usize = 8 << 20;
 
-    pub(super) trait Word: Copy + Default + 'static {
-        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R;
+    pub(super) trait Word: Plain {
+        fn with<R>(f: impl FnOnce(&mut Vec<Aligned<Self>>) -> R) -> R;
     }
 
     thread_local! {
-        static F32: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
-        static U32: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+        static F32: RefCell<Vec<Aligned<f32>>> = const { RefCell::new(Vec::new()) };
+        static U32: RefCell<Vec<Aligned<u32>>> = const { RefCell::new(Vec::new()) };
     }
 
     impl Word for f32 {
-        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R {
+        fn with<R>(f: impl FnOnce(&mut Vec<Aligned<Self>>) -> R) -> R {
             F32.with_borrow_mut(f)
         }
     }
 
     impl Word for u32 {
-        fn with<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R {
+        fn with<R>(f: impl FnOnce(&mut Vec<Aligned<Self>>) -> R) -> R {
             U32.with_borrow_mut(f)
         }
     }
 
     /// `len` zeros, in a kept buffer when this thread has one.
-    pub(super) fn take<T: Word>(len: usize) -> Vec<T> {
+    pub(super) fn take<T: Word>(len: usize) -> Aligned<T> {
         let mut v = T::with(|spare| spare.pop()).unwrap_or_default();
-        v.clear();
-        v.resize(len, T::default());
+        v.reset(len);
         v
     }
 
     /// Keeps `v` for this thread's next [`take`] (two at most, as a call packs two).
-    pub(super) fn give<T: Word>(v: Vec<T>) {
-        if v.capacity() * size_of::<T>() <= MAX_BYTES {
+    pub(super) fn give<T: Word>(v: Aligned<T>) {
+        if v.capacity_bytes() <= MAX_BYTES {
             T::with(|spare| {
                 if spare.len() < 2 {
                     spare.push(v);

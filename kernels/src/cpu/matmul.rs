@@ -22,6 +22,7 @@
 
 use crate::{check, KernelError};
 
+use super::aligned::Aligned;
 use super::simd::Isa;
 use super::{split, SendPtr};
 
@@ -106,16 +107,16 @@ pub const INT8_DOT_MAX_K: usize = 65_536;
 
 #[derive(Debug, Clone)]
 enum Store {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
+    F32(Aligned<f32>),
+    Bf16(Aligned<u16>),
     /// Panel `p` as `[ceil(k / 2)][NR]` words, word `(j, c)` holding the bfloat16 weights of
     /// rows `2j` (low half) and `2j + 1` (high half, 0 past `k`) of column `c`: what one
     /// `vdpbf16ps` lane multiplies.
-    Bf16Pairs(Vec<u32>),
+    Bf16Pairs(Aligned<u32>),
     /// Panels as the float32 store, values `round(w / scale)`, and each output column's scale
     /// (`panels · NR`, 1 past `n`).
     I8 {
-        values: Vec<i8>,
+        values: Aligned<i8>,
         scales: Vec<f32>,
     },
     /// Panel `p` as `[ceil(k / 4)][NR]` words, word `(j, c)` holding the 8-bit weights of rows
@@ -123,7 +124,7 @@ enum Store {
     /// lane multiplies. Each output column's scale and the sum of its quantised weights
     /// (`panels · NR`).
     I8Quads {
-        words: Vec<u32>,
+        words: Aligned<u32>,
         scales: Vec<f32>,
         sums: Vec<i32>,
     },
@@ -133,7 +134,7 @@ enum Store {
     /// scales `[groups][NR]` and each group's integer correction `128 · Σ q + 1024 · Q4_GROUP`
     /// (what the offsets of both operands add to the group's sum of products).
     Q4Octets {
-        words: Vec<u32>,
+        words: Aligned<u32>,
         scales: Vec<f32>,
         corr: Vec<i32>,
     },
@@ -141,7 +142,7 @@ enum Store {
     /// nibble and column `b + 16` in its high nibble (each `q + 8`), and per panel the scales
     /// `[ceil(k / Q4_GROUP)][NR]`.
     Q4 {
-        nibbles: Vec<u8>,
+        nibbles: Aligned<u8>,
         scales: Vec<f32>,
     },
 }
@@ -327,7 +328,7 @@ impl PackedWeight {
                         out.extend((0..NR).map(|c| at(p, kk, c)));
                     }
                 }
-                Store::F32(out)
+                Store::F32(out.into())
             }
             WeightDtype::Bf16 => {
                 let mut out = Vec::with_capacity(len);
@@ -336,7 +337,7 @@ impl PackedWeight {
                         out.extend((0..NR).map(|c| f32_to_bf16(at(p, kk, c))));
                     }
                 }
-                Store::Bf16(out)
+                Store::Bf16(out.into())
             }
             WeightDtype::Bf16Dot => {
                 let kp = k.div_ceil(2);
@@ -353,7 +354,7 @@ impl PackedWeight {
                         }));
                     }
                 }
-                Store::Bf16Pairs(out)
+                Store::Bf16Pairs(out.into())
             }
             WeightDtype::Int8 => {
                 let scales = channel_scales(w, n, k, panels);
@@ -363,7 +364,10 @@ impl PackedWeight {
                         values.extend((0..NR).map(|c| quantize8(at(p, kk, c), scales[p * NR + c])));
                     }
                 }
-                Store::I8 { values, scales }
+                Store::I8 {
+                    values: values.into(),
+                    scales,
+                }
             }
             WeightDtype::Int8Dot => {
                 check(k <= INT8_DOT_MAX_K, || {
@@ -392,7 +396,7 @@ impl PackedWeight {
                     }
                 }
                 Store::I8Quads {
-                    words,
+                    words: words.into(),
                     scales,
                     sums,
                 }
@@ -411,7 +415,10 @@ impl PackedWeight {
                         nibbles.extend((0..NR / 2).map(|b| q(b) | (q(b + NR / 2) << 4)));
                     }
                 }
-                Store::Q4 { nibbles, scales }
+                Store::Q4 {
+                    nibbles: nibbles.into(),
+                    scales,
+                }
             }
             WeightDtype::Q4Dot => {
                 let groups = k.div_ceil(Q4_GROUP);
@@ -440,7 +447,7 @@ impl PackedWeight {
                     }
                 }
                 Store::Q4Octets {
-                    words,
+                    words: words.into(),
                     scales,
                     corr,
                 }
@@ -456,7 +463,7 @@ impl PackedWeight {
             format!("operand has {} values, want {k}x{n}", b.len())
         })?;
         let panels = n.div_ceil(NR);
-        let mut out = vec![0f32; panels * k * NR];
+        let mut out = Aligned::zeroed(panels * k * NR);
         super::by_parts(&mut out, k * NR, panels, k * n, |ps, dst| {
             for kk in 0..k {
                 for p in ps.clone() {
@@ -481,7 +488,7 @@ impl PackedWeight {
             format!("operand has {} values, want {k}x{n}", b.len())
         })?;
         let (kp, panels, isa) = (k.div_ceil(2), n.div_ceil(NR), Isa::get());
-        let mut out = vec![0u32; panels * kp * NR];
+        let mut out = Aligned::zeroed(panels * kp * NR);
         super::by_parts(&mut out, kp * NR, panels, k * n, |ps, dst| {
             for j in 0..kp {
                 let lo = &b[2 * j * n..(2 * j + 1) * n];

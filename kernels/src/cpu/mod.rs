@@ -20,6 +20,7 @@
 //! default. A call returns when its work is done, so kernels need no synchronisation with
 //! the caller.
 
+mod aligned;
 pub mod amx;
 pub mod attention;
 pub mod elementwise;
