@@ -435,6 +435,17 @@ impl Job<'_> {
         };
         let unit_len = 2 * TILE_ROWS * NR;
         let mut acc = vec![0f32; units.len() * unit_len];
+        // A unit whose sums are its outputs as they are (bfloat16 products without a bias or
+        // pairs past the last whole step, whole 16-row tiles, a whole panel of columns) stores
+        // its accumulators straight into `y` after its last block.
+        let direct = |t: usize, count: usize, cols: usize| {
+            matches!(self.finish, Finish::Bf16 { bias: None })
+                && whole == a.steps
+                && a.rows == TILE_ROWS
+                && (t + count) * TILE_ROWS <= a.m
+                && cols == NR
+        };
+        let ldy = self.n * 4;
         for p in panels {
             let panel = self.words.as_ptr().add(p * self.panel_stride);
             let cols = NR.min(self.n - p * NR);
@@ -442,10 +453,10 @@ impl Job<'_> {
                 acc.fill(0.0);
             }
             for s0 in (0..whole).step_by(block) {
+                let last = s0 + block >= whole;
                 for (u, &(t, count)) in units.iter().enumerate() {
                     let two = count == 2;
-                    let c = acc[u * unit_len..].as_mut_ptr() as *mut u8;
-                    let c1 = c.add(TILE_ROWS * ldc);
+                    let spill = acc[u * unit_len..].as_mut_ptr() as *mut u8;
                     if s0 == 0 {
                         asm!(
                             "tilezero tmm0",
@@ -455,6 +466,7 @@ impl Job<'_> {
                             options(nostack, nomem)
                         );
                     } else {
+                        let (c, c1) = (spill, spill.add(TILE_ROWS * ldc));
                         asm!(
                             "tileloadd tmm0, [{c} + {ldc}*1]",
                             "tileloadd tmm1, [{c} + {ldc}*1 + 64]",
@@ -485,21 +497,39 @@ impl Job<'_> {
                             (true, false) => step!("tdpbusd", one, a0, b, lda, ldb),
                         }
                     }
+                    // The unit's sums: into `y` after the last block when they are its
+                    // outputs, into `acc` otherwise (tiles 2 and 3 only with two tiles: with
+                    // one, the rows after it in `y` are another unit's).
+                    let (c, ldc) = if last && direct(t, count, cols) {
+                        let at = self.y.ptr().add(t * TILE_ROWS * self.n + p * NR);
+                        (at as *mut u8, ldy)
+                    } else {
+                        (spill, ldc)
+                    };
                     asm!(
                         "tilestored [{c} + {ldc}*1], tmm0",
                         "tilestored [{c} + {ldc}*1 + 64], tmm1",
-                        "tilestored [{c1} + {ldc}*1], tmm2",
-                        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
                         c = in(reg) c,
-                        c1 = in(reg) c1,
                         ldc = in(reg) ldc,
                         options(nostack),
                     );
+                    if two {
+                        asm!(
+                            "tilestored [{c} + {ldc}*1], tmm2",
+                            "tilestored [{c} + {ldc}*1 + 64], tmm3",
+                            c = in(reg) c.add(TILE_ROWS * ldc),
+                            ldc = in(reg) ldc,
+                            options(nostack),
+                        );
+                    }
                 }
             }
             // Accumulator row `h · 16 + r` of a unit is row `r` of its tile `t + h`; padding
             // rows are not written.
             for (u, &(t, count)) in units.iter().enumerate() {
+                if whole > 0 && direct(t, count, cols) {
+                    continue;
+                }
                 for h in 0..count {
                     for r in 0..a.rows.min(a.m - (t + h) * a.rows) {
                         let at = u * unit_len + (h * TILE_ROWS + r) * NR;

@@ -2772,14 +2772,20 @@ mod tests {
                 want[i * n + j] = dot + f64::from(bias[j]);
             }
         }
-        let close = |y: &[f32], what: &str| {
-            for (g, w) in y.iter().zip(&want) {
+        let close_to = |y: &[f32], what: &str, bias_in: bool| {
+            for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+                let w = if bias_in {
+                    *w
+                } else {
+                    w - f64::from(bias[i % n])
+                };
                 assert!(
                     (f64::from(*g) - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
                     "{what} m={m} n={n} k={k}: {g} vs {w}"
                 );
             }
         };
+        let close = |y: &[f32], what: &str| close_to(y, what, true);
         for isa in Isa::available() {
             for threads in [1, 2] {
                 let mut y = vec![0f32; m * n];
@@ -2796,13 +2802,17 @@ mod tests {
             }
             let panels = (&words[..], k.div_ceil(2) * NR);
             for unit in PairUnit::available(isa) {
-                let product = |threads: usize, x: &[f32], m: usize| {
-                    let mut y = vec![0f32; m * n];
-                    bf16_dot(isa, unit, threads, x, m, k, n, panels, Some(bias), &mut y);
+                // Outputs start as NaN: a path that leaves one unwritten fails.
+                let with = |threads: usize, x: &[f32], m: usize, bias: Option<&[f32]>| {
+                    let mut y = vec![f32::NAN; m * n];
+                    bf16_dot(isa, unit, threads, x, m, k, n, panels, bias, &mut y);
                     y
                 };
+                let product = |threads: usize, x: &[f32], m: usize| with(threads, x, m, Some(bias));
                 for threads in [1, 2] {
                     close(&product(threads, x, m), &format!("{unit:?} x{threads}"));
+                    let y = with(threads, x, m, None);
+                    close_to(&y, &format!("{unit:?} x{threads} without a bias"), false);
                 }
                 let all = product(2, x, m);
                 for i in 0..m {
@@ -3064,7 +3074,9 @@ mod tests {
     fn bf16_dot_products_match_their_definition_on_every_path() {
         let r = |v: f32| bf16_to_f32(f32_to_bf16(v));
         // 13 and 16 rows: a group of two tiles. Around AMX's 16-row tiles, with and without
-        // pairs past the last whole 16-pair step, one and several units of 32 rows.
+        // pairs past the last whole 16-pair step, one and several units of 32 rows; whole
+        // tiles and panels whose sums go straight to the outputs (48, 50 and 64 rows: a unit
+        // of one tile after one of two, a partial tile, several blocks of `k`).
         for &(m, n, k) in &[
             (1, 40, 7),
             (5, 33, 300),
@@ -3080,6 +3092,9 @@ mod tests {
             (31, 96, 96),
             (40, 70, 1000),
             (70, 65, 129),
+            (48, 64, 64),
+            (50, 70, 64),
+            (64, 96, 320),
         ] {
             let x = data(m * k, 3 + k as u32);
             let w = data(n * k, 7 + n as u32);
