@@ -183,10 +183,47 @@ pub(crate) fn bf16_dot(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) {
+    let out = (SendPtr(y.as_mut_ptr()), y.len());
+    // SAFETY: `y`'s floats, borrowed for the call.
+    unsafe { bf16_dot_to(threads, rows, n, panels, bias, out) }
+}
+
+/// [`bf16_dot`] into `y` as it comes from the allocator: every one of its first `m · n`
+/// values is written (each panel's columns of each row, once), so a caller may take them as
+/// initialised after the call (`Vec::set_len`) without zeroing them first.
+///
+/// Callers check [`enabled`] first.
+pub(crate) fn bf16_dot_uninit(
+    threads: usize,
+    rows: Rows<'_>,
+    n: usize,
+    panels: (&[u32], usize),
+    bias: Option<&[f32]>,
+    y: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let out = (SendPtr(y.as_mut_ptr().cast::<f32>()), y.len());
+    // SAFETY: `y`'s values, borrowed for the call; only floats are written to them.
+    unsafe { bf16_dot_to(threads, rows, n, panels, bias, out) }
+}
+
+/// [`bf16_dot`] into `len` floats at `y`.
+///
+/// # Safety
+/// `y` points to `len` floats' worth of memory this call may write and no one else touches
+/// during it.
+unsafe fn bf16_dot_to(
+    threads: usize,
+    rows: Rows<'_>,
+    n: usize,
+    panels: (&[u32], usize),
+    bias: Option<&[f32]>,
+    y: (SendPtr<f32>, usize),
+) {
     assert!(enabled(), "AMX tiles are not available to this process");
     assert!(bias.is_none_or(|b| b.len() >= n));
     let a = Activations::pack(rows);
-    run_units(threads, &a, n, panels, Finish::Bf16 { bias }, y);
+    // SAFETY: the caller's promise.
+    unsafe { run_units(threads, &a, n, panels, Finish::Bf16 { bias }, y) };
 }
 
 /// Makes one output row (its index, the panel's columns `cs`) from its 32-bit sums, into
@@ -214,20 +251,27 @@ pub(crate) fn int8_dot(
         "AMX-INT8 tiles are not available to this process"
     );
     let a = Activations::pack(rows);
-    run_units(threads, &a, n, panels, Finish::Int8(write), y);
+    let out = (SendPtr(y.as_mut_ptr()), y.len());
+    // SAFETY: `y`'s floats, borrowed for the call.
+    unsafe { run_units(threads, &a, n, panels, Finish::Int8(write), out) };
 }
 
-/// Every panel of `words` times the activations `a` into `y`, on `threads` pool threads.
-fn run_units(
+/// Every panel of `words` times the activations `a` into the `len` floats at `yp` (row-major
+/// `[m, n]`, each written once), on `threads` pool threads.
+///
+/// # Safety
+/// `yp` points to `len` floats' worth of memory this call may write and no one else touches
+/// during it.
+unsafe fn run_units(
     threads: usize,
     a: &Activations,
     n: usize,
     (words, panel_stride): (&[u32], usize),
     finish: Finish<'_>,
-    y: &mut [f32],
+    (yp, len): (SendPtr<f32>, usize),
 ) {
     let (m, panels) = (a.m, n.div_ceil(NR));
-    assert!(y.len() >= m * n);
+    assert!(len >= m * n);
     assert!(a.kw * NR <= panel_stride || panels == 0);
     assert!(words.len() >= panels.saturating_sub(1) * panel_stride + a.kw * NR);
     // Units of work: up to two activation tiles, `(first tile, tiles)`.
@@ -235,7 +279,6 @@ fn run_units(
         .step_by(2)
         .map(|t| (t, 2.min(a.tiles - t)))
         .collect();
-    let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, units: &[(usize, usize)]| {
         let job = Job {
             a,

@@ -631,6 +631,37 @@ pub fn linear(
     linear_with(Isa::get(), super::threads(), x, m, w, bias, y)
 }
 
+/// [`linear`] into a new vector of `m · n` outputs. Where the products run on AMX tiles
+/// (bfloat16 pairs) they write every output once, so the vector is not zeroed first (zeroing
+/// a many-row output on the calling thread while the pool waited was 5-6% of a LLaDA canvas
+/// forward); elsewhere it is zeroed and [`linear`] fills it.
+pub fn linear_vec(
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    bias: Option<&[f32]>,
+) -> Result<Vec<f32>, KernelError> {
+    let (n, k, isa) = (w.n, w.k, Isa::get());
+    if let Store::Bf16Pairs(words) = &w.store {
+        let shapes_agree = x.len() == m * k && bias.is_none_or(|b| b.len() == n);
+        if shapes_agree && m * n * k > 0 && PairUnit::for_isa(isa) == PairUnit::Amx {
+            let kp = k.div_ceil(2);
+            let rows =
+                |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1);
+            let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
+            let mut y = Vec::with_capacity(m * n);
+            let out = &mut y.spare_capacity_mut()[..m * n];
+            super::amx::bf16_dot_uninit(super::threads(), a, n, (words, kp * NR), bias, out);
+            // SAFETY: `bf16_dot_uninit` wrote each of the `m · n` outputs.
+            unsafe { y.set_len(m * n) };
+            return Ok(y);
+        }
+    }
+    let mut y = vec![0f32; m * n];
+    linear(x, m, w, bias, &mut y)?;
+    Ok(y)
+}
+
 /// [`linear`] on a given instruction set and thread count (tests compare them).
 pub fn linear_with(
     isa: Isa,
@@ -3107,6 +3138,40 @@ mod tests {
                 "stored weights"
             );
             assert_products(&packed, &x, r, &bias, (m, n, k));
+        }
+    }
+
+    /// `linear_vec` (outputs not zeroed first on AMX tiles) gives `linear`'s bits, with and
+    /// without a bias, on every store; bad shapes are refused as `linear` refuses them.
+    #[test]
+    fn linear_vec_gives_the_bits_of_linear() {
+        for dtype in [WeightDtype::F32, WeightDtype::Bf16Dot, WeightDtype::Int8Dot] {
+            for &(m, n, k) in &[
+                (1, 40, 7),
+                (16, 32, 64),
+                (50, 70, 64),
+                (64, 96, 320),
+                (19, 70, 513),
+            ] {
+                let x = data(m * k, 31 + k as u32);
+                let w = data(n * k, 37 + n as u32);
+                let bias = data(n, 41);
+                let packed = PackedWeight::pack(&w, n, k, dtype).unwrap();
+                for b in [None, Some(&bias[..])] {
+                    let mut want = vec![0f32; m * n];
+                    linear(&x, m, &packed, b, &mut want).unwrap();
+                    let got = linear_vec(&x, m, &packed, b).unwrap();
+                    assert_eq!(
+                        got,
+                        want,
+                        "{dtype:?} m={m} n={n} k={k} bias {}",
+                        b.is_some()
+                    );
+                }
+            }
+            let packed = PackedWeight::pack(&data(64, 1), 8, 8, dtype).unwrap();
+            assert!(linear_vec(&data(9, 2), 1, &packed, None).is_err());
+            assert!(linear_vec(&data(8, 2), 1, &packed, Some(&[0.0; 3])).is_err());
         }
     }
 

@@ -182,10 +182,9 @@ impl Linear {
                     )));
                 }
                 let m = x.elem_count() / k.max(1);
-                let mut y = super::cpu::output(m * n);
                 let bias = self.bias_f32.as_deref().map(Vec::as_slice);
-                with_cpu_f32(x, |xs| {
-                    matmul::linear(xs, m, p, bias, &mut y).map_err(ModelError::from)
+                let y = with_cpu_f32(x, |xs| {
+                    matmul::linear_vec(xs, m, p, bias).map_err(ModelError::from)
                 })?;
                 let mut shape = dims.to_vec();
                 *shape.last_mut().expect("non-empty") = n;
