@@ -172,7 +172,10 @@ pub(crate) type Rows<'a> = (usize, usize, &'a (dyn Fn(usize, &mut [u32]) + Sync)
 /// `y[i, j] = Σ a[i] · W[j] (+ bias[j])` on AMX tiles for `rows` of bfloat16 pairs;
 /// `words[p · panel_stride..]` is panel `p` of `n` columns as `[kp][NR]` pairs, `y` row-major
 /// `[m, n]`. The panels are split over `threads` pool threads (each streams its own part of
-/// the weights), or the 32-row units when there are fewer panels.
+/// the weights), or the 32-row units when there are fewer panels. Every one of the first
+/// `m · n` values of `y` is written, once, with a float (each panel's columns of each row),
+/// so `y` may come from the allocator as it is: a caller takes the values as initialised
+/// after the call (`Vec::set_len`) without zeroing them first.
 ///
 /// Callers check [`enabled`] first.
 pub(crate) fn bf16_dot(
@@ -181,49 +184,14 @@ pub(crate) fn bf16_dot(
     n: usize,
     panels: (&[u32], usize),
     bias: Option<&[f32]>,
-    y: &mut [f32],
-) {
-    let out = (SendPtr(y.as_mut_ptr()), y.len());
-    // SAFETY: `y`'s floats, borrowed for the call.
-    unsafe { bf16_dot_to(threads, rows, n, panels, bias, out) }
-}
-
-/// [`bf16_dot`] into `y` as it comes from the allocator: every one of its first `m · n`
-/// values is written (each panel's columns of each row, once), so a caller may take them as
-/// initialised after the call (`Vec::set_len`) without zeroing them first.
-///
-/// Callers check [`enabled`] first.
-pub(crate) fn bf16_dot_uninit(
-    threads: usize,
-    rows: Rows<'_>,
-    n: usize,
-    panels: (&[u32], usize),
-    bias: Option<&[f32]>,
     y: &mut [std::mem::MaybeUninit<f32>],
-) {
-    let out = (SendPtr(y.as_mut_ptr().cast::<f32>()), y.len());
-    // SAFETY: `y`'s values, borrowed for the call; only floats are written to them.
-    unsafe { bf16_dot_to(threads, rows, n, panels, bias, out) }
-}
-
-/// [`bf16_dot`] into `len` floats at `y`.
-///
-/// # Safety
-/// `y` points to `len` floats' worth of memory this call may write and no one else touches
-/// during it.
-unsafe fn bf16_dot_to(
-    threads: usize,
-    rows: Rows<'_>,
-    n: usize,
-    panels: (&[u32], usize),
-    bias: Option<&[f32]>,
-    y: (SendPtr<f32>, usize),
 ) {
     assert!(enabled(), "AMX tiles are not available to this process");
     assert!(bias.is_none_or(|b| b.len() >= n));
     let a = Activations::pack(rows);
-    // SAFETY: the caller's promise.
-    unsafe { run_units(threads, &a, n, panels, Finish::Bf16 { bias }, y) };
+    let out = (SendPtr(y.as_mut_ptr().cast::<f32>()), y.len());
+    // SAFETY: `y`'s values, borrowed for the call; only floats are written to them.
+    unsafe { run_units(threads, &a, n, panels, Finish::Bf16 { bias }, out) };
 }
 
 /// Makes one output row (its index, the panel's columns `cs`) from its 32-bit sums, into

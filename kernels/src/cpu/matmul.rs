@@ -645,14 +645,11 @@ pub fn linear_vec(
     if let Store::Bf16Pairs(words) = &w.store {
         let shapes_agree = x.len() == m * k && bias.is_none_or(|b| b.len() == n);
         if shapes_agree && m * n * k > 0 && PairUnit::for_isa(isa) == PairUnit::Amx {
-            let kp = k.div_ceil(2);
-            let rows =
-                |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1);
-            let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
             let mut y = Vec::with_capacity(m * n);
             let out = &mut y.spare_capacity_mut()[..m * n];
-            super::amx::bf16_dot_uninit(super::threads(), a, n, (words, kp * NR), bias, out);
-            // SAFETY: `bf16_dot_uninit` wrote each of the `m · n` outputs.
+            let panels = (&words[..], k.div_ceil(2) * NR);
+            amx_pairs(isa, super::threads(), x, (m, k, n), panels, bias, out);
+            // SAFETY: `amx_pairs` wrote each of the `m · n` outputs.
             unsafe { y.set_len(m * n) };
             return Ok(y);
         }
@@ -1412,6 +1409,36 @@ unsafe fn q4_tile_avx512<const MR: usize>(
     store_tile_avx512(&acc, tile, start);
 }
 
+/// `x` `[m, k]` rounded to bfloat16 pairs times the pair panels on AMX tiles into `y`
+/// (`[m, n]`, every value written once: see [`super::amx::bf16_dot`]).
+fn amx_pairs(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    panels: (&[u32], usize),
+    bias: Option<&[f32]>,
+    y: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let rows = |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1);
+    let a = (
+        m,
+        k.div_ceil(2),
+        &rows as &(dyn Fn(usize, &mut [u32]) + Sync),
+    );
+    super::amx::bf16_dot(threads, a, n, panels, bias, y);
+}
+
+/// `y` as values a callee may leave uninitialised.
+///
+/// # Safety
+/// Only initialised values (floats) may be written through the result: `y` is read as floats
+/// afterwards.
+unsafe fn as_uninit(y: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
+    // SAFETY: the same layout; the caller's promise keeps `y` initialised.
+    unsafe { &mut *(y as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) }
+}
+
 /// Pairs of `k` per block of the blocked sum on the bfloat16 path.
 const KC_PAIRS: usize = KC / 2;
 
@@ -1435,10 +1462,9 @@ fn bf16_dot(
 ) {
     let kp = k.div_ceil(2);
     if unit == PairUnit::Amx {
-        let rows =
-            |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &x[i * k..(i + 1) * k], dst, 0, 1);
-        let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
-        return super::amx::bf16_dot(threads, a, n, (words, panel_stride), bias, y);
+        // SAFETY: the tiles write only floats.
+        let y = unsafe { as_uninit(y) };
+        return amx_pairs(isa, threads, x, (m, k, n), (words, panel_stride), bias, y);
     }
     let panels = n.div_ceil(NR);
     let tiles = fixed_tiles(m, MR_MAX);
@@ -1675,10 +1701,9 @@ pub(crate) fn bf16_panels(
     assert!(words.len() >= panels.saturating_sub(1) * panel_stride + kp * NR);
     if PairUnit::for_isa(isa) == PairUnit::Amx {
         // On AMX tiles, on this thread, as the weights' products.
-        let rows =
-            |i: usize, dst: &mut [u32]| pack_row_pairs(isa, &a[i * k..(i + 1) * k], dst, 0, 1);
-        let a = (m, kp, &rows as &(dyn Fn(usize, &mut [u32]) + Sync));
-        return super::amx::bf16_dot(1, a, n, (words, panel_stride), None, &mut c[..m * n]);
+        // SAFETY: the tiles write only floats.
+        let c = unsafe { as_uninit(&mut c[..m * n]) };
+        return amx_pairs(isa, 1, a, (m, k, n), (words, panel_stride), None, c);
     }
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && isa == Isa::Avx512 {
