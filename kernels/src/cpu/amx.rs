@@ -29,8 +29,10 @@ const NR: usize = PANEL_COLUMNS;
 
 /// Pairs of `k` per tile step (a tile row is 64 bytes).
 const STEP: usize = 16;
-/// Steps per block of `k` when several units share a panel.
-const BLOCK_STEPS: usize = 8;
+/// Steps per block of `k` when several units share a panel: the panel's block (2 KB a step)
+/// stays in L1 while the units pass over it, and each unit's accumulators go to memory and
+/// back once a block.
+const BLOCK_STEPS: usize = 16;
 /// Rows per register tile of activations.
 const TILE_ROWS: usize = 16;
 /// How far ahead of the step it multiplies a tile asks for the weights, in bytes.
@@ -425,7 +427,7 @@ impl Job<'_> {
         units: &[(usize, usize)],
     ) {
         use std::arch::asm;
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         let a = self.a;
         let config = TileConfig::new(a.rows);
         // Whole steps; the words past them are added by `finish_row`.
@@ -464,7 +466,16 @@ impl Job<'_> {
                 acc.fill(0.0);
             }
             for s0 in (0..whole).step_by(block) {
-                let last = s0 + block >= whole;
+                let end = (s0 + block).min(whole);
+                let last = end == whole;
+                // The next block's start (the panels lie one after another) and its lines.
+                let block_end = if last {
+                    panel.wrapping_add(self.panel_stride) as *const u8
+                } else {
+                    (panel as *const u8).wrapping_add(end * STEP * ldb)
+                };
+                let next_steps = if last { whole } else { whole - end }.min(block);
+                let next_lines = next_steps * STEP * ldb / 64;
                 for (u, &(t, count)) in units.iter().enumerate() {
                     let two = count == 2;
                     let spill = acc[u * unit_len..].as_mut_ptr() as *mut u8;
@@ -489,15 +500,27 @@ impl Job<'_> {
                             options(nostack, readonly),
                         );
                     }
-                    for s in s0..(s0 + block).min(whole) {
+                    for s in s0..end {
                         let b = (panel as *const u8).add(s * STEP * ldb);
-                        // The first unit asks for the weights `AHEAD` bytes on (past the
-                        // panel: the next panel's, which this thread reads next); the
-                        // hardware's prefetchers alone left the tile loads waiting on memory.
-                        if u == 0 {
+                        if units.len() == 1 {
+                            // A lone unit asks for the weights `AHEAD` bytes on (past the
+                            // panel: the next panel's, which this thread reads next); the
+                            // hardware's prefetchers alone left the tile loads waiting on
+                            // memory.
                             for line in (0..STEP * ldb).step_by(64) {
                                 let at = b.wrapping_add(AHEAD + line) as *const i8;
                                 _mm_prefetch::<_MM_HINT_T0>(at);
+                            }
+                        } else {
+                            // Several units ask for the next block (this panel's, or the next
+                            // panel's first) into L2 in equal shares, a few lines a step: it
+                            // streams in while they compute instead of holding the first
+                            // unit's tile loads.
+                            let i = u * (end - s0) + (s - s0);
+                            let shares = units.len() * (end - s0);
+                            for line in (i * next_lines / shares)..((i + 1) * next_lines / shares) {
+                                let at = block_end.wrapping_add(line * 64) as *const i8;
+                                _mm_prefetch::<_MM_HINT_T1>(at);
                             }
                         }
                         let (a0, a1) = (a.block(t, s), a.block(t + usize::from(two), s));

@@ -3132,7 +3132,7 @@ mod tests {
         // 13 and 16 rows: a group of two tiles. Around AMX's 16-row tiles, with and without
         // pairs past the last whole 16-pair step, one and several units of 32 rows; whole
         // tiles and panels whose sums go straight to the outputs (48, 50 and 64 rows: a unit
-        // of one tile after one of two, a partial tile, several blocks of `k`).
+        // of one tile after one of two, a partial tile, one and two blocks of `k`).
         for &(m, n, k) in &[
             (1, 40, 7),
             (5, 33, 300),
@@ -3151,6 +3151,7 @@ mod tests {
             (48, 64, 64),
             (50, 70, 64),
             (64, 96, 320),
+            (64, 64, 1024),
         ] {
             let x = data(m * k, 3 + k as u32);
             let w = data(n * k, 7 + n as u32);
