@@ -11,7 +11,7 @@ use wavefront_engine::{
     Family, Prepared, RequestError, RequestId, Submission,
 };
 use wavefront_models::candle_nn::VarBuilder;
-use wavefront_models::transformer::{SelectAttention, StoreWeights, TensorParallel};
+use wavefront_models::transformer::{SelectAttention, StoreWeights, TensorParallel, WeightDtype};
 use wavefront_models::{ChatMessage, ModelError, ModelFiles, TextTokenizer};
 
 use crate::fingerprint::Fingerprint;
@@ -95,19 +95,32 @@ impl<P: Planner> Served<P> {
     fn movable(mut self, fingerprint: Fingerprint, opts: &LoadOptions) -> Self {
         self.device = opts.device.clone();
         self.fingerprint = fingerprint;
-        self.settings = format!(
-            "dtype={:?};weights={:?};kv={:?};attention={:?};tensor_parallel={};kv_page_size={};\
-             device={}",
-            opts.dtype,
-            opts.weight_dtype,
-            opts.kv_dtype(),
-            opts.attention,
-            opts.tensor_parallel,
-            opts.kv_page_size,
-            if opts.device.is_cpu() { "cpu" } else { "gpu" },
-        );
+        self.settings = settings_key(opts);
         self
     }
+}
+
+/// The settings part of a migration key: what shapes a request's state and its numerics. On
+/// the CPU, bf16-dot products also name what multiplies the pairs (AMX tiles, AVX512-BF16 or
+/// float32 FMAs sum in different orders, so a request moved between them would not continue
+/// with the bits it had); every other CPU path has the same bits on every instruction set.
+fn settings_key(opts: &LoadOptions) -> String {
+    let products = if opts.device.is_cpu() && opts.weight_dtype == WeightDtype::Bf16Dot {
+        format!(";bf16_products={}", wavefront_models::cpu_bf16_unit())
+    } else {
+        String::new()
+    };
+    format!(
+        "dtype={:?};weights={:?};kv={:?};attention={:?};tensor_parallel={};kv_page_size={};\
+         device={}{products}",
+        opts.dtype,
+        opts.weight_dtype,
+        opts.kv_dtype(),
+        opts.attention,
+        opts.tensor_parallel,
+        opts.kv_page_size,
+        if opts.device.is_cpu() { "cpu" } else { "gpu" },
+    )
 }
 
 impl<P: Planner> ServedModel for Served<P> {
@@ -357,5 +370,33 @@ where
         model.select_attention(attention)?;
         model.store_weights(weight_dtype)?;
         Ok(wrap(model))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16-dot products name their unit in the key (AMX, AVX512-BF16 and FMA sums differ in
+    /// order); the paths whose bits are the same on every CPU do not, so a mixed fleet still
+    /// moves them.
+    #[test]
+    fn the_key_names_the_bf16_unit_only_where_it_changes_the_bits() {
+        let key = |weight_dtype| {
+            settings_key(&LoadOptions {
+                weight_dtype,
+                ..LoadOptions::default()
+            })
+        };
+        let unit = wavefront_models::cpu_bf16_unit();
+        assert!(
+            key(WeightDtype::Bf16Dot).ends_with(&format!(";bf16_products={unit}")),
+            "{}",
+            key(WeightDtype::Bf16Dot)
+        );
+        for other in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::Int8Dot] {
+            assert!(!key(other).contains("bf16_products"), "{}", key(other));
+        }
+        assert_ne!(key(WeightDtype::Bf16Dot), key(WeightDtype::F32));
     }
 }
