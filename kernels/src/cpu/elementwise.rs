@@ -22,24 +22,48 @@ fn over_rows(n_rows: usize, elems: usize, f: impl Fn(std::ops::Range<usize>) + S
 /// `out[r][j] = silu(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]` (the gate
 /// and up projections side by side): `silu(g) = g / (exp(-g) + 1)`.
 pub fn silu_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
-    gated_rows(gu, hidden, out, simd::silu_mul)
+    gated_into(gu, hidden, out, simd::silu_mul)
 }
 
-/// `out[r][j] = act(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]`, with `f`
-/// computing one row's `act(g) · u`.
-fn gated_rows(
-    gu: &[f32],
-    hidden: usize,
-    out: &mut [f32],
-    f: fn(Isa, &[f32], &[f32], &mut [f32]),
-) -> Result<(), KernelError> {
+/// [`silu_mul`] into a new vector (not zeroed first: every value is written).
+pub fn silu_mul_vec(gu: &[f32], hidden: usize) -> Result<Vec<f32>, KernelError> {
+    gated_vec(gu, hidden, simd::silu_mul)
+}
+
+/// One row's `act(g) · u` into `out`, every value written.
+type GatedRow = fn(Isa, &[f32], &[f32], &mut [std::mem::MaybeUninit<f32>]);
+
+/// The rows of `gu` `[rows, 2·hidden]`, or why it is not such rows.
+fn gated_rows_of(gu: &[f32], hidden: usize) -> Result<usize, KernelError> {
     check(hidden > 0 && gu.len().is_multiple_of(2 * hidden), || {
         format!("{} values are not rows of 2 x {hidden}", gu.len())
     })?;
-    let rows = gu.len() / (2 * hidden);
+    Ok(gu.len() / (2 * hidden))
+}
+
+/// `out[r][j] = act(gu[r][j]) · gu[r][hidden + j]`, with `f` computing one row's `act(g) · u`.
+fn gated_into(gu: &[f32], hidden: usize, out: &mut [f32], f: GatedRow) -> Result<(), KernelError> {
+    let rows = gated_rows_of(gu, hidden)?;
     check(out.len() == rows * hidden, || {
         format!("out has {} values, want {rows}x{hidden}", out.len())
     })?;
+    // SAFETY: the row kernels write floats only.
+    gated_rows(gu, hidden, unsafe { super::as_uninit(out) }, f);
+    Ok(())
+}
+
+/// [`gated_into`] into a new vector.
+fn gated_vec(gu: &[f32], hidden: usize, f: GatedRow) -> Result<Vec<f32>, KernelError> {
+    let rows = gated_rows_of(gu, hidden)?;
+    // SAFETY: `gated_rows` writes every row's `hidden` values.
+    Ok(unsafe { super::written(rows * hidden, |out| gated_rows(gu, hidden, out, f)) })
+}
+
+/// The rows of a gated activation (shapes checked by the callers) into `out`, every value
+/// written.
+fn gated_rows(gu: &[f32], hidden: usize, out: &mut [std::mem::MaybeUninit<f32>], f: GatedRow) {
+    let rows = gu.len() / (2 * hidden);
+    debug_assert_eq!(out.len(), rows * hidden);
     let isa = Isa::get();
     let op = SendPtr(out.as_mut_ptr());
     over_rows(rows, out.len(), |r| {
@@ -51,7 +75,6 @@ fn gated_rows(
             f(isa, g, u, o);
         }
     });
-    Ok(())
 }
 
 /// `out[r] = w · x[r] / sqrt(mean(x[r]²) + eps)` for rows `x` `[rows, dim]`, the statistic
@@ -155,6 +178,54 @@ pub fn split_heads(
     k: &mut [f32],
     v: &mut [f32],
 ) -> Result<(), KernelError> {
+    check_split(qkv, rows, s)?;
+    let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    check(
+        q.len() == h * rows * d && k.len() == hkv * rows * d && v.len() == k.len(),
+        || "q/k/v outputs of the wrong size".into(),
+    )?;
+    // SAFETY: the kernel writes floats only.
+    unsafe {
+        split_heads_into(
+            qkv,
+            rows,
+            s,
+            [
+                super::as_uninit(q),
+                super::as_uninit(k),
+                super::as_uninit(v),
+            ],
+        );
+    }
+    Ok(())
+}
+
+/// [`split_heads`] into new vectors q, k and v (not zeroed first: every value is written).
+pub fn split_heads_vecs(
+    qkv: &[f32],
+    rows: usize,
+    s: &HeadSplit,
+) -> Result<[Vec<f32>; 3], KernelError> {
+    check_split(qkv, rows, s)?;
+    let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let lens = [h * rows * d, hkv * rows * d, hkv * rows * d];
+    let mut out = lens.map(Vec::with_capacity);
+    let [q, k, v] = &mut out;
+    let (qs, ks, vs) = (
+        &mut q.spare_capacity_mut()[..lens[0]],
+        &mut k.spare_capacity_mut()[..lens[1]],
+        &mut v.spare_capacity_mut()[..lens[2]],
+    );
+    split_heads_into(qkv, rows, s, [qs, ks, vs]);
+    for (o, len) in out.iter_mut().zip(lens) {
+        // SAFETY: `split_heads_into` wrote every value of each.
+        unsafe { o.set_len(len) };
+    }
+    Ok(out)
+}
+
+/// Why `qkv` and `s` do not make a head split of `rows` rows (the outputs aside).
+fn check_split(qkv: &[f32], rows: usize, s: &HeadSplit) -> Result<(), KernelError> {
     let (h, hkv, d, rot) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim);
     let width = (h + 2 * hkv) * d;
     check(d % 2 == 0 && qkv.len() == rows * width, || {
@@ -164,10 +235,6 @@ pub fn split_heads(
         format!("{rot} rotary dims of a {d}-dim head")
     })?;
     check(
-        q.len() == h * rows * d && k.len() == hkv * rows * d && v.len() == k.len(),
-        || "q/k/v outputs of the wrong size".into(),
-    )?;
-    check(
         s.cos.len() >= rows * rot / 2 && s.sin.len() >= rows * rot / 2,
         || format!("RoPE rows for {rows} rows of {rot} dims"),
     )?;
@@ -175,7 +242,19 @@ pub fn split_heads(
         s.qk_bias
             .is_none_or(|(qb, kb)| qb.len() == h * d && kb.len() == hkv * d),
         || format!("q/k biases of {h} and {hkv} heads of {d}"),
-    )?;
+    )
+}
+
+/// The head split (checked by the callers) into q, k and v, every value written.
+fn split_heads_into(
+    qkv: &[f32],
+    rows: usize,
+    s: &HeadSplit,
+    [q, k, v]: [&mut [std::mem::MaybeUninit<f32>]; 3],
+) {
+    let (h, hkv, d, rot) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim);
+    let width = (h + 2 * hkv) * d;
+    debug_assert!(q.len() == h * rows * d && k.len() == hkv * rows * d && v.len() == k.len());
     let isa = Isa::get();
     let (qp, kp, vp) = (
         SendPtr(q.as_mut_ptr()),
@@ -232,19 +311,19 @@ pub fn split_heads(
                 if s.interleaved {
                     let pairs = out[..rot].chunks_exact_mut(2).zip(x[..rot].chunks_exact(2));
                     for ((o, p), (&c, &sn)) in pairs.zip(cos.iter().zip(sin)) {
-                        o[0] = p[0] * c - p[1] * sn;
-                        o[1] = p[0] * sn + p[1] * c;
+                        o[0].write(p[0] * c - p[1] * sn);
+                        o[1].write(p[0] * sn + p[1] * c);
                     }
                 } else {
                     for i in 0..half {
                         let (x1, x2) = (x[i], x[i + half]);
-                        out[i] = x1 * cos[i] - x2 * sin[i];
-                        out[i + half] = x1 * sin[i] + x2 * cos[i];
+                        out[i].write(x1 * cos[i] - x2 * sin[i]);
+                        out[i + half].write(x1 * sin[i] + x2 * cos[i]);
                     }
                 }
-                out[rot..].copy_from_slice(&x[rot..]);
+                copy_into(&mut out[rot..], &x[rot..]);
             } else {
-                out.copy_from_slice(x);
+                copy_into(out, x);
             }
         }
     };
@@ -253,7 +332,13 @@ pub fn split_heads(
     } else {
         super::pool::pool().run(units, &work);
     }
-    Ok(())
+}
+
+/// `dst[i] = src[i]` for every value of `dst`.
+fn copy_into(dst: &mut [std::mem::MaybeUninit<f32>], src: &[f32]) {
+    for (o, &x) in dst.iter_mut().zip(src) {
+        o.write(x);
+    }
 }
 
 #[cfg(test)]
@@ -281,6 +366,33 @@ mod tests {
             }
         }
         assert!(silu_mul(&gu, 5, &mut out).is_err());
+        assert!(silu_mul_vec(&gu, 5).is_err());
+        assert!(silu_mul_vec(&gu, 0).is_err());
+        // Every value written: from NaNs, and into a vector not zeroed, the same bits.
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mut from_nan = vec![f32::NAN; 3 * hidden];
+        silu_mul(&gu, hidden, &mut from_nan).unwrap();
+        assert_eq!(bits(&from_nan), bits(&out));
+        assert_eq!(bits(&silu_mul_vec(&gu, hidden).unwrap()), bits(&out));
+        let mut gelu = vec![f32::NAN; 3 * hidden];
+        gelu_tanh_mul(&gu, hidden, &mut gelu).unwrap();
+        assert!(gelu.iter().all(|v| v.is_finite()));
+        assert_eq!(bits(&gelu_tanh_mul_vec(&gu, hidden).unwrap()), bits(&gelu));
+    }
+
+    /// `split_heads` into buffers of NaNs and `split_heads_vecs` (not zeroed) give `want`'s
+    /// bits: every value is written.
+    fn assert_every_value_written(qkv: &[f32], rows: usize, s: &HeadSplit, want: [&[f32]; 3]) {
+        let mut got = want.map(|w| vec![f32::NAN; w.len()]);
+        let [q, k, v] = &mut got;
+        split_heads(qkv, rows, s, q, k, v).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (g, w) in got.iter().zip(want) {
+            assert_eq!(bits(g), bits(w));
+        }
+        for (g, w) in split_heads_vecs(qkv, rows, s).unwrap().iter().zip(want) {
+            assert_eq!(bits(g), bits(w));
+        }
     }
 
     #[test]
@@ -309,6 +421,7 @@ mod tests {
             vec![0f32; rows * d],
         );
         split_heads(&qkv, rows, &split, &mut q, &mut k, &mut v).unwrap();
+        assert_every_value_written(&qkv, rows, &split, [&q, &k, &v]);
         for r in 0..rows {
             // v: a copy of the last head's slice.
             assert_eq!(
@@ -343,6 +456,7 @@ mod tests {
             ..split
         };
         split_heads(&qkv, rows, &partial, &mut q, &mut k, &mut v).unwrap();
+        assert_every_value_written(&qkv, rows, &partial, [&q, &k, &v]);
         for r in 0..rows {
             let x = &qkv[r * width..r * width + d];
             let (c, s) = (cos[r], sin[r]);
@@ -362,6 +476,7 @@ mod tests {
             ..split
         };
         split_heads(&qkv, rows, &huginn, &mut q, &mut k, &mut v).unwrap();
+        assert_every_value_written(&qkv, rows, &huginn, [&q, &k, &v]);
         for r in 0..rows {
             let (c, s) = (&cos[r * 2..r * 2 + 2], &sin[r * 2..r * 2 + 2]);
             for (head, out, bias, col) in [
@@ -392,6 +507,8 @@ mod tests {
             ..huginn
         };
         assert!(split_heads(&qkv, rows, &short, &mut q, &mut k, &mut v).is_err());
+        assert!(split_heads_vecs(&qkv, rows, &short).is_err());
+        assert!(split_heads_vecs(&qkv[1..], rows, &huginn).is_err());
     }
 
     #[test]
@@ -415,7 +532,12 @@ mod tests {
 /// `out[r][j] = gelu_tanh(gu[r][j]) · gu[r][hidden + j]` for rows `gu` `[rows, 2·hidden]`
 /// (Gemma's gated MLP: GELU's tanh approximation).
 pub fn gelu_tanh_mul(gu: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
-    gated_rows(gu, hidden, out, simd::gelu_tanh_mul)
+    gated_into(gu, hidden, out, simd::gelu_tanh_mul)
+}
+
+/// [`gelu_tanh_mul`] into a new vector (not zeroed first: every value is written).
+pub fn gelu_tanh_mul_vec(gu: &[f32], hidden: usize) -> Result<Vec<f32>, KernelError> {
+    gated_vec(gu, hidden, simd::gelu_tanh_mul)
 }
 
 /// `x ← cap · tanh(x / cap)` over rows of `width` in place (Gemma's logit soft cap).

@@ -645,13 +645,13 @@ pub fn linear_vec(
     if let Store::Bf16Pairs(words) = &w.store {
         let shapes_agree = x.len() == m * k && bias.is_none_or(|b| b.len() == n);
         if shapes_agree && m * n * k > 0 && PairUnit::for_isa(isa) == PairUnit::Amx {
-            let mut y = Vec::with_capacity(m * n);
-            let out = &mut y.spare_capacity_mut()[..m * n];
             let panels = (&words[..], k.div_ceil(2) * NR);
-            amx_pairs(isa, super::threads(), x, (m, k, n), panels, bias, out);
-            // SAFETY: `amx_pairs` wrote each of the `m · n` outputs.
-            unsafe { y.set_len(m * n) };
-            return Ok(y);
+            // SAFETY: `amx_pairs` writes each of the `m · n` outputs.
+            return Ok(unsafe {
+                super::written(m * n, |out| {
+                    amx_pairs(isa, super::threads(), x, (m, k, n), panels, bias, out);
+                })
+            });
         }
     }
     let mut y = vec![0f32; m * n];
@@ -1429,16 +1429,6 @@ fn amx_pairs(
     super::amx::bf16_dot(threads, a, n, panels, bias, y);
 }
 
-/// `y` as values a callee may leave uninitialised.
-///
-/// # Safety
-/// Only initialised values (floats) may be written through the result: `y` is read as floats
-/// afterwards.
-unsafe fn as_uninit(y: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
-    // SAFETY: the same layout; the caller's promise keeps `y` initialised.
-    unsafe { &mut *(y as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) }
-}
-
 /// Pairs of `k` per block of the blocked sum on the bfloat16 path.
 const KC_PAIRS: usize = KC / 2;
 
@@ -1463,7 +1453,7 @@ fn bf16_dot(
     let kp = k.div_ceil(2);
     if unit == PairUnit::Amx {
         // SAFETY: the tiles write only floats.
-        let y = unsafe { as_uninit(y) };
+        let y = unsafe { super::as_uninit(y) };
         return amx_pairs(isa, threads, x, (m, k, n), (words, panel_stride), bias, y);
     }
     let panels = n.div_ceil(NR);
@@ -1702,7 +1692,7 @@ pub(crate) fn bf16_panels(
     if PairUnit::for_isa(isa) == PairUnit::Amx {
         // On AMX tiles, on this thread, as the weights' products.
         // SAFETY: the tiles write only floats.
-        let c = unsafe { as_uninit(&mut c[..m * n]) };
+        let c = unsafe { super::as_uninit(&mut c[..m * n]) };
         return amx_pairs(isa, 1, a, (m, k, n), (words, panel_stride), None, c);
     }
     #[cfg(target_arch = "x86_64")]

@@ -31,6 +31,33 @@ mod simd;
 
 pub use matmul::{bf16_to_f32, bf16_unit, f32_to_bf16, int8_unit, round_to_bf16};
 
+/// `y` as values a callee may leave uninitialised.
+///
+/// # Safety
+/// Only initialised values (floats) may be written through the result: `y` is read as floats
+/// afterwards.
+pub(crate) unsafe fn as_uninit(y: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
+    // SAFETY: the same layout; the caller's promise keeps `y` initialised.
+    unsafe { &mut *(y as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) }
+}
+
+/// A new vector of `len` floats that `fill` writes, not zeroed first (zeroing a many-row
+/// output on the calling thread while the pool waits was 5-6% of a LLaDA canvas forward; the
+/// allocator serves these sizes from recycled memory, so a zeroed vector costs a `memset`).
+///
+/// # Safety
+/// `fill` writes a float to every one of the `len` values (or panics).
+pub(crate) unsafe fn written(
+    len: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<f32>]),
+) -> Vec<f32> {
+    let mut y = Vec::with_capacity(len);
+    fill(&mut y.spare_capacity_mut()[..len]);
+    // SAFETY: the caller's promise: `fill` wrote every value.
+    unsafe { y.set_len(len) };
+    y
+}
+
 /// Threads a kernel call splits its work over.
 pub fn threads() -> usize {
     pool::pool().threads()

@@ -1,5 +1,6 @@
 //! Which vector instructions this process uses, detected once at run time.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -666,14 +667,14 @@ unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 
 
 /// `o[j] = g[j] / (exp(-g[j]) + 1) · u[j]` (SiLU of the gate times up), the same bits on every
 /// instruction set.
-pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
+pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
         Isa::Avx512 => unsafe { silu_mul_avx512(g, u, o) },
         _ => {
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (exp_scalar(-g) + 1.0) * u;
+                o.write(g / (exp_scalar(-g) + 1.0) * u);
             }
         }
     }
@@ -681,7 +682,7 @@ pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
+unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     let n = o.len();
     let one = _mm512_set1_ps(1.0);
@@ -692,7 +693,7 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
         let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
         let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         let r = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(e, one)), uv);
-        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, r);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i).cast::<f32>(), mask, r);
         i += LANES;
     }
 }
@@ -704,7 +705,7 @@ const GELU_K: f32 = 0.797_884_6;
 /// `g · sigmoid(2·√(2/π)·(g + 0.044715·g³)) = g / (exp(-2·√(2/π)·(g + 0.044715·g³)) + 1)` (the
 /// same function as `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`), the same bits on every
 /// instruction set.
-pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
+pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the instruction set was detected on this machine.
@@ -712,7 +713,7 @@ pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
         _ => {
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                 let y = (-2.0 * GELU_K) * (0.044_715 * g * g).mul_add(g, g);
-                *o = g / (exp_scalar(y) + 1.0) * u;
+                o.write(g / (exp_scalar(y) + 1.0) * u);
             }
         }
     }
@@ -720,7 +721,7 @@ pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
+unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     let n = o.len();
     let one = _mm512_set1_ps(1.0);
@@ -735,7 +736,7 @@ unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
         let y = _mm512_mul_ps(k, _mm512_fmadd_ps(g3, gv, gv));
         let e = exp_avx512(y);
         let r = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(e, one)), uv);
-        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, r);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i).cast::<f32>(), mask, r);
         i += LANES;
     }
 }
@@ -975,7 +976,10 @@ mod tests {
         let u: Vec<f32> = x.iter().map(|v| 0.5 - v * 0.01).collect();
         // GELU (tanh approximation) times up, against its definition in float64.
         let mut want = vec![0f32; x.len()];
-        gelu_tanh_mul(Isa::Portable, &x, &u, &mut want);
+        // SAFETY: the kernel writes floats only.
+        gelu_tanh_mul(Isa::Portable, &x, &u, unsafe {
+            super::super::as_uninit(&mut want)
+        });
         for ((w, &g), &up) in want.iter().zip(&x).zip(&u) {
             let g = f64::from(g);
             let exact = 0.5
@@ -989,7 +993,8 @@ mod tests {
         }
         for isa in Isa::available() {
             let mut got = vec![0f32; x.len()];
-            gelu_tanh_mul(isa, &x, &u, &mut got);
+            // SAFETY: as above.
+            gelu_tanh_mul(isa, &x, &u, unsafe { super::super::as_uninit(&mut got) });
             assert_eq!(got, want, "{isa:?}");
         }
         // The soft cap, within a few 1e-7 of the cap.

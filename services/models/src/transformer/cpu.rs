@@ -208,13 +208,12 @@ pub(crate) fn silu_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
         gu,
         hidden,
         Tensor::silu,
-        wavefront_kernels::cpu::elementwise::silu_mul,
+        wavefront_kernels::cpu::elementwise::silu_mul_vec,
     )
 }
 
 /// A row-wise CPU kernel over rows `[.., 2·hidden]` into rows `[.., hidden]`.
-type RowKernel =
-    fn(&[f32], usize, &mut [f32]) -> std::result::Result<(), wavefront_kernels::KernelError>;
+type RowKernel = fn(&[f32], usize) -> std::result::Result<Vec<f32>, wavefront_kernels::KernelError>;
 
 /// `act(gu[.., :hidden]) · gu[.., hidden:]`: `kernel` for float32 on the CPU, `act` (candle)
 /// elsewhere.
@@ -231,11 +230,10 @@ fn gated(
         return Ok((act(&g)? * u)?);
     }
     let gu = gu.contiguous()?;
-    let mut out = output(gu.elem_count() / 2);
-    {
+    let out = {
         let b = Borrowed::new(&gu)?;
-        kernel(&b.tail()?[..gu.elem_count()], hidden, &mut out).map_err(ModelError::from)?;
-    }
+        kernel(&b.tail()?[..gu.elem_count()], hidden).map_err(ModelError::from)?
+    };
     let mut shape = gu.dims().to_vec();
     shape[last] = hidden;
     Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
@@ -249,7 +247,7 @@ pub(crate) fn gelu_tanh_mul(gu: &Tensor, hidden: usize) -> Result<Tensor> {
         gu,
         hidden,
         Tensor::gelu,
-        wavefront_kernels::cpu::elementwise::gelu_tanh_mul,
+        wavefront_kernels::cpu::elementwise::gelu_tanh_mul_vec,
     )
 }
 
@@ -326,8 +324,7 @@ pub(crate) fn split_heads(
         Some((qb, kb)) => Some((qb.contiguous()?, kb.contiguous()?)),
         None => None,
     };
-    let (mut q, mut k, mut v) = (output(h * n * d), output(hkv * n * d), output(hkv * n * d));
-    {
+    let [q, k, v] = {
         let b = Borrowed::new(&qkv)?;
         let (cb, sb) = (Borrowed::new(&cos)?, Borrowed::new(&sin)?);
         let norms = match prep.norm {
@@ -362,16 +359,13 @@ pub(crate) fn split_heads(
             cos: &cb.tail()?[..n * half],
             sin: &sb.tail()?[..n * half],
         };
-        wavefront_kernels::cpu::elementwise::split_heads(
+        wavefront_kernels::cpu::elementwise::split_heads_vecs(
             &b.tail()?[..qkv.elem_count()],
             n,
             &split,
-            &mut q,
-            &mut k,
-            &mut v,
         )
-        .map_err(ModelError::from)?;
-    }
+        .map_err(ModelError::from)?
+    };
     Ok((
         Tensor::from_vec(q, (h, n, d), &Device::Cpu)?,
         Tensor::from_vec(k, (hkv, n, d), &Device::Cpu)?,
