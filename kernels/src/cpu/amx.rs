@@ -272,7 +272,12 @@ unsafe fn run_units(
     if threads <= 1 || macs < 1 << 15 {
         run(0..panels, &units);
     } else if panels >= threads {
-        let parts: Vec<_> = split(panels, threads).collect();
+        // Several units: four runs of panels a thread, claimed as threads come free (a
+        // thread that starts late or shares its core's tiles takes fewer). A lone unit (one or
+        // two activation tiles: decode, small batches) streams its panels in one run a
+        // thread, which keeps its prefetch ahead of its tile loads.
+        let per_thread = if units.len() > 1 { 4 } else { 1 };
+        let parts: Vec<_> = split(panels, (per_thread * threads).min(panels)).collect();
         super::pool::pool().run(parts.len(), &|i| run(parts[i].clone(), &units));
     } else {
         let parts: Vec<_> = split(units.len(), threads).collect();
