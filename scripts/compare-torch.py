@@ -10,7 +10,8 @@ side by side with wavefront's in one run.
 Both sides run on the same number of threads (default: the machine's cores), float32 unless
 asked (`--torch-dtype bf16 --weight-dtype bf16-dot`: both in bf16, PyTorch's eager bf16 modules
 against wavefront's bf16 products with float32 accumulation), random weights of the same shapes, and report the median time of one call over a fixed duration after
-warm-up. Rounds alternate PyTorch and wavefront so that both see the same machine; the table
+warm-up. Rounds alternate PyTorch and wavefront so that both see the same machine (and which
+goes first alternates from round to round); the table
 gives each side's median over the rounds and the ratio PyTorch time / wavefront time (above 1:
 wavefront is faster).
 
@@ -222,13 +223,17 @@ def main():
     shapes = build(torch, {"f32": torch.float32, "bf16": torch.bfloat16}[a.torch_dtype])
     tt, wt, report = {}, {}, None
     for r in range(a.rounds):
-        print(f"round {r + 1}/{a.rounds}: pytorch", file=sys.stderr)
-        for k, v in torch_round(torch, shapes, a.seconds).items():
-            tt.setdefault(k, []).append(v)
-        print(f"round {r + 1}/{a.rounds}: wavefront", file=sys.stderr)
-        report, times = wavefront_round(a.binary, a.threads, a.seconds, a.weight_dtype)
-        for k, v in times.items():
-            wt.setdefault(k, []).append(v)
+        # Which side goes first alternates too: of two runs back to back on these VMs the
+        # second was measured 5-15% slower, whichever it was.
+        for side in ("pytorch", "wavefront") if r % 2 == 0 else ("wavefront", "pytorch"):
+            print(f"round {r + 1}/{a.rounds}: {side}", file=sys.stderr)
+            if side == "pytorch":
+                for k, v in torch_round(torch, shapes, a.seconds).items():
+                    tt.setdefault(k, []).append(v)
+            else:
+                report, times = wavefront_round(a.binary, a.threads, a.seconds, a.weight_dtype)
+                for k, v in times.items():
+                    wt.setdefault(k, []).append(v)
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{a.threads} threads; PyTorch {a.torch_dtype}, wavefront weights {a.weight_dtype}; "
