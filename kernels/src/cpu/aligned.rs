@@ -60,24 +60,45 @@ impl<T: Plain> Aligned<T> {
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.lines.capacity() * 64
     }
+}
 
-    /// A copy of `values`.
-    pub(crate) fn from_slice(values: &[T]) -> Self {
-        let mut out = Self::zeroed(values.len());
-        out.copy_from_slice(values);
-        out
+/// An [`Aligned`] buffer of a known length written front to back (how packers make their
+/// panels: into the aligned lines directly, not into a `Vec` copied afterwards).
+pub(crate) struct Filling<T: Plain> {
+    buf: Aligned<T>,
+    at: usize,
+}
+
+impl<T: Plain> Filling<T> {
+    /// A buffer of `len` values, none written yet.
+    pub(crate) fn new(len: usize) -> Self {
+        Self {
+            buf: Aligned::zeroed(len),
+            at: 0,
+        }
+    }
+
+    /// Writes `values` after those written so far.
+    pub(crate) fn extend(&mut self, values: impl IntoIterator<Item = T>) {
+        for v in values {
+            self.buf[self.at] = v;
+            self.at += 1;
+        }
+    }
+
+    /// The buffer, every value written.
+    pub(crate) fn finish(self) -> Aligned<T> {
+        assert_eq!(
+            self.at, self.buf.len,
+            "a packer wrote the wrong number of values"
+        );
+        self.buf
     }
 }
 
 impl<T: Plain> Default for Aligned<T> {
     fn default() -> Self {
         Self::zeroed(0)
-    }
-}
-
-impl<T: Plain> From<Vec<T>> for Aligned<T> {
-    fn from(values: Vec<T>) -> Self {
-        Self::from_slice(&values)
     }
 }
 
@@ -112,7 +133,9 @@ mod tests {
     fn buffers_start_a_line_and_keep_their_values() {
         for len in [0usize, 1, 15, 16, 17, 1000] {
             let values: Vec<u32> = (0..len as u32).collect();
-            let a = Aligned::from(values.clone());
+            let mut f = Filling::new(len);
+            f.extend(values.iter().copied());
+            let a = f.finish();
             let b = a.clone();
             for buf in [&a, &b] {
                 assert_eq!(buf.as_ptr() as usize % 64, 0, "len {len}");

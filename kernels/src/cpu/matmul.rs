@@ -22,7 +22,7 @@
 
 use crate::{check, KernelError};
 
-use super::aligned::Aligned;
+use super::aligned::{Aligned, Filling};
 use super::simd::Isa;
 use super::{split, SendPtr};
 
@@ -322,26 +322,26 @@ impl PackedWeight {
         };
         let store = match dtype {
             WeightDtype::F32 => {
-                let mut out = Vec::with_capacity(len);
+                let mut out = Filling::new(len);
                 for p in 0..panels {
                     for kk in 0..k {
                         out.extend((0..NR).map(|c| at(p, kk, c)));
                     }
                 }
-                Store::F32(out.into())
+                Store::F32(out.finish())
             }
             WeightDtype::Bf16 => {
-                let mut out = Vec::with_capacity(len);
+                let mut out = Filling::new(len);
                 for p in 0..panels {
                     for kk in 0..k {
                         out.extend((0..NR).map(|c| f32_to_bf16(at(p, kk, c))));
                     }
                 }
-                Store::Bf16(out.into())
+                Store::Bf16(out.finish())
             }
             WeightDtype::Bf16Dot => {
                 let kp = k.div_ceil(2);
-                let mut out = Vec::with_capacity(panels * kp * NR);
+                let mut out = Filling::new(panels * kp * NR);
                 for p in 0..panels {
                     for j in 0..kp {
                         out.extend((0..NR).map(|c| {
@@ -354,18 +354,18 @@ impl PackedWeight {
                         }));
                     }
                 }
-                Store::Bf16Pairs(out.into())
+                Store::Bf16Pairs(out.finish())
             }
             WeightDtype::Int8 => {
                 let scales = channel_scales(w, n, k, panels);
-                let mut values = Vec::with_capacity(len);
+                let mut values = Filling::new(len);
                 for p in 0..panels {
                     for kk in 0..k {
                         values.extend((0..NR).map(|c| quantize8(at(p, kk, c), scales[p * NR + c])));
                     }
                 }
                 Store::I8 {
-                    values: values.into(),
+                    values: values.finish(),
                     scales,
                 }
             }
@@ -377,7 +377,7 @@ impl PackedWeight {
                 })?;
                 let scales = channel_scales(w, n, k, panels);
                 let kq = k.div_ceil(4);
-                let mut words = Vec::with_capacity(panels * kq * NR);
+                let mut words = Filling::new(panels * kq * NR);
                 let mut sums = vec![0i32; panels * NR];
                 for p in 0..panels {
                     for j in 0..kq {
@@ -396,7 +396,7 @@ impl PackedWeight {
                     }
                 }
                 Store::I8Quads {
-                    words: words.into(),
+                    words: words.finish(),
                     scales,
                     sums,
                 }
@@ -404,7 +404,7 @@ impl PackedWeight {
             WeightDtype::Q4 => {
                 let groups = k.div_ceil(Q4_GROUP);
                 let scales = group_scales(&at, k, panels);
-                let mut nibbles = Vec::with_capacity(panels * k * NR / 2);
+                let mut nibbles = Filling::new(panels * k * NR / 2);
                 for p in 0..panels {
                     for kk in 0..k {
                         let g = kk / Q4_GROUP;
@@ -416,7 +416,7 @@ impl PackedWeight {
                     }
                 }
                 Store::Q4 {
-                    nibbles: nibbles.into(),
+                    nibbles: nibbles.finish(),
                     scales,
                 }
             }
@@ -424,7 +424,7 @@ impl PackedWeight {
                 let groups = k.div_ceil(Q4_GROUP);
                 let scales = group_scales(&at, k, panels);
                 let nj = groups * Q4_GROUP / 8;
-                let mut words = Vec::with_capacity(panels * nj * NR);
+                let mut words = Filling::new(panels * nj * NR);
                 let mut corr = vec![1024 * Q4_GROUP as i32; panels * groups * NR];
                 for p in 0..panels {
                     for j in 0..nj {
@@ -447,7 +447,7 @@ impl PackedWeight {
                     }
                 }
                 Store::Q4Octets {
-                    words: words.into(),
+                    words: words.finish(),
                     scales,
                     corr,
                 }
