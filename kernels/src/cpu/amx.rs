@@ -214,15 +214,15 @@ pub(crate) fn int8_dot(
     n: usize,
     panels: (&[u32], usize),
     write: &WriteInt8<'_>,
-    y: &mut [f32],
+    y: &mut [std::mem::MaybeUninit<f32>],
 ) {
     assert!(
         int8_enabled(),
         "AMX-INT8 tiles are not available to this process"
     );
     let a = Activations::pack(rows);
-    let out = (SendPtr(y.as_mut_ptr()), y.len());
-    // SAFETY: `y`'s floats, borrowed for the call.
+    let out = (SendPtr(y.as_mut_ptr().cast::<f32>()), y.len());
+    // SAFETY: `y`'s values, borrowed for the call; `write` puts floats in every one.
     unsafe { run_units(threads, &a, n, panels, Finish::Int8(write), out) };
 }
 

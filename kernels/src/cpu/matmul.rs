@@ -632,9 +632,9 @@ pub fn linear(
 }
 
 /// [`linear`] into a new vector of `m · n` outputs. Where the products run on AMX tiles
-/// (bfloat16 pairs) they write every output once, so the vector is not zeroed first (zeroing
-/// a many-row output on the calling thread while the pool waited was 5-6% of a LLaDA canvas
-/// forward); elsewhere it is zeroed and [`linear`] fills it.
+/// (bfloat16 pairs or 8-bit quads) they write every output once, so the vector is not zeroed
+/// first (zeroing a many-row output on the calling thread while the pool waited was 5-6% of a
+/// LLaDA canvas forward); elsewhere it is zeroed and [`linear`] fills it.
 pub fn linear_vec(
     x: &[f32],
     m: usize,
@@ -642,9 +642,9 @@ pub fn linear_vec(
     bias: Option<&[f32]>,
 ) -> Result<Vec<f32>, KernelError> {
     let (n, k, isa) = (w.n, w.k, Isa::get());
-    if let Store::Bf16Pairs(words) = &w.store {
-        let shapes_agree = x.len() == m * k && bias.is_none_or(|b| b.len() == n);
-        if shapes_agree && m * n * k > 0 && PairUnit::for_isa(isa) == PairUnit::Amx {
+    let shapes_agree = x.len() == m * k && bias.is_none_or(|b| b.len() == n) && m * n * k > 0;
+    match &w.store {
+        Store::Bf16Pairs(words) if shapes_agree && PairUnit::for_isa(isa) == PairUnit::Amx => {
             let panels = (&words[..], k.div_ceil(2) * NR);
             // SAFETY: `amx_pairs` writes each of the `m · n` outputs.
             return Ok(unsafe {
@@ -653,6 +653,20 @@ pub fn linear_vec(
                 })
             });
         }
+        Store::I8Quads {
+            words,
+            scales,
+            sums,
+        } if shapes_agree && vnni(isa) && super::amx::int8_enabled() => {
+            let weights = (&words[..], &scales[..], &sums[..]);
+            // SAFETY: `amx_quads` writes each of the `m · n` outputs.
+            return Ok(unsafe {
+                super::written(m * n, |out| {
+                    amx_quads(isa, super::threads(), x, (m, k, n), weights, bias, out);
+                })
+            });
+        }
+        _ => {}
     }
     let mut y = vec![0f32; m * n];
     linear(x, m, w, bias, &mut y)?;
@@ -2037,6 +2051,40 @@ const MR_I8: usize = 8;
 /// Quads of `k` per block of the int8 path (a block of a panel is 16 KiB, as on the bf16 path).
 const KC_QUADS: usize = 128;
 
+/// [`int8_dot`] on AMX-INT8 tiles: the same integer sums as the VNNI path, so the same bits,
+/// into `y`, every one of whose `m · n` values it writes.
+#[allow(clippy::too_many_arguments)]
+fn amx_quads(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    (words, scales, sums): (&[u32], &[f32], &[i32]),
+    bias: Option<&[f32]>,
+    y: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let kq = k.div_ceil(4);
+    let (row_scales, quads) = quantize_rows(isa, threads, x, m, k);
+    let write = |row: usize, cs: std::ops::Range<usize>, acc: &[i32; NR], out: *mut f32| {
+        let bias = bias.map(|b| &b[cs.clone()]);
+        // SAFETY: the tile kernel passes the output row's `cs.len()` columns.
+        unsafe {
+            write_int8_row(
+                isa,
+                acc,
+                &sums[cs.clone()],
+                &scales[cs],
+                bias,
+                row_scales[row],
+                out,
+            )
+        }
+    };
+    let fill = |i: usize, dst: &mut [u32]| dst[..kq].copy_from_slice(&quads[i * kq..(i + 1) * kq]);
+    let rows = (m, kq, &fill as &(dyn Fn(usize, &mut [u32]) + Sync));
+    super::amx::int8_dot(threads, rows, n, (words, kq * NR), &write, y);
+}
+
 /// [`WeightDtype::Int8Dot`]: every row quantised, its integer products with a panel summed in
 /// `i32` by `vpdpbusd` (`dot`) or in plain integer arithmetic (the same sums), then
 /// `(sum − 128 · Σ w) · s_x · s_w (+ bias)` per output. As on the bf16 path, a group of row
@@ -2055,33 +2103,16 @@ fn int8_dot(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
+    if tiles {
+        // SAFETY: the tiles write only floats.
+        let y = unsafe { super::as_uninit(y) };
+        amx_quads(isa, threads, x, (m, k, n), (words, scales, sums), bias, y);
+        return Ok(());
+    }
     let kq = k.div_ceil(4);
     let panels = n.div_ceil(NR);
     let dot = vnni(isa);
     let (row_scales, quads) = quantize_rows(isa, threads, x, m, k);
-    if tiles {
-        // On AMX-INT8 tiles: the same integer sums, so the same bits.
-        let write = |row: usize, cs: std::ops::Range<usize>, acc: &[i32; NR], out: *mut f32| {
-            let bias = bias.map(|b| &b[cs.clone()]);
-            // SAFETY: the tile kernel passes the output row's `cs.len()` columns.
-            unsafe {
-                write_int8_row(
-                    isa,
-                    acc,
-                    &sums[cs.clone()],
-                    &scales[cs],
-                    bias,
-                    row_scales[row],
-                    out,
-                )
-            }
-        };
-        let fill =
-            |i: usize, dst: &mut [u32]| dst[..kq].copy_from_slice(&quads[i * kq..(i + 1) * kq]);
-        let rows = (m, kq, &fill as &(dyn Fn(usize, &mut [u32]) + Sync));
-        super::amx::int8_dot(threads, rows, n, (words, kq * NR), &write, y);
-        return Ok(());
-    }
     let tiles = fixed_tiles(m, MR_I8);
     let yp = SendPtr(y.as_mut_ptr());
     let run = |panels: std::ops::Range<usize>, tiles: &[(usize, usize)]| {
@@ -3158,7 +3189,8 @@ mod tests {
     }
 
     /// `linear_vec` (outputs not zeroed first on AMX tiles) gives `linear`'s bits, with and
-    /// without a bias, on every store; bad shapes are refused as `linear` refuses them.
+    /// without a bias, on every store; `linear` starts from NaNs, so an output the tiles left
+    /// unwritten fails; bad shapes are refused as `linear` refuses them.
     #[test]
     fn linear_vec_gives_the_bits_of_linear() {
         for dtype in [WeightDtype::F32, WeightDtype::Bf16Dot, WeightDtype::Int8Dot] {
@@ -3174,7 +3206,7 @@ mod tests {
                 let bias = data(n, 41);
                 let packed = PackedWeight::pack(&w, n, k, dtype).unwrap();
                 for b in [None, Some(&bias[..])] {
-                    let mut want = vec![0f32; m * n];
+                    let mut want = vec![f32::NAN; m * n];
                     linear(&x, m, &packed, b, &mut want).unwrap();
                     let got = linear_vec(&x, m, &packed, b).unwrap();
                     assert_eq!(
