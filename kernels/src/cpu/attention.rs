@@ -162,6 +162,50 @@ pub fn attention(
     attention_with(Isa::get(), super::threads(), heads, q, rows, seqs, out)
 }
 
+/// [`attention`] into a new vector of `H · rows · D` outputs. When the sequences' rows cover
+/// the call's rows once each (every model's call), the tasks write every output, so the vector
+/// is not zeroed first (a canvas layer's output is a few hundred KiB, zeroed on the calling
+/// thread while the pool waited); otherwise it is zeroed and the rows no sequence names stay 0.
+pub fn attention_vec(
+    heads: Heads,
+    q: &[f32],
+    rows: usize,
+    seqs: &[SeqAttention],
+) -> Result<Vec<f32>, KernelError> {
+    let (isa, threads) = (Isa::get(), super::threads());
+    if !covers_once(rows, seqs) {
+        let mut out = vec![0f32; q.len()];
+        attention_with(isa, threads, heads, q, rows, seqs, &mut out)?;
+        return Ok(out);
+    }
+    let mut result = Ok(());
+    // SAFETY: every row of the call is in one sequence, and the tasks write every head of each
+    // row of their sequences; a refused call wrote nothing, and its values are set to 0.
+    let out = unsafe {
+        super::written(q.len(), |out| {
+            result = attention_into(isa, threads, heads, q, rows, seqs, out);
+            if result.is_err() {
+                out.fill(std::mem::MaybeUninit::new(0.0));
+            }
+        })
+    };
+    result.map(|()| out)
+}
+
+/// Whether the sequences' rows are `0..rows`, each row in exactly one of them.
+fn covers_once(rows: usize, seqs: &[SeqAttention]) -> bool {
+    let mut ranges: Vec<&Range<usize>> = seqs.iter().map(|s| &s.rows).collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut at = 0;
+    for r in ranges {
+        if r.start != at || r.end < r.start {
+            return false;
+        }
+        at = r.end;
+    }
+    at == rows
+}
+
 /// [`attention`] on a given instruction set and thread count.
 pub fn attention_with(
     isa: Isa,
@@ -171,6 +215,22 @@ pub fn attention_with(
     rows: usize,
     seqs: &[SeqAttention],
     out: &mut [f32],
+) -> Result<(), KernelError> {
+    // SAFETY: the tasks write only floats.
+    let out = unsafe { super::as_uninit(out) };
+    attention_into(isa, threads, heads, q, rows, seqs, out)
+}
+
+/// [`attention_with`] into values a call may find uninitialised: every head of the rows the
+/// sequences name is written, nothing else; nothing is written when the call is refused.
+fn attention_into(
+    isa: Isa,
+    threads: usize,
+    heads: Heads,
+    q: &[f32],
+    rows: usize,
+    seqs: &[SeqAttention],
+    out: &mut [std::mem::MaybeUninit<f32>],
 ) -> Result<(), KernelError> {
     let Heads {
         n_heads: h,
@@ -233,7 +293,7 @@ pub fn attention_with(
     }
     // Each sequence's mask, its keys' indices scanned once for all its tasks.
     let masks: Vec<Masks> = seqs.iter().map(Masks::new).collect();
-    let op = SendPtr(out.as_mut_ptr());
+    let op = SendPtr(out.as_mut_ptr().cast::<f32>());
     let run = |&(si, g, ref r): &(usize, usize, Range<usize>)| {
         // SAFETY: a task writes the rows `r` of its group's query heads only.
         unsafe { task(isa, heads, q, rows, &seqs[si], &masks[si], g, r.clone(), op) }
@@ -1006,7 +1066,23 @@ mod tests {
             key_index: (0..8).chain(0..6).collect(),
         };
         let want = ragged_attention(&layout, &q, &kk, &vv).unwrap();
-        for (isa, threads, out) in check_everywhere(heads, &q, rows, &seqs, &want, 1e-5, true) {
+        let all = check_everywhere(heads, &q, rows, &seqs, &want, 1e-5, true);
+        // Into a new vector (not zeroed first where the sequences cover the rows): the same
+        // bits; the rows no sequence names are 0; a refused call is refused.
+        assert_eq!(attention_vec(heads, &q, rows, &seqs).unwrap(), all[0].2);
+        let first_only = attention_vec(heads, &q, rows, &seqs[..1]).unwrap();
+        for hh in 0..h {
+            for r in 0..rows {
+                let at = (hh * rows + r) * d..(hh * rows + r + 1) * d;
+                if r < 3 {
+                    assert_eq!(first_only[at.clone()], all[0].2[at]);
+                } else {
+                    assert!(first_only[at].iter().all(|&v| v == 0.0));
+                }
+            }
+        }
+        assert!(attention_vec(heads, &q[1..], rows, &seqs).is_err());
+        for (isa, threads, out) in all {
             // Row-major output: the same values, transposed.
             let mut by_rows = vec![f32::NAN; q.len()];
             let rheads = Heads {

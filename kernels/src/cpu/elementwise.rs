@@ -80,11 +80,33 @@ fn gated_rows(gu: &[f32], hidden: usize, out: &mut [std::mem::MaybeUninit<f32>],
 /// `out[r] = w · x[r] / sqrt(mean(x[r]²) + eps)` for rows `x` `[rows, dim]`, the statistic
 /// accumulated in the canonical lane order.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), KernelError> {
+    rms_rows_of(x, w)?;
+    check(out.len() == x.len(), || {
+        format!("out has {} values, want {}", out.len(), x.len())
+    })?;
+    // SAFETY: the rows are written with floats only.
+    rms_rows(x, w, eps, unsafe { super::as_uninit(out) });
+    Ok(())
+}
+
+/// [`rms_norm`] into a new vector (not zeroed first: every value is written).
+pub fn rms_norm_vec(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>, KernelError> {
+    rms_rows_of(x, w)?;
+    // SAFETY: `rms_rows` writes each of the values.
+    Ok(unsafe { super::written(x.len(), |out| rms_rows(x, w, eps, out)) })
+}
+
+/// Checks that `x` is rows of `w.len()` values.
+fn rms_rows_of(x: &[f32], w: &[f32]) -> Result<(), KernelError> {
     let dim = w.len();
-    check(
-        dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(),
-        || format!("{} / {} values are not rows of {dim}", x.len(), out.len()),
-    )?;
+    check(dim > 0 && x.len().is_multiple_of(dim), || {
+        format!("{} values are not rows of {dim}", x.len())
+    })
+}
+
+/// Every row of `x` normed into `out` (as many values), each value written once.
+fn rms_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32>]) {
+    let dim = w.len();
     let rows = x.len() / dim;
     let isa = Isa::get();
     let op = SendPtr(out.as_mut_ptr());
@@ -96,11 +118,10 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), K
             let ms = simd::dot(isa, xr, xr) / dim as f32;
             let scale = 1.0 / (ms + eps).sqrt();
             for ((o, &x), &w) in o.iter_mut().zip(xr).zip(w) {
-                *o = w * (x * scale);
+                o.write(w * (x * scale));
             }
         }
     });
-    Ok(())
 }
 
 /// The softmax of `x` in place, float32, sums in the canonical lane order.
@@ -516,8 +537,14 @@ mod tests {
         let dim = 19;
         let x: Vec<f32> = (0..2 * dim).map(|i| (i as f32 - 7.0) * 0.3).collect();
         let w: Vec<f32> = (0..dim).map(|i| 1.0 + i as f32 * 0.01).collect();
-        let mut out = vec![0f32; x.len()];
+        let mut out = vec![f32::NAN; x.len()];
         rms_norm(&x, &w, 1e-6, &mut out).unwrap();
+        // Every value written: from NaNs above, and into a vector not zeroed, the same bits.
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&rms_norm_vec(&x, &w, 1e-6).unwrap()), bits(&out));
+        assert!(rms_norm_vec(&x[1..], &w, 1e-6).is_err());
+        assert!(rms_norm_vec(&x, &[], 1e-6).is_err());
+        assert!(rms_norm(&x, &w, 1e-6, &mut out[1..]).is_err());
         for r in 0..2 {
             let xr = &x[r * dim..(r + 1) * dim];
             let ms = xr.iter().map(|v| f64::from(v * v)).sum::<f64>() / dim as f64;

@@ -8,7 +8,7 @@ use std::ops::Deref;
 
 use candle_core::{DType, Device, Layout, Storage, Tensor};
 use wavefront_kernels::attention::Mask;
-use wavefront_kernels::cpu::attention::{attention, Heads, KvBlock, KvData, SeqAttention};
+use wavefront_kernels::cpu::attention::{attention_vec, Heads, KvBlock, KvData, SeqAttention};
 
 use crate::error::{ModelError, Result};
 
@@ -184,7 +184,6 @@ pub(crate) fn attend(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut out = vec![0f32; h * n * d];
     let heads = Heads {
         n_heads: h,
         n_kv_heads,
@@ -193,7 +192,7 @@ pub(crate) fn attend(
         rows_out,
         bf16_products: bf16,
     };
-    attention(heads, &qb.tail()?[..h * n * d], n, &calls, &mut out).map_err(ModelError::from)?;
+    let out = attention_vec(heads, &qb.tail()?[..h * n * d], n, &calls)?;
     Ok(if rows_out {
         Tensor::from_vec(out, (n, h * d), &Device::Cpu)?
     } else {
@@ -281,18 +280,15 @@ pub fn sample_row(row: &[f32], stats: &RowEntropy, u: f32) -> usize {
 /// RMSNorm of the rows of `x` `[.., dim]` with `w` `[dim]`, float32 on the CPU.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let mut out = output(x.elem_count());
-    {
+    let out = {
         let (b, wb) = (Borrowed::new(&x)?, Borrowed::new(w)?);
         let dim = w.elem_count();
-        wavefront_kernels::cpu::elementwise::rms_norm(
+        wavefront_kernels::cpu::elementwise::rms_norm_vec(
             &b.tail()?[..x.elem_count()],
             &wb.tail()?[..dim],
             eps,
-            &mut out,
-        )
-        .map_err(ModelError::from)?;
-    }
+        )?
+    };
     Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
 }
 
