@@ -9,6 +9,9 @@
 //! 2. continuous batching: N requests submitted together (the engine packs their rows into
 //!    shared forwards) against the same N requests served one after another, as aggregate
 //!    tokens per second, for each N in `--concurrency`; outputs are checked to be identical.
+//!    With `--rounds R` both are run R times, alternating which goes first, and the speed-up
+//!    is the median of the rounds' ratios (a slow phase of a shared machine then hits one
+//!    round, not the comparison).
 //!
 //! Prints markdown tables on stdout and progress on stderr.
 
@@ -105,6 +108,11 @@ struct Args {
     /// profiling the batched tick; the speed-up column then reads "-").
     #[arg(long)]
     batched_only: bool,
+    /// Rounds of each concurrency comparison: together and one after another, alternating
+    /// which goes first; the seconds are the rounds' medians and the speed-up the median of
+    /// the rounds' ratios (each round's in brackets).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     #[command(flatten)]
     target: run::Target,
 }
@@ -321,34 +329,60 @@ fn main() -> Result<()> {
             let specs: Vec<GenerateSpec> = (0..n as u64)
                 .map(|i| w.request(&args, 100 + i, args.batched_max_new_tokens))
                 .collect();
-            eprintln!("{}: {n} concurrent", w.label());
-            let (batched, t_batched) = run::together(served.as_ref(), specs.iter().cloned())?;
-            let nb = table::total_tokens(&batched);
-            let rb = nb as f64 / t_batched.as_secs_f64();
             if args.batched_only {
+                eprintln!("{}: {n} concurrent", w.label());
+                let (batched, t_batched) = run::together(served.as_ref(), specs.iter().cloned())?;
+                let nb = table::total_tokens(&batched);
                 println!(
-                    "| {} | {n} | {nb} | {:.2} | {rb:.2} | - | - | - | - |",
+                    "| {} | {n} | {nb} | {:.2} | {:.2} | - | - | - | - |",
                     w.label(),
                     t_batched.as_secs_f64(),
+                    nb as f64 / t_batched.as_secs_f64(),
                 );
                 continue;
             }
-            eprintln!("{}: {n} one after another", w.label());
-            let (alone, t_alone) = run::one_after_another(served.as_ref(), specs.iter().cloned())?;
-            let same = batched
-                .iter()
-                .zip(&alone)
-                .all(|(a, b)| a.tokens == b.tokens);
-            let na = table::total_tokens(&alone);
-            let ra = na as f64 / t_alone.as_secs_f64();
+            // Each round: both ways of serving the requests, the first one alternating.
+            let (mut t_batched, mut t_alone, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut same, mut tokens) = (true, (0, 0));
+            for round in 0..args.rounds {
+                let together = || -> Result<_> {
+                    eprintln!("{}: {n} concurrent", w.label());
+                    run::together(served.as_ref(), specs.iter().cloned())
+                };
+                let alone = || -> Result<_> {
+                    eprintln!("{}: {n} one after another", w.label());
+                    run::one_after_another(served.as_ref(), specs.iter().cloned())
+                };
+                let ((batched, tb), (solo, ta)) = if round % 2 == 0 {
+                    let b = together()?;
+                    (b, alone()?)
+                } else {
+                    let a = alone()?;
+                    (together()?, a)
+                };
+                same &= batched.iter().zip(&solo).all(|(a, b)| a.tokens == b.tokens);
+                tokens = (table::total_tokens(&batched), table::total_tokens(&solo));
+                let (rb, ra) = (
+                    tokens.0 as f64 / tb.as_secs_f64(),
+                    tokens.1 as f64 / ta.as_secs_f64(),
+                );
+                t_batched.push(tb.as_secs_f64());
+                t_alone.push(ta.as_secs_f64());
+                ratios.push(rb / ra);
+            }
+            let speed_up = if ratios.len() == 1 {
+                format!("{:.2}x", ratios[0])
+            } else {
+                let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+                format!("{:.2}x ({})", median(&ratios), each.join(", "))
+            };
+            let (tb, ta) = (median(&t_batched), median(&t_alone));
             println!(
-                "| {} | {n} | {nb} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x | {} |",
+                "| {} | {n} | {} | {tb:.2} | {:.2} | {ta:.2} | {:.2} | {speed_up} | {} |",
                 w.label(),
-                t_batched.as_secs_f64(),
-                rb,
-                t_alone.as_secs_f64(),
-                ra,
-                rb / ra,
+                tokens.0,
+                tokens.0 as f64 / tb,
+                tokens.1 as f64 / ta,
                 if same { "yes" } else { "NO" },
             );
         }
@@ -386,5 +420,17 @@ fn row_iterations(w: Workload, a: &Args, o: &Outcome) -> u64 {
             prompt * a.num_steps as u64
                 + sizes.iter().map(|&s| u64::from(s)).sum::<u64>() * a.inner_recurrence as u64
         }
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
     }
 }
