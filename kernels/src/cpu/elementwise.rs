@@ -230,19 +230,8 @@ pub fn split_heads_vecs(
     check_split(qkv, rows, s)?;
     let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
     let lens = [h * rows * d, hkv * rows * d, hkv * rows * d];
-    let mut out = lens.map(Vec::with_capacity);
-    let [q, k, v] = &mut out;
-    let (qs, ks, vs) = (
-        &mut q.spare_capacity_mut()[..lens[0]],
-        &mut k.spare_capacity_mut()[..lens[1]],
-        &mut v.spare_capacity_mut()[..lens[2]],
-    );
-    split_heads_into(qkv, rows, s, [qs, ks, vs]);
-    for (o, len) in out.iter_mut().zip(lens) {
-        // SAFETY: `split_heads_into` wrote every value of each.
-        unsafe { o.set_len(len) };
-    }
-    Ok(out)
+    // SAFETY: `split_heads_into` writes every value of each.
+    Ok(unsafe { super::written_each(lens, |qkv_out| split_heads_into(qkv, rows, s, qkv_out)) })
 }
 
 /// Why `qkv` and `s` do not make a head split of `rows` rows (the outputs aside).

@@ -51,11 +51,30 @@ pub(crate) unsafe fn written(
     len: usize,
     fill: impl FnOnce(&mut [std::mem::MaybeUninit<f32>]),
 ) -> Vec<f32> {
-    let mut y = Vec::with_capacity(len);
-    fill(&mut y.spare_capacity_mut()[..len]);
-    // SAFETY: the caller's promise: `fill` wrote every value.
-    unsafe { y.set_len(len) };
+    // SAFETY: the caller's promise.
+    let [y] = unsafe { written_each([len], |[out]| fill(out)) };
     y
+}
+
+/// [`written`] for several vectors at once (`lens[i]` floats each), all filled by one call.
+///
+/// # Safety
+/// `fill` writes a float to every value of every one (or panics).
+pub(crate) unsafe fn written_each<const N: usize>(
+    lens: [usize; N],
+    fill: impl FnOnce([&mut [std::mem::MaybeUninit<f32>]; N]),
+) -> [Vec<f32>; N] {
+    let mut out = lens.map(Vec::with_capacity);
+    let mut at = lens.into_iter();
+    fill(out.each_mut().map(|v| {
+        let len = at.next().expect("one length a vector");
+        &mut v.spare_capacity_mut()[..len]
+    }));
+    for (y, len) in out.iter_mut().zip(lens) {
+        // SAFETY: the caller's promise: `fill` wrote every value.
+        unsafe { y.set_len(len) };
+    }
+    out
 }
 
 /// Threads a kernel call splits its work over.
