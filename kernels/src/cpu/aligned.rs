@@ -63,36 +63,60 @@ impl<T: Plain> Aligned<T> {
 }
 
 /// An [`Aligned`] buffer of a known length written front to back (how packers make their
-/// panels: into the aligned lines directly, not into a `Vec` copied afterwards).
+/// panels: into the aligned lines directly, not into a `Vec` copied afterwards, and not zeroed
+/// first: every value is written once).
 pub(crate) struct Filling<T: Plain> {
-    buf: Aligned<T>,
+    /// Room for the lines; none of them counted as written until [`Filling::finish`].
+    lines: Vec<Line>,
+    len: usize,
     at: usize,
+    _values: PhantomData<T>,
 }
 
 impl<T: Plain> Filling<T> {
     /// A buffer of `len` values, none written yet.
     pub(crate) fn new(len: usize) -> Self {
+        let bytes = len * std::mem::size_of::<T>();
         Self {
-            buf: Aligned::zeroed(len),
+            lines: Vec::with_capacity(bytes.div_ceil(64)),
+            len,
             at: 0,
+            _values: PhantomData,
         }
     }
 
     /// Writes `values` after those written so far.
     pub(crate) fn extend(&mut self, values: impl IntoIterator<Item = T>) {
+        let first = self.lines.as_mut_ptr().cast::<T>();
         for v in values {
-            self.buf[self.at] = v;
+            assert!(self.at < self.len, "a packer wrote past its buffer");
+            // SAFETY: value `at` lies inside the lines' allocation (checked above), which a
+            // `T` of at most 64-byte alignment may occupy at any multiple of its size.
+            unsafe { first.add(self.at).write(v) };
             self.at += 1;
         }
     }
 
-    /// The buffer, every value written.
-    pub(crate) fn finish(self) -> Aligned<T> {
+    /// The buffer, every value written (the bytes past the last one in its line zeroed).
+    pub(crate) fn finish(mut self) -> Aligned<T> {
         assert_eq!(
-            self.at, self.buf.len,
+            self.at, self.len,
             "a packer wrote the wrong number of values"
         );
-        self.buf
+        let used = self.len * std::mem::size_of::<T>();
+        let lines = used.div_ceil(64);
+        // SAFETY: the bytes from `used` to the last line's end are inside the allocation; with
+        // them zeroed every byte of the `lines` lines is written, and `Line` is plain bytes.
+        unsafe {
+            let base = self.lines.as_mut_ptr().cast::<u8>();
+            std::ptr::write_bytes(base.add(used), 0, lines * 64 - used);
+            self.lines.set_len(lines);
+        }
+        Aligned {
+            lines: self.lines,
+            len: self.len,
+            _values: PhantomData,
+        }
     }
 }
 
@@ -140,6 +164,11 @@ mod tests {
             for buf in [&a, &b] {
                 assert_eq!(buf.as_ptr() as usize % 64, 0, "len {len}");
                 assert_eq!(&buf[..], &values[..]);
+                // Whole lines, the bytes past the last value zeros (a filled buffer's were
+                // never zeroed before the packer wrote it).
+                assert_eq!(buf.lines.len(), (len * 4).div_ceil(64));
+                let bytes: Vec<u8> = buf.lines.iter().flat_map(|l| l.0).collect();
+                assert!(bytes[len * 4..].iter().all(|&b| b == 0), "len {len}");
             }
             let mut z = Aligned::<f32>::zeroed(len);
             assert!(z.iter().all(|&v| v == 0.0));
@@ -150,5 +179,20 @@ mod tests {
             assert_eq!(z.as_ptr() as usize % 64, 0);
             assert!(z.len() == len / 2 && z.iter().all(|&v| v == 0.0));
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "wrong number of values")]
+    fn a_packer_that_writes_too_few_values_is_caught() {
+        let mut f = Filling::<u8>::new(70);
+        f.extend(0..69u8);
+        f.finish();
+    }
+
+    #[test]
+    #[should_panic(expected = "past its buffer")]
+    fn a_packer_that_writes_too_many_values_is_caught() {
+        let mut f = Filling::<u16>::new(3);
+        f.extend([1u16, 2, 3, 4]);
     }
 }
