@@ -9,11 +9,11 @@ side by side with wavefront's in one run.
 
 Both sides run on the same number of threads (default: the machine's cores), float32 unless
 asked (`--torch-dtype bf16 --weight-dtype bf16-dot`: both in bf16, PyTorch's eager bf16 modules
-against wavefront's bf16 products with float32 accumulation), random weights of the same shapes, and report the median time of one call over a fixed duration after
-warm-up. Rounds alternate PyTorch and wavefront so that both see the same machine (and which
-goes first alternates from round to round); the table
-gives each side's median over the rounds and the ratio PyTorch time / wavefront time (above 1:
-wavefront is faster).
+against wavefront's bf16 products with float32 accumulation), random weights of the same
+shapes, and report the median time of one call over a fixed duration after warm-up. Rounds
+alternate PyTorch and wavefront so that both see the same machine (and which goes first
+alternates from round to round); the table gives each side's median over the rounds and the
+ratio PyTorch time / wavefront time (above 1: wavefront is faster).
 
 PyTorch shapes (what each wavefront shape does, in stock layers):
 - decode-kv{32,512,4096}: `Qwen3Model` (hidden 512, 8 layers, 8/4 heads of 64, MLP 1536) plus

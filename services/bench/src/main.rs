@@ -374,9 +374,9 @@ fn main() -> Result<()> {
                 format!("{:.2}x", ratios[0])
             } else {
                 let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
-                format!("{:.2}x ({})", median(&ratios), each.join(", "))
+                format!("{:.2}x ({})", run::median(&ratios), each.join(", "))
             };
-            let (tb, ta) = (median(&t_batched), median(&t_alone));
+            let (tb, ta) = (run::median(&t_batched), run::median(&t_alone));
             println!(
                 "| {} | {n} | {} | {tb:.2} | {:.2} | {ta:.2} | {:.2} | {speed_up} | {} |",
                 w.label(),
@@ -420,17 +420,5 @@ fn row_iterations(w: Workload, a: &Args, o: &Outcome) -> u64 {
             prompt * a.num_steps as u64
                 + sizes.iter().map(|&s| u64::from(s)).sum::<u64>() * a.inner_recurrence as u64
         }
-    }
-}
-
-/// The median of `v` (the mean of the middle two for an even count).
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
     }
 }

@@ -114,8 +114,14 @@ pub fn median_secs(device: &Device, n: usize, mut f: impl FnMut() -> Result<()>)
         device.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
-    t.sort_by(f64::total_cmp);
-    Ok(t[n / 2])
+    Ok(median(&t))
+}
+
+/// The median of `v` (the upper of the middle two for an even count).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// [`GenerateSpec::greedy`], the request benchmarks and tests send.

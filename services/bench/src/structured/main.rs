@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use wavefront_bench::run::{one_after_another, together, Outcome};
+use wavefront_bench::run::{median, one_after_another, together, Outcome};
 use wavefront_models::ModelFiles;
 use wavefront_schemes::constraint::Constraint;
 use wavefront_schemes::{
@@ -69,12 +69,6 @@ struct Row {
     packed_tok_s: Vec<f64>,
     tokens: f64,
     forwards: f64,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn specs(
