@@ -665,6 +665,55 @@ unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 
     _mm512_mask_mov_ps(e, big, _mm512_set1_ps(f32::INFINITY))
 }
 
+/// RoPE in GPT-NeoX's "half" layout: with `x = [x1, x2]` and `o = [o1, o2]` (halves of
+/// `cos.len()` values each), `o1 = x1·cos - x2·sin` and `o2 = x1·sin + x2·cos`, every value of
+/// `o` written. The vector form multiplies and adds as the scalar one does (no fused
+/// multiply-add), so the bits are the same on every path.
+pub(crate) fn rotate_halves(
+    isa: Isa,
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    o: &mut [MaybeUninit<f32>],
+) {
+    let half = x.len() / 2;
+    assert!(x.len() == 2 * half && o.len() == x.len() && cos.len() >= half && sin.len() >= half);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the instruction set was detected on this machine; the lengths are checked.
+        Isa::Avx512 => unsafe { rotate_halves_avx512(x, cos, sin, o) },
+        _ => {
+            let (o1, o2) = o.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (x[i], x[i + half]);
+                o1[i].write(x1 * cos[i] - x2 * sin[i]);
+                o2[i].write(x1 * sin[i] + x2 * cos[i]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn rotate_halves_avx512(x: &[f32], cos: &[f32], sin: &[f32], o: &mut [MaybeUninit<f32>]) {
+    use std::arch::x86_64::*;
+    let half = x.len() / 2;
+    let (xp, op) = (x.as_ptr(), o.as_mut_ptr().cast::<f32>());
+    let mut i = 0;
+    while i < half {
+        let mask = chunk_mask(half - i);
+        let x1 = _mm512_maskz_loadu_ps(mask, xp.add(i));
+        let x2 = _mm512_maskz_loadu_ps(mask, xp.add(half + i));
+        let c = _mm512_maskz_loadu_ps(mask, cos.as_ptr().add(i));
+        let s = _mm512_maskz_loadu_ps(mask, sin.as_ptr().add(i));
+        let o1 = _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s));
+        let o2 = _mm512_add_ps(_mm512_mul_ps(x1, s), _mm512_mul_ps(x2, c));
+        _mm512_mask_storeu_ps(op.add(i), mask, o1);
+        _mm512_mask_storeu_ps(op.add(half + i), mask, o2);
+        i += LANES;
+    }
+}
+
 /// `o[j] = g[j] / (exp(-g[j]) + 1) · u[j]` (SiLU of the gate times up), the same bits on every
 /// instruction set.
 pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
@@ -881,6 +930,39 @@ pub fn has_int8_dot() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn halves_rotate_to_the_same_bits_on_every_instruction_set() {
+        for half in [32usize, 5, 17] {
+            let x: Vec<f32> = (0..2 * half)
+                .map(|i| (i as f32 * 0.731).sin() * 3.0)
+                .collect();
+            let cos: Vec<f32> = (0..half).map(|i| (i as f32 * 0.3).cos()).collect();
+            let sin: Vec<f32> = (0..half).map(|i| (i as f32 * 0.3).sin()).collect();
+            let want: Vec<u32> = (0..2 * half)
+                .map(|j| {
+                    let i = j % half;
+                    let (x1, x2) = (x[i], x[i + half]);
+                    let v = if j < half {
+                        x1 * cos[i] - x2 * sin[i]
+                    } else {
+                        x1 * sin[i] + x2 * cos[i]
+                    };
+                    v.to_bits()
+                })
+                .collect();
+            for isa in Isa::available() {
+                let mut o = vec![MaybeUninit::new(f32::NAN); 2 * half];
+                rotate_halves(isa, &x, &cos, &sin, &mut o);
+                // SAFETY: every value was initialised (NaN, then the kernel's write).
+                let got: Vec<u32> = o
+                    .iter()
+                    .map(|v| unsafe { v.assume_init() }.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{} with halves of {half}", isa.name());
+            }
+        }
+    }
 
     #[test]
     fn softmax_matches_libm_closely_and_gives_the_same_bits_everywhere() {
