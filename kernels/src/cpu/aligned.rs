@@ -8,6 +8,7 @@
 //! `clone`.
 
 use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 
 /// One cache line.
 #[derive(Clone, Copy)]
@@ -43,6 +44,34 @@ impl<T: Plain> Aligned<T> {
         let bytes = len * std::mem::size_of::<T>();
         Self {
             lines: vec![Line([0; 64]); bytes.div_ceil(64)],
+            len,
+            _values: PhantomData,
+        }
+    }
+
+    /// `len` values, every one written by `write` (the buffer is not zeroed first; the bytes
+    /// past the last value in its line are zeroed after).
+    ///
+    /// # Safety
+    /// `write` initialises every value of the slice it is given.
+    pub(crate) unsafe fn written(len: usize, write: impl FnOnce(&mut [MaybeUninit<T>])) -> Self {
+        let used = len * std::mem::size_of::<T>();
+        let count = used.div_ceil(64);
+        let mut lines: Vec<Line> = Vec::with_capacity(count);
+        let base = lines.as_mut_ptr();
+        // SAFETY: the allocation holds `count` lines, room for `len` values of a `T` of at
+        // most 64-byte alignment; the caller writes each one; the bytes from `used` to the
+        // last line's end are zeroed, so every byte of the `count` lines is then written.
+        unsafe {
+            write(std::slice::from_raw_parts_mut(
+                base.cast::<MaybeUninit<T>>(),
+                len,
+            ));
+            std::ptr::write_bytes(base.cast::<u8>().add(used), 0, count * 64 - used);
+            lines.set_len(count);
+        }
+        Self {
+            lines,
             len,
             _values: PhantomData,
         }
@@ -170,6 +199,20 @@ mod tests {
                 let bytes: Vec<u8> = buf.lines.iter().flat_map(|l| l.0).collect();
                 assert!(bytes[len * 4..].iter().all(|&b| b == 0), "len {len}");
             }
+            // Written in place by a closure: the same values and zeroed tail.
+            // SAFETY: the closure writes every value.
+            let w = unsafe {
+                Aligned::<u32>::written(len, |dst| {
+                    for (d, &v) in dst.iter_mut().zip(&values) {
+                        d.write(v);
+                    }
+                })
+            };
+            assert_eq!(w.as_ptr() as usize % 64, 0, "len {len}");
+            assert_eq!(&w[..], &values[..]);
+            assert_eq!(w.lines.len(), (len * 4).div_ceil(64));
+            let bytes: Vec<u8> = w.lines.iter().flat_map(|l| l.0).collect();
+            assert!(bytes[len * 4..].iter().all(|&b| b == 0), "len {len}");
             let mut z = Aligned::<f32>::zeroed(len);
             assert!(z.iter().all(|&v| v == 0.0));
             z.iter_mut().for_each(|v| *v = 1.5);

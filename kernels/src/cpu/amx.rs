@@ -317,22 +317,39 @@ impl Activations {
         let rows = m.min(TILE_ROWS);
         let (tiles, steps) = (m.div_ceil(rows), kw.div_ceil(STEP));
         let tile_len = steps * rows * STEP;
-        let mut words = super::aligned::Aligned::zeroed(tiles * tile_len);
-        let pack = |t: usize, dst: &mut [u32]| {
+        // Each tile's rows go through `row` (in L1) into their blocks; the padding rows of the
+        // last tile are zeros. Every word is written, so the buffer is not zeroed first.
+        let pack = |ts: std::ops::Range<usize>, dst: &mut [std::mem::MaybeUninit<u32>]| {
             let mut row = vec![0u32; steps * STEP];
-            for r in 0..rows.min(m - t * rows) {
-                fill(t * rows + r, &mut row);
-                for (s, chunk) in row.chunks(STEP).enumerate() {
-                    let at = (s * rows + r) * STEP;
-                    dst[at..at + STEP].copy_from_slice(chunk);
+            for (j, t) in ts.enumerate() {
+                let tile = &mut dst[j * tile_len..(j + 1) * tile_len];
+                for r in 0..rows {
+                    if t * rows + r < m {
+                        fill(t * rows + r, &mut row);
+                    } else {
+                        row.fill(0);
+                    }
+                    for (s, chunk) in row.chunks_exact(STEP).enumerate() {
+                        let at = (s * rows + r) * STEP;
+                        let block = &mut tile[at..at + STEP];
+                        // SAFETY: `block` and `chunk` are 16 words each and do not overlap.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                chunk.as_ptr(),
+                                block.as_mut_ptr().cast::<u32>(),
+                                STEP,
+                            )
+                        };
+                    }
                 }
             }
         };
-        super::by_parts(&mut words, tile_len, tiles, m * kw * 8, |ts, dst| {
-            for (j, t) in ts.enumerate() {
-                pack(t, &mut dst[j * tile_len..(j + 1) * tile_len]);
-            }
-        });
+        // SAFETY: the parts write every word of their tiles, and the tiles cover the buffer.
+        let words = unsafe {
+            super::aligned::Aligned::written(tiles * tile_len, |dst| {
+                super::by_parts(dst, tile_len, tiles, m * kw * 8, pack)
+            })
+        };
         Self {
             words,
             m,
