@@ -96,6 +96,70 @@ pub fn rms_norm_vec(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>, KernelEr
     Ok(unsafe { super::written(x.len(), |out| rms_rows(x, w, eps, out)) })
 }
 
+/// The residual add and the next norm in one pass, threaded over rows: `sum = x + a` and
+/// `normed = rms_norm(sum)`, as the two calls would give them (the same add, then
+/// [`rms_norm`]'s arithmetic on the sum), into new vectors (not zeroed first).
+pub fn add_rms_norm_vecs(
+    x: &[f32],
+    a: &[f32],
+    w: &[f32],
+    eps: f32,
+) -> Result<[Vec<f32>; 2], KernelError> {
+    rms_rows_of(x, w)?;
+    check(a.len() == x.len(), || {
+        format!("{} values added to {}", a.len(), x.len())
+    })?;
+    let dim = w.len();
+    let (rows, isa) = (x.len() / dim, Isa::get());
+    // SAFETY: each row's sum and normed values are written by the part that holds the row.
+    Ok(unsafe {
+        super::written_each([x.len(); 2], |[sum, normed]| {
+            let (sp, np) = (SendPtr(sum.as_mut_ptr()), SendPtr(normed.as_mut_ptr()));
+            over_rows(rows, x.len(), |r| {
+                for row in r {
+                    let at = row * dim;
+                    {
+                        let s = std::slice::from_raw_parts_mut(sp.ptr().add(at), dim);
+                        let xa = x[at..at + dim].iter().zip(&a[at..at + dim]);
+                        for (s, (&x, &a)) in s.iter_mut().zip(xa) {
+                            s.write(x + a);
+                        }
+                    }
+                    // The row's sums, every one just written.
+                    let sr = std::slice::from_raw_parts(sp.ptr().add(at).cast::<f32>(), dim);
+                    let o = std::slice::from_raw_parts_mut(np.ptr().add(at), dim);
+                    let ms = simd::dot(isa, sr, sr) / dim as f32;
+                    let scale = 1.0 / (ms + eps).sqrt();
+                    for ((o, &x), &w) in o.iter_mut().zip(sr).zip(w) {
+                        o.write(w * (x * scale));
+                    }
+                }
+            })
+        })
+    })
+}
+
+/// `x + a` into a new vector (not zeroed first), threaded over runs of `width`-value rows.
+pub fn add_vec(x: &[f32], a: &[f32], width: usize) -> Result<Vec<f32>, KernelError> {
+    check(
+        a.len() == x.len() && width > 0 && x.len().is_multiple_of(width),
+        || format!("{} values added to {} in rows of {width}", a.len(), x.len()),
+    )?;
+    // SAFETY: each row's values are written by the part that holds the row.
+    Ok(unsafe {
+        super::written(x.len(), |out| {
+            let op = SendPtr(out.as_mut_ptr());
+            over_rows(x.len() / width, x.len(), |r| {
+                let span = r.start * width..r.end * width;
+                let o = std::slice::from_raw_parts_mut(op.ptr().add(span.start), span.len());
+                for ((o, &x), &a) in o.iter_mut().zip(&x[span.clone()]).zip(&a[span]) {
+                    o.write(x + a);
+                }
+            })
+        })
+    })
+}
+
 /// Checks that `x` is rows of `w.len()` values.
 fn rms_rows_of(x: &[f32], w: &[f32]) -> Result<(), KernelError> {
     let dim = w.len();
@@ -400,6 +464,31 @@ mod tests {
         for (g, w) in split_heads_vecs(qkv, rows, s).unwrap().iter().zip(want) {
             assert_eq!(bits(g), bits(w));
         }
+    }
+
+    /// The fused residual add and norm give the bits of the add and then [`rms_norm`], alone
+    /// and threaded over rows; `add_vec` the add's; bad shapes are refused.
+    #[test]
+    fn the_fused_add_and_norm_give_the_bits_of_the_two_steps() {
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (rows, dim) in [(3usize, 37usize), (90, 512)] {
+            let x: Vec<f32> = (0..rows * dim)
+                .map(|i| (i as f32 * 0.013).sin() * 2.0)
+                .collect();
+            let a: Vec<f32> = (0..rows * dim).map(|i| (i as f32 * 0.029).cos()).collect();
+            let w: Vec<f32> = (0..dim).map(|i| 0.5 + i as f32 * 0.01).collect();
+            let sum: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x + a).collect();
+            let mut normed = vec![f32::NAN; sum.len()];
+            rms_norm(&sum, &w, 1e-5, &mut normed).unwrap();
+            let [s, n] = add_rms_norm_vecs(&x, &a, &w, 1e-5).unwrap();
+            assert_eq!(bits(&s), bits(&sum), "sum, {rows} rows");
+            assert_eq!(bits(&n), bits(&normed), "norm, {rows} rows");
+            assert_eq!(bits(&add_vec(&x, &a, dim).unwrap()), bits(&sum));
+        }
+        assert!(add_rms_norm_vecs(&[1.0; 8], &[1.0; 7], &[1.0; 4], 1e-5).is_err());
+        assert!(add_rms_norm_vecs(&[1.0; 8], &[1.0; 8], &[1.0; 3], 1e-5).is_err());
+        assert!(add_vec(&[1.0; 8], &[1.0; 7], 4).is_err());
+        assert!(add_vec(&[1.0; 8], &[1.0; 8], 3).is_err());
     }
 
     /// A split of many rows runs over row runs on the pool's threads; every head of every row

@@ -483,8 +483,7 @@ impl Block {
             })
             .collect::<Result<Vec<_>>>()?;
         let a = self.sum_partials(partials, self.o_bias.as_ref())?;
-        let x = (x + a)?;
-        let h = self.ff_norm.forward(&x)?;
+        let (x, h) = self.ff_norm.add_forward(x, &a)?;
         let m = match &self.moe {
             Some(moe) => moe.forward(&h)?,
             None => {
@@ -499,7 +498,7 @@ impl Block {
                 self.sum_partials(partials, self.down_bias.as_ref())?
             }
         };
-        Ok(((x + m)?, h))
+        Ok((super::cpu::add(&x, &m)?, h))
     }
 
     /// The mixture-of-experts feed-forward, if this block has one.

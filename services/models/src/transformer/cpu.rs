@@ -292,6 +292,50 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?)
 }
 
+/// `x + a` and the RMSNorm of the sum with `w` `[dim]`, in one pass threaded over rows (all
+/// float32 on the CPU, `x` and `a` of one shape; the callers check): the bits of the add and
+/// then [`rms_norm`].
+pub(crate) fn add_rms_norm(
+    x: &Tensor,
+    a: &Tensor,
+    w: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    let (x, a) = (x.contiguous()?, a.contiguous()?);
+    let [sum, normed] = {
+        let (xb, ab, wb) = (Borrowed::new(&x)?, Borrowed::new(&a)?, Borrowed::new(w)?);
+        let n = x.elem_count();
+        wavefront_kernels::cpu::elementwise::add_rms_norm_vecs(
+            &xb.tail()?[..n],
+            &ab.tail()?[..a.elem_count()],
+            &wb.tail()?[..w.elem_count()],
+            eps,
+        )?
+    };
+    Ok((
+        Tensor::from_vec(sum, x.dims(), &Device::Cpu)?,
+        Tensor::from_vec(normed, x.dims(), &Device::Cpu)?,
+    ))
+}
+
+/// `x + a` (float32 on the CPU, one shape), threaded over rows; candle's add elsewhere.
+pub(crate) fn add(x: &Tensor, a: &Tensor) -> Result<Tensor> {
+    if !(on_cpu_f32(x) && on_cpu_f32(a)) || x.dims() != a.dims() || x.rank() == 0 {
+        return Ok((x + a)?);
+    }
+    let (x, a) = (x.contiguous()?, a.contiguous()?);
+    let width = x.dim(x.rank() - 1)?;
+    if width == 0 {
+        return Ok((x + a)?);
+    }
+    let sum = {
+        let (xb, ab) = (Borrowed::new(&x)?, Borrowed::new(&a)?);
+        let n = x.elem_count();
+        wavefront_kernels::cpu::elementwise::add_vec(&xb.tail()?[..n], &ab.tail()?[..n], width)?
+    };
+    Ok(Tensor::from_vec(sum, x.dims(), &Device::Cpu)?)
+}
+
 /// How [`split_heads`] treats q and k before RoPE, and how RoPE pairs dims.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct QkPrep<'a> {

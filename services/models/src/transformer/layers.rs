@@ -91,6 +91,24 @@ impl RmsNorm {
         Ok(Self::new(self.weight.to_device(device)?, self.eps))
     }
 
+    /// The residual add `x + a` and the norm of the sum: `(sum, normed)`. Float32 on the CPU in
+    /// one pass threaded over rows (the bits of the add and then [`Self::forward`]), candle's
+    /// add then [`Self::forward`] elsewhere.
+    pub fn add_forward(&self, x: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor)> {
+        let fused = super::cpu::on_cpu_f32(x)
+            && super::cpu::on_cpu_f32(a)
+            && super::cpu::on_cpu_f32(&self.weight)
+            && x.dims() == a.dims()
+            && x.rank() > 0
+            && x.dim(x.rank() - 1)? == self.weight.elem_count();
+        if fused {
+            return super::cpu::add_rms_norm(x, a, &self.weight, self.eps as f32);
+        }
+        let sum = (x + a)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu::on_cpu_f32(x) && super::cpu::on_cpu_f32(&self.weight) {
             return super::cpu::rms_norm(x, &self.weight, self.eps as f32);
