@@ -419,7 +419,7 @@ impl GroupedContext<'_> {
             let assoc = read_term(&q, a, z, eps, self.stacked.mq.bf16_products())?
                 .reshape((g_n, k_n * p, d))?
                 .to_dtype(self.dtype)?;
-            x = (x + assoc)?;
+            x = crate::transformer::cpu::add(&x, &assoc)?;
         }
 
         // 2. The decoder layer, grouped: every rank's heads and MLP columns, the partials summed
@@ -441,7 +441,7 @@ impl GroupedContext<'_> {
             partials.push(y);
             kv.push((k, v));
         }
-        let x = (x + reduce(comm, partials)?)?;
+        let x = crate::transformer::cpu::add(&x, &reduce(comm, partials)?)?;
         let hn = grouped_rms_norm(&x, &s.ones, &s.ff_norm, lo, norm_eps)?;
         let partials = s
             .ranks
@@ -449,7 +449,7 @@ impl GroupedContext<'_> {
             .enumerate()
             .map(|(rank, r)| r.mlp(&on_rank(comm, rank, &hn)?, lo))
             .collect::<Result<Vec<_>>>()?;
-        let x = (x + reduce(s.comm.as_ref(), partials)?)?;
+        let x = crate::transformer::cpu::add(&x, &reduce(s.comm.as_ref(), partials)?)?;
 
         // 3. Writes, from the memory rows of the layer's output, against the old memories.
         let mut deltas: Vec<Option<MemoryUpdate>> = vec![None; blocks];

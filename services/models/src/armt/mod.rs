@@ -515,7 +515,7 @@ impl Armt {
             offset += n;
         }
         let assoc = Tensor::cat(&pieces, 0)?.to_dtype(x.dtype())?;
-        Ok((x + assoc)?)
+        crate::transformer::cpu::add(x, &assoc)
     }
 
     /// The read term alone, `phi(q) A / (phi(q) · z + eps)` of rows `hidden` `[n, d]` against

@@ -467,7 +467,7 @@ impl SandwichBlock {
         let a = self
             .attn
             .forward(&self.norm_1.forward(x)?, layout, seqs, layer)?;
-        let h = self.norm_2.forward(&(a + x)?)?;
+        let (_, h) = self.norm_2.add_forward(&a, x)?;
         let h3 = self.norm_3.forward(&h)?;
         let comm = self.comm.as_ref();
         let partials = self
@@ -477,6 +477,6 @@ impl SandwichBlock {
             .map(|(rank, m)| m.forward(&on_rank(comm, rank, &h3)?))
             .collect::<Result<Vec<_>>>()?;
         let m = reduce(comm, partials)?;
-        self.norm_4.forward(&(m + h)?)
+        Ok(self.norm_4.add_forward(&m, &h)?.1)
     }
 }
