@@ -128,11 +128,7 @@ pub fn add_rms_norm_vecs(
                     // The row's sums, every one just written.
                     let sr = std::slice::from_raw_parts(sp.ptr().add(at).cast::<f32>(), dim);
                     let o = std::slice::from_raw_parts_mut(np.ptr().add(at), dim);
-                    let ms = simd::dot(isa, sr, sr) / dim as f32;
-                    let scale = 1.0 / (ms + eps).sqrt();
-                    for ((o, &x), &w) in o.iter_mut().zip(sr).zip(w) {
-                        o.write(w * (x * scale));
-                    }
+                    norm_row(isa, sr, w, eps, o);
                 }
             })
         })
@@ -160,6 +156,17 @@ pub fn add_vec(x: &[f32], a: &[f32], width: usize) -> Result<Vec<f32>, KernelErr
     })
 }
 
+/// One row's RMSNorm into `out` (every value written): `w · (x / sqrt(mean(x²) + eps))`, the
+/// arithmetic every norm here shares (the layer norms, the fused add and norm, q/k's per-head
+/// norms), so they give the same bits.
+fn norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32>]) {
+    let ms = simd::dot(isa, x, x) / x.len() as f32;
+    let scale = 1.0 / (ms + eps).sqrt();
+    for ((o, &x), &w) in out.iter_mut().zip(x).zip(w) {
+        o.write(w * (x * scale));
+    }
+}
+
 /// Checks that `x` is rows of `w.len()` values.
 fn rms_rows_of(x: &[f32], w: &[f32]) -> Result<(), KernelError> {
     let dim = w.len();
@@ -179,11 +186,7 @@ fn rms_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32
             let xr = &x[row * dim..(row + 1) * dim];
             // SAFETY: each task writes its own rows.
             let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(row * dim), dim) };
-            let ms = simd::dot(isa, xr, xr) / dim as f32;
-            let scale = 1.0 / (ms + eps).sqrt();
-            for ((o, &x), &w) in o.iter_mut().zip(xr).zip(w) {
-                o.write(w * (x * scale));
-            }
+            norm_row(isa, xr, w, eps, o);
         }
     });
 }
@@ -377,11 +380,8 @@ fn split_heads_into(
                     x = &biased;
                 }
                 if let Some((w, eps)) = norm {
-                    let ms = simd::dot(isa, x, x) / d as f32;
-                    let scale = 1.0 / (ms + eps).sqrt();
-                    for ((o, &x), &w) in normed.iter_mut().zip(x).zip(w) {
-                        *o = w * (x * scale);
-                    }
+                    // SAFETY: the norm writes floats only.
+                    norm_row(isa, x, w, eps, unsafe { super::as_uninit(&mut normed) });
                     x = &normed;
                 }
                 if rotate {
