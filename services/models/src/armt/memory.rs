@@ -189,8 +189,8 @@ impl LayerMemory {
     /// Adds a write (in its pool entry when it has one).
     pub fn apply(&mut self, u: MemoryUpdate) -> Result<()> {
         // Threaded on the CPU (float32): the add ran on the engine thread alone.
-        let a = crate::transformer::cpu::add(&self.a(), &u.delta_a)?;
-        let z = crate::transformer::cpu::add(&self.z(), &u.delta_z)?;
+        let a = crate::transformer::cpu::add(self.a(), &u.delta_a)?;
+        let z = crate::transformer::cpu::add(self.z(), &u.delta_z)?;
         self.a.set(a)?;
         self.z.set(z)?;
         self.written = true;
