@@ -55,25 +55,15 @@ impl<T: Plain> Aligned<T> {
     /// # Safety
     /// `write` initialises every value of the slice it is given.
     pub(crate) unsafe fn written(len: usize, write: impl FnOnce(&mut [MaybeUninit<T>])) -> Self {
-        let used = len * std::mem::size_of::<T>();
-        let count = used.div_ceil(64);
-        let mut lines: Vec<Line> = Vec::with_capacity(count);
-        let base = lines.as_mut_ptr();
-        // SAFETY: the allocation holds `count` lines, room for `len` values of a `T` of at
-        // most 64-byte alignment; the caller writes each one; the bytes from `used` to the
-        // last line's end are zeroed, so every byte of the `count` lines is then written.
+        let mut lines = room::<T>(len);
+        // SAFETY: the allocation has room for `len` values of a `T` of at most 64-byte
+        // alignment; the caller writes each one, so `seal` may take them as written.
         unsafe {
             write(std::slice::from_raw_parts_mut(
-                base.cast::<MaybeUninit<T>>(),
+                lines.as_mut_ptr().cast::<MaybeUninit<T>>(),
                 len,
             ));
-            std::ptr::write_bytes(base.cast::<u8>().add(used), 0, count * 64 - used);
-            lines.set_len(count);
-        }
-        Self {
-            lines,
-            len,
-            _values: PhantomData,
+            seal(lines, len)
         }
     }
 
@@ -105,9 +95,8 @@ pub(crate) struct Filling<T: Plain> {
 impl<T: Plain> Filling<T> {
     /// A buffer of `len` values, none written yet.
     pub(crate) fn new(len: usize) -> Self {
-        let bytes = len * std::mem::size_of::<T>();
         Self {
-            lines: Vec::with_capacity(bytes.div_ceil(64)),
+            lines: room::<T>(len),
             len,
             at: 0,
             _values: PhantomData,
@@ -127,25 +116,44 @@ impl<T: Plain> Filling<T> {
     }
 
     /// The buffer, every value written (the bytes past the last one in its line zeroed).
-    pub(crate) fn finish(mut self) -> Aligned<T> {
+    pub(crate) fn finish(self) -> Aligned<T> {
         assert_eq!(
             self.at, self.len,
             "a packer wrote the wrong number of values"
         );
-        let used = self.len * std::mem::size_of::<T>();
-        let lines = used.div_ceil(64);
-        // SAFETY: the bytes from `used` to the last line's end are inside the allocation; with
-        // them zeroed every byte of the `lines` lines is written, and `Line` is plain bytes.
-        unsafe {
-            let base = self.lines.as_mut_ptr().cast::<u8>();
-            std::ptr::write_bytes(base.add(used), 0, lines * 64 - used);
-            self.lines.set_len(lines);
-        }
-        Aligned {
-            lines: self.lines,
-            len: self.len,
-            _values: PhantomData,
-        }
+        // SAFETY: all `len` values were written (the assert).
+        unsafe { seal(self.lines, self.len) }
+    }
+}
+
+/// Unwritten room for `len` values of `T` in whole lines.
+fn room<T: Plain>(len: usize) -> Vec<Line> {
+    Vec::with_capacity((len * std::mem::size_of::<T>()).div_ceil(64))
+}
+
+/// The buffer of `len` values written at the start of `lines`' room (made by [`room`]): the
+/// bytes past the last value, to its line's end, are zeroed and the lines counted.
+///
+/// # Safety
+/// The first `len` values of `T` in the room are written.
+unsafe fn seal<T: Plain>(mut lines: Vec<Line>, len: usize) -> Aligned<T> {
+    let used = len * std::mem::size_of::<T>();
+    let count = used.div_ceil(64);
+    assert!(lines.capacity() >= count, "room for the values");
+    // SAFETY: the bytes from `used` to the last line's end are inside the allocation; with
+    // them zeroed every byte of the `count` lines is written, and `Line` is plain bytes.
+    unsafe {
+        std::ptr::write_bytes(
+            lines.as_mut_ptr().cast::<u8>().add(used),
+            0,
+            count * 64 - used,
+        );
+        lines.set_len(count);
+    }
+    Aligned {
+        lines,
+        len,
+        _values: PhantomData,
     }
 }
 
