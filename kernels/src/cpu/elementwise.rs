@@ -342,7 +342,6 @@ fn split_heads_into(
         SendPtr(v.as_mut_ptr()),
     );
     // Unit u of a row: query head u, key head u - H, value head u - H - H_kv.
-    let units = h + 2 * hkv;
     let run = |range: std::ops::Range<usize>| {
         let scratch = |wanted: bool| if wanted { vec![0f32; d] } else { Vec::new() };
         let (mut biased, mut normed) = (scratch(s.qk_bias.is_some()), scratch(s.qk_norm.is_some()));
@@ -401,7 +400,6 @@ fn split_heads_into(
             }
         }
     };
-    debug_assert!(units * d == width);
     over_rows(rows, qkv.len(), run);
 }
 
