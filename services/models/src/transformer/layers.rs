@@ -92,8 +92,8 @@ impl RmsNorm {
     }
 
     /// The residual add `x + a` and the norm of the sum: `(sum, normed)`. Float32 on the CPU in
-    /// one pass threaded over rows (the bits of the add and then [`Self::forward`]), candle's
-    /// add then [`Self::forward`] elsewhere.
+    /// one pass threaded over rows (the bits of the add and then [`Self::forward`]), the add
+    /// then [`Self::forward`] otherwise.
     pub fn add_forward(&self, x: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor)> {
         let fused = super::cpu::on_cpu_f32(x)
             && super::cpu::on_cpu_f32(a)
@@ -104,7 +104,7 @@ impl RmsNorm {
         if fused {
             return super::cpu::add_rms_norm(x, a, &self.weight, self.eps as f32);
         }
-        let sum = (x + a)?;
+        let sum = super::cpu::add(x, a)?;
         let normed = self.forward(&sum)?;
         Ok((sum, normed))
     }
