@@ -834,10 +834,12 @@ fn an_injected_fault_fails_only_its_request() -> Result<()> {
 }
 
 /// Clients that stop reading cannot hold the engine: eight requests whose one-event buffers
-/// nobody reads pause holding the whole of a small pool; a new request preempts one of them
-/// (its state to host memory) instead of waiting behind them, and finishes with its own tokens
-/// within twice its unloaded latency (the median of five; 20 ms of slack for the other tests
-/// on these cores). When the eight clients go, every slot comes back.
+/// nobody reads pause holding the whole of a small pool; a new request preempts some of them
+/// (their state to host memory) instead of waiting behind them, and finishes with its own tokens
+/// within twice its unloaded latency (20 ms of slack for the other tests on these cores). Both
+/// sides are medians, so one time slice lost to another test decides neither: the unloaded
+/// latency of five requests, the loaded one of three rounds, each with eight new stalled clients
+/// filling the pool and its own preemptions. When the eight clients go, every slot comes back.
 #[test]
 fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
     let stalled_spec = |i: u32| spec(prompt(48, i + 3), 200, u64::from(i), ar_static(4, "full"));
@@ -870,43 +872,54 @@ fn clients_that_do_not_read_cannot_hold_the_engine() -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     runs.sort();
     let (alone, want) = runs.swap_remove(2);
-    let mut stalled = Vec::new();
-    for i in 0..8 {
-        let (sink, rx, _) = TestSink::new(1);
-        served.submit(stalled_spec(i), Box::new(sink), None, tracing::Span::none())?;
-        stalled.push(rx);
-    }
-    let start = Instant::now();
-    while served.load().free_slots > 0 {
+    let mut loaded = Vec::new();
+    for round in 0..3u32 {
+        let mut stalled = Vec::new();
+        for i in 0..8 {
+            let (sink, rx, _) = TestSink::new(1);
+            served.submit(
+                stalled_spec(8 * round + i),
+                Box::new(sink),
+                None,
+                tracing::Span::none(),
+            )?;
+            stalled.push(rx);
+        }
+        let start = Instant::now();
+        while served.load().free_slots > 0 {
+            ensure!(
+                start.elapsed() < Duration::from_secs(30),
+                "the stalled requests did not fill the pool: {:?}",
+                served.load()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let held = served.load();
+        let (took, got) = latency(served.as_ref())?;
+        println!(
+            "round {round}: a new request beside eight stalled clients: {took:?} ({alone:?} \
+             alone); the stalled held {} of {} slots; {} preemptions before it, {} after",
+            held.total_slots - held.free_slots,
+            held.total_slots,
+            held.preemptions,
+            served.load().preemptions
+        );
+        ensure!(got == want, "round {round}: {got:?} vs {want:?}");
         ensure!(
-            start.elapsed() < Duration::from_secs(30),
-            "the stalled requests did not fill the pool: {:?}",
+            served.load().preemptions > held.preemptions,
+            "round {round}: the new request preempted no one: {:?}",
             served.load()
         );
-        std::thread::sleep(Duration::from_millis(5));
+        loaded.push(took);
+        drop(stalled);
+        wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
     }
-    let held = served.load();
-    let (loaded, got) = latency(served.as_ref())?;
-    println!(
-        "a new request beside eight stalled clients: {loaded:?} ({alone:?} alone); the stalled \
-         held {} of {} slots; {} preemptions before it, {} after",
-        held.total_slots - held.free_slots,
-        held.total_slots,
-        held.preemptions,
-        served.load().preemptions
-    );
-    ensure!(got == want, "{got:?} vs {want:?}");
+    loaded.sort();
     ensure!(
-        loaded <= alone * 2 + Duration::from_millis(20),
-        "{loaded:?} beside eight stalled clients, {alone:?} alone"
+        loaded[1] <= alone * 2 + Duration::from_millis(20),
+        "{loaded:?} beside eight stalled clients (median {:?}), {alone:?} alone",
+        loaded[1]
     );
-    ensure!(
-        served.load().preemptions > held.preemptions,
-        "the new request preempted no one: {:?}",
-        served.load()
-    );
-    drop(stalled);
-    wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
     served.shutdown();
     Ok(())
 }
