@@ -429,6 +429,9 @@ unsafe fn task(
         let products = Products::pack(isa, heads.bf16_products, d, t_all, key_rows);
         // Runs of queries: each multiplies only the keys its last visible key needs (a causal
         // prefill skips the keys after its rows), the scores of a run `[queries][keys]`.
+        // Aligned as the tiles store them (a tile row across two lines stores slower), and
+        // reused from run to run.
+        let mut scores = Aligned::<f32>::default();
         for (c, qs) in queries.chunks(QUERIES_PER_RUN).enumerate() {
             let keys = qs
                 .iter()
@@ -438,7 +441,7 @@ unsafe fn task(
             if keys == 0 {
                 continue;
             }
-            let mut scores = vec![0f32; qs.len() * keys];
+            scores.reset(qs.len() * keys);
             products.scores(isa, &qrows(qs), qs.len(), keys, &mut scores);
             let scale = pre_scale(heads.scale, &mut scores);
             for (sc, &(_, row)) in scores.chunks_mut(keys).zip(qs) {
