@@ -1018,11 +1018,15 @@ async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
         assert_eq!(status, 200, "{text}");
         serde_json::from_str::<Value>(&text).unwrap()
     };
-    // 40 prompt tokens: two whole pages before the last one.
+    // 40 prompt tokens: two whole pages before the last one. The choices reach the worker as
+    // three calls, and a choice shares only with one still running, so each must run long
+    // enough to overlap the others' arrival on a loaded machine: seeds 15-17 draw 22, 32 and
+    // 25 tokens before the end-of-sequence token (seeds 3-5, with 6 tokens, drew 4, 4 and 6,
+    // and under a CPU hog the third choice arrived after the first two had finished).
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 480).collect();
     let body = json!({
-        "model": "refusion", "prompt": prompt, "max_tokens": 6, "temperature": 0.9,
-        "seed": 3, "n": 3, "ar": {},
+        "model": "refusion", "prompt": prompt, "max_tokens": 32, "temperature": 0.9,
+        "seed": 15, "n": 3, "ar": {},
     });
     let got = ask(body.clone()).await;
     let shared: Vec<u64> = (0..3)
@@ -1039,7 +1043,7 @@ async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
     for i in 0..3u64 {
         let mut one = body.clone();
         one["n"] = json!(1);
-        one["seed"] = json!(3 + i);
+        one["seed"] = json!(15 + i);
         let alone = ask(one).await;
         assert_eq!(
             alone["wavefront"]["token_ids"], got["choices"][i as usize]["wavefront"]["token_ids"],
