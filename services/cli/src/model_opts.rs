@@ -106,6 +106,12 @@ pub struct ModelArgs {
     /// memories its memory segments leave): true or false.
     #[arg(long, env = "WAVEFRONT_PROMPT_SHARING", default_value_t = true, action = clap::ArgAction::Set)]
     pub prompt_sharing: bool,
+    /// Finished requests kept for their prompt pages (the prefix cache, with prompt sharing
+    /// on): a later request with the same prompt reads them instead of computing them. They
+    /// are given back, least recently used first, whenever the pool needs their slots, so the
+    /// cache never refuses or preempts a request (0: keep none).
+    #[arg(long, env = "WAVEFRONT_PREFIX_CACHE_ENTRIES", default_value_t = wavefront_engine::scheduler::DEFAULT_PREFIX_CACHE_ENTRIES)]
+    pub prefix_cache_entries: usize,
     /// Seconds a client may leave its response unread before its request is cancelled and its
     /// memory freed (0: never). Until then the request is paused and is the first preempted
     /// (its state moved to host memory) when others need its slots.
@@ -241,6 +247,7 @@ impl ModelArgs {
             kv_page_size: self.kv_page_size,
             max_batch_rows: (self.max_batch_rows > 0).then_some(self.max_batch_rows),
             prompt_sharing: self.prompt_sharing,
+            prefix_cache_entries: self.prefix_cache_entries,
             write_timeout: (self.write_timeout_s > 0)
                 .then(|| std::time::Duration::from_secs(self.write_timeout_s)),
             // Set by `load_model` from the checkpoint.

@@ -40,6 +40,10 @@ pub struct EngineConfig {
     /// Whether requests with the same prompt share its pages (`--prompt-sharing`;
     /// [`crate::Family::adopt_prompt`]).
     pub prompt_sharing: bool,
+    /// Finished requests kept for their prompt pages, for later requests with the same prompt
+    /// to read (`--prefix-cache-entries`; 0: none): given back, least recently used first,
+    /// when the pool needs their slots.
+    pub prefix_cache_entries: usize,
 }
 
 /// A request handed to the engine.
@@ -267,6 +271,7 @@ impl Engine {
         .with_watermark(config.watermark_slots)
         .with_max_batch_rows(config.max_batch_rows)
         .with_prompt_sharing(config.prompt_sharing)
+        .with_prefix_cache(config.prefix_cache_entries)
         .with_write_timeout(config.write_timeout)
         .with_label(&label);
         let queue = sched.shared_queue();
@@ -372,7 +377,8 @@ fn run_loop<F: Family>(
 fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters, pool_bytes: u64) {
     {
         let mut l = load.lock();
-        l.free_slots = sched.pool().free();
+        // Slots only the prefix cache holds are free to any request.
+        l.free_slots = sched.available();
         l.active = sched.running();
         l.ticks = sched.ticks();
         l.preempted = sched.preempted();
@@ -380,7 +386,7 @@ fn publish<P: Send + 'static>(sched: &Scheduler<P>, load: &LoadCounters, pool_by
         let free_places = sched
             .max_active()
             .saturating_sub(sched.running())
-            .min(sched.pool().free());
+            .min(l.free_slots);
         sched.shared_queue().settled(free_places);
     }
     sched.publish_gauges();

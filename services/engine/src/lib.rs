@@ -12,7 +12,9 @@
 //!    more before each tick as its program grows ([`Family::slots_needed`]); when the
 //!    pool is short the newest request is preempted ([`Family::preempt`]) and resumes
 //!    later, ahead of new arrivals; what a program no longer needs goes back after
-//!    each tick ([`Family::reclaim`]).
+//!    each tick ([`Family::reclaim`]). Requests with the same prompt read one copy of its
+//!    pages ([`Family::adopt_prompt`]), from a running request or from a finished one the
+//!    prefix cache keeps until the pool needs its slots.
 //! 3. **Ticks** ([`engine`], [`scheduler`], [`tick`]): a dedicated thread, fed by a bounded
 //!    channel, runs one tick per iteration: every program that runs says what its next step
 //!    computes, the row budget is shared between them, each plans its step as plain data, the
@@ -36,6 +38,7 @@ pub mod event;
 pub mod family;
 pub mod ids;
 pub mod metrics;
+mod prefix_cache;
 pub mod queue;
 pub mod request;
 pub mod scheduler;

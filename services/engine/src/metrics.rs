@@ -21,6 +21,9 @@ pub const RECOMPUTED_ROWS_TOTAL: &str = "wavefront_engine_recomputed_rows_total"
 pub const POOL_ALLOCATED_BYTES: &str = "wavefront_pool_allocated_bytes";
 pub const PROMPT_PAGES_SHARED_TOTAL: &str = "wavefront_engine_prompt_pages_shared_total";
 pub const SLOTS_SHARED: &str = "wavefront_slots_shared";
+pub const SLOTS_CACHED: &str = "wavefront_slots_cached";
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "wavefront_engine_prefix_cache_hits_total";
+pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "wavefront_engine_prefix_cache_evictions_total";
 
 /// One engine's series, labelled with its model. Handles taken before a
 /// recorder is installed record nothing, so binaries install theirs first.
@@ -43,6 +46,9 @@ pub(crate) struct EngineMetrics {
     pub pool_bytes: Gauge,
     pub prompt_pages_shared: Counter,
     pub slots_shared: Gauge,
+    pub slots_cached: Gauge,
+    pub prefix_cache_hits: Counter,
+    pub prefix_cache_evictions: Counter,
 }
 
 impl EngineMetrics {
@@ -65,7 +71,10 @@ impl EngineMetrics {
             recomputed_rows: metrics::counter!(RECOMPUTED_ROWS_TOTAL, "model" => m.clone()),
             pool_bytes: metrics::gauge!(POOL_ALLOCATED_BYTES, "model" => m.clone()),
             prompt_pages_shared: metrics::counter!(PROMPT_PAGES_SHARED_TOTAL, "model" => m.clone()),
-            slots_shared: metrics::gauge!(SLOTS_SHARED, "model" => m),
+            slots_shared: metrics::gauge!(SLOTS_SHARED, "model" => m.clone()),
+            slots_cached: metrics::gauge!(SLOTS_CACHED, "model" => m.clone()),
+            prefix_cache_hits: metrics::counter!(PREFIX_CACHE_HITS_TOTAL, "model" => m.clone()),
+            prefix_cache_evictions: metrics::counter!(PREFIX_CACHE_EVICTIONS_TOTAL, "model" => m),
         }
     }
 
@@ -90,6 +99,9 @@ impl EngineMetrics {
             pool_bytes: Gauge::noop(),
             prompt_pages_shared: Counter::noop(),
             slots_shared: Gauge::noop(),
+            slots_cached: Gauge::noop(),
+            prefix_cache_hits: Counter::noop(),
+            prefix_cache_evictions: Counter::noop(),
         }
     }
 }

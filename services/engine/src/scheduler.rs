@@ -16,12 +16,19 @@
 //! request is preempted ([`Family::preempt`]: its state moves to host memory
 //! and its slots return to the pool); preempted requests resume, oldest first,
 //! ahead of every new arrival, so nobody starves.
+//!
+//! A finished request whose prompt state can be shared may instead stay in the
+//! prefix cache ([`crate::prefix_cache`]), holding its slots, for later requests
+//! with its prompt to adopt; the cache gives slots back, least recently used
+//! first, before any admission, resumption or growth would be refused or would
+//! preempt a running request, and the slots only it holds count as free.
 
 use crate::error::{EngineError, FamilyError};
 use crate::event::Event;
 use crate::family::Family;
 use crate::ids::{RequestId, SlotId};
 use crate::metrics::EngineMetrics;
+use crate::prefix_cache::{Cached, PrefixCache};
 use crate::queue::AdmissionQueue;
 use crate::request::{Active, Carried, Exported, Prepared};
 use crate::sink::{EventSink, SinkError};
@@ -253,6 +260,9 @@ pub struct TickReport {
     pub stalled: usize,
 }
 
+/// Finished requests the prefix cache keeps by default (`--prefix-cache-entries`).
+pub const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 64;
+
 pub struct Scheduler<P> {
     queue: Arc<SharedQueue<P>>,
     pool: SlotPool,
@@ -271,6 +281,8 @@ pub struct Scheduler<P> {
     max_batch_rows: Option<usize>,
     /// Whether requests with the same prompt share its pages.
     prompt_sharing: bool,
+    /// Finished requests kept for their prompt pages (`--prefix-cache-entries`).
+    cache: PrefixCache<P>,
     /// How long a request's client may leave its events unread before the request is
     /// cancelled (`--write-timeout-s`); `None`: forever.
     write_timeout: Option<Duration>,
@@ -297,6 +309,7 @@ impl<P: Send + 'static> Scheduler<P> {
             deferred: Vec::new(),
             max_batch_rows: None,
             prompt_sharing: true,
+            cache: PrefixCache::new(DEFAULT_PREFIX_CACHE_ENTRIES),
             write_timeout: None,
             ticks: 0,
             metrics: EngineMetrics::none(),
@@ -318,6 +331,13 @@ impl<P: Send + 'static> Scheduler<P> {
         self
     }
 
+    /// Keeps up to `entries` finished requests for their prompt pages (the prefix cache;
+    /// 0: none). Only with prompt sharing on.
+    pub fn with_prefix_cache(mut self, entries: usize) -> Self {
+        self.cache.set_capacity(entries);
+        self
+    }
+
     pub fn with_max_batch_rows(mut self, rows: Option<usize>) -> Self {
         self.max_batch_rows = rows;
         self
@@ -335,13 +355,17 @@ impl<P: Send + 'static> Scheduler<P> {
         self
     }
 
-    /// Sets the slot and queue gauges.
+    /// Sets the slot and queue gauges. Slots only the prefix cache holds count as free (it
+    /// gives them back when they are needed), and have their own gauge.
     pub fn publish_gauges(&self) {
+        let cached = self.cached_slots();
+        let used = self.pool.used() - cached;
         self.metrics.slots_total.set(self.pool.total() as f64);
-        self.metrics.slots_used.set(self.pool.used() as f64);
+        self.metrics.slots_used.set(used as f64);
+        self.metrics.slots_cached.set(cached as f64);
         self.metrics
             .cache_usage
-            .set(self.pool.used() as f64 / self.pool.total().max(1) as f64);
+            .set(used as f64 / self.pool.total().max(1) as f64);
         self.metrics.queue_depth.set(self.queue.len() as f64);
         self.metrics.active.set(self.running() as f64);
         self.metrics.preempted.set(self.preempted.len() as f64);
@@ -355,6 +379,21 @@ impl<P: Send + 'static> Scheduler<P> {
 
     pub fn pool(&self) -> &SlotPool {
         &self.pool
+    }
+
+    /// Slots a request can have now: the free ones and those only the prefix cache holds.
+    pub fn available(&self) -> usize {
+        self.pool.free() + self.cached_slots()
+    }
+
+    /// Slots only the prefix cache holds (free once it lets go of its entries).
+    pub fn cached_slots(&self) -> usize {
+        self.pool.kept_only()
+    }
+
+    /// Finished requests the prefix cache keeps now.
+    pub fn cached_prompts(&self) -> usize {
+        self.cache.len()
     }
 
     pub fn queued(&self) -> usize {
@@ -507,9 +546,28 @@ impl<P: Send + 'static> Scheduler<P> {
         self.retire(family, r);
     }
 
-    /// Slots free for a request that needs `need` now, keeping the watermark unless nothing runs.
+    /// Slots free for a request that needs `need` now (the prefix cache's counted as free),
+    /// keeping the watermark unless nothing runs.
     fn fits(&self, need: usize) -> bool {
-        need + self.reserve() <= self.pool.free()
+        need + self.reserve() <= self.available()
+    }
+
+    /// Lets go of prefix-cache entries, least recently used first, until `n` slots are free
+    /// or the cache is empty.
+    fn make_room<F: Family<Program = P>>(&mut self, family: &mut F, n: usize) {
+        while self.pool.free() < n {
+            let Some(c) = self.cache.pop_oldest() else {
+                return;
+            };
+            self.evict(family, c);
+        }
+    }
+
+    fn evict<F: Family<Program = P>>(&mut self, family: &mut F, mut c: Cached<P>) {
+        tracing::debug!(request = %c.active.id, slots = c.active.slots.len(), "prompt evicted from the prefix cache");
+        family.release(&mut c.active);
+        self.pool.release_kept(std::mem::take(&mut c.active.slots));
+        self.metrics.prefix_cache_evictions.increment(1);
     }
 
     /// The slots kept free for running requests to grow into: the watermark, unless none of
@@ -553,6 +611,7 @@ impl<P: Send + 'static> Scheduler<P> {
                 return;
             }
             let mut r = self.preempted.remove(next);
+            self.make_room(family, need);
             let slots = self.pool.alloc(need).expect("checked free slots above");
             r.active.slots.extend(&slots);
             r.active.new_slots.extend(slots);
@@ -584,7 +643,7 @@ impl<P: Send + 'static> Scheduler<P> {
             // reads them instead of computing them again), keeping its place; the requests
             // behind it go ahead.
             let reserve = self.reserve();
-            let free = self.pool.free();
+            let free = self.available();
             let fam: &F = family;
             let popped = self.queue.pop_first_unheld(
                 |w| w.prepared.carried.is_none() && self.waits_for_prompt(fam, &w.prepared.program),
@@ -616,10 +675,9 @@ impl<P: Send + 'static> Scheduler<P> {
                 ..Active::new(id, prepared.program)
             };
             let shared = self.adopt_prompt(family, &mut active, &span);
-            let slots = self
-                .pool
-                .alloc(prepared.slots.saturating_sub(shared.len()))
-                .expect("checked free slots above");
+            let need = prepared.slots.saturating_sub(shared.len());
+            self.make_room(family, need);
+            let slots = self.pool.alloc(need).expect("checked free slots above");
             let queue_time = now.saturating_duration_since(submitted_at);
             tracing::debug!(parent: &span, request = %active.id, slots = slots.len(), shared = shared.len(), ?queue_time, "admitted");
             active.slots = shared;
@@ -644,11 +702,16 @@ impl<P: Send + 'static> Scheduler<P> {
     }
 
     /// A running request that computes the prompt pages `program` would share, and whose
-    /// client reads (one paused would hold the waiting one up).
+    /// client reads (one paused would hold the waiting one up), unless the prefix cache has
+    /// them.
     fn waits_for_prompt<F: Family<Program = P>>(&self, family: &F, program: &P) -> bool {
         let Some(key) = family.share_key(program).filter(|_| self.prompt_sharing) else {
             return false;
         };
+        // The prefix cache has them already.
+        if self.cache.has(key) {
+            return false;
+        }
         self.running.iter().any(|r| {
             !r.active.outbox.done
                 && !r.parked
@@ -659,9 +722,10 @@ impl<P: Send + 'static> Scheduler<P> {
     }
 
     /// Admits `taker` onto the prompt pages of a running request with its share key whose
-    /// prompt is computed, if there is one: the slots it now holds with that request (each
-    /// counted as held once more), none otherwise. A family's refusal is logged and the
-    /// request computes its prompt itself.
+    /// prompt is computed, or else of the prefix cache's entry with that key, if there is one:
+    /// the slots it now holds with that request (each counted as held once more), none
+    /// otherwise. A family's refusal is logged and the request computes its prompt itself (an
+    /// entry that refused leaves the cache).
     fn adopt_prompt<F: Family<Program = P>>(
         &mut self,
         family: &mut F,
@@ -680,10 +744,24 @@ impl<P: Send + 'static> Scheduler<P> {
                 && family.share_key(&r.active.program) == Some(key)
                 && !family.prompt_pending(&r.active)
         });
-        let Some(j) = donor else {
-            return Vec::new();
+        let adopted = match donor {
+            Some(j) => family.adopt_prompt(&mut self.running[j].active, taker),
+            None => match self.cache.touch(key) {
+                Some(entry) => {
+                    let adopted = family.adopt_prompt(&mut entry.active, taker);
+                    match &adopted {
+                        Ok(_) => self.metrics.prefix_cache_hits.increment(1),
+                        Err(_) => {
+                            let entry = self.cache.pop_newest().expect("touched above");
+                            self.evict(family, entry);
+                        }
+                    }
+                    adopted
+                }
+                None => return Vec::new(),
+            },
         };
-        match family.adopt_prompt(&mut self.running[j].active, taker) {
+        match adopted {
             Ok(shared) => {
                 self.pool.share(&shared);
                 self.metrics
@@ -696,6 +774,36 @@ impl<P: Send + 'static> Scheduler<P> {
                 Vec::new()
             }
         }
+    }
+
+    /// Keeps a request that finished in the prefix cache if its prompt state can be shared
+    /// and no entry has its key yet; hands it back otherwise.
+    fn cache_prompt<F: Family<Program = P>>(
+        &mut self,
+        family: &mut F,
+        r: Running<P>,
+    ) -> Option<Running<P>> {
+        if !self.prompt_sharing
+            || self.cache.capacity() == 0
+            || r.parked
+            || r.active.slots.is_empty()
+            || family.prompt_pending(&r.active)
+        {
+            return Some(r);
+        }
+        let key = match family.share_key(&r.active.program) {
+            Some(key) if !self.cache.has(key) => key,
+            _ => return Some(r),
+        };
+        tracing::debug!(parent: &r.span, request = %r.active.id, slots = r.active.slots.len(), "prompt kept in the prefix cache");
+        self.pool.keep(&r.active.slots);
+        for old in self.cache.insert(Cached {
+            active: r.active,
+            key,
+        }) {
+            self.evict(family, old);
+        }
+        None
     }
 
     /// Preempts the newest running request whose client is not reading (its events wait in
@@ -746,6 +854,7 @@ impl<P: Send + 'static> Scheduler<P> {
                 if need <= held {
                     break;
                 }
+                self.make_room(family, need - held);
                 if let Some(slots) = self.pool.alloc(need - held) {
                     let a = &mut self.running[i].active;
                     a.slots.extend(&slots);
@@ -922,12 +1031,20 @@ impl<P: Send + 'static> Scheduler<P> {
             let done = r.active.outbox.done && r.backlog.is_empty();
             if closed || done {
                 let r = self.running.swap_remove(i);
+                let finished = !closed && r.outcome == Some(true);
                 match (closed, r.outcome) {
                     (true, _) => report.cancelled += 1,
                     (false, Some(true)) => report.finished += 1,
                     (false, _) => report.failed += 1,
                 }
-                self.retire(family, r);
+                let r = if finished {
+                    self.cache_prompt(family, r)
+                } else {
+                    Some(r)
+                };
+                if let Some(r) = r {
+                    self.retire(family, r);
+                }
             } else {
                 i += 1;
             }
@@ -1117,6 +1234,9 @@ impl<P: Send + 'static> Scheduler<P> {
         while let Some(mut r) = self.running.pop().or_else(|| self.preempted.pop()) {
             let _ = r.sink.try_send(Event::Failed(EngineError::ShutDown));
             self.retire(family, r);
+        }
+        for c in self.cache.drain() {
+            self.evict(family, c);
         }
     }
 }

@@ -2,7 +2,9 @@
 //! is computing waits for it in its place (the requests behind it go ahead), then is admitted
 //! onto that request's pages (each shared slot counted with both holders, only the rest
 //! allocated); a donor that fails or leaves before its prompt is done holds nobody up; every
-//! slot is free once both requests are gone.
+//! slot is free once both requests are gone. The prefix cache keeps a finished request's slots
+//! for a later request with its key, and gives them back before the pool refuses or preempts
+//! anyone.
 
 use std::sync::mpsc;
 use std::time::Instant;
@@ -142,7 +144,11 @@ fn a_request_waits_for_the_prompt_pages_it_shares_and_holds_only_the_rest() {
         done_c |= ended(&rx_c);
     }
     assert!(done_a && done_b && done_c);
-    assert_eq!(s.pool().free(), 16);
+    // The donor and the other prompt stay in the prefix cache (the taker's key is the donor's):
+    // their slots count as free.
+    assert_eq!(s.cached_prompts(), 2);
+    assert_eq!(s.pool().free(), 16 - 8);
+    assert_eq!(s.available(), 16);
     assert_eq!(s.pool().shared(), 0);
 }
 
@@ -161,5 +167,148 @@ fn a_donor_that_fails_before_its_prompt_is_done_holds_nobody_up() {
         done_b |= ended(&rx_b);
     }
     assert!(done_a && done_b, "the waiting request ran on its own");
-    assert_eq!(s.pool().free(), 16);
+    // A failed request is never kept; the one that ran on its own is.
+    assert_eq!(s.cached_prompts(), 1);
+    assert_eq!(s.available(), 16);
+}
+
+/// Runs `s` until every receiver saw its request end.
+fn run_until_ended(s: &mut Scheduler<Program>, f: &mut Sharing, rxs: &[&mpsc::Receiver<Event>]) {
+    let mut ended_yet = vec![false; rxs.len()];
+    for _ in 0..50 {
+        s.tick(f, Instant::now());
+        for (e, rx) in ended_yet.iter_mut().zip(rxs) {
+            *e |= ended(rx);
+        }
+        if ended_yet.iter().all(|&e| e) {
+            return;
+        }
+    }
+    panic!("requests still running: {ended_yet:?}");
+}
+
+#[test]
+fn a_later_request_reads_the_prompt_pages_a_finished_one_left_in_the_prefix_cache() {
+    let mut s: Scheduler<Program> = Scheduler::new(16, 8, 8);
+    let mut f = Sharing;
+    let (a, rx_a) = waiting(1, program(Some(7), None));
+    assert!(s.enqueue(a).is_ok());
+    run_until_ended(&mut s, &mut f, &[&rx_a]);
+    assert_eq!(s.cached_prompts(), 1);
+    assert_eq!((s.pool().used(), s.cached_slots()), (4, 4));
+    // Admitted onto the cached pages at once: it holds two of them with the cache and two of
+    // its own, and skips its prompt (three ticks to its end, not six).
+    let (b, rx_b) = waiting(2, program(Some(7), None));
+    assert!(s.enqueue(b).is_ok());
+    s.tick(&mut f, Instant::now());
+    assert_eq!(s.running(), 1);
+    assert_eq!(s.pool().used(), 4 + 2);
+    assert_eq!(s.pool().shared(), 2);
+    // Only the cache's two slots it does not share are free to take back.
+    assert_eq!(s.cached_slots(), 2);
+    let mut ticks = 1;
+    while !ended(&rx_b) {
+        s.tick(&mut f, Instant::now());
+        ticks += 1;
+        assert!(ticks < 10, "the taker did not end");
+    }
+    assert_eq!(ticks, 3);
+    // One entry per key: the taker is not kept, and its slots are free.
+    assert_eq!(s.cached_prompts(), 1);
+    assert_eq!((s.pool().used(), s.pool().shared()), (4, 0));
+}
+
+#[test]
+fn the_prefix_cache_gives_its_slots_back_before_anyone_is_refused_or_preempted() {
+    let mut s: Scheduler<Program> = Scheduler::new(16, 8, 8);
+    let mut f = Sharing;
+    // Four prompts finish one after the other and fill the pool's sixteen slots with cache
+    // entries.
+    for i in 0..4 {
+        let (w, rx) = waiting(i, program(Some(100 + i), None));
+        assert!(s.enqueue(w).is_ok());
+        run_until_ended(&mut s, &mut f, &[&rx]);
+    }
+    assert_eq!(s.cached_prompts(), 4);
+    assert_eq!((s.pool().free(), s.available()), (0, 16));
+    // Three new prompts are admitted at once: the three least recently used entries go.
+    let rxs: Vec<_> = (10..13)
+        .map(|i| {
+            let (w, rx) = waiting(i, program(Some(i), None));
+            assert!(s.enqueue(w).is_ok());
+            rx
+        })
+        .collect();
+    s.tick(&mut f, Instant::now());
+    assert_eq!(s.running(), 3);
+    assert_eq!(s.cached_prompts(), 1);
+    // The newest entry is the one kept: a request with its key reads its pages, and the entry
+    // then goes too (the taker's own two slots needed it), leaving the pages to the taker,
+    // which skips its prompt: it ends after three ticks, before the others.
+    let (w, rx) = waiting(20, program(Some(103), None));
+    assert!(s.enqueue(w).is_ok());
+    s.tick(&mut f, Instant::now());
+    assert_eq!(s.running(), 4);
+    assert_eq!(
+        (s.cached_prompts(), s.pool().free(), s.pool().shared()),
+        (0, 0, 0)
+    );
+    s.tick(&mut f, Instant::now());
+    s.tick(&mut f, Instant::now());
+    assert!(ended(&rx));
+    assert!(!rxs.iter().any(ended));
+    run_until_ended(&mut s, &mut f, &rxs.iter().collect::<Vec<_>>());
+    assert_eq!(s.preemptions(), 0);
+    assert_eq!(s.available(), 16);
+}
+
+#[test]
+fn the_prefix_cache_keeps_at_most_its_entries_and_can_be_switched_off() {
+    for (entries, kept) in [(2, 2), (0, 0)] {
+        let mut s: Scheduler<Program> = Scheduler::new(16, 8, 8).with_prefix_cache(entries);
+        let mut f = Sharing;
+        let rxs: Vec<_> = (0..3)
+            .map(|i| {
+                let (w, rx) = waiting(i, program(Some(100 + i), None));
+                assert!(s.enqueue(w).is_ok());
+                rx
+            })
+            .collect();
+        run_until_ended(&mut s, &mut f, &rxs.iter().collect::<Vec<_>>());
+        assert_eq!(s.cached_prompts(), kept);
+        assert_eq!(s.pool().used(), 4 * kept);
+        assert_eq!(s.available(), 16);
+    }
+    // Without prompt sharing nothing is kept either.
+    let mut s: Scheduler<Program> = Scheduler::new(16, 8, 8).with_prompt_sharing(false);
+    let (w, rx) = waiting(1, program(Some(7), None));
+    assert!(s.enqueue(w).is_ok());
+    run_until_ended(&mut s, &mut Sharing, &[&rx]);
+    assert_eq!((s.cached_prompts(), s.pool().free()), (0, 16));
+}
+
+#[test]
+fn a_request_that_needs_the_whole_pool_is_admitted_once_the_prefix_cache_lets_go() {
+    let mut s: Scheduler<Program> = Scheduler::new(8, 8, 8);
+    let mut f = Sharing;
+    let (a, rx_a) = waiting(1, program(Some(7), None));
+    assert!(s.enqueue(a).is_ok());
+    run_until_ended(&mut s, &mut f, &[&rx_a]);
+    assert_eq!((s.cached_prompts(), s.pool().free()), (1, 4));
+    // A request that needs all eight slots is admitted: the entry goes.
+    let (tx, rx) = mpsc::sync_channel(64);
+    let big = Waiting {
+        id: RequestId(2),
+        prepared: Prepared::reserved(program(None, None), 8, 8),
+        sink: Box::new(tx),
+        deadline: None,
+        submitted_at: Instant::now(),
+        span: tracing::Span::none(),
+    };
+    assert!(s.enqueue(big).is_ok());
+    s.tick(&mut f, Instant::now());
+    assert_eq!(s.running(), 1);
+    assert_eq!((s.cached_prompts(), s.pool().free()), (0, 0));
+    run_until_ended(&mut s, &mut f, &[&rx]);
+    assert_eq!(s.preemptions(), 0);
 }

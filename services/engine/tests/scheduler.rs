@@ -439,6 +439,7 @@ fn a_stop_from_the_transport_finishes_the_request_with_its_stats_and_frees_its_s
 fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
     let cfg = EngineConfig {
         prompt_sharing: true,
+        prefix_cache_entries: 0,
         total_slots: 8,
         queue_capacity: 4,
         max_active: 8,
@@ -504,6 +505,7 @@ fn engine_thread_streams_and_frees_slots_of_a_cancelled_request() {
 fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
     let cfg = EngineConfig {
         prompt_sharing: true,
+        prefix_cache_entries: 0,
         total_slots: 4,
         queue_capacity: 4,
         max_active: 4,
@@ -544,6 +546,7 @@ fn an_expired_deadline_fails_the_request_and_frees_its_slots() {
 fn load_never_hides_a_submitted_request() {
     let cfg = EngineConfig {
         prompt_sharing: true,
+        prefix_cache_entries: 0,
         total_slots: 4,
         queue_capacity: 64,
         max_active: 1,
@@ -622,6 +625,7 @@ impl Family for GatedFamily {
 fn callers_that_left_do_not_hold_queue_places_while_the_engine_is_busy() {
     let cfg = EngineConfig {
         prompt_sharing: true,
+        prefix_cache_entries: 0,
         total_slots: 1,
         queue_capacity: 2,
         max_active: 1,

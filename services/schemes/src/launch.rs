@@ -299,6 +299,7 @@ where
         watermark_slots: total_slots * watermark_permille / 1000,
         max_batch_rows: opts.max_batch_rows,
         prompt_sharing: opts.prompt_sharing,
+        prefix_cache_entries: opts.prefix_cache_entries,
         write_timeout: opts.write_timeout,
     };
     opts.check_kv_cache_dtype()?;

@@ -51,6 +51,9 @@ pub struct LoadOptions {
     pub max_batch_rows: Option<usize>,
     /// Whether requests with the same prompt share its pages (on by default).
     pub prompt_sharing: bool,
+    /// Finished requests kept for their prompt pages (the prefix cache; 0: none), while the
+    /// pool does not need their slots.
+    pub prefix_cache_entries: usize,
     /// How long a client may leave a request's events unread before the request is cancelled
     /// (until then it is paused, and the first preempted when the pool is short); `None`:
     /// forever.
@@ -195,6 +198,7 @@ impl Default for LoadOptions {
             kv_page_size: wavefront_models::transformer::PAGE_SIZE,
             max_batch_rows: None,
             prompt_sharing: true,
+            prefix_cache_entries: wavefront_engine::scheduler::DEFAULT_PREFIX_CACHE_ENTRIES,
             write_timeout: Some(std::time::Duration::from_secs(30)),
             fingerprint: Fingerprint::default(),
         }

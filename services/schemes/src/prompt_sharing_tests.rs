@@ -8,8 +8,149 @@ use anyhow::{ensure, Result};
 use std::time::Duration;
 
 use crate::request::{ArParams, GenerateSpec, SchemeParams};
-use crate::test_support::{collect, serve, submit, wait_for_free_slots, Outcome};
+use crate::test_support::{collect, submit, wait_for_free_slots, Outcome};
+use crate::{load_model, LoadOptions};
 use wavefront_models::ModelFiles;
+
+fn no_prefix_cache(name: &str, max_active: usize) -> LoadOptions {
+    LoadOptions {
+        name: name.into(),
+        max_active,
+        prefix_cache_entries: 0,
+        ..LoadOptions::default()
+    }
+}
+
+/// Serves every request alone with the prefix cache off, then one after another (each
+/// submitted once the one before has finished) with it on: each decodes the same tokens both
+/// times; returns the rows each read from a finished request's pages the second time.
+fn after_one_another(
+    files: impl Fn() -> Result<ModelFiles>,
+    name: &str,
+    specs: &[GenerateSpec],
+) -> Result<Vec<u64>> {
+    let alone = {
+        let served = load_model(files()?, no_prefix_cache(name, 1))?;
+        let out = specs
+            .iter()
+            .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
+            .collect::<Result<Vec<_>>>()?;
+        served.shutdown();
+        out
+    };
+    let opts = LoadOptions {
+        name: name.into(),
+        ..LoadOptions::default()
+    };
+    let served = load_model(files()?, opts)?;
+    let mut shared = Vec::new();
+    for (i, (s, a)) in specs.iter().zip(&alone).enumerate() {
+        let t = collect(&submit(served.as_ref(), s.clone())?, Vec::new())?;
+        ensure!(
+            (&a.tokens, a.reason) == (&t.tokens, t.reason),
+            "request {i}: after the others {:?} {:?}, alone {:?} {:?}",
+            t.tokens,
+            t.reason,
+            a.tokens,
+            a.reason
+        );
+        shared.push(shared_rows(&t));
+    }
+    // The cache's slots count as free.
+    wait_for_free_slots(served.as_ref(), Duration::from_secs(30))?;
+    served.shutdown();
+    Ok(shared)
+}
+
+/// The prefix cache: a request whose prompt a finished request computed reads that request's
+/// pages (ReFusion `ar` and plan-and-infill alike, greedy and sampled) and decodes what it
+/// decodes alone; another prompt shares nothing, and the first prompt's entry is still there
+/// after it.
+#[test]
+fn refusion_requests_read_a_finished_requests_prompt_pages() -> Result<()> {
+    use crate::slot_diffusion::test_support::{fixture_files, prompt};
+    let p = prompt(40, 3);
+    let ar = || SchemeParams::Ar(ArParams::default());
+    let pi = || SchemeParams::PlanInfill(crate::request::PlanInfillParams::default());
+    let mut sampled = GenerateSpec::greedy(p.clone(), 8, 1, ar());
+    sampled.sampling.temperature = 0.9;
+    let specs = vec![
+        GenerateSpec::greedy(p.clone(), 8, 0, ar()),
+        sampled,
+        GenerateSpec::greedy(p.clone(), 16, 0, pi()),
+        GenerateSpec::greedy(prompt(40, 4), 8, 0, ar()),
+        GenerateSpec::greedy(p.clone(), 8, 0, ar()),
+    ];
+    let shared = after_one_another(fixture_files, "refusion", &specs)?;
+    assert_eq!(shared, [0, 32, 32, 0, 32]);
+    Ok(())
+}
+
+/// The prefix cache for the families whose prompt state is not ReFusion's pages: Huginn's
+/// per-recurrence pages (zero initial states), LLaDA2.0's whole blocks, DiffusionGemma's encoded
+/// prompt, and ARMT's memories (copied, no pages read: its shared rows are the memory segments'
+/// tokens it skipped).
+#[test]
+fn every_sharing_family_reads_a_finished_requests_prompt_state() -> Result<()> {
+    use crate::request::{BlockDiffusionParams, EntropyBoundParams};
+    {
+        use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
+        let mut zero = ar_static(4, "full");
+        if let SchemeParams::Ar(a) = &mut zero {
+            a.init_scale = Some(0.0);
+        }
+        let specs: Vec<GenerateSpec> = (0..2)
+            .map(|seed| GenerateSpec::greedy(prompt(40, 1), 6, seed, zero.clone()))
+            .collect();
+        assert_eq!(after_one_another(fixture_files, "huginn", &specs)?, [0, 32]);
+    }
+    {
+        let bd = SchemeParams::BlockDiffusion(BlockDiffusionParams {
+            block_length: 8,
+            steps: 4,
+            threshold: 0.9,
+            ..BlockDiffusionParams::default()
+        });
+        let specs: Vec<GenerateSpec> = (0..2)
+            .map(|seed| GenerateSpec::greedy(ids(38, 1), 16, seed, bd.clone()))
+            .collect();
+        let files = || {
+            Ok(ModelFiles::from_dir(
+                wavefront_models::device::test_fixture("llada2"),
+            )?)
+        };
+        assert_eq!(after_one_another(files, "llada2", &specs)?, [0, 32]);
+    }
+    {
+        let eb = SchemeParams::EntropyBound(EntropyBoundParams {
+            max_denoising_steps: Some(6),
+            stability_threshold: Some(1),
+            confidence_threshold: Some(0.6),
+            ..EntropyBoundParams::default()
+        });
+        let p: Vec<u32> = (0..40u32).map(|i| 21 + (i * 37 + 202) % 419).collect();
+        let specs: Vec<GenerateSpec> = (0..2)
+            .map(|seed| GenerateSpec::greedy(p.clone(), 16, seed, eb.clone()))
+            .collect();
+        let files = || {
+            let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+            Ok(ModelFiles::from_dir(dir)?)
+        };
+        assert_eq!(
+            after_one_another(files, "diffusion_gemma", &specs)?,
+            [0, 32]
+        );
+    }
+    {
+        use crate::recurrent_memory::test_support::{ar, fixture_files, prompt};
+        use crate::request::Execution;
+        let specs: Vec<GenerateSpec> = (0..2)
+            .map(|seed| GenerateSpec::greedy(prompt(30, 1), 8, seed, ar(Execution::Sequential)))
+            .collect();
+        assert_eq!(after_one_another(fixture_files, "armt", &specs)?, [0, 24]);
+    }
+    Ok(())
+}
 
 /// Prompt rows a request read from another's pages.
 fn shared_rows(out: &Outcome) -> u64 {
@@ -21,9 +162,10 @@ fn shared_rows(out: &Outcome) -> u64 {
 }
 
 /// Serves every request alone, then all of them submitted at once: each decodes the same tokens
-/// both times; returns the rows each read from another request's pages when together.
+/// both times; returns the rows each read from another request's pages when together. The
+/// prefix cache is off, so only running requests donate (the alone runs share nothing).
 fn together_and_alone(files: ModelFiles, name: &str, specs: &[GenerateSpec]) -> Result<Vec<u64>> {
-    let served = serve(files, name, specs.len())?;
+    let served = load_model(files, no_prefix_cache(name, specs.len()))?;
     let alone = specs
         .iter()
         .map(|s| collect(&submit(served.as_ref(), s.clone())?, Vec::new()))
@@ -146,11 +288,11 @@ fn diffusion_gemma_requests_share_their_encoded_prompt() -> Result<()> {
 #[test]
 fn prompt_sharing_can_be_switched_off() -> Result<()> {
     use crate::slot_diffusion::test_support::{fixture_files, prompt};
-    let opts = crate::LoadOptions {
+    let opts = LoadOptions {
         name: "refusion".into(),
         max_active: 3,
         prompt_sharing: false,
-        ..crate::LoadOptions::default()
+        ..LoadOptions::default()
     };
     let specs: Vec<GenerateSpec> = (0..3)
         .map(|seed| {

@@ -232,11 +232,15 @@ pub fn spec(
 }
 
 /// Loads `files` as model `name`, ticking at most `max_active` requests together, and starts its
-/// engine (default options otherwise).
+/// engine (default options otherwise, but the prefix cache off: the tests that serve this way
+/// compare each request's work, statistics included, with its work alone, where a finished
+/// request's kept prompt would be read instead of computed; `prompt_sharing_tests` test the
+/// cache).
 pub fn serve(files: ModelFiles, name: &str, max_active: usize) -> Result<Arc<dyn ServedModel>> {
     let opts = LoadOptions {
         name: name.into(),
         max_active,
+        prefix_cache_entries: 0,
         ..LoadOptions::default()
     };
     Ok(load_model(files, opts)?)
@@ -801,7 +805,11 @@ pub fn assert_moved_requests_match_alone(
     served: &dyn ServedModel,
     specs: &[GenerateSpec],
 ) -> Result<u32> {
-    assert_moved_requests_match_alone_with(files, served, specs, LoadOptions::default())
+    let base = LoadOptions {
+        prefix_cache_entries: 0,
+        ..LoadOptions::default()
+    };
+    assert_moved_requests_match_alone_with(files, served, specs, base)
 }
 
 /// [`assert_moved_requests_match_alone`] with the second engine loaded with `base` (its name

@@ -162,6 +162,9 @@ fn peak_allocation_stays_flat_as_the_input_doubles() -> Result<()> {
     let opts = LoadOptions {
         name: "tiny-armt".into(),
         max_context_tokens: Some(1 << 20),
+        // Each request's own peak: a finished request kept in the prefix cache would hold its
+        // slots, and the next request's would be new arena memory.
+        prefix_cache_entries: 0,
         ..LoadOptions::default()
     };
     let served = serve_model(cfg, None, opts, move |device, dtype| {

@@ -9,9 +9,10 @@ use std::net::SocketAddr;
 
 pub use wavefront_engine::metrics::{
     ACTIVE_REQUESTS, CACHE_USAGE, POOL_ALLOCATED_BYTES, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL,
-    PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, PROMPT_PAGES_SHARED_TOTAL, QUEUE_DEPTH,
-    RECOMPUTED_ROWS_TOTAL, SLOTS_SHARED, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION,
-    TICK_REQUESTS, TICK_ROWS,
+    PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, PREFIX_CACHE_EVICTIONS_TOTAL,
+    PREFIX_CACHE_HITS_TOTAL, PROMPT_PAGES_SHARED_TOTAL, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL,
+    SLOTS_CACHED, SLOTS_SHARED, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS,
+    TICK_ROWS,
 };
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -65,7 +66,10 @@ fn describe() {
         SLOTS_TOTAL,
         "Slots in the pool (for paged K/V families, pages: 16 positions of one layer)."
     );
-    describe_gauge!(SLOTS_USED, "Slots (pages) held by running requests.");
+    describe_gauge!(
+        SLOTS_USED,
+        "Slots (pages) held by running requests (not those only the prefix cache holds)."
+    );
     describe_counter!(
         PREEMPTIONS_TOTAL,
         "Running requests preempted because another's next step could not get its slots."
@@ -98,8 +102,23 @@ fn describe() {
     describe_counter!(
         PROMPT_PAGES_SHARED_TOTAL,
         "Prompt pages (slots) admitted requests read from a running request with the same \
-         prompt instead of computing them (the choices of a request with n > 1, or identical \
-         prompts)."
+         prompt, or from a finished one the prefix cache keeps, instead of computing them (the \
+         choices of a request with n > 1, or identical prompts)."
+    );
+    describe_gauge!(
+        SLOTS_CACHED,
+        "Slots only the prefix cache holds now: finished requests' prompt state kept for later \
+         requests with the same prompt, given back when the pool needs them (counted as free)."
+    );
+    describe_counter!(
+        PREFIX_CACHE_HITS_TOTAL,
+        "Admitted requests that read their prompt pages from a finished request the prefix \
+         cache kept."
+    );
+    describe_counter!(
+        PREFIX_CACHE_EVICTIONS_TOTAL,
+        "Finished requests the prefix cache let go of (the pool needed their slots, or the \
+         cache was full)."
     );
     describe_gauge!(
         SLOTS_SHARED,
@@ -107,7 +126,8 @@ fn describe() {
     );
     describe_gauge!(
         CACHE_USAGE,
-        "Fraction of the slot pool (K/V cache and latent states) held by running requests."
+        "Fraction of the slot pool (K/V cache and latent states) held by running requests (not \
+         counting slots only the prefix cache holds)."
     );
     describe_histogram!(
         INTER_TOKEN_LATENCY,

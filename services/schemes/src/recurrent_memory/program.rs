@@ -328,10 +328,10 @@ impl ArmtProgram {
         (first..=last).rev().map(|s| (s, i - s)).collect()
     }
 
-    /// Ends the request with its statistics and lets go of its memories.
+    /// Ends the request with its statistics. Its memories stay until the family releases it:
+    /// the prefix cache may keep them for a later request with its memory segments.
     pub(crate) fn finish(&mut self, reason: FinishReason, outbox: &mut Outbox) {
         self.phase = Phase::Done;
-        self.release();
         let stats = std::mem::take(&mut self.stats);
         if let Some(r) = &mut self.record {
             r.finish = Some((reason, stats.clone()));
