@@ -67,7 +67,7 @@ def main():
                     if rnd == 0:
                         continue  # warm-up
                     times[entries].append(t)
-                    c = out["choices"][0]["wavefront"]
+                    c = out["wavefront"]
                     shared[entries].append(c["stats"]["counters"].get("shared_prompt_tokens", 0))
                     tokens[entries].append(c["token_ids"])
     finally:

@@ -122,11 +122,17 @@ fn text(s: &str) -> Option<pb::generate_request::Prompt> {
     Some(pb::generate_request::Prompt::Text(s.into()))
 }
 
-const PROMPTS: [&str; 4] = [
+/// The last one is long enough (several pages, segments and blocks) for its repeats to read
+/// the prompt state a finished request left in the prefix cache, under the soak's cancellations,
+/// deadlines and preemptions.
+const PROMPTS: [&str; 5] = [
     "You may copy and distribute",
     "The quick brown fox",
     "Once upon a time,",
     "In the beginning",
+    "You may copy and distribute verbatim copies of the Program's source code as you receive \
+     it, in any medium, provided that you conspicuously and appropriately publish on each copy \
+     an appropriate copyright notice",
 ];
 
 /// A valid request for one of the four families (and Dream, LLaDA2.0 and DiffusionGemma), over every scheme
@@ -743,6 +749,18 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         }
     }
 
+    // The long prompt's repeats read what finished requests left in the prefix cache.
+    let cache_hits: f64 = workers
+        .iter()
+        .filter_map(|w| {
+            sample(
+                &scrape(w.metrics_port),
+                "wavefront_engine_prefix_cache_hits_total{",
+            )
+        })
+        .sum();
+    assert!(cache_hits > 0.0, "no request read the prefix cache");
+
     let outcomes = outcomes.lock().unwrap().clone();
     let malformed: Vec<&Outcome> = outcomes.iter().filter(|o| o.malformed.is_some()).collect();
     let mut by_result: BTreeMap<String, usize> = BTreeMap::new();
@@ -778,6 +796,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         "tokens_per_second": tokens as f64 / elapsed.as_secs_f64(),
         "latency_ms_ok": {"p50": percentile(&ok, 0.5), "p99": percentile(&ok, 0.99)},
         "results": by_result,
+        "prefix_cache_hits": cache_hits,
         "malformed": malformed.len(),
         "rss_kib_first_window": first.iter().map(|m| m.0).collect::<Vec<_>>(),
         "rss_kib_middle": mid.iter().map(|m| m.0).collect::<Vec<_>>(),

@@ -175,6 +175,10 @@ pub struct Target {
     /// Threads of the CPU kernels (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Finished requests kept for their prompt pages (the prefix cache; 0: none), as
+    /// `wavefront serve`'s flag.
+    #[arg(long, default_value_t = wavefront_engine::scheduler::DEFAULT_PREFIX_CACHE_ENTRIES)]
+    pub prefix_cache_entries: usize,
 }
 
 impl Target {
@@ -213,6 +217,7 @@ impl Target {
             attention,
             weight_dtype,
             kv_cache_dtype,
+            prefix_cache_entries: self.prefix_cache_entries,
             ..LoadOptions::default()
         })
     }
