@@ -246,8 +246,10 @@ mod tests {
             weight_dtype: "f32".into(),
             kv_cache_dtype: "auto".into(),
             threads: 0,
+            prefix_cache_entries: 0,
         };
         let opts = target.load_options("synthetic").unwrap();
+        assert_eq!(opts.prefix_cache_entries, 0);
         assert_eq!(opts.attention, AttentionKernel::Ragged);
         assert_eq!(opts.name, "synthetic");
         assert!(matches!(opts.device, Device::Cpu));
