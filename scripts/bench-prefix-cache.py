@@ -4,8 +4,13 @@ completions requests with the same long token-id prompt one after another (each 
 before has answered, as a client retrying or repeating a prompt does) and reads each one's wall
 time and statistics (rows it read from a kept request's pages).
 
+With `--tail N` each request's last N prompt tokens are its own (prompts that only begin
+alike: a chat's next turn, few-shot prompts with one preamble), so a request reads the whole
+pages of the common prefix.
+
 usage: bench-prefix-cache.py [--model models/refusion-tiny] [--prompt 1024] [--requests 8]
                              [--max-tokens 16] [--rounds 4] [--scheme ar] [--params JSON]
+                             [--tail 0]
 """
 
 import argparse
@@ -48,6 +53,7 @@ def main():
     a.add_argument("--rounds", type=int, default=4)
     a.add_argument("--scheme", default="ar")
     a.add_argument("--params", default="{}", help="the scheme object's fields, as JSON")
+    a.add_argument("--tail", type=int, default=0, help="prompt tokens of each request's own")
     args = a.parse_args()
     servers = {e: start(args.wavefront, args.model, e) for e in (64, 0)}
     times = {e: [] for e in servers}
@@ -63,7 +69,8 @@ def main():
             order = list(servers.items()) if rnd % 2 == 0 else list(reversed(servers.items()))
             for entries, (_, addr) in order:
                 for i in range(args.requests):
-                    t, out = ask(addr, {**body, "seed": i})
+                    own = [(j * 13 + 29 * i + 5) % 400 + 20 for j in range(args.tail)]
+                    t, out = ask(addr, {**body, "seed": i, "prompt": prompt[:len(prompt) - args.tail] + own})
                     if rnd == 0:
                         continue  # warm-up
                     times[entries].append(t)
@@ -75,7 +82,7 @@ def main():
             p.terminate()
     same = tokens[64] == tokens[0]
     for entries in servers:
-        print(json.dumps({"prefix_cache_entries": entries, "prompt": args.prompt,
+        print(json.dumps({"prefix_cache_entries": entries, "prompt": args.prompt, "tail": args.tail,
                           "requests_per_round": args.requests, "max_tokens": args.max_tokens,
                           "median_s": round(statistics.median(times[entries]), 4),
                           "min_s": round(min(times[entries]), 4),

@@ -191,8 +191,18 @@ pub trait Family: Send + 'static {
         false
     }
 
+    /// Prompts that only begin alike (different [`Family::share_key`]s): the rows of `taker`'s
+    /// prompt that `donor`'s pages hold, the whole pages of their longest common prefix before
+    /// `taker`'s last index, where `donor`'s prompt is computed and `taker` has run nothing; 0
+    /// for none, and for a family that shares whole prompts only (the default). A positive
+    /// answer promises that [`Family::adopt_prompt`] shares those rows.
+    fn prefix_rows(&self, _donor: &Active<Self::Program>, _taker: &Active<Self::Program>) -> usize {
+        0
+    }
+
     /// Makes the newly admitted `taker` read the pages that hold `donor`'s prompt (both have
-    /// the same [`Family::share_key`] and `donor`'s prompt is computed): whole pages only, and
+    /// the same [`Family::share_key`], or [`Family::prefix_rows`] says what they have in common,
+    /// and `donor`'s prompt is computed): whole pages only, and
     /// never the page of the prompt's last position (the taker computes that position itself,
     /// its first output). Returns the slots `taker` now reads and holds with `donor`; the
     /// engine counts the new holder. Neither program writes those pages again. All or nothing:

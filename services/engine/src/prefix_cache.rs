@@ -65,13 +65,28 @@ impl<P> PrefixCache<P> {
         self.entries.drain(..over).collect()
     }
 
-    /// The most recently used entry with `key`, moved to the back (used now): its index is then
-    /// `len() - 1`.
-    pub fn touch(&mut self, key: u64) -> Option<&mut Cached<P>> {
-        let i = self.entries.iter().rposition(|c| c.key == key)?;
-        let entry = self.entries.remove(i).expect("index found above");
-        self.entries.push_back(entry);
+    /// Makes the entry with `key` the most recently used; `None` when there is none.
+    pub fn touch(&mut self, key: u64) -> Option<()> {
+        let i = self.entries.iter().position(|c| c.key == key)?;
+        self.touch_at(i);
+        Some(())
+    }
+
+    /// Makes the entry at `i` (in [`PrefixCache::iter`]'s order) the most recently used.
+    pub fn touch_at(&mut self, i: usize) {
+        if let Some(entry) = self.entries.remove(i) {
+            self.entries.push_back(entry);
+        }
+    }
+
+    /// The most recently used entry.
+    pub fn newest_mut(&mut self) -> Option<&mut Cached<P>> {
         self.entries.back_mut()
+    }
+
+    /// The entries, least recently used first.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Cached<P>> + ExactSizeIterator {
+        self.entries.iter()
     }
 
     /// Takes the most recently used entry out (one that failed to donate).

@@ -234,6 +234,17 @@ impl<P> std::ops::DerefMut for QueueGuard<'_, P> {
     }
 }
 
+/// Whose prompt pages an admitted request reads.
+#[derive(Clone, Copy)]
+enum Donor {
+    /// The running request at this index.
+    Running(usize),
+    /// The prefix cache's most recently used entry.
+    Cached,
+    /// The prefix cache's entry at this index (before it is touched).
+    CachedAt(usize),
+}
+
 /// Why a request leaves before its end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Leave {
@@ -744,22 +755,29 @@ impl<P: Send + 'static> Scheduler<P> {
                 && family.share_key(&r.active.program) == Some(key)
                 && !family.prompt_pending(&r.active)
         });
-        let adopted = match donor {
-            Some(j) => family.adopt_prompt(&mut self.running[j].active, taker),
-            None => match self.cache.touch(key) {
-                Some(entry) => {
-                    let adopted = family.adopt_prompt(&mut entry.active, taker);
-                    match &adopted {
-                        Ok(_) => self.metrics.prefix_cache_hits.increment(1),
-                        Err(_) => {
-                            let entry = self.cache.pop_newest().expect("touched above");
-                            self.evict(family, entry);
-                        }
-                    }
-                    adopted
-                }
+        let from = match donor {
+            Some(j) => Donor::Running(j),
+            None if self.cache.touch(key).is_some() => Donor::Cached,
+            // No donor with the whole prompt: the one holding the longest common prefix.
+            None => match self.longest_prefix(family, taker) {
+                Some(from) => from,
                 None => return Vec::new(),
             },
+        };
+        let adopted = match from {
+            Donor::Running(j) => family.adopt_prompt(&mut self.running[j].active, taker),
+            Donor::Cached | Donor::CachedAt(_) => {
+                let entry = self.cache.newest_mut().expect("touched above");
+                let adopted = family.adopt_prompt(&mut entry.active, taker);
+                match &adopted {
+                    Ok(_) => self.metrics.prefix_cache_hits.increment(1),
+                    Err(_) => {
+                        let entry = self.cache.pop_newest().expect("touched above");
+                        self.evict(family, entry);
+                    }
+                }
+                adopted
+            }
         };
         match adopted {
             Ok(shared) => {
@@ -773,6 +791,38 @@ impl<P: Send + 'static> Scheduler<P> {
                 tracing::warn!(parent: span, request = %taker.id, error = %e, "prompt pages not shared");
                 Vec::new()
             }
+        }
+    }
+
+    /// The running request or prefix-cache entry whose pages hold the most rows of `taker`'s
+    /// prompt where their prompts only begin alike ([`Family::prefix_rows`]); an entry chosen
+    /// becomes the most recently used. `None` when none holds any.
+    fn longest_prefix<F: Family<Program = P>>(
+        &mut self,
+        family: &F,
+        taker: &Active<P>,
+    ) -> Option<Donor> {
+        let mut best: Option<(usize, Donor)> = None;
+        let mut consider = |rows: usize, d: Donor| {
+            if rows > best.as_ref().map_or(0, |b| b.0) {
+                best = Some((rows, d));
+            }
+        };
+        for (j, r) in self.running.iter().enumerate() {
+            if !r.active.outbox.done && !r.parked && !family.prompt_pending(&r.active) {
+                consider(family.prefix_rows(&r.active, taker), Donor::Running(j));
+            }
+        }
+        // The most recently used first, so it wins a tie.
+        for (i, c) in self.cache.iter().enumerate().rev() {
+            consider(family.prefix_rows(&c.active, taker), Donor::CachedAt(i));
+        }
+        match best?.1 {
+            Donor::CachedAt(i) => {
+                self.cache.touch_at(i);
+                Some(Donor::Cached)
+            }
+            d => Some(d),
         }
     }
 

@@ -25,6 +25,8 @@ struct Program {
     fail_at: Option<usize>,
     /// Slots it read from another request.
     shared: Vec<SlotId>,
+    /// Prompts of one group begin alike: they share their first slot (one tick of prompt).
+    group: Option<u64>,
 }
 
 /// Shares the first two slots of a donor whose prompt is done.
@@ -70,14 +72,24 @@ impl Family for Sharing {
         a.program.ticks < a.program.prompt
     }
 
+    fn prefix_rows(&self, donor: &Active<Program>, taker: &Active<Program>) -> usize {
+        let (d, t) = (&donor.program, &taker.program);
+        let alike = d.group.is_some() && d.group == t.group && d.key != t.key;
+        usize::from(alike && d.ticks >= d.prompt && t.ticks == 0)
+    }
+
     fn adopt_prompt(
         &mut self,
         donor: &mut Active<Program>,
         taker: &mut Active<Program>,
     ) -> Result<Vec<SlotId>, FamilyError> {
-        let shared: Vec<SlotId> = donor.slots[..2].to_vec();
+        let (n, ticks) = match self.prefix_rows(donor, taker) {
+            0 => (2, taker.program.prompt),
+            rows => (rows, rows),
+        };
+        let shared: Vec<SlotId> = donor.slots[..n].to_vec();
         taker.program.shared = shared.clone();
-        taker.program.ticks = taker.program.prompt;
+        taker.program.ticks = ticks;
         Ok(shared)
     }
 }
@@ -105,6 +117,7 @@ fn program(key: Option<u64>, fail_at: Option<usize>) -> Program {
         ticks: 0,
         fail_at,
         shared: Vec::new(),
+        group: None,
     }
 }
 
@@ -311,4 +324,46 @@ fn a_request_that_needs_the_whole_pool_is_admitted_once_the_prefix_cache_lets_go
     assert_eq!((s.cached_prompts(), s.pool().free()), (0, 0));
     run_until_ended(&mut s, &mut f, &[&rx]);
     assert_eq!(s.preemptions(), 0);
+}
+
+#[test]
+fn a_request_whose_prompt_only_begins_alike_reads_the_longest_common_prefix() {
+    let mut s: Scheduler<Program> = Scheduler::new(16, 8, 8);
+    let mut f = Sharing;
+    let grouped = |key, group| Program {
+        group: Some(group),
+        ..program(Some(key), None)
+    };
+    // A running donor: the taker reads its first slot and skips one tick of its prompt.
+    let (a, rx_a) = waiting(1, grouped(7, 1));
+    assert!(s.enqueue(a).is_ok());
+    for _ in 0..3 {
+        s.tick(&mut f, Instant::now());
+    }
+    let (b, rx_b) = waiting(2, grouped(8, 1));
+    assert!(s.enqueue(b).is_ok());
+    s.tick(&mut f, Instant::now());
+    assert_eq!(
+        (s.running(), s.pool().used(), s.pool().shared()),
+        (2, 4 + 3, 1)
+    );
+    run_until_ended(&mut s, &mut f, &[&rx_a, &rx_b]);
+    // Both are kept (their whole prompts differ); a third of the group reads the most recently
+    // used of them, another group nothing.
+    assert_eq!(s.cached_prompts(), 2);
+    let (c, rx_c) = waiting(3, grouped(9, 1));
+    let (d, rx_d) = waiting(4, grouped(10, 2));
+    assert!(s.enqueue(c).is_ok());
+    assert!(s.enqueue(d).is_ok());
+    s.tick(&mut f, Instant::now());
+    assert_eq!(s.running(), 2);
+    assert_eq!(s.pool().shared(), 1);
+    // The taker ends after five ticks of six, the other after six.
+    for _ in 0..4 {
+        s.tick(&mut f, Instant::now());
+    }
+    assert!(ended(&rx_c));
+    assert!(!ended(&rx_d));
+    run_until_ended(&mut s, &mut f, &[&rx_d]);
+    assert_eq!(s.available(), 16);
 }

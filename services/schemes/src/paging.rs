@@ -68,6 +68,14 @@ pub trait Stepper: Send + 'static {
         0
     }
 
+    /// [`Family::prefix_rows`]: buffer indices of `donor`'s cache that `taker`, whose prompt
+    /// only begins like `donor`'s (another key), may read; the same bounds as
+    /// [`Stepper::shareable`], which then gives the same answer. 0 (the default): whole
+    /// prompts only.
+    fn prefix_rows(&self, _donor: &Self::Program, _taker: &Self::Program, _page: usize) -> usize {
+        0
+    }
+
     /// `taker`'s cache now holds its first `rows` prompt indices: it goes on from there.
     fn skip_prompt(&self, _taker: &mut Self::Program, _rows: usize) -> Result<(), SchemeError> {
         Ok(())
@@ -201,6 +209,12 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
 
     fn prompt_pending(&self, a: &Active<S::Program>) -> bool {
         self.stepper.prompt_pending(&a.program)
+    }
+
+    /// (Donors run or are kept by the prefix cache: their caches are never swapped out.)
+    fn prefix_rows(&self, donor: &Active<S::Program>, taker: &Active<S::Program>) -> usize {
+        self.stepper
+            .prefix_rows(&donor.program, &taker.program, self.pool.page_size())
     }
 
     /// The donor's whole prompt pages, in every table, become the taker's first pages; the

@@ -86,6 +86,66 @@ fn refusion_requests_read_a_finished_requests_prompt_pages() -> Result<()> {
     Ok(())
 }
 
+/// Prompts that only begin alike: an `ar` request reads the whole pages of its prompt's longest
+/// common prefix with a kept one's (40 common tokens of 48: two pages), and decodes what it
+/// decodes alone; a plan-and-infill request reads only a whole prompt's (here the `ar` request's
+/// with its prompt, kept just before); a prompt that differs from its first token reads nothing.
+#[test]
+fn refusion_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
+    use crate::slot_diffusion::test_support::{fixture_files, prompt};
+    let common = prompt(40, 3);
+    let with = |salt| {
+        let mut p = common.clone();
+        p.extend(prompt(8, salt));
+        p
+    };
+    let ar = || SchemeParams::Ar(ArParams::default());
+    let pi = || SchemeParams::PlanInfill(crate::request::PlanInfillParams::default());
+    let specs = vec![
+        GenerateSpec::greedy(with(5), 8, 0, ar()),
+        GenerateSpec::greedy(with(6), 8, 0, ar()),
+        GenerateSpec::greedy(with(6), 16, 0, pi()),
+        GenerateSpec::greedy(with(7), 16, 0, pi()),
+        GenerateSpec::greedy(prompt(48, 4), 8, 0, ar()),
+    ];
+    let shared = after_one_another(fixture_files, "refusion", &specs)?;
+    assert_eq!(shared, [0, 32, 32, 0, 0]);
+    Ok(())
+}
+
+/// Huginn's static `ar` reads the common prefix of a kept prompt too, where the rows' other
+/// inputs agree: zero initial states whatever the seed, or drawn ones of the same seed (its
+/// draws for the shared positions are drawn and dropped); not with other recurrences or
+/// another seed's draws.
+#[test]
+fn huginn_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
+    use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
+    let common = prompt(40, 1);
+    let with = |salt| {
+        let mut p = common.clone();
+        p.extend(prompt(8, salt));
+        p
+    };
+    let zero = |steps| {
+        let mut s = ar_static(steps, "full");
+        if let SchemeParams::Ar(a) = &mut s {
+            a.init_scale = Some(0.0);
+        }
+        s
+    };
+    let specs = vec![
+        GenerateSpec::greedy(with(2), 6, 0, zero(4)),
+        GenerateSpec::greedy(with(3), 6, 1, zero(4)),
+        GenerateSpec::greedy(with(4), 6, 0, zero(3)),
+        GenerateSpec::greedy(with(5), 6, 7, ar_static(4, "full")),
+        GenerateSpec::greedy(with(6), 6, 7, ar_static(4, "full")),
+        GenerateSpec::greedy(with(7), 6, 8, ar_static(4, "full")),
+    ];
+    let shared = after_one_another(fixture_files, "huginn", &specs)?;
+    assert_eq!(shared, [0, 32, 0, 0, 32, 0]);
+    Ok(())
+}
+
 /// The prefix cache for the families whose prompt state is not ReFusion's pages: Huginn's
 /// per-recurrence pages (zero initial states), LLaDA2.0's whole blocks, DiffusionGemma's encoded
 /// prompt, and ARMT's memories (copied, no pages read: its shared rows are the memory segments'

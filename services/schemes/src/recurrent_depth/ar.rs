@@ -73,6 +73,11 @@ pub struct ArProgram {
     /// this request's own.
     #[serde(default)]
     pub(crate) key: Option<u64>,
+    /// The key of what the prefill's rows depend on besides the ids (recurrences, cache layout,
+    /// initial states), `None` when they are this request's own: prompts that only begin
+    /// alike share their common prefix's pages when it is the same.
+    #[serde(default)]
+    pub(crate) settings: Option<u64>,
 }
 
 /// What one request runs this tick, as plain data ([`ArProgram::plan`]): positions, token ids,
@@ -129,10 +134,23 @@ impl ArProgram {
     /// the same prompt's whole pages of `page` positions before its last one.
     pub(crate) fn shareable(&self, donor: &ArProgram, page: usize) -> usize {
         let fresh = self.cache.is_empty() && self.pending == self.prompt && self.generated == 0;
-        if !fresh || self.key.is_none() || donor.prompt != self.prompt || donor.prompt_pending() {
+        if !fresh
+            || self.key.is_none()
+            || self.settings.is_none()
+            || donor.settings != self.settings
+            || donor.prompt_pending()
+            || donor.cache.is_swapped()
+        {
             return 0;
         }
-        (self.prompt.len() - 1) / page * page
+        // A position's rows depend on the ids up to it: the prompts' longest common prefix.
+        let common = self
+            .prompt
+            .iter()
+            .zip(&donor.prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        common.min(self.prompt.len() - 1) / page * page
     }
 
     /// The cache holds the prompt's first `rows` positions (another request's pages): they are

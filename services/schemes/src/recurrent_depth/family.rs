@@ -276,6 +276,15 @@ impl Family for HuginnFamily {
         matches!(&a.program, Program::Ar(p) if p.prompt_pending())
     }
 
+    /// Static `ar` prompts that only begin alike, with the same recurrences, cache layout and
+    /// initial states: the whole pages of their common prefix.
+    fn prefix_rows(&self, donor: &Active<Program>, taker: &Active<Program>) -> usize {
+        match (&donor.program, &taker.program) {
+            (Program::Ar(d), Program::Ar(t)) => t.shareable(d, self.pool.page_size()),
+            _ => 0,
+        }
+    }
+
     /// Every cache layer's whole prompt pages before the prompt's last position.
     fn adopt_prompt(
         &mut self,

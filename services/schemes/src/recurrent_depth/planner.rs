@@ -200,20 +200,19 @@ impl HuginnPlanner {
             DrawSource::Replay { .. } => None,
         };
         let per_recurrence = !matches!(strategy, CacheStrategy::Compress { .. });
-        let key = init
+        // What the rows depend on besides the ids: prompts that only begin alike share their
+        // common prefix's pages when it is the same.
+        let settings = init
             .filter(|_| a.exit_threshold.is_none() && spec.sampling.prompt_logprobs.is_none())
             .filter(|_| per_recurrence)
             .map(|init| {
-                crate::packing::key_of(&(
-                    "huginn-ar",
-                    &spec.prompt_ids,
-                    num_steps,
-                    strategy.to_string(),
-                    init,
-                ))
+                crate::packing::key_of(&("huginn-ar-rows", num_steps, strategy.to_string(), init))
             });
+        let key = settings
+            .map(|settings| crate::packing::key_of(&("huginn-ar", &spec.prompt_ids, settings)));
         let program = ArProgram {
             key,
+            settings,
             prompt: spec.prompt_ids.clone(),
             cache: self.cache(strategy),
             pending: spec.prompt_ids,

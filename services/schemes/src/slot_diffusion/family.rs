@@ -208,21 +208,40 @@ impl Stepper for SlotDiffusion {
         }
     }
 
-    /// The prompt's whole pages before its last row, when the taker has run nothing and the
-    /// donor's prompt rows are computed.
+    /// The whole pages of the prompts' longest common prefix before the taker's last row (the
+    /// whole prompt's pages when they are the same), when the taker has run nothing and the
+    /// donor's prompt rows are computed. A plan-and-infill taker reads only a whole prompt's:
+    /// its first planning call runs the rows after the prompt's whole pages.
     fn shareable(&self, donor: &SdProgram, taker: &SdProgram, page: usize) -> usize {
-        let (prompt, at_start) = match &taker.scheme {
-            Scheme::Ar(a) => (a.prompt(), a.at_start()),
-            Scheme::PlanInfill(pi) => (pi.prompt(), pi.at_start()),
+        let (prompt, at_start, whole_only) = match &taker.scheme {
+            Scheme::Ar(a) => (a.prompt(), a.at_start(), false),
+            Scheme::PlanInfill(pi) => (pi.prompt(), pi.at_start(), true),
         };
         let donor_prompt = match &donor.scheme {
             Scheme::Ar(a) => a.prompt(),
             Scheme::PlanInfill(pi) => pi.prompt(),
         };
-        if !at_start || donor_prompt != prompt || self.prompt_pending(donor) || prompt.is_empty() {
+        if !at_start || self.prompt_pending(donor) || prompt.is_empty() {
             return 0;
         }
-        (prompt.len() - 1) / page * page
+        if donor_prompt == prompt {
+            return (prompt.len() - 1) / page * page;
+        }
+        if whole_only {
+            return 0;
+        }
+        let common = prompt
+            .iter()
+            .zip(donor_prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        common.min(prompt.len() - 1) / page * page
+    }
+
+    /// ReFusion's prompt rows depend on the ids before them alone, so an `ar` request reads the
+    /// common prefix of another prompt's.
+    fn prefix_rows(&self, donor: &SdProgram, taker: &SdProgram, page: usize) -> usize {
+        self.shareable(donor, taker, page)
     }
 
     fn skip_prompt(&self, taker: &mut SdProgram, rows: usize) -> Result<(), SchemeError> {
