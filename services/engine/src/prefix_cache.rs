@@ -1,12 +1,12 @@
 //! The prefix cache: finished requests kept for the prompt state they leave in their slots.
 //!
 //! Prompt sharing ([`crate::Family::adopt_prompt`]) lets a request read the prompt pages of a
-//! running request with its share key. A request that has finished would otherwise give those
-//! pages back at once, so a later request with the same prompt (the next turn of a chat with the
-//! same system prompt, a choice whose call arrived after its siblings ended, a benchmark's
-//! repeated prompt) computes them again. The scheduler instead keeps a finished request whose
-//! prompt state can be shared here, holding its slots, and later requests with its key adopt
-//! from it as from a running donor. Entries are evicted least recently used first: when the
+//! running request with its share key, or with a common prefix ([`crate::Family::prefix_rows`]).
+//! A request that has finished would otherwise give those pages back at once, so a later
+//! request with the same prompt (a choice whose call arrived after its siblings ended, a retry,
+//! a benchmark's repeated prompt) or one that begins alike (a chat's next turn) computes them
+//! again. The scheduler instead keeps a finished request whose prompt state can be shared here,
+//! holding its slots, and later requests adopt from it as from a running donor. Entries are evicted least recently used first: when the
 //! pool has fewer free slots than an admission, a resumption or a running request's growth
 //! needs (before any running request is preempted), and when the cache holds more entries
 //! than its capacity. An entry's holds are the pool's kept holds ([`crate::SlotPool::keep`]), so
