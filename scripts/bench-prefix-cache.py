@@ -15,32 +15,9 @@ usage: bench-prefix-cache.py [--model models/refusion-tiny] [--prompt 1024] [--r
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
-import time
-import urllib.request
 
-
-def start(binary, model, entries):
-    p = subprocess.Popen(
-        [binary, "serve", "--model", model, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-         "--prefix-cache-entries", str(entries), "--log-filter", "warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in p.stdout:
-        m = re.match(r"wavefront router http listening on (\S+)", line)
-        if m:
-            return p, m.group(1)
-    raise RuntimeError("serve did not report its HTTP address")
-
-
-def ask(addr, body):
-    req = urllib.request.Request(f"http://{addr}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.load(r)
-    return time.perf_counter() - t, out
+from serve_http import ask, start
 
 
 def main():
@@ -55,7 +32,7 @@ def main():
     a.add_argument("--params", default="{}", help="the scheme object's fields, as JSON")
     a.add_argument("--tail", type=int, default=0, help="prompt tokens of each request's own")
     args = a.parse_args()
-    servers = {e: start(args.wavefront, args.model, e) for e in (64, 0)}
+    servers = {e: start(args.wavefront, args.model, ["--prefix-cache-entries", str(e)]) for e in (64, 0)}
     times = {e: [] for e in servers}
     shared = {e: [] for e in servers}
     tokens = {e: [] for e in servers}

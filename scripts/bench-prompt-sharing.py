@@ -1,7 +1,9 @@
 """Prompt sharing, measured end to end: `wavefront serve` on one model, started twice (with
-`--prompt-sharing true` and `false`), alternating rounds; each round sends one completions
-request with `n` choices of a long token-id prompt and reads its wall time and the choices'
-statistics (rows each computed, rows it read from another choice's pages).
+`--prompt-sharing true` and `false`, the prefix cache off on both, so a round's choices share
+with each other only; `bench-prefix-cache.py` measures the cache), alternating rounds; each
+round sends one completions request with `n` choices of a long token-id prompt and reads its
+wall time and the choices' statistics (rows each computed, rows it read from another choice's
+pages).
 
 usage: bench-prompt-sharing.py [--model models/refusion-tiny] [--prompt 1024] [--n 8]
                                [--max-tokens 16] [--rounds 4] [--scheme ar] [--params JSON]
@@ -9,32 +11,9 @@ usage: bench-prompt-sharing.py [--model models/refusion-tiny] [--prompt 1024] [-
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
-import time
-import urllib.request
 
-
-def start(binary, model, sharing):
-    p = subprocess.Popen(
-        [binary, "serve", "--model", model, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-         "--prompt-sharing", sharing, "--log-filter", "warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in p.stdout:
-        m = re.match(r"wavefront router http listening on (\S+)", line)
-        if m:
-            return p, m.group(1)
-    raise RuntimeError("serve did not report its HTTP address")
-
-
-def ask(addr, body):
-    req = urllib.request.Request(f"http://{addr}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.load(r)
-    return time.perf_counter() - t, out
+from serve_http import ask, start
 
 
 def main():
@@ -48,7 +27,7 @@ def main():
     a.add_argument("--scheme", default="ar")
     a.add_argument("--params", default="{}", help="the scheme object's fields, as JSON")
     args = a.parse_args()
-    servers = {s: start(args.wavefront, args.model, s) for s in ("true", "false")}
+    servers = {s: start(args.wavefront, args.model, ["--prompt-sharing", s, "--prefix-cache-entries", "0"]) for s in ("true", "false")}
     prompt = [(i * 37 + 11) % 400 + 20 for i in range(args.prompt)]
     body = {"model": args.model.rstrip("/").split("/")[-1], "prompt": prompt,
             "max_tokens": args.max_tokens, "temperature": 0.8, "seed": 1, "n": args.n,

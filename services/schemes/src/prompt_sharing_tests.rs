@@ -94,11 +94,7 @@ fn refusion_requests_read_a_finished_requests_prompt_pages() -> Result<()> {
 fn refusion_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
     use crate::slot_diffusion::test_support::{fixture_files, prompt};
     let common = prompt(40, 3);
-    let with = |salt| {
-        let mut p = common.clone();
-        p.extend(prompt(8, salt));
-        p
-    };
+    let with = |salt| begins_with(&common, prompt(8, salt));
     let ar = || SchemeParams::Ar(ArParams::default());
     let pi = || SchemeParams::PlanInfill(crate::request::PlanInfillParams::default());
     let specs = vec![
@@ -121,18 +117,8 @@ fn refusion_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
 fn huginn_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
     use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
     let common = prompt(40, 1);
-    let with = |salt| {
-        let mut p = common.clone();
-        p.extend(prompt(8, salt));
-        p
-    };
-    let zero = |steps| {
-        let mut s = ar_static(steps, "full");
-        if let SchemeParams::Ar(a) = &mut s {
-            a.init_scale = Some(0.0);
-        }
-        s
-    };
+    let with = |salt| begins_with(&common, prompt(8, salt));
+    let zero = |steps| huginn_zero_states(steps, "full");
     let specs = vec![
         GenerateSpec::greedy(with(2), 6, 0, zero(4)),
         GenerateSpec::greedy(with(3), 6, 1, zero(4)),
@@ -154,11 +140,8 @@ fn huginn_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
 fn every_sharing_family_reads_a_finished_requests_prompt_state() -> Result<()> {
     use crate::request::{BlockDiffusionParams, EntropyBoundParams};
     {
-        use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
-        let mut zero = ar_static(4, "full");
-        if let SchemeParams::Ar(a) = &mut zero {
-            a.init_scale = Some(0.0);
-        }
+        use crate::recurrent_depth::test_support::{fixture_files, prompt};
+        let zero = huginn_zero_states(4, "full");
         let specs: Vec<GenerateSpec> = (0..2)
             .map(|seed| GenerateSpec::greedy(prompt(40, 1), 6, seed, zero.clone()))
             .collect();
@@ -219,6 +202,23 @@ fn shared_rows(out: &Outcome) -> u64 {
         .get("shared_prompt_tokens")
         .copied()
         .unwrap_or(0)
+}
+
+/// Huginn's static `ar` with zero initial states (`init_scale` 0): its prompt rows do not
+/// depend on the seed.
+fn huginn_zero_states(steps: usize, cache: &str) -> SchemeParams {
+    let mut s = crate::recurrent_depth::test_support::ar_static(steps, cache);
+    if let SchemeParams::Ar(a) = &mut s {
+        a.init_scale = Some(0.0);
+    }
+    s
+}
+
+/// `common` followed by `tail`: a prompt that begins like the others made from `common`.
+fn begins_with(common: &[u32], tail: Vec<u32>) -> Vec<u32> {
+    let mut p = common.to_vec();
+    p.extend(tail);
+    p
 }
 
 /// Serves every request alone, then all of them submitted at once: each decodes the same tokens
@@ -412,13 +412,7 @@ fn armt_choices_take_the_first_ones_memories() -> Result<()> {
 fn huginn_static_requests_share_prompt_pages_when_their_initial_states_agree() -> Result<()> {
     use crate::recurrent_depth::test_support::{ar_adaptive, ar_static, fixture_files, prompt};
     let p = prompt(40, 1);
-    let zero = |steps| {
-        let mut s = ar_static(steps, "full");
-        if let SchemeParams::Ar(a) = &mut s {
-            a.init_scale = Some(0.0);
-        }
-        s
-    };
+    let zero = |steps| huginn_zero_states(steps, "full");
     let sampled = |mut s: GenerateSpec| {
         s.sampling.temperature = 0.8;
         s
@@ -444,11 +438,8 @@ fn huginn_static_requests_share_prompt_pages_when_their_initial_states_agree() -
 /// read each recurrence's: such requests compute their prompts each.
 #[test]
 fn huginn_caches_shared_across_recurrences_do_not_share_prompts() -> Result<()> {
-    use crate::recurrent_depth::test_support::{ar_static, fixture_files, prompt};
-    let mut zero = ar_static(4, "compress-s4");
-    if let SchemeParams::Ar(a) = &mut zero {
-        a.init_scale = Some(0.0);
-    }
+    use crate::recurrent_depth::test_support::{fixture_files, prompt};
+    let zero = huginn_zero_states(4, "compress-s4");
     let specs: Vec<GenerateSpec> = (0..2)
         .map(|seed| GenerateSpec::greedy(prompt(40, 1), 6, seed, zero.clone()))
         .collect();
