@@ -109,6 +109,40 @@ fn refusion_prompts_that_begin_alike_share_their_common_pages() -> Result<()> {
     Ok(())
 }
 
+/// DiffusionGemma's causal encoder: a request reads the encoded rows of its prompt's longest
+/// common prefix with a kept one's (40 common tokens of 48: two pages), whatever the seeds (their
+/// canvases' noise), and decodes what it decodes alone.
+#[test]
+fn diffusion_gemma_prompts_that_begin_alike_share_their_encoded_prefix() -> Result<()> {
+    use crate::request::EntropyBoundParams;
+    let eb = SchemeParams::EntropyBound(EntropyBoundParams {
+        max_denoising_steps: Some(6),
+        stability_threshold: Some(1),
+        confidence_threshold: Some(0.6),
+        ..EntropyBoundParams::default()
+    });
+    let ids = |n: u32, salt: u32| -> Vec<u32> {
+        (0..n)
+            .map(|i| 21 + (i * 37 + 202 + salt * 53) % 419)
+            .collect()
+    };
+    let common = ids(40, 0);
+    let specs = vec![
+        GenerateSpec::greedy(begins_with(&common, ids(8, 1)), 16, 0, eb.clone()),
+        GenerateSpec::greedy(begins_with(&common, ids(8, 2)), 16, 1, eb.clone()),
+        GenerateSpec::greedy(ids(48, 3), 16, 0, eb),
+    ];
+    let files = || {
+        let dir = wavefront_models::device::test_fixture("diffusion_gemma");
+        Ok(ModelFiles::from_dir(dir)?)
+    };
+    assert_eq!(
+        after_one_another(files, "diffusion_gemma", &specs)?,
+        [0, 32, 0]
+    );
+    Ok(())
+}
+
 /// Huginn's static `ar` reads the common prefix of a kept prompt too, where the rows' other
 /// inputs agree: zero initial states whatever the seed, or drawn ones of the same seed (its
 /// draws for the shared positions are drawn and dropped); not with other recurrences or

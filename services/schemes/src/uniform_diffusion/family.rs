@@ -155,6 +155,12 @@ impl Stepper for UniformDiffusion {
         taker.shareable(donor, page)
     }
 
+    /// The encoded prompt's rows depend on the ids before them alone: a request reads the
+    /// common prefix of another prompt's.
+    fn prefix_rows(&self, donor: &UdProgram, taker: &UdProgram, page: usize) -> usize {
+        taker.shareable(donor, page)
+    }
+
     fn skip_prompt(&self, taker: &mut UdProgram, rows: usize) -> Result<(), SchemeError> {
         taker.skip_prompt(rows)
     }

@@ -307,18 +307,19 @@ impl UdProgram {
     }
 
     /// Rows of `donor`'s cache this request, which has encoded nothing, may read as its own: the
-    /// same prompt's whole pages of `page` rows before its last row.
+    /// whole pages of `page` rows of the prompts' longest common prefix before its last row (the
+    /// causal encoder's row of a position depends on the ids up to it alone).
     pub(crate) fn shareable(&self, donor: &UdProgram, page: usize) -> usize {
         let p = self.prompt_len;
-        if self.encoded > 0
-            || !self.cache.is_empty()
-            || donor.prompt_pending()
-            || donor.tokens.get(..p) != Some(&self.tokens[..p])
-            || donor.prompt_len != p
-        {
+        if self.encoded > 0 || !self.cache.is_empty() || donor.prompt_pending() {
             return 0;
         }
-        (p - 1) / page * page
+        let common = self.tokens[..p]
+            .iter()
+            .zip(&donor.tokens[..donor.prompt_len])
+            .take_while(|(a, b)| a == b)
+            .count();
+        common.min(p - 1) / page * page
     }
 
     /// The cache holds the prompt's first `rows` encoded rows (another request's pages).
