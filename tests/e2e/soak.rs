@@ -10,7 +10,8 @@
 //! reason, or a documented status code), the invalid ones were refused as invalid, every
 //! worker's slots and queue are back to empty (load reports and Prometheus gauges), and that
 //! resident memory grew less than 10% between the first and last tenth of the requests (at most
-//! a thousand each). It prints p50/p99 latency and throughput as one JSON line
+//! a thousand each), and that the prefix cache still hands a repeated long prompt's pages on
+//! (it counts the cache's hits). It prints p50/p99 latency and throughput as one JSON line
 //! (`WAVEFRONT_SOAK_REPORT=FILE` writes it there too). `scripts/soak.sh` runs the full 10,000.
 
 use std::collections::BTreeMap;
@@ -712,6 +713,32 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
     }
     let exited = router.child.try_wait().expect("wait");
     assert!(exited.is_none(), "the router exited: {exited:?}");
+    // After the messy clients the cache still works: the long prompt twice on ReFusion, the
+    // second reading the pages the first (or an earlier request) left.
+    {
+        let mut client = GenerationClient::new(channel(router.addr).await);
+        let long = pb::GenerateRequest {
+            model: "refusion".into(),
+            prompt: text(PROMPTS[PROMPTS.len() - 1]),
+            max_new_tokens: 4,
+            scheme: Some(pb::generate_request::Scheme::Ar(pb::ArScheme::default())),
+            ..Default::default()
+        };
+        let mut shared = 0;
+        for _ in 0..2 {
+            let r = client
+                .generate(long.clone())
+                .await
+                .expect("the long prompt after the soak")
+                .into_inner();
+            shared = r
+                .stats
+                .and_then(|s| s.counters.get("shared_prompt_tokens").copied())
+                .unwrap_or(0);
+        }
+        assert!(shared > 0, "the repeated long prompt read no kept pages");
+    }
+
     // Nothing held: load reports and gauges back to empty on every worker (none preempted).
     let mut preemptions = Vec::with_capacity(workers.len());
     for w in &workers {
