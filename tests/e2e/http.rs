@@ -992,6 +992,53 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
 }
 
+/// OpenAI's `usage.prompt_tokens_details.cached_tokens`: a prompt's second request reads the
+/// pages the first left in the prefix cache (40 tokens: two whole pages before the last one),
+/// unary and streamed; a prompt that only begins like it reads their common pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reports_the_tokens_it_read_from_the_prefix_cache() {
+    let s = http_stack("refusion", "refusion").await;
+    let http = s.http;
+    let ask = |body: Value| async move {
+        let b = body.to_string();
+        let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{text}");
+        text
+    };
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 480).collect();
+    let body = json!({
+        "model": "refusion", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ar": {},
+    });
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    let first: Value = serde_json::from_str(&ask(body.clone()).await).unwrap();
+    assert_eq!(cached(&first), 0, "{first}");
+    let second: Value = serde_json::from_str(&ask(body.clone()).await).unwrap();
+    assert_eq!(cached(&second), 32, "{second}");
+    assert_eq!(
+        second["wavefront"]["token_ids"],
+        first["wavefront"]["token_ids"]
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = ask(streamed).await;
+    let (data, _) = sse(&events);
+    let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(cached(&usage), 32, "{events}");
+    // The same 40 tokens and 8 of its own: the common prefix's two pages.
+    let mut longer = body.clone();
+    longer["prompt"] = json!(prompt
+        .iter()
+        .copied()
+        .chain((0..8).map(|i| 400 + i))
+        .collect::<Vec<u32>>());
+    let third: Value = serde_json::from_str(&ask(longer).await).unwrap();
+    assert_eq!(cached(&third), 32, "{third}");
+    wait_whole(s.worker.addr, Duration::from_secs(10)).await;
+}
+
 /// `n` choices go to one worker, which shares their prompt's pages: with two workers serving
 /// the model, two of the three choices of an `ar` request on ReFusion read the third's prompt
 /// pages (their statistics count the shared rows), and each is still the request alone with
@@ -1019,10 +1066,10 @@ async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
         serde_json::from_str::<Value>(&text).unwrap()
     };
     // 40 prompt tokens: two whole pages before the last one. The choices reach the worker as
-    // three calls, and a choice shares only with one still running, so each must run long
-    // enough to overlap the others' arrival on a loaded machine: seeds 15-17 draw 22, 32 and
-    // 25 tokens before the end-of-sequence token (seeds 3-5, with 6 tokens, drew 4, 4 and 6,
-    // and under a CPU hog the third choice arrived after the first two had finished).
+    // three calls; a choice that arrives after the others have finished reads the pages the
+    // prefix cache kept (before the cache it computed them again: seeds 3-5, with 6 tokens,
+    // drew 4, 4 and 6, and under a CPU hog the third choice arrived after the first two had
+    // finished; seeds 15-17 draw 22, 32 and 25 tokens).
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 480).collect();
     let body = json!({
         "model": "refusion", "prompt": prompt, "max_tokens": 32, "temperature": 0.9,

@@ -644,8 +644,23 @@ fn finish_reason(r: i32) -> &'static str {
 }
 
 /// OpenAI's usage object: the prompt's tokens (counted once) and the completions'.
-fn usage(prompt: u32, completion: u32) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object. `cached` is `prompt_tokens_details.cached_tokens`: prompt tokens whose
+/// rows were read from another request's pages (a running one's, or one the prefix cache kept)
+/// instead of computed; for several choices, the fewest any choice read (the prompt counts once).
+fn usage(prompt: u32, completion: u32, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// The prompt rows a request read instead of computing them (its `shared_prompt_tokens`).
+fn cached_tokens(stats: Option<&pb::GenerationStats>) -> u32 {
+    stats
+        .and_then(|s| s.counters.get("shared_prompt_tokens"))
+        .map_or(0, |&n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 /// The two response shapes.
@@ -842,6 +857,11 @@ async fn respond(
             c + s.map_or(0, |s| s.generated_tokens),
         )
     });
+    let cached = dones
+        .iter()
+        .map(|d| cached_tokens(d.stats.as_ref()))
+        .min()
+        .unwrap_or(0);
     let first = &dones[0];
     Ok(Json(json!({
         "id": id,
@@ -849,7 +869,7 @@ async fn respond(
         "created": created,
         "model": first.model,
         "choices": choices,
-        "usage": usage(prompt, completion),
+        "usage": usage(prompt, completion, cached),
         "wavefront": wavefront_extension(first),
     }))
     .into_response())
@@ -997,6 +1017,7 @@ fn sse_events(
     let mut first = vec![true; n];
     let mut finished = 0;
     let (mut prompt_tokens, mut completion_tokens) = (0u32, 0u32);
+    let mut cached = u32::MAX;
     let mut ended = false;
     futures::stream::select_all(
         streams
@@ -1071,6 +1092,7 @@ fn sse_events(
                     prompt_tokens = s.prompt_tokens;
                     completion_tokens += s.generated_tokens;
                 }
+                cached = cached.min(cached_tokens(d.stats.as_ref()));
                 let mut out = vec![data(&chunk(
                     &d.model,
                     delta(
@@ -1084,7 +1106,7 @@ fn sse_events(
                 ))];
                 if finished == n {
                     if include_usage {
-                        let total = usage(prompt_tokens, completion_tokens);
+                        let total = usage(prompt_tokens, completion_tokens, cached);
                         let mut u = chunk(&d.model, Value::Null, Some(total));
                         u["choices"] = json!([]);
                         out.push(data(&u));
