@@ -120,6 +120,17 @@ async fn http_stack(fixture: &str, name: &str) -> HttpStack {
     }
 }
 
+/// POSTs `body` to /v1/completions off the runtime's threads; the answer's text, which must come
+/// with 200.
+async fn completion_ok(http: SocketAddr, body: Value) -> String {
+    let b = body.to_string();
+    let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    text
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_match_the_grpc_api_unary_and_streamed() {
     let s = http_stack("huginn", "huginn-tiny").await;
@@ -998,15 +1009,7 @@ async fn api_keys_and_the_worker_token_are_required_and_health_stays_open() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_reports_the_tokens_it_read_from_the_prefix_cache() {
     let s = http_stack("refusion", "refusion").await;
-    let http = s.http;
-    let ask = |body: Value| async move {
-        let b = body.to_string();
-        let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
-            .await
-            .unwrap();
-        assert_eq!(status, 200, "{text}");
-        text
-    };
+    let ask = |body: Value| completion_ok(s.http, body);
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 480).collect();
     let body = json!({
         "model": "refusion", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ar": {},
@@ -1058,12 +1061,7 @@ async fn the_choices_of_a_request_share_their_prompt_pages_on_one_worker() {
     );
     wait_serving(router.addr, "wavefront.v1.Generation").await;
     let ask = |body: Value| async move {
-        let b = body.to_string();
-        let (status, text) = tokio::task::spawn_blocking(move || post(http, "/v1/completions", &b))
-            .await
-            .unwrap();
-        assert_eq!(status, 200, "{text}");
-        serde_json::from_str::<Value>(&text).unwrap()
+        serde_json::from_str::<Value>(&completion_ok(http, body).await).unwrap()
     };
     // 40 prompt tokens: two whole pages before the last one. The choices reach the worker as
     // three calls; a choice that arrives after the others have finished reads the pages the
