@@ -241,8 +241,6 @@ enum Donor {
     Running(usize),
     /// The prefix cache's most recently used entry.
     Cached,
-    /// The prefix cache's entry at this index (before it is touched).
-    CachedAt(usize),
 }
 
 /// Why a request leaves before its end.
@@ -766,7 +764,7 @@ impl<P: Send + 'static> Scheduler<P> {
         };
         let adopted = match from {
             Donor::Running(j) => family.adopt_prompt(&mut self.running[j].active, taker),
-            Donor::Cached | Donor::CachedAt(_) => {
+            Donor::Cached => {
                 let entry = self.cache.newest_mut().expect("touched above");
                 let adopted = family.adopt_prompt(&mut entry.active, taker);
                 match &adopted {
@@ -802,27 +800,28 @@ impl<P: Send + 'static> Scheduler<P> {
         family: &F,
         taker: &Active<P>,
     ) -> Option<Donor> {
-        let mut best: Option<(usize, Donor)> = None;
-        let mut consider = |rows: usize, d: Donor| {
-            if rows > best.as_ref().map_or(0, |b| b.0) {
-                best = Some((rows, d));
+        // (rows, Ok(running index) or Err(cache index)).
+        let mut best: Option<(usize, Result<usize, usize>)> = None;
+        let mut consider = |rows: usize, at| {
+            if rows > best.map_or(0, |b| b.0) {
+                best = Some((rows, at));
             }
         };
         for (j, r) in self.running.iter().enumerate() {
             if !r.active.outbox.done && !r.parked && !family.prompt_pending(&r.active) {
-                consider(family.prefix_rows(&r.active, taker), Donor::Running(j));
+                consider(family.prefix_rows(&r.active, taker), Ok(j));
             }
         }
         // The most recently used first, so it wins a tie.
         for (i, c) in self.cache.iter().enumerate().rev() {
-            consider(family.prefix_rows(&c.active, taker), Donor::CachedAt(i));
+            consider(family.prefix_rows(&c.active, taker), Err(i));
         }
         match best?.1 {
-            Donor::CachedAt(i) => {
+            Ok(j) => Some(Donor::Running(j)),
+            Err(i) => {
                 self.cache.touch_at(i);
                 Some(Donor::Cached)
             }
-            d => Some(d),
         }
     }
 

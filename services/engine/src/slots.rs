@@ -182,11 +182,6 @@ impl SlotPool {
         }
     }
 
-    /// Holders of `slot` now (0: free).
-    pub fn holders(&self, slot: SlotId) -> u32 {
-        self.holders.get(slot.0 as usize).copied().unwrap_or(0)
-    }
-
     /// Whether `slot` is currently handed out.
     pub fn is_held(&self, slot: SlotId) -> bool {
         self.holders.get(slot.0 as usize).is_some_and(|&h| h > 0)

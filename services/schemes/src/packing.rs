@@ -47,3 +47,36 @@ pub(crate) fn key_of(value: &impl std::hash::Hash) -> u64 {
     use std::hash::{BuildHasher, BuildHasherDefault};
     BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(value)
 }
+
+/// Prompt sharing where a position's rows depend on the ids up to it: the rows of `prompt` a
+/// request may read from one with `donor`'s, the whole pages of `page` rows of their longest
+/// common prefix before `prompt`'s last index (which the request computes itself); 0 for an
+/// empty prompt.
+pub(crate) fn common_prompt_rows(prompt: &[u32], donor: &[u32], page: usize) -> usize {
+    let common = prompt.iter().zip(donor).take_while(|(a, b)| a == b).count();
+    common.min(prompt.len().saturating_sub(1)) / page.max(1) * page
+}
+
+#[cfg(test)]
+mod prompt_rows_tests {
+    use super::common_prompt_rows;
+
+    #[test]
+    fn the_common_prefix_counts_in_whole_pages_before_the_last_index() {
+        let p: Vec<u32> = (0..40).collect();
+        // The same prompt: its whole pages before index 39.
+        assert_eq!(common_prompt_rows(&p, &p, 16), 32);
+        // 35 ids in common: two pages; 31 in common: one.
+        let mut d = p.clone();
+        d[35] = 999;
+        assert_eq!(common_prompt_rows(&p, &d, 16), 32);
+        d[31] = 999;
+        assert_eq!(common_prompt_rows(&p, &d, 16), 16);
+        // A donor prompt that is a prefix of this one; one that differs from the start.
+        assert_eq!(common_prompt_rows(&p, &p[..33], 16), 32);
+        assert_eq!(common_prompt_rows(&p, &[7], 16), 0);
+        // A prompt of exactly two pages keeps its last index for itself: one page.
+        assert_eq!(common_prompt_rows(&p[..32], &p, 16), 16);
+        assert_eq!(common_prompt_rows(&[], &p, 16), 0);
+    }
+}

@@ -131,7 +131,9 @@ impl ArProgram {
     }
 
     /// Positions of `donor`'s cache this request, which has run nothing, may read as its own:
-    /// the same prompt's whole pages of `page` positions before its last one.
+    /// the whole pages of `page` positions of the prompts' longest common prefix before its
+    /// last position, when the rows' other inputs agree (`settings`) and the donor's prompt is
+    /// computed and in its slots.
     pub(crate) fn shareable(&self, donor: &ArProgram, page: usize) -> usize {
         let fresh = self.cache.is_empty() && self.pending == self.prompt && self.generated == 0;
         if !fresh
@@ -144,13 +146,7 @@ impl ArProgram {
             return 0;
         }
         // A position's rows depend on the ids up to it: the prompts' longest common prefix.
-        let common = self
-            .prompt
-            .iter()
-            .zip(&donor.prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        common.min(self.prompt.len() - 1) / page * page
+        crate::packing::common_prompt_rows(&self.prompt, &donor.prompt, page)
     }
 
     /// The cache holds the prompt's first `rows` positions (another request's pages): they are

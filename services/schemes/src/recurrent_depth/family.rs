@@ -293,7 +293,7 @@ impl Family for HuginnFamily {
     ) -> Result<Vec<SlotId>, FamilyError> {
         let page = self.pool.page_size();
         let rows = match (&donor.program, &taker.program) {
-            (Program::Ar(d), Program::Ar(t)) if !d.cache.is_swapped() => t.shareable(d, page),
+            (Program::Ar(d), Program::Ar(t)) => t.shareable(d, page),
             _ => 0,
         };
         if rows == 0 {

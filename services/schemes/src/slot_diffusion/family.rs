@@ -224,18 +224,10 @@ impl Stepper for SlotDiffusion {
         if !at_start || self.prompt_pending(donor) || prompt.is_empty() {
             return 0;
         }
-        if donor_prompt == prompt {
-            return (prompt.len() - 1) / page * page;
-        }
-        if whole_only {
+        if whole_only && donor_prompt != prompt {
             return 0;
         }
-        let common = prompt
-            .iter()
-            .zip(donor_prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        common.min(prompt.len() - 1) / page * page
+        crate::packing::common_prompt_rows(prompt, donor_prompt, page)
     }
 
     /// ReFusion's prompt rows depend on the ids before them alone, so an `ar` request reads the

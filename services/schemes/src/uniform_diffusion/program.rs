@@ -314,12 +314,11 @@ impl UdProgram {
         if self.encoded > 0 || !self.cache.is_empty() || donor.prompt_pending() {
             return 0;
         }
-        let common = self.tokens[..p]
-            .iter()
-            .zip(&donor.tokens[..donor.prompt_len])
-            .take_while(|(a, b)| a == b)
-            .count();
-        common.min(p - 1) / page * page
+        crate::packing::common_prompt_rows(
+            &self.tokens[..p],
+            &donor.tokens[..donor.prompt_len],
+            page,
+        )
     }
 
     /// The cache holds the prompt's first `rows` encoded rows (another request's pages).
