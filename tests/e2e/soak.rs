@@ -776,17 +776,21 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         }
     }
 
-    // The long prompt's repeats read what finished requests left in the prefix cache.
-    let cache_hits: f64 = workers
-        .iter()
-        .filter_map(|w| {
-            sample(
-                &scrape(w.metrics_port),
-                "wavefront_engine_prefix_cache_hits_total{",
-            )
-        })
-        .sum();
+    // The long prompt's repeats read what finished requests left in the prefix cache; a hit
+    // reads at least one prompt row (an adoption that shares nothing is not counted).
+    let summed = |name: &str| -> f64 {
+        workers
+            .iter()
+            .filter_map(|w| sample(&scrape(w.metrics_port), name))
+            .sum()
+    };
+    let cache_hits = summed("wavefront_engine_prefix_cache_hits_total{");
+    let hit_tokens = summed("wavefront_engine_prefix_cache_hit_tokens_total{");
     assert!(cache_hits > 0.0, "no request read the prefix cache");
+    assert!(
+        hit_tokens >= cache_hits,
+        "{cache_hits} prefix-cache hits read only {hit_tokens} prompt tokens"
+    );
 
     let outcomes = outcomes.lock().unwrap().clone();
     let malformed: Vec<&Outcome> = outcomes.iter().filter(|o| o.malformed.is_some()).collect();
@@ -824,6 +828,7 @@ async fn soak_every_family_and_scheme_with_messy_clients_leaks_nothing() {
         "latency_ms_ok": {"p50": percentile(&ok, 0.5), "p99": percentile(&ok, 0.99)},
         "results": by_result,
         "prefix_cache_hits": cache_hits,
+        "prefix_cache_hit_tokens": hit_tokens,
         "malformed": malformed.len(),
         "rss_kib_first_window": first.iter().map(|m| m.0).collect::<Vec<_>>(),
         "rss_kib_middle": mid.iter().map(|m| m.0).collect::<Vec<_>>(),

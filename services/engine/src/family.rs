@@ -78,6 +78,16 @@ impl<O> Group<O> {
     }
 }
 
+/// What [`Family::adopt_prompt`] gave a taker: the slots it now reads and holds with the donor,
+/// and the prompt rows (tokens) it will not compute. Nothing is shared when `rows` is 0 (a
+/// prompt shorter than a page, or settings that differ); ARMT copies memories rather than
+/// pages, so its rows come with no slots.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Adopted {
+    pub slots: Vec<SlotId>,
+    pub rows: usize,
+}
+
 /// A model family: owns the weights and the per-slot device state, plans, runs and commits every
 /// active program's steps, and moves programs' state in and out of their slots.
 pub trait Family: Send + 'static {
@@ -204,14 +214,14 @@ pub trait Family: Send + 'static {
     /// the same [`Family::share_key`], or [`Family::prefix_rows`] says what they have in common,
     /// and `donor`'s prompt is computed): whole pages only, and
     /// never the page of the prompt's last position (the taker computes that position itself,
-    /// its first output). Returns the slots `taker` now reads and holds with `donor`; the
-    /// engine counts the new holder. Neither program writes those pages again. All or nothing:
-    /// an error leaves both as they were.
+    /// its first output). Returns the slots `taker` now reads and holds with `donor` (the
+    /// engine counts the new holder) and the rows it skips. Neither program writes those pages
+    /// again. All or nothing: an error leaves both as they were.
     fn adopt_prompt(
         &mut self,
         _donor: &mut Active<Self::Program>,
         _taker: &mut Active<Self::Program>,
-    ) -> Result<Vec<SlotId>, FamilyError> {
-        Ok(Vec::new())
+    ) -> Result<Adopted, FamilyError> {
+        Ok(Adopted::default())
     }
 }

@@ -51,7 +51,7 @@ pub mod tick;
 pub use engine::{Engine, EngineConfig, EngineHandle, EngineLoad, ExportReply, Submission};
 pub use error::{Cause, EngineError, FamilyError, Phase, RequestError};
 pub use event::{CanvasFrame, CellState, Event, FinishReason, Outbox, TokenLogprob};
-pub use family::{Demand, Family, Group, Planned};
+pub use family::{Adopted, Demand, Family, Group, Planned};
 pub use ids::{RequestId, SlotId};
 pub use queue::AdmissionQueue;
 pub use request::{Active, Carried, Exported, Moved, Prepared};

@@ -23,6 +23,7 @@ pub const PROMPT_PAGES_SHARED_TOTAL: &str = "wavefront_engine_prompt_pages_share
 pub const SLOTS_SHARED: &str = "wavefront_slots_shared";
 pub const SLOTS_CACHED: &str = "wavefront_slots_cached";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "wavefront_engine_prefix_cache_hits_total";
+pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "wavefront_engine_prefix_cache_hit_tokens_total";
 pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "wavefront_engine_prefix_cache_evictions_total";
 
 /// One engine's series, labelled with its model. Handles taken before a
@@ -48,6 +49,7 @@ pub(crate) struct EngineMetrics {
     pub slots_shared: Gauge,
     pub slots_cached: Gauge,
     pub prefix_cache_hits: Counter,
+    pub prefix_cache_hit_tokens: Counter,
     pub prefix_cache_evictions: Counter,
 }
 
@@ -74,6 +76,7 @@ impl EngineMetrics {
             slots_shared: metrics::gauge!(SLOTS_SHARED, "model" => m.clone()),
             slots_cached: metrics::gauge!(SLOTS_CACHED, "model" => m.clone()),
             prefix_cache_hits: metrics::counter!(PREFIX_CACHE_HITS_TOTAL, "model" => m.clone()),
+            prefix_cache_hit_tokens: metrics::counter!(PREFIX_CACHE_HIT_TOKENS_TOTAL, "model" => m.clone()),
             prefix_cache_evictions: metrics::counter!(PREFIX_CACHE_EVICTIONS_TOTAL, "model" => m),
         }
     }
@@ -101,6 +104,7 @@ impl EngineMetrics {
             slots_shared: Gauge::noop(),
             slots_cached: Gauge::noop(),
             prefix_cache_hits: Counter::noop(),
+            prefix_cache_hit_tokens: Counter::noop(),
             prefix_cache_evictions: Counter::noop(),
         }
     }

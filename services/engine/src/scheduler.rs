@@ -25,7 +25,7 @@
 
 use crate::error::{EngineError, FamilyError};
 use crate::event::Event;
-use crate::family::Family;
+use crate::family::{Adopted, Family};
 use crate::ids::{RequestId, SlotId};
 use crate::metrics::EngineMetrics;
 use crate::prefix_cache::{Cached, PrefixCache};
@@ -768,7 +768,14 @@ impl<P: Send + 'static> Scheduler<P> {
                 let entry = self.cache.newest_mut().expect("touched above");
                 let adopted = family.adopt_prompt(&mut entry.active, taker);
                 match &adopted {
-                    Ok(_) => self.metrics.prefix_cache_hits.increment(1),
+                    // An adoption that shared nothing (a prompt under a page) is no hit.
+                    Ok(a) if a.rows == 0 => {}
+                    Ok(a) => {
+                        self.metrics.prefix_cache_hits.increment(1);
+                        self.metrics
+                            .prefix_cache_hit_tokens
+                            .increment(a.rows as u64);
+                    }
                     Err(_) => {
                         let entry = self.cache.pop_newest().expect("touched above");
                         self.evict(family, entry);
@@ -778,7 +785,7 @@ impl<P: Send + 'static> Scheduler<P> {
             }
         };
         match adopted {
-            Ok(shared) => {
+            Ok(Adopted { slots: shared, .. }) => {
                 self.pool.share(&shared);
                 self.metrics
                     .prompt_pages_shared

@@ -9,10 +9,11 @@
 use std::sync::mpsc;
 use std::time::Instant;
 
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use wavefront_engine::scheduler::{Scheduler, Waiting};
 use wavefront_engine::{
-    Active, Demand, Event, Family, FamilyError, FinishReason, Group, Planned, Prepared, RequestId,
-    SlotId, Stats,
+    Active, Adopted, Demand, Event, Family, FamilyError, FinishReason, Group, Planned, Prepared,
+    RequestId, SlotId, Stats,
 };
 
 /// A request whose first `prompt` ticks compute its prompt, which then emits until `len`
@@ -29,7 +30,8 @@ struct Program {
     group: Option<u64>,
 }
 
-/// Shares the first two slots of a donor whose prompt is done.
+/// Shares the first two slots of a donor whose prompt is done; a taker whose prompt is one tick
+/// long shares nothing (as a prompt under a page).
 struct Sharing;
 
 impl Family for Sharing {
@@ -82,7 +84,10 @@ impl Family for Sharing {
         &mut self,
         donor: &mut Active<Program>,
         taker: &mut Active<Program>,
-    ) -> Result<Vec<SlotId>, FamilyError> {
+    ) -> Result<Adopted, FamilyError> {
+        if taker.program.prompt < 2 {
+            return Ok(Adopted::default());
+        }
         let (n, ticks) = match self.prefix_rows(donor, taker) {
             0 => (2, taker.program.prompt),
             rows => (rows, rows),
@@ -90,7 +95,10 @@ impl Family for Sharing {
         let shared: Vec<SlotId> = donor.slots[..n].to_vec();
         taker.program.shared = shared.clone();
         taker.program.ticks = ticks;
-        Ok(shared)
+        Ok(Adopted {
+            slots: shared,
+            rows: ticks,
+        })
     }
 }
 
@@ -366,4 +374,49 @@ fn a_request_whose_prompt_only_begins_alike_reads_the_longest_common_prefix() {
     assert!(!ended(&rx_d));
     run_until_ended(&mut s, &mut f, &[&rx_d]);
     assert_eq!(s.available(), 16);
+}
+
+/// The counters `names` in one snapshot of `snapshotter`'s recorder (a snapshot resets them);
+/// 0 for one never touched.
+fn counters<const N: usize>(snapshotter: &Snapshotter, names: [&str; N]) -> [u64; N] {
+    let all = snapshotter.snapshot().into_vec();
+    names.map(|name| {
+        all.iter()
+            .find_map(|(key, _, _, value)| match value {
+                DebugValue::Counter(n) if key.key().name() == name => Some(*n),
+                _ => None,
+            })
+            .unwrap_or(0)
+    })
+}
+
+#[test]
+fn a_prefix_cache_hit_is_an_adoption_that_reads_rows_and_counts_them() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let mut s: Scheduler<Program> =
+        metrics::with_local_recorder(&recorder, || Scheduler::new(16, 8, 8).with_label("fake"));
+    let mut f = Sharing;
+    // A one-tick prompt is kept, and its repeat adopts the entry but reads nothing: no hit.
+    // A three-tick prompt's repeat reads its three rows: one hit of three tokens.
+    for (id, key, prompt) in [(1, 11, 1), (2, 11, 1), (3, 13, 3), (4, 13, 3)] {
+        let (w, rx) = waiting(
+            id,
+            Program {
+                prompt,
+                ..program(Some(key), None)
+            },
+        );
+        assert!(s.enqueue(w).is_ok());
+        run_until_ended(&mut s, &mut f, &[&rx]);
+    }
+    assert_eq!(s.cached_prompts(), 2);
+    let got = counters(
+        &snapshotter,
+        [
+            "wavefront_engine_prefix_cache_hits_total",
+            "wavefront_engine_prefix_cache_hit_tokens_total",
+        ],
+    );
+    assert_eq!(got, [1, 3]);
 }

@@ -5,7 +5,7 @@
 //! ([`OneCacheFamily`]); Huginn, ARMT and SureLock call the pieces with their own state.
 
 use wavefront_engine::{
-    Active, Demand, Family, FamilyError, Group, Moved, Outbox, Phase, Planned, SlotId,
+    Active, Adopted, Demand, Family, FamilyError, Group, Moved, Outbox, Phase, Planned, SlotId,
 };
 use wavefront_models::transformer::{KvCache, KvPool, PagedCache, PAGE_SIZE};
 
@@ -223,11 +223,11 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
         &mut self,
         donor: &mut Active<S::Program>,
         taker: &mut Active<S::Program>,
-    ) -> Result<Vec<SlotId>, FamilyError> {
+    ) -> Result<Adopted, FamilyError> {
         let page = self.pool.page_size();
         let rows = self.stepper.shareable(&donor.program, &taker.program, page);
         if rows == 0 || donor.program.cache().is_swapped() {
-            return Ok(Vec::new());
+            return Ok(Adopted::default());
         }
         // The taker's cache moves into the pool (it has no slots yet).
         self.bind(taker);
@@ -242,7 +242,10 @@ impl<S: Stepper> Family for OneCacheFamily<S> {
             taker.program.cache().clear();
             return Err(fail(e));
         }
-        Ok(ids.into_iter().map(SlotId).collect())
+        Ok(Adopted {
+            slots: ids.into_iter().map(SlotId).collect(),
+            rows,
+        })
     }
 }
 

@@ -10,9 +10,9 @@ use std::net::SocketAddr;
 pub use wavefront_engine::metrics::{
     ACTIVE_REQUESTS, CACHE_USAGE, POOL_ALLOCATED_BYTES, PREEMPTED_REQUESTS, PREEMPTIONS_TOTAL,
     PREEMPT_BYTES_FROM_HOST, PREEMPT_BYTES_TO_HOST, PREFIX_CACHE_EVICTIONS_TOTAL,
-    PREFIX_CACHE_HITS_TOTAL, PROMPT_PAGES_SHARED_TOTAL, QUEUE_DEPTH, RECOMPUTED_ROWS_TOTAL,
-    SLOTS_CACHED, SLOTS_SHARED, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL, TICK_DURATION, TICK_REQUESTS,
-    TICK_ROWS,
+    PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_HIT_TOKENS_TOTAL, PROMPT_PAGES_SHARED_TOTAL, QUEUE_DEPTH,
+    RECOMPUTED_ROWS_TOTAL, SLOTS_CACHED, SLOTS_SHARED, SLOTS_TOTAL, SLOTS_USED, TICKS_TOTAL,
+    TICK_DURATION, TICK_REQUESTS, TICK_ROWS,
 };
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -112,8 +112,13 @@ fn describe() {
     );
     describe_counter!(
         PREFIX_CACHE_HITS_TOTAL,
-        "Admitted requests that read their prompt pages from a finished request the prefix \
-         cache kept."
+        "Admitted requests that read prompt state (at least one row) from a finished request \
+         the prefix cache kept."
+    );
+    describe_counter!(
+        PREFIX_CACHE_HIT_TOKENS_TOTAL,
+        "Prompt tokens admitted requests read from the prefix cache's entries instead of \
+         computing them."
     );
     describe_counter!(
         PREFIX_CACHE_EVICTIONS_TOTAL,

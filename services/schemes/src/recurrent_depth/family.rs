@@ -4,7 +4,8 @@
 
 use candle_core::Device;
 use wavefront_engine::{
-    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, SlotId,
+    Active, Adopted, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned,
+    SlotId,
 };
 use wavefront_models::transformer::{KvPool, PAGE_SIZE};
 use wavefront_models::{Huginn, ModelFamily};
@@ -290,14 +291,14 @@ impl Family for HuginnFamily {
         &mut self,
         donor: &mut Active<Program>,
         taker: &mut Active<Program>,
-    ) -> Result<Vec<SlotId>, FamilyError> {
+    ) -> Result<Adopted, FamilyError> {
         let page = self.pool.page_size();
         let rows = match (&donor.program, &taker.program) {
             (Program::Ar(d), Program::Ar(t)) => t.shareable(d, page),
             _ => 0,
         };
         if rows == 0 {
-            return Ok(Vec::new());
+            return Ok(Adopted::default());
         }
         self.bind(taker);
         let fail = |e| FamilyError::program(FAMILY, Phase::Plan, e);
@@ -312,7 +313,10 @@ impl Family for HuginnFamily {
             t.cache.clear();
             return Err(fail(e));
         }
-        Ok(ids.into_iter().map(SlotId).collect())
+        Ok(Adopted {
+            slots: ids.into_iter().map(SlotId).collect(),
+            rows,
+        })
     }
 
     fn stop(&mut self, a: &mut Active<Program>) {

@@ -21,7 +21,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use wavefront_engine::{
-    Active, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned, SlotId,
+    Active, Adopted, Demand, Family, FamilyError, FinishReason, Group, Moved, Phase, Planned,
+    SlotId,
 };
 use wavefront_models::armt::{Armt, CellInput, MemoryView, StepShape};
 use wavefront_models::transformer::{Keys, KvPool, MaskRule, SeqInput, PAGE_SIZE};
@@ -483,16 +484,19 @@ impl Family for RecurrentMemoryFamily {
         &mut self,
         donor: &mut Active<ArmtProgram>,
         taker: &mut Active<ArmtProgram>,
-    ) -> Result<Vec<SlotId>, FamilyError> {
+    ) -> Result<Adopted, FamilyError> {
         if !taker.program.can_take_memories_of(&donor.program) {
-            return Ok(Vec::new());
+            return Ok(Adopted::default());
         }
         let memories = donor.program.memories().expect("checked above");
         let copies = self
             .model
             .copied_memory(memories)
             .map_err(|e| FamilyError::program(FAMILY, Phase::Plan, e))?;
-        taker.program.take_memories(copies);
-        Ok(Vec::new())
+        let rows = taker.program.take_memories(copies);
+        Ok(Adopted {
+            slots: Vec::new(),
+            rows,
+        })
     }
 }

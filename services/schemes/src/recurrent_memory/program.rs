@@ -300,13 +300,15 @@ impl ArmtProgram {
 
     /// The memories of a request with the same memory segments (copies in this request's
     /// slots): the memory segments are not run again, the prompt segment runs next, as one
-    /// segment through every layer.
-    pub(crate) fn take_memories(&mut self, memory: Vec<LayerMemory>) {
+    /// segment through every layer. Returns the prompt tokens skipped.
+    pub(crate) fn take_memories(&mut self, memory: Vec<LayerMemory>) -> usize {
         self.memory = Some(memory);
         self.next_segment = self.segments - 1;
         self.diagonal = false;
-        let skipped = self.memory_ids().len() as u64;
-        self.stats.add_counter("shared_prompt_tokens", skipped);
+        let skipped = self.memory_ids().len();
+        self.stats
+            .add_counter("shared_prompt_tokens", skipped as u64);
+        skipped
     }
 
     /// The donor's memories (for [`Self::take_memories`] of a copy).
