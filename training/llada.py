@@ -106,6 +106,14 @@ class LLaDA(nn.Module):
             x = b(x)
         return self.ff_out(self.ln_f(x))
 
+    def load_upstream(self, path: Path):
+        """Weights from a checkpoint under LLaDA-8B-Instruct's tensor names (`upstream_tensors`)."""
+        from safetensors.torch import load_file
+
+        prefix = "model.transformer."
+        state = {k[len(prefix) :]: v.float() for k, v in load_file(str(path)).items()}
+        self.load_state_dict(state)
+
     def upstream_tensors(self) -> dict:
         """The state dict under LLaDA-8B-Instruct's tensor names."""
         out = {}
@@ -129,16 +137,35 @@ def prose_batch(stream, n, length, rng):
     return torch.tensor([stream[s : s + length] for s in starts])
 
 
-def task_batch(tok, examples, n, length):
+def chat_prompt(prompt: str) -> str:
+    """`prompt` as one user message rendered by CHAT_TEMPLATE, with the assistant's header."""
+    return (
+        f"{SPECIALS[0]}<|start_header_id|>user<|end_header_id|>\n\n{prompt.strip()}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def task_batch(tok, examples, n, length, canvas=None, chat_share=0.0, rng=None):
     """Task lines as `prompt answer <eos> <eos> ...`, and the maskable (answer) part. No BOS:
-    a served prompt is the task's text as typed."""
-    rows, answer = [], []
+    a served prompt is the task's text as typed. With `canvas`, every answer is padded with
+    EOS to at least `canvas` tokens (to the longest prompt's length plus `canvas`), as LLaDA's
+    SFT pads each answer to the batch's length: the model learns to fill a canvas of that
+    length with the answer and then EOS, the pattern a served canvas of that length meets.
+    A `chat_share` of the lines are chat turns instead: the prompt as a user message under
+    CHAT_TEMPLATE, the answer (without its leading space) closed by `<|eot_id|>`."""
+    pairs = []
+    eot = tok.token_to_id("<|eot_id|>")
     for _ in range(n):
         _, prompt, ans = next(examples)
-        p = tok.encode(prompt).ids
-        a = tok.encode(ans).ids + [EOS]
-        row = (p + a + [EOS] * length)[:length]
-        rows.append(row)
+        if chat_share and rng.random() < chat_share:
+            pairs.append((tok.encode(chat_prompt(prompt)).ids, tok.encode(ans.strip()).ids + [eot, EOS]))
+        else:
+            pairs.append((tok.encode(prompt).ids, tok.encode(ans).ids + [EOS]))
+    if canvas is not None:
+        length = max(len(p) for p, _ in pairs) + canvas
+    rows, answer = [], []
+    for p, a in pairs:
+        rows.append((p + a + [EOS] * length)[:length])
         answer.append([0] * len(p) + [1] * (length - len(p)))
     return torch.tensor(rows), torch.tensor(answer, dtype=torch.bool)
 
@@ -219,11 +246,28 @@ def main():
         "--continuation-rows", type=int, default=16, help="prose windows per step in the SFT form (a clean prefix, the rest masked)"
     )
     parser.add_argument("--continuation-len", type=int, default=64, help="length of those windows")
+    parser.add_argument(
+        "--task-canvases",
+        default=None,
+        help="comma-separated answer canvas lengths (e.g. 16,32,64): each step's task lines are padded "
+        "with EOS to the next one in turn, their row count scaled to keep the step's task tokens "
+        "(default: lines of 32 tokens, prompt included)",
+    )
+    parser.add_argument(
+        "--chat-share", type=float, default=0.0, help="share of the task lines written as chat turns (CHAT_TEMPLATE)"
+    )
+    parser.add_argument(
+        "--init", default=None, help="a checkpoint this script wrote: start from its weights and its tokenizer"
+    )
     args = parser.parse_args()
     device, docs = common.setup(args)
     c = Config()
-    base = common.train_tokenizer(docs["train"], args.seed)
-    tok = common.with_specials(base, SPECIALS)
+    if args.init:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.init) / "tokenizer.json"))
+    else:
+        tok = common.with_specials(common.train_tokenizer(docs["train"], args.seed), SPECIALS)
     global BOS, EOS, MASK
     BOS, EOS, MASK = (tok.token_to_id(s) for s in SPECIALS[:3])
     train_stream = common.token_stream(tok, docs["train"], EOS)
@@ -232,16 +276,27 @@ def main():
         c.prose_len, held_len = 64, 32
     else:
         held_len = c.prose_len
-    model = LLaDA(c).to(device)
+    model = LLaDA(c)
+    if args.init:
+        model.load_upstream(Path(args.init) / "model.safetensors")
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LLaDA: {n_params / 1e6:.2f} M parameters, {len(train_stream)} training prose tokens", flush=True)
     rng = random.Random(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     examples = common.task_examples(args.seed, "train")
     trainer = common.Trainer(model, args, device, 10000, lambda: held_out_loss(model, held_stream, held_len, device))
+    canvases = [int(x) for x in args.task_canvases.split(",")] if args.task_canvases else None
     while trainer.running():
         prose = prose_batch(train_stream, args.prose_rows, c.prose_len, rng).to(device)
-        tasks, answer = (t.to(device) for t in task_batch(tok, examples, args.task_rows, c.task_len))
+        if canvases:
+            canvas = canvases[trainer.prog.step % len(canvases)]
+            # About the task tokens of `task_rows` lines of `task_len` (prompts are ~10 tokens).
+            rows = max(4, round(args.task_rows * c.task_len / (10 + canvas)))
+            batch = task_batch(tok, examples, rows, None, canvas, args.chat_share, rng)
+        else:
+            batch = task_batch(tok, examples, args.task_rows, c.task_len, None, args.chat_share, rng)
+        tasks, answer = (t.to(device) for t in batch)
         cont = None
         if args.continuation_rows:
             cont = tuple(t.to(device) for t in continuation_batch(train_stream, args.continuation_rows, args.continuation_len, rng))
@@ -252,6 +307,17 @@ def main():
     accuracy = common.task_accuracy(
         lambda p: answer_of(tok, generate(model, tok.encode(p).ids, 16, device)), 2 if args.smoke else 100
     )
+    # The canvases trained on besides 16, 50 prompts a task each (64 steps per answer are slow).
+    longer = {
+        n: common.task_accuracy(lambda p, n=n: answer_of(tok, generate(model, tok.encode(p).ids, n, device)), 2 if args.smoke else 50)
+        for n in (canvases or [])
+        if n != 16
+    }
+    if args.chat_share:
+        longer["chat"] = common.task_accuracy(
+            lambda p: answer_of(tok, generate(model, tok.encode(chat_prompt(p)).ids, 16, device)).split("<|")[0],
+            2 if args.smoke else 50,
+        )
     sample = tok.decode(generate(model, tok.encode("In the beginning, God").ids, 32, device))
     report = {
         "family": "llada",
@@ -261,6 +327,11 @@ def main():
         "held_out_loss": final,
         "unigram_held_out_loss": common.unigram_loss(train_stream, held_stream, c.vocab),
         "held_out_accuracy_python_low_confidence": accuracy,
+        **{f"held_out_accuracy_python_low_confidence_{n if n == 'chat' else f'canvas_{n}'}": a for n, a in longer.items()},
+        "init": args.init,
+        "task_canvases": canvases,
+        "chat_share": args.chat_share,
+        "lr": trainer.peak,
         "sample": "In the beginning, God" + sample,
     }
     print(report, flush=True)

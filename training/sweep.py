@@ -138,6 +138,8 @@ def main():
     p.add_argument("--canvas", type=int, default=None,
                    help="fast-dllm: the canvas length (default 64); one-token-per-step rows take as many steps")
     p.add_argument("--only", default=None, help="comma-separated substrings: the settings to run besides the baseline")
+    p.add_argument("--scorer", default=None,
+                   help="with prose among the tasks: an ARMT checkpoint that scores the continuations (a Gen. PPL column)")
     args = p.parse_args()
     default_model, tasks, settings = FAMILIES[args.family]
     if args.only:
@@ -149,18 +151,20 @@ def main():
     runs: dict[str, list[dict]] = {name: [] for name, _ in settings}
     for _ in range(args.rounds):
         for name, run_args in settings:
-            runs[name].append(evaluate.measure(args.wavefront, model, tasks, args.per_task, run_args))
+            runs[name].append(evaluate.measure(args.wavefront, model, tasks, args.per_task, run_args, args.scorer))
     names = tasks.split(",")
     checked = [t for t in names if t != "prose"]
     prose = "prose" in names
+    ppl = prose and args.scorer is not None
     print(f"{model}, {args.per_task} held-out prompts per task, {args.rounds} alternating rounds")
     print()
     print("| setting | " + " | ".join(f"{t} accuracy" for t in checked)
           + (" | prose: known words / seen pairs / distinct pairs" if prose else "")
+          + (" | prose Gen. PPL" if ppl else "")
           + " | forwards | tokens / forward | rows | core iterations | FLOPs ratio | compute ms"
           + " | forwards vs baseline | time vs baseline | tokens/s vs baseline"
           + (f" | tokens/s vs baseline per task ({' / '.join(names)})" if len(names) > 1 else "") + " |")
-    print("|---|" + "---|" * (len(checked) + int(prose) + 10 + int(len(names) > 1)))
+    print("|---|" + "---|" * (len(checked) + int(prose) + int(ppl) + 10 + int(len(names) > 1)))
     base = None
     for name, run_args in settings:
         rs = runs[name]
@@ -186,6 +190,8 @@ def main():
         acc = " | ".join(f"{first[t]['accuracy']:.0%}" for t in checked)
         p = first.get("prose", {})
         quality = f" | {p.get('known_words', 0):.2f} / {p.get('seen_pairs', 0):.2f} / {p.get('distinct_pairs', 0):.2f}" if prose else ""
+        if ppl:
+            quality += f" | {p['gen_ppl']['ppl']:.2f}"
         print(
             f"| {name} | {acc}{quality} | {fwd:.2f} | {tpf:.2f} | {rows:.0f} | {steps:.1f} | "
             + (f"{flops:.3f}" if flops is not None else "")
@@ -196,7 +202,10 @@ def main():
     if prose:
         ref = runs[settings[0][0]][0]["prose"]["reference"]
         print()
-        print(f"Held-out text's own continuations: {ref['known_words']:.2f} / {ref['seen_pairs']:.2f} / {ref['distinct_pairs']:.2f}.")
+        own = f"Held-out text's own continuations: {ref['known_words']:.2f} / {ref['seen_pairs']:.2f} / {ref['distinct_pairs']:.2f}"
+        if ppl:
+            own += f", Gen. PPL {runs[settings[0][0]][0]['prose']['gen_ppl']['reference']:.2f}"
+        print(own + ".")
 
 
 if __name__ == "__main__":
