@@ -81,6 +81,65 @@ fn the_trained_llada_copies_and_sorts_held_out_strings_with_low_confidence_remas
 }
 
 #[test]
+fn the_trained_llada_answers_held_out_tasks_as_chat_turns() {
+    // LLaDA was fine-tuned on a share of its task lines as chat turns under its chat template
+    // (training/README.md, session 38): `--chat` renders the prompt as a user message, and the
+    // answer comes without the plain prompt's leading space, ended by `<|eot_id|>`.
+    let chat = [&LLADA_LC[..], &["--chat"]].concat();
+    for (prompt, want) in [
+        ("sort 9 0 1 8 =", "0 1 8 9"),
+        ("sort 6 8 2 3 7 =", "2 3 6 7 8"),
+    ] {
+        let got = run_json("llada-tiny", prompt, &chat);
+        assert_eq!(got["text"], want, "{prompt}: {got}");
+        assert_eq!(got["finish_reason"], "stop_token", "{got}");
+    }
+}
+
+/// Fast-dLLM's setting on the trained LLaDA: a 64-token canvas in blocks of 16, exact
+/// low-confidence against the prefix cache with the threshold rule. The checkpoint was
+/// fine-tuned with answers padded to 16, 32 and 64 tokens (session 38; before, it sorted 74% of
+/// held-out prompts in a 32-token canvas), and both settings answer these.
+#[test]
+fn the_trained_llada_answers_in_a_64_token_canvas_exactly_and_with_fast_dllm() {
+    let exact = [
+        "--scheme",
+        "low-confidence",
+        "--max-new-tokens",
+        "64",
+        "--block-length",
+        "16",
+        "--steps",
+        "64",
+    ];
+    let fast = [
+        &exact[..6],
+        &["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.9"],
+    ]
+    .concat();
+    for (prompt, want) in [
+        ("sort 9 0 1 8 =", " 0 1 8 9"),
+        ("copy i r q c =", " i r q c"),
+    ] {
+        let a = run_json("llada-tiny", prompt, &exact);
+        let b = run_json("llada-tiny", prompt, &fast);
+        assert_eq!(
+            (
+                cut(a["text"].as_str().unwrap()),
+                cut(b["text"].as_str().unwrap())
+            ),
+            (want.to_owned(), want.to_owned()),
+            "{prompt}"
+        );
+        // The threshold rule commits several positions a forward: fewer forwards.
+        assert!(
+            b["stats"]["forward_passes"].as_u64() < a["stats"]["forward_passes"].as_u64(),
+            "{a} {b}"
+        );
+    }
+}
+
+#[test]
 fn the_trained_huginn_sorts_held_out_digits_with_static_recurrence() {
     // Static depth at the checkpoint's mean recurrence; a fixed seed fixes the initial states.
     for (prompt, want) in [
@@ -243,7 +302,7 @@ fn the_readme_prose_exchanges_are_what_run_writes_and_the_readme_shows_them() {
                 "--max-new-tokens",
                 "32",
             ],
-            " me, \"I have you have done, and that you have come to you, and that you have come to you, and have you come to you,",
+            " him, \"Is the king, and the king of Israel, and the king of the king of Judah, and the king of Judah, and to the",
         ),
         (
             "refusion-tiny",
