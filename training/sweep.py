@@ -82,6 +82,12 @@ FAMILIES = {
             ("dual cache + threshold 0.5", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.5"]),
             ("prefix cache + threshold 0.3", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.3"]),
             ("wino (tau1 0.6, tau2 0.9), blocks of 16", ["--scheme", "wino", "--max-new-tokens", "64", "--block-length", "16"]),
+            # The compositions with SureLock (issue 39 item 3): its locked rows leave the forwards
+            # alongside the cache's.
+            ("SureLock eps 5e-3, one token per step", FAST + ["--steps", "64", "--surelock-eps", "0.005"]),
+            ("prefix cache + threshold 0.9 + SureLock eps 5e-3", FAST + ["--steps", "4", "--kv-cache", "prefix", "--threshold", "0.9", "--surelock-eps", "0.005"]),
+            ("dual cache + threshold 0.9 + SureLock eps 5e-3", FAST + ["--steps", "4", "--kv-cache", "dual", "--threshold", "0.9", "--surelock-eps", "0.005"]),
+            ("wino + SureLock eps 5e-3, blocks of 16", ["--scheme", "wino", "--max-new-tokens", "64", "--block-length", "16", "--surelock-eps", "0.005"]),
         ],
     ),
     "refusion": (
