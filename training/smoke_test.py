@@ -67,6 +67,40 @@ def check(family: str, steps: int, run_args: list[str], wavefront: str, tmp: Pat
     return None
 
 
+def check_llada_fine_tune(wavefront: str, tmp: Path) -> str | None:
+    """`llada.py --init` on the smoke checkpoint `check` wrote, with answers padded to 16- and
+    32-token canvases and half the task lines as chat turns: it starts from those weights (its
+    first loss is below the from-scratch run's), reports the new options, and what it writes
+    loads and answers a chat turn."""
+    base, out = tmp / "llada", tmp / "llada-fine-tuned"
+    train = subprocess.run(
+        [sys.executable, str(HERE / "llada.py"), "--smoke", "--max-steps", "4", "--out", str(out), "--init", str(base),
+         "--task-canvases", "16,32", "--chat-share", "0.5", "--lr", "5e-4"],
+        capture_output=True,
+        text=True,
+    )
+    if train.returncode != 0:
+        return f"fine-tuning failed:\n{train.stderr[-3000:]}"
+    before = json.loads((base / "training.json").read_text())
+    report = json.loads((out / "training.json").read_text())
+    if not report["first_loss"] < before["first_loss"]:
+        return f"--init did not start from the checkpoint: first loss {report['first_loss']:.3f}, from scratch {before['first_loss']:.3f}"
+    if (report["init"], report["task_canvases"], report["chat_share"]) != (str(base), [16, 32], 0.5):
+        return f"the report does not name the options: {report}"
+    if "held_out_accuracy_python_low_confidence_canvas_32" not in report or "held_out_accuracy_python_low_confidence_chat" not in report:
+        return f"no accuracy at the trained canvas or as chat turns: {sorted(report)}"
+    run = subprocess.run(
+        [wavefront, "run", "--model", str(out), "--json", "--log-filter", "warn", "--chat", "--prompt", "copy a b c =",
+         "--scheme", "low-confidence", "--max-new-tokens", "16", "--steps", "16", "--block-length", "16"],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0 or not json.loads(run.stdout)["token_ids"]:
+        return f"wavefront run --chat on the fine-tuned checkpoint failed:\n{run.stderr[-3000:]}"
+    print(f"  llada fine-tuned: loss {report['first_loss']:.3f} (from scratch {before['first_loss']:.3f})", flush=True)
+    return None
+
+
 def check_prose_scores() -> str | None:
     """`evaluate.prose_scores` on the committed slice: a trained-on sentence scores 1 on every
     measure, a loop scores low on distinct pairs, and fragments score low on known words."""
@@ -102,6 +136,15 @@ def main():
             error = check(family, steps, run_args, args.wavefront, Path(tmp))
             status = "ok" if error is None else "FAILED"
             print(f"training smoke {family}: {status} ({time.time() - start:.0f} s)", flush=True)
+            if error is None:
+                passed += 1
+            else:
+                print(error, flush=True)
+                failed += 1
+        if "llada" in args.families and (Path(tmp) / "llada" / "training.json").exists():
+            start = time.time()
+            error = check_llada_fine_tune(args.wavefront, Path(tmp))
+            print(f"training smoke llada --init: {'ok' if error is None else 'FAILED'} ({time.time() - start:.0f} s)", flush=True)
             if error is None:
                 passed += 1
             else:
