@@ -121,36 +121,26 @@ def main():
     p.add_argument("--wavefront", required=True, help="the wavefront binary")
     p.add_argument("families", nargs="*", default=list(FAMILIES))
     args = p.parse_args()
-    passed = failed = 0
-    error = check_prose_scores()
-    print(f"prose scores: {'ok' if error is None else 'FAILED'}", flush=True)
-    if error is not None:
-        print(error, flush=True)
-        failed += 1
-    else:
-        passed += 1
+    outcomes: list[bool] = []
+
+    def run_check(name: str, check_fn) -> None:
+        """Runs one check, prints its status, time and error, and records whether it passed."""
+        start = time.time()
+        error = check_fn()
+        print(f"{name}: {'ok' if error is None else 'FAILED'} ({time.time() - start:.0f} s)", flush=True)
+        if error is not None:
+            print(error, flush=True)
+        outcomes.append(error is None)
+
+    run_check("prose scores", check_prose_scores)
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             steps, run_args = FAMILIES[family]
-            start = time.time()
-            error = check(family, steps, run_args, args.wavefront, Path(tmp))
-            status = "ok" if error is None else "FAILED"
-            print(f"training smoke {family}: {status} ({time.time() - start:.0f} s)", flush=True)
-            if error is None:
-                passed += 1
-            else:
-                print(error, flush=True)
-                failed += 1
+            run_check(f"training smoke {family}", lambda: check(family, steps, run_args, args.wavefront, Path(tmp)))
         if "llada" in args.families and (Path(tmp) / "llada" / "training.json").exists():
-            start = time.time()
-            error = check_llada_fine_tune(args.wavefront, Path(tmp))
-            print(f"training smoke llada --init: {'ok' if error is None else 'FAILED'} ({time.time() - start:.0f} s)", flush=True)
-            if error is None:
-                passed += 1
-            else:
-                print(error, flush=True)
-                failed += 1
-    print(f"{passed} passed, {failed} failed")
+            run_check("training smoke llada --init", lambda: check_llada_fine_tune(args.wavefront, Path(tmp)))
+    failed = outcomes.count(False)
+    print(f"{len(outcomes) - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 
 
