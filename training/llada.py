@@ -308,13 +308,15 @@ def main():
         lambda p: answer_of(tok, generate(model, tok.encode(p).ids, 16, device)), 2 if args.smoke else 100
     )
     # The canvases trained on besides 16, 50 prompts a task each (64 steps per answer are slow).
-    longer = {
-        n: common.task_accuracy(lambda p, n=n: answer_of(tok, generate(model, tok.encode(p).ids, n, device)), 2 if args.smoke else 50)
+    more = {
+        f"canvas_{n}": common.task_accuracy(
+            lambda p, n=n: answer_of(tok, generate(model, tok.encode(p).ids, n, device)), 2 if args.smoke else 50
+        )
         for n in (canvases or [])
         if n != 16
     }
     if args.chat_share:
-        longer["chat"] = common.task_accuracy(
+        more["chat"] = common.task_accuracy(
             lambda p: answer_of(tok, generate(model, tok.encode(chat_prompt(p)).ids, 16, device)).split("<|")[0],
             2 if args.smoke else 50,
         )
@@ -327,7 +329,7 @@ def main():
         "held_out_loss": final,
         "unigram_held_out_loss": common.unigram_loss(train_stream, held_stream, c.vocab),
         "held_out_accuracy_python_low_confidence": accuracy,
-        **{f"held_out_accuracy_python_low_confidence_{n if n == 'chat' else f'canvas_{n}'}": a for n, a in longer.items()},
+        **{f"held_out_accuracy_python_low_confidence_{k}": a for k, a in more.items()},
         "init": args.init,
         "task_canvases": canvases,
         "chat_share": args.chat_share,
