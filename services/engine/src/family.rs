@@ -80,8 +80,9 @@ impl<O> Group<O> {
 
 /// What [`Family::adopt_prompt`] gave a taker: the slots it now reads and holds with the donor,
 /// and the prompt rows (tokens) it will not compute. Nothing is shared when `rows` is 0 (a
-/// prompt shorter than a page, or settings that differ); ARMT copies memories rather than
-/// pages, so its rows come with no slots.
+/// taker that has already computed rows of its own, a donor whose state is swapped out, an ARMT
+/// donor whose memories were written in the other execution); ARMT copies memories rather than pages, so its rows come
+/// with no slots.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Adopted {
     pub slots: Vec<SlotId>,

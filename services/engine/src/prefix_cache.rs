@@ -6,12 +6,12 @@
 //! request with the same prompt (a choice whose call arrived after its siblings ended, a retry,
 //! a benchmark's repeated prompt) or one that begins alike (a chat's next turn) computes them
 //! again. The scheduler instead keeps a finished request whose prompt state can be shared here,
-//! holding its slots, and later requests adopt from it as from a running donor. Entries are evicted least recently used first: when the
-//! pool has fewer free slots than an admission, a resumption or a running request's growth
-//! needs (before any running request is preempted), and when the cache holds more entries
-//! than its capacity. An entry's holds are the pool's kept holds ([`crate::SlotPool::keep`]), so
-//! the slots only the cache holds, which count as free in the engine's load, are counted in
-//! constant time per operation.
+//! holding its slots, and later requests adopt from it as from a running donor. Entries are
+//! evicted least recently used first: when the pool has fewer free slots than an admission, a
+//! resumption or a running request's growth needs (before any running request is preempted),
+//! and when the cache holds more entries than its capacity. An entry's holds are the pool's
+//! kept holds ([`crate::SlotPool::keep`]), so the slots only the cache holds, which count as
+//! free in the engine's load, are counted in constant time per operation.
 //!
 //! One entry per key: a finished request whose key an entry already has is not kept (its
 //! prompt pages are the entry's, read by it, or the same rows again).

@@ -768,7 +768,8 @@ impl<P: Send + 'static> Scheduler<P> {
                 let entry = self.cache.newest_mut().expect("touched above");
                 let adopted = family.adopt_prompt(&mut entry.active, taker);
                 match &adopted {
-                    // An adoption that shared nothing (a prompt under a page) is no hit.
+                    // An adoption that shared nothing (a taker that had already computed rows of
+                    // its own, such as one moved here with its state) is no hit.
                     Ok(a) if a.rows == 0 => {}
                     Ok(a) => {
                         self.metrics.prefix_cache_hits.increment(1);

@@ -31,7 +31,7 @@ struct Program {
 }
 
 /// Shares the first two slots of a donor whose prompt is done; a taker whose prompt is one tick
-/// long shares nothing (as a prompt under a page).
+/// long shares nothing (as a taker that has already run shares nothing).
 struct Sharing;
 
 impl Family for Sharing {
