@@ -380,3 +380,37 @@ __device__ void ragged_combine(const float *__restrict__ part, T *__restrict__ o
 
 INSTANTIATE_SPLITS(f32, float)
 INSTANTIATE_SPLITS(bf16, __nv_bfloat16)
+
+// ---- rows into K/V pages ----
+// Row r of src [n_heads, n, head_dim] (head stride src_hs, row stride src_rs, in elements; a
+// row's values consecutive) goes to row slots[r] of dst [n_heads, dst_rows, head_dim]
+// (contiguous, head stride dst_hs = dst_rows * head_dim); a slot of 0xffffffff leaves row r out
+// (it goes to another arena). One launch writes every row of a call's sequence into one page
+// arena, in place of a copy per run of consecutive indices. Elements move as raw bits.
+template <typename E>
+__device__ void scatter_rows(E *__restrict__ dst, const E *__restrict__ src,
+                             const uint32_t *__restrict__ slots, uint32_t n_heads, uint32_t n,
+                             uint32_t head_dim, uint64_t dst_hs, uint64_t src_hs,
+                             uint64_t src_rs) {
+  const uint64_t total = (uint64_t)n_heads * n * head_dim;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < total;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint32_t c = (uint32_t)(i % head_dim);
+    const uint64_t hr = i / head_dim;
+    const uint32_t r = (uint32_t)(hr % n), h = (uint32_t)(hr / n);
+    const uint32_t slot = slots[r];
+    if (slot == 0xffffffffu) continue;
+    dst[h * dst_hs + (uint64_t)slot * head_dim + c] = src[h * src_hs + r * src_rs + c];
+  }
+}
+
+#define INSTANTIATE_SCATTER(SUFFIX, E)                                                         \
+  extern "C" __global__ void scatter_rows_##SUFFIX(E *dst, const E *src, const uint32_t *slots, \
+                                                   uint32_t n_heads, uint32_t n,               \
+                                                   uint32_t head_dim, uint64_t dst_hs,         \
+                                                   uint64_t src_hs, uint64_t src_rs) {         \
+    scatter_rows<E>(dst, src, slots, n_heads, n, head_dim, dst_hs, src_hs, src_rs);           \
+  }
+
+INSTANTIATE_SCATTER(f32, uint32_t)
+INSTANTIATE_SCATTER(bf16, uint16_t)

@@ -1,19 +1,21 @@
 //! Launchers of the CUDA kernels (PTX built by `build.rs`), with the layouts of the CPU
-//! references in [`crate::attention`], [`crate::grouped`] and [`crate::softmax_stats`].
+//! references in [`crate::attention`], [`crate::grouped`], [`crate::pages`] and
+//! [`crate::softmax_stats`].
 //! Element types: `f32` and `bf16` (float32 accumulation in both).
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use crate::attention::RaggedLayout;
 use crate::grouped::{self, Group};
+use crate::pages::ScatterDims;
 use crate::softmax_stats::RowStats;
 use crate::{check, KernelError};
 
@@ -645,5 +647,50 @@ impl Kernels {
                 kl: c[3],
             })
             .collect())
+    }
+
+    /// [`crate::pages::scatter_rows`] on the device: row `r` of `src` into row `slots[r]` of
+    /// `dst`, every head, in one launch (the slots uploaded with it); rows whose slot is
+    /// [`crate::pages::SKIP_ROW`] are left out.
+    pub fn scatter_rows<T: Elem>(
+        &self,
+        dst: &mut CudaViewMut<'_, T>,
+        src: &CudaView<'_, T>,
+        dims: &ScatterDims,
+        slots: &[u32],
+    ) -> Result<(), KernelError> {
+        dims.check(dst.len(), src.len(), slots)?;
+        let total = dims.heads * dims.n * dims.head_dim;
+        if total == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let slots = s.clone_htod(slots)?;
+        let f = self.function(0, &format!("scatter_rows_{}", T::SUFFIX))?;
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(256).min(16 * self.sms).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (heads, n, head_dim) = (dims.heads as u32, dims.n as u32, dims.head_dim as u32);
+        let (dst_hs, src_hs, src_rs) = (
+            (dims.dst_rows * dims.head_dim) as u64,
+            dims.src_head_stride as u64,
+            dims.src_row_stride as u64,
+        );
+        let mut b = s.launch_builder(&f);
+        b.arg(dst)
+            .arg(src)
+            .arg(&slots)
+            .arg(&heads)
+            .arg(&n)
+            .arg(&head_dim)
+            .arg(&dst_hs)
+            .arg(&src_hs)
+            .arg(&src_rs);
+        // SAFETY: `dims.check` bounds both buffers' extents and the slots' range, and makes
+        // the slots distinct: the kernel reads `src` and writes only the rows the slots name.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 }

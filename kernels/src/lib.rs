@@ -9,6 +9,9 @@
 //! - [`grouped`]: **grouped matmul** over layer-stacked weights. Diagonal batching (ARMT) runs
 //!   the cells of one step, each at a different layer, as one launch: every group of rows is
 //!   multiplied by its own layer's weight, read in place from the `[L, out, in]` stack.
+//! - [`pages`]: **rows into K/V pages**: a call's rows written to the page slots their
+//!   buffer indices name, however scattered, one launch per page arena (SureLock's unlocked
+//!   positions would otherwise be a copy per run of consecutive indices).
 //! - [`softmax_stats`]: **fused per-row softmax statistics** over the vocabulary: top-1
 //!   probability and id, log-sum-exp, and the KL divergence to the previous step's
 //!   distribution. Lock (SureLock), exit and draft (WINO, ReFusion) decisions then copy a few
@@ -21,6 +24,7 @@
 pub mod attention;
 pub mod cpu;
 pub mod grouped;
+pub mod pages;
 pub mod softmax_stats;
 
 #[cfg(feature = "cuda")]

@@ -8,12 +8,14 @@ use common::{max_abs, randn};
 use cudarc::driver::CudaContext;
 use half::bf16;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
 use wavefront_kernels::cuda::{
     Kernels, KvRun, LayoutTables, RaggedDims, RaggedKernel, SplitPlan, MAX_HEAD_DIM_WARP,
 };
 use wavefront_kernels::grouped::{grouped_matmul, Group};
+use wavefront_kernels::pages::{scatter_rows, ScatterDims, SKIP_ROW};
 use wavefront_kernels::softmax_stats::softmax_stats;
 
 fn layout(rng: &mut StdRng, head_dim: usize) -> RaggedLayout {
@@ -455,5 +457,82 @@ fn the_split_key_kernel_matches_the_reference_at_every_head_dim_and_split() {
             let err = max_abs(&got, &want);
             assert!(err < 2e-2, "split bf16 d={d} {shape}: {err}");
         }
+    }
+}
+
+#[test]
+fn scatter_rows_writes_each_row_to_its_slot_and_nothing_else() {
+    let ctx = CudaContext::new(0).expect("a CUDA device (this test needs a GPU)");
+    let kernels = Kernels::load(&ctx).expect("PTX loads");
+    let s = kernels.stream().clone();
+    let mut rng = StdRng::seed_from_u64(13);
+    for (heads, n, head_dim, dst_rows) in [(4, 37, 128, 96), (1, 1, 64, 16), (8, 200, 72, 512)] {
+        // The rows of one sequence within a packed call's [heads, all, head_dim], 3 rows in.
+        let (all, first) = (n + 5, 3);
+        let src = randn(&mut rng, heads * all * head_dim);
+        let mut free: Vec<u32> = (0..dst_rows as u32).collect();
+        free.shuffle(&mut rng);
+        let slots: Vec<u32> = (0..n)
+            .map(|r| if r % 7 == 3 { SKIP_ROW } else { free[r] })
+            .collect();
+        let dims = ScatterDims {
+            heads,
+            n,
+            head_dim,
+            dst_rows,
+            src_head_stride: all * head_dim,
+            src_row_stride: head_dim,
+        };
+        let before = randn(&mut rng, heads * dst_rows * head_dim);
+        let mut want = before.clone();
+        scatter_rows(&mut want, &src[first * head_dim..], &dims, &slots).unwrap();
+        // float32, bit for bit, the rows not named unchanged
+        let srcd = s.clone_htod(&src).unwrap();
+        let mut dstd = s.clone_htod(&before).unwrap();
+        kernels
+            .scatter_rows(
+                &mut dstd.slice_mut(..),
+                &srcd.slice(first * head_dim..),
+                &dims,
+                &slots,
+            )
+            .unwrap();
+        let got = s.clone_dtoh(&dstd).unwrap();
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        // bf16
+        let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let (src16, before16) = (to_bf16(&src), to_bf16(&before));
+        let mut want16 = before16.clone();
+        scatter_rows(&mut want16, &src16[first * head_dim..], &dims, &slots).unwrap();
+        let srcd = s.clone_htod(&src16).unwrap();
+        let mut dstd = s.clone_htod(&before16).unwrap();
+        kernels
+            .scatter_rows(
+                &mut dstd.slice_mut(..),
+                &srcd.slice(first * head_dim..),
+                &dims,
+                &slots,
+            )
+            .unwrap();
+        assert_eq!(s.clone_dtoh(&dstd).unwrap(), want16);
+    }
+    // Refused before a launch: two rows to one slot, a slot past the destination.
+    let dims = ScatterDims {
+        heads: 1,
+        n: 2,
+        head_dim: 4,
+        dst_rows: 4,
+        src_head_stride: 8,
+        src_row_stride: 4,
+    };
+    let srcd = s.clone_htod(&[0f32; 8]).unwrap();
+    let mut dstd = s.alloc_zeros::<f32>(16).unwrap();
+    for bad in [[1u32, 1], [0, 4]] {
+        assert!(kernels
+            .scatter_rows(&mut dstd.slice_mut(..), &srcd.slice(..), &dims, &bad)
+            .is_err());
     }
 }

@@ -9,9 +9,11 @@ use candle_core::{Device, Tensor, D};
 use common::{max_abs, randn};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use wavefront_kernels::attention::{ragged_attention, Mask, RaggedLayout, RaggedSeq};
 use wavefront_kernels::grouped::{grouped_matmul, Group};
+use wavefront_kernels::pages::{scatter_rows, ScatterDims, SKIP_ROW};
 use wavefront_kernels::softmax_stats::softmax_stats;
 
 /// A random ragged call: per sequence a buffer of `len` indices (shuffled, so rows are not in
@@ -188,5 +190,44 @@ proptest! {
             prop_assert!((got[r].kl - kl[r]).abs() < 1e-4 * (1.0 + kl[r].abs()));
         }
         if vocab > 3 { prop_assert_eq!(got[0].top_id, 2); }
+    }
+
+    #[test]
+    fn scattered_rows_land_in_their_slots_and_nowhere_else(seed in any::<u64>()) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let (heads, head_dim, n) = (rng.random_range(1..5), rng.random_range(1..20), rng.random_range(1..30));
+        let (dst_rows, all) = (n + rng.random_range(0..20), n + 3);
+        // One sequence's rows of a packed call `[heads, all, head_dim]`, one row in.
+        let src = randn(&mut rng, heads * all * head_dim);
+        let mut free: Vec<u32> = (0..dst_rows as u32).collect();
+        free.shuffle(&mut rng);
+        let slots: Vec<u32> = (0..n).map(|r| if rng.random_bool(0.2) { SKIP_ROW } else { free[r] }).collect();
+        let dims = ScatterDims { heads, n, head_dim, dst_rows, src_head_stride: all * head_dim, src_row_stride: head_dim };
+        let before = randn(&mut rng, heads * dst_rows * head_dim);
+        let mut got = before.clone();
+        scatter_rows(&mut got, &src[head_dim..], &dims, &slots).unwrap();
+        // Read back with candle's gathers: each written slot holds its row, every other row is as before.
+        let dev = Device::Cpu;
+        let gather = |v: &[f32], rows: usize, at: &[u32]| -> Vec<f32> {
+            let t = Tensor::from_slice(v, (heads, rows, head_dim), &dev).unwrap();
+            t.index_select(&Tensor::new(at, &dev).unwrap(), 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let rows: Vec<u32> = (0..n as u32).filter(|&r| slots[r as usize] != SKIP_ROW).collect();
+        let at: Vec<u32> = rows.iter().map(|&r| slots[r as usize]).collect();
+        let sequence: Vec<f32> = Tensor::from_slice(&src, (heads, all, head_dim), &dev).unwrap()
+            .narrow(1, 1, n).unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        if !rows.is_empty() {
+            prop_assert_eq!(gather(&got, dst_rows, &at), gather(&sequence, n, &rows));
+        }
+        let others: Vec<u32> = (0..dst_rows as u32).filter(|s| !at.contains(s)).collect();
+        if !others.is_empty() {
+            prop_assert_eq!(gather(&got, dst_rows, &others), gather(&before, dst_rows, &others));
+        }
+        // Two rows to one slot are refused.
+        if n > 1 {
+            let mut twice = vec![SKIP_ROW; n];
+            (twice[0], twice[1]) = (0, 0);
+            prop_assert!(scatter_rows(&mut got, &src[head_dim..], &dims, &twice).is_err());
+        }
     }
 }
