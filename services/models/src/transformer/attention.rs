@@ -429,27 +429,9 @@ fn assemble_keys(
             match index {
                 // The rows are the indices after the cached ones: one write.
                 None => cache.write_rows(layer, *cached, &ks, &vs)?,
-                // Rows at scattered indices: each run of consecutive indices written in place,
-                // in index order (every index past the cached ones is a row).
-                Some(_) => {
-                    let mut order: Vec<(u32, usize)> = seq.index.iter().copied().zip(0..).collect();
-                    order.sort_unstable();
-                    let mut i = 0;
-                    while i < order.len() {
-                        let (b0, r0) = order[i];
-                        let mut n = 1;
-                        while i + n < order.len() && order[i + n] == (b0 + n as u32, r0 + n) {
-                            n += 1;
-                        }
-                        cache.write_rows(
-                            layer,
-                            b0 as usize,
-                            &ks.narrow(1, r0, n)?,
-                            &vs.narrow(1, r0, n)?,
-                        )?;
-                        i += n;
-                    }
-                }
+                // Rows at scattered indices: runs of consecutive indices in host memory, one
+                // launch per page arena on a device.
+                Some(_) => cache.write_indices(layer, &seq.index, &ks, &vs)?,
             }
             cache.fit_layer(layer, *len)?;
             cache.layer_runs(layer)

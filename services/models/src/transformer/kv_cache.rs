@@ -27,6 +27,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor};
+use wavefront_kernels::pages::{ScatterDims, SKIP_ROW};
 
 use crate::error::{ModelError, Result};
 use crate::state::Saved;
@@ -338,6 +339,16 @@ impl PageSupply {
         self.spare.clear();
     }
 
+    /// The arena page `id`'s rows go to (made on first use) for rows like `like`: its index,
+    /// the arena, and the page's first row in it.
+    fn arena_for_write(&mut self, id: u32, like: &Tensor) -> Result<(usize, Arena, usize)> {
+        let (arena, base) = self.pool.arena_for_write(id, like)?;
+        let (h, _, d) = like.dims3()?;
+        let bytes = 2 * h * self.page_size() * d * arena.k.dtype().size_in_bytes();
+        self.page_bytes = self.page_bytes.max(bytes);
+        Ok((self.pool.locate(id).0, arena, base))
+    }
+
     /// Writes `k`/`v` `[H, n, D]` at indices `off..off + n` of page `id`. They may be views
     /// (a sequence's rows of a packed call's `[H, N, D]`): in host memory they are copied row by
     /// row from where they lie, elsewhere made contiguous first.
@@ -525,6 +536,132 @@ impl candle_core::InplaceOp2 for SetRows {
             }
         }
     }
+}
+
+/// Row `r` of `src` `[H, n, D]` (any head and row strides, a row's values consecutive) into
+/// row `slots[r]` of a contiguous `[H, T, D]`, in place; a slot of [`SKIP_ROW`] leaves its row
+/// out. On a device one launch ([`wavefront_kernels::cuda::Kernels::scatter_rows`]); in host
+/// memory the kernels' reference, row by row.
+pub(crate) struct ScatterRows {
+    slots: Vec<u32>,
+}
+
+impl ScatterRows {
+    pub(crate) fn new(slots: Vec<u32>) -> Self {
+        Self { slots }
+    }
+
+    fn dims(
+        &self,
+        dl: &candle_core::Layout,
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<ScatterDims> {
+        let (h, t, d) = dl.shape().dims3()?;
+        let (sh, n, sd) = sl.shape().dims3()?;
+        let ss = sl.stride();
+        if !dl.is_contiguous()
+            || sh != h
+            || sd != d
+            || n != self.slots.len()
+            || (d > 1 && ss[2] != 1)
+        {
+            candle_core::bail!(
+                "scatter-rows: [{sh}, {n}, {sd}] (strides {ss:?}) with {} slots into [{h}, {t}, {d}]",
+                self.slots.len()
+            );
+        }
+        Ok(ScatterDims {
+            heads: h,
+            n,
+            head_dim: d,
+            dst_rows: t,
+            src_head_stride: ss[0],
+            src_row_stride: ss[1],
+        })
+    }
+
+    fn copy<T: Copy>(
+        &self,
+        dst: &mut [T],
+        dl: &candle_core::Layout,
+        src: &[T],
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let dims = self.dims(dl, sl)?;
+        let (d0, s0) = (dl.start_offset(), sl.start_offset());
+        let t = dims.heads * dims.dst_rows * dims.head_dim;
+        wavefront_kernels::pages::scatter_rows(&mut dst[d0..d0 + t], &src[s0..], &dims, &self.slots)
+            .map_err(|e| candle_core::Error::Msg(format!("scatter-rows: {e}")))
+    }
+}
+
+impl candle_core::InplaceOp2 for ScatterRows {
+    fn name(&self) -> &'static str {
+        "scatter-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut candle_core::CpuStorage,
+        dl: &candle_core::Layout,
+        src: &candle_core::CpuStorage,
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage as S;
+        match (dst, src) {
+            (S::F32(d), S::F32(s)) => self.copy(d, dl, s, sl),
+            (S::BF16(d), S::BF16(s)) => self.copy(d, dl, s, sl),
+            (S::F16(d), S::F16(s)) => self.copy(d, dl, s, sl),
+            (d, s) => candle_core::bail!(
+                "scatter-rows: {:?} rows into a {:?} page",
+                candle_core::backend::BackendStorage::dtype(s),
+                candle_core::backend::BackendStorage::dtype(d)
+            ),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dl: &candle_core::Layout,
+        src: &candle_core::CudaStorage,
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::backend::BackendStorage;
+        let dims = self.dims(dl, sl)?;
+        match (dst.dtype(), src.dtype()) {
+            (DType::F32, DType::F32) => scatter_cuda::<f32>(dst, dl, src, sl, &dims, &self.slots),
+            (DType::BF16, DType::BF16) => {
+                scatter_cuda::<half::bf16>(dst, dl, src, sl, &dims, &self.slots)
+            }
+            (d, s) => candle_core::bail!("scatter-rows: {s:?} rows into a {d:?} page on the GPU"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn scatter_cuda<T: wavefront_kernels::cuda::Elem + candle_core::cuda_backend::CudaDType>(
+    dst: &mut candle_core::CudaStorage,
+    dl: &candle_core::Layout,
+    src: &candle_core::CudaStorage,
+    sl: &candle_core::Layout,
+    dims: &ScatterDims,
+    slots: &[u32],
+) -> candle_core::Result<()> {
+    use candle_core::backend::BackendStorage;
+    let msg =
+        |e: wavefront_kernels::KernelError| candle_core::Error::Msg(format!("scatter-rows: {e}"));
+    let kernels = super::ragged::cuda_kernels(dst.device())?;
+    let (d0, d1) = (
+        dl.start_offset(),
+        dl.start_offset() + dims.heads * dims.dst_rows * dims.head_dim,
+    );
+    let src_view = src.as_cuda_slice::<T>()?.slice(sl.start_offset()..);
+    let mut dst_view = dst.as_cuda_slice_mut::<T>()?.slice_mut(d0..d1);
+    kernels
+        .scatter_rows(&mut dst_view, &src_view, dims, slots)
+        .map_err(msg)
 }
 
 /// A request's cache in pages, as the engine's families hand it slots and move it: a
@@ -999,25 +1136,18 @@ impl KvCache {
         v: &Tensor,
     ) -> Result<()> {
         let n = k.dim(1)?;
+        let p = self.page_size();
+        if !k.device().is_cpu() && n > 0 && (at + n - 1) / p > at / p {
+            // Across pages on a device: one launch per arena instead of copies per page.
+            let order: Vec<(u32, usize)> = (0..n).map(|r| ((at + r) as u32, r)).collect();
+            return self.scatter_rows(layer, &order, k, v);
+        }
         if self.tables.len() <= layer {
             self.tables.resize(layer + 1, Vec::new());
             self.layer_lens.resize(layer + 1, 0);
         }
         let held = self.layer_lens[layer];
-        if at > held {
-            return Err(ModelError::Cache(if held == 0 {
-                format!("layer {layer} holds no keys to write rows at {at} after")
-            } else {
-                format!("rows written at {at} would leave a gap after the {held} held")
-            }));
-        }
-        let p = self.page_size();
-        if at < self.frozen * p {
-            return Err(ModelError::Cache(format!(
-                "rows at {at} would overwrite the {} shared prompt indices",
-                self.frozen * p
-            )));
-        }
+        self.check_write(layer, at, held)?;
         let mut done = 0;
         while done < n {
             let index = at + done;
@@ -1032,6 +1162,133 @@ impl KvCache {
             done += take;
         }
         self.layer_lens[layer] = held.max(at + n);
+        Ok(())
+    }
+
+    /// Writes row `r` of `k`/`v` `[H, n, D]` at buffer index `index[r]` of `layer`. The
+    /// indices are distinct; in index order each is within the rows held or continues those
+    /// before it (no gap), and none is in the shared prompt's pages. In host memory each run of
+    /// consecutive indices is one copy from where the rows lie; on a device every row bound
+    /// for one page arena is one launch ([`ScatterRows`]), however the indices scatter.
+    pub(crate) fn write_indices(
+        &mut self,
+        layer: usize,
+        index: &[u32],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        if k.dim(1)? != index.len() || v.dim(1)? != index.len() {
+            return Err(ModelError::Shape(format!(
+                "{} buffer indices for {} rows",
+                index.len(),
+                k.dim(1)?
+            )));
+        }
+        let mut order: Vec<(u32, usize)> = index.iter().copied().zip(0..).collect();
+        order.sort_unstable();
+        if let Some(w) = order.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(ModelError::Shape(format!(
+                "buffer index {} appears twice in one write",
+                w[0].0
+            )));
+        }
+        if k.device().is_cpu() {
+            let mut i = 0;
+            while i < order.len() {
+                let (b0, r0) = order[i];
+                let mut n = 1;
+                while i + n < order.len() && order[i + n] == (b0 + n as u32, r0 + n) {
+                    n += 1;
+                }
+                self.write_rows(
+                    layer,
+                    b0 as usize,
+                    &k.narrow(1, r0, n)?,
+                    &v.narrow(1, r0, n)?,
+                )?;
+                i += n;
+            }
+            return Ok(());
+        }
+        self.scatter_rows(layer, &order, k, v)
+    }
+
+    /// [`Self::write_indices`] as one launch per page arena: `order` holds `(buffer index,
+    /// row)` sorted by index, distinct.
+    fn scatter_rows(
+        &mut self,
+        layer: usize,
+        order: &[(u32, usize)],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        if self.tables.len() <= layer {
+            self.tables.resize(layer + 1, Vec::new());
+            self.layer_lens.resize(layer + 1, 0);
+        }
+        let p = self.page_size();
+        let mut reach = self.layer_lens[layer];
+        for &(b, _) in order {
+            let b = b as usize;
+            self.check_write(layer, b, reach)?;
+            reach = reach.max(b + 1);
+            if b / p == self.tables[layer].len() {
+                let id = self.supply.take(self.pages_used())?;
+                self.tables[layer].push(id);
+            }
+        }
+        // Each row's slot in its page's arena, one list of slots per arena.
+        let mut arenas: Vec<(usize, Arena, Vec<u32>)> = Vec::new();
+        let mut page: Option<(u32, usize, usize)> = None;
+        for &(b, r) in order {
+            let (b, id) = (b as usize, self.tables[layer][b as usize / p]);
+            let (a, base) = match page {
+                Some((last, a, base)) if last == id => (a, base),
+                _ => {
+                    let (a, arena, base) = self.supply.arena_for_write(id, k)?;
+                    if !arenas.iter().any(|g| g.0 == a) {
+                        arenas.push((a, arena, vec![SKIP_ROW; order.len()]));
+                    }
+                    page = Some((id, a, base));
+                    (a, base)
+                }
+            };
+            if let Some(g) = arenas.iter_mut().find(|g| g.0 == a) {
+                g.2[r] = (base + b % p) as u32;
+            }
+        }
+        for (_, arena, slots) in arenas {
+            let op = ScatterRows { slots };
+            for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
+                let src = if src.dtype() == dst.dtype() {
+                    src.clone()
+                } else {
+                    src.to_dtype(dst.dtype())?
+                };
+                dst.inplace_op2(&src, &op)?;
+            }
+        }
+        self.layer_lens[layer] = reach;
+        Ok(())
+    }
+
+    /// Whether rows may be written at index `at` of `layer`, whose valid rows end at `held`:
+    /// no gap after them, and not in the shared prompt's pages.
+    fn check_write(&self, layer: usize, at: usize, held: usize) -> Result<()> {
+        if at > held {
+            return Err(ModelError::Cache(if held == 0 {
+                format!("layer {layer} holds no keys to write rows at {at} after")
+            } else {
+                format!("rows written at {at} would leave a gap after the {held} held")
+            }));
+        }
+        let p = self.page_size();
+        if at < self.frozen * p {
+            return Err(ModelError::Cache(format!(
+                "rows at {at} would overwrite the {} shared prompt indices",
+                self.frozen * p
+            )));
+        }
         Ok(())
     }
 
@@ -1222,6 +1479,68 @@ mod tests {
                 bits(&vk.narrow(1, 15, 4)?)?,
                 bits(&packed.narrow(1, 3, 4)?)?
             );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn scattered_rows_land_where_runs_of_them_would() -> Result<()> {
+        // A sequence's rows of a packed call `[H, N, D]` (a strided view) at scattered buffer
+        // indices over 48 held ones: the host path (a copy per run) against the device path (a
+        // scatter per arena, here through the kernels' reference), in a private pool whose
+        // arenas double (the rows reach three) and in a shared one.
+        let (h, n, d) = (3, 9, 5);
+        let packed = Tensor::arange(0f32, (h * n * d) as f32, &Device::Cpu)?.reshape((h, n, d))?;
+        let index = [40u32, 3, 17, 18, 2, 33, 19, 48, 49];
+        let held = (Tensor::arange(0f32, (h * 48 * d) as f32, &Device::Cpu)? * -1.0)?
+            .reshape((h, 48, d))?;
+        for dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
+            let (packed, held) = (packed.to_dtype(dtype)?, held.to_dtype(dtype)?);
+            let rows = packed.narrow(1, 0, n)?;
+            let shared = KvPool::shared(16);
+            let mut granted = KvCache::in_pool(shared.clone());
+            granted.grant(0..8);
+            let mut caches = [KvCache::new(), KvCache::new(), granted];
+            for c in &mut caches {
+                c.write_rows(0, 0, &held, &held)?;
+            }
+            caches[0].write_indices(0, &index, &rows, &rows)?;
+            let mut order: Vec<(u32, usize)> = index.iter().copied().zip(0..).collect();
+            order.sort_unstable();
+            for c in &mut caches[1..] {
+                c.scatter_rows(0, &order, &rows, &rows)?;
+            }
+            let bits = |c: &KvCache| -> Result<Vec<f32>> {
+                let (k, v) = c.layer_kv(0)?;
+                Ok(Tensor::cat(&[k, v], 0)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1()?)
+            };
+            let want = bits(&caches[0])?;
+            assert_eq!(caches[0].layer_len(0), 50);
+            for c in &caches[1..] {
+                assert_eq!(c.layer_len(0), 50);
+                assert_eq!(bits(c)?, want);
+            }
+            // Row 2 of the call is buffer index 17.
+            let (k, _) = caches[1].layer_kv(0)?;
+            assert_eq!(
+                k.narrow(1, 17, 1)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+                rows.narrow(1, 2, 1)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+            );
+            // A gap past the rows held, or one index twice, is refused.
+            let one = rows.narrow(1, 0, 1)?;
+            let gap = caches[1].scatter_rows(0, &[(52, 0)], &one, &one);
+            assert!(matches!(gap, Err(ModelError::Cache(m)) if m.contains("gap")));
+            let two = rows.narrow(1, 0, 2)?;
+            assert!(caches[1].write_indices(0, &[5, 5], &two, &two).is_err());
         }
         Ok(())
     }

@@ -343,6 +343,15 @@ impl CustomOp1 for RaggedOp {
     }
 }
 
+/// The CUDA kernels of `dev`, loaded once per device and launched on candle's stream of it
+/// (K/V page writes use them too).
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_kernels(
+    dev: &candle_core::cuda_backend::CudaDevice,
+) -> candle_core::Result<std::sync::Arc<wavefront_kernels::cuda::Kernels>> {
+    cuda::kernels(dev)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     //! The CUDA side: the kernels are loaded once per candle device and launched on candle's
@@ -366,7 +375,7 @@ mod cuda {
         candle_core::Error::Msg(format!("ragged attention: {e}"))
     }
 
-    fn kernels(dev: &CudaDevice) -> candle_core::Result<Arc<Kernels>> {
+    pub(super) fn kernels(dev: &CudaDevice) -> candle_core::Result<Arc<Kernels>> {
         static LOADED: OnceLock<Mutex<HashMap<DeviceId, Arc<Kernels>>>> = OnceLock::new();
         let mut map = LOADED
             .get_or_init(Mutex::default)
