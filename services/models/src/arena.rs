@@ -261,6 +261,67 @@ impl Pooled {
         Self::new_in(pool, &zeros)
     }
 
+    /// An entry of `pool` that holds its last owner's values until it is written
+    /// ([`Self::set_rows`]).
+    pub fn leased_in(pool: &ArenaPool) -> Result<Self> {
+        let lease = pool.take()?;
+        let rows = pool.shape().first().copied().unwrap_or(0);
+        Ok(Self {
+            tensor: lease.view(rows)?,
+            lease: Some(Arc::new(lease)),
+        })
+    }
+
+    /// Sets each `(item, row)` to row `row` of `src` `[R, ..shape]`, as [`Self::set`] one by
+    /// one would: the rows bound for one arena in one pass
+    /// ([`crate::transformer::kv_cache::ScatterRows`]: one launch on a device, not a copy
+    /// each).
+    pub fn set_rows(items: &mut [(&mut Pooled, usize)], src: &Tensor) -> Result<()> {
+        let rows = src.dim(0)?;
+        let width = src.elem_count() / rows.max(1);
+        // (pool, arena index, arena, each row's entry in it)
+        let mut groups: Vec<(ArenaPool, usize, Tensor, Vec<u32>)> = Vec::new();
+        for (p, r) in items.iter_mut() {
+            let r = *r;
+            if r >= rows || p.tensor.dims() != &src.dims()[1..] {
+                return Err(ModelError::Shape(format!(
+                    "cannot set a {:?} state to row {r} of {:?}",
+                    p.tensor.dims(),
+                    src.dims()
+                )));
+            }
+            let lease = p.lease.as_ref().filter(|l| {
+                l.pool.shape() == p.tensor.dims() && l.arena.device().same_device(src.device())
+            });
+            let Some(lease) = lease else {
+                p.set(src.get(r)?)?;
+                continue;
+            };
+            let a = lease.index / lease.pool.inner.per_arena;
+            let at = lease.at() as u32;
+            match groups
+                .iter_mut()
+                .find(|g| Arc::ptr_eq(&g.0.inner, &lease.pool.inner) && g.1 == a)
+            {
+                Some(g) => g.3[r] = at,
+                None => {
+                    let mut slots = vec![wavefront_kernels::pages::SKIP_ROW; rows];
+                    slots[r] = at;
+                    groups.push((lease.pool.clone(), a, lease.arena.clone(), slots));
+                }
+            }
+        }
+        for (pool, _, arena, slots) in groups {
+            let src = src
+                .to_dtype(pool.dtype())?
+                .contiguous()?
+                .reshape((1, rows, width))?;
+            let dst = arena.reshape((1, pool.inner.per_arena, width))?;
+            dst.inplace_op2(&src, &crate::transformer::kv_cache::ScatterRows::new(slots))?;
+        }
+        Ok(())
+    }
+
     /// The values (a view of the entry when pooled: read it before the entry is written again).
     pub fn tensor(&self) -> &Tensor {
         &self.tensor
@@ -324,11 +385,60 @@ impl Pooled {
             let index = Tensor::new(rows.as_slice(), lease.arena.device())?;
             return Ok(lease.arena.index_select(&index, 0)?);
         }
+        if let Some(t) = Self::stack_by_arena(items)? {
+            return Ok(t);
+        }
         let views = items
             .iter()
             .map(|p| p.tensor.unsqueeze(0))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Tensor::cat(&views, 0)?)
+    }
+}
+
+impl Pooled {
+    /// [`Pooled::stack`] of whole entries of one pool in several arenas: a gather per arena,
+    /// then one gather into the items' order (`None` when the items are not such entries).
+    fn stack_by_arena(items: &[&Pooled]) -> Result<Option<Tensor>> {
+        let Some(pool) = items[0].lease.as_ref().map(|l| l.pool.clone()) else {
+            return Ok(None);
+        };
+        let per = pool.inner.per_arena;
+        // (arena index, arena, entries in it, items' places in the gathered rows)
+        let mut groups: Vec<(usize, Tensor, Vec<u32>)> = Vec::new();
+        let mut place = Vec::with_capacity(items.len());
+        for p in items {
+            let Some(l) = p.lease.as_ref().filter(|l| {
+                Arc::ptr_eq(&l.pool.inner, &pool.inner) && l.pool.shape() == p.tensor.dims()
+            }) else {
+                return Ok(None);
+            };
+            let a = l.index / per;
+            let g = match groups.iter().position(|g| g.0 == a) {
+                Some(g) => g,
+                None => {
+                    groups.push((a, l.arena.clone(), Vec::new()));
+                    groups.len() - 1
+                }
+            };
+            groups[g].2.push(l.at() as u32);
+            place.push((g, groups[g].2.len() - 1));
+        }
+        let device = pool.device();
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut first = Vec::with_capacity(groups.len());
+        let mut n = 0u32;
+        for (_, arena, at) in &groups {
+            first.push(n);
+            n += at.len() as u32;
+            parts.push(arena.index_select(&Tensor::new(at.as_slice(), device)?, 0)?);
+        }
+        let gathered = Tensor::cat(&parts, 0)?;
+        let order: Vec<u32> = place.iter().map(|&(g, i)| first[g] + i as u32).collect();
+        Ok(Some(gathered.index_select(
+            &Tensor::new(order.as_slice(), device)?,
+            0,
+        )?))
     }
 }
 
@@ -393,6 +503,36 @@ mod tests {
         let order = [&three[2], &three[0], &three[1]];
         let expect: Vec<f32> = order.iter().flat_map(|p| values(p.tensor())).collect();
         assert_eq!(values(&Pooled::stack(&order)?), expect);
+        Ok(())
+    }
+
+    #[test]
+    fn rows_set_at_once_and_stacked_across_arenas_keep_their_order() -> Result<()> {
+        let cpu = Device::Cpu;
+        let pool = ArenaPool::new(&[4], DType::F32, &cpu, 2);
+        let src = Tensor::arange(0f32, 20.0, &cpu)?.reshape((5, 4))?;
+        // Five entries over three arenas, fresh leases and an own tensor, rows in any order.
+        let mut items: Vec<Pooled> = (0..4)
+            .map(|_| Pooled::leased_in(&pool))
+            .collect::<Result<_>>()?;
+        items.push(Pooled::own(Tensor::zeros(4, DType::F32, &cpu)?));
+        let rows = [3usize, 0, 4, 1, 2];
+        let mut pairs: Vec<(&mut Pooled, usize)> = items.iter_mut().zip(rows).collect();
+        Pooled::set_rows(&mut pairs, &src)?;
+        for (p, r) in items.iter().zip(rows) {
+            assert_eq!(values(p.tensor()), values(&src.get(r)?));
+        }
+        assert!(items[..4].iter().all(Pooled::is_pooled) && !items[4].is_pooled());
+        // A gather per arena, then the items' order.
+        let order: Vec<&Pooled> = vec![&items[2], &items[0], &items[3], &items[1]];
+        let stacked = Pooled::stack(&order)?;
+        let expect: Vec<f32> = order.iter().flat_map(|p| values(p.tensor())).collect();
+        assert_eq!(values(&stacked), expect);
+        // A row past the source, or a row of another shape, is refused.
+        let mut bad = [(&mut items[0], 5usize)];
+        assert!(Pooled::set_rows(&mut bad, &src).is_err());
+        let mut bad = [(&mut items[0], 0usize)];
+        assert!(Pooled::set_rows(&mut bad, &src.narrow(1, 0, 3)?).is_err());
         Ok(())
     }
 

@@ -222,20 +222,23 @@ impl SureLock {
             }
         };
         let mut before = std::mem::take(&mut self.prev);
+        let mut kept = Vec::new();
         for (r, &p) in positions.iter().enumerate() {
             if self.is_locked(p) || !holds_token(p) {
                 continue;
             }
-            let row = log_probs.get(r)?;
-            let kept = match before.remove(&p) {
-                Some(mut slot) if slot.is_pooled() => {
-                    slot.set(row)?;
-                    slot
-                }
-                _ => Pooled::new_in(&pool, &row)?,
+            let slot = match before.remove(&p) {
+                Some(slot) if slot.is_pooled() => slot,
+                _ => Pooled::leased_in(&pool)?,
             };
-            self.prev.insert(p, kept);
+            kept.push((p, slot, r));
         }
+        // Every kept row written at once (one launch per arena on a device).
+        let mut rows: Vec<(&mut Pooled, usize)> =
+            kept.iter_mut().map(|(_, slot, r)| (slot, *r)).collect();
+        Pooled::set_rows(&mut rows, log_probs)?;
+        self.prev
+            .extend(kept.into_iter().map(|(p, slot, _)| (p, slot)));
         Ok(decided)
     }
 
