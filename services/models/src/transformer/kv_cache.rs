@@ -1257,6 +1257,16 @@ impl KvCache {
                 g.2[r] = (base + b % p) as u32;
             }
         }
+        // The kernel reads rows of consecutive values (any head and row strides); other
+        // layouts (a transposed projection's `[H, n, D]` view) are copied into it first.
+        let rows = |t: &Tensor| -> Result<Tensor> {
+            Ok(if t.dim(2)? == 1 || t.stride()[2] == 1 {
+                t.clone()
+            } else {
+                t.contiguous()?
+            })
+        };
+        let (k, v) = (&rows(k)?, &rows(v)?);
         for (_, arena, slots) in arenas {
             let op = ScatterRows { slots };
             for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
@@ -1535,6 +1545,18 @@ mod tests {
                     .flatten_all()?
                     .to_vec1::<f32>()?
             );
+            // Rows whose values are not consecutive (a transposed `[H, n, D]` view, as a
+            // projection on a GPU can leave them) land as well.
+            let dim_major = rows
+                .contiguous()?
+                .transpose(0, 2)?
+                .contiguous()?
+                .transpose(0, 2)?;
+            assert_ne!(dim_major.stride()[2], 1);
+            let mut again = KvCache::new();
+            again.write_rows(0, 0, &held, &held)?;
+            again.scatter_rows(0, &order, &dim_major, &dim_major)?;
+            assert_eq!(bits(&again)?, want);
             // A gap past the rows held, or one index twice, is refused.
             let one = rows.narrow(1, 0, 1)?;
             let gap = caches[1].scatter_rows(0, &[(52, 0)], &one, &one);
