@@ -27,6 +27,21 @@
 #                                  suites, the layer-shape benches through the ragged kernel,
 #                                  DiffusionGemma, then the full-depth figures (run it with
 #                                  DEADLINE set so it ends inside the call)
+#   scripts/gpu-suite.sh survey    what had not run on a device since session 23: the kernels
+#                                  against their references, every golden suite side by side,
+#                                  SureLock's cost split (its statistics with nothing locked,
+#                                  then with locking) at LLaDA-8B's layer shape, bench-ragged,
+#                                  Huginn-0125 static AR alone against 16 concurrent, LLaDA-8B at
+#                                  full depth with Fast-dLLM's modes, LLaDA2.0-mini at full depth
+#                                  (run it with DEADLINE; logs packed into RESULTS/logs.tgz)
+#   scripts/gpu-suite.sh ab        a change against the build before it, side by side in one
+#                                  run: BINARY-old in BIN is the earlier build of BINARY (packed
+#                                  with PACK naming both). The kernels against their references
+#                                  and the golden suites of the new build, then each bench old
+#                                  and new: SureLock's split at LLaDA-8B's layer shape, LLaDA-8B
+#                                  at full depth (baseline, SureLock, Fast-dLLM's caches),
+#                                  ReFusion's plan-infill at Qwen3-8B's layer shape, Huginn-0125
+#                                  static AR 16 concurrent (run it with DEADLINE)
 #   scripts/gpu-suite.sh next      what session 23's lease left (docs/benchmarks.md, "GPU
 #                                  session 23"): ARMT's 8 x 8192 diagonal run that hit an
 #                                  illegal address, under compute-sanitizer at a smaller size,
@@ -299,6 +314,131 @@ next_steps() {
     --schemes low-confidence,wino,dual-threshold
 }
 
+survey() {
+  local b=$BIN t
+  for t in "$BIN"/test-cuda-*; do
+    [ -e "$t" ] && LIMIT=60 step "$(basename "$t")" "$t" --test-threads 1
+  done
+  for t in "$BIN"/test-*; do
+    case $(basename "$t") in
+      test-cuda-*|test-nccl-*|test-hostile_files-*|test-reference-*|test-bench_ragged-*) continue ;;
+    esac
+    LIMIT=100 step "$(basename "$t")" "$t" --test-threads 4 &
+  done
+  wait
+  # SureLock at LLaDA-8B's layer shape, 8 of its 32 layers: the baseline, SureLock's statistics
+  # with nothing locked (eps 0: the posteriors, KL and kept rows of every step, no row skipped),
+  # and SureLock locking (the skipped rows' path on top).
+  local llada8=(--device cuda:0 --dtype bf16 --d-model 4096 --n-heads 32 --n-layers 8
+    --mlp-hidden-size 12288 --vocab-size 126464 --qk-scale 1 --gen-length 128 --block-length 32
+    --concurrency 1 --attention ragged)
+  LIMIT=40 step surelock-split "$b/bench-masked-diffusion" "${llada8[@]}" \
+    --schemes low-confidence,surelock
+  LIMIT=30 step surelock-eps0 "$b/bench-masked-diffusion" "${llada8[@]}" --schemes surelock \
+    --surelock-eps 0
+  # Which kernels a SureLock step launches (names and times of 600 launches mid-run, at 2 of
+  # LLaDA-8B's layers): does its cost follow the launches per layer?
+  if command -v ncu >/dev/null; then
+    LIMIT=60 step surelock-ncu ncu --clock-control none --metrics gpu__time_duration.sum \
+      --launch-skip 4000 --launch-count 600 --csv --log-file "$RESULTS/surelock-ncu.csv" \
+      "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 --d-model 4096 --n-heads 32 \
+      --n-layers 2 --mlp-hidden-size 12288 --vocab-size 126464 --qk-scale 1 --gen-length 64 \
+      --block-length 32 --concurrency 1 --attention ragged --schemes surelock
+  fi
+  LIMIT=100 step huginn-0125-static "$b/bench-recurrent-depth" --device cuda:0 --dtype bf16 \
+    --n-embd 5280 --n-heads 55 --intermediate-size 17920 --vocab-size 65536 \
+    --max-new-tokens 16 --batched-max-new-tokens 16 --repeat 1 --single ar-static \
+    --batched ar-static --concurrency 1,16 --memory-budget-mb 24000 --cold-pool
+  LIMIT=75 step llada-8b-fast-dllm "$b/bench-masked-diffusion" --device cuda:0 --dtype bf16 \
+    --d-model 4096 --n-heads 32 --n-layers 32 --mlp-hidden-size 12288 --vocab-size 126464 \
+    --qk-scale 1 --gen-length 256 --block-length 32 --concurrency 1 --attention ragged \
+    --schemes low-confidence,prefix-threshold,dual-threshold
+  LIMIT=75 step llada2-mini-ragged "$b/bench-block-diffusion" --device cuda:0 --dtype bf16 \
+    --hidden-size 2048 --heads 16 --kv-heads 4 --layers 20 --intermediate-size 5120 \
+    --experts 256 --experts-per-token 8 --moe-intermediate-size 512 --vocab-size 157184 \
+    --gen-length 256 --block-length 32 --steps 32 --concurrency 1,8 --rows 32,256 \
+    --attention ragged
+  [ -x "$b/bench-ragged" ] && LIMIT=40 step bench-ragged "$b/bench-ragged"
+  # The device tool returns at most 8 files: every log in one archive.
+  tar czf "$RESULTS/logs.tgz" -C "$RESULTS" --exclude logs.tgz . 2>/dev/null
+  # The tables on stdout, for the reply's tail.
+  for t in surelock-split surelock-eps0 bench-ragged huginn-0125-static llada-8b-fast-dllm \
+    llada2-mini-ragged; do
+    [ -f "$RESULTS/$t.log" ] && { echo "== $t"; grep '^|' "$RESULTS/$t.log" | cut -c1-220; }
+  done
+  if [ -f "$RESULTS/surelock-ncu.csv" ]; then
+    echo "== surelock-ncu: launches and device time by kernel"
+    python3 - "$RESULTS/surelock-ncu.csv" <<'PY'
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]
+name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+agg = collections.defaultdict(lambda: [0, 0.0])
+for r in rows[1:]:
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit]]
+    a = agg[r[name][:60]]
+    a[0] += 1
+    a[1] += float(r[value].replace(",", "")) * scale
+for k, (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]:
+    print(f"{n:6d} {us:10.1f} us  {k}")
+PY
+  fi
+  cat "$RESULTS/summary.txt"
+}
+
+ab() {
+  local b=$BIN t v
+  for t in "$BIN"/test-cuda-*; do
+    [ -e "$t" ] && LIMIT=60 step "$(basename "$t")" "$t" --test-threads 1
+  done
+  for t in "$BIN"/test-*; do
+    case $(basename "$t") in
+      test-cuda-*|test-nccl-*|test-hostile_files-*|test-reference-*|test-bench_ragged-*) continue ;;
+    esac
+    LIMIT=100 step "$(basename "$t")" "$t" --test-threads 4 &
+  done
+  wait
+  local llada8=(--device cuda:0 --dtype bf16 --d-model 4096 --n-heads 32 --n-layers 8
+    --mlp-hidden-size 12288 --vocab-size 126464 --qk-scale 1 --gen-length 128 --block-length 32
+    --concurrency 1 --attention ragged)
+  local llada32=(--device cuda:0 --dtype bf16 --d-model 4096 --n-heads 32 --n-layers 32
+    --mlp-hidden-size 12288 --vocab-size 126464 --qk-scale 1 --gen-length 128 --block-length 32
+    --concurrency 1 --attention ragged
+    --schemes low-confidence,surelock,dual-cache,prefix-threshold,dual-threshold)
+  local refusion8=(--device cuda:0 --dtype bf16 --hidden-size 4096 --num-attention-heads 32
+    --num-key-value-heads 8 --head-dim 128 --num-hidden-layers 8 --intermediate-size 12288
+    --vocab-size 151936 --gen-length 256 --concurrency 1,8 --consensus 2 --attention ragged)
+  local huginn=(--device cuda:0 --dtype bf16 --n-embd 5280 --n-heads 55 --intermediate-size 17920
+    --vocab-size 65536 --max-new-tokens 16 --batched-max-new-tokens 16 --repeat 1
+    --single ar-static --batched ar-static --concurrency 16 --memory-budget-mb 24000 --cold-pool)
+  for v in old new; do
+    t=$([ $v = old ] && echo -old)
+    LIMIT=40 step "surelock-split-$v" "$b/bench-masked-diffusion$t" "${llada8[@]}" \
+      --schemes low-confidence,surelock
+    LIMIT=30 step "surelock-eps0-$v" "$b/bench-masked-diffusion$t" "${llada8[@]}" \
+      --schemes surelock --surelock-eps 0
+  done
+  for v in old new; do
+    t=$([ $v = old ] && echo -old)
+    LIMIT=75 step "llada-8b-$v" "$b/bench-masked-diffusion$t" "${llada32[@]}"
+  done
+  for v in old new; do
+    t=$([ $v = old ] && echo -old)
+    LIMIT=40 step "refusion-qwen3-8b-8l-$v" "$b/bench-slot-diffusion$t" "${refusion8[@]}"
+  done
+  for v in old new; do
+    t=$([ $v = old ] && echo -old)
+    LIMIT=60 step "huginn-0125-x16-$v" "$b/bench-recurrent-depth$t" "${huginn[@]}"
+  done
+  tar czf "$RESULTS/logs.tgz" -C "$RESULTS" --exclude logs.tgz . 2>/dev/null
+  for t in surelock-split surelock-eps0 llada-8b refusion-qwen3-8b-8l huginn-0125-x16; do
+    for v in old new; do
+      [ -f "$RESULTS/$t-$v.log" ] && { echo "== $t-$v"; grep '^|' "$RESULTS/$t-$v.log" | grep -v '^|--' | cut -c1-200; }
+    done
+  done
+  cat "$RESULTS/summary.txt"
+}
+
 open_findings() {
   local t
   for t in "$BIN"/test-huginn_diffusion_golden-*; do
@@ -322,5 +462,7 @@ case $WHAT in
   gemma) gemma ;;
   lease) lease ;;
   next) next_steps ;;
-  *) echo "usage: $0 checks|quick|figures|all|open|gemma|lease|next" >&2; exit 2 ;;
+  survey) survey ;;
+  ab) ab ;;
+  *) echo "usage: $0 checks|quick|figures|all|open|gemma|lease|next|survey|ab" >&2; exit 2 ;;
 esac
