@@ -175,9 +175,12 @@ pub struct Target {
     /// Threads of the CPU kernels (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Finished requests kept for their prompt pages (the prefix cache; 0: none), as
-    /// `wavefront serve`'s flag.
-    #[arg(long, default_value_t = wavefront_engine::scheduler::DEFAULT_PREFIX_CACHE_ENTRIES)]
+    /// Finished requests kept for their prompt pages (the prefix cache), as `wavefront
+    /// serve`'s flag. Off (0) unless asked, unlike `serve`: the benches serve the same requests
+    /// more than once to compare ways of serving them (together and one after another, one
+    /// scheme and another), and a cache would let a later run read an earlier run's prompts
+    /// (ARMT's 8 x 8192 together-run read the memories the one-after-another run had left).
+    #[arg(long, default_value_t = 0)]
     pub prefix_cache_entries: usize,
 }
 
