@@ -30,6 +30,7 @@ pub mod dream;
 pub mod error;
 pub mod files;
 pub mod gguf;
+mod gpu_memory;
 pub mod huginn;
 pub mod llada;
 pub mod llada2;

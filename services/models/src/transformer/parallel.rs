@@ -161,7 +161,7 @@ impl TensorParallel {
                     gpu_id + r
                 ))
             })?;
-            crate::device::keep_freed_memory(&d)?;
+            crate::gpu_memory::keep_freed_memory(&d)?;
             devices.push(d);
         }
         Self::nccl(devices)
