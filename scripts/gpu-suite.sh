@@ -314,8 +314,9 @@ next_steps() {
     --schemes low-confidence,wino,dual-threshold
 }
 
-survey() {
-  local b=$BIN t
+# The kernels against their references, then every golden suite carried, side by side.
+carried_checks() {
+  local t
   for t in "$BIN"/test-cuda-*; do
     [ -e "$t" ] && LIMIT=60 step "$(basename "$t")" "$t" --test-threads 1
   done
@@ -326,6 +327,11 @@ survey() {
     LIMIT=100 step "$(basename "$t")" "$t" --test-threads 4 &
   done
   wait
+}
+
+survey() {
+  local b=$BIN t
+  carried_checks
   # SureLock at LLaDA-8B's layer shape, 8 of its 32 layers: the baseline, SureLock's statistics
   # with nothing locked (eps 0: the posteriors, KL and kept rows of every step, no row skipped),
   # and SureLock locking (the skipped rows' path on top).
@@ -388,16 +394,7 @@ PY
 
 ab() {
   local b=$BIN t v
-  for t in "$BIN"/test-cuda-*; do
-    [ -e "$t" ] && LIMIT=60 step "$(basename "$t")" "$t" --test-threads 1
-  done
-  for t in "$BIN"/test-*; do
-    case $(basename "$t") in
-      test-cuda-*|test-nccl-*|test-hostile_files-*|test-reference-*|test-bench_ragged-*) continue ;;
-    esac
-    LIMIT=100 step "$(basename "$t")" "$t" --test-threads 4 &
-  done
-  wait
+  carried_checks
   local llada8=(--device cuda:0 --dtype bf16 --d-model 4096 --n-heads 32 --n-layers 8
     --mlp-hidden-size 12288 --vocab-size 126464 --qk-scale 1 --gen-length 128 --block-length 32
     --concurrency 1 --attention ragged)

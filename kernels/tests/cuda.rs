@@ -484,40 +484,11 @@ fn scatter_rows_writes_each_row_to_its_slot_and_nothing_else() {
             src_row_stride: head_dim,
         };
         let before = randn(&mut rng, heads * dst_rows * head_dim);
-        let mut want = before.clone();
-        scatter_rows(&mut want, &src[first * head_dim..], &dims, &slots).unwrap();
-        // float32, bit for bit, the rows not named unchanged
-        let srcd = s.clone_htod(&src).unwrap();
-        let mut dstd = s.clone_htod(&before).unwrap();
-        kernels
-            .scatter_rows(
-                &mut dstd.slice_mut(..),
-                &srcd.slice(first * head_dim..),
-                &dims,
-                &slots,
-            )
-            .unwrap();
-        let got = s.clone_dtoh(&dstd).unwrap();
-        assert!(got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
-        // bf16
+        // Bit for bit in both element types, the rows not named unchanged.
+        scatter_matches_reference(&kernels, &src, &before, first * head_dim, &dims, &slots);
         let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
-        let (src16, before16) = (to_bf16(&src), to_bf16(&before));
-        let mut want16 = before16.clone();
-        scatter_rows(&mut want16, &src16[first * head_dim..], &dims, &slots).unwrap();
-        let srcd = s.clone_htod(&src16).unwrap();
-        let mut dstd = s.clone_htod(&before16).unwrap();
-        kernels
-            .scatter_rows(
-                &mut dstd.slice_mut(..),
-                &srcd.slice(first * head_dim..),
-                &dims,
-                &slots,
-            )
-            .unwrap();
-        assert_eq!(s.clone_dtoh(&dstd).unwrap(), want16);
+        let (src, before) = (to_bf16(&src), to_bf16(&before));
+        scatter_matches_reference(&kernels, &src, &before, first * head_dim, &dims, &slots);
     }
     // Refused before a launch: two rows to one slot, a slot past the destination.
     let dims = ScatterDims {
@@ -535,4 +506,26 @@ fn scatter_rows_writes_each_row_to_its_slot_and_nothing_else() {
             .scatter_rows(&mut dstd.slice_mut(..), &srcd.slice(..), &dims, &bad)
             .is_err());
     }
+}
+
+/// The device's scatter of `src[from..]`'s rows into `before` against the CPU reference.
+fn scatter_matches_reference<T>(
+    kernels: &Kernels,
+    src: &[T],
+    before: &[T],
+    from: usize,
+    dims: &ScatterDims,
+    slots: &[u32],
+) where
+    T: wavefront_kernels::cuda::Elem + Default + PartialEq + std::fmt::Debug + Unpin,
+{
+    let s = kernels.stream();
+    let mut want = before.to_vec();
+    scatter_rows(&mut want, &src[from..], dims, slots).unwrap();
+    let srcd = s.clone_htod(src).unwrap();
+    let mut dstd = s.clone_htod(before).unwrap();
+    kernels
+        .scatter_rows(&mut dstd.slice_mut(..), &srcd.slice(from..), dims, slots)
+        .unwrap();
+    assert_eq!(s.clone_dtoh(&dstd).unwrap(), want);
 }

@@ -340,7 +340,8 @@ impl PageSupply {
     }
 
     /// The arena page `id`'s rows go to (made on first use) for rows like `like`: its index,
-    /// the arena, and the page's first row in it.
+    /// the arena, and the page's first row in it. Keeps the largest page written (layers may
+    /// cache rows of different shapes).
     fn arena_for_write(&mut self, id: u32, like: &Tensor) -> Result<(usize, Arena, usize)> {
         let (arena, base) = self.pool.arena_for_write(id, like)?;
         let (h, _, d) = like.dims3()?;
@@ -353,15 +354,11 @@ impl PageSupply {
     /// (a sequence's rows of a packed call's `[H, N, D]`): in host memory they are copied row by
     /// row from where they lie, elsewhere made contiguous first.
     pub(crate) fn write(&mut self, id: u32, off: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (arena, base) = self.pool.arena_for_write(id, k)?;
-        // The largest page written (layers may cache rows of different shapes).
-        let (h, _, d) = k.dims3()?;
-        let bytes = 2 * h * self.page_size() * d * arena.k.dtype().size_in_bytes();
-        self.page_bytes = self.page_bytes.max(bytes);
+        let (_, arena, base) = self.arena_for_write(id, k)?;
         for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
             if src.device().is_cpu() && dst.device().is_cpu() {
                 // Float32 rows into a bf16 page are rounded to nearest even as they are copied.
-                dst.inplace_op2(src, &SetRows { at: base + off })?;
+                dst.inplace_op2(src, &ScatterRows::run(base + off, src.dim(1)?))?;
             } else {
                 dst.slice_set(&src.contiguous()?.to_dtype(dst.dtype())?, 1, base + off)?;
             }
@@ -444,104 +441,11 @@ impl PageSupply {
     }
 }
 
-/// Copies `src` `[H, n, D]` (any strides, rows of `D` consecutive values) into rows
-/// `at..at + n` of a contiguous `[H, T, D]` in host memory, in place: a page write without
-/// gathering the rows first.
-struct SetRows {
-    at: usize,
-}
-
-impl SetRows {
-    /// `f(to, from, d)` for every row of `src` (`sl`): its `d` values at `from` go to `to` in
-    /// the page `dl`, after checking the shapes.
-    fn each_row(
-        &self,
-        dl: &candle_core::Layout,
-        sl: &candle_core::Layout,
-        mut f: impl FnMut(usize, usize, usize),
-    ) -> candle_core::Result<()> {
-        let (h, t, d) = dl.shape().dims3()?;
-        let (sh, n, sd) = sl.shape().dims3()?;
-        let (ds, ss) = (dl.stride(), sl.stride());
-        if !dl.is_contiguous() || sh != h || sd != d || self.at + n > t || (d > 1 && ss[2] != 1) {
-            candle_core::bail!(
-                "set-rows: [{sh}, {n}, {sd}] (strides {ss:?}) into rows {} of [{h}, {t}, {d}]",
-                self.at
-            );
-        }
-        let (s0, d0) = (sl.start_offset(), dl.start_offset());
-        for head in 0..h {
-            for r in 0..n {
-                f(
-                    d0 + head * ds[0] + (self.at + r) * ds[1],
-                    s0 + head * ss[0] + r * ss[1],
-                    d,
-                );
-            }
-        }
-        Ok(())
-    }
-
-    fn copy<T: Copy>(
-        &self,
-        dst: &mut [T],
-        dl: &candle_core::Layout,
-        src: &[T],
-        sl: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        self.each_row(dl, sl, |to, from, d| {
-            dst[to..to + d].copy_from_slice(&src[from..from + d]);
-        })
-    }
-
-    /// [`Self::copy`] of float32 rows into a bf16 page, each value rounded to nearest even.
-    fn convert(
-        &self,
-        dst: &mut [half::bf16],
-        dl: &candle_core::Layout,
-        src: &[f32],
-        sl: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        self.each_row(dl, sl, |to, from, d| {
-            // SAFETY: `half::bf16` is a `repr(transparent)` u16.
-            let out = unsafe {
-                std::slice::from_raw_parts_mut(dst[to..to + d].as_mut_ptr().cast::<u16>(), d)
-            };
-            wavefront_kernels::cpu::round_to_bf16(&src[from..from + d], out);
-        })
-    }
-}
-
-impl candle_core::InplaceOp2 for SetRows {
-    fn name(&self) -> &'static str {
-        "set-rows"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut candle_core::CpuStorage,
-        dl: &candle_core::Layout,
-        src: &candle_core::CpuStorage,
-        sl: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::CpuStorage as S;
-        match (dst, src) {
-            (S::F32(d), S::F32(s)) => self.copy(d, dl, s, sl),
-            (S::BF16(d), S::BF16(s)) => self.copy(d, dl, s, sl),
-            (S::F16(d), S::F16(s)) => self.copy(d, dl, s, sl),
-            (S::BF16(d), S::F32(s)) => self.convert(d, dl, s, sl),
-            (d, s) => {
-                candle_core::bail!("set-rows: {:?} rows into a {:?} page", s.dtype(), d.dtype())
-            }
-        }
-    }
-}
-
 /// Row `r` of `src` `[H, n, D]` (any head and row strides, a row's values consecutive) into
 /// row `slots[r]` of a contiguous `[H, T, D]`, in place; a slot of [`SKIP_ROW`] leaves its row
 /// out. On a device one launch ([`wavefront_kernels::cuda::Kernels::scatter_rows`]); in host
-/// memory the kernels' reference, row by row.
+/// memory row by row from where the rows lie, never gathered first (the kernels' reference;
+/// float32 rows into a bf16 page are rounded to nearest even as they are copied).
 pub(crate) struct ScatterRows {
     slots: Vec<u32>,
 }
@@ -549,6 +453,11 @@ pub(crate) struct ScatterRows {
 impl ScatterRows {
     pub(crate) fn new(slots: Vec<u32>) -> Self {
         Self { slots }
+    }
+
+    /// Rows `at..at + n` in order (a page write).
+    fn run(at: usize, n: usize) -> Self {
+        Self::new((at as u32..(at + n) as u32).collect())
     }
 
     fn dims(
@@ -593,6 +502,36 @@ impl ScatterRows {
         wavefront_kernels::pages::scatter_rows(&mut dst[d0..d0 + t], &src[s0..], &dims, &self.slots)
             .map_err(|e| candle_core::Error::Msg(format!("scatter-rows: {e}")))
     }
+
+    /// [`Self::copy`] of float32 rows into a bf16 page, each value rounded to nearest even.
+    fn convert(
+        &self,
+        dst: &mut [half::bf16],
+        dl: &candle_core::Layout,
+        src: &[f32],
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let dims = self.dims(dl, sl)?;
+        let (dst, src) = (&mut dst[dl.start_offset()..], &src[sl.start_offset()..]);
+        dims.check(dst.len(), src.len(), &self.slots)
+            .map_err(|e| candle_core::Error::Msg(format!("scatter-rows: {e}")))?;
+        let d = dims.head_dim;
+        for h in 0..dims.heads {
+            for (r, &slot) in self.slots.iter().enumerate() {
+                if slot == SKIP_ROW {
+                    continue;
+                }
+                let to = (h * dims.dst_rows + slot as usize) * d;
+                let from = h * dims.src_head_stride + r * dims.src_row_stride;
+                // SAFETY: `half::bf16` is a `repr(transparent)` u16.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst[to..to + d].as_mut_ptr().cast::<u16>(), d)
+                };
+                wavefront_kernels::cpu::round_to_bf16(&src[from..from + d], out);
+            }
+        }
+        Ok(())
+    }
 }
 
 impl candle_core::InplaceOp2 for ScatterRows {
@@ -612,6 +551,7 @@ impl candle_core::InplaceOp2 for ScatterRows {
             (S::F32(d), S::F32(s)) => self.copy(d, dl, s, sl),
             (S::BF16(d), S::BF16(s)) => self.copy(d, dl, s, sl),
             (S::F16(d), S::F16(s)) => self.copy(d, dl, s, sl),
+            (S::BF16(d), S::F32(s)) => self.convert(d, dl, s, sl),
             (d, s) => candle_core::bail!(
                 "scatter-rows: {:?} rows into a {:?} page",
                 candle_core::backend::BackendStorage::dtype(s),
