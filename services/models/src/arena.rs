@@ -151,11 +151,6 @@ impl Lease {
         self.index % self.pool.inner.per_arena
     }
 
-    fn same_arena(&self, other: &Lease) -> bool {
-        Arc::ptr_eq(&self.pool.inner, &other.pool.inner)
-            && self.index / self.pool.inner.per_arena == other.index / other.pool.inner.per_arena
-    }
-
     /// The entry's first `rows` entries along its first dimension (the whole entry for a
     /// one-dimensional shape and `rows` equal to it), as a view that sees later writes.
     pub fn view(&self, rows: usize) -> Result<Tensor> {
@@ -311,11 +306,9 @@ impl Pooled {
                 }
             }
         }
+        let src = src.contiguous()?.reshape((1, rows, width))?;
         for (pool, _, arena, slots) in groups {
-            let src = src
-                .to_dtype(pool.dtype())?
-                .contiguous()?
-                .reshape((1, rows, width))?;
+            let src = src.to_dtype(pool.dtype())?;
             let dst = arena.reshape((1, pool.inner.per_arena, width))?;
             dst.inplace_op2(&src, &crate::transformer::kv_cache::ScatterRows::new(slots))?;
         }
@@ -361,29 +354,12 @@ impl Pooled {
         Ok(Self::own(self.tensor.to_device(device)?.copy()?))
     }
 
-    /// Stacks `items` (each of one shape) along a new first dimension, copying each item's
-    /// values once: one gather when every item is a whole entry of the same arena, else one
-    /// concatenation of the items' views.
+    /// Stacks `items` (each of one shape) along a new first dimension: when every item is a
+    /// whole entry of one pool, a gather per arena (one gather in the items' order for one
+    /// arena), else one concatenation of the items' views.
     pub fn stack(items: &[&Pooled]) -> Result<Tensor> {
-        let Some(first) = items.first() else {
+        if items.is_empty() {
             return Err(ModelError::Shape("nothing to stack".into()));
-        };
-        let one_arena = first.lease.as_ref().and_then(|s0| {
-            let whole = |p: &Pooled| s0.pool.shape().first() == p.tensor.dims().first();
-            items
-                .iter()
-                .map(|p| {
-                    p.lease
-                        .as_ref()
-                        .filter(|s| whole(p) && s.same_arena(s0))
-                        .map(|s| s.at() as u32)
-                })
-                .collect::<Option<Vec<u32>>>()
-                .map(|rows| (s0, rows))
-        });
-        if let Some((lease, rows)) = one_arena {
-            let index = Tensor::new(rows.as_slice(), lease.arena.device())?;
-            return Ok(lease.arena.index_select(&index, 0)?);
         }
         if let Some(t) = Self::stack_by_arena(items)? {
             return Ok(t);
@@ -433,8 +409,15 @@ impl Pooled {
             n += at.len() as u32;
             parts.push(arena.index_select(&Tensor::new(at.as_slice(), device)?, 0)?);
         }
-        let gathered = Tensor::cat(&parts, 0)?;
+        let gathered = match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => Tensor::cat(&parts, 0)?,
+        };
         let order: Vec<u32> = place.iter().map(|&(g, i)| first[g] + i as u32).collect();
+        // Items already in arena order (one arena, in particular) need no second gather.
+        if order.iter().copied().eq(0..order.len() as u32) {
+            return Ok(Some(gathered));
+        }
         Ok(Some(gathered.index_select(
             &Tensor::new(order.as_slice(), device)?,
             0,

@@ -1179,44 +1179,46 @@ impl KvCache {
         }
         // Each row's slot in its page's arena, one list of slots per arena.
         let mut arenas: Vec<(usize, Arena, Vec<u32>)> = Vec::new();
+        // The last page looked up: its id, its arena's place in `arenas`, its first row.
         let mut page: Option<(u32, usize, usize)> = None;
         for &(b, r) in order {
             let (b, id) = (b as usize, self.tables[layer][b as usize / p]);
-            let (a, base) = match page {
-                Some((last, a, base)) if last == id => (a, base),
+            let (g, base) = match page {
+                Some((last, g, base)) if last == id => (g, base),
                 _ => {
                     let (a, arena, base) = self.supply.arena_for_write(id, k)?;
-                    if !arenas.iter().any(|g| g.0 == a) {
-                        arenas.push((a, arena, vec![SKIP_ROW; order.len()]));
-                    }
-                    page = Some((id, a, base));
-                    (a, base)
+                    let g = match arenas.iter().position(|g| g.0 == a) {
+                        Some(g) => g,
+                        None => {
+                            arenas.push((a, arena, vec![SKIP_ROW; order.len()]));
+                            arenas.len() - 1
+                        }
+                    };
+                    page = Some((id, g, base));
+                    (g, base)
                 }
             };
-            if let Some(g) = arenas.iter_mut().find(|g| g.0 == a) {
-                g.2[r] = (base + b % p) as u32;
-            }
+            arenas[g].2[r] = (base + b % p) as u32;
         }
-        // The kernel reads rows of consecutive values (any head and row strides); other
-        // layouts (a transposed projection's `[H, n, D]` view) are copied into it first.
+        // Once for every arena (they store one dtype): the pages' dtype, and rows of
+        // consecutive values, which the kernel reads with any head and row strides (other
+        // layouts, a transposed projection's `[H, n, D]` view, are copied into it).
+        let Some(dtype) = arenas.first().map(|g| g.1.k.dtype()) else {
+            return Ok(());
+        };
         let rows = |t: &Tensor| -> Result<Tensor> {
+            let t = t.to_dtype(dtype)?;
             Ok(if t.dim(2)? == 1 || t.stride()[2] == 1 {
-                t.clone()
+                t
             } else {
                 t.contiguous()?
             })
         };
-        let (k, v) = (&rows(k)?, &rows(v)?);
+        let (k, v) = (rows(k)?, rows(v)?);
         for (_, arena, slots) in arenas {
             let op = ScatterRows { slots };
-            for (dst, src) in [(&arena.k, k), (&arena.v, v)] {
-                let src = if src.dtype() == dst.dtype() {
-                    src.clone()
-                } else {
-                    src.to_dtype(dst.dtype())?
-                };
-                dst.inplace_op2(&src, &op)?;
-            }
+            arena.k.inplace_op2(&k, &op)?;
+            arena.v.inplace_op2(&v, &op)?;
         }
         self.layer_lens[layer] = reach;
         Ok(())
