@@ -131,6 +131,12 @@ impl TextTokenizer {
         self.chat_overhead.fixed + n * self.chat_overhead.per_message + contents
     }
 
+    /// The fewest tokens the chat template adds: once per conversation and per message (0
+    /// and 0 without a template), as [`Self::min_chat_tokens`] counts them.
+    pub fn chat_overhead(&self) -> (usize, usize) {
+        (self.chat_overhead.fixed, self.chat_overhead.per_message)
+    }
+
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat.as_deref()
     }

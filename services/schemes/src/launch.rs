@@ -173,11 +173,10 @@ impl<P: Planner> ServedModel for Served<P> {
             "send fewer or shorter messages",
         )?;
         if at_least > max_context {
-            return Err(SchemeError::Prompt(format!(
-                "the conversation's {} messages make at least {at_least} tokens through the \
-                 chat template, more than the {max_context} this model accepts (prompt plus \
-                 max_new_tokens); send fewer or shorter messages",
-                messages.len()
+            return Err(SchemeError::Prompt(crate::chat_too_long(
+                messages.len(),
+                at_least,
+                max_context,
             )));
         }
         Ok(tok.encode_chat(messages)?)

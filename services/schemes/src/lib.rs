@@ -60,4 +60,4 @@ pub use request::{
     LowConfidenceParams, PlanInfillParams, Remasking, ReplayDraws, SamplingParams, SchemeParams,
     SureLockParams, WinoParams,
 };
-pub use served::{ModelInfo, Planner, ServedModel};
+pub use served::{chat_too_long, ModelInfo, Planner, ServedModel};

@@ -71,6 +71,12 @@ pub trait ServedModel: Send + Sync {
         self.tokenizer()
             .map_or(0, |t| t.min_chat_tokens(contents.iter().copied()))
     }
+    /// The fewest tokens the chat template adds, once per conversation and per message (0 and
+    /// 0 without a tokenizer or a template): what a router can bound a chat by without the
+    /// tokenizer.
+    fn chat_overhead(&self) -> (usize, usize) {
+        self.tokenizer().map_or((0, 0), |t| t.chat_overhead())
+    }
     /// Ids to text, special tokens kept (empty without a tokenizer).
     fn decode(&self, ids: &[u32]) -> String;
     /// The checkpoint's end-of-sequence ids (empty: it names none).
@@ -157,4 +163,15 @@ pub trait ServedModel: Send + Sync {
 /// The refusal of a text prompt by a model without a tokenizer.
 pub(crate) fn no_tokenizer() -> SchemeError {
     SchemeError::Prompt("this model has no tokenizer; send token ids".into())
+}
+
+/// The refusal of a chat of `messages` messages whose template and contents make at least
+/// `at_least` tokens, more than the model's `max_context`: the same words wherever the bound is
+/// checked (the worker before converting the request, the model before rendering it).
+pub fn chat_too_long(messages: usize, at_least: usize, max_context: usize) -> String {
+    format!(
+        "the conversation's {messages} messages make at least {at_least} tokens through the chat \
+         template, more than the {max_context} this model accepts (prompt plus max_new_tokens); \
+         send fewer or shorter messages"
+    )
 }

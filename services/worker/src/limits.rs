@@ -98,30 +98,43 @@ impl RequestLimits {
             return bad(format!("stop_strings[{i}] is empty"));
         }
         use pb::generate_request::Prompt;
-        if let Some(Prompt::Chat(c)) = &req.prompt {
-            if c.messages.len() > self.max_chat_messages {
-                return bad(format!(
-                    "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
-                    c.messages.len(),
-                    self.max_chat_messages
-                ));
+        // A chat's count, and its lower bound (the template's tokens per message count too)
+        // against the model's context: here, before the chat is copied, converted or rendered,
+        // so that a conversation of many empty messages costs the server little more than
+        // decoding it.
+        let chat_at_least = match &req.prompt {
+            Some(Prompt::Chat(c)) => {
+                if c.messages.len() > self.max_chat_messages {
+                    return bad(format!(
+                        "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
+                        c.messages.len(),
+                        self.max_chat_messages
+                    ));
+                }
+                let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+                let at_least = model.min_chat_tokens(&contents);
+                let max_context = model.info().max_context;
+                if at_least > max_context {
+                    return bad(wavefront_schemes::chat_too_long(
+                        c.messages.len(),
+                        at_least,
+                        max_context,
+                    ));
+                }
+                at_least
             }
-        }
+            _ => 0,
+        };
+        // The model's own context limit for the other prompts is checked by the scheme, also
+        // before tokenizing.
+        let Some(limit) = self.max_prompt_tokens else {
+            return Ok(());
+        };
         let at_least = match &req.prompt {
             Some(Prompt::TokenIds(ids)) => ids.ids.len(),
             Some(Prompt::Text(t)) => model.min_prompt_tokens(t),
-            // The template's tokens per message count too: a conversation of many empty
-            // messages is refused here, before it is rendered.
-            Some(Prompt::Chat(c)) => {
-                let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
-                model.min_chat_tokens(&contents)
-            }
+            Some(Prompt::Chat(_)) => chat_at_least,
             None => 0,
-        };
-        // The model's own context limit is checked by the scheme, also before tokenizing or
-        // rendering.
-        let Some(limit) = self.max_prompt_tokens else {
-            return Ok(());
         };
         if at_least > limit {
             return bad(format!(

@@ -572,3 +572,54 @@ fn a_very_long_prompt_is_refused_before_tokenizing() {
         );
     }
 }
+
+/// A chat whose template alone makes it longer than the context (many empty messages, under
+/// `--max-chat-messages`) is refused by the field checks, before the request is converted or
+/// rendered; the bound the models publish for routers (`chat_overhead`) is what refuses it.
+#[test]
+fn a_chat_too_long_for_the_context_is_refused_before_it_is_converted() {
+    let limits = RequestLimits::default();
+    let mut checked = 0;
+    for model in models() {
+        let (fixed, per_message) = model.chat_overhead();
+        if per_message == 0 {
+            continue;
+        }
+        let context = model.info().max_context;
+        let n = (context - fixed.min(context)) / per_message + 1;
+        if n > limits.max_chat_messages {
+            continue;
+        }
+        let req = pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatMessages {
+                messages: vec![
+                    pb::ChatMessage {
+                        role: "user".into(),
+                        content: String::new(),
+                    };
+                    n
+                ],
+            })),
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        let err = limits
+            .check_fields(&req, model.as_ref())
+            .expect_err("too long");
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(
+            err.message()
+                .contains(&format!("at least {} tokens", fixed + n * per_message)),
+            "{}",
+            err.message()
+        );
+        // One message fewer fits the bound (whatever the rendering then says).
+        let mut fewer = req.clone();
+        if let Some(pb::generate_request::Prompt::Chat(c)) = &mut fewer.prompt {
+            c.messages.pop();
+        }
+        assert!(limits.check_fields(&fewer, model.as_ref()).is_ok());
+        checked += 1;
+    }
+    assert!(checked > 0, "no embedded model has a chat template");
+}
