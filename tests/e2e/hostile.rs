@@ -11,7 +11,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
 use crate::harness::{channel, spawn, wait_serving};
-use crate::metrics::free_port;
+use crate::metrics::{free_port, scrape};
 
 /// A process's peak resident memory so far (VmHWM), in KiB.
 fn peak_rss_kib(pid: u32) -> u64 {
@@ -24,19 +24,44 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU seconds (user and system) process `pid` has used, from /proc (0 where unreadable).
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces): utime and stime are the 12th and
-    // 13th of them, in clock ticks (100 a second on Linux).
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<f64> = rest
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    f.get(11)
-        .zip(f.get(12))
-        .map_or(0.0, |(u, s)| (u + s) / 100.0)
+/// CPU seconds (user and system) that process `pid`'s threads outside the engines have used:
+/// the network side (the runtime's workers, the main thread), without the engines' and the CPU
+/// kernels' threads (named `wavefront-…`), from /proc (0 where unreadable).
+fn network_cpu_seconds(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0.0;
+    };
+    let mut total = 0.0;
+    for task in tasks.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let name = head.split_once('(').map_or("", |(_, n)| n);
+        if name.starts_with("wavefront-") {
+            continue;
+        }
+        // Fields after the name: the state (a letter) first, then utime and stime as the 12th
+        // and 13th, in clock ticks (100 a second on Linux).
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+        if let Some((u, s)) = field(11).zip(field(12)) {
+            total += (u + s) / 100.0;
+        }
+    }
+    total
+}
+
+/// Requests for `model` the workers refused as invalid (`wavefront_requests_total`, every
+/// scheme), from a scrape.
+fn worker_refusals(metrics: &str, model: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("wavefront_requests_total{"))
+        .filter(|l| l.contains(&format!("model=\"{model}\"")))
+        .filter(|l| l.contains("status=\"INVALID_ARGUMENT\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// A chat of `n` empty user messages for `model`.
@@ -113,17 +138,44 @@ fn chat_body(messages: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
     let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let metrics_port = free_port();
     let serve = spawn(&[
         "serve",
         "--listen",
         "127.0.0.1:0",
         "--http-listen",
         &http.to_string(),
+        "--metrics-listen",
+        &format!("127.0.0.1:{metrics_port}"),
     ]);
     wait_serving(serve.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(serve.addr).await)
         .max_decoding_message_size(8 << 20)
         .max_encoding_message_size(8 << 20);
+    // The router refuses from what the workers report (their --max-chat-messages, the chat
+    // template's tokens per message, the context): wait for the report naming llada, which
+    // the models' list publishes.
+    let t = Instant::now();
+    loop {
+        let models = client
+            .list_models(pb::ListModelsRequest {})
+            .await
+            .expect("models")
+            .into_inner()
+            .models;
+        if let Some(m) = models.iter().find(|m| m.name == "llada") {
+            assert!(m.chat_tokens_per_message > 0, "{m:?}");
+            assert!(m.chat_tokens_fixed > 0, "{m:?}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no report names llada"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused_by_workers = || worker_refusals(&scrape(metrics_port), "llada");
+    let at_start = refused_by_workers();
     // The finding: 380,000 empty messages, refused by their count, at once.
     let t = Instant::now();
     let err = client
@@ -144,6 +196,22 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
         .expect_err("refused");
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("at least"), "{}", err.message());
+    assert_eq!(refused_by_workers(), at_start, "refused by the router");
+    // One message whose content alone is too long: the router cannot tell without the
+    // tokenizer, so the worker refuses it (also before rendering), and counts it.
+    let mut long = empty_chat("llada", 1);
+    if let Some(pb::generate_request::Prompt::Chat(c)) = &mut long.prompt {
+        c.messages[0].content = "a".repeat(1 << 20);
+    }
+    let err = client.generate(long).await.expect_err("refused");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("at least"), "{}", err.message());
+    assert_eq!(
+        refused_by_workers(),
+        at_start + 1.0,
+        "refused by the worker"
+    );
+    let at_start = refused_by_workers();
 
     // Unloaded, then under a flood of the worst chats under the limit. What must hold: each
     // refusal costs the server little CPU (rendering and tokenizing a 1,024-message chat costs
@@ -166,31 +234,39 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
     let mut rounds = Vec::new();
     for _ in 0..3 {
         let before = p99(latencies(&mut client, SAMPLES).await);
-        let cpu = cpu_seconds(serve.child.id());
+        let cpu = network_cpu_seconds(serve.child.id());
         let t = Instant::now();
         let (loaded, refused) = flood(&mut client, serve.addr, http).await;
         let secs = t.elapsed().as_secs_f64();
-        let cpu = cpu_seconds(serve.child.id()) - cpu;
+        let cpu = network_cpu_seconds(serve.child.id()) - cpu;
         let after = p99(latencies(&mut client, SAMPLES).await);
         let base = before.max(after);
         let grew = peak_rss_kib(serve.child.id()).saturating_sub(peak);
-        // The server's CPU during the flood (its refusals and the 30 timed requests); the
-        // flooding clients, in this process, share the same cores.
+        // The server's network CPU during the flood (its refusals and the timed requests'
+        // handling; the engines' compute apart); the flooding clients, in this process, share
+        // the same cores.
         println!(
             "{refused} oversized chats refused in {secs:.1} s; huginn p99 {base:?} unloaded, \
-             {loaded:?} under the flood ({:.2}x); server CPU {cpu:.2} s in the flood ({:.0} us \
-             per refusal at most); peak memory grew {grew} KiB",
+             {loaded:?} under the flood ({:.2}x); server network CPU {cpu:.2} s in the flood \
+             ({:.0} us per refusal at most); peak memory grew {grew} KiB",
             loaded.as_secs_f64() / base.as_secs_f64(),
             cpu * 1e6 / refused.max(1) as f64
         );
         assert!(refused >= 16, "the flood sent {refused}");
         assert!(grew < 64 << 10, "peak memory grew {grew} KiB");
-        // Its CPU includes the timed Huginn requests': an upper bound on a refusal's.
+        // It includes the timed Huginn requests' handling: an upper bound on a refusal's.
         let per_refusal = cpu / refused as f64;
         assert!(
             per_refusal < 2e-3,
             "{:.2} ms of server CPU per refusal: the chats are rendered",
             per_refusal * 1e3
+        );
+        // Every refusal was the router's (gRPC) or the HTTP front's: no chat reached a worker
+        // to be decoded a second time there.
+        assert_eq!(
+            refused_by_workers(),
+            at_start,
+            "chats refused by the workers, not before them"
         );
         let held = loaded.as_secs_f64() <= base.as_secs_f64() * max_ratio;
         rounds.push((base, loaded));

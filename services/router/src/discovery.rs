@@ -34,6 +34,18 @@ pub struct DiscoveryConfig {
     pub worker_tls: Option<WorkerTls>,
 }
 
+/// What a router knows of a chat before forwarding it, from a worker's report: enough to refuse
+/// one that no worker would take, whatever its messages say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatBound {
+    /// The worker's `--max-chat-messages` (`None`: its report predates the field).
+    pub max_messages: Option<usize>,
+    /// The fewest tokens the chat template makes of the messages, contents aside.
+    pub at_least: usize,
+    /// The model's context (prompt plus `max_new_tokens`).
+    pub max_context: usize,
+}
+
 /// One known worker.
 #[derive(Debug, Clone)]
 pub struct WorkerEntry {
@@ -288,6 +300,26 @@ impl Discovery {
             .any(|m| m.model.as_ref().is_some_and(|i| i.name == model))
     }
 
+    /// What the reachable workers say of a chat of `messages` messages for `model` (the
+    /// first report that names it: every worker serving a model serves the same checkpoint):
+    /// see [`ChatBound`]. `None` where no report names the model.
+    pub fn chat_bound(&self, model: &str, messages: usize) -> Option<ChatBound> {
+        let table = self.table.read().expect("worker table lock");
+        let load = table
+            .values()
+            .filter(|w| w.up)
+            .filter_map(|w| w.report.as_ref())
+            .flat_map(|r| r.models.iter())
+            .find(|m| m.model.as_ref().is_some_and(|i| i.name == model))?;
+        let info = load.model.as_ref()?;
+        Some(ChatBound {
+            max_messages: (load.max_chat_messages > 0).then_some(load.max_chat_messages as usize),
+            at_least: (info.chat_tokens_fixed as usize)
+                .saturating_add(messages.saturating_mul(info.chat_tokens_per_message as usize)),
+            max_context: info.max_context as usize,
+        })
+    }
+
     /// The model the reachable workers serve when they serve exactly one (what a request that
     /// names none gets).
     pub fn sole_model(&self) -> Option<String> {
@@ -341,6 +373,67 @@ impl Discovery {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The chat bound comes from the first up worker's report naming the model: its
+    /// `--max-chat-messages` (none from a report that predates the field) and the template's
+    /// tokens for the messages against the context.
+    #[tokio::test]
+    async fn a_chats_bound_is_read_from_the_workers_reports() {
+        use wavefront_proto::v1::ModelInfo;
+        use wavefront_proto::worker::v1::ModelLoad;
+        let entry = |port: u16, up: bool, max_chat_messages: u32| {
+            let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+            let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+            WorkerEntry {
+                addr,
+                client: WorkerClient::with_interceptor(ch, Default::default()),
+                report: Some(wpb::LoadReport {
+                    worker_id: addr.to_string(),
+                    ready: true,
+                    models: vec![ModelLoad {
+                        model: Some(ModelInfo {
+                            name: "m".into(),
+                            max_context: 100,
+                            chat_tokens_fixed: 5,
+                            chat_tokens_per_message: 7,
+                            ..Default::default()
+                        }),
+                        max_chat_messages,
+                        ..Default::default()
+                    }],
+                }),
+                up,
+                last_seen: None,
+                routed: 0,
+                taken: 0,
+            }
+        };
+        let d = Discovery::default();
+        d.table
+            .write()
+            .unwrap()
+            .insert(entry(1, false, 3).addr, entry(1, false, 3));
+        assert_eq!(d.chat_bound("m", 13), None, "only up workers count");
+        d.table
+            .write()
+            .unwrap()
+            .insert(entry(2, true, 10).addr, entry(2, true, 10));
+        assert_eq!(
+            d.chat_bound("m", 13),
+            Some(ChatBound {
+                max_messages: Some(10),
+                at_least: 5 + 13 * 7,
+                max_context: 100,
+            })
+        );
+        assert_eq!(d.chat_bound("other", 13), None);
+        let d = Discovery::default();
+        d.table
+            .write()
+            .unwrap()
+            .insert(entry(3, true, 0).addr, entry(3, true, 0));
+        assert_eq!(d.chat_bound("m", 1).and_then(|b| b.max_messages), None);
+    }
 
     /// A name is resolved to every address it has, as a Kubernetes headless
     /// service yields one address per pod; each address is one worker.

@@ -32,7 +32,7 @@ use wavefront_proto::v1::generate_request::{Prompt, Scheme};
 use wavefront_proto::v1::generate_stream_response::Event as PbEvent;
 
 pub use crate::api_error::ApiError;
-use crate::api_error::{message_text, refuse_content_encoding, ChatMessageJson};
+use crate::api_error::{message_text, refuse_content_encoding, ChatMessageJson, JsonBody};
 use crate::pick::served_model_infos;
 use crate::service::RouterService;
 use wavefront_net::Listener;
@@ -673,10 +673,10 @@ enum Kind {
 async fn completions(
     State(router): State<RouterService>,
     headers: HeaderMap,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
+    body: Result<JsonBody, JsonRejection>,
 ) -> Result<Response, ApiError> {
     refuse_content_encoding(&headers)?;
-    let Json(body) = body?;
+    let body: CompletionRequest = body?.parse()?;
     refuse_unknown_fields(&body.rest)?;
     let prompt = completion_prompt(body.prompt)?;
     let stream = body.common.stream;
@@ -706,10 +706,22 @@ async fn completions(
 async fn chat_completions(
     State(router): State<RouterService>,
     headers: HeaderMap,
-    body: Result<Json<ChatRequest>, JsonRejection>,
+    body: Result<JsonBody, JsonRejection>,
 ) -> Result<Response, ApiError> {
     refuse_content_encoding(&headers)?;
-    let Json(body) = body?;
+    let body = body?;
+    // A chat no worker would take (too many messages, or too many tokens from the template's
+    // per-message tokens alone) is refused from a scan of the body, before its messages are
+    // built, converted and forwarded.
+    if let Some((model, messages)) = body.chat_head() {
+        router
+            .chat_refusal(&model, messages)
+            .map_err(|s| ApiError {
+                param: Some("messages"),
+                ..ApiError::from(s)
+            })?;
+    }
+    let body: ChatRequest = body.parse()?;
     refuse_unknown_fields(&body.rest)?;
     let Some(messages) = body.messages.filter(|m| !m.is_empty()) else {
         return Err(ApiError::invalid(
@@ -769,8 +781,10 @@ async fn respond(
 ) -> Result<Response, ApiError> {
     let asked = req.model.clone();
     let asked_logprobs = req.logprobs.is_some();
-    let request = |i: u32| {
-        let mut request = tonic::Request::new(nth_request(&req, i));
+    // With echo, the prompt comes first (its text, and its entries before the answer's).
+    let echoed = req.prompt_logprobs.is_some();
+    let traced = |body: pb::GenerateRequest| {
+        let mut request = tonic::Request::new(body);
         // W3C trace context: the HTTP request's span parents the router's.
         for name in ["traceparent", "tracestate"] {
             if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
@@ -781,9 +795,17 @@ async fn respond(
         }
         request
     };
-    let streams = router
-        .stream_choices((0..answer.n).map(request).collect())
-        .await?;
+    let requests = if answer.n == 1 {
+        // One completion: the request itself (`nth_request(_, 0)` without the copy).
+        let mut req = req;
+        req.n = None;
+        vec![traced(req)]
+    } else {
+        (0..answer.n)
+            .map(|i| traced(nth_request(&req, i)))
+            .collect()
+    };
+    let streams = router.stream_choices(requests).await?;
     let (id, created) = match kind {
         Kind::Completion => (new_id("cmpl"), unix_now()),
         Kind::Chat => (new_id("chatcmpl"), unix_now()),
@@ -811,8 +833,6 @@ async fn respond(
         .enumerate()
         .map(|(i, done)| {
             let reason = finish_reason(done.finish_reason);
-            // With echo, the prompt comes first (its text, and its entries before the answer's).
-            let echoed = req.prompt_logprobs.is_some();
             let lps: Vec<pb::TokenLogprob> = if echoed {
                 done.prompt_logprobs
                     .iter()

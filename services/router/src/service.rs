@@ -179,6 +179,10 @@ impl RouterService {
         // None named while several are served: the default model, when there is one.
         let resolved = self.resolve_model(&request.get_ref().model);
         request.get_mut().model = resolved;
+        if let Err(s) = self.check_chat(request.get_ref()) {
+            outcome.finish(s.code());
+            return Err(s);
+        }
         match self.forward_inner(request, prefer).await {
             Err(s) => {
                 outcome.finish(s.code());
@@ -195,6 +199,51 @@ impl RouterService {
                 item
             }))),
         }
+    }
+
+    /// Refuses a chat that no worker would take, whatever its contents say: more messages than
+    /// the workers' `--max-chat-messages`, or more tokens than the model's context from the
+    /// chat template's tokens for its messages alone (the workers' reports carry both). A flood
+    /// of chats of many empty messages is then answered here, from the message count, before
+    /// the chat is copied, encoded for a worker and decoded there; the worker checks the full
+    /// bound (with the contents) again.
+    fn check_chat(&self, req: &pb::GenerateRequest) -> Result<(), Status> {
+        match &req.prompt {
+            Some(pb::generate_request::Prompt::Chat(c)) => {
+                self.chat_refusal(&req.model, c.messages.len())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Self::check_chat`] for a chat of `messages` messages to `model` (as the request names
+    /// it: empty for the default or sole model), in the workers' own words.
+    pub(crate) fn chat_refusal(&self, model: &str, messages: usize) -> Result<(), Status> {
+        let mut model = self.resolve_model(model);
+        if model.is_empty() {
+            match self.discovery.sole_model() {
+                Some(sole) => model = sole,
+                None => return Ok(()),
+            }
+        }
+        let Some(bound) = self.discovery.chat_bound(&model, messages) else {
+            return Ok(());
+        };
+        if let Some(max) = bound.max_messages.filter(|&max| messages > max) {
+            return Err(Status::invalid_argument(format!(
+                "the chat has {messages} messages, more than the {max} allowed \
+                 (--max-chat-messages)"
+            )));
+        }
+        let (at_least, max_context) = (bound.at_least, bound.max_context);
+        if at_least > max_context {
+            return Err(Status::invalid_argument(format!(
+                "the conversation's {messages} messages make at least {at_least} tokens through \
+                 the chat template, more than the {max_context} this model accepts (prompt plus \
+                 max_new_tokens); send fewer or shorter messages"
+            )));
+        }
+        Ok(())
     }
 
     async fn forward_inner(
@@ -536,6 +585,12 @@ impl RouterService {
         request: Request<pb::GenerateRequest>,
         n: u32,
     ) -> Result<Vec<EventStream>, Status> {
+        if n == 1 {
+            // One completion: the request itself (`nth_request(_, 0)` without the copy).
+            let mut request = request;
+            request.get_mut().n = None;
+            return self.stream_choices(vec![request]).await;
+        }
         let metadata = request.metadata().clone();
         let body = request.into_inner();
         let requests = (0..n)

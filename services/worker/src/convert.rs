@@ -326,13 +326,17 @@ pub fn stats(s: &Stats, seed: u64) -> pb::GenerationStats {
     }
 }
 
-pub fn model_info(i: &wavefront_schemes::ModelInfo) -> pb::ModelInfo {
+pub fn model_info(model: &dyn ServedModel) -> pb::ModelInfo {
+    let i = model.info();
+    let (fixed, per_message) = model.chat_overhead();
     pb::ModelInfo {
         name: i.name.clone(),
         family: i.family.to_owned(),
         schemes: i.schemes.iter().map(|s| (*s).to_owned()).collect(),
         vocab_size: i.vocab_size as u32,
         max_context: i.max_context as u32,
+        chat_tokens_fixed: u32::try_from(fixed).unwrap_or(u32::MAX),
+        chat_tokens_per_message: u32::try_from(per_message).unwrap_or(u32::MAX),
     }
 }
 

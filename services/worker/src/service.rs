@@ -314,7 +314,7 @@ impl pb::generation_server::Generation for WorkerService {
             .inner
             .models
             .iter()
-            .map(|m| convert::model_info(m.info()))
+            .map(|m| convert::model_info(m.as_ref()))
             .collect();
         Ok(Response::new(pb::ListModelsResponse { models }))
     }
@@ -358,7 +358,7 @@ impl WorkerService {
                 .map(|m| {
                     let l = m.load();
                     wpb::ModelLoad {
-                        model: Some(convert::model_info(m.info())),
+                        model: Some(convert::model_info(m.as_ref())),
                         total_slots: l.total_slots as u32,
                         free_slots: l.free_slots as u32,
                         queued_requests: l.queued as u32,
@@ -368,6 +368,8 @@ impl WorkerService {
                         preempted_requests: l.preempted as u32,
                         preemptions: l.preemptions,
                         max_active: l.max_active as u32,
+                        max_chat_messages: u32::try_from(self.inner.limits.max_chat_messages)
+                            .unwrap_or(u32::MAX),
                     }
                 })
                 .collect(),
