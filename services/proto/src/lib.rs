@@ -43,6 +43,26 @@ pub mod limits {
     /// limit and turn a clear refusal into a transport error.
     pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
 
+    /// The refusal of a chat of `messages` messages, more than a worker's `max` (its
+    /// `--max-chat-messages`): the same words from the worker and from the router that checks
+    /// the worker's reported limit before forwarding.
+    pub fn too_many_chat_messages(messages: usize, max: usize) -> String {
+        format!(
+            "the chat has {messages} messages, more than the {max} allowed (--max-chat-messages)"
+        )
+    }
+
+    /// The refusal of a chat of `messages` messages whose template (and contents) make at
+    /// least `at_least` tokens, more than the model's `max_context`: from the worker, and from
+    /// the router that checks the template's reported tokens before forwarding.
+    pub fn chat_too_long(messages: usize, at_least: usize, max_context: usize) -> String {
+        format!(
+            "the conversation's {messages} messages make at least {at_least} tokens through the \
+             chat template, more than the {max_context} this model accepts (prompt plus \
+             max_new_tokens); send fewer or shorter messages"
+        )
+    }
+
     /// `message` clipped to [`MAX_STATUS_MESSAGE_BYTES`] at a character boundary, saying how
     /// long it was.
     pub fn clip_message(message: &str) -> std::borrow::Cow<'_, str> {

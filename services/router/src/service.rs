@@ -13,6 +13,7 @@ use futures::{Stream, StreamExt};
 use tonic::{Code, Request, Response, Status};
 use tonic_health::ServingStatus;
 use wavefront_net::Listener;
+use wavefront_proto::limits;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_server::GenerationServer;
 
@@ -230,17 +231,15 @@ impl RouterService {
             return Ok(());
         };
         if let Some(max) = bound.max_messages.filter(|&max| messages > max) {
-            return Err(Status::invalid_argument(format!(
-                "the chat has {messages} messages, more than the {max} allowed \
-                 (--max-chat-messages)"
+            return Err(Status::invalid_argument(limits::too_many_chat_messages(
+                messages, max,
             )));
         }
-        let (at_least, max_context) = (bound.at_least, bound.max_context);
-        if at_least > max_context {
-            return Err(Status::invalid_argument(format!(
-                "the conversation's {messages} messages make at least {at_least} tokens through \
-                 the chat template, more than the {max_context} this model accepts (prompt plus \
-                 max_new_tokens); send fewer or shorter messages"
+        if bound.at_least > bound.max_context {
+            return Err(Status::invalid_argument(limits::chat_too_long(
+                messages,
+                bound.at_least,
+                bound.max_context,
             )));
         }
         Ok(())

@@ -166,8 +166,10 @@ pub(crate) fn no_tokenizer() -> SchemeError {
 }
 
 /// The refusal of a chat of `messages` messages whose template and contents make at least
-/// `at_least` tokens, more than the model's `max_context`: the same words wherever the bound is
-/// checked (the worker before converting the request, the model before rendering it).
+/// `at_least` tokens, more than the model's `max_context`, from the model before rendering it:
+/// the words of `wavefront_proto::limits::chat_too_long`, which the worker and the router
+/// answer with before (this crate does not depend on the proto; the worker's tests hold the
+/// two equal).
 pub fn chat_too_long(messages: usize, at_least: usize, max_context: usize) -> String {
     format!(
         "the conversation's {messages} messages make at least {at_least} tokens through the chat \

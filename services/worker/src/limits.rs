@@ -8,6 +8,7 @@
 //! field, the limit and the flag that sets it.
 
 use tonic::Status;
+use wavefront_proto::limits;
 use wavefront_proto::v1 as pb;
 use wavefront_schemes::ServedModel;
 
@@ -105,17 +106,16 @@ impl RequestLimits {
         let chat_at_least = match &req.prompt {
             Some(Prompt::Chat(c)) => {
                 if c.messages.len() > self.max_chat_messages {
-                    return bad(format!(
-                        "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
+                    return bad(limits::too_many_chat_messages(
                         c.messages.len(),
-                        self.max_chat_messages
+                        self.max_chat_messages,
                     ));
                 }
                 let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
                 let at_least = model.min_chat_tokens(&contents);
                 let max_context = model.info().max_context;
                 if at_least > max_context {
-                    return bad(wavefront_schemes::chat_too_long(
+                    return bad(limits::chat_too_long(
                         c.messages.len(),
                         at_least,
                         max_context,
@@ -158,10 +158,9 @@ impl RequestLimits {
         let at_least = match &req.input {
             Some(Input::Chat(c)) => {
                 if c.messages.len() > self.max_chat_messages {
-                    return Err(Status::invalid_argument(format!(
-                        "the chat has {} messages, more than the {} allowed (--max-chat-messages)",
+                    return Err(Status::invalid_argument(limits::too_many_chat_messages(
                         c.messages.len(),
-                        self.max_chat_messages
+                        self.max_chat_messages,
                     )));
                 }
                 let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();

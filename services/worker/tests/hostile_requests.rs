@@ -623,3 +623,13 @@ fn a_chat_too_long_for_the_context_is_refused_before_it_is_converted() {
     }
     assert!(checked > 0, "no embedded model has a chat template");
 }
+
+/// The model's own refusal of a chat too long for its context (the offline path's) says what
+/// the worker's and the router's say.
+#[test]
+fn the_models_and_the_servers_refusals_of_a_long_chat_read_the_same() {
+    assert_eq!(
+        wavefront_schemes::chat_too_long(1024, 7170, 4096),
+        wavefront_proto::limits::chat_too_long(1024, 7170, 4096)
+    );
+}
