@@ -46,6 +46,18 @@ struct Cli {
     /// Threads the CPU kernels split each forward over (0: one per core of the machine).
     #[arg(long, global = true, env = "WAVEFRONT_THREADS", default_value_t = 0)]
     threads: usize,
+    /// Threads of the network runtime (gRPC and HTTP servers, the router's calls). 0 picks: a
+    /// quarter of the cores (at least one) where this process runs a model on the CPU
+    /// (`serve`, `worker` and `run` with --device cpu), whose kernels split each forward over
+    /// every core, so that a flood of requests to answer or refuse cannot preempt them on all
+    /// cores at once; one per core otherwise.
+    #[arg(
+        long,
+        global = true,
+        env = "WAVEFRONT_NETWORK_THREADS",
+        default_value_t = 0
+    )]
+    network_threads: usize,
     /// Fraction of new traces sampled.
     #[arg(
         long,
@@ -82,6 +94,17 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `command` runs a model on this machine's CPU (its kernels then use every core).
+fn model_on_cpu(command: &Command) -> bool {
+    let device = match command {
+        Command::Serve(a) => &a.model.device,
+        Command::Worker(a) => &a.model.device,
+        Command::Run(a) => &a.model.device,
+        Command::Router(_) | Command::Generate(_) | Command::ExportGguf(_) => return false,
+    };
+    device.trim().eq_ignore_ascii_case("cpu")
 }
 
 /// The error and its causes, each said once: a cause whose text its error already quotes is
@@ -134,7 +157,14 @@ fn run(cli: Cli) -> Result<()> {
         otlp_endpoint: cli.otlp_endpoint.clone().filter(|s| !s.is_empty()),
         sampling_ratio: cli.trace_sampling_ratio,
     };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let runtime_threads = match cli.network_threads {
+        0 if model_on_cpu(&cli.command) => cores.div_ceil(4),
+        0 => cores,
+        n => n,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(runtime_threads)
         .enable_all()
         .build()?;
     rt.block_on(async move {
