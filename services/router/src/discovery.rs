@@ -300,24 +300,39 @@ impl Discovery {
             .any(|m| m.model.as_ref().is_some_and(|i| i.name == model))
     }
 
-    /// What the reachable workers say of a chat of `messages` messages for `model` (the
-    /// first report that names it: every worker serving a model serves the same checkpoint):
-    /// see [`ChatBound`]. `None` where no report names the model.
+    /// What the reachable workers say of a chat of `messages` messages for `model`: see
+    /// [`ChatBound`]. Where their reports differ (workers started with different limits) the
+    /// bound is the most lenient of them, so that the router never refuses a chat some worker
+    /// would take. `None` where no report names the model.
     pub fn chat_bound(&self, model: &str, messages: usize) -> Option<ChatBound> {
         let table = self.table.read().expect("worker table lock");
-        let load = table
+        let mut bound: Option<ChatBound> = None;
+        for load in table
             .values()
             .filter(|w| w.up)
             .filter_map(|w| w.report.as_ref())
             .flat_map(|r| r.models.iter())
-            .find(|m| m.model.as_ref().is_some_and(|i| i.name == model))?;
-        let info = load.model.as_ref()?;
-        Some(ChatBound {
-            max_messages: (load.max_chat_messages > 0).then_some(load.max_chat_messages as usize),
-            at_least: (info.chat_tokens_fixed as usize)
-                .saturating_add(messages.saturating_mul(info.chat_tokens_per_message as usize)),
-            max_context: info.max_context as usize,
-        })
+        {
+            let Some(info) = load.model.as_ref().filter(|i| i.name == model) else {
+                continue;
+            };
+            let this = ChatBound {
+                max_messages: (load.max_chat_messages > 0)
+                    .then_some(load.max_chat_messages as usize),
+                at_least: (info.chat_tokens_fixed as usize)
+                    .saturating_add(messages.saturating_mul(info.chat_tokens_per_message as usize)),
+                max_context: info.max_context as usize,
+            };
+            bound = Some(match bound {
+                None => this,
+                Some(b) => ChatBound {
+                    max_messages: b.max_messages.zip(this.max_messages).map(|(a, b)| a.max(b)),
+                    at_least: b.at_least.min(this.at_least),
+                    max_context: b.max_context.max(this.max_context),
+                },
+            });
+        }
+        bound
     }
 
     /// The model the reachable workers serve when they serve exactly one (what a request that
@@ -374,9 +389,9 @@ impl Discovery {
 mod tests {
     use super::*;
 
-    /// The chat bound comes from the first up worker's report naming the model: its
-    /// `--max-chat-messages` (none from a report that predates the field) and the template's
-    /// tokens for the messages against the context.
+    /// The chat bound comes from the up workers' reports naming the model, the most lenient of
+    /// them: their `--max-chat-messages` (none from a report that predates the field) and the
+    /// template's tokens for the messages against the context.
     #[tokio::test]
     async fn a_chats_bound_is_read_from_the_workers_reports() {
         use wavefront_proto::v1::ModelInfo;
@@ -427,6 +442,12 @@ mod tests {
             })
         );
         assert_eq!(d.chat_bound("other", 13), None);
+        // A second worker with a higher limit: the more lenient bound.
+        d.table
+            .write()
+            .unwrap()
+            .insert(entry(4, true, 20).addr, entry(4, true, 20));
+        assert_eq!(d.chat_bound("m", 13).and_then(|b| b.max_messages), Some(20));
         let d = Discovery::default();
         d.table
             .write()
