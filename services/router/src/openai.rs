@@ -767,7 +767,7 @@ struct Answer {
     include_usage: bool,
 }
 
-use crate::service::nth_request;
+use crate::service::completion_requests;
 
 /// Sends `req` through the router (`n` times, one request per completion, all to one worker,
 /// which shares the prompt's pages between them where the family allows it) and answers in
@@ -795,16 +795,10 @@ async fn respond(
         }
         request
     };
-    let requests = if answer.n == 1 {
-        // One completion: the request itself (`nth_request(_, 0)` without the copy).
-        let mut req = req;
-        req.n = None;
-        vec![traced(req)]
-    } else {
-        (0..answer.n)
-            .map(|i| traced(nth_request(&req, i)))
-            .collect()
-    };
+    let requests = completion_requests(req, answer.n)
+        .into_iter()
+        .map(traced)
+        .collect();
     let streams = router.stream_choices(requests).await?;
     let (id, created) = match kind {
         Kind::Completion => (new_id("cmpl"), unix_now()),

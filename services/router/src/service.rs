@@ -553,15 +553,24 @@ pub fn completions(req: &pb::GenerateRequest) -> Result<u32, Status> {
     }
 }
 
-/// Completion `i` of `req`: one completion (`n` unset) drawn with seed + i when a seed is set,
-/// so choice 0 is the request alone and every choice is reproducible and drawn apart.
-pub fn nth_request(req: &pb::GenerateRequest, i: u32) -> pb::GenerateRequest {
-    let mut r = req.clone();
-    r.n = None;
-    if let Some(seed) = r.sampling.as_mut().and_then(|s| s.seed.as_mut()) {
-        *seed = seed.wrapping_add(u64::from(i));
-    }
-    r
+/// The `n` completions of `req`, one request each (`n` unset): completion `i` drawn with
+/// seed + i when a seed is set, so choice 0 is the request alone and every choice is
+/// reproducible and drawn apart. The request itself becomes the last of them, so that one
+/// completion (the common case) costs no copy of the prompt.
+pub fn completion_requests(mut req: pb::GenerateRequest, n: u32) -> Vec<pb::GenerateRequest> {
+    req.n = None;
+    let nth = |mut r: pb::GenerateRequest, i: u32| {
+        if let Some(seed) = r.sampling.as_mut().and_then(|s| s.seed.as_mut()) {
+            *seed = seed.wrapping_add(u64::from(i));
+        }
+        r
+    };
+    let Some(last) = n.checked_sub(1) else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = (0..last).map(|i| nth(req.clone(), i)).collect();
+    out.push(nth(req, last));
+    out
 }
 
 /// A message of choice `i`'s stream, marked with its index.
@@ -584,20 +593,10 @@ impl RouterService {
         request: Request<pb::GenerateRequest>,
         n: u32,
     ) -> Result<Vec<EventStream>, Status> {
-        if n == 1 {
-            // One completion: the request itself (`nth_request(_, 0)` without the copy).
-            let mut request = request;
-            request.get_mut().n = None;
-            return self.stream_choices(vec![request]).await;
-        }
-        let metadata = request.metadata().clone();
-        let body = request.into_inner();
-        let requests = (0..n)
-            .map(|i| {
-                let mut r = Request::new(nth_request(&body, i));
-                *r.metadata_mut() = metadata.clone();
-                r
-            })
+        let (metadata, _, body) = request.into_parts();
+        let requests = completion_requests(body, n)
+            .into_iter()
+            .map(|body| Request::from_parts(metadata.clone(), Default::default(), body))
             .collect();
         self.stream_choices(requests).await
     }
@@ -779,6 +778,40 @@ mod tests {
 
     fn transport(code_of: tonic::ConnectError) -> Status {
         Status::from_error(Box::new(code_of))
+    }
+
+    /// Completion `i` is the request with seed + i and `n` unset; the request itself is the
+    /// last one.
+    #[test]
+    fn completions_are_the_request_with_their_seeds_apart() {
+        let req = pb::GenerateRequest {
+            model: "m".into(),
+            n: Some(3),
+            sampling: Some(pb::SamplingParams {
+                seed: Some(u64::MAX),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let all = completion_requests(req.clone(), 3);
+        let seeds: Vec<Option<u64>> = all
+            .iter()
+            .map(|r| r.sampling.as_ref().and_then(|s| s.seed))
+            .collect();
+        assert_eq!(seeds, vec![Some(u64::MAX), Some(0), Some(1)]);
+        assert!(all.iter().all(|r| r.n.is_none() && r.model == "m"));
+        let one = completion_requests(req.clone(), 1);
+        assert_eq!(
+            one,
+            vec![pb::GenerateRequest {
+                n: None,
+                ..req.clone()
+            }]
+        );
+        assert!(completion_requests(req, 0).is_empty());
+        // Without a seed, each completion draws its own.
+        let unseeded = completion_requests(pb::GenerateRequest::default(), 2);
+        assert!(unseeded.iter().all(|r| r.sampling.is_none()));
     }
 
     #[test]
