@@ -264,6 +264,17 @@ pub struct ConnectionArgs {
     /// Concurrent HTTP/2 streams (gRPC calls) on one connection.
     #[arg(long, env = "WAVEFRONT_MAX_STREAMS_PER_CONNECTION", default_value_t = wavefront_net::DEFAULT_MAX_STREAMS)]
     pub max_streams_per_connection: u32,
+    /// Refusals per second answered at once to one client address (IPv6: one /64) on the
+    /// router's gRPC and HTTP listeners: malformed, oversized or unauthenticated requests,
+    /// unknown models. Past `--refusal-burst` of them, the address's further refusals are
+    /// held until it is back within this rate (at most 30 s); its valid requests, and every
+    /// other client's, are never held. 0: refusals are never held.
+    #[arg(long, env = "WAVEFRONT_REFUSALS_PER_SECOND", default_value_t = wavefront_net::DEFAULT_REFUSALS_PER_SECOND)]
+    pub refusals_per_second: u32,
+    /// Refusals one client address may have answered at once before `--refusals-per-second`
+    /// holds them.
+    #[arg(long, env = "WAVEFRONT_REFUSAL_BURST", default_value_t = wavefront_net::DEFAULT_REFUSAL_BURST)]
+    pub refusal_burst: u32,
 }
 
 impl ConnectionArgs {
@@ -279,6 +290,9 @@ impl ConnectionArgs {
                 "--header-read-timeout-s, --body-read-timeout-s and --idle-timeout-s must be at \
                  least 1"
             );
+        }
+        if self.refusals_per_second > 0 && self.refusal_burst == 0 {
+            bail!("--refusal-burst must be at least 1 (or --refusals-per-second 0: no budget)");
         }
         if self.keepalive_interval_s >= self.idle_timeout_s {
             bail!(
@@ -297,6 +311,10 @@ impl ConnectionArgs {
                 .then(|| Duration::from_secs(self.keepalive_interval_s)),
             keepalive_timeout: wavefront_net::DEFAULT_KEEPALIVE_TIMEOUT,
             max_streams: self.max_streams_per_connection,
+            refusals: wavefront_net::RefusalBudget {
+                per_second: self.refusals_per_second,
+                burst: self.refusal_burst,
+            },
         })
     }
 }

@@ -13,12 +13,14 @@ use hyper_util::service::TowerToHyperService;
 use tokio_rustls::rustls::ServerConfig;
 
 use crate::listener::Listener;
+use crate::refusals::HoldRefusals;
 
 /// Serves `app` on `listener` (over TLS with `tls`) until `shutdown` resolves, then stops
 /// accepting and waits for the open connections' requests to finish. HTTP/1 requests must
 /// send their headers within the header-read timeout, which also closes kept-alive
 /// connections left idle; HTTP/2 connections are pinged and carry at most `max_streams`
-/// requests at once.
+/// requests at once. Refusals (4xx but 408 and 429) to an address over the listener's
+/// refusal budget are held.
 pub async fn serve_http(
     listener: Listener,
     app: axum::Router,
@@ -41,13 +43,18 @@ pub async fn serve_http(
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    let refusals = listener.refusal_limiter();
     loop {
         let (conn, peer) = tokio::select! {
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
         let (builder, acceptor, watcher) = (builder.clone(), acceptor.clone(), graceful.watcher());
-        let service = TowerToHyperService::new(app.clone());
+        let service = TowerToHyperService::new(HoldRefusals::for_peer(
+            app.clone(),
+            refusals.clone(),
+            peer.ip(),
+        ));
         tokio::spawn(async move {
             let served = match acceptor {
                 None => {

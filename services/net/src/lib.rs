@@ -4,17 +4,24 @@
 //! (`header_read_timeout` after it opens, `idle_timeout` after its last byte either way), and
 //! survives accept errors (descriptors exhausted) with back-off and at most one warning per
 //! interval, never a busy loop. [`serve_http`] serves an axum app over it with HTTP/1 header
-//! timeouts, HTTP/2 keep-alive pings and a cap on streams per connection.
+//! timeouts, HTTP/2 keep-alive pings and a cap on streams per connection. A listener's
+//! [`RefusalBudget`] holds the refusals of a client address that keeps sending bad requests
+//! (on the HTTP server, and on a gRPC server that adds [`Listener::refusal_layer`]).
 
 mod conn;
 mod http;
 mod limits;
 mod listener;
+mod refusals;
 
 pub use conn::Conn;
 pub use http::{read_body_within, serve_http, BodyError};
 pub use limits::*;
 pub use listener::Listener;
+pub use refusals::{
+    is_refusal, HoldRefusals, RefusalBudget, RefusalLayer, RefusalLimiter,
+    DEFAULT_REFUSALS_PER_SECOND, DEFAULT_REFUSAL_BURST, MAX_REFUSAL_HOLD, REFUSAL_HOLD_SECONDS,
+};
 
 /// Raises this process's soft limit on open descriptors to its hard limit (as Go's runtime
 /// does), so that the connection caps, not the descriptor limit, bound the servers; the new

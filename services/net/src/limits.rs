@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
+use crate::refusals::RefusalBudget;
+
 /// What a server allows its clients (flags `--max-connections`, `--header-read-timeout-s`,
 /// `--body-read-timeout-s`, `--idle-timeout-s`, `--keepalive-interval-s`,
-/// `--max-streams-per-connection`).
+/// `--max-streams-per-connection`, `--refusals-per-second`, `--refusal-burst`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerLimits {
     /// Connections open at once on one listener; more wait in the backlog.
@@ -25,6 +27,8 @@ pub struct ServerLimits {
     pub keepalive_timeout: Duration,
     /// Concurrent HTTP/2 streams (gRPC calls) on one connection.
     pub max_streams: u32,
+    /// Refusals answered at once per client address; past it they are held.
+    pub refusals: RefusalBudget,
 }
 
 /// Defaults of the limits.
@@ -46,6 +50,7 @@ impl Default for ServerLimits {
             keepalive_interval: Some(DEFAULT_KEEPALIVE_INTERVAL),
             keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
             max_streams: DEFAULT_MAX_STREAMS,
+            refusals: RefusalBudget::default(),
         }
     }
 }

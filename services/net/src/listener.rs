@@ -11,6 +11,7 @@ use tokio::sync::Semaphore;
 
 use crate::conn::Conn;
 use crate::limits::ServerLimits;
+use crate::refusals::{RefusalLayer, RefusalLimiter};
 
 /// How often one listener may log the same kind of warning.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -28,6 +29,8 @@ pub struct Listener {
     name: &'static str,
     full: RateLimited,
     failing: RateLimited,
+    /// The budgets of the clients' refusals, `None` when refusals are never held.
+    refusals: Option<Arc<RefusalLimiter>>,
 }
 
 impl Listener {
@@ -39,6 +42,7 @@ impl Listener {
             name,
             full: RateLimited::default(),
             failing: RateLimited::default(),
+            refusals: RefusalLimiter::new(limits.refusals, name),
         }
     }
 
@@ -48,6 +52,16 @@ impl Listener {
 
     pub fn limits(&self) -> &ServerLimits {
         &self.limits
+    }
+
+    /// A layer that holds the refusals of addresses over their budget (`limits().refusals`),
+    /// for a gRPC server on this listener.
+    pub fn refusal_layer(&self) -> RefusalLayer {
+        RefusalLayer::new(self.refusals.clone())
+    }
+
+    pub(crate) fn refusal_limiter(&self) -> Option<Arc<RefusalLimiter>> {
+        self.refusals.clone()
     }
 
     /// Connections open now.

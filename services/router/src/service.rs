@@ -755,7 +755,11 @@ pub async fn serve(
     if let Some(tls) = &service.tls {
         builder = builder.tls_config(tls.grpc())?;
     }
+    // Refusals to a client over its budget are held (after the oversize mapping, which turns
+    // an over-long message into RESOURCE_EXHAUSTED, not held).
+    let refusals = listener.refusal_layer();
     builder
+        .layer(refusals)
         .layer(tower::util::MapResponseLayer::new(
             wavefront_proto::limits::oversize_as_resource_exhausted,
         ))

@@ -162,6 +162,13 @@ fn describe() {
          too large or too slow) included."
     );
     describe_histogram!(
+        wavefront_net::REFUSAL_HOLD_SECONDS,
+        Unit::Seconds,
+        "How long a refusal was held because its client address was over its refusal budget \
+         (--refusals-per-second, --refusal-burst), by listener (grpc, http); refusals within \
+         the budget are answered at once and not observed."
+    );
+    describe_histogram!(
         ROUTER_REQUEST_DURATION,
         Unit::Seconds,
         "Request latency at the router."
