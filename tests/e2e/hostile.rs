@@ -207,6 +207,28 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("at least"), "{}", err.message());
     assert_eq!(refused_by_workers(), at_start, "refused by the router");
+    // The tokenizer's endpoints take a conversation too, and refuse it the same way.
+    let many = match empty_chat("llada", 1024).prompt {
+        Some(pb::generate_request::Prompt::Chat(c)) => c,
+        _ => unreachable!("a chat"),
+    };
+    let err = client
+        .tokenize(pb::TokenizeRequest {
+            model: "llada".into(),
+            input: Some(pb::tokenize_request::Input::Chat(many)),
+            add_special_tokens: None,
+        })
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("at least"), "{}", err.message());
+    let body = chat_body(1024).replace("\"max_tokens\": 4, ", "");
+    let (status, body) =
+        tokio::task::spawn_blocking(move || http_post(http, "/tokenize", "", &body))
+            .await
+            .expect("posted");
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("at least"), "{body}");
     // One message whose content alone is too long: the router cannot tell without the
     // tokenizer, so the worker refuses it (also before rendering), and counts it.
     let mut long = empty_chat("llada", 1);

@@ -674,6 +674,10 @@ impl pb::generation_server::Generation for RouterService {
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
         let req = request.into_inner();
+        // A conversation no worker would take is refused here, as a chat prompt is.
+        if let Some(pb::tokenize_request::Input::Chat(c)) = &req.input {
+            self.chat_refusal(&req.model, c.messages.len())?;
+        }
         self.to_worker(&req.model.clone(), |mut c, model| {
             let req = pb::TokenizeRequest {
                 model,

@@ -12,7 +12,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use wavefront_proto::v1 as pb;
 
-use crate::api_error::{message_text, refuse_content_encoding, ApiError, ChatMessageJson};
+use crate::api_error::{
+    message_text, refuse_content_encoding, ApiError, ChatMessageJson, JsonBody,
+};
 use crate::service::RouterService;
 
 #[derive(Debug, Deserialize)]
@@ -30,10 +32,21 @@ pub(crate) struct TokenizeBody {
 pub(crate) async fn tokenize(
     State(router): State<RouterService>,
     headers: HeaderMap,
-    body: Result<Json<TokenizeBody>, JsonRejection>,
+    body: Result<JsonBody, JsonRejection>,
 ) -> Result<Json<Value>, ApiError> {
     refuse_content_encoding(&headers)?;
-    let Json(body) = body?;
+    let body = body?;
+    // A conversation no worker would take is refused from a scan of the body, as a chat
+    // completion's is, before its messages are built and forwarded.
+    if let Some((model, messages)) = body.chat_head() {
+        router
+            .chat_refusal(&model, messages)
+            .map_err(|s| ApiError {
+                param: Some("messages"),
+                ..ApiError::from(s)
+            })?;
+    }
+    let body: TokenizeBody = body.parse()?;
     let input = match (body.prompt, body.messages) {
         (Some(text), None) => pb::tokenize_request::Input::Text(text),
         (None, Some(messages)) => {
