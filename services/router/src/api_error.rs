@@ -138,6 +138,22 @@ impl JsonBody {
         let head: Head = serde_json::from_slice(&self.0).ok()?;
         Some((head.model, head.messages?.0))
     }
+
+    /// Refuses, from [`Self::chat_head`], a conversation that `refusal` (the router's bound
+    /// on chats: the model and the number of messages) says no worker would take, naming
+    /// `messages`; before the body is parsed whole, converted and forwarded.
+    pub(crate) fn refuse_chat(
+        &self,
+        refusal: impl FnOnce(&str, usize) -> Result<(), Status>,
+    ) -> Result<(), ApiError> {
+        match self.chat_head() {
+            Some((model, messages)) => refusal(&model, messages).map_err(|s| ApiError {
+                param: Some("messages"),
+                ..ApiError::from(s)
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The number of elements of a JSON array, each skipped unread.

@@ -713,14 +713,7 @@ async fn chat_completions(
     // A chat no worker would take (too many messages, or too many tokens from the template's
     // per-message tokens alone) is refused from a scan of the body, before its messages are
     // built, converted and forwarded.
-    if let Some((model, messages)) = body.chat_head() {
-        router
-            .chat_refusal(&model, messages)
-            .map_err(|s| ApiError {
-                param: Some("messages"),
-                ..ApiError::from(s)
-            })?;
-    }
+    body.refuse_chat(|model, messages| router.chat_refusal(model, messages))?;
     let body: ChatRequest = body.parse()?;
     refuse_unknown_fields(&body.rest)?;
     let Some(messages) = body.messages.filter(|m| !m.is_empty()) else {

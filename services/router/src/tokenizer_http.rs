@@ -38,14 +38,7 @@ pub(crate) async fn tokenize(
     let body = body?;
     // A conversation no worker would take is refused from a scan of the body, as a chat
     // completion's is, before its messages are built and forwarded.
-    if let Some((model, messages)) = body.chat_head() {
-        router
-            .chat_refusal(&model, messages)
-            .map_err(|s| ApiError {
-                param: Some("messages"),
-                ..ApiError::from(s)
-            })?;
-    }
+    body.refuse_chat(|model, messages| router.chat_refusal(model, messages))?;
     let body: TokenizeBody = body.parse()?;
     let input = match (body.prompt, body.messages) {
         (Some(text), None) => pb::tokenize_request::Input::Text(text),
