@@ -265,7 +265,7 @@ pub struct ConnectionArgs {
     #[arg(long, env = "WAVEFRONT_MAX_STREAMS_PER_CONNECTION", default_value_t = wavefront_net::DEFAULT_MAX_STREAMS)]
     pub max_streams_per_connection: u32,
     /// Refusals per second answered at once to one client address (IPv6: one /64) on the
-    /// router's gRPC and HTTP listeners: malformed, oversized or unauthenticated requests,
+    /// router's gRPC and HTTP listeners together: malformed, oversized or unauthenticated requests,
     /// unknown models. Past `--refusal-burst` of them, the address's further refusals are
     /// held until it is back within this rate (at most 30 s); its valid requests, and every
     /// other client's, are never held. 0: refusals are never held.
@@ -546,13 +546,13 @@ pub async fn router(a: RouterArgs) -> Result<()> {
         service = service.with_tls(tls);
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_task = spawn_http(http, &service, server_limits, &stop_rx)?;
+    let listener = Listener::new(listener, server_limits, "grpc");
+    let http_task = spawn_http(http, &service, server_limits, &listener, &stop_rx)?;
     let signal = async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
     };
     let mut rx = stop_rx;
-    let listener = Listener::new(listener, server_limits, "grpc");
     let grpc = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });
@@ -565,11 +565,13 @@ pub async fn router(a: RouterArgs) -> Result<()> {
 }
 
 /// Starts the OpenAI-compatible HTTP front on `listener` (when given) over `service`, until
-/// `stop` changes; announces its address.
+/// `stop` changes; announces its address. A client address's refusals count against one
+/// budget on it and on the router's gRPC listener `grpc`.
 fn spawn_http(
     listener: Option<TcpListener>,
     service: &RouterService,
     limits: ServerLimits,
+    grpc: &Listener,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) -> Result<Option<tokio::task::JoinHandle<Result<()>>>> {
     let Some(listener) = listener else {
@@ -580,7 +582,7 @@ fn spawn_http(
     let max = service.max_message_bytes();
     Ok(Some(tokio::spawn(wavefront_router::serve_http(
         service.clone(),
-        Listener::new(listener, limits, "http"),
+        Listener::new(listener, limits, "http").sharing_refusals(grpc),
         max,
         async move {
             let _ = rx.changed().await;
@@ -683,9 +685,9 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     if let Some(tls) = tls {
         service = service.with_tls(tls);
     }
-    let http_task = spawn_http(http, &service, server_limits, &stop_rx)?;
-    let mut rx = stop_rx;
     let listener = Listener::new(listener, server_limits, "grpc");
+    let http_task = spawn_http(http, &service, server_limits, &listener, &stop_rx)?;
+    let mut rx = stop_rx;
     let router = wavefront_router::serve(service, listener, async move {
         let _ = rx.changed().await;
     });

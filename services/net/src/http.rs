@@ -43,7 +43,7 @@ pub async fn serve_http(
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
-    let refusals = listener.refusal_limiter();
+    let (refusals, name) = (listener.refusal_limiter(), listener.name());
     loop {
         let (conn, peer) = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -53,6 +53,7 @@ pub async fn serve_http(
         let service = TowerToHyperService::new(HoldRefusals::for_peer(
             app.clone(),
             refusals.clone(),
+            name,
             peer.ip(),
         ));
         tokio::spawn(async move {

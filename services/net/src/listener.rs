@@ -42,7 +42,7 @@ impl Listener {
             name,
             full: RateLimited::default(),
             failing: RateLimited::default(),
-            refusals: RefusalLimiter::new(limits.refusals, name),
+            refusals: RefusalLimiter::new(limits.refusals),
         }
     }
 
@@ -57,11 +57,22 @@ impl Listener {
     /// A layer that holds the refusals of addresses over their budget (`limits().refusals`),
     /// for a gRPC server on this listener.
     pub fn refusal_layer(&self) -> RefusalLayer {
-        RefusalLayer::new(self.refusals.clone())
+        RefusalLayer::new(self.refusals.clone(), self.name)
+    }
+
+    /// This listener with `other`'s refusal budgets instead of its own: a client address then
+    /// has one budget across both (the router's gRPC and HTTP listeners).
+    pub fn sharing_refusals(mut self, other: &Listener) -> Self {
+        self.refusals = other.refusals.clone();
+        self
     }
 
     pub(crate) fn refusal_limiter(&self) -> Option<Arc<RefusalLimiter>> {
         self.refusals.clone()
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        self.name
     }
 
     /// Connections open now.

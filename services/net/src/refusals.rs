@@ -84,7 +84,7 @@ fn key(ip: IpAddr) -> Key {
     }
 }
 
-/// The refusal budgets of one listener's clients.
+/// The refusal budgets of a server's clients (one for the listeners that share it).
 #[derive(Debug)]
 pub struct RefusalLimiter {
     /// Time between refusals at the budget's rate.
@@ -93,7 +93,6 @@ pub struct RefusalLimiter {
     tolerance: Duration,
     /// Per address, when its budget is whole again (the theoretical arrival time).
     whole_at: Mutex<Addresses>,
-    name: &'static str,
 }
 
 #[derive(Debug, Default)]
@@ -104,7 +103,7 @@ struct Addresses {
 
 impl RefusalLimiter {
     /// `None` for a budget of 0 a second (refusals never held).
-    pub fn new(budget: RefusalBudget, name: &'static str) -> Option<Arc<Self>> {
+    pub fn new(budget: RefusalBudget) -> Option<Arc<Self>> {
         if budget.per_second == 0 {
             return None;
         }
@@ -113,7 +112,6 @@ impl RefusalLimiter {
             interval,
             tolerance: interval * budget.burst.max(1),
             whole_at: Mutex::new(Addresses::default()),
-            name,
         }))
     }
 
@@ -183,11 +181,12 @@ fn peer_of<B>(req: &http::Request<B>) -> Option<IpAddr> {
 #[derive(Debug, Clone)]
 pub struct RefusalLayer {
     limiter: Option<Arc<RefusalLimiter>>,
+    listener: &'static str,
 }
 
 impl RefusalLayer {
-    pub(crate) fn new(limiter: Option<Arc<RefusalLimiter>>) -> Self {
-        Self { limiter }
+    pub(crate) fn new(limiter: Option<Arc<RefusalLimiter>>, listener: &'static str) -> Self {
+        Self { limiter, listener }
     }
 }
 
@@ -198,6 +197,7 @@ impl<S> tower::Layer<S> for RefusalLayer {
         HoldRefusals {
             inner,
             limiter: self.limiter.clone(),
+            listener: self.listener,
             peer: None,
         }
     }
@@ -208,16 +208,24 @@ impl<S> tower::Layer<S> for RefusalLayer {
 pub struct HoldRefusals<S> {
     inner: S,
     limiter: Option<Arc<RefusalLimiter>>,
+    /// The listener's name, for the metric.
+    listener: &'static str,
     /// The connection's client, where the server knows it per connection (else from the
     /// request's connection info).
     peer: Option<IpAddr>,
 }
 
 impl<S> HoldRefusals<S> {
-    pub(crate) fn for_peer(inner: S, limiter: Option<Arc<RefusalLimiter>>, peer: IpAddr) -> Self {
+    pub(crate) fn for_peer(
+        inner: S,
+        limiter: Option<Arc<RefusalLimiter>>,
+        listener: &'static str,
+        peer: IpAddr,
+    ) -> Self {
         Self {
             inner,
             limiter,
+            listener,
             peer: Some(peer),
         }
     }
@@ -242,7 +250,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let peer = self.peer.or_else(|| peer_of(&req));
-        let limiter = self.limiter.clone();
+        let (limiter, listener) = (self.limiter.clone(), self.listener);
         let answer = self.inner.call(req);
         Box::pin(async move {
             let response = answer.await?;
@@ -250,7 +258,7 @@ where
                 if is_refusal(&response) {
                     let hold = limiter.charge(peer, Instant::now());
                     if !hold.is_zero() {
-                        metrics::histogram!(REFUSAL_HOLD_SECONDS, "listener" => limiter.name)
+                        metrics::histogram!(REFUSAL_HOLD_SECONDS, "listener" => listener)
                             .record(hold.as_secs_f64());
                         tokio::time::sleep(hold).await;
                     }
@@ -268,7 +276,7 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     fn limiter(per_second: u32, burst: u32) -> Arc<RefusalLimiter> {
-        RefusalLimiter::new(RefusalBudget { per_second, burst }, "test").unwrap()
+        RefusalLimiter::new(RefusalBudget { per_second, burst }).unwrap()
     }
 
     #[test]
@@ -302,7 +310,7 @@ mod tests {
 
     #[test]
     fn holds_are_bounded_and_off_means_never() {
-        assert!(RefusalLimiter::new(RefusalBudget::OFF, "off").is_none());
+        assert!(RefusalLimiter::new(RefusalBudget::OFF).is_none());
         let l = limiter(1, 1);
         let a = IpAddr::V4(Ipv4Addr::LOCALHOST);
         let t = Instant::now();
@@ -358,14 +366,12 @@ mod tests {
                 http::Response::builder().status(status).body(()).unwrap(),
             )
         });
-        let limiter = RefusalLimiter::new(
-            RefusalBudget {
-                per_second: 10,
-                burst: 2,
-            },
-            "test",
-        );
-        let mut svc = HoldRefusals::for_peer(inner, limiter, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let limiter = RefusalLimiter::new(RefusalBudget {
+            per_second: 10,
+            burst: 2,
+        });
+        let mut svc =
+            HoldRefusals::for_peer(inner, limiter, "test", IpAddr::V4(Ipv4Addr::LOCALHOST));
         let mut call = |path: &'static str| {
             let req = http::Request::builder().uri(path).body(()).unwrap();
             let fut = svc.ready().now_or_never().unwrap().unwrap().call(req);
