@@ -9,8 +9,9 @@
 //! is a generic cell rate (the leaky bucket as a meter): `per_second` refusals a second per
 //! address, `burst` of them at once; past it, the response is held until the address is
 //! within its budget again. Only refusals are held: the address's valid requests, and every
-//! other client's, are served as they come. A held refusal keeps its stream and a timer,
-//! bounded by the caps on connections and streams.
+//! other client's, are served as they come. A held refusal keeps its stream, its response and
+//! a timer: at most 4,096 are held at once (all addresses together), and past that a refusal
+//! is answered at once, so that holding cannot grow memory without bound.
 //!
 //! Addresses are counted whole for IPv4 and by /64 prefix for IPv6 (one host's usual share).
 //! Behind a proxy every client shares the proxy's address, and so one budget: its valid
@@ -20,6 +21,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -38,6 +40,10 @@ pub const DEFAULT_REFUSALS_PER_SECOND: u32 = 100;
 pub const DEFAULT_REFUSAL_BURST: u32 = 200;
 /// The longest a refusal is held, however far over its budget the address is.
 pub const MAX_REFUSAL_HOLD: Duration = Duration::from_secs(30);
+/// Refusals held at once (all addresses together); past it a refusal is answered at once, so
+/// that held refusals cannot grow the server's memory without bound (each keeps its stream,
+/// its response and a timer).
+pub const MAX_HELD_REFUSALS: usize = 4096;
 /// Addresses tracked at once; past it, the addresses last refused longest ago are dropped
 /// (they are within their budget again), and if none is, new ones share one budget.
 const MAX_ADDRESSES: usize = 1 << 16;
@@ -93,6 +99,9 @@ pub struct RefusalLimiter {
     tolerance: Duration,
     /// Per address, when its budget is whole again (the theoretical arrival time).
     whole_at: Mutex<Addresses>,
+    /// Refusals being held now, and the most that may be.
+    held: AtomicUsize,
+    max_held: usize,
 }
 
 #[derive(Debug, Default)]
@@ -112,6 +121,8 @@ impl RefusalLimiter {
             interval,
             tolerance: interval * budget.burst.max(1),
             whole_at: Mutex::new(Addresses::default()),
+            held: AtomicUsize::new(0),
+            max_held: MAX_HELD_REFUSALS,
         }))
     }
 
@@ -139,6 +150,28 @@ impl RefusalLimiter {
         let hold = ahead.saturating_sub(self.tolerance).min(MAX_REFUSAL_HOLD);
         *whole = next.min(now + self.tolerance + MAX_REFUSAL_HOLD);
         hold
+    }
+}
+
+/// A refusal being held; the count goes down when it is dropped (answered, or its client
+/// gone).
+struct Held<'a>(&'a AtomicUsize);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl RefusalLimiter {
+    /// A place to hold one more refusal, if fewer than the most are held.
+    fn try_hold(&self) -> Option<Held<'_>> {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.max_held).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Held(&self.held))
     }
 }
 
@@ -258,9 +291,11 @@ where
                 if is_refusal(&response) {
                     let hold = limiter.charge(peer, Instant::now());
                     if !hold.is_zero() {
-                        metrics::histogram!(REFUSAL_HOLD_SECONDS, "listener" => listener)
-                            .record(hold.as_secs_f64());
-                        tokio::time::sleep(hold).await;
+                        if let Some(_held) = limiter.try_hold() {
+                            metrics::histogram!(REFUSAL_HOLD_SECONDS, "listener" => listener)
+                                .record(hold.as_secs_f64());
+                            tokio::time::sleep(hold).await;
+                        }
                     }
                 }
             }
@@ -319,6 +354,18 @@ mod tests {
             last = l.charge(a, t);
         }
         assert_eq!(last, MAX_REFUSAL_HOLD);
+    }
+
+    #[test]
+    fn at_most_so_many_refusals_are_held_at_once() {
+        let mut l = limiter(1, 1);
+        Arc::get_mut(&mut l).unwrap().max_held = 2;
+        let (a, b) = (l.try_hold().unwrap(), l.try_hold().unwrap());
+        assert!(l.try_hold().is_none());
+        drop(a);
+        let c = l.try_hold().expect("a place again");
+        drop((b, c));
+        assert_eq!(l.held.load(Ordering::Relaxed), 0);
     }
 
     #[test]
