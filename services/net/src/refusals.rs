@@ -151,6 +151,16 @@ impl RefusalLimiter {
         *whole = next.min(now + self.tolerance + MAX_REFUSAL_HOLD);
         hold
     }
+
+    /// A place to hold one more refusal, if fewer than the most are held.
+    fn try_hold(&self) -> Option<Held<'_>> {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.max_held).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Held(&self.held))
+    }
 }
 
 /// A refusal being held; the count goes down when it is dropped (answered, or its client
@@ -160,18 +170,6 @@ struct Held<'a>(&'a AtomicUsize);
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl RefusalLimiter {
-    /// A place to hold one more refusal, if fewer than the most are held.
-    fn try_hold(&self) -> Option<Held<'_>> {
-        self.held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < self.max_held).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Held(&self.held))
     }
 }
 
