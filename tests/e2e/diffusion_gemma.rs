@@ -8,7 +8,9 @@ use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, fixture, json_lines, spawn_worker, wait_serving, wavefront_run};
+use crate::harness::{
+    channel, fixture, json_lines, served_models, spawn_worker, wait_serving, wavefront_run,
+};
 
 fn golden() -> serde_json::Value {
     let path = fixture("diffusion_gemma").join("golden.json");
@@ -140,12 +142,7 @@ async fn a_worker_serves_diffusion_gemma_with_canvas_events_and_precise_refusals
     let worker = spawn_worker("diffusion_gemma", &[]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
-    let models = client
-        .list_models(pb::ListModelsRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .models;
+    let models = served_models(&mut client).await;
     assert_eq!(models[0].family, "uniform_diffusion");
     assert_eq!(models[0].schemes, vec!["entropy-bound"]);
     let chat = pb::ChatMessages {

@@ -9,7 +9,8 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
 use crate::harness::{
-    channel, fixture, json_lines, spawn_worker, wait_serving, wavefront_run, wavefront_run_with_env,
+    channel, fixture, json_lines, served_models, spawn_worker, wait_serving, wavefront_run,
+    wavefront_run_with_env,
 };
 
 fn golden(name: &str) -> serde_json::Value {
@@ -133,12 +134,7 @@ async fn workers_serve_dream_and_llada2_over_grpc() {
     let worker = spawn_worker("dream", &[]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
-    let models = client
-        .list_models(pb::ListModelsRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .models;
+    let models = served_models(&mut client).await;
     assert_eq!(models[0].family, "masked_diffusion");
     assert_eq!(
         models[0].schemes,

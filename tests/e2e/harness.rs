@@ -195,6 +195,18 @@ pub fn spawn_worker_with_env(fixture_name: &str, args: &[&str], env: &[(&str, &s
     spawn_with_env(&all, env)
 }
 
+/// The models `client`'s server lists (`ListModels`).
+pub async fn served_models(
+    client: &mut wavefront_proto::v1::generation_client::GenerationClient<Channel>,
+) -> Vec<wavefront_proto::v1::ModelInfo> {
+    client
+        .list_models(wavefront_proto::v1::ListModelsRequest {})
+        .await
+        .expect("list models")
+        .into_inner()
+        .models
+}
+
 pub async fn channel(addr: SocketAddr) -> Channel {
     Channel::from_shared(format!("http://{addr}"))
         .unwrap()

@@ -10,7 +10,7 @@ use tonic::Code;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{channel, spawn, wait_serving};
+use crate::harness::{channel, served_models, spawn, wait_serving};
 use crate::metrics::{free_port, scrape};
 
 /// A process's peak resident memory so far (VmHWM), in KiB.
@@ -167,12 +167,7 @@ async fn chats_of_many_empty_messages_are_refused_before_they_are_rendered() {
     // the models' list publishes.
     let t = Instant::now();
     loop {
-        let models = client
-            .list_models(pb::ListModelsRequest {})
-            .await
-            .expect("models")
-            .into_inner()
-            .models;
+        let models = served_models(&mut client).await;
         if let Some(m) = models.iter().find(|m| m.name == "llada") {
             assert!(m.chat_tokens_per_message > 0, "{m:?}");
             assert!(m.chat_tokens_fixed > 0, "{m:?}");

@@ -21,8 +21,8 @@ mod trained_models;
 use std::time::Duration;
 
 use harness::{
-    channel, fixture, json_lines, json_result, spawn, spawn_worker, stack, wait_serving,
-    wavefront_run,
+    channel, fixture, json_lines, json_result, served_models, spawn, spawn_worker, stack,
+    wait_serving, wavefront_run,
 };
 use tonic::Code;
 use wavefront_proto::v1 as pb;
@@ -139,12 +139,7 @@ async fn served_tokens_equal_offline_run_unary_and_streamed() {
     assert_eq!(streamed_text, done.text);
 
     // The model is listed, through the router.
-    let models = client
-        .list_models(pb::ListModelsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .models;
+    let models = served_models(&mut client).await;
     assert_eq!(models.len(), 1);
     assert_eq!(models[0].name, "huginn-tiny");
     assert_eq!(models[0].family, "recurrent_depth");

@@ -8,7 +8,7 @@ use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
 use crate::harness::{
-    channel, fixture, json_result, spawn_worker, wait_serving, wavefront_run,
+    channel, fixture, json_result, served_models, spawn_worker, wait_serving, wavefront_run,
     wavefront_run_with_env,
 };
 
@@ -65,12 +65,7 @@ async fn a_worker_serves_the_armt_fixture() {
     let worker = spawn_worker("armt", &["--max-context-tokens", "100000"]);
     wait_serving(worker.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(worker.addr).await);
-    let models = client
-        .list_models(pb::ListModelsRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .models;
+    let models = served_models(&mut client).await;
     assert_eq!(models[0].family, "recurrent_memory");
     assert_eq!(models[0].max_context, 100_000);
     let request = |execution: &str| pb::GenerateRequest {

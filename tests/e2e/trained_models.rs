@@ -9,7 +9,7 @@ use std::process::Command;
 use wavefront_proto::v1 as pb;
 use wavefront_proto::v1::generation_client::GenerationClient;
 
-use crate::harness::{bin, channel, json_result, spawn, wait_serving};
+use crate::harness::{bin, channel, json_result, served_models, spawn, wait_serving};
 
 fn model(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -174,12 +174,8 @@ async fn serve_brings_up_the_four_trained_models_and_defaults_to_huginn() {
     let serve = spawn(&["serve", "--listen", "127.0.0.1:0"]);
     wait_serving(serve.addr, "wavefront.v1.Generation").await;
     let mut client = GenerationClient::new(channel(serve.addr).await);
-    let mut models: Vec<(String, String)> = client
-        .list_models(pb::ListModelsRequest {})
+    let mut models: Vec<(String, String)> = served_models(&mut client)
         .await
-        .expect("list models")
-        .into_inner()
-        .models
         .into_iter()
         .map(|m| (m.name, m.family))
         .collect();
