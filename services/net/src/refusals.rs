@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 /// `--refusal-burst`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RefusalBudget {
-    /// Refusals a second an address may have at once answered; 0: no budget, never held.
+    /// Refusals a second answered at once to one address; 0: no budget, never held.
     pub per_second: u32,
     /// Refusals an address may have at once before its budget holds them.
     pub burst: u32,
